@@ -1,0 +1,76 @@
+"""streampool: stream-ordered GPU memory.
+
+Memory resources with RAPIDS RMM's names (:mod:`streampool.mr`), a ``DeviceBuffer`` with
+the CUDA array interface and DLPack, streams from any library, the current resource of
+each device, and a simulated device (:mod:`streampool.sim`) that runs everything without
+a GPU and finds stream-ordering races.
+
+Importing never touches the driver; on a machine without one, the first use of a GPU
+resource raises :class:`CudaDriverNotFoundError`.
+"""
+
+from __future__ import annotations
+
+from . import exceptions, mr, sim
+from ._errors import (
+    CudaDriverNotFoundError,
+    CudaError,
+    InvalidArgumentError,
+    InvalidPointerError,
+    InvalidStreamError,
+    OutOfMemoryError,
+    SimulatedDeviceActiveError,
+    StreampoolError,
+    UnsupportedError,
+)
+from ._native import (
+    DEFAULT_STREAM,
+    LEGACY_DEFAULT_STREAM,
+    PER_THREAD_DEFAULT_STREAM,
+    DeviceBuffer,
+    Stream,
+    __version__,
+    backend_description,
+    device_count,
+    device_info,
+    driver_version,
+    get_current_device,
+    get_current_device_resource,
+    get_per_device_resource,
+    parse_size,
+    set_current_device_resource,
+    set_per_device_resource,
+    using_simulated_device,
+)
+
+__all__ = [
+    "DEFAULT_STREAM",
+    "LEGACY_DEFAULT_STREAM",
+    "PER_THREAD_DEFAULT_STREAM",
+    "CudaDriverNotFoundError",
+    "CudaError",
+    "DeviceBuffer",
+    "InvalidArgumentError",
+    "InvalidPointerError",
+    "InvalidStreamError",
+    "OutOfMemoryError",
+    "SimulatedDeviceActiveError",
+    "Stream",
+    "StreampoolError",
+    "UnsupportedError",
+    "__version__",
+    "backend_description",
+    "device_count",
+    "device_info",
+    "driver_version",
+    "exceptions",
+    "get_current_device",
+    "get_current_device_resource",
+    "get_per_device_resource",
+    "mr",
+    "parse_size",
+    "set_current_device_resource",
+    "set_per_device_resource",
+    "sim",
+    "using_simulated_device",
+]

@@ -1,0 +1,161 @@
+"""``python -m streampool`` (and the ``streampool`` command): the environment report.
+
+Which device streampool runs on, the driver, the GPU, what it supports, an allocate/free
+round trip through every resource, and the recommended resource. On a machine without a
+CUDA driver it says so and reports on the simulated device instead; so does
+``STREAMPOOL_DEVICE=sim``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from . import __version__, mr
+from ._errors import CudaDriverNotFoundError, StreampoolError
+from ._native import (
+    Stream,
+    backend_description,
+    device_count,
+    device_info,
+    driver_version,
+    get_current_device,
+    using_simulated_device,
+)
+from .sim import SimulatedDevice
+
+RECOMMENDED = "CudaAsyncMemoryResource"
+RESOURCES: dict[str, Callable[[], mr.MemoryResource]] = {
+    "CudaAsyncMemoryResource": mr.CudaAsyncMemoryResource,
+    "CudaMemoryResource": mr.CudaMemoryResource,
+    "ManagedMemoryResource": mr.ManagedMemoryResource,
+    "PinnedHostMemoryResource": mr.PinnedHostMemoryResource,
+}
+ROUND_TRIP_BYTES = 1 << 20
+ROUND_TRIPS = 50
+
+
+def _driver_missing_reason(error: BaseException) -> str:
+    """The core's message without its prefix and its advice (the report gives both)."""
+    text = str(error)
+    text = text.removeprefix("no CUDA driver found: ")
+    return text.split(". To run without a GPU")[0]
+
+
+@contextlib.contextmanager
+def _device(out: Callable[[str], None]) -> Iterator[None]:
+    """The device to report on: the CUDA driver, else (said plainly) the simulated device."""
+    if using_simulated_device():
+        out(f"Device:        {backend_description()} (selected by STREAMPOOL_DEVICE=sim)")
+        yield
+        return
+    try:
+        description = backend_description()
+    except CudaDriverNotFoundError as e:
+        out(f"No CUDA driver found ({_driver_missing_reason(e)}): running on the simulated device.")
+    except StreampoolError as e:
+        out(f"The CUDA driver is unusable ({e}): running on the simulated device.")
+    else:
+        out(f"Device:        {description}")
+        yield
+        return
+    with SimulatedDevice() as dev:
+        out(f"Device:        {dev.describe()}")
+        yield
+
+
+def _human(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{nbytes} B"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _yes(flag: object) -> str:
+    return "yes" if flag else "no"
+
+
+def _round_trip(make: Callable[[], mr.MemoryResource]) -> str:
+    """Allocate + free of 1 MiB on a new stream: "ok" and the median time, or the error."""
+    try:
+        resource = make()
+        stream = Stream()
+        times: list[float] = []
+        for _ in range(ROUND_TRIPS + 1):
+            start = time.perf_counter()
+            ptr = resource.allocate(ROUND_TRIP_BYTES, stream)
+            resource.deallocate(ptr, ROUND_TRIP_BYTES, stream)
+            times.append(time.perf_counter() - start)
+        stream.synchronize()
+    except Exception as e:
+        return f"error: {type(e).__name__}: {e}"
+    median_us = statistics.median(times[1:]) * 1e6  # the first includes warm-up
+    return f"ok   {median_us:8.1f} us"
+
+
+def report(out: Callable[[str], None] = print) -> None:
+    """Prints the environment report through ``out``."""
+    out(f"streampool {__version__}: environment report")
+    with _device(out):
+        version = driver_version()
+        simulated = using_simulated_device()
+        modelled = ", as the simulated device reports it" if simulated else ""
+        out(f"Driver:        CUDA {version // 1000}.{version % 1000 // 10} ({version}{modelled})")
+        out(f"Devices:       {device_count()}")
+        current = get_current_device()
+        info = device_info(current)
+        out(f"GPU {current}:         {info['name']}, {_human(info['total_bytes'])}")
+        out(f"Memory pools:  {_yes(info['memory_pools'])}")
+        out(f"Managed pools: {_yes(info['managed_pools'])}")
+        out(f"Concurrent managed access: {_yes(info['concurrent_managed_access'])}")
+        out(f"Pool IPC (POSIX file descriptors): {_yes(info['posix_fd_ipc'])}")
+        out("")
+        out(
+            f"Resources: allocate + free of {_human(ROUND_TRIP_BYTES)} on a new stream (median of {ROUND_TRIPS})"
+        )
+        if simulated:
+            out("  (on the simulated device these times measure the simulator, not a GPU)")
+        width = max(map(len, RESOURCES))
+        for name, make in RESOURCES.items():
+            out(f"  {name:<{width}}  {_round_trip(make)}")
+        out("")
+        if info["memory_pools"]:
+            out(
+                f"Recommended:   {RECOMMENDED} (the driver's stream-ordered pool, shared with the async "
+                "allocators of PyTorch and CuPy); it is already the current resource of every device."
+            )
+        else:
+            out(
+                "Recommended:   CudaMemoryResource: this device has no memory pools, so "
+                f"{RECOMMENDED} (the usual recommendation) cannot run here."
+            )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``streampool`` command."""
+    parser = argparse.ArgumentParser(
+        prog="streampool",
+        description="Stream-ordered GPU memory: the environment report. Without a CUDA driver "
+        "(or with STREAMPOOL_DEVICE=sim) it reports on the simulated device, and says so.",
+    )
+    parser.add_argument("--version", action="version", version=f"streampool {__version__}")
+    parser.parse_args(argv)
+    try:
+        report()
+        sys.stdout.flush()
+    except BrokenPipeError:  # `streampool | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

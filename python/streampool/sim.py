@@ -1,0 +1,187 @@
+"""The simulated device: run streampool without a GPU, and find stream-ordering races.
+
+Host memory stands in for device memory, with a fixed capacity (so out-of-memory paths
+are testable). Streams are queues whose work runs only when told (:meth:`step`,
+:meth:`run`) or when the host waits for it (``Stream.synchronize()``, blocking copies),
+as on a GPU, where work runs later than it is enqueued. A happens-before race detector
+reports every access to memory that is not ordered after the previous conflicting
+access, naming both operations.
+
+Pointers on the simulated device are **host addresses**: the CUDA array interface and
+DLPack carry them, for testing those protocols, but they are useless to real GPU
+libraries (CuPy, PyTorch, Numba would read garbage or crash).
+
+Example::
+
+    import streampool
+    from streampool.sim import SimulatedDevice
+
+    with SimulatedDevice(capacity_bytes="1GiB") as dev:
+        a, b = streampool.Stream(), streampool.Stream()
+        buf = streampool.DeviceBuffer(size=4096, stream=a)
+        dev.write(a, buf.ptr, 4096, label="producer")
+        dev.read(b, buf.ptr, 4096, label="consumer")  # not ordered after the write
+        dev.run()
+        print(dev.races())
+
+The environment variable ``STREAMPOOL_DEVICE=sim`` selects a simulated device for the
+whole process instead.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, Self
+
+from ._native import _SimDevice
+
+__all__ = ["Race", "SimulatedDevice"]
+
+#: What a ``stream`` argument may be: a ``streampool.Stream``, an int handle, None (the
+#: legacy default stream), or another library's stream object.
+StreamLike = Any
+
+
+class Race(str):
+    """A race the detector found: a ``str`` (the sentence naming both operations) with
+    the details as attributes.
+
+    Attributes:
+        earlier: the access that ran first, e.g. ``"write 'producer' on stream 0x1000 (...)"``.
+        earlier_writes: whether it wrote (else it read).
+        later: the access that ran later and was not ordered after ``earlier``.
+        later_writes: whether it wrote.
+        start: first byte both touched.
+        end: one past the last byte both touched.
+    """
+
+    earlier: str
+    earlier_writes: bool
+    later: str
+    later_writes: bool
+    start: int
+    end: int
+
+    def __new__(
+        cls,
+        text: str,
+        earlier: str,
+        earlier_writes: bool,
+        later: str,
+        later_writes: bool,
+        start: int,
+        end: int,
+    ) -> Self:
+        race = super().__new__(cls, text)
+        race.earlier, race.earlier_writes = earlier, earlier_writes
+        race.later, race.later_writes = later, later_writes
+        race.start, race.end = start, end
+        return race
+
+    def __reduce__(self) -> tuple[type[Race], tuple[str, str, bool, str, bool, int, int]]:
+        return (
+            Race,
+            (
+                str(self),
+                self.earlier,
+                self.earlier_writes,
+                self.later,
+                self.later_writes,
+                self.start,
+                self.end,
+            ),
+        )
+
+
+class SimulatedDevice:
+    """A simulated CUDA device, active (what new streampool objects run on, process-wide)
+    inside a ``with`` block.
+
+    Only one simulated device may be active at a time: entering a second raises
+    :class:`streampool.SimulatedDeviceActiveError`. Leaving the block closes the device:
+    objects made under it are refused afterwards (their frees succeed silently). A device
+    is entered once.
+
+    Args:
+        capacity_bytes: device memory, as an int or a string such as ``"1GiB"``.
+        devices: how many devices (ordinals ``0..devices``), each of ``capacity_bytes``.
+    """
+
+    def __init__(self, capacity_bytes: int | str = "16GiB", devices: int = 1) -> None:
+        self._dev = _SimDevice(capacity_bytes, devices)
+
+    def __enter__(self) -> Self:
+        self._dev.activate()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._dev.deactivate()
+
+    def write(self, stream: StreamLike, ptr: int, nbytes: int | str, label: str | None = None) -> None:
+        """Enqueues a simulated kernel on ``stream`` that writes ``[ptr, ptr + nbytes)``;
+        ``label`` names it in race reports. It runs later (:meth:`step`, :meth:`run`, or a
+        host synchronisation). ``ptr`` is a host address from this device."""
+        self._dev.write(stream, ptr, nbytes, label)
+
+    def read(self, stream: StreamLike, ptr: int, nbytes: int | str, label: str | None = None) -> None:
+        """Enqueues a simulated kernel on ``stream`` that reads ``[ptr, ptr + nbytes)``;
+        ``label`` names it in race reports."""
+        self._dev.read(stream, ptr, nbytes, label)
+
+    def step(self, stream: StreamLike) -> bool:
+        """Runs the operation at the head of ``stream``'s queue if it may run now; False
+        when the queue is empty or its head waits for work on other streams."""
+        return self._dev.step(stream)
+
+    def step_any(self) -> bool:
+        """Runs one operation that may run now, taking streams in turn; False when none can."""
+        return self._dev.step_any()
+
+    def run(self) -> None:
+        """Runs everything queued, streams in turn, until no stream has work."""
+        self._dev.run()
+
+    def races(self) -> list[Race]:
+        """The races found so far (each a ``str`` naming both operations, see :class:`Race`)."""
+        return [Race(*record) for record in self._dev.race_records()]
+
+    def clear_races(self) -> None:
+        """Forgets the races found so far (for tests that provoke them on purpose)."""
+        self._dev.clear_races()
+
+    @property
+    def pending(self) -> int:
+        """Operations queued on all streams and not yet run."""
+        return self._dev.pending
+
+    def queued(self, stream: StreamLike) -> int:
+        """Operations queued on ``stream`` and not yet run."""
+        return self._dev.queued(stream)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Device memory of each simulated device, in bytes."""
+        return self._dev.capacity_bytes
+
+    @property
+    def active(self) -> bool:
+        """True while this device is what new objects run on."""
+        return self._dev.active
+
+    @property
+    def closed(self) -> bool:
+        """True once the device has been exited."""
+        return self._dev.closed
+
+    def describe(self) -> str:
+        """E.g. ``"simulated device #3 (16 GiB)"``."""
+        return self._dev.describe()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "closed" if self.closed else "inactive"
+        return f"<SimulatedDevice {self.describe()} {state}>"

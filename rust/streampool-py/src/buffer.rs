@@ -1,0 +1,377 @@
+//! `streampool.DeviceBuffer`: memory from a resource, ordered on a stream, exported through
+//! the CUDA array interface and DLPack, freed on its stream when collected or closed.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyCapsule, PyDict, PyTuple};
+use streampool::device::DevPtr;
+use streampool::{Allocation, Stream};
+
+use crate::dlpack;
+use crate::errors::{buffer_error, detached};
+use crate::resources::{get_current_device_resource, PyMemoryResource};
+use crate::size_arg;
+use crate::streams::{default_stream, to_stream};
+
+/// Untyped memory of `size` bytes from `mr` (default: the current device's resource),
+/// ordered on `stream` (default: the legacy default stream).
+///
+/// The memory may be used by work enqueued on `stream` after the buffer is made; it is
+/// freed on that stream when the buffer is collected or `close()`d. Exports: the CUDA
+/// array interface (v3) and DLPack (a 1-D uint8 tensor).
+#[derive(Debug)]
+#[pyclass(frozen, weakref, module = "streampool", name = "DeviceBuffer")]
+pub struct DeviceBuffer {
+    // An `Arc` so that an in-flight copy or a DLPack consumer keeps the memory valid even
+    // if the buffer is closed meanwhile; the lock is held only to clone or take it.
+    alloc: Mutex<Option<Arc<Allocation>>>,
+    size: usize,
+    mr: Py<PyMemoryResource>,
+    // The stream object as given (a torch or cupy stream stays alive with the buffer).
+    stream: Py<PyAny>,
+}
+
+impl DeviceBuffer {
+    fn make(
+        py: Python<'_>,
+        size: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+        mr: Option<Bound<'_, PyMemoryResource>>,
+    ) -> PyResult<Self> {
+        let mr = match mr {
+            Some(mr) => mr.unbind(),
+            None => get_current_device_resource(py)?,
+        };
+        let resource = mr.get().inner.clone();
+        let core_stream = to_stream(py, stream, resource.backend())?;
+        let stream = match stream.filter(|s| !s.is_none()) {
+            Some(s) => s.clone().unbind(),
+            None => default_stream(py)?.clone_ref(py).into_any(),
+        };
+        let alloc = detached(py, move || Allocation::new(resource, size, core_stream))?;
+        Ok(DeviceBuffer { alloc: Mutex::new(Some(Arc::new(alloc))), size, mr, stream })
+    }
+
+    fn slot(&self) -> MutexGuard<'_, Option<Arc<Allocation>>> {
+        self.alloc.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The allocation, or ValueError once closed.
+    fn live(&self) -> PyResult<Arc<Allocation>> {
+        self.slot().clone().ok_or_else(|| PyValueError::new_err("DeviceBuffer is closed"))
+    }
+
+    /// Copies `bytes` between the buffer's start and host memory at `host`, on `stream`
+    /// (the buffer's own when None), and waits for the copy, with the GIL released. The
+    /// caller keeps the host memory alive and unchanged in size until this returns.
+    fn transfer(
+        &self,
+        py: Python<'_>,
+        host: u64,
+        bytes: usize,
+        to_host: bool,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let alloc = self.live()?;
+        let resource = alloc.resource().clone();
+        let stream = match stream.filter(|s| !s.is_none()) {
+            Some(s) => to_stream(py, Some(s), resource.backend())?,
+            None => alloc.stream().clone(),
+        };
+        if bytes == 0 {
+            return Ok(());
+        }
+        detached(py, move || {
+            let (backend, device) = (resource.backend(), resource.device());
+            stream.check(backend, device)?;
+            let (dst, src) = if to_host { (host, alloc.ptr()) } else { (alloc.ptr(), host) };
+            // SAFETY: the host side is valid for `bytes` (checked by the callers) and stays
+            // so until this function returns, after the synchronisation below; the device
+            // side is this live allocation, at least `bytes` long.
+            unsafe { backend.memcpy_async(device, dst, src, bytes, stream.handle())? };
+            backend.stream_synchronize(device, stream.handle())
+        })
+    }
+
+    fn stream_of(alloc: &Allocation) -> &Stream {
+        alloc.stream()
+    }
+}
+
+/// A host buffer (buffer protocol), checked to be C-contiguous (and writable when asked).
+fn host_buffer(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<PyUntypedBuffer> {
+    let buf = PyUntypedBuffer::get(obj).map_err(|e| {
+        let ty = obj.get_type().fully_qualified_name().map(|t| t.to_string()).unwrap_or_default();
+        let err = PyTypeError::new_err(format!("{what} must support the buffer protocol, not {ty}"));
+        err.set_cause(obj.py(), Some(e));
+        err
+    })?;
+    if writable && buf.readonly() {
+        return Err(PyValueError::new_err(format!("{what} is read-only")));
+    }
+    if !buf.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!("{what} must be C-contiguous")));
+    }
+    Ok(buf)
+}
+
+#[pymethods]
+impl DeviceBuffer {
+    #[new]
+    #[pyo3(signature = (size=None, stream=None, mr=None), text_signature = "(size=0, stream=None, mr=None)")]
+    fn new(
+        py: Python<'_>,
+        size: Option<&Bound<'_, PyAny>>,
+        stream: Option<&Bound<'_, PyAny>>,
+        mr: Option<Bound<'_, PyMemoryResource>>,
+    ) -> PyResult<Self> {
+        let size = match size.filter(|s| !s.is_none()) {
+            Some(s) => size_arg(s, "size")?,
+            None => 0,
+        };
+        Self::make(py, size, stream, mr)
+    }
+
+    /// The device address (0 for an empty buffer).
+    #[getter]
+    fn ptr(&self) -> PyResult<DevPtr> {
+        Ok(self.live()?.ptr())
+    }
+
+    /// The size in bytes.
+    #[getter]
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The size in bytes (same as `size`).
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.size
+    }
+
+    /// The stream the buffer was made on, as given (DEFAULT_STREAM when none was).
+    #[getter]
+    fn stream(&self, py: Python<'_>) -> Py<PyAny> {
+        self.stream.clone_ref(py)
+    }
+
+    /// The resource the memory came from.
+    #[getter]
+    fn mr(&self, py: Python<'_>) -> Py<PyMemoryResource> {
+        self.mr.clone_ref(py)
+    }
+
+    /// True once `close()` has been called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.slot().is_none()
+    }
+
+    fn __len__(&self) -> usize {
+        self.size
+    }
+
+    /// The CUDA array interface, version 3: a 1-D array of `size` uint8, with the stream
+    /// its data is ordered on (1: legacy default stream, 2: per-thread default stream).
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let alloc = self.live()?;
+        let stream = Self::stream_of(&alloc);
+        let stream_value = if stream.is_legacy() { 1 } else { stream.handle() };
+        let d = PyDict::new(py);
+        d.set_item("shape", (self.size,))?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("data", (alloc.ptr(), false))?;
+        d.set_item("version", 3)?;
+        d.set_item("strides", py.None())?;
+        d.set_item("stream", stream_value)?;
+        Ok(d)
+    }
+
+    /// `(device_type, device_id)`: kDLCUDA (2) for device memory, kDLCUDAManaged (13) for
+    /// managed memory, kDLCUDAHost (3) for pinned host memory.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        let mr = &self.mr.get().inner;
+        dlpack::dl_device(mr.memory_kind(), mr.device())
+    }
+
+    /// A DLPack capsule of the buffer as a 1-D uint8 tensor (versioned when the consumer
+    /// passes `max_version >= (1, 0)`). `stream` is the consumer's stream (None: the legacy
+    /// default stream, -1: no synchronisation); it is made to wait for the buffer's stream.
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        slf: &Bound<'py, Self>,
+        stream: Option<&Bound<'py, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyCapsule>> {
+        let this = slf.get();
+        let alloc = this.live()?;
+        let ours = this.__dlpack_device__();
+        if let Some(asked) = dl_device.filter(|d| *d != ours) {
+            return Err(buffer_error(format!(
+                "DeviceBuffer lives on DLPack device {ours:?}; it cannot be exported to {asked:?} without a copy"
+            )));
+        }
+        if copy == Some(true) {
+            return Err(buffer_error("DeviceBuffer cannot export a copy; copy=True is not supported"));
+        }
+        dlpack::order_consumer(slf.py(), &alloc, stream)?;
+        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
+        dlpack::export(slf, alloc, ours, versioned)
+    }
+
+    /// Copies the buffer to host memory and waits for the copy (GIL released). Without
+    /// `out`, returns a new bytearray; with `out` (any writable, C-contiguous buffer of at
+    /// least `size` bytes), fills and returns it. `stream`: where the copy is ordered
+    /// (default: the buffer's own stream).
+    #[pyo3(signature = (out=None, stream=None))]
+    fn copy_to_host<'py>(
+        &self,
+        py: Python<'py>,
+        out: Option<&Bound<'py, PyAny>>,
+        stream: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.live()?;
+        match out.filter(|o| !o.is_none()) {
+            None => {
+                let bytes = PyByteArray::new_with(py, self.size, |host| {
+                    self.transfer(py, host.as_mut_ptr() as u64, self.size, true, stream)
+                })?;
+                Ok(bytes.into_any())
+            }
+            Some(out) => {
+                let buf = host_buffer(out, true, "out")?;
+                if buf.len_bytes() < self.size {
+                    return Err(PyValueError::new_err(format!(
+                        "out has {} bytes; the buffer needs {}",
+                        buf.len_bytes(),
+                        self.size
+                    )));
+                }
+                self.transfer(py, buf.buf_ptr() as u64, self.size, true, stream)?;
+                drop(buf);
+                Ok(out.clone())
+            }
+        }
+    }
+
+    /// Copies a host buffer (any buffer-protocol object of at most `size` bytes) to the
+    /// start of the buffer and waits for the copy (GIL released). `stream`: where the copy
+    /// is ordered (default: the buffer's own stream).
+    #[pyo3(signature = (obj, stream=None))]
+    fn copy_from_host(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        self.live()?;
+        let buf = host_buffer(obj, false, "the host object")?;
+        if buf.len_bytes() > self.size {
+            return Err(PyValueError::new_err(format!(
+                "the host object has {} bytes; the buffer holds only {}",
+                buf.len_bytes(),
+                self.size
+            )));
+        }
+        self.transfer(py, buf.buf_ptr() as u64, buf.len_bytes(), false, stream)
+    }
+
+    /// The contents as bytes (a copy to the host, ordered on the buffer's stream).
+    fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        self.live()?;
+        PyBytes::new_with(py, self.size, |host| {
+            self.transfer(py, host.as_mut_ptr() as u64, self.size, true, None)
+        })
+    }
+
+    /// A new buffer holding a copy of `host_bytes` (any buffer-protocol object).
+    #[staticmethod]
+    #[pyo3(signature = (host_bytes, stream=None, mr=None))]
+    fn to_device(
+        py: Python<'_>,
+        host_bytes: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+        mr: Option<Bound<'_, PyMemoryResource>>,
+    ) -> PyResult<Self> {
+        let buf = host_buffer(host_bytes, false, "host_bytes")?;
+        let made = Self::make(py, buf.len_bytes(), stream, mr)?;
+        made.transfer(py, buf.buf_ptr() as u64, buf.len_bytes(), false, None)?;
+        Ok(made)
+    }
+
+    /// Pickles through a host copy; unpickling allocates from the current resource.
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let rebuild = py.import("streampool._native")?.getattr("_rebuild_device_buffer")?;
+        let data = self.tobytes(py)?;
+        Ok((rebuild, PyTuple::new(py, [data])?))
+    }
+
+    /// Frees the memory now, on its stream (later use raises ValueError; closing again does
+    /// nothing). Memory still used by a DLPack consumer is freed when that consumer is done.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(alloc) = self.slot().take() else { return Ok(()) };
+        match Arc::try_unwrap(alloc) {
+            Ok(alloc) => detached(py, move || alloc.free()),
+            Err(shared) => {
+                py.detach(move || drop(shared));
+                Ok(())
+            }
+        }
+    }
+
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    /// Closes the buffer; exceptions propagate.
+    #[pyo3(signature = (exc_type=None, exc_value=None, traceback=None))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        exc_value: Option<&Bound<'_, PyAny>>,
+        traceback: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let _ = (exc_type, exc_value, traceback);
+        self.close(py)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let mr = self.mr.bind(py).repr()?;
+        let stream = self.stream.bind(py).repr()?;
+        Ok(match self.slot().as_ref() {
+            Some(a) => {
+                format!("<DeviceBuffer size={} ptr={:#x} stream={stream} mr={mr}>", self.size, a.ptr())
+            }
+            None => format!("<DeviceBuffer size={} closed mr={mr}>", self.size),
+        })
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let Some(alloc) = self.slot().take() else { return };
+        // Freeing can wait for the device (`cuMemFree`): release the GIL for it, unless the
+        // interpreter is shutting down, when freeing with it held is the only option.
+        let mut alloc = Some(alloc);
+        let _ = Python::try_attach(|py| {
+            let alloc = alloc.take();
+            py.detach(move || drop(alloc));
+        });
+        drop(alloc);
+    }
+}
+
+/// Unpickles a DeviceBuffer: a copy of `data` in memory from the current resource.
+#[pyfunction]
+pub(crate) fn _rebuild_device_buffer(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<DeviceBuffer> {
+    DeviceBuffer::to_device(py, data, None, None)
+}

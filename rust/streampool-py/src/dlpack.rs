@@ -1,0 +1,282 @@
+//! DLPack export of a `DeviceBuffer`: a 1-D uint8 tensor in a capsule.
+//!
+//! The layout is DLPack's C ABI (`dlpack.h`, version 1.1). A versioned capsule
+//! ("dltensor_versioned") is made for consumers that ask with `max_version >= (1, 0)`, a
+//! legacy one ("dltensor") otherwise. The tensor keeps the `DeviceBuffer` and its
+//! allocation alive until the consumer calls the deleter, so closing the buffer while a
+//! consumer still uses the memory only defers the free.
+
+use std::ffi::{c_void, CStr};
+use std::ptr::{null_mut, NonNull};
+use std::sync::Arc;
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyInt};
+use streampool::{Allocation, Event, MemoryKind, Stream};
+
+use crate::buffer::DeviceBuffer;
+use crate::errors::{buffer_error, detached};
+use crate::streams::to_stream;
+
+/// `kDLCUDA`: device memory.
+pub(crate) const KDL_CUDA: i32 = 2;
+/// `kDLCUDAHost`: page-locked host memory.
+pub(crate) const KDL_CUDA_HOST: i32 = 3;
+/// `kDLCUDAManaged`: managed (unified) memory.
+pub(crate) const KDL_CUDA_MANAGED: i32 = 13;
+
+/// `(device_type, device_id)` of memory of `kind` on `device`.
+pub(crate) fn dl_device(kind: MemoryKind, device: i32) -> (i32, i32) {
+    match kind {
+        MemoryKind::Device => (KDL_CUDA, device),
+        MemoryKind::Managed => (KDL_CUDA_MANAGED, device),
+        MemoryKind::PinnedHost => (KDL_CUDA_HOST, 0),
+    }
+}
+
+#[repr(C)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+/// `kDLUInt`.
+const KDL_UINT: u8 = 1;
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+#[repr(C)]
+struct DLPackVersion {
+    major: u32,
+    minor: u32,
+}
+
+#[repr(C)]
+struct DLManagedTensorVersioned {
+    version: DLPackVersion,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
+    flags: u64,
+    dl_tensor: DLTensor,
+}
+
+/// The two managed-tensor layouts, so that one deleter and one capsule destructor serve both.
+trait Managed: Sized + 'static {
+    /// The capsule name before a consumer renames it to `used_...`.
+    const NAME: &'static CStr;
+    fn new(tensor: DLTensor) -> Self;
+    fn tensor(&mut self) -> &mut DLTensor;
+    fn ctx(&self) -> *mut c_void;
+    fn set_ctx(&mut self, ctx: *mut c_void);
+    fn deleter(&self) -> Option<unsafe extern "C" fn(*mut Self)>;
+}
+
+impl Managed for DLManagedTensor {
+    const NAME: &'static CStr = c"dltensor";
+    fn new(dl_tensor: DLTensor) -> Self {
+        DLManagedTensor { dl_tensor, manager_ctx: null_mut(), deleter: Some(delete::<Self>) }
+    }
+    fn tensor(&mut self) -> &mut DLTensor {
+        &mut self.dl_tensor
+    }
+    fn ctx(&self) -> *mut c_void {
+        self.manager_ctx
+    }
+    fn set_ctx(&mut self, ctx: *mut c_void) {
+        self.manager_ctx = ctx;
+    }
+    fn deleter(&self) -> Option<unsafe extern "C" fn(*mut Self)> {
+        self.deleter
+    }
+}
+
+impl Managed for DLManagedTensorVersioned {
+    const NAME: &'static CStr = c"dltensor_versioned";
+    fn new(dl_tensor: DLTensor) -> Self {
+        DLManagedTensorVersioned {
+            version: DLPackVersion { major: 1, minor: 1 },
+            manager_ctx: null_mut(),
+            deleter: Some(delete::<Self>),
+            flags: 0,
+            dl_tensor,
+        }
+    }
+    fn tensor(&mut self) -> &mut DLTensor {
+        &mut self.dl_tensor
+    }
+    fn ctx(&self) -> *mut c_void {
+        self.manager_ctx
+    }
+    fn set_ctx(&mut self, ctx: *mut c_void) {
+        self.manager_ctx = ctx;
+    }
+    fn deleter(&self) -> Option<unsafe extern "C" fn(*mut Self)> {
+        self.deleter
+    }
+}
+
+/// What keeps the memory valid while a consumer holds the tensor.
+struct Keep {
+    owner: Py<DeviceBuffer>,
+    alloc: Arc<Allocation>,
+}
+
+/// One export: the managed tensor (first, so that its address is the export's), the
+/// shape and strides it points to, and what it keeps alive. `manager_ctx` points here.
+#[repr(C)]
+struct Export<M> {
+    managed: M,
+    shape: [i64; 1],
+    strides: [i64; 1],
+    keep: Keep,
+}
+
+/// The deleter DLPack consumers call once they are done with the tensor (from any thread,
+/// with or without the GIL).
+unsafe extern "C" fn delete<M: Managed>(managed: *mut M) {
+    if managed.is_null() {
+        return;
+    }
+    // SAFETY: `managed` is the tensor of an `Export<M>` that `export` leaked with
+    // `Box::into_raw` and whose `manager_ctx` is that box; the DLPack contract calls the
+    // deleter once, so the box is reclaimed once.
+    let export = unsafe { Box::from_raw((*managed).ctx().cast::<Export<M>>()) };
+    let Keep { owner, alloc } = export.keep;
+    drop(alloc);
+    let mut owner = Some(owner);
+    // Dropping a Python reference needs the interpreter; at shutdown it may be gone, and a
+    // leaked reference is the only safe outcome then.
+    if Python::try_attach(|_py| drop(owner.take())).is_none() {
+        std::mem::forget(owner);
+    }
+}
+
+/// The capsule's destructor: frees the tensor unless a consumer took it (renaming the
+/// capsule to "used_dltensor..." and taking over the call to the deleter).
+unsafe extern "C" fn destroy_capsule<M: Managed>(capsule: *mut ffi::PyObject) {
+    // SAFETY: called by Python with a live capsule and the GIL held; `PyCapsule_IsValid`
+    // checks the name (and sets no exception), and a capsule of that name made here holds
+    // a `*mut M` from `export`.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, M::NAME.as_ptr()) == 1 {
+            let managed = ffi::PyCapsule_GetPointer(capsule, M::NAME.as_ptr()).cast::<M>();
+            if let Some(deleter) = (*managed).deleter() {
+                deleter(managed);
+            }
+        }
+    }
+}
+
+/// The capsule for `__dlpack__`: versioned when `versioned`, legacy otherwise.
+pub(crate) fn export<'py>(
+    owner: &Bound<'py, DeviceBuffer>,
+    alloc: Arc<Allocation>,
+    device: (i32, i32),
+    versioned: bool,
+) -> PyResult<Bound<'py, PyCapsule>> {
+    if versioned {
+        make::<DLManagedTensorVersioned>(owner, alloc, device)
+    } else {
+        make::<DLManagedTensor>(owner, alloc, device)
+    }
+}
+
+fn make<'py, M: Managed>(
+    owner: &Bound<'py, DeviceBuffer>,
+    alloc: Arc<Allocation>,
+    (device_type, device_id): (i32, i32),
+) -> PyResult<Bound<'py, PyCapsule>> {
+    let py = owner.py();
+    let len = i64::try_from(alloc.bytes()).map_err(|_| buffer_error("buffer too large for DLPack"))?;
+    let tensor = DLTensor {
+        data: alloc.ptr() as *mut c_void,
+        device: DLDevice { device_type, device_id },
+        ndim: 1,
+        dtype: DLDataType { code: KDL_UINT, bits: 8, lanes: 1 },
+        shape: null_mut(),
+        strides: null_mut(),
+        byte_offset: 0,
+    };
+    let keep = Keep { owner: owner.clone().unbind(), alloc };
+    let raw = Box::into_raw(Box::new(Export { managed: M::new(tensor), shape: [len], strides: [1], keep }));
+    // SAFETY: `raw` is a fresh, valid box; the shape and strides it points to live in the
+    // same box, which outlives the tensor (it is the tensor).
+    let managed = unsafe {
+        let e = &mut *raw;
+        e.managed.tensor().shape = e.shape.as_mut_ptr();
+        e.managed.tensor().strides = e.strides.as_mut_ptr();
+        e.managed.set_ctx(raw.cast());
+        NonNull::from(&mut e.managed).cast::<c_void>()
+    };
+    // SAFETY: the pointer is the managed tensor, valid until its deleter runs, which the
+    // destructor calls only for a capsule no consumer took.
+    let capsule = unsafe {
+        PyCapsule::new_with_pointer_and_destructor(py, managed, M::NAME, Some(destroy_capsule::<M>))
+    };
+    capsule.inspect_err(|_| {
+        // SAFETY: no capsule was made, so nobody else will reclaim the box.
+        unsafe { delete::<M>(managed.as_ptr().cast()) }
+    })
+}
+
+/// Orders the consumer's `stream` (DLPack's convention: None is the legacy default stream,
+/// -1 asks for no synchronisation, 0 is ambiguous and refused) after the work enqueued on
+/// the buffer's stream: an event recorded there, waited on by the consumer stream.
+pub(crate) fn order_consumer(
+    py: Python<'_>,
+    alloc: &Arc<Allocation>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let backend = alloc.resource().backend().clone();
+    let consumer =
+        match stream.filter(|s| !s.is_none()) {
+            None => Stream::legacy(),
+            Some(s) => {
+                if s.is_instance_of::<PyInt>() {
+                    match s.extract::<i64>() {
+                        Ok(-1) => return Ok(()),
+                        Ok(0) => return Err(buffer_error(
+                            "stream=0 is ambiguous in DLPack: pass 1 for the legacy default stream, 2 for \
+                             the per-thread default stream, -1 for no synchronisation, or a stream handle",
+                        )),
+                        _ => {}
+                    }
+                }
+                to_stream(py, Some(s), &backend)?
+            }
+        };
+    let producer = alloc.stream().clone();
+    if producer.handle() == consumer.handle() {
+        return Ok(());
+    }
+    let device = alloc.resource().device();
+    detached(py, move || {
+        let event = Event::new(&backend, device)?;
+        event.record(&producer)?;
+        consumer.wait(&event)
+    })
+}

@@ -1,0 +1,92 @@
+//! Errors: the core's [`streampool::Error`] becomes a Python exception in one `match`.
+//!
+//! The exception classes are defined in Python (`streampool/_errors.py`, so that they
+//! pickle and carry attributes like any Python exception) and imported here the first
+//! time one is raised.
+
+use pyo3::call::PyCallArgs;
+use pyo3::exceptions::{PyBufferError, PyRuntimeError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
+use streampool::Error;
+
+static STREAMPOOL_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static OUT_OF_MEMORY: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static CUDA_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static DRIVER_NOT_FOUND: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static UNSUPPORTED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static INVALID_ARGUMENT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static INVALID_POINTER: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static INVALID_STREAM: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static SIM_ACTIVE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// The Python exception for a core error. `InvalidArgument` becomes InvalidArgumentError,
+/// a ValueError that is also a StreampoolError (a closed simulated device reports itself
+/// so, and callers catching StreampoolError should see it).
+pub(crate) fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        Error::OutOfMemory { requested, available, resource: _ } => {
+            raise(py, &OUT_OF_MEMORY, "OutOfMemoryError", (msg, requested, available))
+        }
+        Error::Driver { call, code, name, context: _ } => {
+            raise(py, &CUDA_ERROR, "CudaError", (msg, call, code, name))
+        }
+        Error::DriverNotFound(_) => raise(py, &DRIVER_NOT_FOUND, "CudaDriverNotFoundError", (msg,)),
+        Error::Unsupported(_) => raise(py, &UNSUPPORTED, "UnsupportedError", (msg,)),
+        Error::InvalidArgument(_) => raise(py, &INVALID_ARGUMENT, "InvalidArgumentError", (msg,)),
+        Error::InvalidPointer(_) => raise(py, &INVALID_POINTER, "InvalidPointerError", (msg,)),
+        Error::InvalidStream(_) => raise(py, &INVALID_STREAM, "InvalidStreamError", (msg,)),
+        // `Error` is #[non_exhaustive]: a variant added to the core later is still a
+        // StreampoolError until it gets its own class here.
+        _ => raise(py, &STREAMPOOL_ERROR, "StreampoolError", (msg,)),
+    }
+}
+
+/// `SimulatedDeviceActiveError(msg)` (a StreampoolError and a RuntimeError).
+pub(crate) fn sim_active_error(py: Python<'_>, msg: String) -> PyErr {
+    raise(py, &SIM_ACTIVE, "SimulatedDeviceActiveError", (msg,))
+}
+
+/// `BufferError(msg)`: what the DLPack standard asks producers to raise.
+pub(crate) fn buffer_error(msg: impl Into<String>) -> PyErr {
+    PyBufferError::new_err(msg.into())
+}
+
+fn raise<'py, A>(py: Python<'py>, class: &PyOnceLock<Py<PyType>>, name: &str, args: A) -> PyErr
+where
+    A: PyCallArgs<'py>,
+{
+    let made = class.import(py, "streampool._errors", name).and_then(|cls| cls.call1(args));
+    match made {
+        Ok(exc) => PyErr::from_value(exc),
+        // Only reachable when the package is broken (streampool/_errors.py missing).
+        Err(import_failed) => {
+            let err = PyRuntimeError::new_err(format!("streampool: cannot raise {name}"));
+            err.set_cause(py, Some(import_failed));
+            err
+        }
+    }
+}
+
+/// `.or_raise(py)` on a core result: the error as its Python exception.
+pub(crate) trait OrRaise<T> {
+    fn or_raise(self, py: Python<'_>) -> PyResult<T>;
+}
+
+impl<T> OrRaise<T> for streampool::Result<T> {
+    fn or_raise(self, py: Python<'_>) -> PyResult<T> {
+        self.map_err(|e| to_pyerr(py, e))
+    }
+}
+
+/// Runs `f` with the GIL released and maps its error: the one way this crate calls into
+/// anything that can block (a driver call, a lock inside a resource, a device wait).
+pub(crate) fn detached<T, F>(py: Python<'_>, f: F) -> PyResult<T>
+where
+    F: Send + FnOnce() -> streampool::Result<T>,
+    T: Send,
+{
+    py.detach(f).or_raise(py)
+}

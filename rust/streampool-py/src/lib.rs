@@ -1,0 +1,163 @@
+//! `streampool._native`: the Python binding of the streampool crate.
+//!
+//! Thin, frozen `#[pyclass]` wrappers around `Arc`s of the core's `Send + Sync` types:
+//!
+//! * [`errors`]: the core error as a Python exception (one `match`), and the helper that
+//!   releases the GIL around every call that can block;
+//! * [`streams`]: `Stream`, the default streams, and the conversion behind every
+//!   `stream=` argument (our streams, ints, cuda.core, PyTorch, CuPy, Numba);
+//! * [`resources`]: `MemoryResource` and its subclasses, the current resource per device;
+//! * [`buffer`] and [`dlpack`]: `DeviceBuffer` with the CUDA array interface and DLPack;
+//! * [`sim`]: the simulated device, for tests and machines without a GPU.
+//!
+//! Importing the module never touches the driver: a machine without one imports fine and
+//! raises `CudaDriverNotFoundError` at the first use of a GPU resource.
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyInt, PyString};
+use streampool::device::{self, DevPtr};
+
+mod buffer;
+mod dlpack;
+mod errors;
+mod resources;
+mod sim;
+mod streams;
+
+use errors::{detached, OrRaise};
+
+/// A byte count from Python: an int >= 0, or a string such as "1GiB" (2**30) or "1GB" (10**9).
+pub(crate) fn size_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    if let Ok(text) = obj.cast::<PyString>() {
+        return streampool::parse_size(&text.to_cow()?).or_raise(obj.py());
+    }
+    let int = index(obj, what, "a size in bytes (an int, or a string such as \"1GiB\")")?;
+    if int.lt(0)? {
+        return Err(PyValueError::new_err(format!("{what} must be >= 0, got {int}")));
+    }
+    int.extract::<usize>().map_err(|_| PyValueError::new_err(format!("{what} = {int} is too large")))
+}
+
+/// An address from Python: an int in `0..2**64`.
+pub(crate) fn ptr_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevPtr> {
+    let int = index(obj, "ptr", "an address (an int)")?;
+    int.extract::<DevPtr>()
+        .map_err(|_| PyValueError::new_err(format!("ptr = {int} is not an address (must be in 0..2**64)")))
+}
+
+/// `operator.index(obj)`, refusing bools and naming the argument in the TypeError.
+fn index<'py>(obj: &Bound<'py, PyAny>, what: &str, expected: &str) -> PyResult<Bound<'py, PyAny>> {
+    if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
+        return Ok(obj.clone());
+    }
+    if !obj.is_instance_of::<PyBool>() {
+        if let Ok(int) = obj.call_method0("__index__") {
+            return Ok(int);
+        }
+    }
+    let ty = obj.get_type().fully_qualified_name()?;
+    Err(PyTypeError::new_err(format!("{what} must be {expected}, not {ty}")))
+}
+
+/// Parses a byte size: "4096", "512MiB", "1.5 GiB" (binary units), "1GB" (decimal); an int
+/// is returned as it is (after checking it is >= 0).
+#[pyfunction]
+fn parse_size(size: &Bound<'_, PyAny>) -> PyResult<usize> {
+    size_arg(size, "size")
+}
+
+/// What new objects run on now, e.g. "CUDA driver 13.0" or "simulated device #1 (16 GiB)".
+/// Raises CudaDriverNotFoundError without a driver or an active simulated device.
+#[pyfunction]
+fn backend_description(py: Python<'_>) -> PyResult<String> {
+    detached(py, || Ok(device::backend()?.describe()))
+}
+
+/// The driver's version (`cuDriverGetVersion`), e.g. 13000 for CUDA 13.0.
+#[pyfunction]
+fn driver_version(py: Python<'_>) -> PyResult<i32> {
+    detached(py, || device::backend()?.driver_version())
+}
+
+/// The number of devices of the current backend.
+#[pyfunction]
+fn device_count(py: Python<'_>) -> PyResult<i32> {
+    detached(py, || device::backend()?.device_count())
+}
+
+/// What a device can do: name, total_bytes, memory_pools, managed_pools,
+/// concurrent_managed_access, posix_fd_ipc.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn device_info(py: Python<'_>, device: Option<i32>) -> PyResult<Bound<'_, PyDict>> {
+    let info = detached(py, move || {
+        let backend = device::backend()?;
+        let device = streampool::resources::check_device(&backend, device)?;
+        backend.device_info(device)
+    })?;
+    let d = PyDict::new(py);
+    d.set_item("device", info.ordinal)?;
+    d.set_item("name", info.name)?;
+    d.set_item("total_bytes", info.total_bytes)?;
+    d.set_item("memory_pools", info.memory_pools)?;
+    d.set_item("managed_pools", info.managed_pools)?;
+    d.set_item("concurrent_managed_access", info.concurrent_managed_access)?;
+    d.set_item("posix_fd_ipc", info.posix_fd_ipc)?;
+    Ok(d)
+}
+
+/// True when new objects run on a simulated device (one is active, or STREAMPOOL_DEVICE=sim).
+#[pyfunction]
+fn using_simulated_device() -> bool {
+    device::active_sim().is_some() || device::env_selects_sim()
+}
+
+/// The driver pool that `ptr` came from, or None for memory not from a pool.
+#[pyfunction]
+#[pyo3(signature = (ptr, device=None))]
+fn pointer_pool(py: Python<'_>, ptr: &Bound<'_, PyAny>, device: Option<i32>) -> PyResult<Option<u64>> {
+    let ptr = ptr_arg(ptr)?;
+    detached(py, move || {
+        let backend = device::backend()?;
+        let device = streampool::resources::check_device(&backend, device)?;
+        backend.pointer_pool(device, ptr)
+    })
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+
+    m.add_class::<streams::PyStream>()?;
+    m.add("DEFAULT_STREAM", streams::default_stream(py)?.clone_ref(py))?;
+    m.add("LEGACY_DEFAULT_STREAM", streams::default_stream(py)?.clone_ref(py))?;
+    m.add("PER_THREAD_DEFAULT_STREAM", streams::per_thread_stream(py)?.clone_ref(py))?;
+
+    m.add_class::<resources::PyMemoryResource>()?;
+    m.add_class::<resources::PyCudaAsyncMemoryResource>()?;
+    m.add_class::<resources::PyCudaAsyncViewMemoryResource>()?;
+    m.add_class::<resources::PyCudaMemoryResource>()?;
+    m.add_class::<resources::PyManagedMemoryResource>()?;
+    m.add_class::<resources::PyPinnedHostMemoryResource>()?;
+    m.add_function(wrap_pyfunction!(resources::get_current_device_resource, m)?)?;
+    m.add_function(wrap_pyfunction!(resources::set_current_device_resource, m)?)?;
+    m.add_function(wrap_pyfunction!(resources::get_per_device_resource, m)?)?;
+    m.add_function(wrap_pyfunction!(resources::set_per_device_resource, m)?)?;
+    m.add_function(wrap_pyfunction!(resources::get_current_device, m)?)?;
+
+    m.add_class::<buffer::DeviceBuffer>()?;
+    m.add_function(wrap_pyfunction!(buffer::_rebuild_device_buffer, m)?)?;
+
+    m.add_class::<sim::PySimDevice>()?;
+
+    m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(backend_description, m)?)?;
+    m.add_function(wrap_pyfunction!(driver_version, m)?)?;
+    m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(device_info, m)?)?;
+    m.add_function(wrap_pyfunction!(using_simulated_device, m)?)?;
+    m.add_function(wrap_pyfunction!(pointer_pool, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,393 @@
+//! Memory resources (`streampool.mr`) and the current resource of each device.
+//!
+//! Every resource is a subclass of `MemoryResource`, which holds the core resource as a
+//! `ResourceRef` and implements `allocate`/`deallocate` once for all of them. A subclass
+//! adds only its constructor and its own properties.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::PyClass;
+use streampool::device::{self, BackendRef, DevPtr};
+use streampool::resources::{check_device, ManagedMemoryResource, PinnedHostMemoryResource};
+use streampool::{AsyncPoolOptions, CudaAsyncMemoryResource, CudaMemoryResource, MemoryKind, ResourceRef};
+
+use crate::errors::{detached, OrRaise};
+use crate::streams::to_stream;
+use crate::{ptr_arg, size_arg};
+
+/// Base class of every memory resource. Not constructible itself.
+///
+/// The stream-ordered contract: memory from `allocate(nbytes, stream)` may be used by work
+/// enqueued on `stream` after the call; `deallocate(ptr, nbytes, stream)` makes it reusable
+/// by work ordered after everything enqueued on `stream` before the call.
+#[derive(Debug)]
+#[pyclass(frozen, subclass, module = "streampool.mr", name = "MemoryResource")]
+pub struct PyMemoryResource {
+    pub(crate) inner: ResourceRef,
+}
+
+impl PyMemoryResource {
+    /// The initializer for a subclass's base part (also for adaptors defined elsewhere).
+    pub(crate) fn base(inner: ResourceRef) -> PyClassInitializer<Self> {
+        PyClassInitializer::from(PyMemoryResource { inner })
+    }
+}
+
+pub(crate) fn memory_kind_name(kind: MemoryKind) -> &'static str {
+    match kind {
+        MemoryKind::Device => "device",
+        MemoryKind::Managed => "managed",
+        MemoryKind::PinnedHost => "pinned_host",
+    }
+}
+
+#[pymethods]
+impl PyMemoryResource {
+    /// Allocates `nbytes` (an int, or a string such as "1MiB") for use on `stream`
+    /// (default: the legacy default stream). Returns the address; 0 for 0 bytes.
+    #[pyo3(signature = (nbytes, stream=None))]
+    fn allocate(
+        &self,
+        py: Python<'_>,
+        nbytes: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<DevPtr> {
+        let bytes = size_arg(nbytes, "nbytes")?;
+        let stream = to_stream(py, stream, self.inner.backend())?;
+        let mr = self.inner.clone();
+        detached(py, move || mr.allocate(bytes, &stream))
+    }
+
+    /// Frees `ptr` (of `nbytes` bytes, as allocated) for reuse by work ordered after what
+    /// is enqueued on `stream` now (default: the legacy default stream).
+    #[pyo3(signature = (ptr, nbytes, stream=None))]
+    fn deallocate(
+        &self,
+        py: Python<'_>,
+        ptr: &Bound<'_, PyAny>,
+        nbytes: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let ptr = ptr_arg(ptr)?;
+        let bytes = size_arg(nbytes, "nbytes")?;
+        let stream = to_stream(py, stream, self.inner.backend())?;
+        let mr = self.inner.clone();
+        detached(py, move || mr.deallocate(ptr, bytes, &stream))
+    }
+
+    /// The device ordinal this resource is bound to.
+    #[getter]
+    fn device(&self) -> i32 {
+        self.inner.device()
+    }
+
+    /// "device", "managed" or "pinned_host".
+    #[getter]
+    fn memory_kind(&self) -> &'static str {
+        memory_kind_name(self.inner.memory_kind())
+    }
+
+    /// The backend the resource lives on, e.g. "CUDA driver 13.0" or "simulated device #1 (16 GiB)".
+    #[getter]
+    fn backend(&self) -> String {
+        self.inner.backend().describe()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<{:?}>", self.inner)
+    }
+}
+
+/// The driver's stream-ordered pool (`cuMemAllocFromPoolAsync`): the recommended resource.
+///
+/// With no options it uses the device's current pool, shared with every library that uses
+/// the driver's pool. With `initial_pool_size`, `release_threshold` or `enable_ipc` it
+/// creates a pool of its own, destroyed with the resource.
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "CudaAsyncMemoryResource")]
+pub struct PyCudaAsyncMemoryResource {
+    inner: Arc<CudaAsyncMemoryResource>,
+}
+
+impl PyCudaAsyncMemoryResource {
+    pub(crate) fn init(inner: CudaAsyncMemoryResource) -> PyClassInitializer<Self> {
+        let inner = Arc::new(inner);
+        PyMemoryResource::base(inner.clone()).add_subclass(PyCudaAsyncMemoryResource { inner })
+    }
+}
+
+#[pymethods]
+impl PyCudaAsyncMemoryResource {
+    #[new]
+    #[pyo3(signature = (initial_pool_size=None, release_threshold=None, enable_ipc=false, device=None))]
+    fn new(
+        py: Python<'_>,
+        initial_pool_size: Option<&Bound<'_, PyAny>>,
+        release_threshold: Option<&Bound<'_, PyAny>>,
+        enable_ipc: bool,
+        device: Option<i32>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let options = AsyncPoolOptions {
+            initial_pool_size: initial_pool_size.map(|s| size_arg(s, "initial_pool_size")).transpose()?,
+            release_threshold: release_threshold.map(|s| size_arg(s, "release_threshold")).transpose()?,
+            enable_ipc,
+        };
+        let mr = detached(py, move || CudaAsyncMemoryResource::new(device, options))?;
+        Ok(Self::init(mr))
+    }
+
+    /// The driver pool handle (`CUmemoryPool` as an int).
+    #[getter]
+    fn pool_handle(&self) -> u64 {
+        self.inner.pool_handle()
+    }
+
+    /// True when this resource created its pool (and destroys it when collected).
+    #[getter]
+    fn owns_pool(&self) -> bool {
+        self.inner.owns_pool()
+    }
+
+    /// Bytes the pool keeps at a synchronisation before releasing memory to the system.
+    #[getter]
+    fn release_threshold(&self, py: Python<'_>) -> PyResult<u64> {
+        self.inner.release_threshold().or_raise(py)
+    }
+
+    /// Bytes the pool holds from the system.
+    #[getter]
+    fn reserved_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        self.inner.reserved_bytes().or_raise(py)
+    }
+
+    /// Bytes handed out by the pool (for a shared pool, other libraries' too).
+    #[getter]
+    fn used_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        self.inner.used_bytes().or_raise(py)
+    }
+
+    /// Releases free memory to the system until the pool holds at most `nbytes`.
+    fn trim_to(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keep = size_arg(nbytes, "nbytes")?;
+        let mr = self.inner.clone();
+        detached(py, move || mr.trim_to(keep))
+    }
+}
+
+/// Allocates from a driver pool someone else owns (PyTorch's, CuPy's), never destroying it.
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "CudaAsyncViewMemoryResource")]
+pub struct PyCudaAsyncViewMemoryResource {
+    pool: u64,
+}
+
+#[pymethods]
+impl PyCudaAsyncViewMemoryResource {
+    #[new]
+    #[pyo3(signature = (pool_handle, device=None))]
+    fn new(
+        py: Python<'_>,
+        pool_handle: &Bound<'_, PyAny>,
+        device: Option<i32>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let pool = pool_handle.extract::<u64>().map_err(|_| {
+            PyValueError::new_err(format!("{pool_handle} is not a memory pool handle (an int in 0..2**64)"))
+        })?;
+        let mr = detached(py, move || {
+            let (backend, device) = streampool::resources::bind(device)?;
+            CudaAsyncMemoryResource::view(backend, device, pool)
+        })?;
+        Ok(PyMemoryResource::base(Arc::new(mr)).add_subclass(Self { pool }))
+    }
+
+    /// The driver pool handle this resource allocates from.
+    #[getter]
+    fn pool_handle(&self) -> u64 {
+        self.pool
+    }
+
+    /// Always False: a view never destroys the pool.
+    #[getter]
+    fn owns_pool(&self) -> bool {
+        false
+    }
+}
+
+/// Plain device memory (`cuMemAlloc`/`cuMemFree`). Every free waits for the device.
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "CudaMemoryResource")]
+pub struct PyCudaMemoryResource;
+
+/// Managed (unified) memory (`cuMemAllocManaged`), for work larger than device memory.
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "ManagedMemoryResource")]
+pub struct PyManagedMemoryResource;
+
+/// Page-locked host memory (`cuMemHostAlloc`).
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "PinnedHostMemoryResource")]
+pub struct PyPinnedHostMemoryResource;
+
+fn plain<R, S>(
+    py: Python<'_>,
+    make: fn(Option<i32>) -> streampool::Result<R>,
+    device: Option<i32>,
+    sub: S,
+) -> PyResult<PyClassInitializer<S>>
+where
+    R: streampool::MemoryResource + 'static,
+    S: PyClass<BaseType = PyMemoryResource>,
+{
+    let mr = detached(py, move || make(device))?;
+    Ok(PyMemoryResource::base(Arc::new(mr)).add_subclass(sub))
+}
+
+#[pymethods]
+impl PyCudaMemoryResource {
+    #[new]
+    #[pyo3(signature = (device=None))]
+    fn new(py: Python<'_>, device: Option<i32>) -> PyResult<PyClassInitializer<Self>> {
+        plain(py, CudaMemoryResource::new, device, Self)
+    }
+}
+
+#[pymethods]
+impl PyManagedMemoryResource {
+    #[new]
+    #[pyo3(signature = (device=None))]
+    fn new(py: Python<'_>, device: Option<i32>) -> PyResult<PyClassInitializer<Self>> {
+        plain(py, ManagedMemoryResource::new, device, Self)
+    }
+}
+
+#[pymethods]
+impl PyPinnedHostMemoryResource {
+    #[new]
+    #[pyo3(signature = (device=None))]
+    fn new(py: Python<'_>, device: Option<i32>) -> PyResult<PyClassInitializer<Self>> {
+        plain(py, PinnedHostMemoryResource::new, device, Self)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The current resource of each device.
+//
+// Keyed by (backend id, device) so that under a simulated device you get its resources
+// and, once it is gone, the CUDA driver's again. The lock is held only for map operations:
+// no Python code and no driver call runs under it (resources are made before, and
+// replaced objects are dropped after).
+
+type Registry = HashMap<(u64, i32), Py<PyMemoryResource>>;
+static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
+
+fn registry() -> MutexGuard<'static, Option<Registry>> {
+    REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn current_placement(py: Python<'_>, device: Option<i32>) -> PyResult<(BackendRef, i32)> {
+    detached(py, move || {
+        let backend = device::backend()?;
+        let device = check_device(&backend, device)?;
+        Ok((backend, device))
+    })
+}
+
+fn resource_for(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyMemoryResource>> {
+    let (backend, device) = current_placement(py, device)?;
+    let key = (backend.id(), device);
+    if let Some(mr) = registry().as_ref().and_then(|r| r.get(&key)) {
+        return Ok(mr.clone_ref(py));
+    }
+    // Made outside the lock; if another thread wins the race, its resource is kept.
+    let made = initial_resource(py, backend, device)?;
+    let mut reg = registry();
+    let mr = reg.get_or_insert_with(HashMap::new).entry(key).or_insert(made);
+    Ok(mr.clone_ref(py))
+}
+
+/// The initial resource of every device: the driver's pool.
+fn initial_resource(py: Python<'_>, backend: BackendRef, device: i32) -> PyResult<Py<PyMemoryResource>> {
+    let made = detached(py, move || CudaAsyncMemoryResource::on(backend, device, Default::default()))?;
+    let made = Bound::new(py, PyCudaAsyncMemoryResource::init(made))?;
+    Ok(made.into_super().unbind())
+}
+
+fn set_resource(
+    py: Python<'_>,
+    device: Option<i32>,
+    mr: &Bound<'_, PyMemoryResource>,
+) -> PyResult<Option<Py<PyMemoryResource>>> {
+    let (backend, device) = current_placement(py, device)?;
+    let res = &mr.get().inner;
+    if res.backend().id() != backend.id() || res.device() != device {
+        return Err(PyValueError::new_err(format!(
+            "{res:?} belongs to device {} of {}; it cannot be the resource of device {device} of {}",
+            res.device(),
+            res.backend().describe(),
+            backend.describe()
+        )));
+    }
+    let key = (backend.id(), device);
+    let previous = registry().get_or_insert_with(HashMap::new).insert(key, mr.clone().unbind());
+    match previous {
+        Some(p) => Ok(Some(p)),
+        // Nobody had asked yet: the previous resource was the initial one, not made yet.
+        // Returned (made now) so that `old = set_...(new); ...; set_...(old)` restores;
+        // None only when it cannot be made (a device without memory pools).
+        None => Ok(initial_resource(py, backend, device).ok()),
+    }
+}
+
+/// Forgets the resources of a backend that is going away (a simulated device that is
+/// deactivated), so they do not keep it alive.
+pub(crate) fn forget_backend(backend_id: u64) {
+    let removed: Vec<Py<PyMemoryResource>> = {
+        let mut reg = registry();
+        let Some(map) = reg.as_mut() else { return };
+        let keys: Vec<_> = map.keys().filter(|(b, _)| *b == backend_id).copied().collect();
+        keys.into_iter().filter_map(|k| map.remove(&k)).collect()
+    };
+    drop(removed); // after the lock: dropping may run Python code
+}
+
+/// The resource of the current device (a `CudaAsyncMemoryResource` until one is set).
+#[pyfunction]
+pub(crate) fn get_current_device_resource(py: Python<'_>) -> PyResult<Py<PyMemoryResource>> {
+    resource_for(py, None)
+}
+
+/// Makes `mr` the resource of the current device; returns the previous one (None only
+/// when there was none and the initial one cannot be made).
+#[pyfunction]
+pub(crate) fn set_current_device_resource(
+    py: Python<'_>,
+    mr: &Bound<'_, PyMemoryResource>,
+) -> PyResult<Option<Py<PyMemoryResource>>> {
+    set_resource(py, None, mr)
+}
+
+/// The resource of `device` (a `CudaAsyncMemoryResource` until one is set).
+#[pyfunction]
+pub(crate) fn get_per_device_resource(py: Python<'_>, device: i32) -> PyResult<Py<PyMemoryResource>> {
+    resource_for(py, Some(device))
+}
+
+/// Makes `mr` the resource of `device`; returns the previous one. `mr` must be bound to
+/// that device of the current backend.
+#[pyfunction]
+pub(crate) fn set_per_device_resource(
+    py: Python<'_>,
+    device: i32,
+    mr: &Bound<'_, PyMemoryResource>,
+) -> PyResult<Option<Py<PyMemoryResource>>> {
+    set_resource(py, Some(device), mr)
+}
+
+/// The current device of the current backend.
+#[pyfunction]
+pub(crate) fn get_current_device(py: Python<'_>) -> PyResult<i32> {
+    detached(py, || device::backend()?.current_device())
+}

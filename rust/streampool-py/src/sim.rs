@@ -1,0 +1,227 @@
+//! `_SimDevice`: the simulated device, for tests and machines without a GPU. The Python
+//! package wraps it as `streampool.sim.SimulatedDevice` (a context manager).
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::prelude::*;
+use streampool::device::sim::{SimDevice, SimGuard};
+use streampool::device::{self, Backend, BackendRef, DevPtr, RawStream};
+
+use crate::errors::{detached, sim_active_error, OrRaise};
+use crate::resources::forget_backend;
+use crate::streams::to_stream;
+use crate::{ptr_arg, size_arg};
+
+/// A simulated device: host memory standing in for device memory, streams as queues that
+/// run only when told, and a happens-before race detector. Pointers it hands out are host
+/// addresses, useless to real GPU libraries.
+#[derive(Debug)]
+#[pyclass(frozen, module = "streampool._native", name = "_SimDevice")]
+pub struct PySimDevice {
+    sim: Arc<SimDevice>,
+    guard: Mutex<Option<SimGuard>>,
+}
+
+impl PySimDevice {
+    fn guard(&self) -> MutexGuard<'_, Option<SimGuard>> {
+        self.guard.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn backend(&self) -> BackendRef {
+        self.sim.clone()
+    }
+
+    /// The raw handle of a stream argument, checked to be a stream of this device.
+    fn handle(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<RawStream> {
+        let backend = self.backend();
+        let stream = to_stream(py, stream, &backend)?;
+        if let Some((theirs, _)) = stream.binding() {
+            device::check_same_backend(&backend, theirs, &format!("stream {:#x}", stream.handle()))
+                .or_raise(py)?;
+        }
+        Ok(stream.handle())
+    }
+}
+
+#[pymethods]
+impl PySimDevice {
+    #[new]
+    #[pyo3(signature = (capacity_bytes, devices=1))]
+    fn new(capacity_bytes: &Bound<'_, PyAny>, devices: i32) -> PyResult<Self> {
+        let capacity = size_arg(capacity_bytes, "capacity_bytes")?;
+        Ok(PySimDevice { sim: SimDevice::with_devices(capacity, devices), guard: Mutex::new(None) })
+    }
+
+    /// Makes this device what new objects run on, until `deactivate()`. Raises
+    /// SimulatedDeviceActiveError when a simulated device is already active.
+    fn activate(&self, py: Python<'_>) -> PyResult<()> {
+        let mut guard = self.guard();
+        if let Some(active) = device::active_sim() {
+            let which = if active.id() == self.sim.id() { "this device" } else { "another simulated device" };
+            return Err(sim_active_error(
+                py,
+                format!(
+                    "{} is already active ({which}); exit it before entering {}",
+                    active.describe(),
+                    self.sim.describe()
+                ),
+            ));
+        }
+        *guard = Some(self.sim.activate().or_raise(py)?);
+        Ok(())
+    }
+
+    /// Stops this device being what new objects run on, and closes it: objects made under
+    /// it refuse to work from now on (their frees succeed silently). Idempotent.
+    fn deactivate(&self) {
+        let guard = self.guard().take();
+        drop(guard);
+        self.sim.deactivate();
+        forget_backend(self.sim.id());
+    }
+
+    /// True while this device is the active one.
+    #[getter]
+    fn active(&self) -> bool {
+        device::active_sim().is_some_and(|a| a.id() == self.sim.id())
+    }
+
+    /// True once deactivated.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.sim.is_closed()
+    }
+
+    /// A simulated kernel that writes `[ptr, ptr + nbytes)` on `stream`, named `label` in
+    /// race reports. It runs later: at `step`, `run`, or a host synchronisation.
+    #[pyo3(signature = (stream, ptr, nbytes, label=None))]
+    fn write(
+        &self,
+        py: Python<'_>,
+        stream: Option<&Bound<'_, PyAny>>,
+        ptr: &Bound<'_, PyAny>,
+        nbytes: &Bound<'_, PyAny>,
+        label: Option<String>,
+    ) -> PyResult<()> {
+        let (stream, ptr, bytes) = (self.handle(py, stream)?, ptr_arg(ptr)?, size_arg(nbytes, "nbytes")?);
+        let sim = self.sim.clone();
+        detached(py, move || sim.write_labeled(stream, ptr, bytes, label.as_deref().unwrap_or("")))
+    }
+
+    /// A simulated kernel that reads `[ptr, ptr + nbytes)` on `stream`, named `label` in
+    /// race reports.
+    #[pyo3(signature = (stream, ptr, nbytes, label=None))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        stream: Option<&Bound<'_, PyAny>>,
+        ptr: &Bound<'_, PyAny>,
+        nbytes: &Bound<'_, PyAny>,
+        label: Option<String>,
+    ) -> PyResult<()> {
+        let (stream, ptr, bytes) = (self.handle(py, stream)?, ptr_arg(ptr)?, size_arg(nbytes, "nbytes")?);
+        let sim = self.sim.clone();
+        detached(py, move || sim.read_labeled(stream, ptr, bytes, label.as_deref().unwrap_or("")))
+    }
+
+    /// Runs the operation at the head of `stream`'s queue if it may run now; False when the
+    /// queue is empty or its head waits for other work.
+    fn step(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+        let stream = self.handle(py, stream)?;
+        let sim = self.sim.clone();
+        detached(py, move || sim.step(stream))
+    }
+
+    /// Runs one operation that may run now, taking streams in turn; False when none can.
+    fn step_any(&self, py: Python<'_>) -> bool {
+        let sim = self.sim.clone();
+        py.detach(move || sim.step_any())
+    }
+
+    /// Runs everything queued until no stream has work.
+    fn run(&self, py: Python<'_>) {
+        let sim = self.sim.clone();
+        py.detach(move || sim.run());
+    }
+
+    /// Operations queued on all streams and not yet run.
+    #[getter]
+    fn pending(&self, py: Python<'_>) -> usize {
+        let sim = self.sim.clone();
+        py.detach(move || sim.pending())
+    }
+
+    /// Operations queued on `stream` and not yet run.
+    fn queued(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+        let stream = self.handle(py, stream)?;
+        let sim = self.sim.clone();
+        detached(py, move || sim.queued(stream))
+    }
+
+    /// The races found so far, as sentences naming both operations.
+    fn races(&self, py: Python<'_>) -> Vec<String> {
+        let sim = self.sim.clone();
+        py.detach(move || sim.races().iter().map(ToString::to_string).collect())
+    }
+
+    /// The races found so far as tuples:
+    /// `(text, earlier, earlier_writes, later, later_writes, start, end)`.
+    #[allow(clippy::type_complexity)]
+    fn race_records(&self, py: Python<'_>) -> Vec<(String, String, bool, String, bool, DevPtr, DevPtr)> {
+        let sim = self.sim.clone();
+        py.detach(move || {
+            sim.races()
+                .iter()
+                .map(|r| {
+                    let (earlier, later) = (r.earlier.to_string(), r.later.to_string());
+                    (r.to_string(), earlier, r.earlier_writes, later, r.later_writes, r.range.0, r.range.1)
+                })
+                .collect()
+        })
+    }
+
+    /// Forgets the races found so far.
+    fn clear_races(&self, py: Python<'_>) {
+        let sim = self.sim.clone();
+        py.detach(move || drop(sim.take_races()));
+    }
+
+    /// Races found beyond the number kept, which were not recorded.
+    #[getter]
+    fn races_dropped(&self, py: Python<'_>) -> usize {
+        let sim = self.sim.clone();
+        py.detach(move || sim.races_dropped())
+    }
+
+    /// Device memory of each simulated device, in bytes.
+    #[getter]
+    fn capacity_bytes(&self) -> usize {
+        self.sim.capacity()
+    }
+
+    /// E.g. "simulated device #3 (16 GiB)".
+    fn describe(&self) -> String {
+        self.sim.describe()
+    }
+
+    fn __repr__(&self) -> String {
+        let state = if self.active() {
+            "active"
+        } else if self.sim.is_closed() {
+            "closed"
+        } else {
+            "inactive"
+        };
+        format!("<_SimDevice {} {state}>", self.sim.describe())
+    }
+}
+
+impl Drop for PySimDevice {
+    fn drop(&mut self) {
+        // Collected while active (never exited): the guard's drop closes the device; its
+        // resources in the current-resource registry must not keep it alive.
+        if self.guard.get_mut().map(|g| g.take()).ok().flatten().is_some() {
+            forget_backend(self.sim.id());
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! `streampool.Stream`, the default-stream constants, and the one conversion that every
+//! `stream=` argument goes through.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyInt, PyTuple};
+use streampool::device::{self, BackendRef, RawStream};
+use streampool::Stream;
+
+use crate::errors::{detached, OrRaise};
+
+/// A CUDA stream: one streampool created and owns, one borrowed from another library, or
+/// one of the default streams.
+///
+/// `Stream(device=None, blocking=False)` creates a stream on `device` (the current device
+/// when None) of the current backend (the CUDA driver, or the active simulated device).
+/// It is non-blocking unless `blocking`: it does not synchronise with the legacy default
+/// stream. It is destroyed when the last reference to it (including buffers made on it)
+/// goes away.
+#[derive(Debug)]
+#[pyclass(frozen, module = "streampool", name = "Stream")]
+pub struct PyStream {
+    pub(crate) inner: Stream,
+}
+
+static DEFAULT_STREAM: PyOnceLock<Py<PyStream>> = PyOnceLock::new();
+static PER_THREAD_DEFAULT_STREAM: PyOnceLock<Py<PyStream>> = PyOnceLock::new();
+
+/// `streampool.DEFAULT_STREAM` (also `LEGACY_DEFAULT_STREAM`: handles 0 and 1 are one
+/// stream), one object for the whole process.
+pub(crate) fn default_stream(py: Python<'_>) -> PyResult<&Py<PyStream>> {
+    DEFAULT_STREAM.get_or_try_init(py, || Py::new(py, PyStream { inner: Stream::legacy() }))
+}
+
+/// `streampool.PER_THREAD_DEFAULT_STREAM`.
+pub(crate) fn per_thread_stream(py: Python<'_>) -> PyResult<&Py<PyStream>> {
+    PER_THREAD_DEFAULT_STREAM.get_or_try_init(py, || Py::new(py, PyStream { inner: Stream::per_thread() }))
+}
+
+impl PyStream {
+    /// The backend and device to wait on: the stream's own, or for a default stream (which
+    /// exists everywhere) the current backend's current device.
+    fn placement(&self) -> streampool::Result<(BackendRef, i32)> {
+        match self.inner.binding() {
+            Some((backend, device)) => Ok((backend.clone(), device)),
+            None => {
+                let backend = device::backend()?;
+                let device = backend.current_device()?;
+                Ok((backend, device))
+            }
+        }
+    }
+
+    fn key(&self) -> (Option<u64>, RawStream) {
+        (self.inner.binding().map(|(b, _)| b.id()), self.inner.handle())
+    }
+}
+
+#[pymethods]
+impl PyStream {
+    #[new]
+    #[pyo3(signature = (device=None, blocking=false))]
+    fn new(py: Python<'_>, device: Option<i32>, blocking: bool) -> PyResult<Self> {
+        let inner = detached(py, move || {
+            let (backend, device) = streampool::resources::bind(device)?;
+            Stream::create(&backend, device, blocking)
+        })?;
+        Ok(PyStream { inner })
+    }
+
+    /// The driver's handle as an integer: 0 for the legacy default stream, 2 for the
+    /// per-thread default stream.
+    #[getter]
+    fn handle(&self) -> RawStream {
+        self.inner.handle()
+    }
+
+    /// The device the stream belongs to; None for the default streams, which exist on
+    /// every device.
+    #[getter]
+    fn device(&self) -> Option<i32> {
+        self.inner.binding().map(|(_, d)| d)
+    }
+
+    /// Waits until all work enqueued on the stream has completed (GIL released).
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let (backend, device) = self.placement().or_raise(py)?;
+        let stream = self.inner.clone();
+        detached(py, move || stream.synchronize(&backend, device))
+    }
+
+    /// The cuda.core stream protocol: `(version, handle)`.
+    fn __cuda_stream__(&self) -> (i32, RawStream) {
+        (0, self.inner.handle())
+    }
+
+    fn __int__(&self) -> RawStream {
+        self.inner.handle()
+    }
+
+    fn __eq__(&self, other: PyRef<'_, PyStream>) -> bool {
+        self.key() == other.key()
+    }
+
+    fn __hash__(&self) -> u64 {
+        let mut h = DefaultHasher::new();
+        self.key().hash(&mut h);
+        h.finish()
+    }
+
+    fn __repr__(&self) -> String {
+        let s = &self.inner;
+        if s.is_legacy() {
+            "<Stream legacy default (handle 0)>".to_string()
+        } else if s.is_per_thread() {
+            "<Stream per-thread default (handle 2)>".to_string()
+        } else {
+            let how = if s.is_owned() { "owned" } else { "borrowed" };
+            let device = self.device().unwrap_or(0);
+            format!("<Stream {:#x} {how}, device {device}>", s.handle())
+        }
+    }
+}
+
+/// The one conversion behind every `stream=` argument, resolved against the backend of
+/// the object that will use the stream:
+///
+/// * None: the legacy default stream;
+/// * a `streampool.Stream`;
+/// * an int handle (0 and 1: legacy default, 2: per-thread default, else a live stream);
+/// * any object with `__cuda_stream__()` (cuda.core's protocol: `(version, handle)`);
+/// * `torch.cuda.Stream` (`.cuda_stream`), `cupy.cuda.Stream` (`.ptr`), Numba streams
+///   (`.handle.value`, or `int(stream)`).
+///
+/// A handle that names no live stream raises InvalidStreamError; anything else TypeError.
+pub(crate) fn to_stream(
+    py: Python<'_>,
+    obj: Option<&Bound<'_, PyAny>>,
+    backend: &BackendRef,
+) -> PyResult<Stream> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else { return Ok(Stream::legacy()) };
+    if let Ok(s) = obj.cast::<PyStream>() {
+        return Ok(s.get().inner.clone());
+    }
+    let handle = match foreign_handle(obj)? {
+        Some(h) => h,
+        None => {
+            let ty = obj.get_type().fully_qualified_name()?;
+            return Err(PyTypeError::new_err(format!(
+                "cannot use a {ty} as a stream: pass a streampool.Stream, an int handle, an object \
+                 with __cuda_stream__ (cuda.core), a torch.cuda.Stream, a cupy.cuda.Stream or a Numba \
+                 stream"
+            )));
+        }
+    };
+    let stream_handle = handle_value(obj, &handle)?;
+    Stream::borrowed(backend, stream_handle).or_raise(py)
+}
+
+/// The handle an object carries, as a Python int, or None when it is not a stream we know.
+fn foreign_handle<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    if obj.is_instance_of::<PyBool>() {
+        return Ok(None);
+    }
+    if obj.is_instance_of::<PyInt>() {
+        return Ok(Some(obj.clone()));
+    }
+    if let Some(proto) = obj.getattr_opt("__cuda_stream__")? {
+        let pair = proto.call0()?;
+        let pair = pair
+            .cast::<PyTuple>()
+            .map_err(|_| PyTypeError::new_err("__cuda_stream__() must return a (version, handle) tuple"))?;
+        return Ok(Some(pair.get_item(1)?));
+    }
+    if let Some(h) = obj.getattr_opt("cuda_stream")? {
+        return Ok(Some(h)); // torch.cuda.Stream
+    }
+    // `.ptr` and `.handle` are common names: an object that exports memory (a DeviceBuffer,
+    // an array) is refused rather than having its address taken for a stream.
+    let ty = obj.get_type();
+    if ty.hasattr("__cuda_array_interface__")? || ty.hasattr("__dlpack__")? {
+        return Ok(None);
+    }
+    if let Some(h) = obj.getattr_opt("ptr")? {
+        return Ok(Some(h)); // cupy.cuda.Stream
+    }
+    if let Some(h) = obj.getattr_opt("handle")? {
+        // Numba: a ctypes c_void_p whose `.value` is the address (None for the null
+        // stream), or, in numba-cuda over cuda.bindings, a `CUstream` that converts with int().
+        return match h.getattr_opt("value")? {
+            Some(v) if v.is_none() => Ok(Some(0_i32.into_pyobject(obj.py())?.into_any())),
+            Some(v) => Ok(Some(v)),
+            None if h.is_instance_of::<PyInt>() => Ok(Some(h)),
+            None => match h.get_type().getattr_opt("__int__")? {
+                Some(_) => Ok(Some(h.call_method0("__int__")?)),
+                None => Ok(Some(h)),
+            },
+        };
+    }
+    let module = obj.get_type().module().map(|m| m.to_string()).unwrap_or_default();
+    if module.split('.').next() == Some("numba") {
+        return Ok(Some(obj.call_method0("__int__")?)); // other Numba stream objects
+    }
+    Ok(None)
+}
+
+fn handle_value(obj: &Bound<'_, PyAny>, handle: &Bound<'_, PyAny>) -> PyResult<RawStream> {
+    if !handle.is_instance_of::<PyInt>() || handle.is_instance_of::<PyBool>() {
+        let ty = obj.get_type().fully_qualified_name()?;
+        return Err(PyTypeError::new_err(format!("the stream handle of a {ty} is not an int: {handle}")));
+    }
+    handle
+        .extract::<RawStream>()
+        .map_err(|_| PyValueError::new_err(format!("{handle} is not a stream handle (must be in 0..2**64)")))
+}

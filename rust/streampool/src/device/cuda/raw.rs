@@ -1,0 +1,820 @@
+//! The raw layer: one function per CUDA driver call, each returning [`Result`].
+//!
+//! Every function here is `unsafe` and lists its preconditions. Two hold for all of them
+//! and are not repeated:
+//!
+//! * **Loaded.** `libcuda` is loaded, `cuInit` succeeded and the probe found the
+//!   function's symbol (a [`CudaBackend`](super::CudaBackend) exists, or the probe is
+//!   the caller and has checked this much). cudarc's wrappers panic on a missing
+//!   library or symbol; these preconditions are what keep them from doing so.
+//! * **Handles.** A handle argument (stream, event, pool, context, pointer) is one the
+//!   driver made and has not destroyed or freed, unless the function says otherwise.
+//!   The driver detects many stale handles and reports `CUDA_ERROR_INVALID_HANDLE` or
+//!   `CUDA_ERROR_INVALID_VALUE`, but not all: a dangling handle is undefined behaviour
+//!   inside the driver. Above the seam, handles are owned by objects (`Stream`,
+//!   `Event`, pools, allocations) that keep them live while they are used.
+//!
+//! Stream arguments may also be `0` (the legacy default stream, also spelled
+//! `CU_STREAM_LEGACY` = 1) or `CU_STREAM_PER_THREAD` = 2; those name a stream of the
+//! calling thread's *current context*, so calls that take them need one current.
+//!
+//! The symbols loaded are the plain (not `_ptsz`/`_ptds`) ones, so handle 0 means the
+//! legacy default stream, as the crate's stream model says.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::driver::sys;
+
+use crate::error::{Error, Result};
+
+const SUCCESS: sys::CUresult = sys::CUresult::CUDA_SUCCESS;
+const NOT_READY: sys::CUresult = sys::CUresult::CUDA_ERROR_NOT_READY;
+
+/// Set once the probe has found `cuGetErrorName`: from then on error names come from
+/// the driver. Before (and in tests on machines without a driver) they come from the
+/// bindings' enum names, which are the same strings.
+static ERROR_NAMES_FROM_DRIVER: AtomicBool = AtomicBool::new(false);
+
+/// Lets [`driver_error`] ask the driver for error names.
+///
+/// # Safety
+/// 1. The library is loaded and exports `cuGetErrorName`.
+pub(super) unsafe fn enable_driver_error_names() {
+    ERROR_NAMES_FROM_DRIVER.store(true, Ordering::Release);
+}
+
+/// The crate's error for a failed driver call.
+pub(super) fn driver_error(call: &'static str, result: sys::CUresult) -> Error {
+    Error::Driver { call, code: result as u32 as i32, name: error_name(result), context: String::new() }
+}
+
+/// `Ok` for `CUDA_SUCCESS`, else the crate's error for `call`.
+pub(super) fn check(call: &'static str, result: sys::CUresult) -> Result<()> {
+    if result == SUCCESS {
+        Ok(())
+    } else {
+        Err(driver_error(call, result))
+    }
+}
+
+/// `CUDA_ERROR_NOT_READY` as `Ok(false)`, success as `Ok(true)`, anything else an error.
+pub(super) fn check_ready(call: &'static str, result: sys::CUresult) -> Result<bool> {
+    match result {
+        SUCCESS => Ok(true),
+        NOT_READY => Ok(false),
+        _ => Err(driver_error(call, result)),
+    }
+}
+
+/// [`cuGetErrorName`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__ERROR.html),
+/// falling back to the bindings' name for the value.
+pub(super) fn error_name(result: sys::CUresult) -> String {
+    if ERROR_NAMES_FROM_DRIVER.load(Ordering::Acquire) {
+        let mut name: *const c_char = ptr::null();
+        // SAFETY: the flag is set only once the library is loaded with `cuGetErrorName`
+        // (see `enable_driver_error_names`); `name` is a valid out-pointer. The call needs
+        // neither `cuInit` nor a context.
+        let r = unsafe { sys::cuGetErrorName(result, &mut name) };
+        if r == SUCCESS && !name.is_null() {
+            // SAFETY: on success the driver points `name` at a static NUL-terminated string.
+            return unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned();
+        }
+    }
+    format!("{result:?}")
+}
+
+// ---------------------------------------------------------------------------------------
+// Loading and probing
+// ---------------------------------------------------------------------------------------
+
+/// True when some candidate name of the driver library (`libcuda.so`, `libcuda.so.1`, ...)
+/// can be loaded. Loads and unloads it; nothing is kept.
+///
+/// # Safety
+/// 1. Loading the library runs its initialisers; the caller accepts running those of
+///    whatever `libcuda` the dynamic loader finds (the NVIDIA driver's).
+pub(super) unsafe fn library_present() -> bool {
+    // SAFETY: the caller accepts running the library's initialisers (precondition 1).
+    unsafe { sys::is_culib_present() }
+}
+
+/// Loads the driver library for the rest of the process (cudarc keeps it). False when
+/// loading failed (cudarc panics then; the panic is caught here).
+///
+/// # Safety
+/// 1. As for [`library_present`], which should have returned true: cudarc tries the same
+///    names in the same order, so loading then succeeds without a panic (and its message).
+pub(super) unsafe fn load_library() -> bool {
+    // SAFETY: the caller accepts running the library's initialisers (precondition 1).
+    catch_unwind(AssertUnwindSafe(|| unsafe { sys::culib() })).is_ok()
+}
+
+/// True when the loaded library exports `name` (a C function name, without NUL).
+///
+/// # Safety
+/// 1. [`load_library`] returned true.
+pub(super) unsafe fn has_symbol(name: &str) -> bool {
+    // SAFETY: the library is loaded (precondition 1), so `culib` returns it without
+    // loading or panicking. The symbol is looked up as an opaque pointer, never read or
+    // called, so its real type does not matter. (Bytes, as cudarc's own loader passes.)
+    unsafe { sys::culib().get::<*const ()>(name.as_bytes()).is_ok() }
+}
+
+/// [`cuInit`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__INITIALIZE.html)`(0)`.
+///
+/// # Safety
+/// 1. The library is loaded and exports the symbol (the "Initialised" part of the
+///    module's first precondition does not apply, as this is what initialises it).
+pub(super) unsafe fn init() -> Result<()> {
+    // SAFETY: loaded with the symbol (precondition 1); flags must be 0.
+    check("cuInit", unsafe { sys::cuInit(0) })
+}
+
+/// [`cuDriverGetVersion`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VERSION.html):
+/// e.g. 13000 for CUDA 13.0.
+///
+/// # Safety
+/// 1. The library is loaded and exports the symbol (no `cuInit` needed).
+pub(super) unsafe fn driver_get_version() -> Result<i32> {
+    let mut version = 0;
+    // SAFETY: loaded (precondition 1); `version` is a valid out-pointer.
+    check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut version) })?;
+    Ok(version)
+}
+
+/// [`cuDeviceGetCount`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+pub(super) unsafe fn device_get_count() -> Result<i32> {
+    let mut count = 0;
+    // SAFETY: initialised (precondition 1); `count` is a valid out-pointer.
+    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut count) })?;
+    Ok(count)
+}
+
+/// [`cuDeviceGet`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html):
+/// the device handle of an ordinal.
+///
+/// # Safety
+/// 1. Loaded and initialised. (An ordinal out of range is reported, not undefined.)
+pub(super) unsafe fn device_get(ordinal: i32) -> Result<sys::CUdevice> {
+    let mut device = 0;
+    // SAFETY: initialised (precondition 1); `device` is a valid out-pointer.
+    check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut device, ordinal) })?;
+    Ok(device)
+}
+
+/// [`cuDeviceGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `device` came from [`device_get`].
+pub(super) unsafe fn device_get_attribute(
+    attr: sys::CUdevice_attribute,
+    device: sys::CUdevice,
+) -> Result<i32> {
+    let mut value = 0;
+    // SAFETY: initialised, valid device (preconditions 1-2); `value` is a valid out-pointer.
+    check("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut value, attr, device) })?;
+    Ok(value)
+}
+
+/// [`cuDeviceGetName`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `device` came from [`device_get`].
+pub(super) unsafe fn device_get_name(device: sys::CUdevice) -> Result<String> {
+    let mut buf = [0 as c_char; 256];
+    // SAFETY: initialised, valid device (preconditions 1-2); the driver writes at most
+    // `len` bytes, NUL included, into `buf`, which holds that many.
+    check("cuDeviceGetName", unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, device) })?;
+    // Read up to the first NUL, and never past the buffer even if the driver wrote none.
+    let bytes: Vec<u8> = buf.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// [`cuDeviceTotalMem`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html)
+/// (`_v2`, the 64-bit one).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `device` came from [`device_get`].
+pub(super) unsafe fn device_total_mem(device: sys::CUdevice) -> Result<usize> {
+    let mut bytes = 0;
+    // SAFETY: initialised, valid device (preconditions 1-2); `bytes` is a valid out-pointer.
+    check("cuDeviceTotalMem", unsafe { sys::cuDeviceTotalMem_v2(&mut bytes, device) })?;
+    Ok(bytes)
+}
+
+// ---------------------------------------------------------------------------------------
+// Contexts
+// ---------------------------------------------------------------------------------------
+
+/// [`cuDevicePrimaryCtxRetain`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html):
+/// the device's primary context, created (and initialised) on first retain.
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `device` came from [`device_get`].
+pub(super) unsafe fn device_primary_ctx_retain(device: sys::CUdevice) -> Result<sys::CUcontext> {
+    let mut ctx = ptr::null_mut();
+    // SAFETY: initialised, valid device (preconditions 1-2); `ctx` is a valid out-pointer.
+    check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device) })?;
+    Ok(ctx)
+}
+
+/// [`cuCtxGetCurrent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html):
+/// the calling thread's current context, null when it has none.
+///
+/// # Safety
+/// 1. Loaded and initialised.
+pub(super) unsafe fn ctx_get_current() -> Result<sys::CUcontext> {
+    let mut ctx = ptr::null_mut();
+    // SAFETY: initialised (precondition 1); `ctx` is a valid out-pointer.
+    check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) })?;
+    Ok(ctx)
+}
+
+/// [`cuCtxSetCurrent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html):
+/// replaces the top of the calling thread's context stack (pushes onto an empty stack);
+/// null pops it.
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `ctx` is null or a live context.
+pub(super) unsafe fn ctx_set_current(ctx: sys::CUcontext) -> Result<()> {
+    // SAFETY: initialised (precondition 1); `ctx` is null or live (precondition 2).
+    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })
+}
+
+/// [`cuCtxPushCurrent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `ctx` is a live context.
+/// 3. The caller pops it again with [`ctx_pop_current`] on this thread.
+pub(super) unsafe fn ctx_push_current(ctx: sys::CUcontext) -> Result<()> {
+    // SAFETY: initialised, live context (preconditions 1-2).
+    check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(ctx) })
+}
+
+/// [`cuCtxPopCurrent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html):
+/// pops the calling thread's current context and returns it.
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. The context on top of this thread's stack is one the caller pushed.
+pub(super) unsafe fn ctx_pop_current() -> Result<sys::CUcontext> {
+    let mut ctx = ptr::null_mut();
+    // SAFETY: initialised (precondition 1); the caller owns the top of the stack
+    // (precondition 2); `ctx` is a valid out-pointer.
+    check("cuCtxPopCurrent", unsafe { sys::cuCtxPopCurrent_v2(&mut ctx) })?;
+    Ok(ctx)
+}
+
+/// [`cuCtxGetDevice`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html):
+/// the device of the current context.
+///
+/// # Safety
+/// 1. Loaded and initialised. (No current context is reported as an error.)
+pub(super) unsafe fn ctx_get_device() -> Result<sys::CUdevice> {
+    let mut device = 0;
+    // SAFETY: initialised (precondition 1); `device` is a valid out-pointer.
+    check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut device) })?;
+    Ok(device)
+}
+
+/// [`cuCtxSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html):
+/// waits for all work of the current context.
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current.
+pub(super) unsafe fn ctx_synchronize() -> Result<()> {
+    // SAFETY: initialised with a current context (precondition 1).
+    check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+}
+
+// ---------------------------------------------------------------------------------------
+// Memory
+// ---------------------------------------------------------------------------------------
+
+/// [`cuMemGetInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+/// (`_v2`): (free, total) bytes of the current context's device.
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current.
+pub(super) unsafe fn mem_get_info() -> Result<(usize, usize)> {
+    let (mut free, mut total) = (0, 0);
+    // SAFETY: initialised with a current context (precondition 1); valid out-pointers.
+    check("cuMemGetInfo", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+    Ok((free, total))
+}
+
+/// [`cuMemAlloc`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (`_v2`).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (the memory belongs to it).
+pub(super) unsafe fn mem_alloc(bytes: usize) -> Result<sys::CUdeviceptr> {
+    let mut dptr = 0;
+    // SAFETY: initialised with a current context (precondition 1); valid out-pointer.
+    check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut dptr, bytes) })?;
+    Ok(dptr)
+}
+
+/// [`cuMemFree`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (`_v2`).
+/// Synchronous: waits for work on the device that may use the memory.
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current.
+/// 2. No work still to run uses the memory after this call (the call itself orders the
+///    free after work already enqueued).
+pub(super) unsafe fn mem_free(dptr: sys::CUdeviceptr) -> Result<()> {
+    // SAFETY: preconditions 1-2; the driver rejects pointers it did not allocate.
+    check("cuMemFree", unsafe { sys::cuMemFree_v2(dptr) })
+}
+
+/// [`cuMemAllocManaged`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+/// with `CU_MEM_ATTACH_GLOBAL`.
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current.
+pub(super) unsafe fn mem_alloc_managed(bytes: usize) -> Result<sys::CUdeviceptr> {
+    let mut dptr = 0;
+    let flags = sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32;
+    // SAFETY: initialised with a current context (precondition 1); valid out-pointer.
+    check("cuMemAllocManaged", unsafe { sys::cuMemAllocManaged(&mut dptr, bytes, flags) })?;
+    Ok(dptr)
+}
+
+/// [`cuMemHostAlloc`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+/// with `CU_MEMHOSTALLOC_PORTABLE` (pinned for every context, not only the current one).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current.
+pub(super) unsafe fn mem_host_alloc(bytes: usize) -> Result<*mut c_void> {
+    let mut host = ptr::null_mut();
+    // SAFETY: initialised with a current context (precondition 1); valid out-pointer.
+    check("cuMemHostAlloc", unsafe { sys::cuMemHostAlloc(&mut host, bytes, sys::CU_MEMHOSTALLOC_PORTABLE) })?;
+    Ok(host)
+}
+
+/// [`cuMemFreeHost`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current.
+/// 2. Nothing (host or device work still to run) uses the memory after this call.
+pub(super) unsafe fn mem_free_host(host: *mut c_void) -> Result<()> {
+    // SAFETY: preconditions 1-2; the driver rejects pointers it did not allocate.
+    check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(host) })
+}
+
+/// [`cuMemsetD8Async`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (for the default stream handles:
+///    the one whose stream is meant).
+/// 2. `stream` is a default stream handle or a live stream.
+/// 3. `[dptr, dptr + bytes)` is memory the driver knows (it reports other ranges) and
+///    nothing else accesses it unordered with this write.
+pub(super) unsafe fn memset_d8_async(
+    dptr: sys::CUdeviceptr,
+    value: u8,
+    bytes: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: preconditions 1-3.
+    check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(dptr, value, bytes, stream) })
+}
+
+/// [`cuMemcpyAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html):
+/// unified addressing infers the direction, so either side may be host memory.
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (for the default stream handles:
+///    the one whose stream is meant).
+/// 2. `stream` is a default stream handle or a live stream.
+/// 3. `src` is readable and `dst` writable for `bytes` bytes until the copy has
+///    completed (device memory, memory the driver allocated, or host memory the caller
+///    keeps alive), and nothing accesses `dst` unordered with the copy.
+pub(super) unsafe fn memcpy_async(
+    dst: sys::CUdeviceptr,
+    src: sys::CUdeviceptr,
+    bytes: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: preconditions 1-3.
+    check("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, bytes, stream) })
+}
+
+/// [`cuMemPrefetchAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__UNIFIED.html)
+/// in its CUDA 12.2+ form (`cuMemPrefetchAsync_v2`, the one CUDA 13's header names
+/// `cuMemPrefetchAsync`), with a location and flags 0.
+///
+/// # Safety
+/// 1. Loaded and initialised, and the probe found `cuMemPrefetchAsync_v2`; a context is
+///    current (for the default stream handles: the one whose stream is meant).
+/// 2. `stream` is a default stream handle or a live stream.
+/// 3. `[dptr, dptr + bytes)` is managed memory (the driver reports other memory).
+pub(super) unsafe fn mem_prefetch_async(
+    dptr: sys::CUdeviceptr,
+    bytes: usize,
+    location: sys::CUmemLocation,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: preconditions 1-3; `location` is passed by value.
+    check("cuMemPrefetchAsync", unsafe { sys::cuMemPrefetchAsync_v2(dptr, bytes, location, 0, stream) })
+}
+
+/// [`cuPointerGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__UNIFIED.html)`(CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE)`:
+/// the pool an allocation came from; null for memory not from a pool.
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current. (Any pointer value may be asked
+///    about: the driver reports those it does not know.)
+pub(super) unsafe fn pointer_get_mempool(dptr: sys::CUdeviceptr) -> Result<sys::CUmemoryPool> {
+    let mut pool: sys::CUmemoryPool = ptr::null_mut();
+    let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE;
+    // SAFETY: precondition 1; this attribute's value is a `CUmemoryPool`, which `pool`
+    // has room for.
+    check("cuPointerGetAttribute", unsafe {
+        sys::cuPointerGetAttribute((&mut pool as *mut sys::CUmemoryPool).cast::<c_void>(), attr, dptr)
+    })?;
+    Ok(pool)
+}
+
+// ---------------------------------------------------------------------------------------
+// Stream-ordered pools
+// ---------------------------------------------------------------------------------------
+
+/// [`cuDeviceGetDefaultMemPool`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `device` came from [`device_get`].
+pub(super) unsafe fn device_get_default_mem_pool(device: sys::CUdevice) -> Result<sys::CUmemoryPool> {
+    let mut pool = ptr::null_mut();
+    // SAFETY: preconditions 1-2; valid out-pointer.
+    check("cuDeviceGetDefaultMemPool", unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, device) })?;
+    Ok(pool)
+}
+
+/// [`cuDeviceGetMemPool`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html):
+/// the pool `cuMemAllocAsync` uses on the device.
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `device` came from [`device_get`].
+pub(super) unsafe fn device_get_mem_pool(device: sys::CUdevice) -> Result<sys::CUmemoryPool> {
+    let mut pool = ptr::null_mut();
+    // SAFETY: preconditions 1-2; valid out-pointer.
+    check("cuDeviceGetMemPool", unsafe { sys::cuDeviceGetMemPool(&mut pool, device) })?;
+    Ok(pool)
+}
+
+/// [`cuDeviceSetMemPool`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `device` came from [`device_get`]; `pool` is a live pool (the driver refuses a
+///    pool of another device).
+pub(super) unsafe fn device_set_mem_pool(device: sys::CUdevice, pool: sys::CUmemoryPool) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    check("cuDeviceSetMemPool", unsafe { sys::cuDeviceSetMemPool(device, pool) })
+}
+
+/// [`cuMemGetDefaultMemPool`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+/// (CUDA 13).
+///
+/// # Safety
+/// 1. Loaded and initialised, and the probe found `cuMemGetDefaultMemPool`.
+pub(super) unsafe fn mem_get_default_mem_pool(
+    mut location: sys::CUmemLocation,
+    kind: sys::CUmemAllocationType,
+) -> Result<sys::CUmemoryPool> {
+    let mut pool = ptr::null_mut();
+    // SAFETY: precondition 1; `pool` and `location` are valid pointers (the driver only
+    // reads `location`).
+    check("cuMemGetDefaultMemPool", unsafe { sys::cuMemGetDefaultMemPool(&mut pool, &mut location, kind) })?;
+    Ok(pool)
+}
+
+/// [`cuMemGetMemPool`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+/// (CUDA 13).
+///
+/// # Safety
+/// 1. Loaded and initialised, and the probe found `cuMemGetMemPool`.
+pub(super) unsafe fn mem_get_mem_pool(
+    mut location: sys::CUmemLocation,
+    kind: sys::CUmemAllocationType,
+) -> Result<sys::CUmemoryPool> {
+    let mut pool = ptr::null_mut();
+    // SAFETY: precondition 1; `pool` and `location` are valid pointers (the driver only
+    // reads `location`).
+    check("cuMemGetMemPool", unsafe { sys::cuMemGetMemPool(&mut pool, &mut location, kind) })?;
+    Ok(pool)
+}
+
+/// [`cuMemPoolCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `props` is fully initialised with its reserved bytes zero (the driver reports
+///    values it does not support).
+pub(super) unsafe fn mem_pool_create(props: &sys::CUmemPoolProps) -> Result<sys::CUmemoryPool> {
+    let mut pool = ptr::null_mut();
+    // SAFETY: preconditions 1-2; `props` outlives the call; valid out-pointer.
+    check("cuMemPoolCreate", unsafe { sys::cuMemPoolCreate(&mut pool, props) })?;
+    Ok(pool)
+}
+
+/// [`cuMemPoolDestroy`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+/// Outstanding allocations keep the pool's memory until they are freed.
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `pool` is a live pool that the caller created and nobody uses after this call
+///    (the driver refuses to destroy a device's default pool).
+pub(super) unsafe fn mem_pool_destroy(pool: sys::CUmemoryPool) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    check("cuMemPoolDestroy", unsafe { sys::cuMemPoolDestroy(pool) })
+}
+
+/// [`cuMemPoolGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+/// for an attribute whose value is a `cuuint64_t`.
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `pool` is a live pool.
+/// 3. `attr`'s value type is `cuuint64_t` (the release threshold and the reserved/used
+///    memory counters are).
+pub(super) unsafe fn mem_pool_get_attribute_u64(
+    pool: sys::CUmemoryPool,
+    attr: sys::CUmemPool_attribute,
+) -> Result<u64> {
+    let mut value: sys::cuuint64_t = 0;
+    // SAFETY: preconditions 1-2; `value` has the attribute's type (precondition 3).
+    check("cuMemPoolGetAttribute", unsafe {
+        sys::cuMemPoolGetAttribute(pool, attr, (&mut value as *mut sys::cuuint64_t).cast::<c_void>())
+    })?;
+    Ok(value)
+}
+
+/// [`cuMemPoolSetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+/// for an attribute whose value is a `cuuint64_t`.
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `pool` is a live pool.
+/// 3. `attr`'s value type is `cuuint64_t`. (Of the counters, only a high-water mark may
+///    be set, and only to 0; the driver reports other writes.)
+pub(super) unsafe fn mem_pool_set_attribute_u64(
+    pool: sys::CUmemoryPool,
+    attr: sys::CUmemPool_attribute,
+    value: u64,
+) -> Result<()> {
+    let mut value: sys::cuuint64_t = value;
+    // SAFETY: preconditions 1-2; `value` has the attribute's type (precondition 3) and the
+    // driver only reads it.
+    check("cuMemPoolSetAttribute", unsafe {
+        sys::cuMemPoolSetAttribute(pool, attr, (&mut value as *mut sys::cuuint64_t).cast::<c_void>())
+    })
+}
+
+/// [`cuMemPoolTrimTo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `pool` is a live pool.
+pub(super) unsafe fn mem_pool_trim_to(pool: sys::CUmemoryPool, keep_bytes: usize) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    check("cuMemPoolTrimTo", unsafe { sys::cuMemPoolTrimTo(pool, keep_bytes) })
+}
+
+/// [`cuMemAllocFromPoolAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (for the default stream handles:
+///    the one whose stream is meant).
+/// 2. `pool` is a live pool; `stream` is a default stream handle or a live stream.
+pub(super) unsafe fn mem_alloc_from_pool_async(
+    bytes: usize,
+    pool: sys::CUmemoryPool,
+    stream: sys::CUstream,
+) -> Result<sys::CUdeviceptr> {
+    let mut dptr = 0;
+    // SAFETY: preconditions 1-2; valid out-pointer.
+    check("cuMemAllocFromPoolAsync", unsafe {
+        sys::cuMemAllocFromPoolAsync(&mut dptr, bytes, pool, stream)
+    })?;
+    Ok(dptr)
+}
+
+/// [`cuMemFreeAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (for the default stream handles:
+///    the one whose stream is meant).
+/// 2. `stream` is a default stream handle or a live stream.
+/// 3. `dptr` came from a stream-ordered allocation that is not freed yet, and no work is
+///    enqueued after this call, unordered with it, that uses the memory.
+pub(super) unsafe fn mem_free_async(dptr: sys::CUdeviceptr, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: preconditions 1-3.
+    check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(dptr, stream) })
+}
+
+// ---------------------------------------------------------------------------------------
+// Streams and events
+// ---------------------------------------------------------------------------------------
+
+/// [`cuStreamCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (the stream belongs to it).
+pub(super) unsafe fn stream_create(non_blocking: bool) -> Result<sys::CUstream> {
+    let flags = if non_blocking {
+        sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32
+    } else {
+        sys::CUstream_flags::CU_STREAM_DEFAULT as u32
+    };
+    let mut stream = ptr::null_mut();
+    // SAFETY: precondition 1; valid out-pointer.
+    check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut stream, flags) })?;
+    Ok(stream)
+}
+
+/// [`cuStreamDestroy`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+/// (`_v2`). Work already enqueued still runs; the handle is dead on return.
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `stream` is a live stream (not a default stream handle) that nobody uses after this.
+pub(super) unsafe fn stream_destroy(stream: sys::CUstream) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    check("cuStreamDestroy", unsafe { sys::cuStreamDestroy_v2(stream) })
+}
+
+/// [`cuStreamGetId`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+/// (CUDA 12.0+).
+///
+/// # Safety
+/// 1. Loaded and initialised, and the probe found `cuStreamGetId`; a context is current
+///    (for the default stream handles: the one whose stream is meant).
+/// 2. `stream` is a default stream handle or a live stream.
+pub(super) unsafe fn stream_get_id(stream: sys::CUstream) -> Result<u64> {
+    let mut id: std::ffi::c_ulonglong = 0;
+    // SAFETY: preconditions 1-2; valid out-pointer.
+    check("cuStreamGetId", unsafe { sys::cuStreamGetId(stream, &mut id) })?;
+    Ok(id)
+}
+
+/// [`cuStreamGetDevice`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+/// (CUDA 12.8+).
+///
+/// # Safety
+/// 1. Loaded and initialised, and the probe found `cuStreamGetDevice`.
+/// 2. `stream` is a live stream (not a default stream handle).
+pub(super) unsafe fn stream_get_device(stream: sys::CUstream) -> Result<sys::CUdevice> {
+    let mut device = 0;
+    // SAFETY: preconditions 1-2; valid out-pointer.
+    check("cuStreamGetDevice", unsafe { sys::cuStreamGetDevice(stream, &mut device) })?;
+    Ok(device)
+}
+
+/// [`cuStreamGetCtx`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `stream` is a live stream (not a default stream handle).
+pub(super) unsafe fn stream_get_ctx(stream: sys::CUstream) -> Result<sys::CUcontext> {
+    let mut ctx = ptr::null_mut();
+    // SAFETY: preconditions 1-2; valid out-pointer.
+    check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(stream, &mut ctx) })?;
+    Ok(ctx)
+}
+
+/// [`cuStreamSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (for the default stream handles:
+///    the one whose stream is meant).
+/// 2. `stream` is a default stream handle or a live stream.
+pub(super) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(stream) })
+}
+
+/// [`cuStreamQuery`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html):
+/// true when all work on the stream has completed (`CUDA_ERROR_NOT_READY` is false).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (for the default stream handles:
+///    the one whose stream is meant).
+/// 2. `stream` is a default stream handle or a live stream.
+pub(super) unsafe fn stream_query(stream: sys::CUstream) -> Result<bool> {
+    // SAFETY: preconditions 1-2.
+    check_ready("cuStreamQuery", unsafe { sys::cuStreamQuery(stream) })
+}
+
+/// [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+/// (flags 0).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (for the default stream handles:
+///    the one whose stream is meant).
+/// 2. `stream` is a default stream handle or a live stream; `event` is a live event.
+pub(super) unsafe fn stream_wait_event(stream: sys::CUstream, event: sys::CUevent) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream, event, 0) })
+}
+
+/// [`cuEventCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
+/// with `CU_EVENT_DISABLE_TIMING` (the cheap kind, for ordering only).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (the event belongs to it).
+pub(super) unsafe fn event_create() -> Result<sys::CUevent> {
+    let mut event = ptr::null_mut();
+    let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    // SAFETY: precondition 1; valid out-pointer.
+    check("cuEventCreate", unsafe { sys::cuEventCreate(&mut event, flags) })?;
+    Ok(event)
+}
+
+/// [`cuEventDestroy`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
+/// (`_v2`). Safe while recorded work is pending: the driver releases it afterwards.
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `event` is a live event that nobody uses after this call.
+pub(super) unsafe fn event_destroy(event: sys::CUevent) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(event) })
+}
+
+/// [`cuEventRecord`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (for the default stream handles:
+///    the one whose stream is meant).
+/// 2. `event` is a live event; `stream` a default stream handle or a live stream of the
+///    event's context.
+pub(super) unsafe fn event_record(event: sys::CUevent, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    check("cuEventRecord", unsafe { sys::cuEventRecord(event, stream) })
+}
+
+/// [`cuEventQuery`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html):
+/// true when the recorded work has completed (or nothing was recorded).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `event` is a live event.
+pub(super) unsafe fn event_query(event: sys::CUevent) -> Result<bool> {
+    // SAFETY: preconditions 1-2.
+    check_ready("cuEventQuery", unsafe { sys::cuEventQuery(event) })
+}
+
+/// [`cuEventSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `event` is a live event.
+pub(super) unsafe fn event_synchronize(event: sys::CUevent) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event) })
+}
+
+// ---------------------------------------------------------------------------------------
+// Only for tests
+// ---------------------------------------------------------------------------------------
+
+/// [`cuCtxCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html)
+/// (`_v4`, CUDA 12.5+, no parameters): a new context, made current on this thread.
+///
+/// # Safety
+/// 1. Loaded and initialised, and the library exports `cuCtxCreate_v4`.
+/// 2. `device` came from [`device_get`].
+/// 3. The caller destroys the context with [`ctx_destroy`].
+#[cfg(test)]
+pub(super) unsafe fn ctx_create(device: sys::CUdevice) -> Result<sys::CUcontext> {
+    let mut ctx = ptr::null_mut();
+    // SAFETY: preconditions 1-2; null parameters mean none; valid out-pointer.
+    check("cuCtxCreate", unsafe { sys::cuCtxCreate_v4(&mut ctx, ptr::null_mut(), 0, device) })?;
+    Ok(ctx)
+}
+
+/// [`cuCtxDestroy`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html) (`_v2`).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `ctx` came from [`ctx_create`] and nobody uses it (or anything in it) afterwards.
+#[cfg(test)]
+pub(super) unsafe fn ctx_destroy(ctx: sys::CUcontext) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    check("cuCtxDestroy", unsafe { sys::cuCtxDestroy_v2(ctx) })
+}

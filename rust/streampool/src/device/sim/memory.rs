@@ -1,0 +1,210 @@
+//! Simulated memory: real host allocations standing in for device, managed and pinned
+//! memory, and the map of live allocations that every call is validated against.
+
+use std::alloc::Layout;
+
+use super::{oom, State};
+use crate::device::{DevPtr, RawPool};
+use crate::error::{Error, Result};
+
+/// Alignment of every simulated allocation (and the rounding of its accounted size).
+pub(super) const ALIGN: usize = 256;
+
+/// Rounds `bytes` up to [`ALIGN`]; `None` on overflow.
+pub(super) fn round_up(bytes: usize, to: usize) -> Option<usize> {
+    bytes.checked_add(to - 1).map(|b| b / to * to)
+}
+
+/// A zeroed host allocation aligned to [`ALIGN`], freed on drop.
+///
+/// The address is kept as an integer (device pointers are integers on the host); its
+/// provenance is exposed so that the executing operations can turn it back into a
+/// pointer.
+#[derive(Debug)]
+pub(super) struct HostBlock {
+    addr: u64,
+    layout: Layout,
+}
+
+impl HostBlock {
+    /// `None` when the host cannot provide `bytes`.
+    pub(super) fn new(bytes: usize) -> Option<Self> {
+        let layout = Layout::from_size_align(bytes.max(1), ALIGN).ok()?;
+        // SAFETY: `layout` has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return None;
+        }
+        Some(HostBlock { addr: ptr.expose_provenance() as u64, layout })
+    }
+
+    pub(super) fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.layout.size()
+    }
+}
+
+impl Drop for HostBlock {
+    fn drop(&mut self) {
+        // SAFETY: `addr` came from `alloc_zeroed` with `layout` (its provenance exposed
+        // there), and a `HostBlock` is dropped once.
+        unsafe { std::alloc::dealloc(std::ptr::with_exposed_provenance_mut(self.addr as usize), self.layout) }
+    }
+}
+
+/// What kind of memory an allocation is, i.e. which call frees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum AllocKind {
+    /// `cuMemAlloc`.
+    Device,
+    /// `cuMemAllocManaged`.
+    Managed,
+    /// `cuMemHostAlloc`.
+    Pinned,
+    /// `cuMemAllocFromPoolAsync` from this pool (inside one of its chunks).
+    Pool(RawPool),
+}
+
+/// A live allocation.
+#[derive(Debug)]
+pub(super) struct Alloc {
+    /// Bytes asked for: accesses must stay inside them.
+    pub(super) bytes: usize,
+    /// Bytes accounted (rounded up to [`ALIGN`]).
+    pub(super) size: usize,
+    pub(super) kind: AllocKind,
+    pub(super) dev: i32,
+    /// The backing memory, except for pool allocations (their pool's chunk holds it).
+    pub(super) block: Option<HostBlock>,
+}
+
+impl State {
+    /// `cuMemAlloc`, `cuMemAllocManaged`, `cuMemHostAlloc`.
+    pub(super) fn alloc_plain(&mut self, dev: i32, bytes: usize, kind: AllocKind) -> Result<DevPtr> {
+        let call = match kind {
+            AllocKind::Device => "cuMemAlloc",
+            AllocKind::Managed => "cuMemAllocManaged",
+            AllocKind::Pinned => "cuMemHostAlloc",
+            AllocKind::Pool(_) => unreachable!("pool allocations are made by the pool model"),
+        };
+        if bytes == 0 {
+            return Err(Error::Driver {
+                call,
+                code: crate::error::CUDA_ERROR_INVALID_VALUE,
+                name: "CUDA_ERROR_INVALID_VALUE".into(),
+                context: String::new(),
+            });
+        }
+        let size = round_up(bytes, ALIGN).ok_or_else(|| oom(call))?;
+        let counted = kind != AllocKind::Pinned;
+        if counted && size > self.free_bytes(dev) {
+            return Err(oom(call));
+        }
+        let block = HostBlock::new(size).ok_or_else(|| oom(call))?;
+        let addr = block.addr();
+        if counted {
+            self.devices[dev as usize].allocated += size;
+        }
+        self.allocs.insert(addr, Alloc { bytes, size, kind, dev, block: Some(block) });
+        Ok(addr)
+    }
+
+    /// `cuMemFree` (`pinned` false) and `cuMemFreeHost` (`pinned` true). Validates
+    /// before anything else, so that a bad pointer changes nothing.
+    pub(super) fn free_plain(&mut self, ptr: DevPtr, pinned: bool) -> Result<()> {
+        let call = if pinned { "cuMemFreeHost" } else { "cuMemFree" };
+        let Some(a) = self.allocs.get(&ptr) else {
+            return Err(Error::InvalidPointer(format!(
+                "{call}({ptr:#x}): not the start of a live allocation of {} (double free, or foreign pointer)",
+                self.name
+            )));
+        };
+        let ok = match a.kind {
+            AllocKind::Device | AllocKind::Managed => !pinned,
+            AllocKind::Pinned => pinned,
+            AllocKind::Pool(_) => false,
+        };
+        if !ok {
+            let what = match a.kind {
+                AllocKind::Device => "device memory from cuMemAlloc (free it with cuMemFree)".to_string(),
+                AllocKind::Managed => "managed memory from cuMemAllocManaged (free it with cuMemFree)".into(),
+                AllocKind::Pinned => {
+                    "pinned host memory from cuMemHostAlloc (free it with cuMemFreeHost)".into()
+                }
+                AllocKind::Pool(p) => format!("from memory pool {p:#x} (free it with cuMemFreeAsync)"),
+            };
+            return Err(Error::InvalidPointer(format!("{call}({ptr:#x}): the pointer is {what}")));
+        }
+        // Synchronous: waits for the whole device first (rule 4 of "ordered").
+        self.run_all();
+        let a = self.allocs.remove(&ptr).expect("checked above");
+        if a.kind != AllocKind::Pinned {
+            self.devices[a.dev as usize].allocated -= a.size;
+        }
+        drop(a.block);
+        Ok(())
+    }
+
+    /// Device bytes not taken by allocations or pool reservations.
+    pub(super) fn free_bytes(&self, dev: i32) -> usize {
+        let d = &self.devices[dev as usize];
+        self.capacity.saturating_sub(d.allocated + d.reserved)
+    }
+
+    /// The live allocation that holds all of `[ptr, ptr + bytes)`, if any.
+    pub(super) fn alloc_containing(&self, ptr: DevPtr, bytes: usize) -> Option<(DevPtr, &Alloc)> {
+        let (&start, a) = self.allocs.range(..=ptr).next_back()?;
+        let end = ptr.checked_add(bytes as u64)?;
+        (end <= start + a.bytes as u64).then_some((start, a))
+    }
+
+    /// Whether any byte of `[ptr, ptr + bytes)` is simulated memory: a live allocation or
+    /// a pool chunk.
+    pub(super) fn overlaps_sim_memory(&self, ptr: DevPtr, bytes: usize) -> bool {
+        let end = ptr.saturating_add(bytes as u64);
+        let hits = |start: u64, len: usize| start + len as u64 > ptr;
+        self.allocs.range(..end).next_back().is_some_and(|(&s, a)| hits(s, a.size))
+            || self.chunks.range(..end).next_back().is_some_and(|(&s, &(len, _))| hits(s, len))
+    }
+
+    /// Whether `[ptr, ptr + bytes)` is still backed by host memory this device owns (a
+    /// live non-pool allocation, or a chunk of a pool). Checked before every write or
+    /// read of simulated memory, so that no executing operation touches freed memory.
+    pub(super) fn backed(&self, ptr: DevPtr, bytes: usize) -> bool {
+        let end = ptr.saturating_add(bytes as u64);
+        let inside = |start: u64, len: usize| end <= start + len as u64;
+        self.allocs
+            .range(..=ptr)
+            .next_back()
+            .is_some_and(|(&s, a)| a.block.as_ref().is_some_and(|b| inside(s, b.len())))
+            || self.chunks.range(..=ptr).next_back().is_some_and(|(&s, &(len, _))| inside(s, len))
+    }
+
+    /// Validates a range that a safe operation touches: it must lie inside one live
+    /// allocation.
+    pub(super) fn check_range(&self, ptr: DevPtr, bytes: usize, what: &str) -> Result<()> {
+        if self.alloc_containing(ptr, bytes).is_some() {
+            return Ok(());
+        }
+        Err(Error::InvalidPointer(format!(
+            "{what}: [{ptr:#x}, +{bytes}) is not inside a live allocation of {} (use after free?)",
+            self.name
+        )))
+    }
+
+    /// Classifies one side of a copy: `Ok(true)` for simulated memory (validated like
+    /// [`Self::check_range`]), `Ok(false)` for host memory the device knows nothing of.
+    pub(super) fn classify_copy_side(&self, ptr: DevPtr, bytes: usize, what: &str) -> Result<bool> {
+        if self.overlaps_sim_memory(ptr, bytes) {
+            self.check_range(ptr, bytes, what)?;
+            Ok(true)
+        } else if ptr == 0 {
+            Err(Error::InvalidPointer(format!("{what}: null pointer")))
+        } else {
+            Ok(false)
+        }
+    }
+}

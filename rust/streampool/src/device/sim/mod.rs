@@ -1,0 +1,859 @@
+//! The simulated device: host memory standing in for device memory, streams as queues
+//! whose work runs only when told, and a happens-before race detector.
+//!
+//! # Model
+//!
+//! * **Memory.** Every allocation is a real, zeroed host allocation aligned to 256
+//!   bytes, so pointers are host addresses and data round-trips through memset/memcpy.
+//!   Device, managed and pool memory count against the capacity the device was made
+//!   with (managed memory does not oversubscribe here, so that out-of-memory paths of
+//!   managed resources are testable); pinned host memory does not. Every call that
+//!   names memory is validated against the live allocations: freeing something not
+//!   live (double free, foreign pointer) or with the wrong call, and touching bytes
+//!   outside a live allocation (use after free), are errors, and change nothing.
+//! * **Streams.** Handles 0 and 1 are the legacy default stream and 2 the calling
+//!   thread's per-thread default stream (one per host thread, made on first use). Created
+//!   streams get handles counting up from `0x1000`; a destroyed stream's handle is
+//!   reused, most recently destroyed first, while its queued work still runs. Each
+//!   stream also has an id that is never reused (`cuStreamGetId`). A handle that names
+//!   no live stream is an error.
+//! * **Execution.** Work runs only when the program says so: [`SimDevice::step`],
+//!   [`SimDevice::step_any`], [`SimDevice::run`], or a host synchronisation (stream,
+//!   event, context; `cuMemFree` and `cuMemFreeHost`, which wait for the whole device).
+//!   A synchronisation runs only what it waits for. Event and stream queries never run
+//!   work. The ordering model (module `exec`) is the design's "ordered".
+//! * **Race detector.** Each memory access is checked when it executes against the
+//!   previous conflicting access to the same bytes (module `detector`); unordered pairs are
+//!   kept as [`Race`]s, each pair once.
+//! * **Pools.** The driver's stream-ordered pools with its default reuse policy,
+//!   release threshold, trimming and attributes (module `pool`).
+//!
+//! # Lifetime
+//!
+//! [`SimDevice::activate`] makes a device the process's backend until its [`SimGuard`]
+//! is dropped; the device is then closed: every call on it fails with a clear error,
+//! except the destroy and free family, which succeed silently (objects dropped after a
+//! simulation ends must neither fail nor print). All state lives in the device, behind
+//! one lock that is never held across a call out of this module.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::ThreadId;
+
+use crate::device::{
+    Backend, BackendKind, DevPtr, DeviceInfo, Location, PoolAttr, PoolProps, RawEvent, RawPool, RawStream,
+    LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM,
+};
+use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};
+
+mod clock;
+mod detector;
+mod exec;
+mod memory;
+mod pool;
+#[cfg(test)]
+mod tests;
+
+use clock::VClock;
+pub use detector::{OpInfo, OpKind, Race, MAX_RACES};
+use exec::{Op, Work};
+use memory::AllocKind;
+use pool::Pool;
+
+/// The driver version the simulated device reports (CUDA 13.0).
+pub const SIM_DRIVER_VERSION: i32 = 13000;
+
+/// The first handle of a created stream; later ones count up by `STREAM_HANDLE_STEP`.
+const FIRST_STREAM_HANDLE: RawStream = 0x1000;
+const STREAM_HANDLE_STEP: RawStream = 0x10;
+/// The first event handle; later ones count up by 0x10.
+const FIRST_EVENT_HANDLE: RawEvent = 0xe000_0000;
+
+/// Ids of simulated devices; 0 is the CUDA backend.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A simulated CUDA device (or several, with [`SimDevice::with_devices`]). See the
+/// module docs for what it models. Any thread may call anything.
+pub struct SimDevice {
+    id: u64,
+    capacity: usize,
+    devices: i32,
+    closed: AtomicBool,
+    state: Mutex<State>,
+}
+
+/// Keeps a [`SimDevice`] active (the process's backend) until dropped; dropping it
+/// closes the device.
+#[must_use = "the device is deactivated (and closed) when the guard is dropped"]
+pub struct SimGuard {
+    device: Arc<SimDevice>,
+}
+
+impl SimGuard {
+    /// The active device.
+    pub fn device(&self) -> &Arc<SimDevice> {
+        &self.device
+    }
+}
+
+impl Drop for SimGuard {
+    fn drop(&mut self) {
+        self.device.deactivate();
+    }
+}
+
+impl fmt::Debug for SimGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SimGuard({})", self.device.describe())
+    }
+}
+
+impl fmt::Debug for SimDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimDevice")
+            .field("id", &self.id)
+            .field("capacity", &self.capacity)
+            .field("devices", &self.devices)
+            .field("closed", &self.is_closed())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Everything the device knows, behind one lock.
+#[derive(Debug)]
+struct State {
+    /// "simulated device #N", for messages.
+    name: String,
+    /// Per device.
+    capacity: usize,
+    devices: Vec<DevState>,
+    /// Streams by id, including destroyed ones whose work has not all run.
+    streams: BTreeMap<u64, StreamState>,
+    /// Live created streams by handle.
+    handles: HashMap<RawStream, u64>,
+    /// Per-thread default streams by (thread, device).
+    per_thread: HashMap<(ThreadId, i32), u64>,
+    /// Handles of destroyed streams, the most recently destroyed last.
+    free_handles: Vec<RawStream>,
+    next_handle: RawStream,
+    next_stream_id: u64,
+    events: HashMap<RawEvent, EventState>,
+    next_event: RawEvent,
+    /// Live allocations by address (pool allocations included).
+    allocs: BTreeMap<u64, memory::Alloc>,
+    /// Pool chunks by address: (length, pool).
+    chunks: BTreeMap<u64, (usize, RawPool)>,
+    pools: BTreeMap<RawPool, Pool>,
+    next_pool: RawPool,
+    /// Operations executed so far (the completion order).
+    completions: u64,
+    /// Operations queued on all streams.
+    pending: usize,
+    /// Stream id last stepped by `step_any`.
+    cursor: u64,
+    /// Kernel writes enqueued so far (their fill pattern).
+    writes: u64,
+    shadow: detector::Shadow,
+    races: detector::RaceLog,
+}
+
+#[derive(Debug)]
+struct DevState {
+    /// Id of its legacy default stream.
+    legacy: u64,
+    /// Bytes of device and managed allocations.
+    allocated: usize,
+    /// Bytes reserved by its pools.
+    reserved: usize,
+    /// Default and current pools, indexed by `managed as usize`.
+    default_pool: [RawPool; 2],
+    current_pool: [RawPool; 2],
+}
+
+#[derive(Debug)]
+struct StreamState {
+    /// The handle it is known by (0 for legacy, 2 for per-thread).
+    handle: RawStream,
+    dev: i32,
+    /// Synchronises with the legacy stream (the legacy and per-thread default streams,
+    /// and streams created blocking).
+    blocking: bool,
+    legacy: bool,
+    /// False once destroyed.
+    live: bool,
+    /// Last sequence number given out.
+    seq: u64,
+    /// Last sequence number executed.
+    completed: u64,
+    /// What later work on the stream is ordered after (pruned of completed work).
+    clock: VClock,
+    queue: VecDeque<Op>,
+}
+
+impl StreamState {
+    fn new(handle: RawStream, dev: i32, blocking: bool, legacy: bool) -> Self {
+        StreamState {
+            handle,
+            dev,
+            blocking,
+            legacy,
+            live: true,
+            seq: 0,
+            completed: 0,
+            clock: VClock::default(),
+            queue: VecDeque::new(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct EventState {
+    dev: i32,
+    /// Where it was last recorded: the record operation (stream id, seq) and its clock.
+    recorded: Option<(u64, u64, VClock)>,
+}
+
+/// `CUDA_ERROR_OUT_OF_MEMORY` from `call`.
+fn oom(call: &'static str) -> Error {
+    Error::Driver {
+        call,
+        code: CUDA_ERROR_OUT_OF_MEMORY,
+        name: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+        context: String::new(),
+    }
+}
+
+/// "16 GiB", "64 MiB", "1000 bytes".
+fn human_bytes(n: usize) -> String {
+    for (unit, name) in [(1usize << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")] {
+        if n >= unit && n % unit == 0 {
+            return format!("{} {name}", n / unit);
+        }
+    }
+    format!("{n} bytes")
+}
+
+impl State {
+    fn new(id: u64, capacity: usize, devices: i32) -> Self {
+        let mut st = State {
+            name: format!("simulated device #{id}"),
+            capacity,
+            devices: Vec::new(),
+            streams: BTreeMap::new(),
+            handles: HashMap::new(),
+            per_thread: HashMap::new(),
+            free_handles: Vec::new(),
+            next_handle: FIRST_STREAM_HANDLE,
+            next_stream_id: 1,
+            events: HashMap::new(),
+            next_event: FIRST_EVENT_HANDLE,
+            allocs: BTreeMap::new(),
+            chunks: BTreeMap::new(),
+            pools: BTreeMap::new(),
+            next_pool: pool::FIRST_POOL,
+            completions: 0,
+            pending: 0,
+            cursor: 0,
+            writes: 0,
+            shadow: Default::default(),
+            races: Default::default(),
+        };
+        for dev in 0..devices {
+            let legacy = st.new_stream(LEGACY_STREAM, dev, true, true);
+            let pools = [st.new_pool(dev, false, true), st.new_pool(dev, true, true)];
+            st.devices.push(DevState {
+                legacy,
+                allocated: 0,
+                reserved: 0,
+                default_pool: pools,
+                current_pool: pools,
+            });
+        }
+        st
+    }
+
+    fn new_stream(&mut self, handle: RawStream, dev: i32, blocking: bool, legacy: bool) -> u64 {
+        let id = self.next_stream_id;
+        self.next_stream_id += 1;
+        self.streams.insert(id, StreamState::new(handle, dev, blocking, legacy));
+        id
+    }
+
+    /// The id of the stream `handle` names in a call for device `dev` (`None`: the
+    /// device of a created stream, device 0 for the default streams).
+    fn resolve(&mut self, dev: Option<i32>, handle: RawStream) -> Result<u64> {
+        match handle {
+            LEGACY_STREAM | LEGACY_STREAM_ALIAS => Ok(self.devices[dev.unwrap_or(0) as usize].legacy),
+            PER_THREAD_STREAM => {
+                let key = (std::thread::current().id(), dev.unwrap_or(0));
+                if let Some(&id) = self.per_thread.get(&key) {
+                    return Ok(id);
+                }
+                let id = self.new_stream(PER_THREAD_STREAM, key.1, true, false);
+                self.per_thread.insert(key, id);
+                Ok(id)
+            }
+            h => {
+                let Some(&id) = self.handles.get(&h) else {
+                    return Err(Error::InvalidStream(format!(
+                        "{h:#x} names no live stream of {} (never created, or destroyed)",
+                        self.name
+                    )));
+                };
+                let owner = self.streams[&id].dev;
+                match dev {
+                    Some(d) if d != owner => Err(Error::InvalidStream(format!(
+                        "stream {h:#x} belongs to device {owner} of {}, not to device {d}",
+                        self.name
+                    ))),
+                    _ => Ok(id),
+                }
+            }
+        }
+    }
+
+    fn event(&self, handle: RawEvent) -> Result<&EventState> {
+        self.events.get(&handle).ok_or_else(|| {
+            Error::InvalidStream(format!(
+                "event {handle:#x} is not a live event of {} (never created, or destroyed)",
+                self.name
+            ))
+        })
+    }
+
+    fn event_done(&self, handle: RawEvent) -> Result<bool> {
+        Ok(match &self.event(handle)?.recorded {
+            Some((sid, seq, _)) => self.is_done(*sid, *seq),
+            None => true,
+        })
+    }
+
+    /// A host synchronisation: runs what `sid` has queued up to `seq`, then lets pools
+    /// release memory above their thresholds.
+    fn host_wait(&mut self, sid: u64, seq: u64) {
+        self.drive(sid, seq);
+        self.apply_thresholds();
+    }
+}
+
+impl SimDevice {
+    /// A simulated device with `capacity_bytes` of device memory.
+    pub fn new(capacity_bytes: usize) -> Arc<SimDevice> {
+        Self::with_devices(capacity_bytes, 1)
+    }
+
+    /// `devices` simulated devices (ordinals `0..devices`, at least one) of
+    /// `capacity_bytes` each, behind one backend.
+    pub fn with_devices(capacity_bytes: usize, devices: i32) -> Arc<SimDevice> {
+        let devices = devices.max(1);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        Arc::new(SimDevice {
+            id,
+            capacity: capacity_bytes,
+            devices,
+            closed: AtomicBool::new(false),
+            state: Mutex::new(State::new(id, capacity_bytes, devices)),
+        })
+    }
+
+    /// Makes this device the process's backend (what [`crate::device::backend`] returns)
+    /// until the guard is dropped. Fails when another simulated device is active, or
+    /// when this one is closed.
+    pub fn activate(self: &Arc<Self>) -> Result<SimGuard> {
+        self.check_open()?;
+        crate::device::set_active_sim(Some(self.clone()))?;
+        Ok(SimGuard { device: self.clone() })
+    }
+
+    /// Closes the device, and stops it being the process's backend if it was. Objects
+    /// made under it are refused from now on (their frees succeed silently).
+    pub fn deactivate(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        if crate::device::active_sim().is_some_and(|a| a.id == self.id) {
+            let _ = crate::device::set_active_sim(None);
+        }
+    }
+
+    /// Whether the device has been closed.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Device memory of each device, in bytes.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// A simulated kernel that writes `[ptr, ptr + bytes)` on `stream`: each byte gets
+    /// the same value, different for successive writes (never 0).
+    pub fn write(&self, stream: RawStream, ptr: DevPtr, bytes: usize) -> Result<()> {
+        self.write_labeled(stream, ptr, bytes, "")
+    }
+
+    /// [`Self::write`], named `label` in race reports.
+    pub fn write_labeled(&self, stream: RawStream, ptr: DevPtr, bytes: usize, label: &str) -> Result<()> {
+        self.with(None, |st| {
+            let sid = st.resolve(None, stream)?;
+            if bytes == 0 {
+                return Ok(());
+            }
+            st.check_range(ptr, bytes, "write")?;
+            st.writes += 1;
+            let value = (st.writes % 255) as u8 + 1;
+            st.enqueue(sid, Work::Fill { ptr, bytes, value }, OpKind::Write, label, None);
+            Ok(())
+        })
+    }
+
+    /// A simulated kernel that reads `[ptr, ptr + bytes)` on `stream`.
+    pub fn read(&self, stream: RawStream, ptr: DevPtr, bytes: usize) -> Result<()> {
+        self.read_labeled(stream, ptr, bytes, "")
+    }
+
+    /// [`Self::read`], named `label` in race reports.
+    pub fn read_labeled(&self, stream: RawStream, ptr: DevPtr, bytes: usize, label: &str) -> Result<()> {
+        self.with(None, |st| {
+            let sid = st.resolve(None, stream)?;
+            if bytes == 0 {
+                return Ok(());
+            }
+            st.check_range(ptr, bytes, "read")?;
+            st.enqueue(sid, Work::Read { ptr, bytes }, OpKind::Read, label, None);
+            Ok(())
+        })
+    }
+
+    /// Runs the operation at the head of `stream`'s queue if it may run now; false when
+    /// the queue is empty or the head waits for other work.
+    pub fn step(&self, stream: RawStream) -> Result<bool> {
+        self.with(None, |st| {
+            let sid = st.resolve(None, stream)?;
+            if st.runnable(sid) {
+                st.execute_head(sid);
+                return Ok(true);
+            }
+            Ok(false)
+        })
+    }
+
+    /// Runs one operation that may run now, taking streams in turn (destroyed streams'
+    /// remaining work included); false when there is none (or the device is closed).
+    pub fn step_any(&self) -> bool {
+        self.with(None, |st| Ok(st.step_any())).unwrap_or(false)
+    }
+
+    /// Runs everything queued, streams in turn, until no stream has work.
+    pub fn run(&self) {
+        while self.step_any() {}
+    }
+
+    /// Operations queued on all streams and not yet run.
+    pub fn pending(&self) -> usize {
+        self.lock().pending
+    }
+
+    /// Operations queued on `stream` and not yet run.
+    pub fn queued(&self, stream: RawStream) -> Result<usize> {
+        self.with(None, |st| {
+            let sid = st.resolve(None, stream)?;
+            Ok(st.streams[&sid].queue.len())
+        })
+    }
+
+    /// The races found so far (at most [`MAX_RACES`]), in the order they were found.
+    pub fn races(&self) -> Vec<Race> {
+        self.lock().races.races()
+    }
+
+    /// The races found so far; forgets them.
+    pub fn take_races(&self) -> Vec<Race> {
+        self.lock().races.take()
+    }
+
+    /// Races found beyond [`MAX_RACES`], which were not kept.
+    pub fn races_dropped(&self) -> usize {
+        self.lock().races.dropped()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.is_closed() {
+            return Err(Error::InvalidArgument(format!(
+                "simulated device #{} is closed; objects made under it cannot be used outside it",
+                self.id
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_dev(&self, dev: i32) -> Result<()> {
+        if (0..self.devices).contains(&dev) {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "device {dev} does not exist on simulated device #{} ({} device{})",
+            self.id,
+            self.devices,
+            if self.devices == 1 { "" } else { "s" }
+        )))
+    }
+
+    /// Runs `f` on the state of an open device, for device `dev` if given.
+    fn with<T>(&self, dev: Option<i32>, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
+        self.check_open()?;
+        if let Some(d) = dev {
+            self.check_dev(d)?;
+        }
+        f(&mut self.lock())
+    }
+
+    /// [`Self::with`] for the destroy and free family: silent success once closed.
+    fn with_release(&self, dev: i32, f: impl FnOnce(&mut State) -> Result<()>) -> Result<()> {
+        if self.is_closed() {
+            return Ok(());
+        }
+        self.with(Some(dev), f)
+    }
+}
+
+impl Backend for SimDevice {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Simulated
+    }
+
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn describe(&self) -> String {
+        if self.devices == 1 {
+            format!("simulated device #{} ({})", self.id, human_bytes(self.capacity))
+        } else {
+            format!(
+                "simulated device #{} ({} devices, {} each)",
+                self.id,
+                self.devices,
+                human_bytes(self.capacity)
+            )
+        }
+    }
+
+    fn driver_version(&self) -> Result<i32> {
+        self.check_open()?;
+        Ok(SIM_DRIVER_VERSION)
+    }
+
+    fn device_count(&self) -> Result<i32> {
+        self.check_open()?;
+        Ok(self.devices)
+    }
+
+    fn current_device(&self) -> Result<i32> {
+        self.check_open()?;
+        Ok(0)
+    }
+
+    fn device_info(&self, dev: i32) -> Result<DeviceInfo> {
+        self.with(Some(dev), |_| {
+            Ok(DeviceInfo {
+                ordinal: dev,
+                name: "streampool simulated device".into(),
+                total_bytes: self.capacity,
+                memory_pools: true,
+                managed_pools: true,
+                concurrent_managed_access: true,
+                posix_fd_ipc: true,
+            })
+        })
+    }
+
+    fn mem_get_info(&self, dev: i32) -> Result<(usize, usize)> {
+        self.with(Some(dev), |st| Ok((st.free_bytes(dev), st.capacity)))
+    }
+
+    fn mem_alloc(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
+        self.with(Some(dev), |st| st.alloc_plain(dev, bytes, AllocKind::Device))
+    }
+
+    fn mem_free(&self, dev: i32, ptr: DevPtr) -> Result<()> {
+        self.with_release(dev, |st| if ptr == 0 { Ok(()) } else { st.free_plain(ptr, false) })
+    }
+
+    fn mem_alloc_managed(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
+        self.with(Some(dev), |st| st.alloc_plain(dev, bytes, AllocKind::Managed))
+    }
+
+    fn mem_host_alloc(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
+        self.with(Some(dev), |st| st.alloc_plain(dev, bytes, AllocKind::Pinned))
+    }
+
+    fn mem_free_host(&self, dev: i32, ptr: DevPtr) -> Result<()> {
+        self.with_release(dev, |st| if ptr == 0 { Ok(()) } else { st.free_plain(ptr, true) })
+    }
+
+    fn pool_default(&self, dev: i32, managed: bool) -> Result<RawPool> {
+        self.with(Some(dev), |st| Ok(st.devices[dev as usize].default_pool[managed as usize]))
+    }
+
+    fn pool_current(&self, dev: i32, managed: bool) -> Result<RawPool> {
+        self.with(Some(dev), |st| Ok(st.devices[dev as usize].current_pool[managed as usize]))
+    }
+
+    fn pool_set_current(&self, dev: i32, pool: RawPool) -> Result<()> {
+        self.with(Some(dev), |st| {
+            let p = st.pool(pool)?;
+            if p.dev != dev {
+                return Err(Error::InvalidArgument(format!(
+                    "pool {pool:#x} belongs to device {}, so it cannot be device {dev}'s current pool",
+                    p.dev
+                )));
+            }
+            let managed = p.managed as usize;
+            st.devices[dev as usize].current_pool[managed] = pool;
+            Ok(())
+        })
+    }
+
+    fn pool_create(&self, dev: i32, props: &PoolProps) -> Result<RawPool> {
+        self.with(Some(dev), |st| Ok(st.new_pool(dev, props.managed, false)))
+    }
+
+    fn pool_destroy(&self, dev: i32, pool: RawPool) -> Result<()> {
+        self.with_release(dev, |st| st.pool_destroy(pool))
+    }
+
+    fn pool_get_attr(&self, dev: i32, pool: RawPool, attr: PoolAttr) -> Result<u64> {
+        self.with(Some(dev), |st| st.pool_attr(pool, attr))
+    }
+
+    fn pool_set_attr(&self, dev: i32, pool: RawPool, attr: PoolAttr, value: u64) -> Result<()> {
+        self.with(Some(dev), |st| st.set_pool_attr(pool, attr, value))
+    }
+
+    fn pool_trim_to(&self, dev: i32, pool: RawPool, keep_bytes: usize) -> Result<()> {
+        self.with(Some(dev), |st| st.pool_trim(pool, keep_bytes))
+    }
+
+    fn pool_alloc_async(&self, dev: i32, pool: RawPool, bytes: usize, stream: RawStream) -> Result<DevPtr> {
+        self.with(Some(dev), |st| {
+            let sid = st.resolve(Some(dev), stream)?;
+            st.pool_alloc(pool, bytes, sid)
+        })
+    }
+
+    fn free_async(&self, dev: i32, ptr: DevPtr, stream: RawStream) -> Result<()> {
+        self.with_release(dev, |st| {
+            let sid = st.resolve(Some(dev), stream)?;
+            if ptr == 0 {
+                return Ok(());
+            }
+            st.pool_free(ptr, sid)
+        })
+    }
+
+    fn pointer_pool(&self, dev: i32, ptr: DevPtr) -> Result<Option<RawPool>> {
+        self.with(Some(dev), |st| match st.alloc_containing(ptr, 1) {
+            Some((_, a)) => Ok(match a.kind {
+                AllocKind::Pool(p) => Some(p),
+                _ => None,
+            }),
+            None => {
+                Err(Error::InvalidPointer(format!("{ptr:#x} is not inside a live allocation of {}", st.name)))
+            }
+        })
+    }
+
+    fn stream_create(&self, dev: i32, blocking: bool) -> Result<RawStream> {
+        self.with(Some(dev), |st| {
+            let handle = st.free_handles.pop().unwrap_or_else(|| {
+                let h = st.next_handle;
+                st.next_handle += STREAM_HANDLE_STEP;
+                h
+            });
+            let id = st.new_stream(handle, dev, blocking, false);
+            st.handles.insert(handle, id);
+            Ok(handle)
+        })
+    }
+
+    fn stream_destroy(&self, dev: i32, stream: RawStream) -> Result<()> {
+        self.with_release(dev, |st| {
+            if matches!(stream, LEGACY_STREAM | LEGACY_STREAM_ALIAS | PER_THREAD_STREAM) {
+                return Err(Error::InvalidStream(format!(
+                    "stream {stream:#x} is a default stream, which cannot be destroyed"
+                )));
+            }
+            let sid = st.resolve(Some(dev), stream)?;
+            st.handles.remove(&stream);
+            st.free_handles.push(stream);
+            let s = st.streams.get_mut(&sid).expect("resolved");
+            s.live = false;
+            // Its queued work still runs (the stream stays, under its id, until then).
+            if s.queue.is_empty() {
+                st.streams.remove(&sid);
+            }
+            Ok(())
+        })
+    }
+
+    fn stream_id(&self, dev: i32, stream: RawStream) -> Result<u64> {
+        self.with(Some(dev), |st| st.resolve(Some(dev), stream))
+    }
+
+    fn stream_device(&self, stream: RawStream) -> Result<i32> {
+        self.with(None, |st| {
+            let sid = st.resolve(None, stream)?;
+            Ok(st.streams[&sid].dev)
+        })
+    }
+
+    fn stream_synchronize(&self, dev: i32, stream: RawStream) -> Result<()> {
+        self.with(Some(dev), |st| {
+            let sid = st.resolve(Some(dev), stream)?;
+            let seq = st.streams[&sid].seq;
+            st.host_wait(sid, seq);
+            Ok(())
+        })
+    }
+
+    fn stream_query(&self, dev: i32, stream: RawStream) -> Result<bool> {
+        self.with(Some(dev), |st| {
+            let sid = st.resolve(Some(dev), stream)?;
+            Ok(st.streams[&sid].queue.is_empty())
+        })
+    }
+
+    fn stream_wait_event(&self, dev: i32, stream: RawStream, event: RawEvent) -> Result<()> {
+        self.with(Some(dev), |st| {
+            let sid = st.resolve(Some(dev), stream)?;
+            // Waiting on an event never recorded is a no-op, as in the driver.
+            if let Some((_, _, clock)) = st.event(event)?.recorded.clone() {
+                st.add_dependency(sid, &clock, OpKind::Wait, "cuStreamWaitEvent");
+            }
+            Ok(())
+        })
+    }
+
+    fn event_create(&self, dev: i32) -> Result<RawEvent> {
+        self.with(Some(dev), |st| {
+            let handle = st.next_event;
+            st.next_event += 0x10;
+            st.events.insert(handle, EventState { dev, recorded: None });
+            Ok(handle)
+        })
+    }
+
+    fn event_destroy(&self, dev: i32, event: RawEvent) -> Result<()> {
+        self.with_release(dev, |st| {
+            st.event(event)?;
+            st.events.remove(&event);
+            Ok(())
+        })
+    }
+
+    fn event_record(&self, dev: i32, event: RawEvent, stream: RawStream) -> Result<()> {
+        self.with(Some(dev), |st| {
+            let sid = st.resolve(Some(dev), stream)?;
+            let ev_dev = st.event(event)?.dev;
+            let stream_dev = st.streams[&sid].dev;
+            if ev_dev != stream_dev {
+                return Err(Error::InvalidStream(format!(
+                    "event {event:#x} belongs to device {ev_dev}, stream {stream:#x} to device {stream_dev}"
+                )));
+            }
+            let clock = st.enqueue(sid, Work::Nothing, OpKind::EventRecord, "", None);
+            let seq = st.streams[&sid].seq;
+            st.events.get_mut(&event).expect("checked above").recorded = Some((sid, seq, clock));
+            Ok(())
+        })
+    }
+
+    fn event_query(&self, dev: i32, event: RawEvent) -> Result<bool> {
+        self.with(Some(dev), |st| st.event_done(event))
+    }
+
+    fn event_synchronize(&self, dev: i32, event: RawEvent) -> Result<()> {
+        self.with(Some(dev), |st| {
+            let (sid, seq) = match &st.event(event)?.recorded {
+                Some((sid, seq, _)) => (*sid, *seq),
+                None => return Ok(()),
+            };
+            st.host_wait(sid, seq);
+            Ok(())
+        })
+    }
+
+    fn memset_d8_async(
+        &self,
+        dev: i32,
+        ptr: DevPtr,
+        value: u8,
+        bytes: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.with(Some(dev), |st| {
+            let sid = st.resolve(Some(dev), stream)?;
+            if bytes == 0 {
+                return Ok(());
+            }
+            st.check_range(ptr, bytes, "cuMemsetD8Async")?;
+            st.enqueue(sid, Work::Fill { ptr, bytes, value }, OpKind::Memset, "", None);
+            Ok(())
+        })
+    }
+
+    unsafe fn memcpy_async(
+        &self,
+        dev: i32,
+        dst: DevPtr,
+        src: DevPtr,
+        bytes: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.with(Some(dev), |st| {
+            let sid = st.resolve(Some(dev), stream)?;
+            if bytes == 0 {
+                return Ok(());
+            }
+            let dst_sim = st.classify_copy_side(dst, bytes, "cuMemcpyAsync destination")?;
+            let src_sim = st.classify_copy_side(src, bytes, "cuMemcpyAsync source")?;
+            st.enqueue(sid, Work::Copy { dst, src, bytes, dst_sim, src_sim }, OpKind::Memcpy, "", None);
+            Ok(())
+        })
+    }
+
+    fn prefetch_async(
+        &self,
+        dev: i32,
+        ptr: DevPtr,
+        bytes: usize,
+        to: Location,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.with(Some(dev), |st| {
+            if let Location::Device(d) = to {
+                self.check_dev(d)?;
+            }
+            let sid = st.resolve(Some(dev), stream)?;
+            if bytes == 0 {
+                return Ok(());
+            }
+            st.check_range(ptr, bytes, "cuMemPrefetchAsync")?;
+            st.enqueue(sid, Work::Nothing, OpKind::Prefetch, "", None);
+            Ok(())
+        })
+    }
+
+    fn ctx_synchronize(&self, dev: i32) -> Result<()> {
+        self.with(Some(dev), |st| {
+            st.run_all();
+            st.apply_thresholds();
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,780 @@
+use std::sync::Arc;
+
+use super::pool::CHUNK;
+use super::*;
+use crate::error::{CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY};
+
+const MIB: usize = 1 << 20;
+
+fn sim() -> Arc<SimDevice> {
+    SimDevice::new(64 * MIB)
+}
+
+fn stream(sim: &SimDevice, blocking: bool) -> RawStream {
+    sim.stream_create(0, blocking).unwrap()
+}
+
+/// Copies `bytes` of simulated memory at `ptr` to the host, on `s`, and waits for it.
+fn to_host(sim: &SimDevice, ptr: DevPtr, bytes: usize, s: RawStream) -> Vec<u8> {
+    let mut host = vec![0u8; bytes];
+    // SAFETY: `host` outlives the copy, which completes in the synchronisation below.
+    unsafe { sim.memcpy_async(0, host.as_mut_ptr() as u64, ptr, bytes, s).unwrap() };
+    sim.stream_synchronize(0, s).unwrap();
+    host
+}
+
+fn attr(sim: &SimDevice, pool: RawPool, a: PoolAttr) -> usize {
+    sim.pool_get_attr(0, pool, a).unwrap() as usize
+}
+
+#[test]
+fn describes_itself() {
+    let sim = SimDevice::new(16 << 30);
+    let d = sim.describe();
+    assert!(d.starts_with("simulated device #") && d.ends_with("(16 GiB)"), "{d}");
+    assert!(sim.id() > 0);
+    assert_ne!(sim.id(), SimDevice::new(MIB).id());
+    assert_eq!(sim.kind(), BackendKind::Simulated);
+    assert_eq!(sim.driver_version().unwrap(), 13000);
+    assert_eq!(sim.device_count().unwrap(), 1);
+    let info = sim.device_info(0).unwrap();
+    assert_eq!(info.total_bytes, 16 << 30);
+    assert!(info.memory_pools && info.managed_pools && info.concurrent_managed_access && info.posix_fd_ipc);
+    assert!(matches!(sim.device_info(1), Err(Error::InvalidArgument(_))));
+    assert_eq!(sim.mem_get_info(0).unwrap(), (16 << 30, 16 << 30));
+}
+
+#[test]
+fn same_stream_work_is_ordered() {
+    let sim = sim();
+    let s = stream(&sim, false);
+    let p = sim.mem_alloc(0, 4096).unwrap();
+    assert_eq!(p % 256, 0);
+    sim.write(s, p, 4096).unwrap();
+    sim.read(s, p, 4096).unwrap();
+    sim.memset_d8_async(0, p, 7, 100, s).unwrap();
+    sim.write(s, p + 50, 100).unwrap();
+    assert_eq!(sim.pending(), 4);
+    sim.run();
+    assert_eq!(sim.pending(), 0);
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
+
+#[test]
+fn two_streams_writing_the_same_bytes_race() {
+    let sim = sim();
+    let (a, b) = (stream(&sim, false), stream(&sim, false));
+    let p = sim.mem_alloc(0, 4096).unwrap();
+    sim.write_labeled(a, p, 4096, "producer").unwrap();
+    sim.write_labeled(b, p + 1024, 1024, "consumer").unwrap();
+    sim.run();
+    let races = sim.races();
+    assert_eq!(races.len(), 1, "{races:?}");
+    let r = &races[0];
+    assert_eq!((r.earlier.stream, r.earlier.label.as_str()), (a, "producer"));
+    assert_eq!((r.later.stream, r.later.label.as_str()), (b, "consumer"));
+    assert_eq!(r.range, (p + 1024, p + 2048));
+    let text = r.to_string();
+    assert!(text.contains("write 'producer' on stream 0x1000"), "{text}");
+    assert!(text.contains("is not ordered before write 'consumer' on stream 0x1010"), "{text}");
+    // Taking them forgets them.
+    assert_eq!(sim.take_races().len(), 1);
+    assert!(sim.races().is_empty());
+}
+
+#[test]
+fn a_read_after_an_unordered_write_races_and_concurrent_reads_do_not() {
+    let sim = sim();
+    let (a, b, c) = (stream(&sim, false), stream(&sim, false), stream(&sim, false));
+    let p = sim.mem_alloc(0, 256).unwrap();
+    sim.read(a, p, 256).unwrap();
+    sim.read(b, p, 256).unwrap();
+    sim.run();
+    assert!(sim.races().is_empty());
+    sim.write(c, p, 256).unwrap();
+    sim.read_labeled(a, p, 16, "reader").unwrap();
+    assert!(sim.step(c).unwrap() && sim.step(a).unwrap());
+    let races = sim.take_races();
+    assert_eq!(races.len(), 1, "{races:?}");
+    assert!(races[0].earlier_writes && !races[0].later_writes);
+    assert_eq!(races[0].later.label, "reader");
+}
+
+#[test]
+fn an_event_wait_orders_two_streams() {
+    let sim = sim();
+    let (a, b) = (stream(&sim, false), stream(&sim, false));
+    let p = sim.mem_alloc(0, 4096).unwrap();
+    let e = sim.event_create(0).unwrap();
+    sim.write(a, p, 4096).unwrap();
+    sim.event_record(0, e, a).unwrap();
+    sim.stream_wait_event(0, b, e).unwrap();
+    sim.write(b, p, 4096).unwrap();
+    // b's head is the wait, which cannot run before a's work.
+    assert!(!sim.step(b).unwrap());
+    assert!(!sim.stream_query(0, b).unwrap());
+    assert!(sim.step(a).unwrap());
+    assert!(!sim.step(b).unwrap(), "the record has not run yet");
+    assert!(sim.step(a).unwrap());
+    assert!(sim.event_query(0, e).unwrap());
+    assert!(sim.step(b).unwrap());
+    assert!(sim.step(b).unwrap());
+    assert!(!sim.step(b).unwrap());
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+    // Transitively: c waits on an event of b recorded after b waited on a.
+    let c = stream(&sim, false);
+    let e2 = sim.event_create(0).unwrap();
+    sim.write(a, p, 64).unwrap();
+    sim.event_record(0, e, a).unwrap();
+    sim.stream_wait_event(0, b, e).unwrap();
+    sim.event_record(0, e2, b).unwrap();
+    sim.stream_wait_event(0, c, e2).unwrap();
+    sim.write(c, p, 64).unwrap();
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
+
+#[test]
+fn work_completed_before_an_enqueue_is_ordered_before_it() {
+    let sim = sim();
+    let (a, b) = (stream(&sim, false), stream(&sim, false));
+    let p = sim.mem_alloc(0, 4096).unwrap();
+    sim.write(a, p, 4096).unwrap();
+    assert!(sim.step(a).unwrap());
+    sim.write(b, p, 4096).unwrap();
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+    // Enqueued before it completed: a race, whatever order they then run in.
+    sim.write(a, p, 4096).unwrap();
+    sim.write(b, p, 4096).unwrap();
+    assert!(sim.step(b).unwrap());
+    assert!(sim.step(a).unwrap());
+    assert_eq!(sim.take_races().len(), 1);
+}
+
+#[test]
+fn the_legacy_stream_synchronises_with_blocking_streams_only() {
+    let sim = sim();
+    let blocking = stream(&sim, true);
+    let non_blocking = stream(&sim, false);
+    let p = sim.mem_alloc(0, 4096).unwrap();
+    for (first, second) in [(blocking, LEGACY_STREAM), (LEGACY_STREAM_ALIAS, blocking)] {
+        sim.write(first, p, 4096).unwrap();
+        sim.write(second, p, 4096).unwrap();
+        // The second cannot run first.
+        assert!(!sim.step(second).unwrap());
+        sim.run();
+    }
+    // The per-thread default stream is blocking too.
+    sim.write(PER_THREAD_STREAM, p, 4096).unwrap();
+    sim.write(LEGACY_STREAM, p, 4096).unwrap();
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+    for (first, second) in [(non_blocking, LEGACY_STREAM), (LEGACY_STREAM, non_blocking)] {
+        sim.write(first, p, 4096).unwrap();
+        sim.write(second, p, 4096).unwrap();
+        sim.run();
+        assert_eq!(sim.take_races().len(), 1, "{first:#x} then {second:#x}");
+    }
+}
+
+#[test]
+fn stream_handles_are_reused_most_recent_first_and_dead_handles_are_refused() {
+    let sim = sim();
+    let s: Vec<RawStream> = (0..3).map(|_| stream(&sim, false)).collect();
+    assert_eq!(s, vec![0x1000, 0x1010, 0x1020]);
+    let ids: Vec<u64> = s.iter().map(|&h| sim.stream_id(0, h).unwrap()).collect();
+    assert_eq!(sim.stream_device(s[1]).unwrap(), 0);
+    sim.stream_destroy(0, s[0]).unwrap();
+    sim.stream_destroy(0, s[2]).unwrap();
+    for call in [
+        sim.stream_synchronize(0, s[0]),
+        sim.write(s[2], 0, 0),
+        sim.stream_destroy(0, s[0]),
+        sim.stream_device(s[2]).map(drop),
+    ] {
+        match call {
+            Err(Error::InvalidStream(m)) => assert!(m.contains("0x1000") || m.contains("0x1020"), "{m}"),
+            other => panic!("expected InvalidStream, got {other:?}"),
+        }
+    }
+    assert!(matches!(sim.stream_query(0, 0x4242), Err(Error::InvalidStream(m)) if m.contains("0x4242")));
+    assert_eq!(stream(&sim, false), s[2]);
+    assert_eq!(stream(&sim, false), s[0]);
+    assert_eq!(stream(&sim, false), 0x1030);
+    // Reused handles name new streams.
+    let new_id = sim.stream_id(0, s[2]).unwrap();
+    assert!(!ids.contains(&new_id));
+    // The default streams exist everywhere and cannot be destroyed.
+    assert!(sim.stream_destroy(0, LEGACY_STREAM).is_err());
+    assert_eq!(sim.stream_id(0, LEGACY_STREAM).unwrap(), sim.stream_id(0, LEGACY_STREAM_ALIAS).unwrap());
+    assert_eq!(sim.stream_device(PER_THREAD_STREAM).unwrap(), 0);
+}
+
+#[test]
+fn work_on_a_destroyed_stream_still_runs() {
+    let sim = sim();
+    let s = stream(&sim, false);
+    let p = sim.mem_alloc(0, 4096).unwrap();
+    sim.memset_d8_async(0, p, 0x5a, 4096, s).unwrap();
+    sim.stream_destroy(0, s).unwrap();
+    assert_eq!(sim.pending(), 1);
+    // Its handle now names a new, idle stream.
+    assert_eq!(stream(&sim, false), s);
+    assert_eq!(sim.queued(s).unwrap(), 0);
+    assert!(!sim.step(s).unwrap());
+    sim.run();
+    assert_eq!(sim.pending(), 0);
+    assert!(to_host(&sim, p, 4096, LEGACY_STREAM).iter().all(|&b| b == 0x5a));
+    // And a device-wide synchronisation runs it too.
+    let t = stream(&sim, false);
+    sim.memset_d8_async(0, p, 1, 4096, t).unwrap();
+    sim.stream_destroy(0, t).unwrap();
+    sim.ctx_synchronize(0).unwrap();
+    assert_eq!(sim.pending(), 0);
+}
+
+#[test]
+fn memset_and_memcpy_move_the_right_bytes() {
+    let sim = sim();
+    let s = stream(&sim, false);
+    let a = sim.mem_alloc(0, 1000).unwrap();
+    let pool = sim.pool_default(0, false).unwrap();
+    let b = sim.pool_alloc_async(0, pool, 1000, s).unwrap();
+    sim.memset_d8_async(0, a, 0xab, 1000, s).unwrap();
+    sim.memset_d8_async(0, a + 10, 0xcd, 5, s).unwrap();
+    let src: Vec<u8> = (0..=255).collect();
+    // SAFETY: `src` outlives the copy (synchronised before it is dropped).
+    unsafe { sim.memcpy_async(0, b, src.as_ptr() as u64, 256, s).unwrap() };
+    // SAFETY: both sides are simulated memory.
+    unsafe { sim.memcpy_async(0, a + 500, b, 256, s).unwrap() };
+    assert_eq!(sim.pending(), 4, "nothing runs before it is asked to");
+    let host = to_host(&sim, a, 1000, s);
+    assert!(host[..10].iter().all(|&x| x == 0xab));
+    assert!(host[10..15].iter().all(|&x| x == 0xcd));
+    assert!(host[15..500].iter().all(|&x| x == 0xab));
+    assert_eq!(&host[500..756], &src[..]);
+    assert!(host[756..].iter().all(|&x| x == 0xab));
+    // Kernel writes leave a non-zero pattern, different for successive writes.
+    sim.write(s, a, 10).unwrap();
+    sim.write(s, a + 10, 10).unwrap();
+    let host = to_host(&sim, a, 20, s);
+    assert!(host[0] != 0 && host[..10].iter().all(|&x| x == host[0]));
+    assert!(host[10] != 0 && host[10] != host[0]);
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
+
+#[test]
+fn touching_memory_outside_a_live_allocation_is_refused_when_enqueued() {
+    let sim = sim();
+    let s = stream(&sim, false);
+    let p = sim.mem_alloc(0, 4096).unwrap();
+    assert!(matches!(sim.write(s, p + 4000, 200), Err(Error::InvalidPointer(_))));
+    sim.mem_free(0, p).unwrap();
+    match sim.write(s, p, 16) {
+        Err(Error::InvalidPointer(m)) => assert!(m.contains("use after free"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(sim.memset_d8_async(0, p, 0, 16, s).is_err());
+    assert!(sim.prefetch_async(0, p, 16, Location::Device(0), s).is_err());
+    let pool = sim.pool_default(0, false).unwrap();
+    let q = sim.pool_alloc_async(0, pool, 4096, s).unwrap();
+    sim.free_async(0, q, s).unwrap();
+    // Inside the pool's chunk, but freed: refused even as a copy's host side.
+    let mut host = [0u8; 16];
+    // SAFETY: refused before anything is enqueued.
+    let err = unsafe { sim.memcpy_async(0, host.as_mut_ptr() as u64, q, 16, s) }.unwrap_err();
+    assert!(matches!(err, Error::InvalidPointer(_)), "{err:?}");
+    assert!(sim.read(s, q, 1).is_err());
+    // Zero bytes is a no-op wherever it points; an unknown stream is still refused.
+    sim.write(s, 0, 0).unwrap();
+    assert!(sim.write(0x9990, p, 0).is_err());
+    assert_eq!(sim.pending(), 0);
+}
+
+#[test]
+fn bad_frees_are_refused_and_change_nothing() {
+    let sim = sim();
+    let s = stream(&sim, false);
+    let pool = sim.pool_default(0, false).unwrap();
+    let dev = sim.mem_alloc(0, 4096).unwrap();
+    let host = sim.mem_host_alloc(0, 4096).unwrap();
+    let pooled = sim.pool_alloc_async(0, pool, 4096, s).unwrap();
+    let expect_bad = |r: Result<()>, ptr: DevPtr| match r {
+        Err(Error::InvalidPointer(m)) => assert!(m.contains(&format!("{ptr:#x}")), "{m}"),
+        other => panic!("expected InvalidPointer for {ptr:#x}, got {other:?}"),
+    };
+    expect_bad(sim.mem_free(0, pooled), pooled);
+    expect_bad(sim.mem_free(0, host), host);
+    expect_bad(sim.mem_free_host(0, dev), dev);
+    expect_bad(sim.free_async(0, dev, s), dev);
+    expect_bad(sim.free_async(0, dev + 256, s), dev + 256);
+    expect_bad(sim.mem_free(0, 0xdead_0000), 0xdead_0000);
+    expect_bad(sim.mem_free(0, dev + 16), dev + 16);
+    // Nothing was freed by the refusals.
+    sim.write(s, dev, 4096).unwrap();
+    sim.write(s, host, 4096).unwrap();
+    sim.write(s, pooled, 4096).unwrap();
+    sim.mem_free(0, dev).unwrap();
+    sim.mem_free_host(0, host).unwrap();
+    sim.free_async(0, pooled, s).unwrap();
+    // Double frees.
+    expect_bad(sim.mem_free(0, dev), dev);
+    expect_bad(sim.mem_free_host(0, host), host);
+    expect_bad(sim.free_async(0, pooled, s), pooled);
+    // Null is a no-op.
+    sim.mem_free(0, 0).unwrap();
+    sim.free_async(0, 0, s).unwrap();
+    assert_eq!(sim.pointer_pool(0, pooled).map_err(|_| ()), Err(()));
+}
+
+#[test]
+fn synchronous_frees_wait_for_the_whole_device() {
+    let sim = sim();
+    let (a, b) = (stream(&sim, false), stream(&sim, false));
+    let p = sim.mem_alloc(0, 4096).unwrap();
+    let q = sim.mem_alloc(0, 4096).unwrap();
+    sim.write(a, p, 4096).unwrap();
+    sim.write(b, q, 4096).unwrap();
+    sim.mem_free(0, q).unwrap();
+    assert_eq!(sim.pending(), 0);
+    // After it, any stream may use what the device had written.
+    sim.write(b, p, 4096).unwrap();
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
+
+#[test]
+fn host_waits_run_only_what_they_wait_for() {
+    let sim = sim();
+    let (a, b, c) = (stream(&sim, false), stream(&sim, false), stream(&sim, false));
+    let p = sim.mem_alloc(0, 4096).unwrap();
+    let e = sim.event_create(0).unwrap();
+    assert!(sim.event_query(0, e).unwrap(), "an event never recorded counts as completed");
+    sim.event_synchronize(0, e).unwrap();
+    sim.write(a, p, 64).unwrap();
+    sim.event_record(0, e, a).unwrap();
+    sim.stream_wait_event(0, b, e).unwrap();
+    sim.write(b, p, 64).unwrap();
+    sim.write(c, p + 64, 64).unwrap();
+    assert!(!sim.event_query(0, e).unwrap());
+    assert_eq!(sim.pending(), 5, "queries run nothing");
+    sim.stream_synchronize(0, b).unwrap();
+    assert!(sim.stream_query(0, a).unwrap() && sim.stream_query(0, b).unwrap());
+    assert!(sim.event_query(0, e).unwrap());
+    assert_eq!(sim.queued(c).unwrap(), 1);
+    sim.write(a, p, 64).unwrap();
+    sim.event_record(0, e, a).unwrap();
+    sim.write(a, p, 64).unwrap();
+    sim.event_synchronize(0, e).unwrap();
+    assert_eq!(sim.queued(a).unwrap(), 1);
+    assert_eq!(sim.pending(), 2);
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+    // Unknown events are refused, naming them.
+    sim.event_destroy(0, e).unwrap();
+    assert!(matches!(sim.event_query(0, e), Err(Error::InvalidStream(m)) if m.contains(&format!("{e:#x}"))));
+    assert!(sim.event_destroy(0, e).is_err());
+    assert!(sim.stream_wait_event(0, a, e).is_err());
+}
+
+#[test]
+fn per_thread_default_streams_are_distinct_per_thread() {
+    let sim = sim();
+    let p = sim.mem_alloc(0, 4096).unwrap();
+    let mine = sim.stream_id(0, PER_THREAD_STREAM).unwrap();
+    assert_eq!(sim.stream_id(0, PER_THREAD_STREAM).unwrap(), mine);
+    sim.write_labeled(PER_THREAD_STREAM, p, 4096, "main thread").unwrap();
+    let other = {
+        let sim = sim.clone();
+        std::thread::Builder::new()
+            .name("worker".into())
+            .spawn(move || {
+                sim.write_labeled(PER_THREAD_STREAM, p, 4096, "worker thread").unwrap();
+                // A host wait on handle 2 waits for this thread's stream only.
+                sim.stream_synchronize(0, PER_THREAD_STREAM).unwrap();
+                sim.stream_id(0, PER_THREAD_STREAM).unwrap()
+            })
+            .unwrap()
+            .join()
+            .unwrap()
+    };
+    assert_ne!(other, mine);
+    assert_eq!(sim.queued(PER_THREAD_STREAM).unwrap(), 1);
+    sim.run();
+    let races = sim.races();
+    assert_eq!(races.len(), 1, "{races:?}");
+    assert_eq!((races[0].earlier.thread.as_str(), races[0].earlier.stream), ("worker", PER_THREAD_STREAM));
+    assert_eq!(races[0].later.label, "main thread");
+}
+
+#[test]
+fn the_pool_reuses_a_block_on_the_same_stream_without_waiting() {
+    let sim = sim();
+    let s = stream(&sim, false);
+    let pool = sim.pool_current(0, false).unwrap();
+    assert_eq!(pool, sim.pool_default(0, false).unwrap());
+    let p = sim.pool_alloc_async(0, pool, 65536, s).unwrap();
+    assert_eq!(sim.pointer_pool(0, p + 100).unwrap(), Some(pool));
+    // Keeps `p` apart from the chunk's never-used rest, which would fit too.
+    let guard = sim.pool_alloc_async(0, pool, 4096, s).unwrap();
+    sim.write(s, p, 65536).unwrap();
+    sim.free_async(0, p, s).unwrap();
+    let q = sim.pool_alloc_async(0, pool, 65536, s).unwrap();
+    assert_eq!(p, q, "preferred over never-used memory");
+    assert_eq!(sim.queued(s).unwrap(), 1, "no wait inserted");
+    sim.write(s, q, 65536).unwrap();
+    sim.free_async(0, q, s).unwrap();
+    sim.free_async(0, guard, s).unwrap();
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
+
+#[test]
+fn a_chunk_is_not_released_under_queued_work() {
+    // A buggy program: c writes a block that a then frees with no ordering. The free
+    // completes at once, but the chunk must stay until c's write has run.
+    let sim = sim();
+    let (a, c) = (stream(&sim, false), stream(&sim, false));
+    let pool = sim.pool_default(0, false).unwrap();
+    let p = sim.pool_alloc_async(0, pool, 4096, a).unwrap();
+    sim.write(c, p, 4096).unwrap();
+    sim.free_async(0, p, a).unwrap();
+    sim.stream_synchronize(0, a).unwrap();
+    sim.pool_trim_to(0, pool, 0).unwrap();
+    assert_eq!(attr(&sim, pool, PoolAttr::ReservedMemCurrent), CHUNK);
+    sim.run();
+    sim.pool_trim_to(0, pool, 0).unwrap();
+    assert_eq!(attr(&sim, pool, PoolAttr::ReservedMemCurrent), 0);
+}
+
+#[test]
+fn cross_stream_reuse_orders_the_allocating_stream_only() {
+    let sim = sim();
+    let (a, b, c) = (stream(&sim, false), stream(&sim, false), stream(&sim, false));
+    let pool = sim.pool_default(0, false).unwrap();
+    let p = sim.pool_alloc_async(0, pool, 4096, a).unwrap();
+    sim.write_labeled(a, p, 4096, "first owner").unwrap();
+    sim.free_async(0, p, a).unwrap();
+    // The write has not run: b gets the block with a wait on a's free point.
+    let q = sim.pool_alloc_async(0, pool, 4096, b).unwrap();
+    assert_eq!(p, q);
+    assert_eq!(sim.queued(b).unwrap(), 1, "the driver's inserted wait");
+    sim.write_labeled(b, q, 4096, "second owner").unwrap();
+    assert!(!sim.step(b).unwrap());
+    // A third stream that uses the memory with no ordering of its own is caught.
+    sim.write_labeled(c, q, 4096, "third stream").unwrap();
+    sim.run();
+    let races = sim.races();
+    assert!(!races.is_empty());
+    assert!(races.iter().all(|r| r.earlier.stream == c || r.later.stream == c), "{races:?}");
+    assert!(races.iter().any(|r| r.to_string().contains("third stream")), "{races:?}");
+}
+
+#[test]
+fn reuse_after_the_free_completed_needs_no_wait() {
+    let sim = sim();
+    let (a, b) = (stream(&sim, false), stream(&sim, false));
+    let pool = sim.pool_create(0, &PoolProps::default()).unwrap();
+    sim.pool_set_attr(0, pool, PoolAttr::ReleaseThreshold, u64::MAX).unwrap();
+    let p = sim.pool_alloc_async(0, pool, 4096, a).unwrap();
+    sim.write(a, p, 4096).unwrap();
+    sim.free_async(0, p, a).unwrap();
+    sim.stream_synchronize(0, a).unwrap();
+    let q = sim.pool_alloc_async(0, pool, 4096, b).unwrap();
+    assert_eq!(p, q);
+    assert_eq!(sim.queued(b).unwrap(), 0);
+    sim.write(b, q, 4096).unwrap();
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
+
+#[test]
+fn a_free_on_the_legacy_stream_is_ordered_after_blocking_streams() {
+    // An allocation made on one thread's per-thread stream, freed on the legacy stream
+    // by another thread, reused on a non-blocking stream.
+    let sim = sim();
+    let pool = sim.pool_default(0, false).unwrap();
+    let p = {
+        let sim = sim.clone();
+        std::thread::spawn(move || {
+            let p = sim.pool_alloc_async(0, pool, 2048, PER_THREAD_STREAM).unwrap();
+            sim.write(PER_THREAD_STREAM, p, 2048).unwrap();
+            p
+        })
+        .join()
+        .unwrap()
+    };
+    sim.free_async(0, p, LEGACY_STREAM).unwrap();
+    let s = stream(&sim, false);
+    let q = sim.pool_alloc_async(0, pool, 2048, s).unwrap();
+    assert_eq!(p, q);
+    sim.write(s, q, 2048).unwrap();
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
+
+#[test]
+fn out_of_memory_is_the_drivers_error() {
+    let sim = SimDevice::new(8 * MIB);
+    let s = stream(&sim, false);
+    let pool = sim.pool_default(0, false).unwrap();
+    let expect_oom = |r: Result<DevPtr>, call: &str| match r {
+        Err(e @ Error::Driver { .. }) => {
+            assert!(e.is_out_of_memory());
+            let Error::Driver { call: c, code, name, .. } = e else { unreachable!() };
+            assert_eq!(
+                (c, code, name.as_str()),
+                (call, CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY")
+            );
+        }
+        other => panic!("expected out of memory from {call}, got {other:?}"),
+    };
+    expect_oom(sim.mem_alloc(0, 8 * MIB + 1), "cuMemAlloc");
+    expect_oom(sim.mem_alloc(0, usize::MAX), "cuMemAlloc");
+    expect_oom(sim.mem_alloc_managed(0, 9 * MIB), "cuMemAllocManaged");
+    expect_oom(sim.pool_alloc_async(0, pool, 9 * MIB, s), "cuMemAllocFromPoolAsync");
+    expect_oom(sim.pool_alloc_async(0, pool, usize::MAX, s), "cuMemAllocFromPoolAsync");
+    assert!(matches!(sim.mem_alloc(0, 0), Err(Error::Driver { code: CUDA_ERROR_INVALID_VALUE, .. })));
+    let big = sim.mem_alloc(0, 6 * MIB).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap(), (2 * MIB, 8 * MIB));
+    let small = sim.pool_alloc_async(0, pool, MIB, s).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap(), (0, 8 * MIB));
+    expect_oom(sim.pool_alloc_async(0, pool, 2 * MIB, s), "cuMemAllocFromPoolAsync");
+    expect_oom(sim.mem_alloc(0, 256), "cuMemAlloc");
+    // Pinned host memory does not count.
+    let pinned = sim.mem_host_alloc(0, 16 * MIB).unwrap();
+    // The pool still serves what fits in its chunk.
+    let more = sim.pool_alloc_async(0, pool, MIB, s).unwrap();
+    sim.free_async(0, more, s).unwrap();
+    sim.free_async(0, small, s).unwrap();
+    // Its idle chunk makes room for a larger one (released before growing).
+    sim.stream_synchronize(0, s).unwrap();
+    sim.mem_free(0, big).unwrap();
+    let whole = sim.pool_alloc_async(0, pool, 8 * MIB, s).unwrap();
+    sim.free_async(0, whole, s).unwrap();
+    sim.mem_free_host(0, pinned).unwrap();
+}
+
+#[test]
+fn a_zero_release_threshold_releases_at_synchronisation() {
+    let sim = sim();
+    let s = stream(&sim, false);
+    let pool = sim.pool_default(0, false).unwrap();
+    assert_eq!(attr(&sim, pool, PoolAttr::ReleaseThreshold), 0);
+    let p = sim.pool_alloc_async(0, pool, MIB, s).unwrap();
+    sim.write(s, p, MIB).unwrap();
+    assert_eq!(attr(&sim, pool, PoolAttr::ReservedMemCurrent), CHUNK);
+    assert_eq!(attr(&sim, pool, PoolAttr::UsedMemCurrent), MIB);
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 64 * MIB - CHUNK);
+    sim.free_async(0, p, s).unwrap();
+    assert_eq!(attr(&sim, pool, PoolAttr::UsedMemCurrent), 0);
+    assert_eq!(attr(&sim, pool, PoolAttr::ReservedMemCurrent), CHUNK, "nothing released before a sync");
+    sim.stream_synchronize(0, s).unwrap();
+    assert_eq!(attr(&sim, pool, PoolAttr::ReservedMemCurrent), 0);
+    assert_eq!(attr(&sim, pool, PoolAttr::ReservedMemHigh), CHUNK);
+    assert_eq!(attr(&sim, pool, PoolAttr::UsedMemHigh), MIB);
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 64 * MIB);
+
+    // With the threshold at its maximum, a pool keeps what it has.
+    sim.pool_set_attr(0, pool, PoolAttr::ReleaseThreshold, u64::MAX).unwrap();
+    let p = sim.pool_alloc_async(0, pool, 3 * MIB, s).unwrap();
+    sim.free_async(0, p, s).unwrap();
+    sim.ctx_synchronize(0).unwrap();
+    assert_eq!(attr(&sim, pool, PoolAttr::ReservedMemCurrent), 2 * CHUNK);
+    // High-water marks reset to the current value when set to 0.
+    sim.pool_set_attr(0, pool, PoolAttr::UsedMemHigh, 0).unwrap();
+    assert_eq!(attr(&sim, pool, PoolAttr::UsedMemHigh), 0);
+    sim.pool_set_attr(0, pool, PoolAttr::ReservedMemHigh, 0).unwrap();
+    assert_eq!(attr(&sim, pool, PoolAttr::ReservedMemHigh), 2 * CHUNK);
+    assert!(matches!(sim.pool_set_attr(0, pool, PoolAttr::UsedMemHigh, 5), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        sim.pool_set_attr(0, pool, PoolAttr::UsedMemCurrent, 0),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[test]
+fn trim_releases_idle_chunks_only() {
+    let sim = sim();
+    let s = stream(&sim, false);
+    let pool = sim.pool_create(0, &PoolProps::default()).unwrap();
+    sim.pool_set_attr(0, pool, PoolAttr::ReleaseThreshold, u64::MAX).unwrap();
+    let big = sim.pool_alloc_async(0, pool, 3 * MIB, s).unwrap();
+    let small = sim.pool_alloc_async(0, pool, 2 * MIB, s).unwrap();
+    let kept = sim.pool_alloc_async(0, pool, 2 * MIB, s).unwrap();
+    assert_eq!(attr(&sim, pool, PoolAttr::ReservedMemCurrent), 4 * MIB + 2 * CHUNK);
+    sim.write(s, big, 3 * MIB).unwrap();
+    sim.free_async(0, big, s).unwrap();
+    sim.free_async(0, small, s).unwrap();
+    // The write before the free has not run: nothing can be released.
+    sim.pool_trim_to(0, pool, 0).unwrap();
+    assert_eq!(attr(&sim, pool, PoolAttr::ReservedMemCurrent), 4 * MIB + 2 * CHUNK);
+    sim.stream_synchronize(0, s).unwrap();
+    sim.pool_trim_to(0, pool, 5 * MIB).unwrap();
+    let left = attr(&sim, pool, PoolAttr::ReservedMemCurrent);
+    assert!((CHUNK..=5 * MIB).contains(&left), "{left}");
+    sim.pool_trim_to(0, pool, 0).unwrap();
+    assert_eq!(attr(&sim, pool, PoolAttr::ReservedMemCurrent), CHUNK, "the chunk in use stays");
+    sim.free_async(0, kept, s).unwrap();
+    sim.pool_trim_to(0, pool, 0).unwrap();
+    assert_eq!(attr(&sim, pool, PoolAttr::ReservedMemCurrent), 0);
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 64 * MIB);
+}
+
+#[test]
+fn pools_are_created_made_current_and_destroyed() {
+    let sim = sim();
+    let s = stream(&sim, false);
+    let default = sim.pool_default(0, false).unwrap();
+    let managed = sim.pool_default(0, true).unwrap();
+    assert_ne!(default, managed);
+    assert_eq!(sim.pool_current(0, true).unwrap(), managed);
+    let mine = sim.pool_create(0, &PoolProps { posix_fd_ipc: true, managed: false }).unwrap();
+    assert!(![default, managed].contains(&mine));
+    sim.pool_set_current(0, mine).unwrap();
+    assert_eq!(sim.pool_current(0, false).unwrap(), mine);
+    assert_eq!(sim.pool_current(0, true).unwrap(), managed);
+    let m = sim.pool_alloc_async(0, managed, 4096, s).unwrap();
+    assert_eq!(sim.pointer_pool(0, m).unwrap(), Some(managed));
+    let plain = sim.mem_alloc_managed(0, 4096).unwrap();
+    assert_eq!(sim.pointer_pool(0, plain).unwrap(), None);
+    sim.prefetch_async(0, plain, 4096, Location::Device(0), s).unwrap();
+    sim.prefetch_async(0, m, 4096, Location::Host, s).unwrap();
+    assert!(sim.prefetch_async(0, m, 4096, Location::Device(3), s).is_err());
+
+    assert!(matches!(sim.pool_destroy(0, default), Err(Error::InvalidArgument(_))));
+    // Destroyed with an allocation live: refused for new work, released once it is freed.
+    let p = sim.pool_alloc_async(0, mine, 4096, s).unwrap();
+    sim.pool_destroy(0, mine).unwrap();
+    assert_eq!(sim.pool_current(0, false).unwrap(), default);
+    for r in [
+        sim.pool_alloc_async(0, mine, 16, s).map(drop),
+        sim.pool_get_attr(0, mine, PoolAttr::UsedMemCurrent).map(drop),
+        sim.pool_destroy(0, mine),
+        sim.pool_set_current(0, mine),
+    ] {
+        assert!(matches!(&r, Err(Error::InvalidArgument(m)) if m.contains(&format!("{mine:#x}"))), "{r:?}");
+    }
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 64 * MIB - CHUNK - 4096 - CHUNK);
+    sim.free_async(0, p, s).unwrap();
+    sim.ctx_synchronize(0).unwrap();
+    sim.free_async(0, m, s).unwrap();
+    sim.mem_free(0, plain).unwrap();
+    sim.ctx_synchronize(0).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 64 * MIB);
+    assert!(matches!(
+        sim.pool_get_attr(0, 0x1234, PoolAttr::ReleaseThreshold),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[test]
+fn a_closed_device_refuses_calls_but_allows_frees() {
+    let sim = sim();
+    let s = stream(&sim, false);
+    let e = sim.event_create(0).unwrap();
+    let pool = sim.pool_create(0, &PoolProps::default()).unwrap();
+    let p = sim.pool_alloc_async(0, pool, 4096, s).unwrap();
+    let d = sim.mem_alloc(0, 4096).unwrap();
+    let h = sim.mem_host_alloc(0, 4096).unwrap();
+    sim.write(s, d, 4096).unwrap();
+    sim.deactivate();
+    assert!(sim.is_closed());
+    let closed = |r: Result<()>| match r {
+        Err(Error::InvalidArgument(m)) => {
+            assert!(m.contains("is closed; objects made under it cannot be used outside it"), "{m}")
+        }
+        other => panic!("expected closed, got {other:?}"),
+    };
+    closed(sim.mem_alloc(0, 16).map(drop));
+    closed(sim.stream_synchronize(0, s));
+    closed(sim.write(s, d, 16));
+    closed(sim.step(s).map(drop));
+    closed(sim.driver_version().map(drop));
+    closed(sim.pool_alloc_async(0, pool, 16, s).map(drop));
+    closed(sim.event_record(0, e, s));
+    assert!(!sim.step_any());
+    sim.run();
+    assert!(matches!(sim.activate(), Err(Error::InvalidArgument(_))));
+    // The free family succeeds silently, even for nonsense.
+    sim.free_async(0, p, s).unwrap();
+    sim.mem_free(0, d).unwrap();
+    sim.mem_free_host(0, h).unwrap();
+    sim.mem_free(0, 0xbad).unwrap();
+    sim.pool_destroy(0, pool).unwrap();
+    sim.event_destroy(0, e).unwrap();
+    sim.stream_destroy(0, s).unwrap();
+}
+
+#[test]
+fn several_devices_keep_their_streams_apart() {
+    let sim = SimDevice::with_devices(16 * MIB, 2);
+    assert_eq!(sim.device_count().unwrap(), 2);
+    let s1 = sim.stream_create(1, false).unwrap();
+    assert_eq!(sim.stream_device(s1).unwrap(), 1);
+    assert!(matches!(sim.stream_synchronize(0, s1), Err(Error::InvalidStream(_))));
+    sim.stream_synchronize(1, s1).unwrap();
+    assert!(matches!(sim.mem_alloc(2, 16), Err(Error::InvalidArgument(_))));
+    assert_ne!(sim.pool_default(0, false).unwrap(), sim.pool_default(1, false).unwrap());
+    assert_ne!(sim.stream_id(0, LEGACY_STREAM).unwrap(), sim.stream_id(1, LEGACY_STREAM).unwrap());
+    let p = sim.mem_alloc(1, 15 * MIB).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 16 * MIB);
+    assert_eq!(sim.mem_get_info(1).unwrap().0, MIB);
+    sim.write(s1, p, 16).unwrap();
+    sim.mem_free(1, p).unwrap();
+    assert!(sim.describe().contains("2 devices, 16 MiB each"), "{}", sim.describe());
+}
+
+#[test]
+fn races_are_deduplicated_and_capped() {
+    let sim = sim();
+    let (a, b) = (stream(&sim, false), stream(&sim, false));
+    let p = sim.mem_alloc(0, 4096).unwrap();
+    // One write over many segments: one race per pair of operations.
+    for i in 0..16 {
+        sim.write(a, p + i * 256, 128).unwrap();
+    }
+    sim.write(b, p, 4096).unwrap();
+    sim.run();
+    let races = sim.take_races();
+    assert_eq!(races.len(), 16);
+    sim.mem_free(0, p).unwrap();
+    let q = sim.mem_alloc(0, 256 * 1100).unwrap();
+    for i in 0..1100u64 {
+        sim.write(a, q + i * 256, 256).unwrap();
+        sim.write(b, q + i * 256, 256).unwrap();
+    }
+    sim.run();
+    assert_eq!(sim.races().len(), MAX_RACES);
+    assert_eq!(sim.races_dropped(), 100);
+}
+
+#[test]
+fn many_threads_may_drive_the_device_at_once() {
+    let sim = sim();
+    let pool = sim.pool_default(0, false).unwrap();
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let sim = sim.clone();
+            std::thread::spawn(move || {
+                let s = sim.stream_create(0, false).unwrap();
+                for i in 0..200 {
+                    let p = sim.pool_alloc_async(0, pool, 1000 + i, s).unwrap();
+                    sim.write(s, p, 1000 + i).unwrap();
+                    sim.free_async(0, p, s).unwrap();
+                    if i % 3 == 0 {
+                        sim.step_any();
+                    }
+                }
+                sim.stream_synchronize(0, s).unwrap();
+                sim.stream_destroy(0, s).unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+    assert_eq!(attr(&sim, pool, PoolAttr::UsedMemCurrent), 0);
+}

@@ -1,0 +1,98 @@
+//! One error type for the whole crate. Errors are data: every variant carries what a
+//! caller (or the Python binding, which maps each variant in one `match`) needs to say
+//! what went wrong without parsing a message.
+
+/// The crate's result alias.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in streampool.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A request that the resource could not meet.
+    #[error("out of memory: {resource} could not allocate {requested} bytes{}", fmt_available(*.available))]
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: usize,
+        /// What the resource (or device) had free, where it knows.
+        available: Option<usize>,
+        /// The resource that refused, e.g. `CudaAsyncMemoryResource`.
+        resource: String,
+    },
+    /// A CUDA driver call returned an error.
+    #[error("{call} failed: {name} ({code}){}", fmt_context(context))]
+    Driver {
+        /// The driver function, e.g. `cuMemAllocFromPoolAsync`.
+        call: &'static str,
+        /// The `CUresult` value.
+        code: i32,
+        /// The `CUresult` name, e.g. `CUDA_ERROR_INVALID_VALUE`.
+        name: String,
+        /// What streampool was doing, where that helps.
+        context: String,
+    },
+    /// No usable CUDA driver on this machine (library missing, `cuInit` failed, no device).
+    #[error("no CUDA driver found: {0}. To run without a GPU, use the simulated device: `with streampool.sim.SimulatedDevice(): ...` in Python, or STREAMPOOL_DEVICE=sim in the environment")]
+    DriverNotFound(String),
+    /// The driver is present but lacks something this call needs (e.g. a CUDA 13 feature).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// A bad argument: a size, a device, a setting.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A pointer the resource does not own, a double free, or a size that does not match.
+    #[error("invalid pointer: {0}")]
+    InvalidPointer(String),
+    /// A stream (or event) that is destroyed, unknown, of another device or of another backend.
+    #[error("invalid stream: {0}")]
+    InvalidStream(String),
+}
+
+fn fmt_available(available: Option<usize>) -> String {
+    match available {
+        Some(a) => format!(" ({a} bytes available)"),
+        None => String::new(),
+    }
+}
+
+fn fmt_context(context: &str) -> String {
+    if context.is_empty() {
+        String::new()
+    } else {
+        format!(" while {context}")
+    }
+}
+
+impl Error {
+    /// A plain invalid-argument error.
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+
+    /// True for [`Error::OutOfMemory`] and for the driver's `CUDA_ERROR_OUT_OF_MEMORY`.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::OutOfMemory { .. })
+            || matches!(self, Error::Driver { code, .. } if *code == CUDA_ERROR_OUT_OF_MEMORY)
+    }
+
+    /// Adds what streampool was doing to a driver error; other errors pass through.
+    pub fn context(self, what: impl Into<String>) -> Self {
+        match self {
+            Error::Driver { call, code, name, context } if context.is_empty() => {
+                Error::Driver { call, code, name, context: what.into() }
+            }
+            e => e,
+        }
+    }
+}
+
+/// `CUDA_ERROR_OUT_OF_MEMORY`, as the driver (and the simulated device) report it.
+pub const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+/// `CUDA_ERROR_INVALID_VALUE`.
+pub const CUDA_ERROR_INVALID_VALUE: i32 = 1;
+/// `CUDA_ERROR_DEINITIALIZED`: the driver is shutting down (interpreter exit).
+pub const CUDA_ERROR_DEINITIALIZED: i32 = 4;
+/// `CUDA_ERROR_INVALID_HANDLE`.
+pub const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
+/// `CUDA_ERROR_NOT_SUPPORTED`.
+pub const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;

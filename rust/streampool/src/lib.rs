@@ -1,0 +1,46 @@
+//! # streampool
+//!
+//! Stream-ordered GPU memory over the CUDA driver API, with a simulated device that
+//! makes every resource testable on machines with no GPU.
+//!
+//! * [`device`]: the one seam to the driver ([`device::cuda`]) or its simulation
+//!   ([`device::sim`], with a happens-before race detector).
+//! * [`Stream`] and [`Event`]: owned, borrowed and default streams.
+//! * [`MemoryResource`]: the stream-ordered contract every resource implements, and
+//!   [`Allocation`], the owning guard that frees on drop.
+//! * The resources: [`CudaAsyncMemoryResource`] (the recommended default: the driver's
+//!   pool), [`CudaMemoryResource`], [`ManagedMemoryResource`],
+//!   [`PinnedHostMemoryResource`].
+//!
+//! ## Quick start (runs on the simulated device; drop the first two lines on a GPU)
+//!
+//! ```
+//! use std::sync::Arc;
+//! use streampool::{device::sim::SimDevice, Allocation, CudaAsyncMemoryResource, Stream};
+//!
+//! let sim = SimDevice::new(1 << 30);
+//! let _active = sim.activate()?;
+//!
+//! let mr = Arc::new(CudaAsyncMemoryResource::new(None, Default::default())?);
+//! let stream = Stream::create(&streampool::device::backend()?, 0, false)?;
+//! let buf = Allocation::new(mr, 1 << 20, stream.clone())?;
+//! assert_eq!(buf.ptr() % 256, 0);
+//! drop(buf); // freed on `stream`, reusable by work ordered after it
+//! # Ok::<(), streampool::Error>(())
+//! ```
+
+pub mod device;
+pub mod error;
+pub mod resource;
+pub mod resources;
+pub mod size;
+pub mod stream;
+
+pub use error::{Error, Result};
+pub use resource::{Allocation, MemoryKind, MemoryResource, ResourceRef, ALIGNMENT};
+pub use resources::{
+    AsyncPoolOptions, CudaAsyncMemoryResource, CudaMemoryResource, ManagedMemoryResource,
+    PinnedHostMemoryResource,
+};
+pub use size::parse_size;
+pub use stream::{Event, Stream};

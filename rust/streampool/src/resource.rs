@@ -1,0 +1,202 @@
+//! The memory-resource contract and the owning [`Allocation`] guard.
+//!
+//! # The stream-ordered contract
+//!
+//! * `allocate(bytes, stream)`: the memory may be used by work enqueued on `stream` after
+//!   the call, and by the host after that stream is synchronised.
+//! * `deallocate(ptr, bytes, stream)`: the memory may be reused by any work ordered after
+//!   everything enqueued on `stream` before the call. Reuse on the same stream is free;
+//!   reuse on another stream needs an event wait or the free's completion.
+//! * `allocate(0, s)` returns 0 (the null pointer) and `deallocate(0, 0, s)` does nothing.
+//!   Every other allocation is aligned to at least [`ALIGNMENT`] bytes.
+//! * A resource is bound to one backend and device; a stream of another is refused.
+//! * Two live allocations never overlap.
+//!
+//! Resources implement [`MemoryResource::do_allocate`] and
+//! [`MemoryResource::do_deallocate`]; callers use the provided
+//! [`MemoryResource::allocate`] and [`MemoryResource::deallocate`], which apply the
+//! checks above once for every resource.
+
+use std::fmt;
+use std::sync::Arc;
+use std::thread::ThreadId;
+
+use crate::device::{BackendRef, DevPtr};
+use crate::error::{Error, Result, CUDA_ERROR_INVALID_VALUE};
+use crate::stream::Stream;
+
+/// The smallest alignment of every non-empty allocation.
+pub const ALIGNMENT: usize = 256;
+
+/// What kind of memory a resource hands out (DLPack and CUDA array interface exports
+/// report it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// Device memory.
+    Device,
+    /// Managed (unified) memory, usable from host and device.
+    Managed,
+    /// Page-locked host memory.
+    PinnedHost,
+}
+
+/// A source of stream-ordered memory. See the module docs for the contract.
+///
+/// Implementations are `Send + Sync`: any thread may allocate, and any thread may free
+/// what another allocated.
+pub trait MemoryResource: Send + Sync + fmt::Debug {
+    /// The backend (CUDA driver or a simulated device) the resource is bound to.
+    fn backend(&self) -> &BackendRef;
+    /// The device ordinal the resource is bound to.
+    fn device(&self) -> i32;
+    /// The RMM-style class name, e.g. `CudaAsyncMemoryResource`.
+    fn name(&self) -> &str;
+    /// What kind of memory this resource hands out.
+    fn memory_kind(&self) -> MemoryKind;
+
+    /// Allocates `bytes > 0` bytes ordered on `stream` (already checked to belong to this
+    /// resource's backend and device).
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr>;
+    /// Frees `ptr != 0` of `bytes > 0` bytes, ordered on `stream` (already checked).
+    fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()>;
+
+    /// Allocates `bytes` bytes for use on `stream`; 0 bytes gives the null pointer.
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        if bytes == 0 {
+            return Ok(0);
+        }
+        if bytes > isize::MAX as usize {
+            return Err(Error::OutOfMemory {
+                requested: bytes,
+                available: None,
+                resource: self.name().into(),
+            });
+        }
+        stream.check(self.backend(), self.device())?;
+        self.do_allocate(bytes, stream)
+    }
+
+    /// Frees `ptr` (of `bytes` bytes, as allocated) for reuse after the work enqueued on
+    /// `stream` so far. `deallocate(0, 0, s)` does nothing.
+    fn deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        match (ptr, bytes) {
+            (0, 0) => return Ok(()),
+            (0, _) => {
+                return Err(Error::InvalidPointer(format!(
+                    "null pointer freed with size {bytes} (expected 0)"
+                )))
+            }
+            (_, 0) => {
+                return Err(Error::InvalidPointer(format!(
+                    "pointer {ptr:#x} freed with size 0; pass the size it was allocated with"
+                )))
+            }
+            _ => {}
+        }
+        stream.check(self.backend(), self.device())?;
+        self.do_deallocate(ptr, bytes, stream).map_err(|e| match e {
+            // What the driver says of a pointer it did not hand out, or already freed.
+            Error::Driver { call, code: CUDA_ERROR_INVALID_VALUE, name, .. } => {
+                Error::InvalidPointer(format!(
+                    "{ptr:#x} was not allocated by this {}, or was already freed ({call}: {name})",
+                    self.name()
+                ))
+            }
+            e => e,
+        })
+    }
+}
+
+/// A shared handle to any resource.
+pub type ResourceRef = Arc<dyn MemoryResource>;
+
+/// Memory from a resource, freed on its stream when dropped (or by [`Allocation::free`]).
+///
+/// An allocation made on the per-thread default stream and dropped on another thread
+/// cannot name the allocating thread's stream; it waits for the whole device first
+/// (`cuCtxSynchronize`), which orders the free after every use, then frees on the
+/// legacy default stream.
+pub struct Allocation {
+    mr: ResourceRef,
+    ptr: DevPtr,
+    bytes: usize,
+    stream: Stream,
+    thread: ThreadId,
+}
+
+impl Allocation {
+    /// Allocates `bytes` from `mr` on `stream`.
+    pub fn new(mr: ResourceRef, bytes: usize, stream: Stream) -> Result<Self> {
+        let ptr = mr.allocate(bytes, &stream)?;
+        Ok(Allocation { mr, ptr, bytes, stream, thread: std::thread::current().id() })
+    }
+
+    /// The address (0 for an empty allocation).
+    pub fn ptr(&self) -> DevPtr {
+        self.ptr
+    }
+
+    /// The size in bytes, as asked.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The stream the memory is ordered on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The resource it came from.
+    pub fn resource(&self) -> &ResourceRef {
+        &self.mr
+    }
+
+    /// Frees now, on its stream, and reports a failure (dropping swallows it).
+    pub fn free(mut self) -> Result<()> {
+        let result = self.release();
+        std::mem::forget(self);
+        result
+    }
+
+    fn release(&mut self) -> Result<()> {
+        let ptr = std::mem::take(&mut self.ptr);
+        if ptr == 0 {
+            return Ok(());
+        }
+        if self.stream.is_per_thread() && std::thread::current().id() != self.thread {
+            let (backend, device) = (self.mr.backend(), self.mr.device());
+            backend.ctx_synchronize(device)?;
+            return self.mr.deallocate(ptr, self.bytes, &Stream::legacy());
+        }
+        self.mr.deallocate(ptr, self.bytes, &self.stream)
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        // A failure here (the driver torn down at process exit, a closed simulated
+        // device) has nobody to report to, and must not panic.
+        let _ = self.release();
+    }
+}
+
+impl fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Allocation")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("bytes", &self.bytes)
+            .field("stream", &self.stream)
+            .field("resource", &self.mr.name())
+            .finish()
+    }
+}
+
+/// Turns the driver's out-of-memory error into [`Error::OutOfMemory`], naming the size
+/// asked and what the device had free; other errors pass through.
+pub(crate) fn out_of_memory(e: Error, requested: usize, mr: &dyn MemoryResource) -> Error {
+    if !e.is_out_of_memory() {
+        return e;
+    }
+    let available = mr.backend().mem_get_info(mr.device()).ok().map(|(free, _)| free);
+    Error::OutOfMemory { requested, available, resource: mr.name().to_string() }
+}

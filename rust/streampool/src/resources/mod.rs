@@ -1,0 +1,37 @@
+//! The resources: the driver's stream-ordered pool, and plain device, managed and pinned
+//! host memory. RMM's names are kept (`CudaAsyncMemoryResource` is RMM's
+//! `cuda_async_memory_resource`, and so on).
+
+mod async_pool;
+mod plain;
+
+pub use async_pool::{AsyncPoolOptions, CudaAsyncMemoryResource};
+pub use plain::{CudaMemoryResource, ManagedMemoryResource, PinnedHostMemoryResource, PlainMemoryResource};
+
+use crate::device::{backend, BackendRef};
+use crate::error::{Error, Result};
+
+/// The backend new objects use now, and `device` on it (the current device when `None`),
+/// checked to exist.
+pub fn bind(device: Option<i32>) -> Result<(BackendRef, i32)> {
+    let backend = backend()?;
+    let device = check_device(&backend, device)?;
+    Ok((backend, device))
+}
+
+/// `device` on `backend` (its current device when `None`), checked to exist.
+pub fn check_device(backend: &BackendRef, device: Option<i32>) -> Result<i32> {
+    let device = match device {
+        Some(d) => d,
+        None => backend.current_device()?,
+    };
+    let count = backend.device_count()?;
+    if device < 0 || device >= count {
+        return Err(Error::invalid(format!(
+            "device {device} does not exist on {} ({count} device{})",
+            backend.describe(),
+            if count == 1 { "" } else { "s" }
+        )));
+    }
+    Ok(device)
+}

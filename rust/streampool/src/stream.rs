@@ -1,0 +1,214 @@
+//! Streams and events.
+//!
+//! A [`Stream`] is one of:
+//! * the legacy default stream (handle 0; the driver's `CU_STREAM_LEGACY` = 1 is the same
+//!   stream and is normalised to 0) or the per-thread default stream (handle 2: a
+//!   different stream on every host thread). These exist on every backend and device,
+//!   so they are not bound to one;
+//! * a stream this crate created and owns (non-blocking unless asked), destroyed when the
+//!   last clone is dropped;
+//! * a borrowed handle that someone else owns (PyTorch's, CuPy's), checked to be a live
+//!   stream when it is wrapped and never destroyed here.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::device::{BackendRef, RawEvent, RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM};
+use crate::error::{Error, Result};
+
+/// A CUDA stream handle with its provenance. Cheap to clone.
+#[derive(Clone)]
+pub struct Stream {
+    handle: RawStream,
+    origin: Origin,
+}
+
+#[derive(Clone)]
+enum Origin {
+    Default,
+    Owned(Arc<OwnedStream>),
+    Borrowed { backend: BackendRef, device: i32 },
+}
+
+struct OwnedStream {
+    backend: BackendRef,
+    device: i32,
+    handle: RawStream,
+}
+
+impl Drop for OwnedStream {
+    fn drop(&mut self) {
+        // Work already enqueued still runs (the driver's rule); a failure here (driver
+        // torn down at exit) has nobody to report to.
+        let _ = self.backend.stream_destroy(self.device, self.handle);
+    }
+}
+
+impl Stream {
+    /// The legacy default stream (handle 0). What `stream=None` means.
+    pub const fn legacy() -> Self {
+        Stream { handle: LEGACY_STREAM, origin: Origin::Default }
+    }
+
+    /// The per-thread default stream (handle 2): a different stream on each host thread.
+    pub const fn per_thread() -> Self {
+        Stream { handle: PER_THREAD_STREAM, origin: Origin::Default }
+    }
+
+    /// Creates and owns a new stream on `device` of `backend`; non-blocking (it does not
+    /// synchronise with the legacy default stream) unless `blocking`.
+    pub fn create(backend: &BackendRef, device: i32, blocking: bool) -> Result<Self> {
+        let handle = backend.stream_create(device, blocking)?;
+        let owned = OwnedStream { backend: backend.clone(), device, handle };
+        Ok(Stream { handle, origin: Origin::Owned(Arc::new(owned)) })
+    }
+
+    /// Wraps a handle someone else owns. Handles 0, 1 and 2 name the default streams;
+    /// any other must name a live stream of `backend`. The simulated device checks that
+    /// always; the CUDA driver cannot check a made-up value (it dereferences the handle,
+    /// and a garbage one crashes the process), so on CUDA a raw handle is trusted.
+    pub fn borrowed(backend: &BackendRef, handle: RawStream) -> Result<Self> {
+        match handle {
+            LEGACY_STREAM | LEGACY_STREAM_ALIAS => Ok(Self::legacy()),
+            PER_THREAD_STREAM => Ok(Self::per_thread()),
+            _ => {
+                let device = backend.stream_device(handle).map_err(|e| {
+                    Error::InvalidStream(format!(
+                        "handle {handle:#x} does not name a live stream on {} ({e})",
+                        backend.describe()
+                    ))
+                })?;
+                Ok(Stream { handle, origin: Origin::Borrowed { backend: backend.clone(), device } })
+            }
+        }
+    }
+
+    /// The handle value to pass to the driver (0 for the legacy default stream).
+    pub fn handle(&self) -> RawStream {
+        self.handle
+    }
+
+    /// True for the legacy default stream.
+    pub fn is_legacy(&self) -> bool {
+        self.handle == LEGACY_STREAM && matches!(self.origin, Origin::Default)
+    }
+
+    /// True for the per-thread default stream.
+    pub fn is_per_thread(&self) -> bool {
+        self.handle == PER_THREAD_STREAM && matches!(self.origin, Origin::Default)
+    }
+
+    /// True when this stream was created by streampool and is destroyed with its last clone.
+    pub fn is_owned(&self) -> bool {
+        matches!(self.origin, Origin::Owned(_))
+    }
+
+    /// The backend and device this stream is bound to; `None` for the default streams,
+    /// which exist everywhere.
+    pub fn binding(&self) -> Option<(&BackendRef, i32)> {
+        match &self.origin {
+            Origin::Default => None,
+            Origin::Owned(o) => Some((&o.backend, o.device)),
+            Origin::Borrowed { backend, device } => Some((backend, *device)),
+        }
+    }
+
+    /// Refuses this stream for use by an object of `backend`, device `device`, when it
+    /// belongs to another backend or device.
+    pub fn check(&self, backend: &BackendRef, device: i32) -> Result<()> {
+        let Some((mine, my_device)) = self.binding() else { return Ok(()) };
+        crate::device::check_same_backend(backend, mine, &format!("stream {:#x}", self.handle))?;
+        if my_device != device {
+            return Err(Error::InvalidStream(format!(
+                "stream {:#x} belongs to device {my_device}, but the resource to device {device}",
+                self.handle
+            )));
+        }
+        Ok(())
+    }
+
+    /// Waits on the host until all work enqueued on this stream has completed.
+    pub fn synchronize(&self, backend: &BackendRef, device: i32) -> Result<()> {
+        self.check(backend, device)?;
+        backend.stream_synchronize(device, self.handle)
+    }
+
+    /// The stream's never-reused identity (`cuStreamGetId`); for the per-thread default
+    /// stream, the calling thread's.
+    pub fn id(&self, backend: &BackendRef, device: i32) -> Result<u64> {
+        self.check(backend, device)?;
+        backend.stream_id(device, self.handle)
+    }
+
+    /// Makes all later work on this stream wait for `event`'s recorded work.
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        self.check(&event.backend, event.device)?;
+        event.backend.stream_wait_event(event.device, self.handle, event.raw)
+    }
+}
+
+impl Default for Stream {
+    fn default() -> Self {
+        Self::legacy()
+    }
+}
+
+impl fmt::Debug for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match (&self.origin, self.handle) {
+            (Origin::Default, PER_THREAD_STREAM) => "per-thread default",
+            (Origin::Default, _) => "legacy default",
+            (Origin::Owned(_), _) => "owned",
+            (Origin::Borrowed { .. }, _) => "borrowed",
+        };
+        write!(f, "Stream({:#x}, {kind})", self.handle)
+    }
+}
+
+/// An event (timing disabled), destroyed on drop.
+pub struct Event {
+    backend: BackendRef,
+    device: i32,
+    raw: RawEvent,
+}
+
+impl Event {
+    /// `cuEventCreate` on `device` of `backend`.
+    pub fn new(backend: &BackendRef, device: i32) -> Result<Self> {
+        let raw = backend.event_create(device)?;
+        Ok(Event { backend: backend.clone(), device, raw })
+    }
+
+    /// Captures the work enqueued on `stream` so far.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        stream.check(&self.backend, self.device)?;
+        self.backend.event_record(self.device, self.raw, stream.handle())
+    }
+
+    /// True when the recorded work has completed.
+    pub fn query(&self) -> Result<bool> {
+        self.backend.event_query(self.device, self.raw)
+    }
+
+    /// Waits on the host for the recorded work.
+    pub fn synchronize(&self) -> Result<()> {
+        self.backend.event_synchronize(self.device, self.raw)
+    }
+
+    /// The raw handle.
+    pub fn raw(&self) -> RawEvent {
+        self.raw
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let _ = self.backend.event_destroy(self.device, self.raw);
+    }
+}
+
+impl fmt::Debug for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Event({:#x})", self.raw)
+    }
+}

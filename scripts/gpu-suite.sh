@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU suite, run on the GPU machine over the working tree and the .gpu/ that
+# scripts/gpu-build.sh made (see DEVELOPERS.md):
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/sp .gpu/wheels/*.whl \
+#     && export PYTHONPATH=/tmp/sp && bash scripts/gpu-suite.sh
+# Full logs go to $OUT; a short summary is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/streampool-gpu}
+mkdir -p "$OUT"
+export STREAMPOOL_GPU_TESTS=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+summary=()
+step() {  # step NAME LOG COMMAND...
+  local name=$1 log=$2; shift 2
+  local t0=$SECONDS
+  "$@" >"$OUT/$log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$OUT/$log")")")
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv | tee "$OUT/nvidia-smi.txt"
+step "environment report" report.txt python3 -m streampool
+cat "$OUT/report.txt"
+for bin in .gpu/bin/*; do
+  step "rust $(basename "$bin")" "rust-$(basename "$bin").txt" "$bin" --test-threads=4
+done
+step "pytest (gpu + simulated)" pytest.txt python3 -m pytest -q -p no:cacheprovider -rs tests
+grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -n 3
+for bin in .gpu/bin/*; do grep -E "^test result|FAILED|panicked" "$OUT/rust-$(basename "$bin").txt" | tail -n 5; done
+echo "== summary =="
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,77 @@
+"""Shared fixtures.
+
+Every test runs on a fresh simulated device (entered for the test, exited after) unless
+it is marked ``gpu``; GPU tests run only with ``STREAMPOOL_GPU_TESTS=1`` on a machine
+with a CUDA driver (see DEVELOPERS.md).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+import streampool
+from streampool import mr
+from streampool.sim import SimulatedDevice
+
+GPU = os.environ.get("STREAMPOOL_GPU_TESTS") == "1"
+SIM_CAPACITY = 256 << 20
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (runs with STREAMPOOL_GPU_TESTS=1)")
+    config.addinivalue_line("markers", "nosim: the test manages simulated devices itself")
+    config.addinivalue_line("markers", "races_expected: the test provokes races on purpose")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run with STREAMPOOL_GPU_TESTS=1 (DEVELOPERS.md)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def sim(request: pytest.FixtureRequest) -> Iterator[SimulatedDevice | None]:
+    """The simulated device every non-GPU test runs on."""
+    if "gpu" in request.keywords or "nosim" in request.keywords:
+        yield None
+        return
+    with SimulatedDevice(capacity_bytes=SIM_CAPACITY) as dev:
+        yield dev
+        races = dev.races()
+    assert not races or "races_expected" in request.keywords, f"unexpected races: {races}"
+
+
+_OWNERS: list[mr.MemoryResource] = []
+
+
+def _view() -> mr.MemoryResource:
+    owner = mr.CudaAsyncMemoryResource(release_threshold=0)
+    _OWNERS.append(owner)  # the view never destroys the pool; its owner must outlive it
+    return mr.CudaAsyncViewMemoryResource(owner.pool_handle)
+
+
+RESOURCES = {
+    "async_current": lambda: mr.CudaAsyncMemoryResource(),
+    "async_own": lambda: mr.CudaAsyncMemoryResource(initial_pool_size="8MiB", release_threshold="64MiB"),
+    "async_view": _view,
+    "cuda": lambda: mr.CudaMemoryResource(),
+    "managed": lambda: mr.ManagedMemoryResource(),
+    "pinned": lambda: mr.PinnedHostMemoryResource(),
+}
+
+
+@pytest.fixture(params=sorted(RESOURCES))
+def resource(request: pytest.FixtureRequest, sim: SimulatedDevice | None) -> Iterator[mr.MemoryResource]:
+    yield RESOURCES[request.param]()
+    _OWNERS.clear()
+
+
+@pytest.fixture
+def stream() -> streampool.Stream:
+    return streampool.Stream()

@@ -1,0 +1,113 @@
+"""The simulated device seen from Python: activation, the race detector, streams."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import streampool
+from streampool import mr
+from streampool.sim import SimulatedDevice
+
+
+@pytest.mark.nosim
+def test_process_wide_and_exclusive() -> None:
+    with SimulatedDevice(capacity_bytes="64MiB") as dev:
+        assert streampool.using_simulated_device()
+        seen: list[bool] = []
+        t = threading.Thread(target=lambda: seen.append(streampool.using_simulated_device()))
+        t.start()
+        t.join()
+        assert seen == [True]
+        with pytest.raises(streampool.StreampoolError, match="already active"):
+            SimulatedDevice().__enter__()
+        assert "simulated" in dev.describe()
+
+
+@pytest.mark.nosim
+def test_objects_are_refused_outside_their_device() -> None:
+    with SimulatedDevice(capacity_bytes="64MiB"):
+        resource = mr.CudaAsyncMemoryResource()
+        stream = streampool.Stream()
+        buf = streampool.DeviceBuffer(size=1024, stream=stream, mr=resource)
+    with pytest.raises(streampool.StreampoolError, match="closed"):
+        resource.allocate(256)
+    with SimulatedDevice(capacity_bytes="64MiB"):
+        other = mr.CudaAsyncMemoryResource()
+        with pytest.raises(streampool.InvalidStreamError):
+            other.allocate(256, stream)
+    del buf  # freeing after the device closed is silent
+
+
+def test_race_between_unordered_streams_is_found(sim: SimulatedDevice) -> None:
+    a, b = streampool.Stream(), streampool.Stream()
+    buf = streampool.DeviceBuffer(size=4096, stream=a)
+    sim.write(a, buf.ptr, 4096, label="producer")
+    sim.read(b, buf.ptr, 4096, label="consumer")
+    sim.run()
+    races = sim.races()
+    assert len(races) == 1
+    assert "producer" in str(races[0]) and "consumer" in str(races[0])
+    sim.clear_races()
+
+
+def test_event_ordering_or_completion_removes_the_race(sim: SimulatedDevice) -> None:
+    a, b = streampool.Stream(), streampool.Stream()
+    buf = streampool.DeviceBuffer(size=4096, stream=a)
+    sim.write(a, buf.ptr, 4096)
+    a.synchronize()  # completion orders everything enqueued later
+    sim.read(b, buf.ptr, 4096)
+    sim.run()
+    assert sim.races() == []
+
+
+def test_step_runs_one_operation(sim: SimulatedDevice) -> None:
+    s = streampool.Stream()
+    buf = streampool.DeviceBuffer(size=256, stream=s)
+    sim.write(s, buf.ptr, 256)
+    sim.write(s, buf.ptr, 256)
+    assert sim.pending == 2
+    assert sim.step(s) is True
+    assert sim.pending == 1
+    sim.run()
+    assert sim.pending == 0
+    assert sim.step(s) is False
+
+
+def test_use_after_free_is_refused(sim: SimulatedDevice) -> None:
+    resource = mr.CudaMemoryResource()
+    ptr = resource.allocate(1024)
+    resource.deallocate(ptr, 1024)
+    with pytest.raises(streampool.InvalidPointerError):
+        sim.write(None, ptr, 1024)
+
+
+def test_per_thread_default_streams_differ_between_threads(sim: SimulatedDevice) -> None:
+    buf = streampool.DeviceBuffer(size=1024)
+    sim.write(streampool.PER_THREAD_DEFAULT_STREAM, buf.ptr, 1024, label="main thread")
+    t = threading.Thread(target=lambda: sim.read(streampool.PER_THREAD_DEFAULT_STREAM, buf.ptr, 1024, label="other thread"))
+    t.start()
+    t.join()
+    sim.run()
+    races = sim.races()
+    assert len(races) == 1 and "other thread" in str(races[0])
+    sim.clear_races()
+
+
+def test_out_of_memory_names_size_and_capacity() -> None:
+    with pytest.raises(streampool.OutOfMemoryError, match=str(1 << 40)):
+        streampool.DeviceBuffer(size=1 << 40)
+
+
+@pytest.mark.nosim
+def test_environment_variable_selects_the_simulated_device(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = "import streampool; b = streampool.DeviceBuffer(size=10); print(streampool.using_simulated_device(), b.size)"
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "10"]
+    assert out.stderr == ""

@@ -1,0 +1,62 @@
+"""Streams: our own, the default streams, and other libraries' stream objects."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+import streampool
+from streampool import mr
+
+
+def test_owned_stream() -> None:
+    s = streampool.Stream()
+    assert s.handle not in (0, 1, 2)
+    assert s.__cuda_stream__() == (0, s.handle)
+    s.synchronize()
+    assert s == s and hash(s) == hash(s)
+    assert s != streampool.Stream()
+
+
+def test_default_streams() -> None:
+    assert streampool.DEFAULT_STREAM.handle == 0
+    assert streampool.LEGACY_DEFAULT_STREAM.handle in (0, 1)
+    assert streampool.PER_THREAD_DEFAULT_STREAM.handle == 2
+    streampool.DEFAULT_STREAM.synchronize()
+    streampool.PER_THREAD_DEFAULT_STREAM.synchronize()
+
+
+def _check_accepted(obj: object) -> None:
+    resource = mr.CudaAsyncMemoryResource()
+    ptr = resource.allocate(256, obj)  # type: ignore[arg-type]
+    resource.deallocate(ptr, 256, obj)  # type: ignore[arg-type]
+    buf = streampool.DeviceBuffer(size=16, stream=obj)  # type: ignore[arg-type]
+    assert buf.stream is obj
+
+
+def test_foreign_stream_objects() -> None:
+    s = streampool.Stream()
+
+    class CudaCoreLike:
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (0, s.handle)
+
+    torch_like = types.SimpleNamespace(cuda_stream=s.handle)
+    cupy_like = types.SimpleNamespace(ptr=s.handle)
+    numba_like = types.SimpleNamespace(handle=types.SimpleNamespace(value=s.handle))
+    for obj in (CudaCoreLike(), torch_like, cupy_like, numba_like, s.handle, s):
+        _check_accepted(obj)
+
+
+def test_bad_stream_objects() -> None:
+    class Broken:
+        def __cuda_stream__(self) -> object:
+            return "nope"
+
+    with pytest.raises((TypeError, ValueError)):
+        streampool.DeviceBuffer(size=16, stream=Broken())  # type: ignore[arg-type]
+    with pytest.raises(streampool.InvalidStreamError):
+        streampool.DeviceBuffer(size=16, stream=0x12345)
+    with pytest.raises(ValueError):
+        streampool.DeviceBuffer(size=16, stream=-3)
