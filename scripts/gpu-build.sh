@@ -14,4 +14,5 @@ for line in sys.stdin:
         shutil.copy(m["executable"], ".gpu/bin/" + m["target"]["name"])
         print("test binary:", m["target"]["name"])
 '
+strip .gpu/bin/*
 du -sh .gpu

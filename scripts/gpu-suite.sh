@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 step "environment report" report.txt python3 -m streampool
 cat "$OUT/report.txt"
 for bin in .gpu/bin/*; do
-  step "rust $(basename "$bin")" "rust-$(basename "$bin").txt" "$bin" --test-threads=4
+  step "rust $(basename "$bin")" "rust-$(basename "$bin").txt" "$bin" --include-ignored --test-threads=4
 done
 step "pytest (gpu + simulated)" pytest.txt python3 -m pytest -q -p no:cacheprovider -rs tests
 grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -n 3

@@ -173,6 +173,7 @@ fn read_back(cuda: &CudaBackend, src: DevPtr, bytes: usize, stream: RawStream) -
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
 fn gpu_probe_describes_the_machine() {
     let Some(cuda) = gpu() else { return };
     let version = cuda.driver_version().unwrap();
@@ -201,6 +202,7 @@ fn gpu_probe_describes_the_machine() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
 fn gpu_each_allocation_kind_round_trips() {
     let Some(cuda) = gpu() else { return };
     let bytes = MIB;
@@ -238,6 +240,7 @@ fn gpu_each_allocation_kind_round_trips() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
 fn gpu_memset_on_a_stream_then_copy_back() {
     let Some(cuda) = gpu() else { return };
     let stream = cuda.stream_create(0, false).unwrap();
@@ -257,6 +260,7 @@ fn gpu_memset_on_a_stream_then_copy_back() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
 fn gpu_async_alloc_from_the_current_pool() {
     let Some(cuda) = gpu() else { return };
     let current = cuda.pool_current(0, false).unwrap();
@@ -278,6 +282,7 @@ fn gpu_async_alloc_from_the_current_pool() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
 fn gpu_own_pool_release_threshold_and_trim() {
     let Some(cuda) = gpu() else { return };
     let pool = cuda.pool_create(0, &PoolProps::default()).unwrap();
@@ -325,6 +330,7 @@ fn gpu_own_pool_release_threshold_and_trim() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
 fn gpu_context_guard_restores_the_callers_context() {
     let Some(cuda) = gpu() else { return };
     thread::spawn(move || {
@@ -374,6 +380,7 @@ fn gpu_context_guard_restores_the_callers_context() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
 fn gpu_streams_and_events() {
     let Some(cuda) = gpu() else { return };
     let a = cuda.stream_create(0, false).unwrap();
@@ -418,6 +425,7 @@ fn gpu_streams_and_events() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
 fn gpu_managed_memory_prefetch_and_pools() {
     let Some(cuda) = gpu() else { return };
     let info = cuda.device_info(0).unwrap();
@@ -467,6 +475,7 @@ fn gpu_managed_memory_prefetch_and_pools() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
 fn gpu_errors_are_data() {
     let Some(cuda) = gpu() else { return };
     let total = cuda.device_info(0).unwrap().total_bytes;
@@ -484,6 +493,7 @@ fn gpu_errors_are_data() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
 fn gpu_threads_allocate_on_their_own_streams() {
     let Some(cuda) = gpu() else { return };
     let pool = cuda.pool_current(0, false).unwrap();
@@ -508,6 +518,7 @@ fn gpu_threads_allocate_on_their_own_streams() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
 fn gpu_fallbacks_for_older_drivers() {
     let Some(cuda) = gpu() else { return };
     // A second backend, as a CUDA 12.4 driver without the newer symbols would probe.
