@@ -2,16 +2,18 @@
 PYTHON ?= python3
 CARGO ?= cargo
 export PYTHONUNBUFFERED := 1
+export PIP_ROOT_USER_ACTION := ignore
 
 .PHONY: help install test test-rust test-python lint fmt gpu-build test-gpu clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-install: ## build the wheel and install it with the test dependencies
-	$(PYTHON) -m pip install -q --upgrade pip
-	$(PYTHON) -m pip install -q --force-reinstall --no-deps .
-	$(PYTHON) -m pip install -q '.[test]'
+install: ## build the wheel once and install it with the test dependencies
+	$(PYTHON) -m pip install -q --upgrade pip maturin
+	rm -rf dist && $(PYTHON) -m maturin build --release -q -o dist
+	$(PYTHON) -m pip install -q --force-reinstall --no-deps dist/*.whl
+	$(PYTHON) -m pip install -q "$$(ls dist/*.whl)[test]"
 
 test: install test-rust test-python ## install, then run the Rust and Python suites (simulated device)
 

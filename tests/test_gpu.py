@@ -13,6 +13,7 @@ pytestmark = pytest.mark.gpu
 FACTORIES = {
     "async_current": lambda: mr.CudaAsyncMemoryResource(),
     "async_own": lambda: mr.CudaAsyncMemoryResource(initial_pool_size="64MiB"),
+    "async_ipc": lambda: mr.CudaAsyncMemoryResource(enable_ipc=True, release_threshold="256MiB"),
     "cuda": lambda: mr.CudaMemoryResource(),
     "managed": lambda: mr.ManagedMemoryResource(),
     "pinned": lambda: mr.PinnedHostMemoryResource(),
@@ -103,6 +104,31 @@ def test_torch_reads_our_buffers_and_lends_its_streams() -> None:
     ts = torch.cuda.Stream()
     with_torch_stream = streampool.DeviceBuffer.to_device(b"x" * 64, stream=ts)
     assert with_torch_stream.stream is ts and with_torch_stream.tobytes() == b"x" * 64
+
+
+def test_other_libraries_streams() -> None:
+    """Streams of CuPy, Numba and cuda.core order our copies (and stay alive with the buffer)."""
+    made = []
+    cupy = pytest.importorskip("cupy")
+    made.append(cupy.cuda.Stream(non_blocking=True))
+    try:
+        from numba import cuda as numba_cuda
+
+        made.append(numba_cuda.stream())
+    except Exception:  # pragma: no cover - numba missing or too old on this machine
+        pass
+    try:
+        from cuda.core import Device
+
+        dev = Device(0)
+        dev.set_current()
+        made.append(dev.create_stream())
+    except Exception:  # pragma: no cover
+        pass
+    for s in made:
+        buf = streampool.DeviceBuffer.to_device(b"stream" * 10, stream=s)
+        assert buf.stream is s and buf.tobytes() == b"stream" * 10, type(s)
+    assert len(made) >= 2, made
 
 
 def test_out_of_memory_is_clear_and_recoverable() -> None:

@@ -11,7 +11,7 @@ resource raises :class:`CudaDriverNotFoundError`.
 
 from __future__ import annotations
 
-from . import exceptions, mr, sim
+from . import mr, sim
 from ._errors import (
     CudaDriverNotFoundError,
     CudaError,
@@ -63,7 +63,6 @@ __all__ = [
     "device_count",
     "device_info",
     "driver_version",
-    "exceptions",
     "get_current_device",
     "get_current_device_resource",
     "get_per_device_resource",

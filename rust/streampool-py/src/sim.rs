@@ -41,6 +41,21 @@ impl PySimDevice {
         }
         Ok(stream.handle())
     }
+
+    /// A simulated kernel that writes (or reads) `[ptr, ptr + nbytes)` on `stream`.
+    fn kernel(
+        &self,
+        py: Python<'_>,
+        stream: Option<&Bound<'_, PyAny>>,
+        ptr: &Bound<'_, PyAny>,
+        nbytes: &Bound<'_, PyAny>,
+        label: Option<String>,
+        writes: bool,
+    ) -> PyResult<()> {
+        let (stream, ptr, bytes) = (self.handle(py, stream)?, ptr_arg(ptr)?, size_arg(nbytes, "nbytes")?);
+        let sim = self.sim.clone();
+        detached(py, move || sim.kernel(stream, ptr, bytes, label.as_deref().unwrap_or(""), writes))
+    }
 }
 
 #[pymethods]
@@ -103,9 +118,7 @@ impl PySimDevice {
         nbytes: &Bound<'_, PyAny>,
         label: Option<String>,
     ) -> PyResult<()> {
-        let (stream, ptr, bytes) = (self.handle(py, stream)?, ptr_arg(ptr)?, size_arg(nbytes, "nbytes")?);
-        let sim = self.sim.clone();
-        detached(py, move || sim.write_labeled(stream, ptr, bytes, label.as_deref().unwrap_or("")))
+        self.kernel(py, stream, ptr, nbytes, label, true)
     }
 
     /// A simulated kernel that reads `[ptr, ptr + nbytes)` on `stream`, named `label` in
@@ -119,9 +132,7 @@ impl PySimDevice {
         nbytes: &Bound<'_, PyAny>,
         label: Option<String>,
     ) -> PyResult<()> {
-        let (stream, ptr, bytes) = (self.handle(py, stream)?, ptr_arg(ptr)?, size_arg(nbytes, "nbytes")?);
-        let sim = self.sim.clone();
-        detached(py, move || sim.read_labeled(stream, ptr, bytes, label.as_deref().unwrap_or("")))
+        self.kernel(py, stream, ptr, nbytes, label, false)
     }
 
     /// Runs the operation at the head of `stream`'s queue if it may run now; False when the

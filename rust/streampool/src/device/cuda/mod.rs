@@ -434,6 +434,34 @@ fn pool_attribute(attr: PoolAttr) -> sys::CUmemPool_attribute {
 // the seam's contract says (see the module docs). The comments name what else each call
 // needs, chiefly the current context that `enter` provides.
 impl CudaBackend {
+    /// The device's default (`default`) or current pool of device or managed memory.
+    fn device_pool(&self, dev: i32, managed: bool, default: bool) -> Result<RawPool> {
+        let device = self.device(dev)?;
+        let _ctx = self.enter_device(device)?;
+        let pool = if managed {
+            self.require_managed_pools(dev, device)?;
+            let location = mem_location(Location::Device(dev));
+            let kind = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MANAGED;
+            if default {
+                // SAFETY: the probe found `cuMemGetDefaultMemPool` (`require_managed_pools`).
+                unsafe { raw::mem_get_default_mem_pool(location, kind) }?
+            } else {
+                // SAFETY: the probe found `cuMemGetMemPool` (`require_managed_pools`).
+                unsafe { raw::mem_get_mem_pool(location, kind) }?
+            }
+        } else {
+            self.require_pools(dev, device)?;
+            if default {
+                // SAFETY: `device.handle` came from `cuDeviceGet`.
+                unsafe { raw::device_get_default_mem_pool(device.handle) }?
+            } else {
+                // SAFETY: `device.handle` came from `cuDeviceGet`.
+                unsafe { raw::device_get_mem_pool(device.handle) }?
+            }
+        };
+        Ok(handle_of(pool))
+    }
+
     fn destroyed(&self) -> std::sync::MutexGuard<'_, HashSet<RawStream>> {
         self.destroyed_streams.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -515,37 +543,11 @@ impl Backend for CudaBackend {
     }
 
     fn pool_default(&self, dev: i32, managed: bool) -> Result<RawPool> {
-        let device = self.device(dev)?;
-        let _ctx = self.enter_device(device)?;
-        let pool = if managed {
-            self.require_managed_pools(dev, device)?;
-            let location = mem_location(Location::Device(dev));
-            let kind = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MANAGED;
-            // SAFETY: the probe found `cuMemGetDefaultMemPool` (`require_managed_pools`).
-            unsafe { raw::mem_get_default_mem_pool(location, kind) }?
-        } else {
-            self.require_pools(dev, device)?;
-            // SAFETY: `device.handle` came from `cuDeviceGet`.
-            unsafe { raw::device_get_default_mem_pool(device.handle) }?
-        };
-        Ok(handle_of(pool))
+        self.device_pool(dev, managed, true)
     }
 
     fn pool_current(&self, dev: i32, managed: bool) -> Result<RawPool> {
-        let device = self.device(dev)?;
-        let _ctx = self.enter_device(device)?;
-        let pool = if managed {
-            self.require_managed_pools(dev, device)?;
-            let location = mem_location(Location::Device(dev));
-            let kind = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MANAGED;
-            // SAFETY: the probe found `cuMemGetMemPool` (`require_managed_pools`).
-            unsafe { raw::mem_get_mem_pool(location, kind) }?
-        } else {
-            self.require_pools(dev, device)?;
-            // SAFETY: `device.handle` came from `cuDeviceGet`.
-            unsafe { raw::device_get_mem_pool(device.handle) }?
-        };
-        Ok(handle_of(pool))
+        self.device_pool(dev, managed, false)
     }
 
     fn pool_set_current(&self, dev: i32, pool: RawPool) -> Result<()> {

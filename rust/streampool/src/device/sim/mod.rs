@@ -389,38 +389,47 @@ impl SimDevice {
     /// A simulated kernel that writes `[ptr, ptr + bytes)` on `stream`: each byte gets
     /// the same value, different for successive writes (never 0).
     pub fn write(&self, stream: RawStream, ptr: DevPtr, bytes: usize) -> Result<()> {
-        self.write_labeled(stream, ptr, bytes, "")
+        self.kernel(stream, ptr, bytes, "", true)
     }
 
     /// [`Self::write`], named `label` in race reports.
     pub fn write_labeled(&self, stream: RawStream, ptr: DevPtr, bytes: usize, label: &str) -> Result<()> {
-        self.with(None, |st| {
-            let sid = st.resolve(None, stream)?;
-            if bytes == 0 {
-                return Ok(());
-            }
-            st.check_range(ptr, bytes, "write")?;
-            st.writes += 1;
-            let value = (st.writes % 255) as u8 + 1;
-            st.enqueue(sid, Work::Fill { ptr, bytes, value }, OpKind::Write, label, None);
-            Ok(())
-        })
+        self.kernel(stream, ptr, bytes, label, true)
     }
 
     /// A simulated kernel that reads `[ptr, ptr + bytes)` on `stream`.
     pub fn read(&self, stream: RawStream, ptr: DevPtr, bytes: usize) -> Result<()> {
-        self.read_labeled(stream, ptr, bytes, "")
+        self.kernel(stream, ptr, bytes, "", false)
     }
 
     /// [`Self::read`], named `label` in race reports.
     pub fn read_labeled(&self, stream: RawStream, ptr: DevPtr, bytes: usize, label: &str) -> Result<()> {
+        self.kernel(stream, ptr, bytes, label, false)
+    }
+
+    /// A simulated kernel on `stream` that writes (or reads) `[ptr, ptr + bytes)`.
+    pub fn kernel(
+        &self,
+        stream: RawStream,
+        ptr: DevPtr,
+        bytes: usize,
+        label: &str,
+        writes: bool,
+    ) -> Result<()> {
         self.with(None, |st| {
             let sid = st.resolve(None, stream)?;
             if bytes == 0 {
                 return Ok(());
             }
-            st.check_range(ptr, bytes, "read")?;
-            st.enqueue(sid, Work::Read { ptr, bytes }, OpKind::Read, label, None);
+            if writes {
+                st.check_range(ptr, bytes, "write")?;
+                st.writes += 1;
+                let value = (st.writes % 255) as u8 + 1;
+                st.enqueue(sid, Work::Fill { ptr, bytes, value }, OpKind::Write, label, None);
+            } else {
+                st.check_range(ptr, bytes, "read")?;
+                st.enqueue(sid, Work::Read { ptr, bytes }, OpKind::Read, label, None);
+            }
             Ok(())
         })
     }
