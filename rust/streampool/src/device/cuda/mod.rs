@@ -22,10 +22,11 @@
 //! Each device's primary context is retained on first use and never released: at
 //! process exit the driver may already be torn down, and releasing then would fail or
 //! crash. Every call that needs a context makes the device's primary context current on
-//! the calling thread if another one (or none) is current, and restores the caller's
-//! afterwards (a guard, as RMM's PyTorch hook does), so callers that manage their
-//! own contexts (PyTorch, CuPy, Numba) find theirs unchanged. When the primary context is
-//! already current this costs one `cuCtxGetCurrent`. Calls that need no context (device
+//! the calling thread if another one is current, and restores the caller's afterwards (a
+//! guard, as RMM's PyTorch hook does), so callers that manage their own contexts find
+//! theirs unchanged. A thread with no current context keeps the primary one, as the
+//! runtime API (and so PyTorch, CuPy and Numba) would give it. When the primary context
+//! is current this costs one `cuCtxGetCurrent`. Calls that need no context (device
 //! queries, pool attributes, `stream_device`) do not touch the current context.
 //!
 //! # Handles
@@ -220,7 +221,10 @@ impl CudaBackend {
         }
         // SAFETY: loaded and initialised; `primary` is live (retained, never released).
         unsafe { raw::ctx_set_current(primary) }?;
-        Ok(CtxGuard { restore: Some(current) })
+        // A thread with no context keeps the primary one, as the runtime API would give it
+        // (so later calls on it cost one `cuCtxGetCurrent`); another context is restored.
+        let restore = (!current.is_null()).then_some(current);
+        Ok(CtxGuard { restore })
     }
 
     /// `what` ends with its verb: "managed memory pools need".
@@ -262,7 +266,7 @@ impl CudaBackend {
 /// `Sync`: it is dropped on the thread that made it.
 #[must_use = "the context is restored when the guard drops; bind it to a variable"]
 struct CtxGuard {
-    /// `Some(previous)` when the primary context was made current (previous may be null).
+    /// `Some(previous)` when the primary context replaced another context for the call.
     restore: Option<sys::CUcontext>,
 }
 
@@ -270,8 +274,7 @@ impl Drop for CtxGuard {
     fn drop(&mut self) {
         if let Some(previous) = self.restore.take() {
             // SAFETY: loaded and initialised (the guard comes from a `CudaBackend`);
-            // `previous` was current on this thread when the guard was made (null pops the
-            // primary context off an otherwise empty stack again). If the caller destroyed
+            // `previous` was current on this thread when the guard was made. If the caller destroyed
             // it meanwhile, that is their bug; nothing here can report a failure.
             let _ = unsafe { raw::ctx_set_current(previous) };
         }

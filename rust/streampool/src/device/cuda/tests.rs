@@ -334,16 +334,19 @@ fn gpu_own_pool_release_threshold_and_trim() {
 fn gpu_context_guard_restores_the_callers_context() {
     let Some(cuda) = gpu() else { return };
     thread::spawn(move || {
-        // A fresh thread has no current context; the guard must leave it so.
+        // A fresh thread has no current context; it keeps the primary one afterwards (as
+        // the runtime API would give it).
         assert!(current_ctx().is_null());
         assert_eq!(cuda.current_device().unwrap(), 0);
         cuda.mem_get_info(0).unwrap();
         let ptr = cuda.mem_alloc(0, MIB).unwrap();
         cuda.mem_free(0, ptr).unwrap();
-        assert!(current_ctx().is_null(), "the guard left a context current");
+        let primary = cuda.primary_ctx(cuda.device(0).unwrap()).unwrap();
+        assert_eq!(current_ctx(), primary, "a context-less thread keeps the primary context");
+        // SAFETY: null pops the primary context off this thread's stack.
+        unsafe { raw::ctx_set_current(ptr::null_mut()) }.unwrap();
 
         // With the primary context already current, it stays current.
-        let primary = cuda.primary_ctx(cuda.device(0).unwrap()).unwrap();
         // SAFETY: `primary` is retained and never released.
         unsafe { raw::ctx_set_current(primary) }.unwrap();
         cuda.mem_get_info(0).unwrap();
