@@ -14,5 +14,15 @@ for line in sys.stdin:
         shutil.copy(m["executable"], ".gpu/bin/" + m["target"]["name"])
         print("test binary:", m["target"]["name"])
 '
-strip .gpu/bin/*
+mkdir -p .gpu/bench
+cargo bench -p streampool --bench window --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, shutil, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["bench"]:
+        shutil.copy(m["executable"], ".gpu/bench/" + m["target"]["name"])
+        print("bench binary:", m["target"]["name"])
+'
+strip .gpu/bin/* .gpu/bench/*
 du -sh .gpu

@@ -56,13 +56,47 @@ def _view() -> mr.MemoryResource:
     return mr.CudaAsyncViewMemoryResource(owner.pool_handle)
 
 
+def _adaptor_stack() -> mr.MemoryResource:
+    """Logging over tracking over limiting over statistics over the driver's pool."""
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    limited = mr.LimitingResourceAdaptor(stats, "200MiB")
+    tracked = mr.TrackingResourceAdaptor(limited)
+    return mr.LoggingResourceAdaptor(tracked, callback=[].append)
+
+
+def _binning() -> mr.MemoryResource:
+    binning = mr.BinningMemoryResource(mr.CudaAsyncMemoryResource(), 10, 16)
+    binning.add_bin("4MiB", mr.CudaAsyncMemoryResource())
+    return binning
+
+
 RESOURCES = {
     "async_current": lambda: mr.CudaAsyncMemoryResource(),
     "async_own": lambda: mr.CudaAsyncMemoryResource(initial_pool_size="8MiB", release_threshold="64MiB"),
     "async_view": _view,
     "cuda": lambda: mr.CudaMemoryResource(),
     "managed": lambda: mr.ManagedMemoryResource(),
+    "async_managed": lambda: mr.CudaAsyncManagedMemoryResource(),
+    "async_managed_own": lambda: mr.CudaAsyncManagedMemoryResource(initial_pool_size="8MiB"),
     "pinned": lambda: mr.PinnedHostMemoryResource(),
+    # Adaptors, over the driver's pool (FixedSizeMemoryResource is not a general resource:
+    # it refuses sizes above its block; it runs here as the bins of "binning").
+    "adaptor_statistics": lambda: mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource()),
+    "adaptor_tracking": lambda: mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource(), capture_stacks=True),
+    "adaptor_logging": lambda: mr.LoggingResourceAdaptor(mr.CudaAsyncMemoryResource(), callback=[].append),
+    "adaptor_limiting": lambda: mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), "200MiB"),
+    "adaptor_failure_callback": lambda: mr.FailureCallbackResourceAdaptor(
+        mr.CudaAsyncMemoryResource(), lambda nbytes: False
+    ),
+    "adaptor_prefetch": lambda: mr.PrefetchResourceAdaptor(mr.CudaAsyncMemoryResource()),
+    "adaptor_prefetch_managed": lambda: mr.PrefetchResourceAdaptor(mr.ManagedMemoryResource()),
+    "adaptor_binning": _binning,
+    "pool_over_async": lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()),
+    "pool_rmm_name": lambda: mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size="16MiB"),
+    "pool_bounded": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), maximum_pool_size="200MiB", release_threshold="8MiB", events_every=4
+    ),
+    "adaptor_stack": _adaptor_stack,
 }
 
 

@@ -135,6 +135,8 @@ def test_out_of_memory_is_clear_and_recoverable() -> None:
     resource = mr.CudaAsyncMemoryResource()
     with pytest.raises(streampool.OutOfMemoryError, match=str(1 << 50)):
         resource.allocate(1 << 50)
+    # The failed attempt does not leave the shared pool holding the card.
+    assert resource.reserved_bytes < 8 << 30, resource.reserved_bytes
     ptr = resource.allocate(1 << 20)
     resource.deallocate(ptr, 1 << 20)
 

@@ -20,6 +20,10 @@ FACTORIES: dict[str, Any] = {
     "async_own": lambda: mr.CudaAsyncMemoryResource(release_threshold=0),
     "cuda": lambda: mr.CudaMemoryResource(),
     "managed": lambda: mr.ManagedMemoryResource(),
+    # The pool at a small maximum, so that every step of its policy runs.
+    "sharded_pool": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), maximum_pool_size="8MiB", events_every=2
+    ),
 }
 
 

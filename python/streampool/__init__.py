@@ -11,7 +11,7 @@ resource raises :class:`CudaDriverNotFoundError`.
 
 from __future__ import annotations
 
-from . import mr, sim
+from . import logs, mr, sim, statistics
 from ._errors import (
     CudaDriverNotFoundError,
     CudaError,
@@ -42,6 +42,7 @@ from ._native import (
     set_per_device_resource,
     using_simulated_device,
 )
+from ._setup import setup
 
 __all__ = [
     "DEFAULT_STREAM",
@@ -66,10 +67,13 @@ __all__ = [
     "get_current_device",
     "get_current_device_resource",
     "get_per_device_resource",
+    "logs",
     "mr",
     "parse_size",
     "set_current_device_resource",
     "set_per_device_resource",
+    "setup",
     "sim",
+    "statistics",
     "using_simulated_device",
 ]

@@ -6,9 +6,12 @@ Importing never touches the CUDA driver. Every call that can block (a driver cal
 device wait, a resource's lock) releases the GIL.
 """
 
+import os
+from collections.abc import Callable
 from types import TracebackType
 from typing import (
     Any,
+    ClassVar,
     Final,
     Literal,
     Protocol,
@@ -23,20 +26,37 @@ from typing import (
 
 from typing_extensions import Buffer, CapsuleType, disjoint_base
 
+from streampool.statistics import Statistics
+
 __all__ = [
     "DEFAULT_STREAM",
     "LEGACY_DEFAULT_STREAM",
+    "LOG_HEADER",
     "PER_THREAD_DEFAULT_STREAM",
+    "AllocationRecord",
+    "BinningMemoryResource",
+    "CudaAsyncManagedMemoryResource",
     "CudaAsyncMemoryResource",
     "CudaAsyncViewMemoryResource",
     "CudaMemoryResource",
     "DeviceBuffer",
+    "FailureCallbackResourceAdaptor",
+    "FixedSizeMemoryResource",
+    "LimitingResourceAdaptor",
+    "LogEvent",
+    "LoggingResourceAdaptor",
     "ManagedMemoryResource",
     "MemoryResource",
     "PinnedHostMemoryResource",
+    "PrefetchResourceAdaptor",
+    "ShardedPoolMemoryResource",
+    "StatisticsResourceAdaptor",
     "Stream",
+    "TrackingResourceAdaptor",
+    "UpstreamResourceAdaptor",
     "_SimDevice",
     "__version__",
+    "_parse_log",
     "_rebuild_device_buffer",
     "backend_description",
     "device_count",
@@ -195,6 +215,45 @@ class CudaAsyncMemoryResource(MemoryResource):
         """Releases free memory to the system until the pool holds at most ``nbytes``."""
 
 @final
+class CudaAsyncManagedMemoryResource(MemoryResource):
+    """The CUDA 13 driver's stream-ordered pool of managed memory, for work larger than the
+    GPU: memory usable from host and device, handed out in stream order, that
+    ``DeviceBuffer.prefetch`` and ``DeviceBuffer.advise`` accept.
+
+    With no options it uses the device's current managed pool (the default managed pool's
+    release threshold is raised to the maximum; a pool someone else set is left alone).
+    With ``initial_pool_size`` or ``release_threshold`` it creates a managed pool of its
+    own, destroyed with the resource. Needs a CUDA 13 driver and a GPU with concurrent
+    managed access: UnsupportedError, saying which is missing, otherwise (use
+    ManagedMemoryResource there). Keep managed allocations well below the GPU's free
+    memory unless the work needs to oversubscribe it.
+    """
+
+    def __new__(
+        cls,
+        initial_pool_size: _Size | None = None,
+        release_threshold: _Size | None = None,
+        device: int | None = None,
+    ) -> CudaAsyncManagedMemoryResource: ...
+    @property
+    def pool_handle(self) -> int:
+        """The driver pool handle (``CUmemoryPool`` as an int)."""
+    @property
+    def owns_pool(self) -> bool:
+        """True when this resource created its pool (and destroys it when collected)."""
+    @property
+    def release_threshold(self) -> int:
+        """Bytes the pool keeps at a synchronisation before releasing memory to the system."""
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the pool holds from the system."""
+    @property
+    def used_bytes(self) -> int:
+        """Bytes handed out by the pool (for a shared pool, other libraries' too)."""
+    def trim_to(self, nbytes: _Size) -> None:
+        """Releases free memory to the system until the pool holds at most ``nbytes``."""
+
+@final
 class CudaAsyncViewMemoryResource(MemoryResource):
     """Allocates from a driver pool someone else owns (PyTorch's, CuPy's) and never
     destroys it: the owner must outlive the view. A handle that is not a pool raises
@@ -245,7 +304,264 @@ def set_per_device_resource(device: int, mr: MemoryResource) -> MemoryResource |
 def get_current_device() -> int:
     """The current device of the current backend."""
 
+# --- adaptors -----------------------------------------------------------------------
+# Python callbacks (failure callbacks, logging callbacks, stack capture) run on the thread
+# that called allocate/deallocate, with the GIL re-taken and no lock of any resource held;
+# an exception they raise reaches that caller unchanged.
+
+@disjoint_base
+class UpstreamResourceAdaptor(MemoryResource):
+    """Base class of the resources that wrap another one (not constructible itself). Keeps
+    the upstream alive."""
+
+    @property
+    def upstream(self) -> MemoryResource:
+        """The resource this one wraps, as it was given."""
+    def get_upstream(self) -> MemoryResource:
+        """The resource this one wraps (RMM's name; same as ``upstream``)."""
+
+@final
+class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
+    """Counts what passes through it: current, peak and total bytes and allocations, on a
+    stack of counters (``push_counters``/``pop_counters``) for measuring code blocks, as
+    RMM's. Counts allocations once their upstream call has returned; a scope that frees
+    memory allocated before it began reports ``current`` as 0, not below."""
+
+    def __new__(cls, upstream_mr: MemoryResource) -> StatisticsResourceAdaptor: ...
+    @property
+    def allocation_counts(self) -> Statistics:
+        """The counters on top of the stack."""
+    def push_counters(self) -> Statistics:
+        """Pushes zeroed counters; returns the counters on top before the push."""
+    def pop_counters(self) -> Statistics:
+        """Pops the counters on top (adding them into the ones below) and returns them.
+        ValueError (InvalidArgumentError) when only the base counters are left."""
+
+@final
+class AllocationRecord:
+    """One outstanding allocation of a TrackingResourceAdaptor."""
+
+    @property
+    def ptr(self) -> int:
+        """The address."""
+    @property
+    def size(self) -> int:
+        """The size in bytes, as asked."""
+    @property
+    def stream(self) -> int:
+        """The handle of the stream it was allocated on."""
+    @property
+    def thread(self) -> str:
+        """The allocating thread (its name, if any, and its id)."""
+    @property
+    def stack(self) -> str | None:
+        """The Python stack at the allocation, when the adaptor captures stacks."""
+    def __eq__(self, other: object, /) -> bool: ...
+    __hash__: ClassVar[None]  # type: ignore[assignment]
+
+@final
+class TrackingResourceAdaptor(UpstreamResourceAdaptor):
+    """Tracks every outstanding allocation (address, size, stream, thread and, with
+    ``capture_stacks``, the Python stack: slow, for finding leaks). A free of a pointer it
+    did not hand out, a double free or a size that does not match raises
+    InvalidPointerError, and the upstream is not called."""
+
+    def __new__(cls, upstream_mr: MemoryResource, capture_stacks: bool = False) -> TrackingResourceAdaptor: ...
+    def get_allocated_bytes(self) -> int:
+        """Bytes allocated through it and not yet freed."""
+    def get_outstanding_allocations_str(self) -> str:
+        """The leak report: a summary line, then one line per outstanding allocation
+        (address, size, stream, thread), each followed by its stack when captured."""
+    def log_outstanding_allocations(self) -> None:
+        """Logs the leak report to the ``streampool`` logger (Python ``logging``) at WARNING
+        level when anything is outstanding; does nothing otherwise."""
+    def outstanding(self) -> list[AllocationRecord]:
+        """The outstanding allocations, by address."""
+
+LOG_HEADER: Final[str]
+"""The first line of every allocation log: ``"Thread,Time,Action,Pointer,Size,Stream"``."""
+
+@final
+class LogEvent:
+    """One event of an allocation log."""
+
+    @property
+    def thread(self) -> int:
+        """The id of the thread that acted."""
+    @property
+    def time(self) -> float:
+        """When, in seconds: since the epoch, or since midnight for RMM's ``HH:MM:SS.us``."""
+    @property
+    def action(self) -> Literal["allocate", "allocate failure", "free"]:
+        """What happened."""
+    @property
+    def ptr(self) -> int:
+        """The address (0 for a failed allocation)."""
+    @property
+    def size(self) -> int:
+        """The size in bytes."""
+    @property
+    def stream(self) -> int:
+        """The stream handle."""
+    def __eq__(self, other: object, /) -> bool: ...
+    __hash__: ClassVar[None]  # type: ignore[assignment]
+
+def _parse_log(text: str) -> list[LogEvent]:
+    """Parses the text of an allocation log (use ``streampool.logs.parse_log``)."""
+
+@final
+class LoggingResourceAdaptor(UpstreamResourceAdaptor):
+    """Logs every allocation, failed allocation and free as a CSV line in RMM's format
+    (``LOG_HEADER``), to a file (flushed after every line) and/or to ``callback``, which
+    is called with each line, without its newline.
+
+    With neither ``log_file_name`` nor ``callback``, the file is ``STREAMPOOL_LOG_FILE``,
+    else ``RMM_LOG_FILE``; ValueError when neither is set. Unlike RMM, no ``.dev<N>``
+    suffix is added to the name. An exception raised by ``callback`` reaches the caller
+    of allocate/deallocate; the adaptor stays usable."""
+
+    def __new__(
+        cls,
+        upstream_mr: MemoryResource,
+        log_file_name: str | os.PathLike[str] | None = None,
+        callback: Callable[[str], object] | None = None,
+    ) -> LoggingResourceAdaptor: ...
+    def flush(self) -> None:
+        """Writes out anything buffered (lines are flushed as they are written)."""
+    def get_file_name(self) -> str | None:
+        """The absolute path of the log file; None when logging only to a callback."""
+
+@final
+class LimitingResourceAdaptor(UpstreamResourceAdaptor):
+    """Refuses, with OutOfMemoryError, allocations that would take the bytes outstanding
+    through it over ``allocation_limit`` (an int > 0, or a string such as ``"2GiB"``;
+    ValueError otherwise). Holds under any number of threads."""
+
+    def __new__(cls, upstream_mr: MemoryResource, allocation_limit: _Size) -> LimitingResourceAdaptor: ...
+    def get_allocated_bytes(self) -> int:
+        """Bytes allocated through it and not yet freed (as asked, with reservations of
+        allocations in flight)."""
+    def get_allocation_limit(self) -> int:
+        """The limit, in bytes."""
+
+@final
+class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
+    """Calls ``callback(nbytes)`` when the upstream runs out of memory: True retries the
+    allocation, False lets the OutOfMemoryError reach the caller. The callback may free
+    memory into the same stack (no lock is held). An exception it raises reaches the caller
+    of allocate unchanged; a result that is not a bool raises TypeError there. TypeError
+    when ``callback`` is not callable."""
+
+    def __new__(cls, upstream_mr: MemoryResource, callback: Callable[[int], bool]) -> FailureCallbackResourceAdaptor: ...
+
+@final
+class PrefetchResourceAdaptor(UpstreamResourceAdaptor):
+    """Prefetches every allocation to the device on the allocating stream
+    (``cuMemPrefetchAsync``), for managed memory."""
+
+    def __new__(cls, upstream_mr: MemoryResource) -> PrefetchResourceAdaptor: ...
+
+@final
+class FixedSizeMemoryResource(UpstreamResourceAdaptor):
+    """Blocks of one size (``block_size``, default 1 MiB, rounded up to 256) carved from
+    chunks of ``blocks_to_preallocate`` blocks taken from the upstream as needed. Not a
+    general resource: a larger allocation raises InvalidArgumentError (a ValueError). The
+    bins of BinningMemoryResource are made of these."""
+
+    def __new__(
+        cls, upstream_mr: MemoryResource, block_size: _Size | None = None, blocks_to_preallocate: int = 128
+    ) -> FixedSizeMemoryResource: ...
+    @property
+    def block_size(self) -> int:
+        """The size of every block, in bytes."""
+    @property
+    def blocks_to_preallocate(self) -> int:
+        """Blocks taken from the upstream at a time."""
+
+@final
+class BinningMemoryResource(UpstreamResourceAdaptor):
+    """Routes each allocation to the bin of the smallest size class that fits it, and
+    larger ones to the upstream. With both exponents, starts with a
+    FixedSizeMemoryResource bin for every power of two in
+    ``[2**min_size_exponent, 2**max_size_exponent]`` (None, or RMM's -1: none)."""
+
+    def __new__(
+        cls, upstream_mr: MemoryResource, min_size_exponent: int | None = None, max_size_exponent: int | None = None
+    ) -> BinningMemoryResource: ...
+    def add_bin(self, allocation_size: _Size, bin_resource: MemoryResource | None = None) -> None:
+        """Adds a bin for allocations up to ``allocation_size`` bytes, served by
+        ``bin_resource`` (kept alive), or by a new FixedSizeMemoryResource of that block
+        size. ValueError for a size that already has a bin."""
+    @property
+    def bin_mrs(self) -> list[MemoryResource]:
+        """The resources given to ``add_bin``, in order (RMM's ``bin_mrs``)."""
+    @property
+    def bins(self) -> list[tuple[int, MemoryResource]]:
+        """Every bin as ``(allocation_size, resource)``, smallest first; bins made here
+        appear as plain MemoryResource objects."""
+
+# --- the sharded pool -----------------------------------------------------------------
+
+class _PoolStats(TypedDict):
+    reserved_bytes: int
+    used_bytes: int
+    free_bytes: int
+    common_free_bytes: int
+    shard_free_bytes: dict[int, int]
+    grown_bytes: int
+    released_bytes: int
+    upstream_growths: int
+    completed_steals: int
+    cross_stream_waits: int
+    synchronizations: int
+    events_recorded: int
+
+@disjoint_base
+class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
+    """The lock-sharded stream-ordered pool: suballocates memory from ``upstream_mr`` with
+    one shard of free blocks per stream, so that threads on different streams do not wait
+    for one another (RMM's ``PoolMemoryResource``, without its one lock).
+
+    ``initial_pool_size=None`` reserves nothing up front; ``maximum_pool_size=None`` means
+    no limit but the upstream's; sizes are rounded to 256 bytes. ``release_threshold``:
+    free bytes kept before whole free chunks go back after a synchronisation.
+    ``events_every``: a stream records an event after this many frees, so that other
+    streams can reuse what it freed.
+
+    Example::
+
+        pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), maximum_pool_size="8GiB")
+        streampool.set_current_device_resource(pool)
+    """
+
+    def __new__(
+        cls,
+        upstream_mr: MemoryResource,
+        initial_pool_size: _Size | None = None,
+        maximum_pool_size: _Size | None = None,
+        release_threshold: _Size | None = None,
+        events_every: int = 64,
+    ) -> Self: ...
+    def pool_size(self) -> int:
+        """Bytes the pool holds from its upstream (RMM's ``pool_size()``)."""
+    @property
+    def stats(self) -> _PoolStats:
+        """What the pool holds and how often each step of its policy ran."""
+    def release(self) -> int:
+        """Gives every entirely free chunk whose frees are known complete back to the
+        upstream; returns the bytes released."""
+
 # --- buffers ------------------------------------------------------------------------
+
+_Advice: TypeAlias = Literal[
+    "read_mostly",
+    "unset_read_mostly",
+    "preferred_location",
+    "unset_preferred_location",
+    "accessed_by",
+    "unset_accessed_by",
+]
+"""What ``DeviceBuffer.advise`` takes (``CU_MEM_ADVISE_SET_READ_MOSTLY`` and the rest)."""
 
 class _CudaArrayInterface(TypedDict):
     shape: tuple[int]
@@ -332,6 +648,22 @@ class DeviceBuffer:
         """A new buffer holding a copy of ``host_bytes``."""
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
         """Pickles through a host copy; unpickling allocates from the current resource."""
+    def prefetch(self, device: int | Literal["host"] | None = None, stream: _StreamLike = None) -> None:
+        """Prefetches the memory (managed memory only) to ``device`` (a device ordinal,
+        ``"host"``, or None for the device of the buffer's resource), in order on
+        ``stream`` (default: the buffer's own stream). Returns at once (GIL released).
+        ValueError once closed; InvalidArgumentError (a ValueError) naming the resource
+        when the memory is not managed."""
+    def advise(self, advice: _Advice, device: int | Literal["host"] | None = None) -> None:
+        """Advises the driver how the memory (managed memory only) will be used, for
+        ``device`` (a device ordinal, ``"host"``, or None for the buffer's device; ignored
+        by the read-mostly pair). ValueError for an unknown advice or once closed;
+        InvalidArgumentError naming the resource when the memory is not managed."""
+    @property
+    def last_prefetch_location(self) -> int | Literal["host"] | None:
+        """Where the whole buffer (managed memory only) was last asked to be prefetched: a
+        device ordinal, ``"host"``, or None when never (or its parts went to different
+        places). The request, not whether the pages have arrived."""
     def close(self) -> None:
         """Frees the memory now, on its stream; later use raises ValueError and closing
         again does nothing. Memory still used by a DLPack consumer is freed when that
@@ -396,6 +728,12 @@ class _SimDevice:
     @property
     def capacity_bytes(self) -> int:
         """Device memory of each simulated device, in bytes."""
+    def set_driver_version(self, version: int) -> None:
+        """Makes the device report driver ``version`` from now on; below 13000 it has no
+        managed pools."""
+    def set_concurrent_managed_access(self, enabled: bool) -> None:
+        """Makes the device report (or not) concurrent managed access from now on; without
+        it there are no managed pools."""
     def describe(self) -> str:
         """E.g. ``"simulated device #3 (16 GiB)"``."""
 

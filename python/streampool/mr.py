@@ -7,18 +7,45 @@ returns memory usable by work enqueued on ``stream`` after the call, and
 enqueued on ``stream`` at the time. ``stream=None`` is the legacy default stream.
 
 The recommended resource is :class:`CudaAsyncMemoryResource` (the driver's own pool),
-which is also the initial resource of every device.
+which is also the initial resource of every device. For work larger than the GPU,
+:class:`CudaAsyncManagedMemoryResource` (the CUDA 13 driver's pool of managed memory) or
+:class:`ManagedMemoryResource`, under a :class:`PrefetchResourceAdaptor`; or let
+:func:`streampool.setup` choose (``setup(larger_than_memory=True)``).
+
+For many threads and streams over one upstream, :class:`ShardedPoolMemoryResource` (also
+under RMM's name, :class:`PoolMemoryResource`): a pool with one shard per stream, so that
+threads on different streams do not wait for one another.
+
+Adaptors wrap any resource and add one thing each (RMM's names): statistics
+(:class:`StatisticsResourceAdaptor`), outstanding allocations and leak reports
+(:class:`TrackingResourceAdaptor`), a CSV event log (:class:`LoggingResourceAdaptor`), a
+byte cap (:class:`LimitingResourceAdaptor`), a callback on out-of-memory
+(:class:`FailureCallbackResourceAdaptor`), prefetching of managed memory
+(:class:`PrefetchResourceAdaptor`), size classes (:class:`BinningMemoryResource`, with
+:class:`FixedSizeMemoryResource` bins). They stack, and keep their upstream alive.
 """
 
 from __future__ import annotations
 
 from ._native import (
+    AllocationRecord,
+    BinningMemoryResource,
+    CudaAsyncManagedMemoryResource,
     CudaAsyncMemoryResource,
     CudaAsyncViewMemoryResource,
     CudaMemoryResource,
+    FailureCallbackResourceAdaptor,
+    FixedSizeMemoryResource,
+    LimitingResourceAdaptor,
+    LoggingResourceAdaptor,
     ManagedMemoryResource,
     MemoryResource,
     PinnedHostMemoryResource,
+    PrefetchResourceAdaptor,
+    ShardedPoolMemoryResource,
+    StatisticsResourceAdaptor,
+    TrackingResourceAdaptor,
+    UpstreamResourceAdaptor,
     get_current_device_resource,
     get_per_device_resource,
     set_current_device_resource,
@@ -26,14 +53,33 @@ from ._native import (
 )
 
 __all__ = [
+    "AllocationRecord",
+    "BinningMemoryResource",
+    "CudaAsyncManagedMemoryResource",
     "CudaAsyncMemoryResource",
     "CudaAsyncViewMemoryResource",
     "CudaMemoryResource",
+    "FailureCallbackResourceAdaptor",
+    "FixedSizeMemoryResource",
+    "LimitingResourceAdaptor",
+    "LoggingResourceAdaptor",
     "ManagedMemoryResource",
     "MemoryResource",
     "PinnedHostMemoryResource",
+    "PoolMemoryResource",
+    "PrefetchResourceAdaptor",
+    "ShardedPoolMemoryResource",
+    "StatisticsResourceAdaptor",
+    "TrackingResourceAdaptor",
+    "UpstreamResourceAdaptor",
     "get_current_device_resource",
     "get_per_device_resource",
     "set_current_device_resource",
     "set_per_device_resource",
 ]
+
+
+class PoolMemoryResource(ShardedPoolMemoryResource):
+    """RMM's name for :class:`ShardedPoolMemoryResource`, with RMM's arguments
+    (``upstream_mr, initial_pool_size=None, maximum_pool_size=None``). Unlike RMM's pool,
+    ``initial_pool_size=None`` reserves nothing up front: the pool grows on demand."""

@@ -178,6 +178,17 @@ class SimulatedDevice:
         """True once the device has been exited."""
         return self._dev.closed
 
+    def set_driver_version(self, version: int) -> None:
+        """Makes the device report driver ``version`` (e.g. 12040 for CUDA 12.4) from now on,
+        to test code that probes the driver: below 13000 it has no managed pools, and asking
+        for one raises UnsupportedError as such a driver would. It reports 13000 until set."""
+        self._dev.set_driver_version(version)
+
+    def set_concurrent_managed_access(self, enabled: bool) -> None:
+        """Makes the device report (or not) concurrent managed access from now on; without
+        it there are no managed pools. It reports it until set."""
+        self._dev.set_concurrent_managed_access(enabled)
+
     def describe(self) -> str:
         """E.g. ``"simulated device #3 (16 GiB)"``."""
         return self._dev.describe()

@@ -6,12 +6,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyCapsule, PyDict, PyTuple};
-use streampool::device::DevPtr;
-use streampool::{Allocation, Stream};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyCapsule, PyDict, PyInt, PyString, PyTuple};
+use streampool::device::{Advice, DevPtr, Location};
+use streampool::{managed, Allocation, Stream};
 
 use crate::dlpack;
-use crate::errors::{buffer_error, detached};
+use crate::errors::{buffer_error, detached, OrRaise};
 use crate::resources::{get_current_device_resource, PyMemoryResource};
 use crate::size_arg;
 use crate::streams::{default_stream, to_stream};
@@ -51,7 +51,10 @@ impl DeviceBuffer {
             Some(s) => s.clone().unbind(),
             None => default_stream(py)?.clone_ref(py).into_any(),
         };
-        let alloc = detached(py, move || Allocation::new(resource, size, core_stream))?;
+        let alloc = match Allocation::try_new(&resource, size, &core_stream) {
+            Some(settled) => settled.or_raise(py)?,
+            None => detached(py, move || Allocation::new(resource, size, core_stream))?,
+        };
         Ok(DeviceBuffer { alloc: Mutex::new(Some(Arc::new(alloc))), size, mr, stream })
     }
 
@@ -99,6 +102,70 @@ impl DeviceBuffer {
     fn stream_of(alloc: &Allocation) -> &Stream {
         alloc.stream()
     }
+
+    /// The live allocation, checked to be managed memory for `what`: ValueError when
+    /// closed, InvalidArgumentError naming the resource when not managed.
+    fn live_managed(&self, py: Python<'_>, what: &str) -> PyResult<Arc<Allocation>> {
+        let alloc = self.live()?;
+        managed::require_managed(alloc.resource().as_ref(), what, "this buffer's").or_raise(py)?;
+        Ok(alloc)
+    }
+}
+
+/// The advice names `DeviceBuffer.advise` takes, and what they mean to the driver.
+const ADVICE: [(&str, Advice); 6] = [
+    ("read_mostly", Advice::SetReadMostly),
+    ("unset_read_mostly", Advice::UnsetReadMostly),
+    ("preferred_location", Advice::SetPreferredLocation),
+    ("unset_preferred_location", Advice::UnsetPreferredLocation),
+    ("accessed_by", Advice::SetAccessedBy),
+    ("unset_accessed_by", Advice::UnsetAccessedBy),
+];
+
+fn advice_arg(advice: &str) -> PyResult<Advice> {
+    ADVICE.iter().find(|(name, _)| *name == advice).map(|&(_, a)| a).ok_or_else(|| {
+        let names: Vec<String> = ADVICE.iter().map(|(name, _)| format!("'{name}'")).collect();
+        PyValueError::new_err(format!("unknown advice '{advice}'; expected one of {}", names.join(", ")))
+    })
+}
+
+/// A location from Python: None (`default`), "host", or a device ordinal (an int >= 0).
+fn location_arg(obj: Option<&Bound<'_, PyAny>>, default: Location) -> PyResult<Location> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else { return Ok(default) };
+    if let Ok(text) = obj.cast::<PyString>() {
+        return match &*text.to_cow()? {
+            "host" => Ok(Location::Host),
+            other => Err(PyValueError::new_err(format!(
+                "device must be a device ordinal (an int >= 0), \"host\" or None, not '{other}'"
+            ))),
+        };
+    }
+    // An int, or anything with `__index__` (numpy integers), but not a bool.
+    let int = match obj.is_instance_of::<PyBool>() {
+        false if obj.is_instance_of::<PyInt>() => Some(obj.clone()),
+        false => obj.call_method0("__index__").ok(),
+        true => None,
+    };
+    let Some(int) = int else {
+        let ty = obj.get_type().fully_qualified_name()?;
+        return Err(PyTypeError::new_err(format!(
+            "device must be a device ordinal (an int >= 0), \"host\" or None, not {ty}"
+        )));
+    };
+    match int.extract::<i32>() {
+        Ok(ordinal) if ordinal >= 0 => Ok(Location::Device(ordinal)),
+        _ => Err(PyValueError::new_err(format!(
+            "device must be a device ordinal (an int >= 0) or \"host\", not {obj}"
+        ))),
+    }
+}
+
+fn location_value(py: Python<'_>, location: Option<Location>) -> PyResult<Py<PyAny>> {
+    Ok(match location {
+        None => py.None(),
+        Some(Location::Host) => PyString::new(py, "host").into_any().unbind(),
+        Some(Location::Device(ordinal)) => ordinal.into_pyobject(py)?.into_any().unbind(),
+    })
 }
 
 /// A host buffer (buffer protocol), checked to be C-contiguous (and writable when asked).
@@ -313,6 +380,50 @@ impl DeviceBuffer {
         Ok((rebuild, PyTuple::new(py, [data])?))
     }
 
+    /// Prefetches the memory (managed memory only) to `device`: a device ordinal, "host", or
+    /// None for the device of the buffer's resource, in order on `stream` (default: the
+    /// buffer's own stream), so that work enqueued there afterwards finds its pages in
+    /// place. Returns at once (GIL released); the pages move as the stream runs.
+    #[pyo3(signature = (device=None, stream=None))]
+    fn prefetch(
+        &self,
+        py: Python<'_>,
+        device: Option<&Bound<'_, PyAny>>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let alloc = self.live_managed(py, "prefetch")?;
+        let resource = alloc.resource().clone();
+        let to = location_arg(device, Location::Device(resource.device()))?;
+        let stream = match stream.filter(|s| !s.is_none()) {
+            Some(s) => to_stream(py, Some(s), resource.backend())?,
+            None => alloc.stream().clone(),
+        };
+        detached(py, move || alloc.prefetch(Some(to), Some(&stream)))
+    }
+
+    /// Advises the driver how the memory (managed memory only) will be used: `advice` is one
+    /// of "read_mostly", "unset_read_mostly", "preferred_location",
+    /// "unset_preferred_location", "accessed_by", "unset_accessed_by"; `device` (a device
+    /// ordinal, "host", or None for the buffer's device) is the location the advice is
+    /// about, and is ignored by the read-mostly pair.
+    #[pyo3(signature = (advice, device=None))]
+    fn advise(&self, py: Python<'_>, advice: &str, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let advice = advice_arg(advice)?;
+        let alloc = self.live_managed(py, "advice")?;
+        let location = location_arg(device, Location::Device(alloc.resource().device()))?;
+        detached(py, move || alloc.advise(advice, location))
+    }
+
+    /// Where the whole buffer (managed memory only) was last asked to be prefetched: a
+    /// device ordinal, "host", or None when it never was (or its parts went to different
+    /// places). The driver reports the request, not whether the pages have arrived.
+    #[getter]
+    fn last_prefetch_location(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let alloc = self.live_managed(py, "the last prefetch location")?;
+        let location = detached(py, move || alloc.last_prefetch_location())?;
+        location_value(py, location)
+    }
+
     /// Frees the memory now, on its stream (later use raises ValueError; closing again does
     /// nothing). Memory still used by a DLPack consumer is freed when that consumer is done.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
@@ -359,6 +470,14 @@ impl DeviceBuffer {
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         let Some(alloc) = self.slot().take() else { return };
+        // A pool's fast path frees without waiting: keep the GIL for it.
+        let alloc = match Arc::try_unwrap(alloc) {
+            Ok(mut only) => match only.try_release() {
+                Some(_) => return,
+                None => Arc::new(only),
+            },
+            Err(shared) => shared,
+        };
         // Freeing can wait for the device (`cuMemFree`): release the GIL for it, unless the
         // interpreter is shutting down, when freeing with it held is the only option.
         let mut alloc = Some(alloc);

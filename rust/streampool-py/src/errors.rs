@@ -4,6 +4,9 @@
 //! pickle and carry attributes like any Python exception) and imported here the first
 //! time one is raised.
 
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use pyo3::call::PyCallArgs;
 use pyo3::exceptions::{PyBufferError, PyRuntimeError};
 use pyo3::prelude::*;
@@ -26,6 +29,10 @@ static SIM_ACTIVE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 /// so, and callers catching StreampoolError should see it).
 pub(crate) fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
     let msg = e.to_string();
+    if !matches!(e, Error::Callback(_)) {
+        // Whatever a callback stashed on this thread was not what failed this call.
+        clear_callback_errors();
+    }
     match e {
         Error::OutOfMemory { requested, available, resource: _ } => {
             raise(py, &OUT_OF_MEMORY, "OutOfMemoryError", (msg, requested, available))
@@ -38,6 +45,11 @@ pub(crate) fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
         Error::InvalidArgument(_) => raise(py, &INVALID_ARGUMENT, "InvalidArgumentError", (msg,)),
         Error::InvalidPointer(_) => raise(py, &INVALID_POINTER, "InvalidPointerError", (msg,)),
         Error::InvalidStream(_) => raise(py, &INVALID_STREAM, "InvalidStreamError", (msg,)),
+        // A Python callback raised: its own exception, unchanged, when this thread stashed it.
+        Error::Callback(what) => match take_callback_error(&what) {
+            Some(original) => original,
+            None => raise(py, &STREAMPOOL_ERROR, "StreampoolError", (msg,)),
+        },
         // `Error` is #[non_exhaustive]: a variant added to the core later is still a
         // StreampoolError until it gets its own class here.
         _ => raise(py, &STREAMPOOL_ERROR, "StreampoolError", (msg,)),
@@ -88,5 +100,54 @@ where
     F: Send + FnOnce() -> streampool::Result<T>,
     T: Send,
 {
+    // A stash left by a call whose error was swallowed (a free in a `Drop`) is not this
+    // call's: start clean.
+    clear_callback_errors();
     py.detach(f).or_raise(py)
+}
+
+// ---------------------------------------------------------------------------------------
+// Exceptions raised by Python callbacks (failure callbacks, logging sinks, stack capture).
+//
+// The core sees a callback's failure as `Error::Callback(what)`. The callback runs
+// synchronously on the thread that called into the resource, so the closure stashes the
+// original exception in a thread-local, keyed by `what`, and `to_pyerr`, on the same
+// thread, raises that very object. Every `detached` call starts with an empty stash, and
+// `to_pyerr` empties it, so a stale exception never surfaces in an unrelated error.
+
+/// Stashed exceptions kept per thread at most: a call that fails raises the one it names.
+const STASH_LIMIT: usize = 8;
+
+thread_local! {
+    static CALLBACK_ERRORS: RefCell<Vec<(String, PyErr)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The core error for a Python callback that raised `err`, keeping `err` to be raised by
+/// `to_pyerr` on this thread. `what` names the callback ("failure callback", "logging sink").
+pub(crate) fn callback_error(py: Python<'_>, what: &str, err: PyErr) -> Error {
+    let ty = err.get_type(py).name().map(|n| n.to_string()).unwrap_or_else(|_| "exception".into());
+    let text = err.value(py).str().map(|s| s.to_string()).unwrap_or_default();
+    // The serial number keeps two failures with the same text apart.
+    let serial = STASH_SERIAL.fetch_add(1, Ordering::Relaxed);
+    let key = format!("{what} raised {ty}: {text} (#{serial})");
+    let displaced = CALLBACK_ERRORS.with(|stash| {
+        let mut stash = stash.borrow_mut();
+        let displaced = if stash.len() >= STASH_LIMIT { Some(stash.remove(0)) } else { None };
+        stash.push((key.clone(), err));
+        displaced
+    });
+    drop(displaced); // outside the borrow: dropping an exception may run Python code
+    Error::Callback(key)
+}
+
+static STASH_SERIAL: AtomicU64 = AtomicU64::new(0);
+
+fn take_callback_error(key: &str) -> Option<PyErr> {
+    let all = CALLBACK_ERRORS.with(|stash| std::mem::take(&mut *stash.borrow_mut()));
+    all.into_iter().find(|(k, _)| k == key).map(|(_, err)| err)
+}
+
+fn clear_callback_errors() {
+    let all = CALLBACK_ERRORS.with(|stash| std::mem::take(&mut *stash.borrow_mut()));
+    drop(all);
 }

@@ -8,6 +8,8 @@
 //!   `stream=` argument (our streams, ints, cuda.core, PyTorch, CuPy, Numba);
 //! * [`resources`]: `MemoryResource` and its subclasses, the current resource per device;
 //! * [`buffer`] and [`dlpack`]: `DeviceBuffer` with the CUDA array interface and DLPack;
+//! * [`adaptors`]: the adaptors (statistics, tracking, logging, limiting, failure callback,
+//!   prefetch, binning, fixed-size), and the Python callbacks they call;
 //! * [`sim`]: the simulated device, for tests and machines without a GPU.
 //!
 //! Importing the module never touches the driver: a machine without one imports fine and
@@ -18,9 +20,11 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyInt, PyString};
 use streampool::device::{self, DevPtr};
 
+mod adaptors;
 mod buffer;
 mod dlpack;
 mod errors;
+mod pool;
 mod resources;
 mod sim;
 mod streams;
@@ -137,6 +141,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
     m.add_class::<resources::PyMemoryResource>()?;
     m.add_class::<resources::PyCudaAsyncMemoryResource>()?;
+    m.add_class::<resources::PyCudaAsyncManagedMemoryResource>()?;
     m.add_class::<resources::PyCudaAsyncViewMemoryResource>()?;
     m.add_class::<resources::PyCudaMemoryResource>()?;
     m.add_class::<resources::PyManagedMemoryResource>()?;
@@ -146,6 +151,21 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(resources::get_per_device_resource, m)?)?;
     m.add_function(wrap_pyfunction!(resources::set_per_device_resource, m)?)?;
     m.add_function(wrap_pyfunction!(resources::get_current_device, m)?)?;
+
+    m.add_class::<adaptors::PyUpstreamResourceAdaptor>()?;
+    m.add_class::<adaptors::PyStatisticsResourceAdaptor>()?;
+    m.add_class::<adaptors::PyTrackingResourceAdaptor>()?;
+    m.add_class::<adaptors::PyAllocationRecord>()?;
+    m.add_class::<adaptors::PyLoggingResourceAdaptor>()?;
+    m.add_class::<adaptors::PyLogEvent>()?;
+    m.add("LOG_HEADER", streampool::adaptors::LOG_HEADER)?;
+    m.add_function(wrap_pyfunction!(adaptors::_parse_log, m)?)?;
+    m.add_class::<adaptors::PyLimitingResourceAdaptor>()?;
+    m.add_class::<adaptors::PyFailureCallbackResourceAdaptor>()?;
+    m.add_class::<adaptors::PyPrefetchResourceAdaptor>()?;
+    m.add_class::<adaptors::PyFixedSizeMemoryResource>()?;
+    m.add_class::<adaptors::PyBinningMemoryResource>()?;
+    m.add_class::<pool::PyShardedPool>()?;
 
     m.add_class::<buffer::DeviceBuffer>()?;
     m.add_function(wrap_pyfunction!(buffer::_rebuild_device_buffer, m)?)?;

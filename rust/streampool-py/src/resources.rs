@@ -57,6 +57,11 @@ impl PyMemoryResource {
     ) -> PyResult<DevPtr> {
         let bytes = size_arg(nbytes, "nbytes")?;
         let stream = to_stream(py, stream, self.inner.backend())?;
+        // The fast path keeps the GIL: releasing and retaking it costs more than the
+        // allocation and makes threads convoy. Only what can wait releases it.
+        if let Some(settled) = self.inner.try_allocate(bytes, &stream) {
+            return settled.or_raise(py);
+        }
         let mr = self.inner.clone();
         detached(py, move || mr.allocate(bytes, &stream))
     }
@@ -74,6 +79,9 @@ impl PyMemoryResource {
         let ptr = ptr_arg(ptr)?;
         let bytes = size_arg(nbytes, "nbytes")?;
         let stream = to_stream(py, stream, self.inner.backend())?;
+        if let Some(settled) = self.inner.try_deallocate(ptr, bytes, &stream) {
+            return settled.or_raise(py);
+        }
         let mr = self.inner.clone();
         detached(py, move || mr.deallocate(ptr, bytes, &stream))
     }
@@ -101,79 +109,128 @@ impl PyMemoryResource {
     }
 }
 
-/// The driver's stream-ordered pool (`cuMemAllocFromPoolAsync`): the recommended resource.
-///
-/// With no options it uses the device's current pool, shared with every library that uses
-/// the driver's pool. With `initial_pool_size`, `release_threshold` or `enable_ipc` it
-/// creates a pool of its own, destroyed with the resource.
-#[derive(Debug)]
-#[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "CudaAsyncMemoryResource")]
-pub struct PyCudaAsyncMemoryResource {
-    inner: Arc<CudaAsyncMemoryResource>,
+/// Defines a Python class over a driver pool resource ([`CudaAsyncMemoryResource`], of device
+/// or managed memory): the struct, its initializer and its pool properties, written once.
+/// The caller gives the class's docs, names and constructor (`#[new]`), which must end in
+/// `Self::init(mr)`.
+macro_rules! async_pool_class {
+    ($(#[$doc:meta])* $ty:ident, $pyname:tt, { $($new:tt)* }) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        #[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = $pyname)]
+        pub struct $ty {
+            inner: Arc<CudaAsyncMemoryResource>,
+        }
+
+        impl $ty {
+            pub(crate) fn init(inner: CudaAsyncMemoryResource) -> PyClassInitializer<Self> {
+                let inner = Arc::new(inner);
+                PyMemoryResource::base(inner.clone()).add_subclass($ty { inner })
+            }
+        }
+
+        #[pymethods]
+        impl $ty {
+            $($new)*
+
+            /// The driver pool handle (`CUmemoryPool` as an int).
+            #[getter]
+            fn pool_handle(&self) -> u64 {
+                self.inner.pool_handle()
+            }
+
+            /// True when this resource created its pool (and destroys it when collected).
+            #[getter]
+            fn owns_pool(&self) -> bool {
+                self.inner.owns_pool()
+            }
+
+            /// Bytes the pool keeps at a synchronisation before releasing memory to the system.
+            #[getter]
+            fn release_threshold(&self, py: Python<'_>) -> PyResult<u64> {
+                self.inner.release_threshold().or_raise(py)
+            }
+
+            /// Bytes the pool holds from the system.
+            #[getter]
+            fn reserved_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+                self.inner.reserved_bytes().or_raise(py)
+            }
+
+            /// Bytes handed out by the pool (for a shared pool, other libraries' too).
+            #[getter]
+            fn used_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+                self.inner.used_bytes().or_raise(py)
+            }
+
+            /// Releases free memory to the system until the pool holds at most `nbytes`.
+            fn trim_to(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+                let keep = size_arg(nbytes, "nbytes")?;
+                let mr = self.inner.clone();
+                detached(py, move || mr.trim_to(keep))
+            }
+        }
+    };
 }
 
-impl PyCudaAsyncMemoryResource {
-    pub(crate) fn init(inner: CudaAsyncMemoryResource) -> PyClassInitializer<Self> {
-        let inner = Arc::new(inner);
-        PyMemoryResource::base(inner.clone()).add_subclass(PyCudaAsyncMemoryResource { inner })
+/// The options of a pool of its own, from Python arguments (None: not given).
+fn pool_options(
+    initial_pool_size: Option<&Bound<'_, PyAny>>,
+    release_threshold: Option<&Bound<'_, PyAny>>,
+    enable_ipc: bool,
+) -> PyResult<AsyncPoolOptions> {
+    Ok(AsyncPoolOptions {
+        initial_pool_size: initial_pool_size.map(|s| size_arg(s, "initial_pool_size")).transpose()?,
+        release_threshold: release_threshold.map(|s| size_arg(s, "release_threshold")).transpose()?,
+        enable_ipc,
+    })
+}
+
+async_pool_class! {
+    /// The driver's stream-ordered pool (`cuMemAllocFromPoolAsync`): the recommended resource.
+    ///
+    /// With no options it uses the device's current pool, shared with every library that uses
+    /// the driver's pool. With `initial_pool_size`, `release_threshold` or `enable_ipc` it
+    /// creates a pool of its own, destroyed with the resource.
+    PyCudaAsyncMemoryResource, "CudaAsyncMemoryResource", {
+        #[new]
+        #[pyo3(signature = (initial_pool_size=None, release_threshold=None, enable_ipc=false, device=None))]
+        fn new(
+            py: Python<'_>,
+            initial_pool_size: Option<&Bound<'_, PyAny>>,
+            release_threshold: Option<&Bound<'_, PyAny>>,
+            enable_ipc: bool,
+            device: Option<i32>,
+        ) -> PyResult<PyClassInitializer<Self>> {
+            let options = pool_options(initial_pool_size, release_threshold, enable_ipc)?;
+            let mr = detached(py, move || CudaAsyncMemoryResource::new(device, options))?;
+            Ok(Self::init(mr))
+        }
     }
 }
 
-#[pymethods]
-impl PyCudaAsyncMemoryResource {
-    #[new]
-    #[pyo3(signature = (initial_pool_size=None, release_threshold=None, enable_ipc=false, device=None))]
-    fn new(
-        py: Python<'_>,
-        initial_pool_size: Option<&Bound<'_, PyAny>>,
-        release_threshold: Option<&Bound<'_, PyAny>>,
-        enable_ipc: bool,
-        device: Option<i32>,
-    ) -> PyResult<PyClassInitializer<Self>> {
-        let options = AsyncPoolOptions {
-            initial_pool_size: initial_pool_size.map(|s| size_arg(s, "initial_pool_size")).transpose()?,
-            release_threshold: release_threshold.map(|s| size_arg(s, "release_threshold")).transpose()?,
-            enable_ipc,
-        };
-        let mr = detached(py, move || CudaAsyncMemoryResource::new(device, options))?;
-        Ok(Self::init(mr))
-    }
-
-    /// The driver pool handle (`CUmemoryPool` as an int).
-    #[getter]
-    fn pool_handle(&self) -> u64 {
-        self.inner.pool_handle()
-    }
-
-    /// True when this resource created its pool (and destroys it when collected).
-    #[getter]
-    fn owns_pool(&self) -> bool {
-        self.inner.owns_pool()
-    }
-
-    /// Bytes the pool keeps at a synchronisation before releasing memory to the system.
-    #[getter]
-    fn release_threshold(&self, py: Python<'_>) -> PyResult<u64> {
-        self.inner.release_threshold().or_raise(py)
-    }
-
-    /// Bytes the pool holds from the system.
-    #[getter]
-    fn reserved_bytes(&self, py: Python<'_>) -> PyResult<usize> {
-        self.inner.reserved_bytes().or_raise(py)
-    }
-
-    /// Bytes handed out by the pool (for a shared pool, other libraries' too).
-    #[getter]
-    fn used_bytes(&self, py: Python<'_>) -> PyResult<usize> {
-        self.inner.used_bytes().or_raise(py)
-    }
-
-    /// Releases free memory to the system until the pool holds at most `nbytes`.
-    fn trim_to(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
-        let keep = size_arg(nbytes, "nbytes")?;
-        let mr = self.inner.clone();
-        detached(py, move || mr.trim_to(keep))
+async_pool_class! {
+    /// The CUDA 13 driver's stream-ordered pool of managed memory, for work larger than the
+    /// GPU: with no options the device's current managed pool (the default one's release
+    /// threshold raised to the maximum), with options a managed pool of its own. Needs a
+    /// CUDA 13 driver and a GPU with concurrent managed access (UnsupportedError saying which
+    /// is missing otherwise).
+    PyCudaAsyncManagedMemoryResource, "CudaAsyncManagedMemoryResource", {
+        #[new]
+        #[pyo3(signature = (initial_pool_size=None, release_threshold=None, device=None))]
+        fn new(
+            py: Python<'_>,
+            initial_pool_size: Option<&Bound<'_, PyAny>>,
+            release_threshold: Option<&Bound<'_, PyAny>>,
+            device: Option<i32>,
+        ) -> PyResult<PyClassInitializer<Self>> {
+            let options = pool_options(initial_pool_size, release_threshold, false)?;
+            let mr = detached(py, move || {
+                let (backend, device) = streampool::resources::bind(device)?;
+                CudaAsyncMemoryResource::managed(backend, device, options)
+            })?;
+            Ok(Self::init(mr))
+        }
     }
 }
 

@@ -210,6 +210,18 @@ impl PySimDevice {
         self.sim.capacity()
     }
 
+    /// Makes the device report driver `version` (e.g. 12040 for CUDA 12.4) from now on;
+    /// below 13000 it has no managed pools, as such a driver has none.
+    fn set_driver_version(&self, version: i32) {
+        self.sim.set_driver_version(version);
+    }
+
+    /// Makes the device report (or not) concurrent managed access from now on; without it
+    /// there are no managed pools.
+    fn set_concurrent_managed_access(&self, enabled: bool) {
+        self.sim.set_concurrent_managed_access(enabled);
+    }
+
     /// E.g. "simulated device #3 (16 GiB)".
     fn describe(&self) -> String {
         self.sim.describe()

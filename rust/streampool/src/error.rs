@@ -46,6 +46,10 @@ pub enum Error {
     /// A stream (or event) that is destroyed, unknown, of another device or of another backend.
     #[error("invalid stream: {0}")]
     InvalidStream(String),
+    /// A user callback (a failure callback, a logging sink) failed. Bindings that call into
+    /// another language keep the original exception and raise it instead.
+    #[error("callback failed: {0}")]
+    Callback(String),
 }
 
 fn fmt_available(available: Option<usize>) -> String {

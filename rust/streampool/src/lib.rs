@@ -29,18 +29,27 @@
 //! # Ok::<(), streampool::Error>(())
 //! ```
 
+pub mod adaptors;
 pub mod device;
 pub mod error;
+pub mod managed;
 pub mod resource;
 pub mod resources;
 pub mod size;
 pub mod stream;
+pub(crate) mod sync;
 
+pub use adaptors::{
+    parse_log, AllocationRecord, BinningMemoryResource, FailureCallback, FailureCallbackAdaptor,
+    FixedSizeMemoryResource, LimitingAdaptor, LogAction, LogCallback, LogEvent, LogSink, LoggingAdaptor,
+    PrefetchAdaptor, StackCapture, Statistics, StatisticsAdaptor, TrackingAdaptor, LOG_HEADER,
+};
 pub use error::{Error, Result};
 pub use resource::{Allocation, MemoryKind, MemoryResource, ResourceRef, ALIGNMENT};
 pub use resources::{
-    AsyncPoolOptions, CudaAsyncMemoryResource, CudaMemoryResource, ManagedMemoryResource,
-    PinnedHostMemoryResource,
+    AsyncPoolOptions, CudaAsyncManagedMemoryResource, CudaAsyncMemoryResource, CudaMemoryResource,
+    ManagedMemoryResource, PinnedHostMemoryResource,
 };
+pub use resources::{PoolOptions, PoolStats, ShardedPoolMemoryResource};
 pub use size::parse_size;
 pub use stream::{Event, Stream};

@@ -60,40 +60,36 @@ pub trait MemoryResource: Send + Sync + fmt::Debug {
     /// Frees `ptr != 0` of `bytes > 0` bytes, ordered on `stream` (already checked).
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()>;
 
+    /// Allocates without waiting for anything (no contended lock, no driver call):
+    /// `Some(result)` when that settles the request, `None` when the caller must call
+    /// [`MemoryResource::allocate`] (from Python: after releasing the GIL, which the fast
+    /// path keeps, since releasing and retaking it costs more than the allocation).
+    /// Applies the same checks as `allocate`. The default never settles anything.
+    fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<Result<DevPtr>> {
+        let _ = (bytes, stream);
+        None
+    }
+
+    /// [`MemoryResource::try_allocate`]'s counterpart for frees.
+    fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
+        let _ = (ptr, bytes, stream);
+        None
+    }
+
     /// Allocates `bytes` bytes for use on `stream`; 0 bytes gives the null pointer.
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
-        if bytes == 0 {
-            return Ok(0);
+        if let Some(settled) = settle_allocate(self, bytes, stream) {
+            return settled;
         }
-        if bytes > isize::MAX as usize {
-            return Err(Error::OutOfMemory {
-                requested: bytes,
-                available: None,
-                resource: self.name().into(),
-            });
-        }
-        stream.check(self.backend(), self.device())?;
         self.do_allocate(bytes, stream)
     }
 
     /// Frees `ptr` (of `bytes` bytes, as allocated) for reuse after the work enqueued on
     /// `stream` so far. `deallocate(0, 0, s)` does nothing.
     fn deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
-        match (ptr, bytes) {
-            (0, 0) => return Ok(()),
-            (0, _) => {
-                return Err(Error::InvalidPointer(format!(
-                    "null pointer freed with size {bytes} (expected 0)"
-                )))
-            }
-            (_, 0) => {
-                return Err(Error::InvalidPointer(format!(
-                    "pointer {ptr:#x} freed with size 0; pass the size it was allocated with"
-                )))
-            }
-            _ => {}
+        if let Some(settled) = settle_deallocate(self, ptr, bytes, stream) {
+            return settled;
         }
-        stream.check(self.backend(), self.device())?;
         self.do_deallocate(ptr, bytes, stream).map_err(|e| match e {
             // What the driver says of a pointer it did not hand out, or already freed.
             Error::Driver { call, code: CUDA_ERROR_INVALID_VALUE, name, .. } => {
@@ -104,6 +100,46 @@ pub trait MemoryResource: Send + Sync + fmt::Debug {
             }
             e => e,
         })
+    }
+}
+
+/// The checks every allocation passes before a resource sees it: `Some` when they settle
+/// it (a zero size gives the null pointer; an impossible size or a stream of another
+/// device or backend is an error).
+pub fn settle_allocate<R: MemoryResource + ?Sized>(
+    mr: &R,
+    bytes: usize,
+    stream: &Stream,
+) -> Option<Result<DevPtr>> {
+    if bytes == 0 {
+        return Some(Ok(0));
+    }
+    if bytes > isize::MAX as usize {
+        return Some(Err(Error::OutOfMemory {
+            requested: bytes,
+            available: None,
+            resource: mr.name().into(),
+        }));
+    }
+    stream.check(mr.backend(), mr.device()).err().map(Err)
+}
+
+/// The checks every free passes before a resource sees it: `Some` when they settle it.
+pub fn settle_deallocate<R: MemoryResource + ?Sized>(
+    mr: &R,
+    ptr: DevPtr,
+    bytes: usize,
+    stream: &Stream,
+) -> Option<Result<()>> {
+    match (ptr, bytes) {
+        (0, 0) => Some(Ok(())),
+        (0, _) => {
+            Some(Err(Error::InvalidPointer(format!("null pointer freed with size {bytes} (expected 0)"))))
+        }
+        (_, 0) => Some(Err(Error::InvalidPointer(format!(
+            "pointer {ptr:#x} freed with size 0; pass the size it was allocated with"
+        )))),
+        _ => stream.check(mr.backend(), mr.device()).err().map(Err),
     }
 }
 
@@ -131,6 +167,32 @@ impl Allocation {
         Ok(Allocation { mr, ptr, bytes, stream, thread: std::thread::current().id() })
     }
 
+    /// [`Allocation::new`] without waiting for anything (see
+    /// [`MemoryResource::try_allocate`]); `None` when the caller must use `new`.
+    pub fn try_new(mr: &ResourceRef, bytes: usize, stream: &Stream) -> Option<Result<Self>> {
+        let ptr = match mr.try_allocate(bytes, stream)? {
+            Ok(ptr) => ptr,
+            Err(e) => return Some(Err(e)),
+        };
+        let thread = std::thread::current().id();
+        Some(Ok(Allocation { mr: mr.clone(), ptr, bytes, stream: stream.clone(), thread }))
+    }
+
+    /// Frees now without waiting for anything, where the resource can: `Some(result)`
+    /// once freed (or refused), `None` when the caller must drop it instead (which may
+    /// wait).
+    pub fn try_release(&mut self) -> Option<Result<()>> {
+        if self.ptr == 0 {
+            return Some(Ok(()));
+        }
+        if self.stream.is_per_thread() && std::thread::current().id() != self.thread {
+            return None;
+        }
+        let result = self.mr.try_deallocate(self.ptr, self.bytes, &self.stream)?;
+        self.ptr = 0;
+        Some(result)
+    }
+
     /// The address (0 for an empty allocation).
     pub fn ptr(&self) -> DevPtr {
         self.ptr
@@ -153,9 +215,9 @@ impl Allocation {
 
     /// Frees now, on its stream, and reports a failure (dropping swallows it).
     pub fn free(mut self) -> Result<()> {
-        let result = self.release();
-        std::mem::forget(self);
-        result
+        // `release` leaves a null pointer, so the drop that follows frees nothing again;
+        // it does release the resource and the stream (forgetting `self` would leak them).
+        self.release()
     }
 
     fn release(&mut self) -> Result<()> {

@@ -10,7 +10,9 @@
 //! * a borrowed handle that someone else owns (PyTorch's, CuPy's), checked to be a live
 //!   stream when it is wrapped and never destroyed here.
 
+use std::cell::RefCell;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::device::{BackendRef, RawEvent, RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM};
@@ -27,13 +29,28 @@ pub struct Stream {
 enum Origin {
     Default,
     Owned(Arc<OwnedStream>),
-    Borrowed { backend: BackendRef, device: i32 },
+    Borrowed { backend: BackendRef, device: i32, key: u64 },
 }
 
 struct OwnedStream {
     backend: BackendRef,
     device: i32,
     handle: RawStream,
+    key: u64,
+}
+
+/// Keys handed out where the driver cannot name a stream (`cuStreamGetId` needs CUDA 12):
+/// unique per wrapper, which is conservative (one stream may get two keys, never the
+/// reverse). They start high, above any id the driver hands out.
+static NEXT_FALLBACK_KEY: AtomicU64 = AtomicU64::new(1 << 62);
+
+fn stream_key(backend: &BackendRef, device: i32, handle: RawStream) -> u64 {
+    backend.stream_id(device, handle).unwrap_or_else(|_| NEXT_FALLBACK_KEY.fetch_add(1, Ordering::Relaxed))
+}
+
+thread_local! {
+    /// This thread's keys of the default streams: (backend id, device, handle) -> key.
+    static DEFAULT_KEYS: RefCell<Vec<(u64, i32, RawStream, u64)>> = const { RefCell::new(Vec::new()) };
 }
 
 impl Drop for OwnedStream {
@@ -59,7 +76,8 @@ impl Stream {
     /// synchronise with the legacy default stream) unless `blocking`.
     pub fn create(backend: &BackendRef, device: i32, blocking: bool) -> Result<Self> {
         let handle = backend.stream_create(device, blocking)?;
-        let owned = OwnedStream { backend: backend.clone(), device, handle };
+        let key = stream_key(backend, device, handle);
+        let owned = OwnedStream { backend: backend.clone(), device, handle, key };
         Ok(Stream { handle, origin: Origin::Owned(Arc::new(owned)) })
     }
 
@@ -78,7 +96,8 @@ impl Stream {
                         backend.describe()
                     ))
                 })?;
-                Ok(Stream { handle, origin: Origin::Borrowed { backend: backend.clone(), device } })
+                let key = stream_key(backend, device, handle);
+                Ok(Stream { handle, origin: Origin::Borrowed { backend: backend.clone(), device, key } })
             }
         }
     }
@@ -109,7 +128,7 @@ impl Stream {
         match &self.origin {
             Origin::Default => None,
             Origin::Owned(o) => Some((&o.backend, o.device)),
-            Origin::Borrowed { backend, device } => Some((backend, *device)),
+            Origin::Borrowed { backend, device, .. } => Some((backend, *device)),
         }
     }
 
@@ -117,7 +136,9 @@ impl Stream {
     /// belongs to another backend or device.
     pub fn check(&self, backend: &BackendRef, device: i32) -> Result<()> {
         let Some((mine, my_device)) = self.binding() else { return Ok(()) };
-        crate::device::check_same_backend(backend, mine, &format!("stream {:#x}", self.handle))?;
+        if !Arc::ptr_eq(mine, backend) && mine.id() != backend.id() {
+            crate::device::check_same_backend(backend, mine, &format!("stream {:#x}", self.handle))?;
+        }
         if my_device != device {
             return Err(Error::InvalidStream(format!(
                 "stream {:#x} belongs to device {my_device}, but the resource to device {device}",
@@ -138,6 +159,27 @@ impl Stream {
     pub fn id(&self, backend: &BackendRef, device: i32) -> Result<u64> {
         self.check(backend, device)?;
         backend.stream_id(device, self.handle)
+    }
+
+    /// A key that names this stream and no other, ever, for as long as the process lives
+    /// (the driver's `cuStreamGetId`, looked up once: handle values are reused once a
+    /// stream is destroyed, keys are not). For the per-thread default stream, the calling
+    /// thread's. Pools key their per-stream state by it.
+    pub fn key(&self, backend: &BackendRef, device: i32) -> u64 {
+        match &self.origin {
+            Origin::Owned(o) => o.key,
+            Origin::Borrowed { key, .. } => *key,
+            Origin::Default => DEFAULT_KEYS.with(|keys| {
+                let id = backend.id();
+                let mut keys = keys.borrow_mut();
+                if let Some(&(.., key)) = keys.iter().find(|k| (k.0, k.1, k.2) == (id, device, self.handle)) {
+                    return key;
+                }
+                let key = stream_key(backend, device, self.handle);
+                keys.push((id, device, self.handle, key));
+                key
+            }),
+        }
     }
 
     /// Makes all later work on this stream wait for `event`'s recorded work.

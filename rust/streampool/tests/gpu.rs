@@ -80,6 +80,8 @@ fn out_of_memory_and_bad_frees_are_clear_errors() {
         let s = Stream::create(&b, 0, false).unwrap();
         let err = mr.allocate(1 << 50, &s).unwrap_err();
         assert!(matches!(err, Error::OutOfMemory { requested, .. } if requested == 1 << 50), "{err:?}");
+        let (free, total) = b.mem_get_info(0).unwrap();
+        assert!(free > total / 2, "{}: the failed attempt left {free} of {total} bytes free", mr.name());
         let p = mr.allocate(MIB, &s).unwrap();
         mr.deallocate(p, MIB, &s).unwrap();
         b.stream_synchronize(0, s.handle()).unwrap();

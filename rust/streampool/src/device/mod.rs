@@ -103,6 +103,33 @@ pub enum Location {
     Host,
 }
 
+/// Advice about how managed memory will be used (`CUmem_advise`), given with
+/// [`Backend::mem_advise`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Advice {
+    /// `CU_MEM_ADVISE_SET_READ_MOSTLY`: mostly read, so processors that read it may keep
+    /// read-only copies (the location is ignored).
+    SetReadMostly,
+    /// `CU_MEM_ADVISE_UNSET_READ_MOSTLY` (the location is ignored).
+    UnsetReadMostly,
+    /// `CU_MEM_ADVISE_SET_PREFERRED_LOCATION`: keep the pages at the location when possible.
+    SetPreferredLocation,
+    /// `CU_MEM_ADVISE_UNSET_PREFERRED_LOCATION`.
+    UnsetPreferredLocation,
+    /// `CU_MEM_ADVISE_SET_ACCESSED_BY`: keep the pages mapped for the location, so that its
+    /// accesses do not fault.
+    SetAccessedBy,
+    /// `CU_MEM_ADVISE_UNSET_ACCESSED_BY`.
+    UnsetAccessedBy,
+}
+
+impl Advice {
+    /// True for the read-mostly pair, which ignore the location.
+    pub fn ignores_location(self) -> bool {
+        matches!(self, Advice::SetReadMostly | Advice::UnsetReadMostly)
+    }
+}
+
 /// The seam. Every method maps to one driver call (named in its doc), and on the
 /// simulated device to its model of that call. `dev` is the ordinal of the device whose
 /// context the call runs in.
@@ -212,7 +239,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
         bytes: usize,
         stream: RawStream,
     ) -> Result<()>;
-    /// `cuMemPrefetchAsync` (the CUDA 13 form, with a location).
+    /// `cuMemPrefetchAsync` (the CUDA 13 form, with a location) of managed memory; other
+    /// memory is the driver's `CUDA_ERROR_INVALID_VALUE`.
     fn prefetch_async(
         &self,
         dev: i32,
@@ -221,6 +249,25 @@ pub trait Backend: Send + Sync + fmt::Debug {
         to: Location,
         stream: RawStream,
     ) -> Result<()>;
+    /// `cuMemAdvise` (the CUDA 12.2+ form with a location, `cuMemAdvise_v2`) on managed
+    /// memory; other memory is the driver's `CUDA_ERROR_INVALID_VALUE`.
+    fn mem_advise(
+        &self,
+        dev: i32,
+        ptr: DevPtr,
+        bytes: usize,
+        advice: Advice,
+        location: Location,
+    ) -> Result<()>;
+    /// `cuMemRangeGetAttribute(CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION)` of managed
+    /// memory: where the whole range was last asked to be prefetched (the request, not its
+    /// completion), or `None` when it never was or its parts went to different places.
+    fn mem_range_last_prefetch_location(
+        &self,
+        dev: i32,
+        ptr: DevPtr,
+        bytes: usize,
+    ) -> Result<Option<Location>>;
     /// `cuCtxSynchronize`.
     fn ctx_synchronize(&self, dev: i32) -> Result<()>;
 }

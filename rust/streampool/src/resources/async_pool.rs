@@ -1,20 +1,25 @@
-//! The driver's stream-ordered pool (`cuMemAllocFromPoolAsync` / `cuMemFreeAsync`).
+//! The driver's stream-ordered pool (`cuMemAllocFromPoolAsync` / `cuMemFreeAsync`), of
+//! device memory ([`CudaAsyncMemoryResource`]) or, with a CUDA 13 driver, of managed memory
+//! ([`CudaAsyncManagedMemoryResource`]). One implementation serves both.
 
 use std::fmt;
+use std::ops::Deref;
 
-use crate::device::{BackendRef, DevPtr, PoolAttr, PoolProps, RawPool};
+use crate::device::{BackendRef, DevPtr, DeviceInfo, PoolAttr, PoolProps, RawPool};
 use crate::error::{Error, Result};
 use crate::resource::{out_of_memory, MemoryKind, MemoryResource};
 use crate::stream::Stream;
 
-/// Options that make [`CudaAsyncMemoryResource`] create a pool of its own.
+/// Options that make [`CudaAsyncMemoryResource`] (or [`CudaAsyncManagedMemoryResource`])
+/// create a pool of its own.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AsyncPoolOptions {
     /// Bytes to reserve up front (allocated and freed once at creation).
     pub initial_pool_size: Option<usize>,
     /// Bytes the pool keeps at a synchronisation; default: all of them (`u64::MAX`).
     pub release_threshold: Option<usize>,
-    /// Allow exporting the pool's memory to other processes (POSIX file descriptors).
+    /// Allow exporting the pool's memory to other processes (POSIX file descriptors). Not
+    /// for managed pools.
     pub enable_ipc: bool,
 }
 
@@ -55,8 +60,13 @@ pub struct CudaAsyncMemoryResource {
     device: i32,
     pool: RawPool,
     owns_pool: bool,
+    managed: bool,
     name: &'static str,
 }
+
+/// The first driver version with stream-ordered managed pools.
+const MANAGED_POOLS_DRIVER: i32 = 13000;
+const MANAGED_NAME: &str = "CudaAsyncManagedMemoryResource";
 
 impl CudaAsyncMemoryResource {
     /// On the current backend and `device` (the current device when `None`).
@@ -67,19 +77,34 @@ impl CudaAsyncMemoryResource {
 
     /// On a given backend and device.
     pub fn on(backend: BackendRef, device: i32, options: AsyncPoolOptions) -> Result<Self> {
+        Self::build(backend, device, options, false)
+    }
+
+    /// The driver's stream-ordered pool of managed memory (see
+    /// [`CudaAsyncManagedMemoryResource`], which wraps what this returns).
+    pub fn managed(backend: BackendRef, device: i32, options: AsyncPoolOptions) -> Result<Self> {
+        Self::build(backend, device, options, true)
+    }
+
+    fn build(backend: BackendRef, device: i32, options: AsyncPoolOptions, managed: bool) -> Result<Self> {
         let info = backend.device_info(device)?;
+        if managed {
+            check_managed_requirements(&backend, &info, &options)?;
+        }
         if !info.memory_pools {
             return Err(Error::Unsupported(format!(
-                "device {device} ({}) does not support the driver's memory pools; use CudaMemoryResource",
-                info.name
+                "device {device} ({}) does not support the driver's memory pools; use {}",
+                info.name,
+                if managed { "ManagedMemoryResource" } else { "CudaMemoryResource" }
             )));
         }
+        let name = if managed { MANAGED_NAME } else { "CudaAsyncMemoryResource" };
         if options.is_default() {
-            let pool = backend.pool_current(device, false)?;
-            if pool == backend.pool_default(device, false)? {
+            let pool = backend.pool_current(device, managed)?;
+            if pool == backend.pool_default(device, managed)? {
                 backend.pool_set_attr(device, pool, PoolAttr::ReleaseThreshold, u64::MAX)?;
             }
-            return Ok(Self { backend, device, pool, owns_pool: false, name: "CudaAsyncMemoryResource" });
+            return Ok(Self { backend, device, pool, owns_pool: false, managed, name });
         }
         if options.enable_ipc && !info.posix_fd_ipc {
             return Err(Error::Unsupported(format!(
@@ -87,9 +112,9 @@ impl CudaAsyncMemoryResource {
                 info.name
             )));
         }
-        let props = PoolProps { posix_fd_ipc: options.enable_ipc, managed: false };
+        let props = PoolProps { posix_fd_ipc: options.enable_ipc, managed };
         let pool = backend.pool_create(device, &props)?;
-        let mr = Self { backend, device, pool, owns_pool: true, name: "CudaAsyncMemoryResource" };
+        let mr = Self { backend, device, pool, owns_pool: true, managed, name };
         let threshold = options.release_threshold.map_or(u64::MAX, |t| t as u64);
         mr.backend.pool_set_attr(device, pool, PoolAttr::ReleaseThreshold, threshold)?;
         if let Some(init) = options.initial_pool_size.filter(|&n| n > 0) {
@@ -110,7 +135,14 @@ impl CudaAsyncMemoryResource {
         backend.pool_get_attr(device, pool, PoolAttr::ReleaseThreshold).map_err(|e| {
             Error::invalid(format!("{pool:#x} is not a valid memory pool handle on device {device} ({e})"))
         })?;
-        Ok(Self { backend, device, pool, owns_pool: false, name: "CudaAsyncViewMemoryResource" })
+        Ok(Self {
+            backend,
+            device,
+            pool,
+            owns_pool: false,
+            managed: false,
+            name: "CudaAsyncViewMemoryResource",
+        })
     }
 
     /// The driver pool handle (`CUmemoryPool` as an integer).
@@ -163,7 +195,11 @@ impl MemoryResource for CudaAsyncMemoryResource {
         self.name
     }
     fn memory_kind(&self) -> MemoryKind {
-        MemoryKind::Device
+        if self.managed {
+            MemoryKind::Managed
+        } else {
+            MemoryKind::Device
+        }
     }
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
@@ -172,7 +208,16 @@ impl MemoryResource for CudaAsyncMemoryResource {
             Err(e) if e.is_out_of_memory() => {
                 // Frees still in flight on this stream return to the pool once it drains.
                 b.stream_synchronize(dev, s)?;
-                b.pool_alloc_async(dev, self.pool, bytes, s).map_err(|e| out_of_memory(e, bytes, self))
+                b.pool_alloc_async(dev, self.pool, bytes, s).map_err(|e| {
+                    if e.is_out_of_memory() {
+                        // A failed request can leave the pool holding what it reserved
+                        // while trying (seen on the H200: all of the card, kept by the
+                        // maximum release threshold). Under such pressure, free memory
+                        // belongs to the system: give back all the pool does not use.
+                        let _ = b.pool_trim_to(dev, self.pool, 0);
+                    }
+                    out_of_memory(e, bytes, self)
+                })
             }
             r => r,
         }
@@ -204,5 +249,126 @@ impl fmt::Debug for CudaAsyncMemoryResource {
             self.owns_pool,
             self.backend.describe()
         )
+    }
+}
+
+/// Refuses a managed pool where the driver or GPU cannot have one, naming what is missing,
+/// and options a managed pool cannot have.
+fn check_managed_requirements(
+    backend: &BackendRef,
+    info: &DeviceInfo,
+    options: &AsyncPoolOptions,
+) -> Result<()> {
+    let version = backend.driver_version()?;
+    if version < MANAGED_POOLS_DRIVER {
+        return Err(Error::Unsupported(format!(
+            "{MANAGED_NAME} needs a CUDA 13 driver (found {}.{}); use ManagedMemoryResource",
+            version / 1000,
+            (version % 1000) / 10
+        )));
+    }
+    if !info.concurrent_managed_access {
+        return Err(Error::Unsupported(format!(
+            "{MANAGED_NAME} needs a GPU with concurrent managed access (device {}: {} has none); use ManagedMemoryResource",
+            info.ordinal, info.name
+        )));
+    }
+    if info.memory_pools && !info.managed_pools {
+        return Err(Error::Unsupported(format!(
+            "{MANAGED_NAME} needs a driver with managed memory pools (cuMemGetMemPool), which {} lacks; use ManagedMemoryResource",
+            backend.describe()
+        )));
+    }
+    if options.enable_ipc {
+        return Err(Error::invalid(format!(
+            "{MANAGED_NAME} cannot export its memory to other processes: the driver has no IPC for managed pools (leave enable_ipc off)"
+        )));
+    }
+    Ok(())
+}
+
+/// The CUDA 13 driver's stream-ordered pool of *managed* memory (`cuMemAllocFromPoolAsync`
+/// from a pool of `CU_MEM_ALLOCATION_TYPE_MANAGED`), for work larger than the GPU: memory
+/// usable from host and device that can be prefetched and advised, handed out in stream
+/// order as [`CudaAsyncMemoryResource`] hands out device memory, by the same rules:
+///
+/// * With no options, the device's *current* managed pool (`cuMemGetMemPool`); when that
+///   is the default managed pool (`cuMemGetDefaultMemPool`) its release threshold is
+///   raised to the maximum, since the default of 0 returns the memory at every
+///   synchronisation and the next allocations (and prefetches) pay for it again. A
+///   current managed pool someone else set is used as it is.
+/// * With options (`initial_pool_size`, `release_threshold`), a managed pool of its own,
+///   destroyed with the resource. `enable_ipc` is refused: managed pools have no IPC.
+///
+/// It needs a CUDA 13 driver and a GPU with concurrent managed access; without either,
+/// constructing it returns [`Error::Unsupported`] saying which is missing (use
+/// [`crate::ManagedMemoryResource`] there). Keep what it hands out well below the GPU's
+/// free memory where the work does not need to oversubscribe it.
+///
+/// It is a [`CudaAsyncMemoryResource`] underneath (it derefs to one, for `pool_handle`,
+/// `release_threshold`, `trim_to` and the rest) whose memory kind is
+/// [`MemoryKind::Managed`] and whose name is `CudaAsyncManagedMemoryResource`.
+///
+/// ```no_run
+/// use streampool::{CudaAsyncManagedMemoryResource, MemoryResource, Stream};
+/// let mr = CudaAsyncManagedMemoryResource::new(None, Default::default())?;
+/// assert_eq!(mr.release_threshold()?, u64::MAX);
+/// let ptr = mr.allocate(1 << 20, &Stream::legacy())?;
+/// mr.deallocate(ptr, 1 << 20, &Stream::legacy())?;
+/// # Ok::<(), streampool::Error>(())
+/// ```
+pub struct CudaAsyncManagedMemoryResource {
+    inner: CudaAsyncMemoryResource,
+}
+
+impl CudaAsyncManagedMemoryResource {
+    /// On the current backend and `device` (the current device when `None`).
+    pub fn new(device: Option<i32>, options: AsyncPoolOptions) -> Result<Self> {
+        let (backend, device) = super::bind(device)?;
+        Self::on(backend, device, options)
+    }
+
+    /// On a given backend and device.
+    pub fn on(backend: BackendRef, device: i32, options: AsyncPoolOptions) -> Result<Self> {
+        CudaAsyncMemoryResource::managed(backend, device, options).map(|inner| Self { inner })
+    }
+
+    /// The pool resource underneath (for code that holds either kind as one type).
+    pub fn into_inner(self) -> CudaAsyncMemoryResource {
+        self.inner
+    }
+}
+
+impl Deref for CudaAsyncManagedMemoryResource {
+    type Target = CudaAsyncMemoryResource;
+    fn deref(&self) -> &CudaAsyncMemoryResource {
+        &self.inner
+    }
+}
+
+impl MemoryResource for CudaAsyncManagedMemoryResource {
+    fn backend(&self) -> &BackendRef {
+        self.inner.backend()
+    }
+    fn device(&self) -> i32 {
+        self.inner.device()
+    }
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn memory_kind(&self) -> MemoryKind {
+        self.inner.memory_kind()
+    }
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        self.inner.do_allocate(bytes, stream)
+    }
+    fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.inner.do_deallocate(ptr, bytes, stream)
+    }
+}
+
+impl fmt::Debug for CudaAsyncManagedMemoryResource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.inner, f)
     }
 }

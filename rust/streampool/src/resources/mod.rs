@@ -4,9 +4,11 @@
 
 mod async_pool;
 mod plain;
+mod pool;
 
-pub use async_pool::{AsyncPoolOptions, CudaAsyncMemoryResource};
+pub use async_pool::{AsyncPoolOptions, CudaAsyncManagedMemoryResource, CudaAsyncMemoryResource};
 pub use plain::{CudaMemoryResource, ManagedMemoryResource, PinnedHostMemoryResource, PlainMemoryResource};
+pub use pool::{PoolOptions, PoolStats, ShardedPoolMemoryResource};
 
 use crate::device::{backend, BackendRef};
 use crate::error::{Error, Result};

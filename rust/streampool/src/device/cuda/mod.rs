@@ -11,8 +11,8 @@
 //! [`Error::DriverNotFound`] with a plain reason, and is remembered: later calls return
 //! the same error at once. Nothing here prints or panics.
 //!
-//! Symbols that older drivers lack (`cuStreamGetId` 12.0, `cuMemPrefetchAsync_v2` 12.2,
-//! `cuStreamGetDevice` 12.8, `cuMemGetMemPool`/`cuMemGetDefaultMemPool` 13.0) are looked
+//! Symbols that older drivers lack (`cuStreamGetId` 12.0, `cuMemPrefetchAsync_v2` and
+//! `cuMemAdvise_v2` 12.2, `cuStreamGetDevice` 12.8, `cuMemGetMemPool`/`cuMemGetDefaultMemPool` 13.0) are looked
 //! up once by the probe; a call that needs a missing one returns
 //! [`Error::Unsupported`] naming the driver version it needs and the one found, instead
 //! of reaching cudarc's panic for a missing symbol.
@@ -57,8 +57,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys;
 
 use super::{
-    Backend, BackendKind, DevPtr, DeviceInfo, Location, PoolAttr, PoolProps, RawEvent, RawPool, RawStream,
-    LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM,
+    Advice, Backend, BackendKind, DevPtr, DeviceInfo, Location, PoolAttr, PoolProps, RawEvent, RawPool,
+    RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM,
 };
 use crate::error::{Error, Result};
 
@@ -91,6 +91,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemsetD8Async",
     "cuMemcpyAsync",
     "cuPointerGetAttribute",
+    "cuMemRangeGetAttribute",
     "cuDeviceGetDefaultMemPool",
     "cuDeviceGetMemPool",
     "cuDeviceSetMemPool",
@@ -124,6 +125,8 @@ struct OptionalSymbols {
     stream_get_id: bool,
     /// `cuMemPrefetchAsync_v2` (CUDA 12.2).
     prefetch_v2: bool,
+    /// `cuMemAdvise_v2` (CUDA 12.2).
+    advise_v2: bool,
     /// `cuStreamGetDevice` (CUDA 12.8).
     stream_get_device: bool,
     /// `cuMemGetMemPool` and `cuMemGetDefaultMemPool` (CUDA 13.0).
@@ -324,6 +327,7 @@ fn probe() -> Result<CudaBackend> {
     let symbols = OptionalSymbols {
         stream_get_id: has("cuStreamGetId"),
         prefetch_v2: has("cuMemPrefetchAsync_v2"),
+        advise_v2: has("cuMemAdvise_v2"),
         stream_get_device: has("cuStreamGetDevice"),
         managed_pool_queries: has("cuMemGetMemPool") && has("cuMemGetDefaultMemPool"),
     };
@@ -416,6 +420,21 @@ fn mem_location(to: Location) -> sys::CUmemLocation {
         Location::Host => {
             sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, id: 0 }
         }
+    }
+}
+
+/// `CU_DEVICE_CPU`: the host, where the driver answers with a device.
+const CU_DEVICE_CPU: i32 = -1;
+
+fn mem_advice(advice: Advice) -> sys::CUmem_advise {
+    use sys::CUmem_advise as A;
+    match advice {
+        Advice::SetReadMostly => A::CU_MEM_ADVISE_SET_READ_MOSTLY,
+        Advice::UnsetReadMostly => A::CU_MEM_ADVISE_UNSET_READ_MOSTLY,
+        Advice::SetPreferredLocation => A::CU_MEM_ADVISE_SET_PREFERRED_LOCATION,
+        Advice::UnsetPreferredLocation => A::CU_MEM_ADVISE_UNSET_PREFERRED_LOCATION,
+        Advice::SetAccessedBy => A::CU_MEM_ADVISE_SET_ACCESSED_BY,
+        Advice::UnsetAccessedBy => A::CU_MEM_ADVISE_UNSET_ACCESSED_BY,
     }
 }
 
@@ -808,6 +827,45 @@ impl Backend for CudaBackend {
         // SAFETY: the probe found `cuMemPrefetchAsync_v2`; `dev`'s context is current, which
         // default stream handles refer to; the driver refuses memory that is not managed.
         unsafe { raw::mem_prefetch_async(ptr, bytes, mem_location(to), cu_stream(stream)) }
+    }
+
+    fn mem_advise(
+        &self,
+        dev: i32,
+        ptr: DevPtr,
+        bytes: usize,
+        advice: Advice,
+        location: Location,
+    ) -> Result<()> {
+        if !self.symbols.advise_v2 {
+            return Err(self.unsupported("advice on managed memory (cuMemAdvise_v2) needs", "12.2"));
+        }
+        // The read-mostly pair ignore the location: pass a valid one regardless.
+        let location = if advice.ignores_location() { Location::Device(dev) } else { location };
+        if let Location::Device(target) = location {
+            self.device(target)?;
+        }
+        let _ctx = self.enter(dev)?;
+        // SAFETY: the probe found `cuMemAdvise_v2`; `dev`'s context is current; the driver
+        // refuses memory that is not managed.
+        unsafe { raw::mem_advise(ptr, bytes, mem_advice(advice), mem_location(location)) }
+    }
+
+    fn mem_range_last_prefetch_location(
+        &self,
+        dev: i32,
+        ptr: DevPtr,
+        bytes: usize,
+    ) -> Result<Option<Location>> {
+        let _ctx = self.enter(dev)?;
+        // SAFETY: `cuMemRangeGetAttribute` is a required symbol; `dev`'s context is current;
+        // the driver refuses memory that is not managed.
+        let value = unsafe { raw::mem_range_last_prefetch_location(ptr, bytes) }?;
+        Ok(match value {
+            CU_DEVICE_CPU => Some(Location::Host),
+            v if v < 0 => None, // CU_DEVICE_INVALID: never prefetched, or not all to one place
+            ordinal => Some(Location::Device(ordinal)),
+        })
     }
 
     fn ctx_synchronize(&self, dev: i32) -> Result<()> {

@@ -430,6 +430,47 @@ pub(super) unsafe fn mem_prefetch_async(
     check("cuMemPrefetchAsync", unsafe { sys::cuMemPrefetchAsync_v2(dptr, bytes, location, 0, stream) })
 }
 
+/// [`cuMemAdvise`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__UNIFIED.html)
+/// in its CUDA 12.2+ form (`cuMemAdvise_v2`, the one CUDA 13's header names
+/// `cuMemAdvise`), with a location.
+///
+/// # Safety
+/// 1. Loaded and initialised, and the probe found `cuMemAdvise_v2`; a context is current.
+/// 2. `[dptr, dptr + bytes)` is managed memory (the driver reports other memory). Advice
+///    changes where pages live, never their contents.
+pub(super) unsafe fn mem_advise(
+    dptr: sys::CUdeviceptr,
+    bytes: usize,
+    advice: sys::CUmem_advise,
+    location: sys::CUmemLocation,
+) -> Result<()> {
+    // SAFETY: preconditions 1-2; `location` is passed by value.
+    check("cuMemAdvise", unsafe { sys::cuMemAdvise_v2(dptr, bytes, advice, location) })
+}
+
+/// [`cuMemRangeGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__UNIFIED.html)`(CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION)`:
+/// a device ordinal, `CU_DEVICE_CPU` (-1) or `CU_DEVICE_INVALID` (-2).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current.
+/// 2. `[dptr, dptr + bytes)` is managed memory (the driver reports other memory).
+pub(super) unsafe fn mem_range_last_prefetch_location(dptr: sys::CUdeviceptr, bytes: usize) -> Result<i32> {
+    let mut value: i32 = 0;
+    let attr = sys::CUmem_range_attribute::CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION;
+    // SAFETY: preconditions 1-2; this attribute's value is a 32-bit int, `value` has room
+    // for exactly that, and its size is passed.
+    check("cuMemRangeGetAttribute", unsafe {
+        sys::cuMemRangeGetAttribute(
+            (&mut value as *mut i32).cast::<c_void>(),
+            std::mem::size_of::<i32>(),
+            attr,
+            dptr,
+            bytes,
+        )
+    })?;
+    Ok(value)
+}
+
 /// [`cuPointerGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__UNIFIED.html)`(CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE)`:
 /// the pool an allocation came from; null for memory not from a pool.
 ///

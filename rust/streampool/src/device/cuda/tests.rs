@@ -530,6 +530,7 @@ fn gpu_fallbacks_for_older_drivers() {
     old.symbols = OptionalSymbols {
         stream_get_id: false,
         prefetch_v2: false,
+        advise_v2: false,
         stream_get_device: false,
         managed_pool_queries: false,
     };
@@ -560,6 +561,11 @@ fn gpu_fallbacks_for_older_drivers() {
         other => panic!("{other:?}"),
     };
     assert!(message.contains("needs a CUDA 12.2 driver (found 12.4)"), "{message}");
+    let message = match old.mem_advise(0, 0x1000, 1, Advice::SetReadMostly, Location::Host) {
+        Err(Error::Unsupported(message)) => message,
+        other => panic!("{other:?}"),
+    };
+    assert!(message.contains("cuMemAdvise_v2) needs a CUDA 12.2 driver (found 12.4)"), "{message}");
     // What does not depend on the newer symbols still works.
     let ptr = old.pool_alloc_async(0, old.pool_current(0, false).unwrap(), MIB, stream).unwrap();
     old.free_async(0, ptr, stream).unwrap();

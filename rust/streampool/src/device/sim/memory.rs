@@ -4,8 +4,8 @@
 use std::alloc::Layout;
 
 use super::{oom, State};
-use crate::device::{DevPtr, RawPool};
-use crate::error::{Error, Result};
+use crate::device::{DevPtr, Location, RawPool};
+use crate::error::{Error, Result, CUDA_ERROR_INVALID_VALUE};
 
 /// Alignment of every simulated allocation (and the rounding of its accounted size).
 pub(super) const ALIGN: usize = 256;
@@ -79,6 +79,61 @@ pub(super) struct Alloc {
     pub(super) dev: i32,
     /// The backing memory, except for pool allocations (their pool's chunk holds it).
     pub(super) block: Option<HostBlock>,
+    /// Where parts of it were last asked to be prefetched (managed memory only).
+    pub(super) prefetched: Prefetched,
+}
+
+/// The last prefetch location of byte ranges of one allocation, as the driver keeps it
+/// per page: disjoint `(start, end, location)` ranges, in no order.
+#[derive(Debug, Default)]
+pub(super) struct Prefetched(Vec<(u64, u64, Location)>);
+
+impl Prefetched {
+    /// Records that `[start, end)` was last asked to go to `to`.
+    pub(super) fn record(&mut self, start: u64, end: u64, to: Location) {
+        let mut kept = Vec::with_capacity(self.0.len() + 2);
+        for &(s, e, at) in &self.0 {
+            if e <= start || s >= end {
+                kept.push((s, e, at));
+                continue;
+            }
+            if s < start {
+                kept.push((s, start, at));
+            }
+            if e > end {
+                kept.push((end, e, at));
+            }
+        }
+        kept.push((start, end, to));
+        self.0 = kept;
+    }
+
+    /// Where all of `[start, end)` was last asked to go: `None` when some byte never was,
+    /// or its bytes went to different places (`CU_DEVICE_INVALID`).
+    pub(super) fn location(&self, start: u64, end: u64) -> Option<Location> {
+        let mut parts: Vec<(u64, u64, Location)> =
+            self.0.iter().copied().filter(|&(s, e, _)| s < end && e > start).collect();
+        parts.sort_by_key(|&(s, _, _)| s);
+        let first = parts.first()?.2;
+        let mut covered = start;
+        for (s, e, at) in parts {
+            if s > covered || at != first {
+                return None;
+            }
+            covered = covered.max(e);
+        }
+        (covered >= end).then_some(first)
+    }
+}
+
+/// `CUDA_ERROR_INVALID_VALUE` from `call`.
+pub(super) fn invalid_value(call: &'static str) -> Error {
+    Error::Driver {
+        call,
+        code: CUDA_ERROR_INVALID_VALUE,
+        name: "CUDA_ERROR_INVALID_VALUE".into(),
+        context: String::new(),
+    }
 }
 
 impl State {
@@ -91,12 +146,7 @@ impl State {
             AllocKind::Pool(_) => unreachable!("pool allocations are made by the pool model"),
         };
         if bytes == 0 {
-            return Err(Error::Driver {
-                call,
-                code: crate::error::CUDA_ERROR_INVALID_VALUE,
-                name: "CUDA_ERROR_INVALID_VALUE".into(),
-                context: String::new(),
-            });
+            return Err(invalid_value(call));
         }
         let size = round_up(bytes, ALIGN).ok_or_else(|| oom(call))?;
         let counted = kind != AllocKind::Pinned;
@@ -108,7 +158,10 @@ impl State {
         if counted {
             self.devices[dev as usize].allocated += size;
         }
-        self.allocs.insert(addr, Alloc { bytes, size, kind, dev, block: Some(block) });
+        self.allocs.insert(
+            addr,
+            Alloc { bytes, size, kind, dev, block: Some(block), prefetched: Prefetched::default() },
+        );
         Ok(addr)
     }
 
@@ -193,6 +246,34 @@ impl State {
             "{what}: [{ptr:#x}, +{bytes}) is not inside a live allocation of {} (use after free?)",
             self.name
         )))
+    }
+
+    /// Whether an allocation is managed memory: `cuMemAllocManaged`, or a managed pool's.
+    pub(super) fn is_managed(&self, a: &Alloc) -> bool {
+        match a.kind {
+            AllocKind::Managed => true,
+            AllocKind::Pool(p) => self.pools.get(&p).is_some_and(|p| p.managed),
+            AllocKind::Device | AllocKind::Pinned => false,
+        }
+    }
+
+    /// Validates a range that a call for managed memory names (`cuMemPrefetchAsync`,
+    /// `cuMemAdvise`, `cuMemRangeGetAttribute`): outside a live allocation it is
+    /// [`Error::InvalidPointer`], like every range; inside one that is not managed, the
+    /// driver's `CUDA_ERROR_INVALID_VALUE` from `call`. Returns the allocation's start.
+    pub(super) fn check_managed_range(
+        &self,
+        ptr: DevPtr,
+        bytes: usize,
+        call: &'static str,
+    ) -> Result<DevPtr> {
+        self.check_range(ptr, bytes, call)?;
+        let (start, a) = self.alloc_containing(ptr, bytes).expect("checked above");
+        if self.is_managed(a) {
+            Ok(start)
+        } else {
+            Err(invalid_value(call))
+        }
     }
 
     /// Classifies one side of a copy: `Ok(true)` for simulated memory (validated like

@@ -27,6 +27,14 @@
 //!   kept as [`Race`]s, each pair once.
 //! * **Pools.** The driver's stream-ordered pools with its default reuse policy,
 //!   release threshold, trimming and attributes (module `pool`).
+//! * **Managed memory.** `cuMemAllocManaged` memory and managed pools' memory accept
+//!   prefetches and advice; other live memory is refused as the driver refuses it
+//!   (`CUDA_ERROR_INVALID_VALUE`). A prefetch is an operation on its stream, and the range's
+//!   last prefetch location is recorded when it is *enqueued*, as the driver's
+//!   `CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION` reports the last location asked for,
+//!   not one reached. The device reports a CUDA 13.0 driver and concurrent managed access;
+//!   [`SimDevice::set_driver_version`] and [`SimDevice::set_concurrent_managed_access`]
+//!   make it report less, and then refuse managed pools as such a driver does.
 //!
 //! # Lifetime
 //!
@@ -38,13 +46,13 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::ThreadId;
 
 use crate::device::{
-    Backend, BackendKind, DevPtr, DeviceInfo, Location, PoolAttr, PoolProps, RawEvent, RawPool, RawStream,
-    LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM,
+    Advice, Backend, BackendKind, DevPtr, DeviceInfo, Location, PoolAttr, PoolProps, RawEvent, RawPool,
+    RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM,
 };
 use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};
 
@@ -59,7 +67,7 @@ mod tests;
 use clock::VClock;
 pub use detector::{OpInfo, OpKind, Race, MAX_RACES};
 use exec::{Op, Work};
-use memory::AllocKind;
+use memory::{invalid_value, AllocKind};
 use pool::Pool;
 
 /// The driver version the simulated device reports (CUDA 13.0).
@@ -81,6 +89,10 @@ pub struct SimDevice {
     capacity: usize,
     devices: i32,
     closed: AtomicBool,
+    /// What `cuDriverGetVersion` reports ([`SIM_DRIVER_VERSION`] unless set).
+    driver_version: AtomicI32,
+    /// `CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS` (true unless set).
+    concurrent_managed_access: AtomicBool,
     state: Mutex<State>,
 }
 
@@ -354,6 +366,8 @@ impl SimDevice {
             capacity: capacity_bytes,
             devices,
             closed: AtomicBool::new(false),
+            driver_version: AtomicI32::new(SIM_DRIVER_VERSION),
+            concurrent_managed_access: AtomicBool::new(true),
             state: Mutex::new(State::new(id, capacity_bytes, devices)),
         })
     }
@@ -384,6 +398,43 @@ impl SimDevice {
     /// Device memory of each device, in bytes.
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// Makes the device report driver `version` (e.g. 12040 for CUDA 12.4) from now on.
+    /// Below 13000 it has no managed pools: asking for one is refused as the CUDA backend
+    /// refuses it on such a driver ([`Error::Unsupported`]). Pools already made stay.
+    pub fn set_driver_version(&self, version: i32) {
+        self.driver_version.store(version, Ordering::SeqCst);
+    }
+
+    /// Makes the device report (or not) concurrent managed access from now on; without it
+    /// there are no managed pools, as on the CUDA backend.
+    pub fn set_concurrent_managed_access(&self, yes: bool) {
+        self.concurrent_managed_access.store(yes, Ordering::SeqCst);
+    }
+
+    fn managed_pools(&self) -> bool {
+        self.driver_version.load(Ordering::SeqCst) >= 13000
+            && self.concurrent_managed_access.load(Ordering::SeqCst)
+    }
+
+    /// What the CUDA backend says of managed pools where the device has none.
+    fn require_managed_pools(&self, dev: i32) -> Result<()> {
+        if self.managed_pools() {
+            return Ok(());
+        }
+        let version = self.driver_version.load(Ordering::SeqCst);
+        if version < 13000 {
+            return Err(Error::Unsupported(format!(
+                "managed memory pools need a CUDA 13 driver (found {}.{})",
+                version / 1000,
+                (version % 1000) / 10
+            )));
+        }
+        Err(Error::Unsupported(format!(
+            "managed memory pools need concurrent managed access, which device {dev} of simulated device #{} lacks",
+            self.id
+        )))
     }
 
     /// A simulated kernel that writes `[ptr, ptr + bytes)` on `stream`: each byte gets
@@ -554,7 +605,7 @@ impl Backend for SimDevice {
 
     fn driver_version(&self) -> Result<i32> {
         self.check_open()?;
-        Ok(SIM_DRIVER_VERSION)
+        Ok(self.driver_version.load(Ordering::SeqCst))
     }
 
     fn device_count(&self) -> Result<i32> {
@@ -574,8 +625,8 @@ impl Backend for SimDevice {
                 name: "streampool simulated device".into(),
                 total_bytes: self.capacity,
                 memory_pools: true,
-                managed_pools: true,
-                concurrent_managed_access: true,
+                managed_pools: self.managed_pools(),
+                concurrent_managed_access: self.concurrent_managed_access.load(Ordering::SeqCst),
                 posix_fd_ipc: true,
             })
         })
@@ -606,10 +657,16 @@ impl Backend for SimDevice {
     }
 
     fn pool_default(&self, dev: i32, managed: bool) -> Result<RawPool> {
+        if managed {
+            self.require_managed_pools(dev)?;
+        }
         self.with(Some(dev), |st| Ok(st.devices[dev as usize].default_pool[managed as usize]))
     }
 
     fn pool_current(&self, dev: i32, managed: bool) -> Result<RawPool> {
+        if managed {
+            self.require_managed_pools(dev)?;
+        }
         self.with(Some(dev), |st| Ok(st.devices[dev as usize].current_pool[managed as usize]))
     }
 
@@ -629,6 +686,9 @@ impl Backend for SimDevice {
     }
 
     fn pool_create(&self, dev: i32, props: &PoolProps) -> Result<RawPool> {
+        if props.managed {
+            self.require_managed_pools(dev)?;
+        }
         self.with(Some(dev), |st| Ok(st.new_pool(dev, props.managed, false)))
     }
 
@@ -852,9 +912,49 @@ impl Backend for SimDevice {
             if bytes == 0 {
                 return Ok(());
             }
-            st.check_range(ptr, bytes, "cuMemPrefetchAsync")?;
+            let start = st.check_managed_range(ptr, bytes, "cuMemPrefetchAsync")?;
             st.enqueue(sid, Work::Nothing, OpKind::Prefetch, "", None);
+            // As the driver reports it: the location asked for, not one reached.
+            let alloc = st.allocs.get_mut(&start).expect("checked above");
+            alloc.prefetched.record(ptr, ptr + bytes as u64, to);
             Ok(())
+        })
+    }
+
+    fn mem_advise(
+        &self,
+        dev: i32,
+        ptr: DevPtr,
+        bytes: usize,
+        advice: Advice,
+        location: Location,
+    ) -> Result<()> {
+        self.with(Some(dev), |st| {
+            if let (Location::Device(d), false) = (location, advice.ignores_location()) {
+                self.check_dev(d)?;
+            }
+            if bytes == 0 {
+                return Ok(());
+            }
+            // Advice changes where pages live and how they are mapped, never their contents:
+            // validated, and otherwise nothing to simulate.
+            st.check_managed_range(ptr, bytes, "cuMemAdvise")?;
+            Ok(())
+        })
+    }
+
+    fn mem_range_last_prefetch_location(
+        &self,
+        dev: i32,
+        ptr: DevPtr,
+        bytes: usize,
+    ) -> Result<Option<Location>> {
+        self.with(Some(dev), |st| {
+            if bytes == 0 {
+                return Err(invalid_value("cuMemRangeGetAttribute"));
+            }
+            let start = st.check_managed_range(ptr, bytes, "cuMemRangeGetAttribute")?;
+            Ok(st.allocs[&start].prefetched.location(ptr, ptr + bytes as u64))
         })
     }
 

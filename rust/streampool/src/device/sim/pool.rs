@@ -212,7 +212,17 @@ impl State {
             let point = block.point.expect("class 2 blocks have a free point");
             self.add_dependency(sid, &point.clock, OpKind::Wait, "wait inserted by cuMemAllocFromPoolAsync");
         }
-        self.allocs.insert(addr, Alloc { bytes, size, kind: AllocKind::Pool(handle), dev, block: None });
+        self.allocs.insert(
+            addr,
+            Alloc {
+                bytes,
+                size,
+                kind: AllocKind::Pool(handle),
+                dev,
+                block: None,
+                prefetched: Default::default(),
+            },
+        );
         Ok(addr)
     }
 

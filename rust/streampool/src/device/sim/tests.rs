@@ -778,3 +778,133 @@ fn many_threads_may_drive_the_device_at_once() {
     assert!(sim.races().is_empty(), "{:?}", sim.races());
     assert_eq!(attr(&sim, pool, PoolAttr::UsedMemCurrent), 0);
 }
+
+fn is_invalid_value(r: Result<impl std::fmt::Debug>, call: &str) -> bool {
+    matches!(r, Err(Error::Driver { call: c, code: CUDA_ERROR_INVALID_VALUE, .. }) if c == call)
+}
+
+#[test]
+fn prefetch_records_the_last_location_asked_for_per_range() {
+    let sim = SimDevice::with_devices(64 * MIB, 2);
+    let s = stream(&sim, false);
+    let m = sim.mem_alloc_managed(0, 8192).unwrap();
+    assert_eq!(sim.mem_range_last_prefetch_location(0, m, 8192).unwrap(), None, "never prefetched");
+    sim.prefetch_async(0, m, 8192, Location::Device(0), s).unwrap();
+    // The request, as the driver reports it: before the prefetch has run.
+    assert_eq!(sim.queued(s).unwrap(), 1);
+    assert_eq!(sim.mem_range_last_prefetch_location(0, m, 8192).unwrap(), Some(Location::Device(0)));
+    sim.prefetch_async(0, m + 4096, 4096, Location::Host, s).unwrap();
+    assert_eq!(sim.mem_range_last_prefetch_location(0, m, 4096).unwrap(), Some(Location::Device(0)));
+    assert_eq!(sim.mem_range_last_prefetch_location(0, m + 4096, 4096).unwrap(), Some(Location::Host));
+    assert_eq!(sim.mem_range_last_prefetch_location(0, m, 8192).unwrap(), None, "split between two places");
+    sim.prefetch_async(0, m, 4096, Location::Device(1), s).unwrap();
+    sim.prefetch_async(0, m + 4096, 4096, Location::Device(1), s).unwrap();
+    assert_eq!(sim.mem_range_last_prefetch_location(0, m, 8192).unwrap(), Some(Location::Device(1)));
+    sim.stream_synchronize(0, s).unwrap();
+    assert_eq!(sim.mem_range_last_prefetch_location(0, m, 8192).unwrap(), Some(Location::Device(1)));
+    // A managed pool's memory too; a new allocation starts with no location.
+    let pool = sim.pool_default(0, true).unwrap();
+    let p = sim.pool_alloc_async(0, pool, 4096, s).unwrap();
+    assert_eq!(sim.mem_range_last_prefetch_location(0, p, 4096).unwrap(), None);
+    sim.prefetch_async(0, p, 4096, Location::Host, s).unwrap();
+    assert_eq!(sim.mem_range_last_prefetch_location(0, p, 4096).unwrap(), Some(Location::Host));
+    sim.free_async(0, p, s).unwrap();
+    let q = sim.pool_alloc_async(0, pool, 4096, s).unwrap();
+    assert_eq!(sim.mem_range_last_prefetch_location(0, q, 4096).unwrap(), None);
+    sim.free_async(0, q, s).unwrap();
+    sim.mem_free(0, m).unwrap();
+    assert!(sim.races().is_empty());
+}
+
+#[test]
+fn prefetch_advice_and_queries_refuse_memory_that_is_not_managed() {
+    let sim = sim();
+    let s = stream(&sim, false);
+    let device = sim.mem_alloc(0, 4096).unwrap();
+    let pinned = sim.mem_host_alloc(0, 4096).unwrap();
+    let pool = sim.pool_default(0, false).unwrap();
+    let from_pool = sim.pool_alloc_async(0, pool, 4096, s).unwrap();
+    for ptr in [device, pinned, from_pool] {
+        assert!(is_invalid_value(
+            sim.prefetch_async(0, ptr, 4096, Location::Device(0), s),
+            "cuMemPrefetchAsync"
+        ));
+        for advice in [Advice::SetReadMostly, Advice::SetPreferredLocation, Advice::UnsetAccessedBy] {
+            assert!(is_invalid_value(
+                sim.mem_advise(0, ptr, 4096, advice, Location::Device(0)),
+                "cuMemAdvise"
+            ));
+        }
+        assert!(is_invalid_value(
+            sim.mem_range_last_prefetch_location(0, ptr, 4096),
+            "cuMemRangeGetAttribute"
+        ));
+    }
+    assert_eq!(sim.queued(s).unwrap(), 0, "nothing enqueued");
+    // Managed memory: every advice, for the device or the host.
+    let m = sim.mem_alloc_managed(0, 4096).unwrap();
+    for advice in [
+        Advice::SetReadMostly,
+        Advice::UnsetReadMostly,
+        Advice::SetPreferredLocation,
+        Advice::UnsetPreferredLocation,
+        Advice::SetAccessedBy,
+        Advice::UnsetAccessedBy,
+    ] {
+        sim.mem_advise(0, m, 4096, advice, Location::Device(0)).unwrap();
+        sim.mem_advise(0, m, 4096, advice, Location::Host).unwrap();
+    }
+    // A device that does not exist, except where the location is ignored.
+    assert!(matches!(
+        sim.mem_advise(0, m, 4096, Advice::SetPreferredLocation, Location::Device(5)),
+        Err(Error::InvalidArgument(_))
+    ));
+    sim.mem_advise(0, m, 4096, Advice::SetReadMostly, Location::Device(5)).unwrap();
+    // Past the end, or freed: not a live allocation.
+    assert!(matches!(
+        sim.mem_advise(0, m, 4097, Advice::SetReadMostly, Location::Host),
+        Err(Error::InvalidPointer(_))
+    ));
+    sim.free_async(0, from_pool, s).unwrap();
+    for ptr in [device, m] {
+        sim.mem_free(0, ptr).unwrap();
+    }
+    sim.mem_free_host(0, pinned).unwrap();
+    assert!(matches!(
+        sim.mem_advise(0, m, 16, Advice::SetReadMostly, Location::Host),
+        Err(Error::InvalidPointer(_))
+    ));
+    assert!(matches!(sim.prefetch_async(0, m, 16, Location::Host, s), Err(Error::InvalidPointer(_))));
+}
+
+#[test]
+fn an_older_driver_or_a_gpu_without_concurrent_managed_access_has_no_managed_pools() {
+    let sim = sim();
+    assert!(sim.device_info(0).unwrap().managed_pools);
+    sim.set_driver_version(12040);
+    assert_eq!(sim.driver_version().unwrap(), 12040);
+    assert!(!sim.device_info(0).unwrap().managed_pools);
+    for r in [
+        sim.pool_default(0, true),
+        sim.pool_current(0, true),
+        sim.pool_create(0, &PoolProps { posix_fd_ipc: false, managed: true }),
+    ] {
+        match r {
+            Err(Error::Unsupported(m)) => {
+                assert_eq!(m, "managed memory pools need a CUDA 13 driver (found 12.4)")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    sim.pool_default(0, false).unwrap();
+    sim.set_driver_version(13000);
+    sim.set_concurrent_managed_access(false);
+    let info = sim.device_info(0).unwrap();
+    assert!(!info.managed_pools && !info.concurrent_managed_access);
+    match sim.pool_default(0, true) {
+        Err(Error::Unsupported(m)) => assert!(m.contains("concurrent managed access"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    sim.set_concurrent_managed_access(true);
+    sim.pool_default(0, true).unwrap();
+}

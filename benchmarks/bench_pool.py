@@ -1,0 +1,158 @@
+"""streampool's resources from Python, on the workloads of ../shared/peers/bench_py.py.
+
+- fixed: one thread, one non-blocking stream: ``mr.allocate``/``mr.deallocate`` pairs and
+  ``DeviceBuffer`` create+drop, median ns per pair over repetitions;
+- window: T threads, each on its own stream, each keeping a FIFO of 16 live allocations of
+  log-uniform size in [1 KiB, 4 MiB] (pre-generated), freeing the oldest before each new
+  one; aggregate allocations/s in one common window, ns per operation per thread, and the
+  slowest thread's share of the mean.
+
+Usage: python benchmarks/bench_pool.py [--secs 0.5] [--reps 3] [--threads 1,2,4,8,16]
+       [--json FILE]. Without a CUDA driver it runs on the simulated device and says so
+(those numbers measure the simulator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import streampool
+from streampool import mr
+
+WINDOW = 16
+
+
+def resources() -> dict[str, Callable[[], mr.MemoryResource]]:
+    return {
+        "ShardedPool(async)": lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()),
+        "CudaAsync": lambda: mr.CudaAsyncMemoryResource(),
+    }
+
+
+def fixed_pairs(resource: mr.MemoryResource, n: int, reps: int, iters: int = 20000) -> float:
+    s = streampool.Stream()
+    a, d = resource.allocate, resource.deallocate
+    samples = []
+    for _ in range(max(reps, 3)):
+        t0 = time.perf_counter_ns()
+        for _ in range(iters):
+            p = a(n, s)
+            d(p, n, s)
+        samples.append((time.perf_counter_ns() - t0) / iters)
+    s.synchronize()
+    return statistics.median(samples)
+
+
+def fixed_buffers(resource: mr.MemoryResource, n: int, reps: int, iters: int = 20000) -> float:
+    s = streampool.Stream()
+    DB = streampool.DeviceBuffer
+    samples = []
+    for _ in range(max(reps, 3)):
+        t0 = time.perf_counter_ns()
+        for _ in range(iters):
+            b = DB(size=n, stream=s, mr=resource)
+            del b
+        samples.append((time.perf_counter_ns() - t0) / iters)
+    s.synchronize()
+    return statistics.median(samples)
+
+
+def sizes(seed: int, m: int = 4096) -> list[int]:
+    rng = random.Random(seed)
+    return [int(1024 * math.exp(rng.random() * math.log(4096))) for _ in range(m)]
+
+
+def window(make: Callable[[], mr.MemoryResource], threads: int, secs: float) -> dict[str, float]:
+    resource = make()
+    counts = [0] * threads
+    stop = threading.Event()
+    ready = threading.Barrier(threads + 1)
+
+    def worker(t: int) -> None:
+        s = streampool.Stream()
+        sz = sizes(t + 1)
+        live: deque[tuple[int, int]] = deque()
+        a, d = resource.allocate, resource.deallocate
+        i = 0
+        ready.wait()
+        while not stop.is_set():
+            if len(live) == WINDOW:
+                p, n = live.popleft()
+                d(p, n, s)
+            n = sz[i & 4095]
+            live.append((a(n, s), n))
+            i += 1
+            counts[t] = i
+        for p, n in live:
+            d(p, n, s)
+        s.synchronize()
+
+    pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    ready.wait()
+    time.sleep(0.1)
+    start = list(counts)
+    t0 = time.perf_counter()
+    time.sleep(secs)
+    end = list(counts)
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    for th in pool:
+        th.join()
+    per = [e - s for s, e in zip(start, end)]
+    mean = sum(per) / threads
+    return {
+        "allocs_per_sec": sum(per) / elapsed,
+        "ns_per_op_per_thread": elapsed * 1e9 / mean if mean else math.inf,
+        "slowest_share": min(per) / mean if mean else 0.0,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--secs", type=float, default=0.5)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", default="1,2,4,8,16")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    try:
+        device = streampool.backend_description()
+        sim = None
+    except streampool.CudaDriverNotFoundError as e:
+        print(f"no CUDA driver ({e}); running on the simulated device: these numbers measure the simulator")
+        sim = streampool.sim.SimulatedDevice(capacity_bytes="64GiB").__enter__()
+        device = sim.describe()
+    print(f"device: {device}")
+    results = []
+    for name, make in resources().items():
+        for n in (256, 64 << 10, 4 << 20):
+            pair = fixed_pairs(make(), n, args.reps)
+            buf = fixed_buffers(make(), n, args.reps)
+            print(f"fixed  {name:<20} {n:>8} B  allocate+deallocate {pair:8.1f} ns   DeviceBuffer {buf:8.1f} ns")
+            results.append({"workload": "fixed", "resource": name, "bytes": n, "ns_per_pair": pair, "ns_per_buffer": buf})
+        for t in (int(x) for x in args.threads.split(",")):
+            runs = [window(make, t, args.secs) for _ in range(args.reps)]
+            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            print(
+                f"window {name:<20} T={t:<2} {med['allocs_per_sec'] / 1e6:8.3f} M allocs/s "
+                f"{med['ns_per_op_per_thread']:8.1f} ns/op/thread  slowest {med['slowest_share']:.2f}"
+            )
+            results.append({"workload": "window", "resource": name, "threads": t, **med})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "results": results}, f, indent=1)
+    if sim is not None:
+        sim.__exit__(None, None, None)
+
+
+if __name__ == "__main__":
+    main()

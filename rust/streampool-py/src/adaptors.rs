@@ -1,0 +1,704 @@
+//! The adaptors (`streampool.mr`): resources that wrap another resource and add one thing
+//! each, with RMM's Python names, and the Python callbacks they call.
+//!
+//! Every adaptor extends `UpstreamResourceAdaptor` (a `MemoryResource`), which keeps the
+//! Python upstream object alive and returns it as given (`upstream`, `get_upstream()`);
+//! the base `MemoryResource` holds the core adaptor as its `ResourceRef`, so allocation
+//! goes through the one `allocate`/`deallocate` of the base class.
+//!
+//! # Calling into Python from a resource
+//!
+//! `allocate`/`deallocate` release the GIL before calling the core. A failure callback, a
+//! logging sink or a stack capture then re-attaches (`Python::try_attach`) on the same
+//! thread, runs the Python code, and returns. The core adaptors hold no lock across these
+//! calls (each adaptor's docs say so), so a callback may allocate from or free into the
+//! same stack without deadlock. An exception a callback raises is stashed by
+//! [`callback_error`] and raised, unchanged, to the caller of `allocate`/`deallocate`.
+//! When the interpreter cannot be attached (it is shutting down), a logging sink is
+//! skipped, a failure callback answers "do not retry", and a stack is not captured.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::gc::PyVisit;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyInt, PyString, PyTuple, PyType};
+use pyo3::{PyClass, PyTraverseError};
+use streampool::adaptors::{
+    self, BinningMemoryResource, FailureCallback, FailureCallbackAdaptor, FixedSizeMemoryResource,
+    LimitingAdaptor, LogAction, LogSink, LoggingAdaptor, PrefetchAdaptor, StackCapture, Statistics,
+    StatisticsAdaptor, TrackingAdaptor,
+};
+use streampool::device::{DevPtr, RawStream};
+use streampool::ResourceRef;
+
+use crate::errors::{callback_error, detached, OrRaise};
+use crate::resources::PyMemoryResource;
+use crate::size_arg;
+
+/// Locks a mutex of this module. Each is held only to clone, push or take a Python
+/// reference, with the GIL held and without running Python code, so it is never
+/// contended across a GIL switch.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The initializer of an adaptor: the base `MemoryResource` holding the core adaptor, the
+/// `UpstreamResourceAdaptor` holding the Python upstream, then the class itself.
+pub(crate) fn init<S>(
+    inner: ResourceRef,
+    upstream: &Bound<'_, PyMemoryResource>,
+    sub: S,
+) -> PyClassInitializer<S>
+where
+    S: PyClass<BaseType = PyUpstreamResourceAdaptor>,
+{
+    PyMemoryResource::base(inner)
+        .add_subclass(PyUpstreamResourceAdaptor { upstream: upstream.clone().unbind() })
+        .add_subclass(sub)
+}
+
+pub(crate) fn upstream_ref(upstream: &Bound<'_, PyMemoryResource>) -> ResourceRef {
+    upstream.get().inner.clone()
+}
+
+/// A byte count that must be positive (a limit, a block size).
+fn positive_size(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() && obj.lt(1)? {
+        return Err(PyValueError::new_err(format!("{what} must be > 0, got {obj}")));
+    }
+    match size_arg(obj, what)? {
+        0 => Err(PyValueError::new_err(format!("{what} must be > 0, got {obj}"))),
+        n => Ok(n),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Python callbacks.
+
+/// A Python callable that the core calls through a closure. The slot can be emptied by
+/// the garbage collector (`__clear__`) to break a cycle through the callable (a failure
+/// callback that frees into its own adaptor); an empty slot acts as "do nothing".
+#[derive(Debug, Default)]
+struct CallbackSlot(Mutex<Option<Py<PyAny>>>);
+
+impl CallbackSlot {
+    fn new(f: Py<PyAny>) -> Arc<Self> {
+        Arc::new(CallbackSlot(Mutex::new(Some(f))))
+    }
+
+    fn get(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        lock(&self.0).as_ref().map(|f| f.clone_ref(py))
+    }
+
+    fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
+        // Skipping a reference under contention only makes the collector keep more alive.
+        if let Ok(slot) = self.0.try_lock() {
+            if let Some(f) = slot.as_ref() {
+                visit.call(f)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn clear(&self) {
+        let f = lock(&self.0).take();
+        drop(f); // after the lock: dropping may run Python code
+    }
+}
+
+fn require_callable(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Py<PyAny>> {
+    if obj.is_callable() {
+        return Ok(obj.clone().unbind());
+    }
+    let ty = obj.get_type().fully_qualified_name()?;
+    Err(PyTypeError::new_err(format!("{what} must be callable, not {ty}")))
+}
+
+fn failure_callback(slot: Arc<CallbackSlot>) -> FailureCallback {
+    Arc::new(move |bytes: usize| {
+        Python::try_attach(|py| {
+            let Some(f) = slot.get(py) else { return Ok(false) };
+            let answer = f.bind(py).call1((bytes,)).map_err(|e| callback_error(py, "failure callback", e))?;
+            match answer.cast::<PyBool>() {
+                Ok(retry) => Ok(retry.is_true()),
+                Err(_) => {
+                    let ty =
+                        answer.get_type().fully_qualified_name().map(|n| n.to_string()).unwrap_or_default();
+                    let e = PyTypeError::new_err(format!(
+                        "the failure callback must return a bool (True: retry the allocation), not {ty}"
+                    ));
+                    Err(callback_error(py, "failure callback", e))
+                }
+            }
+        })
+        .unwrap_or(Ok(false))
+    })
+}
+
+fn log_callback(slot: Arc<CallbackSlot>) -> LogSink {
+    LogSink::Callback(Arc::new(move |line: &str| {
+        Python::try_attach(|py| {
+            let Some(f) = slot.get(py) else { return Ok(()) };
+            f.bind(py).call1((line,)).map(drop).map_err(|e| callback_error(py, "logging callback", e))
+        })
+        .unwrap_or(Ok(()))
+    }))
+}
+
+/// The Python stack of the thread that is allocating (`traceback.format_stack()`).
+fn python_stack() -> String {
+    let stack = Python::try_attach(|py| -> PyResult<String> {
+        let frames = py.import("traceback")?.call_method0("format_stack")?;
+        PyString::new(py, "").call_method1("join", (frames,))?.extract()
+    });
+    match stack {
+        Some(Ok(text)) => text,
+        Some(Err(e)) => format!("(the Python stack could not be captured: {e})\n"),
+        None => "(no Python stack: the interpreter is not available)\n".into(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The base of every adaptor.
+
+/// Base class of the resources that wrap another one (RMM's `UpstreamResourceAdaptor`).
+/// Not constructible itself.
+#[derive(Debug)]
+#[pyclass(frozen, subclass, extends = PyMemoryResource, module = "streampool.mr", name = "UpstreamResourceAdaptor")]
+pub struct PyUpstreamResourceAdaptor {
+    /// The resource this one wraps, as it was given.
+    #[pyo3(get)]
+    upstream: Py<PyMemoryResource>,
+}
+
+#[pymethods]
+impl PyUpstreamResourceAdaptor {
+    /// The resource this one wraps (RMM's name; same as `upstream`).
+    fn get_upstream(&self, py: Python<'_>) -> Py<PyMemoryResource> {
+        self.upstream.clone_ref(py)
+    }
+
+    fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
+        let name = slf.get_type().name()?;
+        let upstream = slf.get().upstream.bind(slf.py()).repr()?;
+        Ok(format!("<{name} over {upstream}>"))
+    }
+    // No `__traverse__` here, only in leaf classes: pyo3 0.30 finds a base's traverse by
+    // comparing function addresses, and the identical no-op traverses of the classes above
+    // and below this one may share an address, which sends a traverse defined here into
+    // endless recursion. Not visiting `upstream` only makes the collector keep more alive
+    // (a cycle through an upstream is not collected).
+}
+
+// ---------------------------------------------------------------------------------------
+// Statistics.
+
+static STATISTICS: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// `streampool.statistics.Statistics(...)`: a Python dataclass, as RMM's.
+fn statistics_object(py: Python<'_>, s: Statistics) -> PyResult<Py<PyAny>> {
+    let cls = STATISTICS.import(py, "streampool.statistics", "Statistics")?;
+    let args = (s.current_bytes, s.current_count, s.peak_bytes, s.peak_count, s.total_bytes, s.total_count);
+    Ok(cls.call1(args)?.unbind())
+}
+
+/// Counts what passes through it: current, peak and total bytes and allocations, on a
+/// stack of counters (`push_counters`/`pop_counters`) for measuring code blocks.
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "StatisticsResourceAdaptor")]
+pub struct PyStatisticsResourceAdaptor {
+    inner: Arc<StatisticsAdaptor>,
+}
+
+#[pymethods]
+impl PyStatisticsResourceAdaptor {
+    #[new]
+    fn new(upstream_mr: &Bound<'_, PyMemoryResource>) -> PyClassInitializer<Self> {
+        let inner = Arc::new(StatisticsAdaptor::new(upstream_ref(upstream_mr)));
+        init(inner.clone(), upstream_mr, Self { inner })
+    }
+
+    /// The counters on top of the stack, as a `Statistics`.
+    #[getter]
+    fn allocation_counts(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let mr = self.inner.clone();
+        let s = detached(py, move || Ok(mr.statistics()))?;
+        statistics_object(py, s)
+    }
+
+    /// Pushes zeroed counters; returns the counters on top before the push.
+    fn push_counters(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let mr = self.inner.clone();
+        let s = detached(py, move || Ok(mr.push_counters()))?;
+        statistics_object(py, s)
+    }
+
+    /// Pops the counters on top (adding them into the ones below) and returns them.
+    /// ValueError when only the base counters are left.
+    fn pop_counters(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let mr = self.inner.clone();
+        let s = detached(py, move || mr.pop_counters())?;
+        statistics_object(py, s)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tracking.
+
+/// One outstanding allocation of a `TrackingResourceAdaptor`.
+#[derive(Debug, Clone, PartialEq)]
+#[pyclass(frozen, eq, module = "streampool.mr", name = "AllocationRecord")]
+pub struct PyAllocationRecord {
+    /// The address.
+    #[pyo3(get)]
+    ptr: DevPtr,
+    /// The size in bytes, as asked.
+    #[pyo3(get)]
+    size: usize,
+    /// The handle of the stream it was allocated on.
+    #[pyo3(get)]
+    stream: RawStream,
+    /// The name (or id) of the allocating thread.
+    #[pyo3(get)]
+    thread: String,
+    /// The Python stack at the allocation, when the adaptor captures stacks.
+    #[pyo3(get)]
+    stack: Option<String>,
+}
+
+#[pymethods]
+impl PyAllocationRecord {
+    fn __repr__(&self) -> String {
+        format!(
+            "AllocationRecord(ptr={:#x}, size={}, stream={:#x}, thread={:?})",
+            self.ptr, self.size, self.stream, self.thread
+        )
+    }
+}
+
+/// Tracks every outstanding allocation (address, size, stream, thread and, with
+/// `capture_stacks`, the Python stack). Frees of pointers it did not hand out, double
+/// frees and sizes that do not match raise InvalidPointerError.
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "TrackingResourceAdaptor")]
+pub struct PyTrackingResourceAdaptor {
+    inner: Arc<TrackingAdaptor>,
+}
+
+#[pymethods]
+impl PyTrackingResourceAdaptor {
+    #[new]
+    #[pyo3(signature = (upstream_mr, capture_stacks=false))]
+    fn new(upstream_mr: &Bound<'_, PyMemoryResource>, capture_stacks: bool) -> PyClassInitializer<Self> {
+        let capture: Option<StackCapture> = capture_stacks.then(|| Arc::new(python_stack) as StackCapture);
+        let inner = Arc::new(TrackingAdaptor::new(upstream_ref(upstream_mr), capture));
+        init(inner.clone(), upstream_mr, Self { inner })
+    }
+
+    /// Bytes allocated and not yet freed.
+    fn get_allocated_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        let mr = self.inner.clone();
+        detached(py, move || Ok(mr.allocated_bytes()))
+    }
+
+    /// The leak report: one entry per outstanding allocation (address, size, stream,
+    /// thread, and the stack when captured).
+    fn get_outstanding_allocations_str(&self, py: Python<'_>) -> PyResult<String> {
+        let mr = self.inner.clone();
+        detached(py, move || Ok(mr.outstanding_report()))
+    }
+
+    /// Logs the leak report to the `streampool` logger (Python `logging`) at WARNING
+    /// level, when anything is outstanding.
+    fn log_outstanding_allocations(&self, py: Python<'_>) -> PyResult<()> {
+        let mr = self.inner.clone();
+        let (count, report) = detached(py, move || Ok((mr.outstanding().len(), mr.outstanding_report())))?;
+        if count == 0 {
+            return Ok(());
+        }
+        let logger = py.import("logging")?.call_method1("getLogger", ("streampool",))?;
+        logger.call_method1("warning", ("%s", report))?;
+        Ok(())
+    }
+
+    /// The outstanding allocations, as `AllocationRecord`s.
+    fn outstanding(&self, py: Python<'_>) -> PyResult<Vec<PyAllocationRecord>> {
+        let mr = self.inner.clone();
+        let records = detached(py, move || Ok(mr.outstanding()))?;
+        Ok(records
+            .into_iter()
+            .map(|r| PyAllocationRecord {
+                ptr: r.ptr,
+                size: r.bytes,
+                stream: r.stream,
+                thread: r.thread,
+                stack: r.stack,
+            })
+            .collect())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Logging.
+
+/// One event of an allocation log (`streampool.logs.parse_log`).
+#[derive(Debug, Clone, PartialEq)]
+#[pyclass(frozen, eq, module = "streampool.logs", name = "LogEvent")]
+pub struct PyLogEvent {
+    /// The id of the thread that acted.
+    #[pyo3(get)]
+    thread: u64,
+    /// When, in seconds (since the epoch, or since midnight for RMM's `HH:MM:SS.us`).
+    #[pyo3(get)]
+    time: f64,
+    /// "allocate", "allocate failure" or "free".
+    #[pyo3(get)]
+    action: &'static str,
+    /// The address (0 for a failed allocation).
+    #[pyo3(get)]
+    ptr: DevPtr,
+    /// The size in bytes.
+    #[pyo3(get)]
+    size: usize,
+    /// The stream handle.
+    #[pyo3(get)]
+    stream: RawStream,
+}
+
+fn action_name(action: &LogAction) -> &'static str {
+    match action {
+        LogAction::Allocate => "allocate",
+        LogAction::AllocateFailure => "allocate failure",
+        LogAction::Free => "free",
+    }
+}
+
+#[pymethods]
+impl PyLogEvent {
+    fn __repr__(&self) -> String {
+        format!(
+            "LogEvent(thread={}, time={}, action={:?}, ptr={:#x}, size={}, stream={:#x})",
+            self.thread, self.time, self.action, self.ptr, self.size, self.stream
+        )
+    }
+}
+
+/// Parses an allocation log in RMM's CSV format (`Thread,Time,Action,Pointer,Size,Stream`).
+#[pyfunction]
+pub(crate) fn _parse_log(py: Python<'_>, text: String) -> PyResult<Vec<PyLogEvent>> {
+    let events = detached(py, move || adaptors::parse_log(&text))?;
+    Ok(events
+        .into_iter()
+        .map(|e| PyLogEvent {
+            thread: e.thread,
+            time: e.time,
+            action: action_name(&e.action),
+            ptr: e.ptr,
+            size: e.bytes,
+            stream: e.stream,
+        })
+        .collect())
+}
+
+/// Writes a CSV line per event (RMM's format) to a file, flushed after every line, and/or
+/// hands each line to a Python callback.
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "LoggingResourceAdaptor")]
+pub struct PyLoggingResourceAdaptor {
+    inner: Arc<LoggingAdaptor>,
+    callback: Option<Arc<CallbackSlot>>,
+}
+
+/// Where the log goes when no file and no callback is given: `STREAMPOOL_LOG_FILE`, then
+/// RMM's `RMM_LOG_FILE`.
+fn log_file_from_env() -> Option<PathBuf> {
+    ["STREAMPOOL_LOG_FILE", "RMM_LOG_FILE"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .find(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+#[pymethods]
+impl PyLoggingResourceAdaptor {
+    #[new]
+    #[pyo3(signature = (upstream_mr, log_file_name=None, callback=None))]
+    fn new(
+        py: Python<'_>,
+        upstream_mr: &Bound<'_, PyMemoryResource>,
+        log_file_name: Option<PathBuf>,
+        callback: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let callback = callback.map(|f| require_callable(f, "callback")).transpose()?.map(CallbackSlot::new);
+        let file = match (log_file_name, &callback) {
+            (Some(name), _) => Some(name),
+            (None, Some(_)) => None,
+            (None, None) => Some(log_file_from_env().ok_or_else(|| {
+                PyValueError::new_err(
+                    "LoggingResourceAdaptor needs a log file: pass log_file_name= or callback=, \
+                     or set STREAMPOOL_LOG_FILE (or RMM_LOG_FILE)",
+                )
+            })?),
+        };
+        let file = file.map(|f| std::path::absolute(&f).unwrap_or(f));
+        let mut sinks: Vec<LogSink> = file.into_iter().map(LogSink::File).collect();
+        sinks.extend(callback.iter().map(|slot| log_callback(slot.clone())));
+        let upstream = upstream_ref(upstream_mr);
+        let inner = Arc::new(detached(py, move || LoggingAdaptor::new(upstream, sinks))?);
+        Ok(init(inner.clone(), upstream_mr, Self { inner, callback }))
+    }
+
+    /// Writes out whatever the file sink buffers (every line is already flushed as it is
+    /// written; this is for RMM compatibility and after errors).
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        let mr = self.inner.clone();
+        detached(py, move || mr.flush())
+    }
+
+    /// The absolute path of the log file (a str, as RMM's), or None when logging only to a
+    /// callback.
+    fn get_file_name(&self) -> Option<std::ffi::OsString> {
+        self.inner.file_name().map(|p| p.as_os_str().to_owned())
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        match &self.callback {
+            Some(slot) => slot.traverse(&visit),
+            None => Ok(()),
+        }
+    }
+
+    fn __clear__(&self) {
+        if let Some(slot) = &self.callback {
+            slot.clear();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Limiting, failure callback, prefetch.
+
+/// Refuses allocations that would take the bytes outstanding through it over
+/// `allocation_limit` (an int, or a string such as "2GiB"), with OutOfMemoryError.
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "LimitingResourceAdaptor")]
+pub struct PyLimitingResourceAdaptor {
+    inner: Arc<LimitingAdaptor>,
+}
+
+#[pymethods]
+impl PyLimitingResourceAdaptor {
+    #[new]
+    fn new(
+        upstream_mr: &Bound<'_, PyMemoryResource>,
+        allocation_limit: &Bound<'_, PyAny>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let limit = positive_size(allocation_limit, "allocation_limit")?;
+        let inner =
+            Arc::new(LimitingAdaptor::new(upstream_ref(upstream_mr), limit).or_raise(upstream_mr.py())?);
+        Ok(init(inner.clone(), upstream_mr, Self { inner }))
+    }
+
+    /// Bytes allocated through this adaptor and not yet freed.
+    fn get_allocated_bytes(&self) -> usize {
+        self.inner.allocated_bytes()
+    }
+
+    /// The limit, in bytes.
+    fn get_allocation_limit(&self) -> usize {
+        self.inner.limit()
+    }
+}
+
+/// Calls `callback(nbytes)` when the upstream runs out of memory; when it returns True the
+/// allocation is tried again, when False the OutOfMemoryError reaches the caller. The
+/// callback runs with no lock of the resource held, so it may free memory into the same
+/// stack. An exception it raises reaches the caller of `allocate` unchanged; a result
+/// that is not a bool raises TypeError there.
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "FailureCallbackResourceAdaptor")]
+pub struct PyFailureCallbackResourceAdaptor {
+    callback: Arc<CallbackSlot>,
+}
+
+#[pymethods]
+impl PyFailureCallbackResourceAdaptor {
+    #[new]
+    fn new(
+        upstream_mr: &Bound<'_, PyMemoryResource>,
+        callback: &Bound<'_, PyAny>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let callback = CallbackSlot::new(require_callable(callback, "callback")?);
+        let inner =
+            FailureCallbackAdaptor::new(upstream_ref(upstream_mr), failure_callback(callback.clone()));
+        Ok(init(Arc::new(inner), upstream_mr, Self { callback }))
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        self.callback.traverse(&visit)
+    }
+
+    fn __clear__(&self) {
+        self.callback.clear();
+    }
+}
+
+/// Prefetches every allocation to the device on the allocating stream
+/// (`cuMemPrefetchAsync`): for managed memory, which otherwise migrates on first touch.
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "PrefetchResourceAdaptor")]
+pub struct PyPrefetchResourceAdaptor;
+
+#[pymethods]
+impl PyPrefetchResourceAdaptor {
+    #[new]
+    fn new(upstream_mr: &Bound<'_, PyMemoryResource>) -> PyClassInitializer<Self> {
+        init(Arc::new(PrefetchAdaptor::new(upstream_ref(upstream_mr))), upstream_mr, Self)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Fixed-size blocks and binning.
+
+/// Hands out blocks of one size (`block_size`, default 1 MiB) carved from chunks of
+/// `blocks_to_preallocate` blocks taken from the upstream as needed; allocations larger
+/// than a block are refused (ValueError). Not a general resource: the bins of
+/// `BinningMemoryResource` are made of these.
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "FixedSizeMemoryResource")]
+pub struct PyFixedSizeMemoryResource {
+    inner: Arc<FixedSizeMemoryResource>,
+    blocks_to_preallocate: usize,
+}
+
+#[pymethods]
+impl PyFixedSizeMemoryResource {
+    #[new]
+    #[pyo3(signature = (upstream_mr, block_size=None, blocks_to_preallocate=128))]
+    fn new(
+        py: Python<'_>,
+        upstream_mr: &Bound<'_, PyMemoryResource>,
+        block_size: Option<&Bound<'_, PyAny>>,
+        blocks_to_preallocate: usize,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let block_size = block_size.map(|b| positive_size(b, "block_size")).transpose()?.unwrap_or(1 << 20);
+        if blocks_to_preallocate == 0 {
+            return Err(PyValueError::new_err("blocks_to_preallocate must be > 0, got 0"));
+        }
+        let upstream = upstream_ref(upstream_mr);
+        let inner =
+            detached(py, move || FixedSizeMemoryResource::new(upstream, block_size, blocks_to_preallocate))?;
+        let inner = Arc::new(inner);
+        Ok(init(inner.clone(), upstream_mr, Self { inner, blocks_to_preallocate }))
+    }
+
+    /// The size of every block, in bytes (as asked, rounded up to 256).
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_bytes()
+    }
+
+    /// Blocks taken from the upstream at a time.
+    #[getter]
+    fn blocks_to_preallocate(&self) -> usize {
+        self.blocks_to_preallocate
+    }
+}
+
+/// Routes each allocation to the bin of the smallest size class that fits it, and larger
+/// ones to the upstream. With `min_size_exponent` and `max_size_exponent`, starts with a
+/// `FixedSizeMemoryResource` bin for every power of two in
+/// `[2**min_size_exponent, 2**max_size_exponent]`; `add_bin` adds more.
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "BinningMemoryResource")]
+pub struct PyBinningMemoryResource {
+    inner: Arc<BinningMemoryResource>,
+    // The bin resources given from Python, kept alive with this one.
+    bin_mrs: Mutex<Vec<Py<PyMemoryResource>>>,
+}
+
+fn exponent_arg(value: Option<i64>, what: &str) -> PyResult<Option<u32>> {
+    match value {
+        // -1 is RMM's "none".
+        None | Some(-1) => Ok(None),
+        Some(e @ 0..=63) => Ok(Some(e as u32)),
+        Some(e) => Err(PyValueError::new_err(format!("{what} must be in 0..=63 (or None), got {e}"))),
+    }
+}
+
+#[pymethods]
+impl PyBinningMemoryResource {
+    #[new]
+    #[pyo3(signature = (upstream_mr, min_size_exponent=None, max_size_exponent=None))]
+    fn new(
+        py: Python<'_>,
+        upstream_mr: &Bound<'_, PyMemoryResource>,
+        min_size_exponent: Option<i64>,
+        max_size_exponent: Option<i64>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let min = exponent_arg(min_size_exponent, "min_size_exponent")?;
+        let max = exponent_arg(max_size_exponent, "max_size_exponent")?;
+        let upstream = upstream_ref(upstream_mr);
+        let inner = Arc::new(detached(py, move || BinningMemoryResource::new(upstream, min, max))?);
+        Ok(init(inner.clone(), upstream_mr, Self { inner, bin_mrs: Mutex::new(Vec::new()) }))
+    }
+
+    /// Adds a bin for allocations up to `allocation_size` bytes (and larger than the next
+    /// smaller bin), served by `bin_resource`, or by a new `FixedSizeMemoryResource` of
+    /// that block size when None. A size that already has a bin raises ValueError.
+    #[pyo3(signature = (allocation_size, bin_resource=None))]
+    fn add_bin(
+        &self,
+        py: Python<'_>,
+        allocation_size: &Bound<'_, PyAny>,
+        bin_resource: Option<&Bound<'_, PyMemoryResource>>,
+    ) -> PyResult<()> {
+        let size = positive_size(allocation_size, "allocation_size")?;
+        let resource = bin_resource.map(upstream_ref);
+        let mr = self.inner.clone();
+        detached(py, move || mr.add_bin(size, resource))?;
+        if let Some(bin) = bin_resource {
+            lock(&self.bin_mrs).push(bin.clone().unbind());
+        }
+        Ok(())
+    }
+
+    /// The bin resources given to `add_bin`, in the order given (RMM's `bin_mrs`).
+    #[getter]
+    fn bin_mrs(&self, py: Python<'_>) -> Vec<Py<PyMemoryResource>> {
+        lock(&self.bin_mrs).iter().map(|m| m.clone_ref(py)).collect()
+    }
+
+    /// Every bin as `(allocation_size, resource)`, smallest first. Bins made here (no
+    /// resource given) appear as plain `MemoryResource` objects.
+    #[getter]
+    fn bins<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+        let mr = self.inner.clone();
+        let bins = detached(py, move || Ok(mr.bins()))?;
+        let given: Vec<Py<PyMemoryResource>> = self.bin_mrs(py);
+        bins.into_iter()
+            .map(|(size, resource)| {
+                let same = |m: &&Py<PyMemoryResource>| {
+                    std::ptr::addr_eq(Arc::as_ptr(&m.get().inner), Arc::as_ptr(&resource))
+                };
+                let obj = match given.iter().find(same) {
+                    Some(m) => m.clone_ref(py),
+                    None => Py::new(py, PyMemoryResource::base(resource))?,
+                };
+                PyTuple::new(py, [size.into_pyobject(py)?.into_any(), obj.into_bound(py).into_any()])
+            })
+            .collect()
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Ok(bins) = self.bin_mrs.try_lock() {
+            for bin in bins.iter() {
+                visit.call(bin)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,212 @@
+//! The window workload of `../shared/peers/bench_rmm.cpp` ("mt"), for streampool's
+//! resources: T threads, each on its own non-blocking stream, each keeping a FIFO of 16
+//! live allocations of log-uniform size in [1 KiB, 4 MiB] (pre-generated), freeing the
+//! oldest before each new one. 100 ms of warm-up, then aggregate allocations per second in
+//! one common window (the main thread snapshots per-thread counters at its start and
+//! end), and the slowest thread's share of the mean. Also the one-thread "fixed" pairs.
+//!
+//! ```text
+//! cargo bench -p streampool --bench window -- [--secs 0.5] [--reps 3]
+//!     [--threads 1,2,4,8,16] [--resources sharded,async] [--json FILE]
+//! ```
+//! Runs on the CUDA driver when there is one, else on the simulated device (and says so:
+//! those numbers measure the simulator, not a GPU).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use streampool::device::cuda::CudaBackend;
+use streampool::device::sim::SimDevice;
+use streampool::device::BackendRef;
+use streampool::resource::ResourceRef;
+use streampool::{CudaAsyncMemoryResource, PoolOptions, ShardedPoolMemoryResource, Stream};
+
+const WINDOW: usize = 16;
+
+struct Args {
+    secs: f64,
+    reps: usize,
+    threads: Vec<usize>,
+    resources: Vec<String>,
+    json: Option<String>,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        secs: 0.5,
+        reps: 3,
+        threads: vec![1, 2, 4, 8, 16],
+        resources: vec!["sharded".into(), "async".into()],
+        json: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let mut v = || it.next().unwrap_or_else(|| panic!("{k} needs a value"));
+        match k.as_str() {
+            "--secs" => a.secs = v().parse().expect("--secs"),
+            "--reps" => a.reps = v().parse().expect("--reps"),
+            "--threads" => a.threads = v().split(',').map(|t| t.parse().expect("--threads")).collect(),
+            "--resources" => a.resources = v().split(',').map(String::from).collect(),
+            "--json" => a.json = Some(v()),
+            "--bench" => {}
+            other => panic!("unknown argument {other}"),
+        }
+    }
+    a
+}
+
+fn make(name: &str, b: &BackendRef) -> ResourceRef {
+    let async_mr: ResourceRef =
+        Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
+    match name {
+        "async" => async_mr,
+        "sharded" => Arc::new(ShardedPoolMemoryResource::new(async_mr, PoolOptions::default()).unwrap()),
+        other => panic!("unknown resource {other} (sharded, async)"),
+    }
+}
+
+/// Log-uniform sizes in [1 KiB, 4 MiB], pre-generated (xorshift; the same per seed).
+fn sizes(seed: u64, n: usize) -> Vec<usize> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+            (1024.0 * 4096f64.powf(u)) as usize
+        })
+        .collect()
+}
+
+struct MtResult {
+    allocs_per_sec: f64,
+    ns_per_op_per_thread: f64,
+    slowest_share: f64,
+}
+
+fn run_mt(mr: &ResourceRef, b: &BackendRef, threads: usize, secs: f64) -> MtResult {
+    let counters: Arc<Vec<AtomicU64>> = Arc::new((0..threads).map(|_| AtomicU64::new(0)).collect());
+    let stop = Arc::new(AtomicBool::new(false));
+    let ready = Arc::new(Barrier::new(threads + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (mr, b, counters, stop, ready) =
+                (mr.clone(), b.clone(), counters.clone(), stop.clone(), ready.clone());
+            std::thread::spawn(move || {
+                let stream = Stream::create(&b, 0, false).unwrap();
+                let sizes = sizes(t as u64 + 1, 4096);
+                let mut window = std::collections::VecDeque::with_capacity(WINDOW + 1);
+                let mut i = 0usize;
+                ready.wait();
+                while !stop.load(Ordering::Relaxed) {
+                    if window.len() == WINDOW {
+                        let (p, n) = window.pop_front().unwrap();
+                        mr.deallocate(p, n, &stream).unwrap();
+                    }
+                    let n = sizes[i % sizes.len()];
+                    window.push_back((mr.allocate(n, &stream).unwrap(), n));
+                    i += 1;
+                    counters[t].store(i as u64, Ordering::Relaxed);
+                }
+                for (p, n) in window {
+                    mr.deallocate(p, n, &stream).unwrap();
+                }
+                b.stream_synchronize(0, stream.handle()).unwrap();
+            })
+        })
+        .collect();
+    ready.wait();
+    std::thread::sleep(Duration::from_millis(100));
+    let start: Vec<u64> = counters.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(secs));
+    let end: Vec<u64> = counters.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+    let elapsed = t0.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join().unwrap();
+    }
+    let per: Vec<f64> = start.iter().zip(&end).map(|(s, e)| (e - s) as f64).collect();
+    let total: f64 = per.iter().sum();
+    let mean = total / threads as f64;
+    let slowest = per.iter().cloned().fold(f64::INFINITY, f64::min);
+    MtResult {
+        allocs_per_sec: total / elapsed,
+        ns_per_op_per_thread: if mean > 0.0 { elapsed * 1e9 / mean } else { f64::INFINITY },
+        slowest_share: if mean > 0.0 { slowest / mean } else { 0.0 },
+    }
+}
+
+/// One thread, one stream: median ns per allocate+free pair of `n` bytes.
+fn run_fixed(mr: &ResourceRef, b: &BackendRef, n: usize, reps: usize) -> f64 {
+    let stream = Stream::create(b, 0, false).unwrap();
+    let mut samples = Vec::new();
+    for _ in 0..reps.max(3) {
+        let iters = 20_000;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            let p = mr.allocate(n, &stream).unwrap();
+            mr.deallocate(p, n, &stream).unwrap();
+        }
+        samples.push(t0.elapsed().as_secs_f64() * 1e9 / iters as f64);
+    }
+    b.stream_synchronize(0, stream.handle()).unwrap();
+    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    samples[samples.len() / 2]
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn main() {
+    let a = args();
+    let (backend, device): (BackendRef, String) = match CudaBackend::get() {
+        Ok(cuda) => {
+            let info = streampool::device::Backend::device_info(&*cuda, 0).unwrap();
+            let d = format!("{} ({})", info.name, streampool::device::Backend::describe(&*cuda));
+            (cuda, d)
+        }
+        Err(e) => {
+            eprintln!(
+                "no CUDA driver ({e}): running on the simulated device; these numbers measure the simulator"
+            );
+            let sim: BackendRef = SimDevice::new(64 << 30);
+            let d = sim.describe();
+            (sim, d)
+        }
+    };
+    println!("device: {device}");
+    let mut json = Vec::new();
+    for name in &a.resources {
+        for &n in &[256usize, 64 << 10, 4 << 20] {
+            let mr = make(name, &backend);
+            let ns = run_fixed(&mr, &backend, n, a.reps);
+            println!("fixed  {name:<8} {n:>8} B  {ns:8.1} ns/pair");
+            json.push(format!(
+                r#"{{"workload":"fixed","resource":"{name}","bytes":{n},"ns_per_pair":{ns:.1}}}"#
+            ));
+        }
+        for &t in &a.threads {
+            let runs: Vec<MtResult> =
+                (0..a.reps).map(|_| run_mt(&make(name, &backend), &backend, t, a.secs)).collect();
+            let rate = median(runs.iter().map(|r| r.allocs_per_sec).collect());
+            let ns = median(runs.iter().map(|r| r.ns_per_op_per_thread).collect());
+            let share = median(runs.iter().map(|r| r.slowest_share).collect());
+            println!(
+                "window {name:<8} T={t:<2}  {:8.3} M allocs/s  {ns:8.1} ns/op/thread  slowest {share:.2}",
+                rate / 1e6
+            );
+            json.push(format!(
+                r#"{{"workload":"window","resource":"{name}","threads":{t},"allocs_per_sec":{rate:.0},"ns_per_op_per_thread":{ns:.1},"slowest_share":{share:.3}}}"#
+            ));
+        }
+    }
+    if let Some(path) = a.json {
+        std::fs::write(&path, format!("{{\"device\":{device:?},\"results\":[{}]}}\n", json.join(",")))
+            .unwrap();
+    }
+}

@@ -1,0 +1,213 @@
+//! Size classes routed to different resources.
+
+use std::fmt;
+use std::sync::Arc;
+
+use super::{as_own_oom, upstream_properties, FixedSizeMemoryResource};
+use crate::device::DevPtr;
+use crate::error::{Error, Result};
+use crate::resource::{MemoryResource, ResourceRef};
+use crate::stream::Stream;
+use crate::sync::{read, write, AtomicUsize, Ordering, RwLock};
+
+/// The largest `max_size_exponent`: bins up to 1 TiB.
+const MAX_EXPONENT: u32 = 40;
+/// Automatic bins grow in chunks of about this many bytes (at most 128 blocks, RMM's
+/// default, and at least one): small bins get RMM's chunks, large ones do not reserve
+/// 128 blocks each per stream.
+const AUTO_CHUNK_BYTES: usize = 2 << 20;
+
+/// Routes each request to the smallest bin that fits it, and larger ones to the upstream
+/// (RMM's `binning_memory_resource`).
+///
+/// Routing: a request of `bytes` goes to the bin of the smallest size `>= bytes`, or to
+/// the upstream when it is larger than every bin. A free is routed by its size with the
+/// same rule, as RMM's is, so it reaches the resource that allocated it.
+///
+/// Invariant: that a free reaches the resource that allocated it. So a new bin is
+/// refused while the resource it would take sizes from (the next larger bin, or the
+/// upstream) has allocations outstanding: add bins before allocating. Bins of one size
+/// twice, a size of 0, or a resource of another backend or device are refused too.
+/// Every refusal is an [`Error::InvalidArgument`] and leaves the bins as they were.
+///
+/// The bins live behind a read-write lock, taken shared on every allocation and free
+/// (never across the call into a bin) and exclusively by [`add_bin`](Self::add_bin).
+/// Each route counts the allocations it has outstanding, for that check.
+///
+/// What a reader may miss: what each bin holds beyond what it hands out (a
+/// [`FixedSizeMemoryResource`] keeps its chunks until dropped).
+///
+/// ```
+/// use std::sync::Arc;
+/// use streampool::device::sim::SimDevice;
+/// use streampool::{BinningMemoryResource, CudaAsyncMemoryResource, MemoryResource, Stream};
+///
+/// let sim = SimDevice::new(1 << 30);
+/// let upstream = Arc::new(CudaAsyncMemoryResource::on(sim.clone(), 0, Default::default())?);
+/// let mr = BinningMemoryResource::new(upstream, Some(8), Some(16))?; // 256 B .. 64 KiB
+/// assert_eq!(mr.bins().len(), 9);
+/// let s = Stream::legacy();
+/// let small = mr.allocate(300, &s)?; // the 512-byte bin
+/// let large = mr.allocate(1 << 20, &s)?; // the upstream
+/// mr.deallocate(small, 300, &s)?;
+/// mr.deallocate(large, 1 << 20, &s)?;
+/// # Ok::<(), streampool::Error>(())
+/// ```
+pub struct BinningMemoryResource {
+    upstream: ResourceRef,
+    /// Allocations outstanding from the upstream route.
+    upstream_outstanding: Arc<AtomicUsize>,
+    /// Sorted by size; sizes distinct.
+    bins: RwLock<Vec<Bin>>,
+}
+
+struct Bin {
+    bytes: usize,
+    mr: ResourceRef,
+    outstanding: Arc<AtomicUsize>,
+}
+
+impl BinningMemoryResource {
+    /// Bins over `upstream`: with both exponents, one [`FixedSizeMemoryResource`] bin per
+    /// power of two from `2^min_size_exponent` to `2^max_size_exponent` bytes; with
+    /// neither, none yet (see [`add_bin`](Self::add_bin)).
+    pub fn new(
+        upstream: ResourceRef,
+        min_size_exponent: Option<u32>,
+        max_size_exponent: Option<u32>,
+    ) -> Result<Self> {
+        let mr = BinningMemoryResource {
+            upstream,
+            upstream_outstanding: Arc::new(AtomicUsize::new(0)),
+            bins: RwLock::new(Vec::new()),
+        };
+        match (min_size_exponent, max_size_exponent) {
+            (None, None) => {}
+            (Some(min), Some(max)) if min <= max && max <= MAX_EXPONENT => {
+                for e in min..=max {
+                    mr.add_bin(1 << e, None)?;
+                }
+            }
+            (Some(min), Some(max)) => {
+                return Err(Error::invalid(format!(
+                    "BinningMemoryResource: size exponents {min}..={max}: need min <= max <= {MAX_EXPONENT}"
+                )))
+            }
+            _ => {
+                return Err(Error::invalid(
+                    "BinningMemoryResource: give both min_size_exponent and max_size_exponent, or neither",
+                ))
+            }
+        }
+        Ok(mr)
+    }
+
+    /// Adds a bin for requests of up to `allocation_size` bytes (and above the next
+    /// smaller bin), served by `resource`, or by a new [`FixedSizeMemoryResource`] over
+    /// the upstream when `None`. See the type's docs for what is refused.
+    pub fn add_bin(&self, allocation_size: usize, resource: Option<ResourceRef>) -> Result<()> {
+        let refuse = |why: String| Err(Error::invalid(format!("BinningMemoryResource::add_bin: {why}")));
+        if allocation_size == 0 {
+            return refuse("a bin of 0 bytes would serve nothing".into());
+        }
+        let mr = match resource {
+            Some(mr) => {
+                let (b, d) = (self.upstream.backend(), self.upstream.device());
+                if mr.backend().id() != b.id() || mr.device() != d {
+                    return refuse(format!(
+                        "the bin's {} is on {} device {}, but this resource is on {} device {d}",
+                        mr.name(),
+                        mr.backend().describe(),
+                        mr.device(),
+                        b.describe()
+                    ));
+                }
+                mr
+            }
+            None => {
+                let blocks = (AUTO_CHUNK_BYTES / allocation_size).clamp(1, 128);
+                Arc::new(FixedSizeMemoryResource::new(self.upstream.clone(), allocation_size, blocks)?)
+            }
+        };
+        let mut bins = write(&self.bins);
+        let at = bins.partition_point(|b| b.bytes < allocation_size);
+        if bins.get(at).is_some_and(|b| b.bytes == allocation_size) {
+            return refuse(format!("overlapping bins: there is already a bin of {allocation_size} bytes"));
+        }
+        let (donor, outstanding) = match bins.get(at) {
+            Some(b) => (format!("the bin of {} bytes", b.bytes), &b.outstanding),
+            None => ("the upstream".to_string(), &self.upstream_outstanding),
+        };
+        let n = outstanding.load(Ordering::Relaxed);
+        if n > 0 {
+            return refuse(format!(
+                "a bin of {allocation_size} bytes would take sizes from {donor}, which has {n} allocation(s) \
+                 outstanding whose frees would then go to the wrong resource; add bins before allocating"
+            ));
+        }
+        bins.insert(at, Bin { bytes: allocation_size, mr, outstanding: Arc::new(AtomicUsize::new(0)) });
+        Ok(())
+    }
+
+    /// The bins, smallest first: (largest size served, resource).
+    pub fn bins(&self) -> Vec<(usize, ResourceRef)> {
+        read(&self.bins).iter().map(|b| (b.bytes, b.mr.clone())).collect()
+    }
+
+    /// The resource for requests larger than every bin.
+    pub fn upstream(&self) -> &ResourceRef {
+        &self.upstream
+    }
+
+    /// The route for `bytes` and its count of outstanding allocations. An allocation
+    /// raises the count while the read lock is held, so that [`add_bin`](Self::add_bin)
+    /// never misses one in flight (the lock orders the two; the counts need no more than
+    /// relaxed atomics); it lowers it again if the allocation fails.
+    fn route(&self, bytes: usize, allocating: bool) -> (ResourceRef, Arc<AtomicUsize>) {
+        let bins = read(&self.bins);
+        let (mr, count) = match bins.iter().find(|b| b.bytes >= bytes) {
+            Some(b) => (b.mr.clone(), b.outstanding.clone()),
+            None => (self.upstream.clone(), self.upstream_outstanding.clone()),
+        };
+        if allocating {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+        (mr, count)
+    }
+}
+
+/// Lowers an outstanding count; saturating, as the upstream may accept the free of
+/// memory that was not allocated through the binning resource.
+fn lower(count: &AtomicUsize) {
+    let _ = count.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n.saturating_sub(1)));
+}
+
+impl MemoryResource for BinningMemoryResource {
+    upstream_properties!("BinningMemoryResource");
+
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        let (mr, count) = self.route(bytes, true);
+        mr.allocate(bytes, stream).map_err(|e| {
+            lower(&count);
+            as_own_oom(e, bytes, self)
+        })
+    }
+
+    fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        // The allocation's count keeps the route in place until its free has completed.
+        let (mr, count) = self.route(bytes, false);
+        mr.deallocate(ptr, bytes, stream)?;
+        lower(&count);
+        Ok(())
+    }
+}
+
+impl fmt::Debug for BinningMemoryResource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let sizes: Vec<usize> = read(&self.bins).iter().map(|b| b.bytes).collect();
+        f.debug_struct("BinningMemoryResource")
+            .field("bins", &sizes)
+            .field("upstream", &self.upstream)
+            .finish()
+    }
+}

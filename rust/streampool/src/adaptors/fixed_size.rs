@@ -1,0 +1,220 @@
+//! Fixed-size blocks carved from upstream chunks, reused per stream.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+
+use super::{as_own_oom, upstream_properties};
+use crate::device::DevPtr;
+use crate::error::{Error, Result};
+use crate::resource::{MemoryResource, ResourceRef, ALIGNMENT};
+use crate::stream::Stream;
+use crate::sync::{lock, Mutex};
+
+/// Blocks of one size, carved from chunks of the upstream (RMM's
+/// `fixed_size_memory_resource`); the default bin of [`super::BinningMemoryResource`].
+/// Not a general resource: a request larger than the block is an
+/// [`Error::InvalidArgument`].
+///
+/// Stream-ordered reuse policy, simple on purpose:
+/// 1. A free puts the block on the free list of the freeing stream, keyed by the
+///    stream's never-reused id (`cuStreamGetId`; the per-thread default stream counts
+///    per thread), and only that stream reuses it: same-stream reuse needs no ordering.
+/// 2. Blocks that every stream may use: those reclaimed by step 4 (their frees have
+///    completed).
+/// 3. Otherwise it grows: one chunk of `block_bytes * blocks_per_chunk` from the upstream
+///    *on the allocating stream*, all of whose blocks go to that stream's list (memory
+///    from a stream-ordered upstream is ordered for the stream it was allocated on only).
+/// 4. When the upstream is out of memory, it takes every free list, waits for the whole
+///    device once (`cuCtxSynchronize`: every free has then completed, so those blocks are
+///    safe for any stream), makes them usable by all (step 2), and tries steps 2 and 3
+///    again before failing.
+///
+/// Chunks go back to the upstream only when the resource is dropped (after a device
+/// synchronisation, on the legacy default stream). Lists of destroyed streams are
+/// reclaimed by step 4 only.
+///
+/// Invariant: a block is either outstanding or on exactly one list; a free of a block
+/// that is not outstanding, or with a size above the block size, is refused
+/// ([`Error::InvalidPointer`]) and changes nothing. One lock guards the lists; it is
+/// never held across a call into the upstream or the driver.
+///
+/// What a reader may miss: blocks on other streams' lists are not reused until an
+/// out-of-memory forces step 4, so it may hold more than it hands out.
+///
+/// ```
+/// use std::sync::Arc;
+/// use streampool::device::sim::SimDevice;
+/// use streampool::{CudaAsyncMemoryResource, FixedSizeMemoryResource, MemoryResource, Stream};
+///
+/// let sim = SimDevice::new(1 << 30);
+/// let upstream = Arc::new(CudaAsyncMemoryResource::on(sim.clone(), 0, Default::default())?);
+/// let mr = FixedSizeMemoryResource::new(upstream, 4096, 16)?;
+/// let s = Stream::legacy();
+/// let p = mr.allocate(4000, &s)?;
+/// mr.deallocate(p, 4000, &s)?;
+/// assert_eq!(mr.allocate(4096, &s)?, p, "same-stream reuse");
+/// assert!(mr.allocate(4097, &s).is_err());
+/// # Ok::<(), streampool::Error>(())
+/// ```
+pub struct FixedSizeMemoryResource {
+    upstream: ResourceRef,
+    block_bytes: usize,
+    blocks_per_chunk: usize,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Free blocks by the id of the stream that freed them.
+    by_stream: HashMap<u64, Vec<DevPtr>>,
+    /// Free blocks whose frees have completed: any stream may take them.
+    ready: Vec<DevPtr>,
+    outstanding: HashSet<DevPtr>,
+    chunks: Vec<DevPtr>,
+}
+
+impl FixedSizeMemoryResource {
+    /// Blocks of `block_bytes` (rounded up to [`ALIGNMENT`]), carved from chunks of
+    /// `blocks_per_chunk` blocks allocated from `upstream`.
+    pub fn new(upstream: ResourceRef, block_bytes: usize, blocks_per_chunk: usize) -> Result<Self> {
+        if block_bytes == 0 || blocks_per_chunk == 0 {
+            return Err(Error::invalid(format!(
+                "FixedSizeMemoryResource: block_bytes ({block_bytes}) and blocks_per_chunk ({blocks_per_chunk}) must be above 0"
+            )));
+        }
+        let block_bytes = block_bytes
+            .checked_next_multiple_of(ALIGNMENT)
+            .filter(|b| b.checked_mul(blocks_per_chunk).is_some_and(|c| c <= isize::MAX as usize))
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "FixedSizeMemoryResource: chunks of {blocks_per_chunk} blocks of {block_bytes} bytes are too large"
+                ))
+            })?;
+        Ok(FixedSizeMemoryResource {
+            upstream,
+            block_bytes,
+            blocks_per_chunk,
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    /// The size of every block.
+    pub fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    /// The resource the chunks come from.
+    pub fn upstream(&self) -> &ResourceRef {
+        &self.upstream
+    }
+
+    fn chunk_bytes(&self) -> usize {
+        self.block_bytes * self.blocks_per_chunk
+    }
+
+    /// A free block for stream `id`: its own first, then one every stream may use.
+    fn take_free(&self, id: u64) -> Option<DevPtr> {
+        let mut st = lock(&self.state);
+        let st = &mut *st;
+        let ptr = st.by_stream.get_mut(&id).and_then(Vec::pop).or_else(|| st.ready.pop())?;
+        st.outstanding.insert(ptr);
+        Some(ptr)
+    }
+
+    /// Step 3: a new chunk on `stream`; one block is returned, the rest go to its list.
+    fn grow(&self, id: u64, stream: &Stream) -> Result<DevPtr> {
+        let chunk = self.upstream.allocate(self.chunk_bytes(), stream)?;
+        let mut st = lock(&self.state);
+        st.chunks.push(chunk);
+        let blocks = (1..self.blocks_per_chunk).rev().map(|i| chunk + (i * self.block_bytes) as u64);
+        st.by_stream.entry(id).or_default().extend(blocks);
+        st.outstanding.insert(chunk);
+        Ok(chunk)
+    }
+
+    /// Step 4: every block on a list before the device synchronisation is safe for all.
+    fn reclaim(&self) -> Result<()> {
+        let taken = std::mem::take(&mut lock(&self.state).by_stream);
+        let synced = self.upstream.backend().ctx_synchronize(self.upstream.device());
+        let mut st = lock(&self.state);
+        match synced {
+            Ok(()) => st.ready.extend(taken.into_values().flatten()),
+            Err(_) => {
+                for (id, blocks) in taken {
+                    st.by_stream.entry(id).or_default().extend(blocks);
+                }
+            }
+        }
+        synced
+    }
+}
+
+impl MemoryResource for FixedSizeMemoryResource {
+    upstream_properties!("FixedSizeMemoryResource");
+
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        if bytes > self.block_bytes {
+            return Err(Error::invalid(format!(
+                "FixedSizeMemoryResource: {bytes} bytes is more than its block size of {} bytes",
+                self.block_bytes
+            )));
+        }
+        let id = stream.key(self.backend(), self.device());
+        if let Some(ptr) = self.take_free(id) {
+            return Ok(ptr);
+        }
+        match self.grow(id, stream) {
+            Err(e) if e.is_out_of_memory() => {
+                self.reclaim()?;
+                match self.take_free(id) {
+                    Some(ptr) => Ok(ptr),
+                    None => self.grow(id, stream).map_err(|e| as_own_oom(e, bytes, self)),
+                }
+            }
+            result => result,
+        }
+    }
+
+    fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if bytes > self.block_bytes {
+            return Err(Error::InvalidPointer(format!(
+                "{ptr:#x} freed with {bytes} bytes, more than the block size of this FixedSizeMemoryResource ({} bytes)",
+                self.block_bytes
+            )));
+        }
+        let id = stream.key(self.backend(), self.device());
+        let mut st = lock(&self.state);
+        if !st.outstanding.remove(&ptr) {
+            return Err(Error::InvalidPointer(format!(
+                "{ptr:#x} is not an outstanding block of this FixedSizeMemoryResource (double free, or not allocated here)"
+            )));
+        }
+        st.by_stream.entry(id).or_default().push(ptr);
+        Ok(())
+    }
+}
+
+impl Drop for FixedSizeMemoryResource {
+    fn drop(&mut self) {
+        // Every use of every block is ordered before the chunks' frees; a failure (the
+        // driver torn down at exit) has nobody to report to.
+        let _ = self.upstream.backend().ctx_synchronize(self.upstream.device());
+        let chunks = std::mem::take(&mut lock(&self.state).chunks);
+        for chunk in chunks {
+            let _ = self.upstream.deallocate(chunk, self.chunk_bytes(), &Stream::legacy());
+        }
+    }
+}
+
+impl fmt::Debug for FixedSizeMemoryResource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = lock(&self.state);
+        f.debug_struct("FixedSizeMemoryResource")
+            .field("block_bytes", &self.block_bytes)
+            .field("blocks_per_chunk", &self.blocks_per_chunk)
+            .field("chunks", &st.chunks.len())
+            .field("outstanding", &st.outstanding.len())
+            .field("upstream", &self.upstream)
+            .finish()
+    }
+}

@@ -1,0 +1,75 @@
+//! Prefetches managed memory to the device on the allocating stream.
+
+use std::fmt;
+
+use super::{as_own_oom, upstream_properties};
+use crate::device::{DevPtr, Location};
+use crate::error::Result;
+use crate::resource::{MemoryKind, MemoryResource, ResourceRef};
+use crate::stream::Stream;
+
+/// After each allocation, prefetches it to the allocating device on the allocating
+/// stream (`cuMemPrefetchAsync`), so that the first kernel touching it does not fault
+/// page by page (RMM's `prefetch_resource_adaptor`).
+///
+/// Invariant: an allocation it returns has a prefetch enqueued on its stream when the
+/// upstream's memory is managed ([`MemoryKind::Managed`]); on any other memory it does
+/// nothing but forward (as RMM's, whose prefetch ignores the driver's refusal of
+/// unmanaged memory), so it is safe over any resource. A prefetch the driver refuses is
+/// an error, and the memory is freed again first.
+///
+/// What a reader may miss: the prefetch is asynchronous; the memory is on the device
+/// only once the stream reaches it. Frees are forwarded unchanged.
+///
+/// ```
+/// use std::sync::Arc;
+/// use streampool::device::sim::SimDevice;
+/// use streampool::{ManagedMemoryResource, MemoryResource, PrefetchAdaptor, Stream};
+///
+/// let sim = SimDevice::new(1 << 30);
+/// let mr = PrefetchAdaptor::new(Arc::new(ManagedMemoryResource::on(sim.clone(), 0)));
+/// let p = mr.allocate(1 << 20, &Stream::legacy())?;
+/// mr.deallocate(p, 1 << 20, &Stream::legacy())?;
+/// # Ok::<(), streampool::Error>(())
+/// ```
+pub struct PrefetchAdaptor {
+    upstream: ResourceRef,
+}
+
+impl PrefetchAdaptor {
+    /// Prefetches what `upstream` allocates, when its memory is managed.
+    pub fn new(upstream: ResourceRef) -> Self {
+        PrefetchAdaptor { upstream }
+    }
+
+    /// The resource this adaptor allocates from.
+    pub fn upstream(&self) -> &ResourceRef {
+        &self.upstream
+    }
+}
+
+impl MemoryResource for PrefetchAdaptor {
+    upstream_properties!("PrefetchResourceAdaptor");
+
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        let ptr = self.upstream.allocate(bytes, stream).map_err(|e| as_own_oom(e, bytes, self))?;
+        if self.upstream.memory_kind() == MemoryKind::Managed {
+            let (backend, dev) = (self.upstream.backend(), self.upstream.device());
+            if let Err(e) = backend.prefetch_async(dev, ptr, bytes, Location::Device(dev), stream.handle()) {
+                let _ = self.upstream.deallocate(ptr, bytes, stream);
+                return Err(e);
+            }
+        }
+        Ok(ptr)
+    }
+
+    fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.upstream.deallocate(ptr, bytes, stream)
+    }
+}
+
+impl fmt::Debug for PrefetchAdaptor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PrefetchAdaptor").field("upstream", &self.upstream).finish()
+    }
+}

@@ -1,0 +1,112 @@
+//! Managed memory: prefetching it and advising the driver about it.
+//!
+//! Managed (unified) memory lives where it was last used, and moves page by page on
+//! demand; for work larger than the GPU that on-demand movement is what makes it slow.
+//! Two tools fix that, both for managed memory only:
+//!
+//! * **Prefetch** ([`Allocation::prefetch`], [`prefetch`]): `cuMemPrefetchAsync` moves the
+//!   pages to a device (or the host) in stream order, before the work that needs them.
+//! * **Advice** ([`Allocation::advise`], [`advise`]): `cuMemAdvise` says how memory will be
+//!   used (read mostly, preferred location, accessed by a device), so the driver places
+//!   and maps pages accordingly.
+//!
+//! Memory from a resource whose [`MemoryKind`] is not [`MemoryKind::Managed`] is refused
+//! with [`Error::InvalidArgument`] naming the resource, before the driver is asked.
+
+use crate::device::{Advice, DevPtr, Location};
+use crate::error::{Error, Result};
+use crate::resource::{Allocation, MemoryKind, MemoryResource};
+use crate::stream::Stream;
+
+/// "device", "managed", "pinned host".
+fn kind_words(kind: MemoryKind) -> &'static str {
+    match kind {
+        MemoryKind::Device => "device",
+        MemoryKind::Managed => "managed",
+        MemoryKind::PinnedHost => "pinned host",
+    }
+}
+
+/// Refuses memory of `mr` unless it is managed: "`what` needs managed memory; `whose`
+/// memory comes from CudaAsyncMemoryResource (device memory)".
+pub fn require_managed(mr: &dyn MemoryResource, what: &str, whose: &str) -> Result<()> {
+    match mr.memory_kind() {
+        MemoryKind::Managed => Ok(()),
+        kind => Err(Error::InvalidArgument(format!(
+            "{what} needs managed memory; {whose} memory comes from {} ({} memory)",
+            mr.name(),
+            kind_words(kind)
+        ))),
+    }
+}
+
+/// Prefetches `[ptr, ptr + bytes)`, memory of `mr`, to `to` (`None`: `mr`'s device), in
+/// order on `stream` (`cuMemPrefetchAsync`). Does nothing for 0 bytes.
+pub fn prefetch(
+    mr: &dyn MemoryResource,
+    ptr: DevPtr,
+    bytes: usize,
+    to: Option<Location>,
+    stream: &Stream,
+) -> Result<()> {
+    require_managed(mr, "prefetch", "this")?;
+    let (backend, device) = (mr.backend(), mr.device());
+    stream.check(backend, device)?;
+    if bytes == 0 {
+        return Ok(());
+    }
+    backend.prefetch_async(device, ptr, bytes, to.unwrap_or(Location::Device(device)), stream.handle())
+}
+
+/// Gives `advice` about `[ptr, ptr + bytes)`, memory of `mr`, for `location` (ignored by
+/// the read-mostly pair) (`cuMemAdvise`). Does nothing for 0 bytes.
+pub fn advise(
+    mr: &dyn MemoryResource,
+    ptr: DevPtr,
+    bytes: usize,
+    advice: Advice,
+    location: Location,
+) -> Result<()> {
+    require_managed(mr, "advice", "this")?;
+    if bytes == 0 {
+        return Ok(());
+    }
+    mr.backend().mem_advise(mr.device(), ptr, bytes, advice, location)
+}
+
+/// Where all of `[ptr, ptr + bytes)`, memory of `mr`, was last asked to be prefetched
+/// (`CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION`: the request, not its completion);
+/// `None` when it never was, or its parts went to different places, or for 0 bytes.
+pub fn last_prefetch_location(
+    mr: &dyn MemoryResource,
+    ptr: DevPtr,
+    bytes: usize,
+) -> Result<Option<Location>> {
+    require_managed(mr, "the last prefetch location", "this")?;
+    if bytes == 0 {
+        return Ok(None);
+    }
+    mr.backend().mem_range_last_prefetch_location(mr.device(), ptr, bytes)
+}
+
+impl Allocation {
+    /// Prefetches the allocation to `to` (`None`: its resource's device) in order on
+    /// `stream` (`None`: its own stream). [`Error::InvalidArgument`] unless it is managed
+    /// memory.
+    pub fn prefetch(&self, to: Option<Location>, stream: Option<&Stream>) -> Result<()> {
+        let stream = stream.unwrap_or(self.stream());
+        prefetch(self.resource().as_ref(), self.ptr(), self.bytes(), to, stream)
+    }
+
+    /// Gives `advice` about the whole allocation, for `location` (ignored by the
+    /// read-mostly pair). [`Error::InvalidArgument`] unless it is managed memory.
+    pub fn advise(&self, advice: Advice, location: Location) -> Result<()> {
+        advise(self.resource().as_ref(), self.ptr(), self.bytes(), advice, location)
+    }
+
+    /// Where the whole allocation was last asked to be prefetched; see
+    /// [`last_prefetch_location`].
+    pub fn last_prefetch_location(&self) -> Result<Option<Location>> {
+        last_prefetch_location(self.resource().as_ref(), self.ptr(), self.bytes())
+    }
+}

@@ -1,0 +1,879 @@
+//! The lock-sharded stream-ordered pool. The design, the policy order and the reasons
+//! are in `IMPLEMENTATION.md` beside this file.
+
+mod freelist;
+
+#[cfg(not(loom))]
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+
+use freelist::{class_size, FreeBlock, FreeList};
+
+use crate::device::{BackendRef, DevPtr};
+use crate::error::{Error, Result};
+use crate::resource::{
+    settle_allocate, settle_deallocate, MemoryKind, MemoryResource, ResourceRef, ALIGNMENT,
+};
+use crate::size::align_up;
+use crate::stream::{Event, Stream};
+use std::sync::Arc;
+
+use crate::sync::{lock, AtomicI64, AtomicU64, AtomicUsize, Mutex, Ordering, RwLock};
+
+/// Growth never asks the upstream for less than this (unless the maximum leaves less).
+pub const MIN_CHUNK: usize = 2 << 20;
+/// Events a shard keeps in flight at most.
+const MAX_EVENTS: usize = 16;
+/// Growth asks for at most this beyond the request.
+pub const MAX_GROWTH_STEP: usize = 1 << 30;
+
+/// How a [`ShardedPoolMemoryResource`] grows, records events and gives memory back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolOptions {
+    /// Bytes taken from the upstream at creation (rounded up to 256). `None`: nothing up
+    /// front; the pool grows on demand.
+    pub initial_pool_size: Option<usize>,
+    /// The most the pool holds from the upstream (rounded down to 256). `None`: no limit
+    /// but the upstream's.
+    pub maximum_pool_size: Option<usize>,
+    /// Free bytes the pool may keep; beyond this, chunks that are entirely free (and whose
+    /// frees have completed) go back to the upstream whenever the pool learns of them
+    /// (after a synchronisation, in `release`). `None`: keep everything.
+    pub release_threshold: Option<usize>,
+    /// A stream records an event (in one of its frees) after this many frees, so that
+    /// other streams can tell when those blocks are free to take.
+    pub events_every: usize,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions {
+            initial_pool_size: None,
+            maximum_pool_size: None,
+            release_threshold: None,
+            events_every: 64,
+        }
+    }
+}
+
+/// What the pool holds and how often each step of its policy was taken.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Bytes held from the upstream.
+    pub reserved_bytes: usize,
+    /// Bytes handed out and not yet freed.
+    pub used_bytes: usize,
+    /// Free bytes in the shards and the common list (reserved = used + free).
+    pub free_bytes: usize,
+    /// Free bytes in the common list (completed, usable by any stream).
+    pub common_free_bytes: usize,
+    /// Free bytes per shard, by stream key.
+    pub shard_free_bytes: Vec<(u64, usize)>,
+    /// Bytes ever taken from the upstream (grown = reserved + released).
+    pub grown_bytes: u64,
+    /// Bytes given back to the upstream.
+    pub released_bytes: u64,
+    /// Times the pool grew from the upstream.
+    pub upstream_growths: u64,
+    /// Blocks taken from another stream's shard after their free completed (no wait).
+    pub completed_steals: u64,
+    /// Waits inserted into a stream on another stream's event (`cuStreamWaitEvent`).
+    pub cross_stream_waits: u64,
+    /// Device synchronisations before failing (`cuCtxSynchronize`), the last resort.
+    pub synchronizations: u64,
+    /// Events recorded in frees.
+    pub events_recorded: u64,
+}
+
+/// The lock-sharded stream-ordered pool (RMM's `pool_memory_resource`, without its one
+/// lock): suballocates memory from any upstream resource with one shard of free blocks per
+/// stream, so that threads on different streams never wait for one another on the hot
+/// path.
+///
+/// # Policy (in order; `IMPLEMENTATION.md` has the reasons)
+///
+/// An allocation on stream S takes the first that works:
+/// 1. the best-fitting block in S's own shard (blocks freed on S, or already ordered for
+///    S): no event, no driver call;
+/// 2. a block in the common list (frees known complete, usable by any stream);
+/// 3. a block in another stream's shard whose free has completed (an event recorded in
+///    that stream's frees reads complete);
+/// 4. a new chunk from the upstream, allocated on S, while under `maximum_pool_size`;
+/// 5. a block in another stream's shard whose free is covered by a recorded but
+///    unfinished event: S is made to wait on it (`cuStreamWaitEvent`, counted);
+/// 6. synchronise the device, move every free block to the common list, coalesce, give
+///    whole free chunks back to the upstream and try 2 and 4 again (counted);
+/// 7. `OutOfMemory`.
+///
+/// # Thread safety
+/// Any thread may allocate and free on any stream. Each shard has its own lock; the
+/// common list, the chunk table and the shard map have theirs, taken only off the hot
+/// path. No lock is held across a call into the upstream. Sizes are rounded up to 256
+/// bytes.
+pub struct ShardedPoolMemoryResource {
+    upstream: ResourceRef,
+    #[cfg_attr(loom, allow(dead_code))]
+    uid: u64,
+    options: PoolOptions,
+    maximum: usize,
+    shards: RwLock<HashMap<u64, Arc<Shard>>>,
+    common: Mutex<FreeList>,
+    chunks: RwLock<ChunkTable>,
+    chunk_generation: AtomicU64,
+    next_chunk: AtomicU64,
+    reserved: AtomicUsize,
+    /// Bumped when an allocation had to look beyond the completed blocks: every stream
+    /// then records an event at its next free, so that its blocks can be taken.
+    demand: AtomicU64,
+    counters: Counters,
+    #[cfg(debug_assertions)]
+    live: Mutex<HashMap<DevPtr, usize>>,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    grown_bytes: AtomicU64,
+    released_bytes: AtomicU64,
+    growths: AtomicU64,
+    completed_steals: AtomicU64,
+    waits: AtomicU64,
+    syncs: AtomicU64,
+    events: AtomicU64,
+}
+
+/// The chunk table: sorted by start, replaced (never changed in place) on growth and release.
+type ChunkTable = Arc<Vec<Chunk>>;
+
+#[derive(Debug, Clone, Copy)]
+struct Chunk {
+    start: u64,
+    size: usize,
+    id: u64,
+}
+
+/// One stream's free blocks. See `IMPLEMENTATION.md` for epochs.
+#[derive(Debug)]
+struct Shard {
+    key: u64,
+    state: Mutex<ShardState>,
+    /// Bytes allocated on this stream minus bytes freed on it (may go below zero for one
+    /// shard when memory is freed on another stream; the sum is exact).
+    used: AtomicI64,
+}
+
+#[derive(Debug, Default)]
+struct ShardState {
+    free: FreeList,
+    /// The open epoch: blocks entering the shard now get it.
+    epoch: u64,
+    /// Blocks that entered in the open epoch.
+    unevented: usize,
+    /// Recorded events, oldest first: `(e, event)` covers every block of epoch <= e.
+    events: VecDeque<(u64, Arc<Event>)>,
+    /// Every block of an epoch below this has completed.
+    completed: u64,
+    /// The pool's demand count this shard last answered.
+    seen_demand: u64,
+    spare_events: Vec<Arc<Event>>,
+}
+
+// A process-wide counter, not shared state of a model: std's atomic, also under loom.
+static NEXT_POOL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+#[cfg(not(loom))]
+thread_local! {
+    /// (pool uid, stream key) -> shard: the hot path's lookup touches nothing shared.
+    static SHARDS: RefCell<Vec<(u64, u64, Arc<Shard>)>> = const { RefCell::new(Vec::new()) };
+    /// (pool uid, chunk generation, chunk table snapshot).
+    static CHUNKS: RefCell<Vec<(u64, u64, ChunkTable)>> = const { RefCell::new(Vec::new()) };
+}
+
+#[cfg(not(loom))]
+const THREAD_CACHE: usize = 16;
+
+impl ShardedPoolMemoryResource {
+    /// A pool over `upstream`. `maximum_pool_size` below `initial_pool_size` is an error.
+    pub fn new(upstream: ResourceRef, options: PoolOptions) -> Result<Self> {
+        let round_down = |n: usize| n / ALIGNMENT * ALIGNMENT;
+        let maximum = options.maximum_pool_size.map_or(usize::MAX, round_down);
+        let initial = options.initial_pool_size.map(|n| align_up(n, ALIGNMENT)).unwrap_or(0);
+        if initial > maximum {
+            return Err(Error::invalid(format!(
+                "maximum_pool_size ({maximum}) is below initial_pool_size ({initial})"
+            )));
+        }
+        if options.maximum_pool_size == Some(0) {
+            return Err(Error::invalid("maximum_pool_size must be at least 256 bytes"));
+        }
+        if options.events_every == 0 {
+            return Err(Error::invalid("events_every must be at least 1"));
+        }
+        let pool = ShardedPoolMemoryResource {
+            upstream,
+            uid: NEXT_POOL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            options,
+            maximum,
+            shards: RwLock::new(HashMap::new()),
+            common: Mutex::new(FreeList::default()),
+            chunks: RwLock::new(Arc::new(Vec::new())),
+            chunk_generation: AtomicU64::new(0),
+            next_chunk: AtomicU64::new(1),
+            reserved: AtomicUsize::new(0),
+            demand: AtomicU64::new(0),
+            counters: Counters::default(),
+            #[cfg(debug_assertions)]
+            live: Mutex::new(HashMap::new()),
+        };
+        if initial > 0 {
+            let legacy = Stream::legacy();
+            let chunk = pool.grow(initial, &legacy, true)?;
+            pool.backend().stream_synchronize(pool.device(), legacy.handle())?;
+            lock(&pool.common)
+                .insert_fresh(chunk.start, FreeBlock { size: chunk.size, chunk: chunk.id, epoch: 0 });
+        }
+        Ok(pool)
+    }
+
+    /// The upstream resource.
+    pub fn upstream(&self) -> &ResourceRef {
+        &self.upstream
+    }
+
+    /// What the pool holds and how often each policy step ran. Exact when no other thread
+    /// is allocating or freeing.
+    pub fn stats(&self) -> PoolStats {
+        let shards: Vec<Arc<Shard>> =
+            self.shards.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+        let mut shard_free_bytes: Vec<(u64, usize)> =
+            shards.iter().map(|s| (s.key, lock(&s.state).free.bytes())).collect();
+        shard_free_bytes.sort_unstable();
+        let used: i64 = shards.iter().map(|s| s.used.load(Ordering::Relaxed)).sum();
+        let common_free_bytes = lock(&self.common).bytes();
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        PoolStats {
+            reserved_bytes: self.reserved.load(Ordering::Relaxed),
+            used_bytes: used.max(0) as usize,
+            free_bytes: common_free_bytes + shard_free_bytes.iter().map(|s| s.1).sum::<usize>(),
+            common_free_bytes,
+            shard_free_bytes,
+            grown_bytes: get(&c.grown_bytes),
+            released_bytes: get(&c.released_bytes),
+            upstream_growths: get(&c.growths),
+            completed_steals: get(&c.completed_steals),
+            cross_stream_waits: get(&c.waits),
+            synchronizations: get(&c.syncs),
+            events_recorded: get(&c.events),
+        }
+    }
+
+    /// Gives every entirely free chunk whose frees are known to have completed back to
+    /// the upstream; returns the bytes released. (Synchronise first to release more.)
+    pub fn release(&self) -> Result<usize> {
+        self.harvest_completed();
+        self.trim(0)
+    }
+
+    #[cfg(loom)]
+    fn with_shard<T>(&self, key: u64, f: impl FnOnce(&Shard) -> T) -> T {
+        f(&self.shard_slow(key))
+    }
+
+    #[cfg(not(loom))]
+    fn with_shard<T>(&self, key: u64, f: impl FnOnce(&Shard) -> T) -> T {
+        SHARDS.with(|cache| {
+            let mut cache = cache.borrow_mut();
+            if let Some((.., shard)) = cache.iter().find(|(uid, k, _)| *uid == self.uid && *k == key) {
+                return f(shard);
+            }
+            let shard = self.shard_slow(key);
+            if cache.len() >= THREAD_CACHE {
+                cache.remove(0);
+            }
+            cache.push((self.uid, key, shard.clone()));
+            f(&shard)
+        })
+    }
+
+    /// The shard of `key`, made on first use. Two threads using a new stream at once get
+    /// the same shard: it is inserted under the write lock, re-checked there.
+    fn shard_slow(&self, key: u64) -> Arc<Shard> {
+        if let Some(s) = self.shards.read().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return s.clone();
+        }
+        let mut map = self.shards.write().unwrap_or_else(|e| e.into_inner());
+        map.entry(key)
+            .or_insert_with(|| {
+                Arc::new(Shard { key, state: Mutex::new(ShardState::default()), used: AtomicI64::new(0) })
+            })
+            .clone()
+    }
+
+    fn other_shards(&self, key: u64) -> Vec<Arc<Shard>> {
+        self.shards
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .filter(|s| s.key != key)
+            .cloned()
+            .collect()
+    }
+
+    /// The chunk that `ptr` lies in (for coalescing within one chunk only), from this
+    /// thread's snapshot of the chunk table, refreshed when the table changed.
+    fn chunk_of(&self, ptr: DevPtr, size: usize) -> Option<Chunk> {
+        #[cfg(loom)]
+        let table = self.chunks.read().unwrap_or_else(|e| e.into_inner()).clone();
+        #[cfg(not(loom))]
+        let table = self.chunk_table();
+        let i = table.partition_point(|c| c.start <= ptr).checked_sub(1)?;
+        let c = table[i];
+        (ptr + size as u64 <= c.start + c.size as u64).then_some(c)
+    }
+
+    #[cfg(not(loom))]
+    fn chunk_table(&self) -> ChunkTable {
+        let generation = self.chunk_generation.load(Ordering::Acquire);
+        CHUNKS.with(|cache| {
+            let mut cache = cache.borrow_mut();
+            let pos = cache.iter().position(|(uid, ..)| *uid == self.uid);
+            let table = match pos {
+                Some(i) if cache[i].1 == generation => cache[i].2.clone(),
+                _ => {
+                    let table = self.chunks.read().unwrap_or_else(|e| e.into_inner()).clone();
+                    match pos {
+                        Some(i) => cache[i] = (self.uid, generation, table.clone()),
+                        None => {
+                            if cache.len() >= THREAD_CACHE {
+                                cache.remove(0);
+                            }
+                            cache.push((self.uid, generation, table.clone()))
+                        }
+                    }
+                    table
+                }
+            };
+            table
+        })
+    }
+
+    /// Takes at least `size` bytes (exactly, if `exact`; else by the growth policy) from
+    /// the upstream on `stream` as a new chunk (not yet listed as free anywhere). The
+    /// reservation is made before the upstream call and rolled back if it fails, so
+    /// concurrent growths never pass the maximum.
+    fn grow(&self, size: usize, stream: &Stream, exact: bool) -> Result<Chunk> {
+        let mut reserved = self.reserved.load(Ordering::Relaxed);
+        let chunk = loop {
+            let room = self.maximum.saturating_sub(reserved);
+            if size > room {
+                return Err(self.out_of_memory(size));
+            }
+            let step = (reserved / 4).clamp(MIN_CHUNK, MAX_GROWTH_STEP);
+            let want = if exact {
+                size
+            } else {
+                align_up(size.max(step), MIN_CHUNK).min(room / ALIGNMENT * ALIGNMENT).max(size)
+            };
+            match self.reserved.compare_exchange_weak(
+                reserved,
+                reserved + want,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break want,
+                Err(now) => reserved = now,
+            }
+        };
+        let start = match self.upstream.allocate(chunk, stream) {
+            Ok(p) => p,
+            Err(e) => {
+                self.reserved.fetch_sub(chunk, Ordering::AcqRel);
+                return Err(e);
+            }
+        };
+        let c = Chunk { start, size: chunk, id: self.next_chunk.fetch_add(1, Ordering::Relaxed) };
+        {
+            let mut table = self.chunks.write().unwrap_or_else(|e| e.into_inner());
+            let mut next: Vec<Chunk> = table.as_ref().clone();
+            let at = next.partition_point(|x| x.start < start);
+            next.insert(at, c);
+            *table = Arc::new(next);
+            self.chunk_generation.fetch_add(1, Ordering::Release);
+        }
+        self.counters.growths.fetch_add(1, Ordering::Relaxed);
+        self.counters.grown_bytes.fetch_add(chunk as u64, Ordering::Relaxed);
+        Ok(c)
+    }
+
+    fn out_of_memory(&self, requested: usize) -> Error {
+        let stats = self.stats();
+        let available = self.maximum.saturating_sub(stats.reserved_bytes) + stats.free_bytes;
+        Error::OutOfMemory {
+            requested,
+            available: Some(available.min(self.maximum)),
+            resource: format!(
+                "ShardedPoolMemoryResource ({} bytes reserved, {} in use{})",
+                stats.reserved_bytes,
+                stats.used_bytes,
+                if self.maximum == usize::MAX {
+                    String::new()
+                } else {
+                    format!(", maximum {}", self.maximum)
+                }
+            ),
+        }
+    }
+
+    /// Moves every block known complete from every shard to the common list.
+    fn harvest_completed(&self) {
+        for shard in self.other_shards(u64::MAX) {
+            let blocks = {
+                let mut st = lock(&shard.state);
+                st.refresh();
+                let done = st.completed;
+                st.free.drain(|e| e < done)
+            };
+            let mut common = lock(&self.common);
+            for (ptr, b) in blocks {
+                common.insert_fresh(ptr, FreeBlock { epoch: 0, ..b });
+            }
+        }
+    }
+
+    /// Gives whole free chunks of the common list back to the upstream until at most
+    /// `keep` free bytes remain; returns the bytes released.
+    fn trim(&self, keep: usize) -> Result<usize> {
+        let whole = {
+            let table = self.chunks.read().unwrap_or_else(|e| e.into_inner()).clone();
+            let is_whole = |ptr: u64, b: &FreeBlock| table.iter().any(|c| c.start == ptr && c.size == b.size);
+            let mut common = lock(&self.common);
+            let free_now = common.bytes();
+            let mut candidates = common.take_whole_chunks(is_whole);
+            // Keep the largest chunks when only some must go.
+            candidates.sort_by_key(|(_, b)| std::cmp::Reverse(b.size));
+            let mut excess = free_now.saturating_sub(keep);
+            let mut release = Vec::new();
+            for (ptr, b) in candidates {
+                if excess >= b.size {
+                    excess -= b.size;
+                    release.push((ptr, b));
+                } else {
+                    common.insert_fresh(ptr, b);
+                }
+            }
+            release
+        };
+        let mut released = 0;
+        for (ptr, b) in whole {
+            // Complete, so any stream orders the free; the legacy one always exists.
+            self.upstream.deallocate(ptr, b.size, &Stream::legacy())?;
+            {
+                let mut table = self.chunks.write().unwrap_or_else(|e| e.into_inner());
+                let next: Vec<Chunk> = table.iter().filter(|c| c.start != ptr).copied().collect();
+                *table = Arc::new(next);
+                self.chunk_generation.fetch_add(1, Ordering::Release);
+            }
+            self.reserved.fetch_sub(b.size, Ordering::AcqRel);
+            self.counters.released_bytes.fetch_add(b.size as u64, Ordering::Relaxed);
+            released += b.size;
+        }
+        Ok(released)
+    }
+
+    fn keep_under_threshold(&self) -> Result<()> {
+        if let Some(threshold) = self.options.release_threshold {
+            let stats = self.stats();
+            if stats.free_bytes > threshold {
+                self.trim(threshold)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Steps 2 to 7 of the policy.
+    fn allocate_slow(&self, size: usize, stream: &Stream, key: u64) -> Result<DevPtr> {
+        // 2. completed blocks in the common list
+        if let Some((ptr, _)) = lock(&self.common).take(size, |_| true) {
+            return Ok(ptr);
+        }
+        // 3. completed blocks of other streams
+        let others = self.other_shards(key);
+        for shard in &others {
+            let mut st = lock(&shard.state);
+            st.refresh();
+            let done = st.completed;
+            if let Some((ptr, _)) = st.free.take(size, |e| e < done) {
+                self.counters.completed_steals.fetch_add(1, Ordering::Relaxed);
+                return Ok(ptr);
+            }
+        }
+        // 4. grow on this stream
+        match self.grow(size, stream, false) {
+            Ok(chunk) => return Ok(self.place_chunk(chunk, size, key)),
+            Err(e) if e.is_out_of_memory() => {}
+            Err(e) => return Err(e),
+        }
+        // Memory is short: ask every stream to record an event at its next free, so that
+        // what it frees from now on can be taken by others.
+        self.demand.fetch_add(1, Ordering::Relaxed);
+        // 5. wait on another stream's recorded event
+        for shard in &others {
+            let taken = {
+                let mut st = lock(&shard.state);
+                st.refresh();
+                // Only blocks an event covers (or known complete): blocks of an epoch that
+                // a concurrent synchronisation closed without an event are neither.
+                let covered = st.events.back().map_or(0, |(e, _)| e + 1).max(st.completed);
+                st.free.take(size, |e| e < covered).map(|(ptr, epoch)| (ptr, st.covering(epoch)))
+            };
+            if let Some((ptr, event)) = taken {
+                if let Some(event) = event {
+                    if let Err(e) = stream.wait(&event) {
+                        // Not handed out: put it back where it was (its shard's epoch
+                        // ordering still holds for it).
+                        self.return_block(ptr, size);
+                        return Err(e);
+                    }
+                    self.counters.waits.fetch_add(1, Ordering::Relaxed);
+                }
+                return Ok(ptr);
+            }
+        }
+        // 6. synchronise, gather, coalesce, release, retry
+        self.synchronize_and_gather()?;
+        if let Some((ptr, _)) = lock(&self.common).take(size, |_| true) {
+            return Ok(ptr);
+        }
+        self.trim(0)?;
+        match self.grow(size, stream, false) {
+            Ok(chunk) => Ok(self.place_chunk(chunk, size, key)),
+            Err(e) if e.is_out_of_memory() => Err(self.out_of_memory(size)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A fresh chunk grown on the stream of `key`: the first `size` bytes are handed out,
+    /// the rest goes to that stream's shard (memory from an async upstream is ordered for
+    /// the growing stream only, so it is treated as freed there).
+    fn place_chunk(&self, chunk: Chunk, size: usize, key: u64) -> DevPtr {
+        if chunk.size > size {
+            self.with_shard(key, |shard| {
+                let mut st = lock(&shard.state);
+                let epoch = st.epoch;
+                st.free.insert_fresh(
+                    chunk.start + size as u64,
+                    FreeBlock { size: chunk.size - size, chunk: chunk.id, epoch },
+                );
+                st.unevented += 1;
+            });
+        }
+        chunk.start
+    }
+
+    /// A block taken but not handed out goes to the common list only if complete; else
+    /// back is not possible without its shard, so it is kept in the common list after a
+    /// device synchronisation (rare: only when a wait failed).
+    fn return_block(&self, ptr: DevPtr, size: usize) {
+        let _ = self.backend().ctx_synchronize(self.device());
+        if let Some(c) = self.chunk_of(ptr, size) {
+            lock(&self.common).insert_fresh(ptr, FreeBlock { size, chunk: c.id, epoch: 0 });
+        }
+    }
+
+    fn synchronize_and_gather(&self) -> Result<()> {
+        // Close every shard's open epoch first: blocks freed before the synchronisation
+        // starts are complete after it; blocks freed meanwhile get the next epoch.
+        let shards = self.other_shards(u64::MAX);
+        let closed: Vec<u64> = shards
+            .iter()
+            .map(|s| {
+                let mut st = lock(&s.state);
+                let e = st.epoch;
+                st.epoch += 1;
+                st.unevented = 0;
+                e
+            })
+            .collect();
+        self.backend().ctx_synchronize(self.device())?;
+        self.counters.syncs.fetch_add(1, Ordering::Relaxed);
+        for (shard, e) in shards.iter().zip(closed) {
+            let mut st = lock(&shard.state);
+            st.completed = st.completed.max(e + 1);
+            while st.events.front().is_some_and(|(ev, _)| *ev <= e) {
+                let (_, ev) = st.events.pop_front().expect("checked");
+                st.spare(ev);
+            }
+        }
+        self.harvest_completed();
+        self.keep_under_threshold()
+    }
+
+    /// Records an event on `stream` covering the shard's open epoch (inside a free on
+    /// that stream, so the stream is alive).
+    fn record(&self, st: &mut ShardState, stream: &Stream) -> Result<()> {
+        st.refresh();
+        if st.events.len() >= MAX_EVENTS {
+            // The oldest have not finished: more would not make blocks takeable sooner.
+            // The open epoch stays open, and the next record covers it.
+            return Ok(());
+        }
+        let event = match st.spare_events.pop() {
+            Some(e) => e,
+            None => Arc::new(Event::new(self.backend(), self.device())?),
+        };
+        event.record(stream)?;
+        let epoch = st.epoch;
+        st.events.push_back((epoch, event));
+        st.epoch += 1;
+        st.unevented = 0;
+        self.counters.events.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl ShardState {
+    /// Advances `completed` past every recorded event that has finished.
+    fn refresh(&mut self) {
+        while let Some((e, ev)) = self.events.front() {
+            if !ev.query().unwrap_or(false) {
+                break;
+            }
+            self.completed = self.completed.max(e + 1);
+            let (_, ev) = self.events.pop_front().expect("checked");
+            self.spare(ev);
+        }
+    }
+
+    /// The event that covers blocks of `epoch`, or None when they are known complete.
+    fn covering(&self, epoch: u64) -> Option<Arc<Event>> {
+        if epoch < self.completed {
+            return None;
+        }
+        self.events.iter().find(|(e, _)| *e >= epoch).map(|(_, ev)| ev.clone())
+    }
+
+    fn spare(&mut self, event: Arc<Event>) {
+        // Reused only when no waiter still holds it (a re-record would make it wait longer).
+        if Arc::strong_count(&event) == 1 && self.spare_events.len() < 8 {
+            self.spare_events.push(event);
+        }
+    }
+}
+
+impl ShardedPoolMemoryResource {
+    /// Step 1 of the policy. `None` when `!blocking` and the shard's lock is taken.
+    fn take_own(&self, size: usize, key: u64, blocking: bool) -> Option<Option<DevPtr>> {
+        self.with_shard(key, |shard| {
+            let mut st = if blocking { lock(&shard.state) } else { try_lock(&shard.state)? };
+            let found = st.free.take(size, |_| true).map(|(ptr, _)| ptr);
+            if found.is_some() {
+                shard.used.fetch_add(size as i64, Ordering::Relaxed);
+            }
+            Some(found)
+        })
+    }
+
+    /// Puts a freed block in the shard of `stream`, recording an event when it is due.
+    /// `None` when `!blocking` and that would wait for the shard's lock or call the driver.
+    fn free_into(&self, ptr: DevPtr, bytes: usize, stream: &Stream, blocking: bool) -> Option<Result<()>> {
+        let size = class_size(bytes);
+        let Some(chunk) = self.chunk_of(ptr, size) else {
+            return Some(Err(Error::InvalidPointer(format!(
+                "{ptr:#x} (+{bytes} bytes) does not lie in memory of this ShardedPoolMemoryResource"
+            ))));
+        };
+        let key = stream.key(self.backend(), self.device());
+        let demand = self.demand.load(Ordering::Relaxed);
+        self.with_shard(key, |shard| {
+            let mut st = if blocking { lock(&shard.state) } else { try_lock(&shard.state)? };
+            let record = st.unevented + 1 >= self.options.events_every || demand != st.seen_demand;
+            if record && !blocking {
+                return None;
+            }
+            #[cfg(debug_assertions)]
+            if let Err(e) = self.forget_live(ptr, size, bytes) {
+                return Some(Err(e));
+            }
+            let epoch = st.epoch;
+            if !st.free.insert(ptr, FreeBlock { size, chunk: chunk.id, epoch }) {
+                return Some(Err(Error::InvalidPointer(format!(
+                    "{ptr:#x} (+{bytes} bytes) overlaps memory already free in this pool (double free?)"
+                ))));
+            }
+            st.unevented += 1;
+            shard.used.fetch_sub(size as i64, Ordering::Relaxed);
+            if record {
+                st.seen_demand = demand;
+                // Failing to record only delays reuse by other streams.
+                let _ = self.record(&mut st, stream);
+            }
+            Some(Ok(()))
+        })
+    }
+
+    #[cfg(debug_assertions)]
+    fn remember_live(&self, ptr: DevPtr, size: usize) {
+        lock(&self.live).insert(ptr, size);
+    }
+
+    /// Debug builds check every free against the live allocations.
+    #[cfg(debug_assertions)]
+    fn forget_live(&self, ptr: DevPtr, size: usize, bytes: usize) -> Result<()> {
+        let mut live = lock(&self.live);
+        match live.get(&ptr) {
+            Some(&n) if n == size => {
+                live.remove(&ptr);
+                Ok(())
+            }
+            Some(&n) => Err(Error::InvalidPointer(format!(
+                "{ptr:#x} was allocated with {n} bytes (rounded) but freed with {bytes}"
+            ))),
+            None => Err(Error::InvalidPointer(format!(
+                "{ptr:#x} is not an outstanding allocation of this pool (double free?)"
+            ))),
+        }
+    }
+}
+
+fn try_lock<T>(m: &Mutex<T>) -> Option<crate::sync::MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
+impl MemoryResource for ShardedPoolMemoryResource {
+    fn backend(&self) -> &BackendRef {
+        self.upstream.backend()
+    }
+    fn device(&self) -> i32 {
+        self.upstream.device()
+    }
+    fn name(&self) -> &str {
+        "ShardedPoolMemoryResource"
+    }
+    fn memory_kind(&self) -> MemoryKind {
+        self.upstream.memory_kind()
+    }
+
+    fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<Result<DevPtr>> {
+        if let Some(settled) = settle_allocate(self, bytes, stream) {
+            return Some(settled);
+        }
+        let size = class_size(bytes);
+        let ptr = self.take_own(size, stream.key(self.backend(), self.device()), false)??;
+        #[cfg(debug_assertions)]
+        self.remember_live(ptr, size);
+        Some(Ok(ptr))
+    }
+
+    fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
+        if let Some(settled) = settle_deallocate(self, ptr, bytes, stream) {
+            return Some(settled);
+        }
+        self.free_into(ptr, bytes, stream, false)
+    }
+
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        let size = class_size(bytes);
+        let key = stream.key(self.backend(), self.device());
+        let result = match self.take_own(size, key, true).flatten() {
+            Some(ptr) => Ok(ptr),
+            None => self.allocate_slow(size, stream, key).inspect(|_| {
+                self.with_shard(key, |shard| shard.used.fetch_add(size as i64, Ordering::Relaxed));
+            }),
+        };
+        match result {
+            Ok(ptr) => {
+                #[cfg(debug_assertions)]
+                self.remember_live(ptr, size);
+                Ok(ptr)
+            }
+            // Name the size asked, not the rounded one.
+            Err(Error::OutOfMemory { available, resource, .. }) => {
+                Err(Error::OutOfMemory { requested: bytes, available, resource })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.free_into(ptr, bytes, stream, true).unwrap_or(Ok(()))
+    }
+}
+
+impl Drop for ShardedPoolMemoryResource {
+    fn drop(&mut self) {
+        // Every use of the pool's memory must finish before it goes back; failures (the
+        // driver torn down at exit) have nobody to report to.
+        let _ = self.backend().ctx_synchronize(self.device());
+        let table = self.chunks.read().unwrap_or_else(|e| e.into_inner()).clone();
+        for c in table.iter() {
+            let _ = self.upstream.deallocate(c.start, c.size, &Stream::legacy());
+        }
+    }
+}
+
+impl fmt::Debug for ShardedPoolMemoryResource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "ShardedPoolMemoryResource(reserved={}, maximum={}, upstream={:?})",
+            self.reserved.load(Ordering::Relaxed),
+            self.maximum,
+            self.upstream
+        )
+    }
+}
+
+/// Loom models of the shard logic: `make test-loom`. Each runs every interleaving of two
+/// threads (within loom's bounds) through the real pool over the simulated device; the
+/// device itself is not modelled (its lock is never held across a pool lock).
+///
+/// Cross-shard reuse racing with growth is not modelled here: loom 0.7.3 trips over its
+/// own assertion ("TODO: this sometimes fails", rt/atomic.rs) in its first execution of
+/// such a model. tests/pool.rs covers it with 8-thread stress and random interleavings.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use crate::device::sim::SimDevice;
+    use crate::resources::CudaMemoryResource;
+
+    fn pool(options: PoolOptions) -> (Arc<ShardedPoolMemoryResource>, BackendRef) {
+        let sim: BackendRef = SimDevice::new(64 << 20);
+        let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(sim.clone(), 0));
+        (Arc::new(ShardedPoolMemoryResource::new(upstream, options).unwrap()), sim)
+    }
+
+    fn check(p: &ShardedPoolMemoryResource) {
+        let s = p.stats();
+        assert_eq!(s.reserved_bytes, s.used_bytes + s.free_bytes, "{s:?}");
+        assert_eq!(s.used_bytes, 0, "{s:?}");
+    }
+
+    /// Two threads use a new stream for the first time at once: one shard, nothing lost,
+    /// no block handed out twice.
+    #[test]
+    fn loom_first_use_of_a_stream() {
+        crate::sync::model(|| {
+            let (p, b) = pool(PoolOptions { initial_pool_size: Some(1 << 20), ..Default::default() });
+            let s = Stream::create(&b, 0, false).unwrap();
+            let other = {
+                let (p, s) = (p.clone(), s.clone());
+                loom::thread::spawn(move || {
+                    let x = p.allocate(4096, &s).unwrap();
+                    p.deallocate(x, 4096, &s).unwrap();
+                    x
+                })
+            };
+            let y = p.allocate(4096, &s).unwrap();
+            let x = other.join().unwrap();
+            p.deallocate(y, 4096, &s).unwrap();
+            let _ = x;
+            check(&p);
+            assert_eq!(p.stats().shard_free_bytes.iter().filter(|(k, _)| *k == s.key(&b, 0)).count(), 1);
+        });
+    }
+}

@@ -1,0 +1,445 @@
+//! The sharded pool's own behaviour on the simulated device: each step of its policy,
+//! its accounting, growth and release, bad input, and concurrency.
+
+use std::sync::{Arc, Barrier};
+
+use proptest::prelude::*;
+use streampool::device::sim::SimDevice;
+use streampool::device::{BackendRef, DevPtr};
+use streampool::resource::ResourceRef;
+use streampool::{
+    CudaAsyncMemoryResource, CudaMemoryResource, Error, MemoryResource, PoolOptions, PoolStats,
+    ShardedPoolMemoryResource, Stream,
+};
+
+const MIB: usize = 1 << 20;
+
+fn setup(capacity: usize) -> (Arc<SimDevice>, BackendRef) {
+    let sim = SimDevice::new(capacity);
+    let backend: BackendRef = sim.clone();
+    (sim, backend)
+}
+
+fn pool(b: &BackendRef, options: PoolOptions) -> ShardedPoolMemoryResource {
+    let upstream: ResourceRef =
+        Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
+    ShardedPoolMemoryResource::new(upstream, options).unwrap()
+}
+
+fn stream(b: &BackendRef) -> Stream {
+    Stream::create(b, 0, false).unwrap()
+}
+
+/// reserved = used + free, and grown = reserved + released.
+fn assert_accounting(s: &PoolStats) {
+    assert_eq!(s.reserved_bytes, s.used_bytes + s.free_bytes, "{s:?}");
+    assert_eq!(s.grown_bytes, (s.reserved_bytes as u64) + s.released_bytes, "{s:?}");
+}
+
+fn assert_no_races(sim: &SimDevice) {
+    sim.run();
+    let races = sim.races();
+    assert!(races.is_empty(), "{} races, first: {}", races.len(), races[0]);
+}
+
+#[test]
+fn same_stream_reuse_needs_no_event_and_no_growth() {
+    let (sim, b) = setup(256 * MIB);
+    let p = pool(&b, PoolOptions::default());
+    let s = stream(&b);
+    let first = p.allocate(MIB, &s).unwrap();
+    p.deallocate(first, MIB, &s).unwrap();
+    for _ in 0..100 {
+        let ptr = p.allocate(MIB, &s).unwrap();
+        assert_eq!(ptr, first, "best fit in the own shard returns the same block");
+        sim.write(s.handle(), ptr, MIB).unwrap();
+        p.deallocate(ptr, MIB, &s).unwrap();
+    }
+    let st = p.stats();
+    assert_eq!(st.upstream_growths, 1);
+    assert_eq!((st.cross_stream_waits, st.synchronizations), (0, 0));
+    assert!(st.events_recorded <= 2, "events are recorded per batch of frees: {st:?}");
+    assert_accounting(&st);
+    assert_no_races(&sim);
+}
+
+#[test]
+fn growth_is_preferred_to_waiting_on_another_stream() {
+    let (sim, b) = setup(256 * MIB);
+    let p = pool(&b, PoolOptions { events_every: 1, ..Default::default() });
+    let (a, c) = (stream(&b), stream(&b));
+    let x = p.allocate(4 * MIB, &a).unwrap();
+    sim.write(a.handle(), x, 4 * MIB).unwrap(); // still pending
+    p.deallocate(x, 4 * MIB, &a).unwrap();
+    let y = p.allocate(4 * MIB, &c).unwrap();
+    assert_ne!(x, y, "a's block is not complete: c must not get it without ordering");
+    sim.write(c.handle(), y, 4 * MIB).unwrap();
+    let st = p.stats();
+    assert_eq!((st.upstream_growths, st.cross_stream_waits), (2, 0), "{st:?}");
+    assert_no_races(&sim);
+}
+
+#[test]
+fn completed_blocks_of_other_streams_are_taken_without_waiting() {
+    let (sim, b) = setup(256 * MIB);
+    let p = pool(&b, PoolOptions { events_every: 1, ..Default::default() });
+    let (a, c) = (stream(&b), stream(&b));
+    let x = p.allocate(4 * MIB, &a).unwrap();
+    sim.write(a.handle(), x, 4 * MIB).unwrap();
+    p.deallocate(x, 4 * MIB, &a).unwrap(); // records an event (events_every = 1)
+    sim.run(); // ... which completes
+    let y = p.allocate(4 * MIB, &c).unwrap();
+    assert_eq!(x, y);
+    sim.write(c.handle(), y, 4 * MIB).unwrap();
+    let st = p.stats();
+    assert_eq!((st.completed_steals, st.cross_stream_waits, st.upstream_growths), (1, 0, 1), "{st:?}");
+    assert_no_races(&sim);
+}
+
+#[test]
+fn at_the_maximum_a_stream_waits_on_another_streams_event() {
+    let (sim, b) = setup(256 * MIB);
+    let p = pool(&b, PoolOptions { maximum_pool_size: Some(8 * MIB), events_every: 1, ..Default::default() });
+    let (a, c) = (stream(&b), stream(&b));
+    let x = p.allocate(8 * MIB, &a).unwrap();
+    sim.write_labeled(a.handle(), x, 8 * MIB, "a's last write").unwrap();
+    p.deallocate(x, 8 * MIB, &a).unwrap();
+    let y = p.allocate(8 * MIB, &c).unwrap();
+    assert_eq!(x, y);
+    sim.write_labeled(c.handle(), y, 8 * MIB, "c's first write").unwrap();
+    let st = p.stats();
+    assert_eq!((st.cross_stream_waits, st.synchronizations), (1, 0), "{st:?}");
+    assert_no_races(&sim);
+    assert_accounting(&p.stats());
+}
+
+#[test]
+fn blocks_without_an_event_are_reclaimed_by_a_synchronisation() {
+    let (sim, b) = setup(256 * MIB);
+    // Events only every 1000 frees: a's free has none.
+    let p =
+        pool(&b, PoolOptions { maximum_pool_size: Some(8 * MIB), events_every: 1000, ..Default::default() });
+    let (a, c) = (stream(&b), stream(&b));
+    let x = p.allocate(8 * MIB, &a).unwrap();
+    sim.write(a.handle(), x, 8 * MIB).unwrap();
+    p.deallocate(x, 8 * MIB, &a).unwrap();
+    drop(a); // the stream is gone: nobody can record into it any more
+    let y = p.allocate(8 * MIB, &c).unwrap();
+    assert_eq!(x, y);
+    sim.write(c.handle(), y, 8 * MIB).unwrap();
+    assert_eq!(p.stats().synchronizations, 1);
+    assert_no_races(&sim);
+}
+
+#[test]
+fn a_fresh_chunk_from_an_async_upstream_is_ordered_for_its_stream_only() {
+    // The driver's pool may hand the chunk to `a` by making `a` wait on `z`'s free; the
+    // rest of the chunk must not go to `c` as if it were free everywhere.
+    let (sim, b) = setup(64 * MIB);
+    let upstream = Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
+    let (z, a, c) = (stream(&b), stream(&b), stream(&b));
+    let big = upstream.allocate(32 * MIB, &z).unwrap();
+    sim.write_labeled(z.handle(), big, 32 * MIB, "z's write before its free").unwrap();
+    upstream.deallocate(big, 32 * MIB, &z).unwrap();
+    let p =
+        ShardedPoolMemoryResource::new(upstream, PoolOptions { events_every: 1000, ..Default::default() })
+            .unwrap();
+    let first = p.allocate(MIB, &a).unwrap(); // grows on `a`
+    sim.write(a.handle(), first, MIB).unwrap();
+    let second = p.allocate(MIB, &c).unwrap();
+    sim.write_labeled(c.handle(), second, MIB, "c's write").unwrap();
+    assert_no_races(&sim);
+}
+
+#[test]
+fn release_gives_whole_chunks_back_and_accounting_is_exact() {
+    let (sim, b) = setup(256 * MIB);
+    let p = pool(&b, PoolOptions { initial_pool_size: Some(16 * MIB), ..Default::default() });
+    let s = stream(&b);
+    assert_eq!(p.stats().reserved_bytes, 16 * MIB);
+    let ptrs: Vec<DevPtr> = (0..8).map(|_| p.allocate(5 * MIB, &s).unwrap()).collect();
+    assert_accounting(&p.stats());
+    for &ptr in &ptrs {
+        p.deallocate(ptr, 5 * MIB, &s).unwrap();
+    }
+    sim.run();
+    b.ctx_synchronize(0).unwrap();
+    // Blocks freed with no event are not known complete: release() gives back only what
+    // it knows; a synchronisation inside the pool (at its maximum) would gather the rest.
+    let released = p.release().unwrap();
+    let st = p.stats();
+    assert_accounting(&st);
+    assert_eq!(st.released_bytes as usize, released);
+    assert_eq!(st.used_bytes, 0);
+}
+
+#[test]
+fn a_release_threshold_keeps_the_pool_from_hoarding() {
+    let (_sim, b) = setup(256 * MIB);
+    let p = pool(
+        &b,
+        PoolOptions {
+            maximum_pool_size: Some(64 * MIB),
+            release_threshold: Some(0),
+            events_every: 1,
+            ..Default::default()
+        },
+    );
+    let (a, c) = (stream(&b), stream(&b));
+    let x = p.allocate(40 * MIB, &a).unwrap();
+    p.deallocate(x, 40 * MIB, &a).unwrap();
+    // c cannot fit beside a's chunk without the synchronisation step, which gathers and
+    // then releases what is free beyond the threshold.
+    let y = p.allocate(60 * MIB, &c).unwrap();
+    let st = p.stats();
+    assert_eq!(st.synchronizations, 1, "{st:?}");
+    assert!(st.released_bytes >= 40 * MIB as u64, "{st:?}");
+    assert_accounting(&st);
+    p.deallocate(y, 60 * MIB, &c).unwrap();
+}
+
+#[test]
+fn bad_options_and_bad_frees() {
+    let (_sim, b) = setup(64 * MIB);
+    let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b.clone(), 0));
+    let err = ShardedPoolMemoryResource::new(
+        upstream.clone(),
+        PoolOptions {
+            initial_pool_size: Some(8 * MIB),
+            maximum_pool_size: Some(4 * MIB),
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument(_)) && err.to_string().contains("maximum_pool_size"),
+        "{err}"
+    );
+    let err = ShardedPoolMemoryResource::new(
+        upstream.clone(),
+        PoolOptions { events_every: 0, ..Default::default() },
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    // Sizes that are not multiples of 256 are rounded (down for the maximum).
+    let p = ShardedPoolMemoryResource::new(
+        upstream.clone(),
+        PoolOptions {
+            initial_pool_size: Some(1000),
+            maximum_pool_size: Some(4 * MIB + 100),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(p.stats().reserved_bytes, 1024);
+    let err = p.allocate(4 * MIB + 1, &Stream::legacy()).unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { requested, .. } if requested == 4 * MIB + 1), "{err:?}");
+    let s = stream(&b);
+    let ptr = p.allocate(1000, &s).unwrap();
+    assert!(matches!(p.deallocate(ptr + (8 << 20), 1000, &s), Err(Error::InvalidPointer(_))));
+    p.deallocate(ptr, 1000, &s).unwrap();
+    assert!(matches!(p.deallocate(ptr, 1000, &s), Err(Error::InvalidPointer(_))), "double free");
+    let again = p.allocate(1000, &s).unwrap();
+    p.deallocate(again, 1000, &s).unwrap();
+    assert_accounting(&p.stats());
+}
+
+/// An upstream that fails every other growth.
+#[derive(Debug)]
+struct Flaky {
+    inner: CudaMemoryResource,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl MemoryResource for Flaky {
+    fn backend(&self) -> &BackendRef {
+        self.inner.backend()
+    }
+    fn device(&self) -> i32 {
+        0
+    }
+    fn name(&self) -> &str {
+        "Flaky"
+    }
+    fn memory_kind(&self) -> streampool::MemoryKind {
+        streampool::MemoryKind::Device
+    }
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> streampool::Result<DevPtr> {
+        if self.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 2 == 1 {
+            return Err(Error::Driver {
+                call: "cuMemAlloc",
+                code: 999,
+                name: "CUDA_ERROR_UNKNOWN".into(),
+                context: String::new(),
+            });
+        }
+        self.inner.allocate(bytes, stream)
+    }
+    fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> streampool::Result<()> {
+        self.inner.deallocate(ptr, bytes, stream)
+    }
+}
+
+#[test]
+fn an_upstream_failing_mid_growth_leaves_exact_accounting() {
+    let (_sim, b) = setup(256 * MIB);
+    let flaky = Arc::new(Flaky { inner: CudaMemoryResource::on(b.clone(), 0), calls: Default::default() });
+    let p = ShardedPoolMemoryResource::new(flaky, PoolOptions::default()).unwrap();
+    let s = stream(&b);
+    let mut live = vec![];
+    let mut failures = 0;
+    for i in 0..12 {
+        match p.allocate((i + 1) * 3 * MIB, &s) {
+            Ok(ptr) => live.push((ptr, (i + 1) * 3 * MIB)),
+            Err(e) => {
+                assert!(matches!(e, Error::Driver { code: 999, .. }), "{e:?}");
+                failures += 1;
+            }
+        }
+        assert_accounting(&p.stats());
+    }
+    assert!(failures > 0);
+    for (ptr, n) in live {
+        p.deallocate(ptr, n, &s).unwrap();
+    }
+    let st = p.stats();
+    assert_accounting(&st);
+    assert_eq!(st.used_bytes, 0);
+}
+
+/// RMM's draft fine-grained-locking patch lost a freed block when two threads used a new
+/// stream for the first time at once. Here both get the same shard, every time.
+#[test]
+fn first_use_of_a_new_stream_by_two_threads_loses_nothing() {
+    let (sim, b) = setup(512 * MIB);
+    let p = Arc::new(pool(&b, PoolOptions::default()));
+    for round in 0..50 {
+        let s = stream(&b);
+        let barrier = Arc::new(Barrier::new(2));
+        let threads: Vec<_> = (0..2)
+            .map(|t| {
+                let (p, s, barrier) = (p.clone(), s.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    let n = (t + 1) * 4096 + round * 256;
+                    let ptr = p.allocate(n, &s).unwrap();
+                    barrier.wait();
+                    p.deallocate(ptr, n, &s).unwrap();
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let st = p.stats();
+        assert_accounting(&st);
+        assert_eq!(st.used_bytes, 0);
+        let key = s.key(&b, 0);
+        let in_shard = st.shard_free_bytes.iter().filter(|(k, _)| *k == key).count();
+        assert_eq!(in_shard, 1, "one shard per stream");
+    }
+    assert_no_races(&sim);
+}
+
+#[test]
+fn eight_threads_on_several_streams() {
+    let (sim, b) = setup(1 << 30);
+    let p = Arc::new(pool(
+        &b,
+        PoolOptions { maximum_pool_size: Some(256 * MIB), events_every: 8, ..Default::default() },
+    ));
+    let streams: Vec<Stream> = (0..4).map(|_| stream(&b)).collect();
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let (p, sim, streams) = (p.clone(), sim.clone(), streams.clone());
+            std::thread::spawn(move || {
+                let mut window: std::collections::VecDeque<(DevPtr, usize, usize)> = Default::default();
+                let mut x = 0x9e3779b97f4a7c15u64 ^ t as u64;
+                for i in 0..600 {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let n = 1024 << (x % 10);
+                    let si = if i % 5 == 0 { (t + 1) % 4 } else { t % 4 };
+                    let s = if t == 7 { Stream::per_thread() } else { streams[si].clone() };
+                    let ptr = p.allocate(n, &s).unwrap();
+                    sim.write(s.handle(), ptr, n).unwrap();
+                    window.push_back((ptr, n, si));
+                    if window.len() > 16 {
+                        let (ptr, n, si) = window.pop_front().unwrap();
+                        let s = if t == 7 { Stream::per_thread() } else { streams[si].clone() };
+                        p.deallocate(ptr, n, &s).unwrap();
+                    }
+                    if i % 97 == 0 {
+                        sim.step_any();
+                    }
+                }
+                for (ptr, n, si) in window {
+                    let s = if t == 7 { Stream::per_thread() } else { streams[si].clone() };
+                    p.deallocate(ptr, n, &s).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let st = p.stats();
+    assert_accounting(&st);
+    assert_eq!(st.used_bytes, 0);
+    assert_no_races(&sim);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Random interleavings of streams, sizes, frees on other streams, steps of the
+    /// simulated device and a small maximum (so every policy step runs): no race, no
+    /// overlap, exact accounting after every operation.
+    #[test]
+    fn random_interleavings(ops in proptest::collection::vec((0u8..6, 0usize..1 << 22, 0usize..4), 1..120)) {
+        let (sim, b) = setup(256 * MIB);
+        let p = pool(&b, PoolOptions { maximum_pool_size: Some(24 * MIB), events_every: 3, ..Default::default() });
+        let streams: Vec<Stream> = (0..4).map(|_| stream(&b)).collect();
+        let mut live: Vec<(DevPtr, usize, usize)> = vec![];
+        for (op, n, si) in ops {
+            let s = &streams[si];
+            match op {
+                0..=2 => {
+                    let n = n % (6 * MIB) + 1;
+                    match p.allocate(n, s) {
+                        Ok(ptr) => {
+                            for &(q, m, _) in &live {
+                                prop_assert!(ptr + n as u64 <= q || q + m as u64 <= ptr, "overlap");
+                            }
+                            sim.write(s.handle(), ptr, n).unwrap();
+                            live.push((ptr, n, si));
+                        }
+                        Err(e) => prop_assert!(e.is_out_of_memory(), "{e:?}"),
+                    }
+                }
+                3 | 4 if !live.is_empty() => {
+                    // Used last on its own stream, freed there (op 3), or handed to another
+                    // stream through an event first and freed on that one (op 4).
+                    let (ptr, n, home) = live.swap_remove(n % live.len());
+                    let home = &streams[home];
+                    sim.read(home.handle(), ptr, n).unwrap();
+                    if op == 4 {
+                        let ev = streampool::Event::new(&b, 0).unwrap();
+                        ev.record(home).unwrap();
+                        s.wait(&ev).unwrap();
+                        sim.read(s.handle(), ptr, n).unwrap();
+                        p.deallocate(ptr, n, s).unwrap();
+                    } else {
+                        p.deallocate(ptr, n, home).unwrap();
+                    }
+                }
+                _ => { sim.step(s.handle()).unwrap(); }
+            }
+            let st = p.stats();
+            prop_assert_eq!(st.reserved_bytes, st.used_bytes + st.free_bytes);
+            prop_assert!(st.reserved_bytes <= 24 * MIB);
+        }
+        sim.run();
+        prop_assert!(sim.races().is_empty(), "{}", sim.races()[0]);
+    }
+}

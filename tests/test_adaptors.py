@@ -1,0 +1,900 @@
+"""The adaptors of ``streampool.mr``: what each adds, bad input, threads, and Python
+callbacks (failure callbacks, logging sinks, stack capture) that run inside allocate and
+free. The conformance suite (test_conformance.py) runs over every adaptor as well."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import os
+import pickle
+import random
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import streampool
+from streampool import mr
+from streampool.sim import SimulatedDevice
+from streampool.statistics import Statistics
+
+from .conftest import SIM_CAPACITY
+from .test_state_machine import SETTINGS, ResourceMachine
+
+MiB = 1 << 20
+# Hypothesis over the per-test simulated device: each example makes its own resources.
+HYPOTHESIS = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+JOIN_TIMEOUT = 60.0
+
+ADAPTORS: dict[str, Callable[[mr.MemoryResource], mr.UpstreamResourceAdaptor]] = {
+    "statistics": lambda up: mr.StatisticsResourceAdaptor(up),
+    "tracking": lambda up: mr.TrackingResourceAdaptor(up),
+    "logging": lambda up: mr.LoggingResourceAdaptor(up, callback=[].append),
+    "limiting": lambda up: mr.LimitingResourceAdaptor(up, "64MiB"),
+    "failure_callback": lambda up: mr.FailureCallbackResourceAdaptor(up, lambda nbytes: False),
+    "prefetch": lambda up: mr.PrefetchResourceAdaptor(up),
+    "binning": lambda up: mr.BinningMemoryResource(up, 8, 12),
+    "fixed_size": lambda up: mr.FixedSizeMemoryResource(up, block_size=4096, blocks_to_preallocate=16),
+}
+
+
+def run_threads(target: Callable[[int], None], n: int = 8) -> None:
+    """Runs ``target(i)`` on ``n`` threads; fails if one raises or is still running after
+    JOIN_TIMEOUT seconds (a deadlock)."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            target(i)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + JOIN_TIMEOUT
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    alive = [t.name for t in threads if t.is_alive()]
+    assert not alive, f"threads still running after {JOIN_TIMEOUT}s (deadlock?): {alive}"
+    if errors:
+        raise errors[0]
+
+
+# --- every adaptor ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTORS))
+def test_upstream_is_kept_alive_and_returned(name: str) -> None:
+    up = mr.CudaAsyncMemoryResource()
+    adaptor = ADAPTORS[name](up)
+    assert isinstance(adaptor, mr.UpstreamResourceAdaptor)
+    assert isinstance(adaptor, mr.MemoryResource)
+    assert adaptor.upstream is up
+    assert adaptor.get_upstream() is up
+    assert (adaptor.device, adaptor.memory_kind, adaptor.backend) == (up.device, up.memory_kind, up.backend)
+    assert type(adaptor).__name__ in repr(adaptor) and "CudaAsyncMemoryResource" in repr(adaptor)
+    del up
+    gc.collect()
+    ptr = adaptor.allocate(1000)
+    adaptor.deallocate(ptr, 1000)
+    assert type(adaptor.upstream).__name__ == "CudaAsyncMemoryResource"
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTORS))
+def test_upstream_must_be_a_resource(name: str) -> None:
+    with pytest.raises(TypeError):
+        ADAPTORS[name](object())  # type: ignore[arg-type]
+
+
+def test_the_base_adaptor_class_is_not_constructible() -> None:
+    with pytest.raises(TypeError):
+        mr.UpstreamResourceAdaptor()  # type: ignore[call-arg]
+
+
+def test_adaptors_report_the_memory_kind_of_their_upstream() -> None:
+    managed = mr.PrefetchResourceAdaptor(mr.StatisticsResourceAdaptor(mr.ManagedMemoryResource()))
+    assert managed.memory_kind == "managed"
+    pinned = mr.TrackingResourceAdaptor(mr.PinnedHostMemoryResource())
+    assert pinned.memory_kind == "pinned_host"
+
+
+def test_device_buffers_through_a_stack(sim: SimulatedDevice) -> None:
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    top = mr.TrackingResourceAdaptor(mr.LimitingResourceAdaptor(stats, "16MiB"))
+    s = streampool.Stream()
+    buf = streampool.DeviceBuffer.to_device(b"streampool" * 1000, stream=s, mr=top)
+    assert buf.mr is top
+    assert [r.size for r in top.outstanding()] == [10000]
+    assert buf.tobytes() == b"streampool" * 1000
+    del buf
+    assert top.outstanding() == []
+    assert stats.allocation_counts.total_bytes == 10000
+    assert stats.allocation_counts.current_bytes == 0
+
+
+# --- statistics ------------------------------------------------------------------------
+
+
+def test_statistics_counts() -> None:
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    assert stats.allocation_counts == Statistics(0, 0, 0, 0, 0, 0)
+    a = stats.allocate(1000)
+    b = stats.allocate("1MiB")
+    assert stats.allocation_counts == Statistics(1000 + MiB, 2, 1000 + MiB, 2, 1000 + MiB, 2)
+    stats.deallocate(b, MiB)
+    c = stats.allocate(24)
+    assert stats.allocation_counts == Statistics(1024, 2, 1000 + MiB, 2, 1024 + MiB, 3)
+    stats.deallocate(a, 1000)
+    stats.deallocate(c, 24)
+    assert stats.allocation_counts == Statistics(0, 0, 1000 + MiB, 2, 1024 + MiB, 3)
+    assert stats.allocate(0) == 0  # the null allocation is not counted
+    assert stats.allocation_counts.total_count == 3
+
+
+def test_statistics_stack_of_counters() -> None:
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    outer = stats.allocate(1000)
+    before = stats.push_counters()
+    assert before == Statistics(1000, 1, 1000, 1, 1000, 1)
+    assert stats.allocation_counts == Statistics(0, 0, 0, 0, 0, 0)
+    inner = stats.allocate(500)
+    stats.deallocate(outer, 1000)  # allocated before the push: the scope goes below zero
+    assert stats.allocation_counts.current_bytes == 0  # reported as 0, not negative
+    popped = stats.pop_counters()
+    assert popped.total_bytes == 500 and popped.total_count == 1 and popped.peak_bytes == 500
+    # Merged as RMM does: current adds up, the scope's peak counts on top of what was live.
+    assert stats.allocation_counts == Statistics(500, 1, 1500, 2, 1500, 2)
+    stats.deallocate(inner, 500)
+
+
+def test_popping_the_base_counters_is_a_value_error() -> None:
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    with pytest.raises(ValueError, match="only the base counters"):
+        stats.pop_counters()
+    stats.push_counters()
+    stats.pop_counters()
+    with pytest.raises(ValueError, match="only the base counters"):
+        stats.pop_counters()
+    ptr = stats.allocate(256)  # still usable
+    stats.deallocate(ptr, 256)
+
+
+def test_failed_allocations_are_not_counted() -> None:
+    stats = mr.StatisticsResourceAdaptor(mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), "1MiB"))
+    with pytest.raises(streampool.OutOfMemoryError):
+        stats.allocate("2MiB")
+    with pytest.raises(streampool.InvalidPointerError):
+        stats.deallocate(0xDEAD0000, 256)
+    assert stats.allocation_counts == Statistics(0, 0, 0, 0, 0, 0)
+
+
+def test_statistics_object() -> None:
+    s = Statistics(current_bytes=1, current_count=2, peak_bytes=3, peak_count=4, total_bytes=5, total_count=6)
+    assert s["peak_bytes"] == 3 and "total_count" in s and "bytes" not in s
+    assert (
+        dict(s)
+        == dataclasses.asdict(s)
+        == {
+            "current_bytes": 1,
+            "current_count": 2,
+            "peak_bytes": 3,
+            "peak_count": 4,
+            "total_bytes": 5,
+            "total_count": 6,
+        }
+    )
+    with pytest.raises(KeyError):
+        s["nope"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.current_bytes = 7  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(s)) == s
+    assert "peak_bytes=3" in repr(s)
+
+
+class CountersModel:
+    """RMM's statistics_resource_adaptor counters, in Python: signed values, a stack, and
+    the merge of a popped scope into its parent."""
+
+    def __init__(self) -> None:
+        self.stack = [self.zero()]
+
+    @staticmethod
+    def zero() -> dict[str, list[int]]:
+        return {"bytes": [0, 0, 0], "count": [0, 0, 0]}  # value, peak, total
+
+    def record(self, nbytes: int, sign: int) -> None:
+        top = self.stack[-1]
+        for key, n in (("bytes", nbytes), ("count", 1)):
+            c = top[key]
+            c[0] += sign * n
+            if sign > 0:
+                c[1] = max(c[1], c[0])
+                c[2] += n
+
+    def push(self) -> Statistics:
+        before = self.snapshot()
+        self.stack.append(self.zero())
+        return before
+
+    def pop(self) -> Statistics:
+        child = self.stack.pop()
+        popped = self.snapshot(child)
+        for key in ("bytes", "count"):
+            parent, c = self.stack[-1][key], child[key]
+            parent[1] = max(parent[1], parent[0] + c[1])
+            parent[0] += c[0]
+            parent[2] += c[2]
+        return popped
+
+    def snapshot(self, counters: dict[str, list[int]] | None = None) -> Statistics:
+        top = self.stack[-1] if counters is None else counters
+        (bv, bp, bt), (cv, cp, ct) = top["bytes"], top["count"]
+        bv, cv = max(bv, 0), max(cv, 0)
+        return Statistics(bv, cv, max(bp, bv), max(cp, cv), bt, ct)
+
+
+STATISTICS_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("allocate"), st.integers(1, 4 * MiB)),
+        st.tuples(st.just("free"), st.integers(0, 1 << 16)),
+        st.tuples(st.just("push"), st.just(0)),
+        st.tuples(st.just("pop"), st.just(0)),
+    ),
+    max_size=50,
+)
+
+
+@HYPOTHESIS
+@given(ops=STATISTICS_OPS)
+def test_statistics_equal_a_model(ops: list[tuple[str, int]]) -> None:
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    model = CountersModel()
+    live: list[tuple[int, int]] = []
+    for op, arg in ops:
+        if op == "allocate":
+            live.append((stats.allocate(arg), arg))
+            model.record(arg, +1)
+        elif op == "free" and live:
+            ptr, n = live.pop(arg % len(live))
+            stats.deallocate(ptr, n)
+            model.record(n, -1)
+        elif op == "push":
+            assert stats.push_counters() == model.push()
+        elif op == "pop":
+            if len(model.stack) == 1:
+                with pytest.raises(ValueError):
+                    stats.pop_counters()
+            else:
+                assert stats.pop_counters() == model.pop()
+        assert stats.allocation_counts == model.snapshot(), (op, arg)
+    for ptr, n in live:
+        stats.deallocate(ptr, n)
+
+
+# --- tracking --------------------------------------------------------------------------
+
+
+def test_tracking_records_and_report() -> None:
+    tracked = mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource())
+    s = streampool.Stream()
+    a = tracked.allocate(1000, s)
+    b = tracked.allocate("1MiB")
+    records = {r.ptr: r for r in tracked.outstanding()}
+    assert set(records) == {a, b}
+    assert (records[a].size, records[a].stream) == (1000, s.handle)
+    assert (records[b].size, records[b].stream) == (MiB, 0)
+    assert records[a].stack is None and isinstance(records[a].thread, str) and records[a].thread
+    assert tracked.get_allocated_bytes() == 1000 + MiB
+    report = tracked.get_outstanding_allocations_str()
+    assert "2 outstanding allocations" in report and f"{a:#x}" in report and f"{b:#x}" in report
+    tracked.deallocate(a, 1000, s)
+    tracked.deallocate(b, MiB)
+    assert tracked.outstanding() == [] and tracked.get_allocated_bytes() == 0
+    assert "0 outstanding allocations" in tracked.get_outstanding_allocations_str()
+
+
+def allocate_here_for_the_stack(resource: mr.MemoryResource) -> int:
+    return resource.allocate(4096)
+
+
+def test_tracking_captures_python_stacks() -> None:
+    tracked = mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource(), capture_stacks=True)
+    ptr = allocate_here_for_the_stack(tracked)
+    from_thread: list[int] = []
+
+    def in_a_thread_named_for_the_stack() -> None:
+        from_thread.append(allocate_here_for_the_stack(tracked))
+
+    t = threading.Thread(target=in_a_thread_named_for_the_stack, name="stack-thread")
+    t.start()
+    t.join(JOIN_TIMEOUT)
+    records = {r.ptr: r for r in tracked.outstanding()}
+    here = records[ptr].stack
+    assert here is not None
+    assert "allocate_here_for_the_stack" in here and "test_tracking_captures_python_stacks" in here
+    there = records[from_thread[0]]
+    assert there.stack is not None and "in_a_thread_named_for_the_stack" in there.stack
+    assert "test_tracking_captures_python_stacks" not in there.stack  # that thread's own stack
+    assert "allocate_here_for_the_stack" in tracked.get_outstanding_allocations_str()
+    tracked.deallocate(ptr, 4096)
+    tracked.deallocate(from_thread[0], 4096)
+
+
+def test_tracking_refuses_bad_frees_and_changes_nothing() -> None:
+    below = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    tracked = mr.TrackingResourceAdaptor(below)
+    ptr = tracked.allocate(4096)
+    foreign = below.allocate(4096)  # allocated around the tracking adaptor
+    with pytest.raises(streampool.InvalidPointerError, match="not an outstanding allocation"):
+        tracked.deallocate(foreign, 4096)
+    with pytest.raises(streampool.InvalidPointerError, match="4096 bytes but freed with 4000"):
+        tracked.deallocate(ptr, 4000)
+    with pytest.raises(streampool.InvalidPointerError):
+        tracked.deallocate(ptr + 256, 4096)
+    assert [(r.ptr, r.size) for r in tracked.outstanding()] == [(ptr, 4096)]
+    assert below.allocation_counts.current_count == 2  # the upstream was never asked
+    tracked.deallocate(ptr, 4096)
+    with pytest.raises(streampool.InvalidPointerError, match="double free"):
+        tracked.deallocate(ptr, 4096)
+    assert below.allocation_counts.current_count == 1
+    below.deallocate(foreign, 4096)
+
+
+def test_log_outstanding_allocations(caplog: pytest.LogCaptureFixture) -> None:
+    tracked = mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource())
+    with caplog.at_level(logging.WARNING, logger="streampool"):
+        tracked.log_outstanding_allocations()
+    assert caplog.records == []  # nothing outstanding, nothing logged
+    ptr = tracked.allocate(777)
+    with caplog.at_level(logging.WARNING, logger="streampool"):
+        tracked.log_outstanding_allocations()
+    [record] = caplog.records
+    assert record.name == "streampool" and record.levelno == logging.WARNING
+    assert "1 outstanding allocation" in record.getMessage() and f"{ptr:#x}" in record.getMessage()
+    tracked.deallocate(ptr, 777)
+
+
+TRACKING_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("allocate"), st.integers(1, 2 * MiB), st.integers(0, 2)),
+        st.tuples(st.just("free"), st.integers(0, 1 << 16), st.just(0)),
+        st.tuples(st.just("bad_size"), st.integers(0, 1 << 16), st.integers(1, 255)),
+        st.tuples(st.just("double_free"), st.just(0), st.just(0)),
+    ),
+    max_size=50,
+)
+
+
+@HYPOTHESIS
+@given(ops=TRACKING_OPS)
+def test_tracking_outstanding_is_the_live_set(ops: list[tuple[str, int, int]]) -> None:
+    tracked = mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource())
+    streams = [streampool.DEFAULT_STREAM, streampool.Stream(), streampool.Stream()]
+    live: dict[int, tuple[int, int]] = {}
+    freed: list[tuple[int, int]] = []
+    for op, a, b in ops:
+        if op == "allocate":
+            ptr = tracked.allocate(a, streams[b])
+            live[ptr] = (a, streams[b].handle)
+            freed = [f for f in freed if f[0] != ptr]
+        elif op == "free" and live:
+            ptr = sorted(live)[a % len(live)]
+            size, handle = live.pop(ptr)
+            tracked.deallocate(ptr, size, handle)
+            freed.append((ptr, size))
+        elif op == "bad_size" and live:
+            ptr = sorted(live)[a % len(live)]
+            with pytest.raises(streampool.InvalidPointerError):
+                tracked.deallocate(ptr, live[ptr][0] + b)
+        elif op == "double_free" and freed:
+            with pytest.raises(streampool.InvalidPointerError):
+                tracked.deallocate(*freed[-1])
+        assert {(r.ptr, r.size, r.stream) for r in tracked.outstanding()} == {
+            (p, n, h) for p, (n, h) in live.items()
+        }
+        assert tracked.get_allocated_bytes() == sum(n for n, _ in live.values())
+    for ptr, (size, handle) in live.items():
+        tracked.deallocate(ptr, size, handle)
+
+
+# --- limiting --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", [0, -1, -(1 << 40), "0MiB", "0"])
+def test_limit_must_be_positive(limit: Any) -> None:
+    with pytest.raises(ValueError, match="allocation_limit"):
+        mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), limit)
+
+
+@pytest.mark.parametrize("limit", [1.5, None, True, [1]])
+def test_limit_must_be_a_size(limit: Any) -> None:
+    with pytest.raises(TypeError, match="allocation_limit"):
+        mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), limit)
+
+
+def test_limit_refuses_and_recovers() -> None:
+    limited = mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), "1MiB")
+    assert limited.get_allocation_limit() == MiB
+    a = limited.allocate(768 << 10)
+    assert limited.get_allocated_bytes() == 768 << 10
+    with pytest.raises(streampool.OutOfMemoryError) as info:
+        limited.allocate(512 << 10)
+    assert info.value.requested == 512 << 10 and info.value.available == 256 << 10
+    assert "LimitingResourceAdaptor" in str(info.value)
+    assert limited.get_allocated_bytes() == 768 << 10  # the refused reservation was given back
+    b = limited.allocate(256 << 10)  # exactly up to the limit
+    limited.deallocate(a, 768 << 10)
+    limited.deallocate(b, 256 << 10)
+    assert limited.get_allocated_bytes() == 0
+    c = limited.allocate(MiB)
+    limited.deallocate(c, MiB)
+
+
+def test_limit_is_never_exceeded_under_threads() -> None:
+    limit = 4 * MiB
+    below = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    limited = mr.LimitingResourceAdaptor(below, limit)
+    refused = [0] * 8
+    over: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if (n := limited.get_allocated_bytes()) > limit:
+                over.append(n)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+
+    def worker(i: int) -> None:
+        rng = random.Random(i)
+        held: list[tuple[int, int]] = []
+        for _ in range(300):
+            if held and (len(held) > 3 or rng.random() < 0.4):
+                ptr, n = held.pop(rng.randrange(len(held)))
+                limited.deallocate(ptr, n)
+            else:
+                n = rng.randrange(1, MiB)
+                try:
+                    held.append((limited.allocate(n), n))
+                except streampool.OutOfMemoryError:
+                    refused[i] += 1
+        for ptr, n in held:
+            limited.deallocate(ptr, n)
+
+    try:
+        run_threads(worker)
+    finally:
+        done.set()
+        watcher.join(JOIN_TIMEOUT)
+    assert not over, f"allocated bytes above the limit: {max(over)}"
+    counts = below.allocation_counts
+    assert counts.peak_bytes <= limit  # exact: counted below the limit, at each allocation
+    assert counts.current_bytes == 0 and limited.get_allocated_bytes() == 0
+    assert sum(refused) > 0, "the limit was never reached: the test proves nothing"
+
+
+# --- failure callback ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("callback", [None, 3, "free_something", [print]])
+def test_failure_callback_must_be_callable(callback: Any) -> None:
+    with pytest.raises(TypeError, match="callback must be callable"):
+        mr.FailureCallbackResourceAdaptor(mr.CudaAsyncMemoryResource(), callback)
+
+
+def limited_async(limit: str = "4MiB") -> mr.LimitingResourceAdaptor:
+    return mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), limit)
+
+
+def test_failure_callback_false_gives_out_of_memory() -> None:
+    calls: list[tuple[int, int]] = []
+
+    def callback(nbytes: int) -> bool:
+        calls.append((nbytes, threading.get_ident()))
+        return False
+
+    adaptor = mr.FailureCallbackResourceAdaptor(limited_async(), callback)
+    with pytest.raises(streampool.OutOfMemoryError) as info:
+        adaptor.allocate("5MiB")
+    assert info.value.requested == 5 * MiB
+    assert calls == [(5 * MiB, threading.get_ident())]  # once, on the calling thread
+    ptr = adaptor.allocate("1MiB")  # fits: the callback is not called
+    adaptor.deallocate(ptr, MiB)
+    assert len(calls) == 1
+
+
+def test_failure_callback_is_not_called_for_other_errors() -> None:
+    calls: list[int] = []
+    adaptor = mr.FailureCallbackResourceAdaptor(limited_async(), lambda n: calls.append(n) or False)
+    with pytest.raises(streampool.InvalidStreamError):
+        adaptor.allocate(256, 0x7777)
+    with pytest.raises(streampool.InvalidPointerError):
+        adaptor.deallocate(0xDEAD0000, 256)
+    assert calls == []
+
+
+def test_failure_callback_frees_into_the_same_adaptor_and_retries() -> None:
+    cache: list[tuple[int, int]] = []
+    calls: list[int] = []
+
+    def callback(nbytes: int) -> bool:
+        calls.append(nbytes)
+        if not cache:
+            return False
+        ptr, n = cache.pop(0)
+        adaptor.deallocate(ptr, n)  # into the adaptor that is allocating: no lock is held
+        probe = adaptor.allocate(256)  # and allocating from it works too
+        adaptor.deallocate(probe, 256)
+        return True
+
+    adaptor = mr.FailureCallbackResourceAdaptor(limited_async(), callback)
+    cache += [(adaptor.allocate(MiB), MiB) for _ in range(4)]
+    ptr = adaptor.allocate("2MiB")  # needs two cached blocks freed
+    assert calls == [2 * MiB, 2 * MiB] and len(cache) == 2
+    adaptor.deallocate(ptr, 2 * MiB)
+    for p, n in cache:
+        adaptor.deallocate(p, n)
+
+
+class CallbackFailed(Exception):
+    pass
+
+
+def test_failure_callback_exception_reaches_the_caller_unchanged() -> None:
+    raised = CallbackFailed("no memory to give back")
+
+    def callback(nbytes: int) -> bool:
+        raise raised
+
+    adaptor = mr.FailureCallbackResourceAdaptor(limited_async(), callback)
+    with pytest.raises(CallbackFailed) as info:
+        adaptor.allocate("5MiB")
+    assert info.value is raised
+    ptr = adaptor.allocate(MiB)  # still usable
+    adaptor.deallocate(ptr, MiB)
+    # The stashed exception was consumed: later errors are their own.
+    with pytest.raises(streampool.InvalidPointerError):
+        adaptor.deallocate(0xDEAD0000, 256)
+    with pytest.raises(CallbackFailed) as again:
+        adaptor.allocate("5MiB")
+    assert again.value is raised
+
+
+@pytest.mark.parametrize("answer", [1, None, "yes", 0.0])
+def test_failure_callback_must_return_a_bool(answer: object) -> None:
+    adaptor = mr.FailureCallbackResourceAdaptor(limited_async(), lambda nbytes: answer)
+    with pytest.raises(TypeError, match=f"must return a bool.*not {type(answer).__name__}"):
+        adaptor.allocate("5MiB")
+    ptr = adaptor.allocate(256)
+    adaptor.deallocate(ptr, 256)
+
+
+def test_failure_callback_cycle_is_collected() -> None:
+    class Marker:
+        pass
+
+    marker = Marker()
+    alive = weakref.ref(marker)
+    holder: list[Any] = [marker]
+    adaptor = mr.FailureCallbackResourceAdaptor(
+        mr.CudaAsyncMemoryResource(), lambda n, held=holder: bool(held)
+    )
+    holder.append(adaptor)  # adaptor -> callback -> holder -> adaptor
+    del adaptor, holder, marker
+    gc.collect()
+    assert alive() is None
+
+
+def test_failure_callbacks_free_and_retry_under_threads() -> None:
+    """8 threads allocate through a failure-callback adaptor over a small limit; when it
+    runs out, the callback frees blocks that other threads cached into the same stack and
+    asks for a retry."""
+    cache: list[tuple[int, int]] = []
+    cache_lock = threading.Lock()
+    retries = [0]
+
+    def callback(nbytes: int) -> bool:
+        with cache_lock:
+            victim = cache.pop(0) if cache else None
+        if victim is None:
+            return False
+        top.deallocate(*victim)
+        retries[0] += 1
+        return True
+
+    top = mr.FailureCallbackResourceAdaptor(
+        mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), "8MiB"), callback
+    )
+
+    def worker(i: int) -> None:
+        rng = random.Random(i)
+        for _ in range(200):
+            n = rng.randrange(64 << 10, MiB)
+            try:
+                ptr = top.allocate(n)
+            except streampool.OutOfMemoryError:
+                continue
+            with cache_lock:
+                cache.append((ptr, n))
+
+    run_threads(worker)
+    assert retries[0] > 0
+    for ptr, n in cache:
+        top.deallocate(ptr, n)
+    assert top.upstream.get_allocated_bytes() == 0  # type: ignore[attr-defined]
+
+
+# --- the design's "no deadlock with Python" --------------------------------------------
+
+
+def test_no_deadlock_with_python_callbacks_in_the_stack() -> None:
+    """8 threads allocate and free through logging(Python sink) over failure callback
+    (Python, frees into the same stack) over limiting over tracking over the driver's pool;
+    everything must finish within a bounded time, with nothing lost."""
+    lines: list[str] = []
+    lines_lock = threading.Lock()
+    cache: list[tuple[int, int, streampool.Stream]] = []
+    cache_lock = threading.Lock()
+
+    def sink(line: str) -> None:
+        with lines_lock:
+            lines.append(line)
+        sum(range(50))  # some Python work with the GIL held
+
+    def on_oom(nbytes: int) -> bool:
+        with cache_lock:
+            victim = cache.pop() if cache else None
+        if victim is None:
+            return False
+        top.deallocate(*victim)  # through the top of the stack: logging runs again, nested
+        return True
+
+    tracked = mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource())
+    limited = mr.LimitingResourceAdaptor(tracked, "12MiB")
+    top = mr.LoggingResourceAdaptor(mr.FailureCallbackResourceAdaptor(limited, on_oom), callback=sink)
+    streams = [streampool.Stream() for _ in range(4)]
+
+    def worker(i: int) -> None:
+        rng = random.Random(100 + i)
+        mine: list[tuple[int, int, streampool.Stream]] = []
+        for _ in range(150):
+            roll = rng.random()
+            if roll < 0.45:
+                n, s = rng.randrange(1, 2 * MiB), rng.choice(streams)
+                with contextlib.suppress(streampool.OutOfMemoryError):
+                    mine.append((top.allocate(n, s), n, s))
+            elif roll < 0.7 and mine:
+                with cache_lock:
+                    cache.append(mine.pop())
+            elif mine:
+                top.deallocate(*mine.pop(rng.randrange(len(mine))))
+        for a in mine:
+            top.deallocate(*a)
+
+    run_threads(worker)
+    with cache_lock:
+        remaining = list(cache)
+    assert {r.ptr for r in tracked.outstanding()} == {p for p, _, _ in remaining}
+    for a in remaining:
+        top.deallocate(*a)
+    assert tracked.outstanding() == [] and limited.get_allocated_bytes() == 0
+    events = streampool.logs.parse_log("\n".join(lines))
+    allocated = sum(1 for e in events if e.action == "allocate")
+    freed = sum(1 for e in events if e.action == "free")
+    assert allocated == freed > 0
+
+
+# --- prefetch --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("upstream", [mr.ManagedMemoryResource, mr.CudaAsyncMemoryResource])
+def test_prefetch_round_trip(upstream: Callable[[], mr.MemoryResource], sim: SimulatedDevice) -> None:
+    prefetch = mr.PrefetchResourceAdaptor(upstream())
+    s = streampool.Stream()
+    buf = streampool.DeviceBuffer.to_device(bytes(range(256)) * 64, stream=s, mr=prefetch)
+    assert buf.tobytes() == bytes(range(256)) * 64
+    ptr = prefetch.allocate(MiB, s)
+    sim.write(s, ptr, MiB)
+    prefetch.deallocate(ptr, MiB, s)
+    sim.run()
+
+
+# --- binning and fixed-size ------------------------------------------------------------
+
+
+def test_binning_routes_by_size() -> None:
+    small = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    medium = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    large = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    binning = mr.BinningMemoryResource(large)
+    binning.add_bin(64 << 10, medium)  # added out of order: kept sorted
+    binning.add_bin(1024, small)
+    assert [size for size, _ in binning.bins] == [1024, 64 << 10]
+    assert binning.bin_mrs == [medium, small]
+    assert [r for _, r in binning.bins] == [small, medium]
+    assert binning.bins[0][1] is small  # the objects given, not copies
+    expected = {1: small, 1024: small, 1025: medium, 64 << 10: medium, (64 << 10) + 1: large, 8 * MiB: large}
+    ptrs = {n: binning.allocate(n) for n in expected}
+    for n, target in expected.items():
+        assert target.allocation_counts.current_bytes >= n
+    assert small.allocation_counts.current_count == 2
+    assert medium.allocation_counts.current_count == 2
+    assert large.allocation_counts.current_count == 2
+    for n, ptr in ptrs.items():
+        binning.deallocate(ptr, n)
+    assert all(r.allocation_counts.current_count == 0 for r in (small, medium, large))
+
+
+def test_binning_exponents_make_fixed_size_bins() -> None:
+    binning = mr.BinningMemoryResource(mr.CudaAsyncMemoryResource(), 10, 13)
+    assert [size for size, _ in binning.bins] == [1024, 2048, 4096, 8192]
+    assert binning.bin_mrs == []
+    assert all(
+        isinstance(r, mr.MemoryResource) and "FixedSizeMemoryResource" in repr(r) for _, r in binning.bins
+    )
+    ptrs = [(binning.allocate(n), n) for n in (1, 1000, 1500, 8192, 8193, 3 * MiB)]
+    assert len({p for p, _ in ptrs}) == len(ptrs)
+    for p, n in ptrs:
+        binning.deallocate(p, n)
+    assert [size for size, _ in mr.BinningMemoryResource(mr.CudaAsyncMemoryResource(), -1, -1).bins] == []
+
+
+@pytest.mark.parametrize("exponents", [(12, 10), (10, None), (None, 10), (10, 41), (-2, 10), (10, 64)])
+def test_binning_bad_exponents(exponents: tuple[int | None, int | None]) -> None:
+    with pytest.raises(ValueError, match="exponent"):
+        mr.BinningMemoryResource(mr.CudaAsyncMemoryResource(), *exponents)
+
+
+def test_binning_refuses_overlapping_and_late_bins() -> None:
+    binning = mr.BinningMemoryResource(mr.CudaAsyncMemoryResource(), 10, 12)
+    with pytest.raises(ValueError, match="overlapping bins"):
+        binning.add_bin(2048)
+    with pytest.raises(ValueError, match="overlapping bins"):
+        binning.add_bin("4KiB", mr.CudaAsyncMemoryResource())
+    with pytest.raises(ValueError, match="allocation_size"):
+        binning.add_bin(0)
+    with pytest.raises(ValueError, match="allocation_size"):
+        binning.add_bin(-5)
+    held = binning.allocate(3000)  # from the 4 KiB bin
+    with pytest.raises(ValueError, match="add bins before allocating"):
+        binning.add_bin(3072)  # would take 3000-byte frees away from the 4 KiB bin
+    binning.add_bin(1 << 20)  # takes sizes from the upstream, which has nothing outstanding
+    assert [size for size, _ in binning.bins] == [1024, 2048, 4096, 1 << 20]
+    assert binning.bin_mrs == []  # the refused resource was not kept
+    binning.deallocate(held, 3000)
+
+
+def test_binning_keeps_bin_resources_alive() -> None:
+    binning = mr.BinningMemoryResource(mr.CudaAsyncMemoryResource())
+    binning.add_bin(4096, mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource()))
+    gc.collect()
+    ptr = binning.allocate(100)
+    [tracked] = binning.bin_mrs
+    assert isinstance(tracked, mr.TrackingResourceAdaptor)
+    assert [r.ptr for r in tracked.outstanding()] == [ptr]
+    binning.deallocate(ptr, 100)
+
+
+def test_fixed_size_blocks() -> None:
+    fixed = mr.FixedSizeMemoryResource(mr.CudaAsyncMemoryResource(), block_size=1000, blocks_to_preallocate=4)
+    assert (fixed.block_size, fixed.blocks_to_preallocate) == (1024, 4)  # rounded up to 256
+    assert mr.FixedSizeMemoryResource(mr.CudaAsyncMemoryResource()).block_size == MiB
+    s = streampool.Stream()
+    a = fixed.allocate(1024, s)
+    fixed.deallocate(a, 1024, s)
+    assert fixed.allocate(10, s) == a  # same-stream reuse
+    with pytest.raises(streampool.InvalidArgumentError, match="more than its block size"):
+        fixed.allocate(1025, s)
+    blocks = [fixed.allocate(512, s) for _ in range(9)]  # grows past one chunk
+    assert len(set(blocks) | {a}) == 10
+    fixed.deallocate(a, 10, s)
+    with pytest.raises(streampool.InvalidPointerError, match="double free"):
+        fixed.deallocate(a, 10, s)
+    for p in blocks:
+        fixed.deallocate(p, 512, s)
+
+
+@pytest.mark.parametrize(("block_size", "blocks"), [(0, 4), (-1, 4), ("0KiB", 4), (1024, 0)])
+def test_fixed_size_bad_arguments(block_size: Any, blocks: int) -> None:
+    with pytest.raises(ValueError, match=r"block_size|blocks_to_preallocate"):
+        mr.FixedSizeMemoryResource(mr.CudaAsyncMemoryResource(), block_size, blocks)
+
+
+def test_fixed_size_out_of_memory_reclaims_other_streams_blocks() -> None:
+    block = SIM_CAPACITY // 8
+    fixed = mr.FixedSizeMemoryResource(
+        mr.CudaAsyncMemoryResource(), block_size=block, blocks_to_preallocate=2
+    )
+    a, b = streampool.Stream(), streampool.Stream()
+    on_a = [fixed.allocate(block, a) for _ in range(4)]  # half the device, on a's lists
+    for p in on_a:
+        fixed.deallocate(p, block, a)
+    # b grows until the device is full, then takes a's blocks (after a device sync).
+    on_b: list[int] = []
+    with pytest.raises(streampool.OutOfMemoryError):
+        for _ in range(20):
+            on_b.append(fixed.allocate(block, b))
+    assert set(on_a) <= set(on_b) and len(set(on_b)) == len(on_b)
+    for p in on_b:
+        fixed.deallocate(p, block, b)
+
+
+def test_fixed_size_out_of_memory_names_the_size_asked() -> None:
+    fixed = mr.FixedSizeMemoryResource(
+        mr.CudaAsyncMemoryResource(), block_size="64KiB", blocks_to_preallocate=8192
+    )
+    with pytest.raises(streampool.OutOfMemoryError) as info:
+        fixed.allocate(1000)  # a chunk of 512 MiB does not fit the 256 MiB device
+    assert info.value.requested == 1000
+    assert "1000 bytes" in str(info.value)
+
+
+# --- stream ordering of the suballocating adaptors, under the race detector ------------
+
+RACE_FACTORIES: dict[str, Callable[[], mr.MemoryResource]] = {
+    "fixed_size": lambda: mr.FixedSizeMemoryResource(mr.CudaAsyncMemoryResource(), "1MiB", 4),
+    "binning": lambda: mr.BinningMemoryResource(mr.CudaAsyncMemoryResource(), 8, 16),
+    "stack": lambda: mr.LoggingResourceAdaptor(
+        mr.TrackingResourceAdaptor(mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), "48MiB")),
+        callback=lambda line: None,
+    ),
+}
+
+
+@pytest.mark.nosim
+@pytest.mark.parametrize("name", sorted(RACE_FACTORIES))
+def test_adaptors_have_no_races(name: str) -> None:
+    machine = type(f"Machine_{name}", (ResourceMachine,), {"factory": staticmethod(RACE_FACTORIES[name])})
+    machine.TestCase.settings = SETTINGS
+    machine.TestCase().runTest()
+
+
+# --- interpreter shutdown --------------------------------------------------------------
+
+EXIT_SCRIPT = """
+import streampool
+from streampool import mr
+lines = []
+top = mr.LoggingResourceAdaptor(
+    mr.FailureCallbackResourceAdaptor(
+        mr.TrackingResourceAdaptor(mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource()), capture_stacks=True),
+        lambda nbytes: False,
+    ),
+    callback=lines.append,
+)
+binning = mr.BinningMemoryResource(top, 8, 12)
+streampool.set_current_device_resource(binning)
+bufs = [streampool.DeviceBuffer(size=n, stream=s) for n in (100, 5000) for s in (None, streampool.Stream(), 2)]
+cycle = [bufs, top]
+cycle.append(cycle)
+
+class FreesAtExit:
+    def __del__(self):
+        streampool.DeviceBuffer(size=10)
+
+keep = FreesAtExit()
+print("ok")
+"""
+
+
+@pytest.mark.nosim
+def test_exit_with_live_buffers_and_python_callbacks_is_quiet() -> None:
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim")
+    out = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (0, "ok\n", "")

@@ -1,0 +1,159 @@
+"""The sharded pool from Python: RMM's name and arguments, its statistics, bad input, and
+threads (no deadlock with Python callbacks in the stack)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import streampool
+from streampool import mr
+from streampool.sim import SimulatedDevice
+
+
+def test_rmm_name_and_arguments() -> None:
+    pool = mr.PoolMemoryResource(mr.CudaAsyncMemoryResource(), initial_pool_size="4MiB", maximum_pool_size="1GiB")
+    assert isinstance(pool, mr.ShardedPoolMemoryResource)
+    assert pool.pool_size() == 4 << 20
+    assert isinstance(pool.upstream, mr.CudaAsyncMemoryResource)
+    assert "PoolMemoryResource" in repr(pool)
+
+
+def test_nothing_is_reserved_up_front() -> None:
+    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())
+    assert pool.pool_size() == 0
+    buf = streampool.DeviceBuffer(size=1000, mr=pool)
+    assert pool.pool_size() >= 1024
+    del buf
+
+
+def test_stats_and_release(sim: SimulatedDevice) -> None:
+    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), events_every=1)
+    a, b = streampool.Stream(), streampool.Stream()
+    p = pool.allocate(1 << 20, a)
+    sim.write(a, p, 1 << 20)
+    pool.deallocate(p, 1 << 20, a)
+    sim.run()
+    q = pool.allocate(1 << 20, b)  # a's free completed: taken without a wait
+    s = pool.stats
+    assert s["completed_steals"] == 1 and s["cross_stream_waits"] == 0
+    assert s["reserved_bytes"] == s["used_bytes"] + s["free_bytes"]
+    pool.deallocate(q, 1 << 20, b)
+    sim.run()
+    assert pool.release() >= 0
+    s = pool.stats
+    assert s["grown_bytes"] == s["reserved_bytes"] + s["released_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"initial_pool_size": "2MiB", "maximum_pool_size": "1MiB"}, "maximum_pool_size"),
+        ({"initial_pool_size": -1}, "initial_pool_size"),
+        ({"maximum_pool_size": "lots"}, "lots"),
+        ({"events_every": 0}, "events_every"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises((ValueError, OverflowError), match=match):
+        mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        mr.ShardedPoolMemoryResource("not a resource")  # type: ignore[arg-type]
+
+
+def test_bad_frees_leave_the_pool_usable() -> None:
+    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())
+    p = pool.allocate(4096)
+    with pytest.raises(streampool.InvalidPointerError):
+        pool.deallocate(p + (64 << 20), 4096)
+    pool.deallocate(p, 4096)
+    with pytest.raises(streampool.InvalidPointerError, match="double free"):
+        pool.deallocate(p, 4096)  # seen among the recently freed blocks of its class
+    assert pool.allocate(4096) == p
+    pool.deallocate(p, 4096)
+    s = pool.stats
+    assert s["reserved_bytes"] == s["used_bytes"] + s["free_bytes"] and s["used_bytes"] == 0
+
+
+def test_eight_threads_several_streams(sim: SimulatedDevice) -> None:
+    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), maximum_pool_size="64MiB", events_every=8)
+    streams = [streampool.Stream() for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            s = streams[t % 4] if t < 7 else streampool.PER_THREAD_DEFAULT_STREAM
+            live = []
+            for i in range(400):
+                n = 1024 << ((t + i) % 8)
+                p = pool.allocate(n, s)
+                sim.write(s, p, n)
+                live.append((p, n))
+                if len(live) > 8:
+                    q, m = live.pop(0)
+                    pool.deallocate(q, m, s)
+            for q, m in live:
+                pool.deallocate(q, m, s)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in threads), "a thread is stuck"
+    assert not errors, errors[0]
+    sim.run()
+    s = pool.stats
+    assert s["used_bytes"] == 0 and s["reserved_bytes"] == s["free_bytes"]
+
+
+def test_no_deadlock_with_python_callbacks_in_the_stack() -> None:
+    """design.md: no lock is held across a call into Python. 8 threads allocate through a
+    logging sink and a failure callback that frees memory into the same pool and retries."""
+    lines: list[str] = []
+    spare: list[tuple[int, int]] = []
+    lock = threading.Lock()
+    holder: dict[str, mr.MemoryResource] = {}
+
+    def on_oom(nbytes: int) -> bool:
+        with lock:
+            victims = list(spare)
+            spare.clear()
+        for p, n in victims:
+            holder["pool"].deallocate(p, n)
+        return bool(victims)
+
+    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), maximum_pool_size="32MiB")
+    holder["pool"] = pool
+    stack = mr.LoggingResourceAdaptor(mr.FailureCallbackResourceAdaptor(pool, on_oom), callback=lines.append)
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(200):
+                n = (1 + (t + i) % 4) << 20
+                try:
+                    p = stack.allocate(n)
+                except streampool.OutOfMemoryError:
+                    continue
+                if i % 3 == 0:
+                    with lock:
+                        spare.append((p, n))  # freed later by the failure callback
+                else:
+                    stack.deallocate(p, n)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in threads), "deadlock: a thread is stuck"
+    assert not errors, errors[0]
+    for p, n in spare:
+        pool.deallocate(p, n)
+    assert len(lines) > 100
