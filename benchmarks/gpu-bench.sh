@@ -6,17 +6,17 @@
 #   .gpu/wheels/*.whl             our wheel (make gpu-build)
 #   .peers/bench_rmm.cpp, .peers/bench_py.py   the peers' programs (../shared/peers/)
 #   .peers/*.whl                  librmm-cu13 26.10.0, rapids-logger 0.3, rmm-cu13 26.10.0
-# Writes logs to $OUT and prints a summary last. See benchmarks/RESULTS.md.
+# Writes logs to $BENCH_LOGS (default /tmp/streampool-bench), prints a summary last. See benchmarks/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/streampool-bench}
+OUT=${BENCH_LOGS:-/tmp/streampool-bench}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 SECS=${SECS:-0.3}
 REPS=${REPS:-3}
 
-python3 -m pip install -q --no-index --no-deps --target /tmp/sp .gpu/wheels/*.whl .peers/*.whl
-export PYTHONPATH=/tmp/sp
+python3 -m pip install -q --no-index --no-deps --target /tmp/spb .gpu/wheels/*.whl .peers/*.whl
+export PYTHONPATH=/tmp/spb
 X=/tmp/rmmx
 mkdir -p $X && for w in .peers/librmm*.whl .peers/rapids_logger*.whl; do unzip -q -o "$w" -d $X; done
 (

@@ -3,10 +3,10 @@
 # scripts/gpu-build.sh made (see DEVELOPERS.md):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/sp .gpu/wheels/*.whl \
 #     && export PYTHONPATH=/tmp/sp && bash scripts/gpu-suite.sh
-# Full logs go to $OUT; a short summary is printed last.
+# Full logs go to $SUITE_LOGS (default /tmp/streampool-gpu); a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/streampool-gpu}
+OUT=${SUITE_LOGS:-/tmp/streampool-gpu}
 mkdir -p "$OUT"
 export STREAMPOOL_GPU_TESTS=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 summary=()
