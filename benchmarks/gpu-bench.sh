@@ -18,7 +18,7 @@ REPS=${REPS:-3}
 python3 -m pip install -q --no-index --no-deps --target /tmp/spb .gpu/wheels/*.whl .peers/*.whl
 export PYTHONPATH=/tmp/spb
 X=/tmp/rmmx
-mkdir -p $X && for w in .peers/librmm*.whl .peers/rapids_logger*.whl; do unzip -q -o "$w" -d $X; done
+mkdir -p $X && for w in .peers/librmm*.whl .peers/rapids_logger*.whl; do python3 -m zipfile -e "$w" $X; done
 (
   cd $X && nvcc -std=c++17 -O2 -I$X/librmm/include/rapids -I$X/librmm/include -I$X/rapids_logger/include \
     "$OLDPWD/.peers/bench_rmm.cpp" -o bench_rmm -L$X/librmm/lib64 -L$X/rapids_logger/lib64 \

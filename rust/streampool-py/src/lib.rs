@@ -33,6 +33,12 @@ use errors::{detached, OrRaise};
 
 /// A byte count from Python: an int >= 0, or a string such as "1GiB" (2**30) or "1GB" (10**9).
 pub(crate) fn size_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    // The common case first, on the allocation fast path: a plain, non-negative int.
+    if obj.is_exact_instance_of::<PyInt>() {
+        if let Ok(n) = obj.extract::<usize>() {
+            return Ok(n);
+        }
+    }
     if let Ok(text) = obj.cast::<PyString>() {
         return streampool::parse_size(&text.to_cow()?).or_raise(obj.py());
     }
@@ -45,6 +51,11 @@ pub(crate) fn size_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 
 /// An address from Python: an int in `0..2**64`.
 pub(crate) fn ptr_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevPtr> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        if let Ok(p) = obj.extract::<DevPtr>() {
+            return Ok(p);
+        }
+    }
     let int = index(obj, "ptr", "an address (an int)")?;
     int.extract::<DevPtr>()
         .map_err(|_| PyValueError::new_err(format!("ptr = {int} is not an address (must be in 0..2**64)")))

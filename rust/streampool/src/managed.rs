@@ -14,7 +14,7 @@
 //! with [`Error::InvalidArgument`] naming the resource, before the driver is asked.
 
 use crate::device::{Advice, DevPtr, Location};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, CUDA_ERROR_NOT_SUPPORTED};
 use crate::resource::{Allocation, MemoryKind, MemoryResource};
 use crate::stream::Stream;
 
@@ -71,7 +71,16 @@ pub fn advise(
     if bytes == 0 {
         return Ok(());
     }
-    mr.backend().mem_advise(mr.device(), ptr, bytes, advice, location)
+    mr.backend().mem_advise(mr.device(), ptr, bytes, advice, location).map_err(|e| match e {
+        // Seen on the H200 (driver 580): memory from a managed memory pool refuses advice
+        // that plain managed memory (cuMemAllocManaged) takes.
+        Error::Driver { code: CUDA_ERROR_NOT_SUPPORTED, name, .. } => Error::Unsupported(format!(
+            "the driver does not take {advice:?} advice on memory from {} ({name}); memory from \
+             ManagedMemoryResource takes it",
+            mr.name()
+        )),
+        e => e,
+    })
 }
 
 /// Where all of `[ptr, ptr + bytes)`, memory of `mr`, was last asked to be prefetched

@@ -511,7 +511,8 @@ fn gpu_threads_allocate_on_their_own_streams() {
                     cuda.free_async(0, ptr, PER_THREAD_STREAM).unwrap();
                 }
                 cuda.stream_synchronize(0, PER_THREAD_STREAM).unwrap();
-                assert!(current_ctx().is_null());
+                // A thread that had no context keeps the primary one.
+                assert!(!current_ctx().is_null());
             })
         })
         .collect();

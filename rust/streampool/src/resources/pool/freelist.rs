@@ -109,8 +109,40 @@ impl FreeList {
         if self.cached_bytes == 0 {
             return None;
         }
+        if let Some(found) = self.split_larger_cached(size, &ok) {
+            return Some(found);
+        }
         self.flush();
         self.take_from_tree(size, &ok)
+    }
+
+    /// The most recently freed block of the smallest larger cached class: its front is
+    /// handed out, the rest goes to the tree. Cheaper than flushing the whole cache.
+    fn split_larger_cached(&mut self, size: usize, ok: &impl Fn(u64) -> bool) -> Option<(u64, u64)> {
+        let above = match class_index(size) {
+            Some(c) if c + 1 < CLASSES => self.cache_bits & !((1u128 << (c + 1)) - 1),
+            Some(_) => 0,
+            None => self.cache_bits,
+        };
+        let mut bits = above;
+        while bits != 0 {
+            let c = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            let stack = &mut self.cache[c];
+            let Some(i) = stack.iter().rposition(|(_, b)| ok(b.epoch) && b.size >= size) else { continue };
+            let (ptr, b) = stack.remove(i);
+            if stack.is_empty() {
+                self.cache_bits &= !(1 << c);
+            }
+            self.cached_bytes -= b.size;
+            if b.size > size {
+                let rest = FreeBlock { size: b.size - size, ..b };
+                let inserted = self.insert_into_tree(ptr + size as u64, rest);
+                debug_assert!(inserted, "a cached block's remainder is not free elsewhere");
+            }
+            return Some((ptr, b.epoch));
+        }
+        None
     }
 
     /// Moves every cached block into the tree, coalescing.
@@ -284,6 +316,10 @@ mod tests {
         assert_eq!(f.take(4096, |_| true), Some((b, 3)), "the most recently freed");
         assert!(f.insert(b, block(4096, 1, 3)));
         assert!(!f.insert(b, block(4096, 1, 3)), "an immediate double free is refused");
+        // A larger cached block is split rather than flushing the cache.
+        assert!(f.insert(0x20000, block(8192, 2, 4)));
+        assert_eq!(f.take(4096 + 512, |_| true), Some((0x20000, 4)));
+        assert_eq!(f.take(3584, |_| true), Some((0x21200, 4)), "the rest went to the tree");
         // 3 pages + 256 only fit after the cache is flushed and everything coalesces.
         assert_eq!(f.take(3 * 4096 + 256, |_| true), Some((0x10000, 3)));
         assert_eq!(f.bytes(), 0);
