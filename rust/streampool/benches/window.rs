@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! cargo bench -p streampool --bench window -- [--secs 0.5] [--reps 3]
-//!     [--threads 1,2,4,8,16] [--resources sharded,async] [--json FILE]
+//!     [--threads 1,2,4,8,16] [--resources sharded,async] [--events-every N] [--json FILE]
 //! ```
 //! Runs on the CUDA driver when there is one, else on the simulated device (and says so:
 //! those numbers measure the simulator, not a GPU).
@@ -30,6 +30,7 @@ struct Args {
     threads: Vec<usize>,
     resources: Vec<String>,
     json: Option<String>,
+    events_every: usize,
 }
 
 fn args() -> Args {
@@ -39,6 +40,7 @@ fn args() -> Args {
         threads: vec![1, 2, 4, 8, 16],
         resources: vec!["sharded".into(), "async".into()],
         json: None,
+        events_every: PoolOptions::default().events_every,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -49,6 +51,7 @@ fn args() -> Args {
             "--threads" => a.threads = v().split(',').map(|t| t.parse().expect("--threads")).collect(),
             "--resources" => a.resources = v().split(',').map(String::from).collect(),
             "--json" => a.json = Some(v()),
+            "--events-every" => a.events_every = v().parse().expect("--events-every"),
             "--bench" => {}
             other => panic!("unknown argument {other}"),
         }
@@ -56,12 +59,15 @@ fn args() -> Args {
     a
 }
 
-fn make(name: &str, b: &BackendRef) -> ResourceRef {
+fn make(name: &str, b: &BackendRef, events_every: usize) -> ResourceRef {
     let async_mr: ResourceRef =
         Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
     match name {
         "async" => async_mr,
-        "sharded" => Arc::new(ShardedPoolMemoryResource::new(async_mr, PoolOptions::default()).unwrap()),
+        "sharded" => Arc::new(
+            ShardedPoolMemoryResource::new(async_mr, PoolOptions { events_every, ..Default::default() })
+                .unwrap(),
+        ),
         other => panic!("unknown resource {other} (sharded, async)"),
     }
 }
@@ -183,7 +189,7 @@ fn main() {
     let mut json = Vec::new();
     for name in &a.resources {
         for &n in &[256usize, 64 << 10, 4 << 20] {
-            let mr = make(name, &backend);
+            let mr = make(name, &backend, a.events_every);
             let ns = run_fixed(&mr, &backend, n, a.reps);
             println!("fixed  {name:<8} {n:>8} B  {ns:8.1} ns/pair");
             json.push(format!(
@@ -191,8 +197,9 @@ fn main() {
             ));
         }
         for &t in &a.threads {
-            let runs: Vec<MtResult> =
-                (0..a.reps).map(|_| run_mt(&make(name, &backend), &backend, t, a.secs)).collect();
+            let runs: Vec<MtResult> = (0..a.reps)
+                .map(|_| run_mt(&make(name, &backend, a.events_every), &backend, t, a.secs))
+                .collect();
             let rate = median(runs.iter().map(|r| r.allocs_per_sec).collect());
             let ns = median(runs.iter().map(|r| r.ns_per_op_per_thread).collect());
             let share = median(runs.iter().map(|r| r.slowest_share).collect());
