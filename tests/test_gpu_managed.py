@@ -87,7 +87,7 @@ def test_advice_is_accepted_on_managed_memory(name: str) -> None:
     buf = streampool.DeviceBuffer(size=4 * MIB, mr=MANAGED[name]())
     if name.startswith("async"):
         # The driver (580) refuses advice on memory from managed pools: a clear error.
-        with pytest.raises(streampool.UnsupportedError, match="read_mostly|ReadMostly"):
+        with pytest.raises(streampool.UnsupportedError, match=r"read_mostly|ReadMostly"):
             buf.advise("read_mostly")
         pytest.skip("the driver takes no advice on managed-pool memory")
     for advice in ("read_mostly", "unset_read_mostly", "accessed_by", "unset_accessed_by"):
