@@ -615,7 +615,9 @@ impl ShardedPoolMemoryResource {
         st.refresh();
         if st.events.len() >= MAX_EVENTS {
             // The oldest have not finished: more would not make blocks takeable sooner.
-            // The open epoch stays open, and the next record covers it.
+            // The open epoch stays open, and the next record (after another batch of
+            // frees, not at every free) covers it.
+            st.unevented = 0;
             return Ok(());
         }
         let event = match st.spare_events.pop() {
