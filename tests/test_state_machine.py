@@ -31,19 +31,19 @@ class BrokenReuse:
     """Caches freed blocks and hands them to any stream with no ordering: the bug the
     stream-ordered contract forbids."""
 
+    BLOCK = 1 << 20  # every block fits every request of the machine: reuse is the rule
+
     def __init__(self) -> None:
         self.upstream = mr.CudaMemoryResource()
-        self.free: list[tuple[int, int]] = []
+        self.free: list[int] = []
 
     def allocate(self, size: int, stream: Any = None) -> int:
-        for i, (ptr, n) in enumerate(self.free):
-            if n >= size:
-                del self.free[i]
-                return ptr
-        return self.upstream.allocate(size, stream)
+        if self.free:
+            return self.free.pop()
+        return self.upstream.allocate(self.BLOCK, stream)
 
     def deallocate(self, ptr: int, size: int, stream: Any = None) -> None:
-        self.free.append((ptr, size))
+        self.free.append(ptr)
 
 
 class ResourceMachine(RuleBasedStateMachine):
@@ -126,6 +126,8 @@ def test_correct_resources_have_no_races(name: str) -> None:
 @pytest.mark.nosim
 def test_the_detector_catches_a_broken_resource() -> None:
     machine = type("BrokenMachine", (ResourceMachine,), {"factory": staticmethod(BrokenReuse)})
-    machine.TestCase.settings = settings(SETTINGS, max_examples=200)
+    # Derandomized: the same examples on every run and machine, so that the proof cannot
+    # pass or fail by luck (a random run can miss the interleaving: seen once on the H200).
+    machine.TestCase.settings = settings(SETTINGS, max_examples=1000, derandomize=True)
     with pytest.raises(AssertionError, match="race"):
         machine.TestCase().runTest()
