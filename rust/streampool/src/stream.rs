@@ -154,13 +154,6 @@ impl Stream {
         backend.stream_synchronize(device, self.handle)
     }
 
-    /// The stream's never-reused identity (`cuStreamGetId`); for the per-thread default
-    /// stream, the calling thread's.
-    pub fn id(&self, backend: &BackendRef, device: i32) -> Result<u64> {
-        self.check(backend, device)?;
-        backend.stream_id(device, self.handle)
-    }
-
     /// A key that names this stream and no other, ever, for as long as the process lives
     /// (the driver's `cuStreamGetId`, looked up once: handle values are reused once a
     /// stream is destroyed, keys are not). For the per-thread default stream, the calling

@@ -42,3 +42,13 @@ pub(crate) fn model(f: impl Fn() + Sync + Send + 'static) {
     }
     builder.check(f);
 }
+
+/// Takes a mutex only if it is free now (recovering a poisoned one, as [`lock`] does);
+/// `None` when another thread holds it.
+pub(crate) fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}

@@ -19,7 +19,7 @@ use crate::size::align_up;
 use crate::stream::{Event, Stream};
 use std::sync::Arc;
 
-use crate::sync::{lock, AtomicI64, AtomicU64, AtomicUsize, Mutex, Ordering, RwLock};
+use crate::sync::{lock, try_lock, AtomicI64, AtomicU64, AtomicUsize, Mutex, Ordering, RwLock};
 
 /// Growth never asks the upstream for less than this (unless the maximum leaves less).
 pub const MIN_CHUNK: usize = 2 << 20;
@@ -739,14 +739,6 @@ impl ShardedPoolMemoryResource {
                 "{ptr:#x} is not an outstanding allocation of this pool (double free?)"
             ))),
         }
-    }
-}
-
-fn try_lock<T>(m: &Mutex<T>) -> Option<crate::sync::MutexGuard<'_, T>> {
-    match m.try_lock() {
-        Ok(g) => Some(g),
-        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
-        Err(std::sync::TryLockError::WouldBlock) => None,
     }
 }
 
