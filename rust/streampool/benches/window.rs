@@ -1,7 +1,8 @@
 //! The window workload of `../shared/peers/bench_rmm.cpp` ("mt"), for streampool's
-//! resources: T threads, each on its own non-blocking stream, each keeping a FIFO of 16
-//! live allocations of log-uniform size in [1 KiB, 4 MiB] (pre-generated), freeing the
-//! oldest before each new one. 100 ms of warm-up, then aggregate allocations per second in
+//! resources: T threads, each on its own non-blocking stream, each keeping a ring of 16
+//! live allocations of log-uniform size in [1 KiB, 4 MiB] (8192 pre-generated per thread),
+//! freeing the oldest before each new one (the loop of `bench_rmm.cpp`'s `run_mt`, with its
+//! counters padded to cache lines as there). 100 ms of warm-up, then aggregate allocations per second in
 //! one common window (the main thread snapshots per-thread counters at its start and
 //! end), and the slowest thread's share of the mean. Also the one-thread "fixed" pairs.
 //!
@@ -23,6 +24,8 @@ use streampool::resource::ResourceRef;
 use streampool::{CudaAsyncMemoryResource, PoolOptions, ShardedPoolMemoryResource, Stream};
 
 const WINDOW: usize = 16;
+/// Pre-generated sizes per thread, as in `bench_rmm.cpp`.
+const SIZES: usize = 8192;
 
 struct Args {
     secs: f64,
@@ -92,8 +95,14 @@ struct MtResult {
     slowest_share: f64,
 }
 
+/// A thread's operation count, on a cache line of its own (as `bench_rmm.cpp`'s
+/// `PaddedCounter`): counters side by side would make every thread's store evict the
+/// others' line, and the benchmark would measure that.
+#[repr(align(128))]
+struct Counter(AtomicU64);
+
 fn run_mt(mr: &ResourceRef, b: &BackendRef, threads: usize, secs: f64) -> MtResult {
-    let counters: Arc<Vec<AtomicU64>> = Arc::new((0..threads).map(|_| AtomicU64::new(0)).collect());
+    let counters: Arc<Vec<Counter>> = Arc::new((0..threads).map(|_| Counter(AtomicU64::new(0))).collect());
     let stop = Arc::new(AtomicBool::new(false));
     let ready = Arc::new(Barrier::new(threads + 1));
     let handles: Vec<_> = (0..threads)
@@ -102,21 +111,29 @@ fn run_mt(mr: &ResourceRef, b: &BackendRef, threads: usize, secs: f64) -> MtResu
                 (mr.clone(), b.clone(), counters.clone(), stop.clone(), ready.clone());
             std::thread::spawn(move || {
                 let stream = Stream::create(&b, 0, false).unwrap();
-                let sizes = sizes(t as u64 + 1, 4096);
-                let mut window = std::collections::VecDeque::with_capacity(WINDOW + 1);
-                let mut i = 0usize;
+                let sizes = sizes(t as u64 + 1, SIZES);
+                // A ring of WINDOW live allocations, filled before the start.
+                let mut k = 0usize;
+                let mut ring: Vec<(u64, usize)> = (0..WINDOW)
+                    .map(|_| {
+                        let n = sizes[k % SIZES];
+                        k += 1;
+                        (mr.allocate(n, &stream).unwrap(), n)
+                    })
+                    .collect();
+                let (mut head, mut ops) = (0usize, 0u64);
                 ready.wait();
                 while !stop.load(Ordering::Relaxed) {
-                    if window.len() == WINDOW {
-                        let (p, n) = window.pop_front().unwrap();
-                        mr.deallocate(p, n, &stream).unwrap();
-                    }
-                    let n = sizes[i % sizes.len()];
-                    window.push_back((mr.allocate(n, &stream).unwrap(), n));
-                    i += 1;
-                    counters[t].store(i as u64, Ordering::Relaxed);
+                    let (p, n) = ring[head];
+                    mr.deallocate(p, n, &stream).unwrap();
+                    let n = sizes[k % SIZES];
+                    k += 1;
+                    ring[head] = (mr.allocate(n, &stream).unwrap(), n);
+                    head = (head + 1) % WINDOW;
+                    ops += 1;
+                    counters[t].0.store(ops, Ordering::Relaxed);
                 }
-                for (p, n) in window {
+                for (p, n) in ring {
                     mr.deallocate(p, n, &stream).unwrap();
                 }
                 b.stream_synchronize(0, stream.handle()).unwrap();
@@ -125,10 +142,10 @@ fn run_mt(mr: &ResourceRef, b: &BackendRef, threads: usize, secs: f64) -> MtResu
         .collect();
     ready.wait();
     std::thread::sleep(Duration::from_millis(100));
-    let start: Vec<u64> = counters.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+    let start: Vec<u64> = counters.iter().map(|c| c.0.load(Ordering::Relaxed)).collect();
     let t0 = Instant::now();
     std::thread::sleep(Duration::from_secs_f64(secs));
-    let end: Vec<u64> = counters.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+    let end: Vec<u64> = counters.iter().map(|c| c.0.load(Ordering::Relaxed)).collect();
     let elapsed = t0.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     for h in handles {

@@ -1,52 +1,66 @@
-//! Free blocks of one shard (or of the common list). Two tiers:
+//! Free blocks of one shard (or of the common list): a two-level segregated fit (TLSF)
+//! free list with its headers on the host, since the memory it manages is the device's.
 //!
-//! * a cache of freed blocks by size class, a stack per class with a bitmap of non-empty
-//!   classes: a free pushes, an allocation of the same class pops, O(1) and no coalescing
-//!   (the common case: a stream freeing and reallocating similar sizes);
-//! * a tree of blocks by address (to coalesce neighbours within one upstream chunk) and by
-//!   (size, address) (best fit), which serves misses. When the tree cannot serve a
-//!   request, the cache is flushed into it (coalescing everything) and the tree tried again.
+//! * **Lists by size**: one list per size range, 8 ranges per power of two (one per 256
+//!   bytes below 4 KiB), and a bitmap of the non-empty lists. A request of `size` bytes
+//!   takes the head of the first non-empty list whose every block fits: a few bit
+//!   operations, whatever the number of blocks.
+//! * **Coalescing at once**: two hash maps find the free block that ends where a freed block
+//!   starts and the one that starts where it ends; neighbours of the same upstream chunk
+//!   merge on the spot, so free memory stays in few large blocks.
+//! * **A slab of headers**: block records live in one vector, linked into their list by
+//!   index, and are reused; after warm-up an operation allocates nothing.
+//! * **The last freed block** waits in a slot before it is merged: an allocation of
+//!   exactly its size takes it back without touching the lists or the maps (a stream that
+//!   frees and allocates one size in turn, the commonest pattern, does no hashing at all).
+//!   The next free pushes it into the lists, so at most one block is ever unmerged.
 //!
-//! Sizes are rounded to classes by [`class_size`], so that a block's size follows from
-//! the size it was asked with. Addresses are integers; nothing here is `unsafe`.
+//! Requests are rounded by [`class_size`] to a list boundary (at most 12.5 % more than
+//! asked), so that the first block of the first non-empty list at or above the request's
+//! own list always fits. Addresses are integers; nothing here is `unsafe`.
 
-use std::collections::{BTreeMap, BTreeSet};
-
+use super::addrmap::AddrMap;
 use crate::size::align_up;
 
-/// Blocks of this size or more are not cached (nor rounded beyond 256 bytes).
-pub(crate) const CACHE_MAX: usize = 64 << 20;
-const CLASSES: usize = 128;
-/// How many of a class's most recently cached blocks a free compares itself with.
-const RECENT: usize = 8;
+/// Sizes of this or more are rounded to 256 bytes only (not to a list boundary).
+pub(crate) const ROUND_MAX: usize = 64 << 20;
+/// Lists: 15 below 4 KiB, then 8 per power of two up to 2^64.
+const LISTS: usize = 15 + 52 * 8;
+const WORDS: usize = LISTS.div_ceil(64);
+const NIL: u32 = u32::MAX;
 
-/// The size a request of `bytes` is served with: a multiple of 256 up to 4 KiB, then one
-/// of 8 classes per power of two (at most 12.5 % more than asked) up to 64 MiB, then a
-/// multiple of 256 again.
+/// The size a request of `bytes` is served with: a multiple of 256 up to 4 KiB, then the
+/// next of 8 boundaries per power of two (at most 12.5 % more than asked) below 64 MiB,
+/// then a multiple of 256 again.
 pub(crate) fn class_size(bytes: usize) -> usize {
     let b = align_up(bytes.max(1), 256);
-    if b <= 4096 || b >= CACHE_MAX {
+    if b <= 4096 || b >= ROUND_MAX {
         return b;
     }
     let k = usize::BITS - 1 - b.leading_zeros();
     align_up(b, 1 << (k - 3))
 }
 
-/// The cache class of a block of exactly `size` bytes, if it is a class size.
-fn class_index(size: usize) -> Option<usize> {
-    if size == 0 || size % 256 != 0 || size >= CACHE_MAX {
-        return None;
-    }
-    if size <= 4096 {
-        return Some(size / 256 - 1);
+/// The list of a block of `size` bytes (a multiple of 256): the one whose range holds it.
+fn list_of(size: usize) -> usize {
+    if size < 4096 {
+        return size / 256 - 1;
     }
     let k = (usize::BITS - 1 - size.leading_zeros()) as usize;
-    let step = 1usize << (k - 3);
-    (size % step == 0).then(|| 16 + (k - 12) * 8 + (size / step - 8))
+    15 + (k - 12) * 8 + ((size >> (k - 3)) & 7)
+}
+
+/// The smallest size list `l` holds.
+fn list_floor(l: usize) -> usize {
+    if l < 15 {
+        return (l + 1) * 256;
+    }
+    let (k, sub) = (12 + (l - 15) / 8, (l - 15) % 8);
+    (8 + sub) << (k - 3)
 }
 
 /// A free block: its size, the upstream chunk it belongs to, and the epoch it was freed
-/// in (see `shard.rs`: a block may go to another stream only once its epoch is known to
+/// in (see `mod.rs`: a block may go to another stream only once its epoch is known to
 /// have completed, or after that stream waited on the epoch's event).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct FreeBlock {
@@ -55,25 +69,38 @@ pub(crate) struct FreeBlock {
     pub epoch: u64,
 }
 
-/// Free blocks: the class cache in front of the tree (see the module docs).
+#[derive(Debug, Clone, Copy)]
+struct Rec {
+    ptr: u64,
+    block: FreeBlock,
+    list: u32,
+    prev: u32,
+    next: u32,
+}
+
+/// Free blocks (see the module docs).
 #[derive(Debug)]
 pub(crate) struct FreeList {
-    cache: Vec<Vec<(u64, FreeBlock)>>,
-    cache_bits: u128,
-    cached_bytes: usize,
-    by_addr: BTreeMap<u64, FreeBlock>,
-    by_size: BTreeSet<(usize, u64)>,
+    /// The last freed block, not merged yet (see the module docs).
+    recent: Option<(u64, FreeBlock)>,
+    recs: Vec<Rec>,
+    spare: Vec<u32>,
+    heads: Vec<u32>,
+    bits: [u64; WORDS],
+    /// A free block's record by its start (`start`) and by its end (`end | 1`).
+    ends: AddrMap,
     bytes: usize,
 }
 
 impl Default for FreeList {
     fn default() -> Self {
         FreeList {
-            cache: (0..CLASSES).map(|_| Vec::new()).collect(),
-            cache_bits: 0,
-            cached_bytes: 0,
-            by_addr: BTreeMap::new(),
-            by_size: BTreeSet::new(),
+            recent: None,
+            recs: Vec::new(),
+            spare: Vec::new(),
+            heads: vec![NIL; LISTS],
+            bits: [0; WORDS],
+            ends: AddrMap::default(),
             bytes: 0,
         }
     }
@@ -82,260 +109,396 @@ impl Default for FreeList {
 impl FreeList {
     /// Free bytes held.
     pub fn bytes(&self) -> usize {
-        self.bytes + self.cached_bytes
+        self.bytes + self.recent.map_or(0, |(_, b)| b.size)
     }
 
-    /// Takes a block of at least `size` bytes whose epoch satisfies `ok`: a cached block
-    /// of exactly `size` (the most recently freed first), else the smallest fitting block
-    /// of the tree (the rest of it stays free, same chunk and epoch), else the same after
-    /// flushing the cache into the tree. Returns (address, epoch).
-    pub fn take(&mut self, size: usize, ok: impl Fn(u64) -> bool) -> Option<(u64, u64)> {
-        if let Some(c) = class_index(size) {
-            if self.cache_bits & (1 << c) != 0 {
-                let stack = &mut self.cache[c];
-                if let Some(i) = stack.iter().rposition(|(_, b)| ok(b.epoch)) {
-                    let (ptr, b) = stack.remove(i);
-                    if stack.is_empty() {
-                        self.cache_bits &= !(1 << c);
-                    }
-                    self.cached_bytes -= b.size;
-                    return Some((ptr, b.epoch));
-                }
+    /// Free blocks held, once the slot's block is merged.
+    #[cfg(test)]
+    pub fn merged_len(&mut self) -> usize {
+        if let Some((p, b)) = self.recent.take() {
+            self.merge(p, b);
+        }
+        self.ends.len() / 2
+    }
+
+    /// Takes the front `size` bytes of a free block whose epoch satisfies `ok` (the rest
+    /// stays free, same chunk and epoch): the head of the first non-empty list whose blocks
+    /// all fit, else (only when `ok` refuses heads, or for sizes that are not a list
+    /// boundary) the first fitting block found list by list. Returns the address and the
+    /// block taken (its size is `size`).
+    pub fn take(&mut self, size: usize, ok: impl Fn(u64) -> bool) -> Option<(u64, FreeBlock)> {
+        if let Some((ptr, b)) = self.recent {
+            if b.size == size && ok(b.epoch) {
+                self.recent = None;
+                return Some((ptr, b));
             }
         }
-        if let Some(found) = self.take_from_tree(size, &ok) {
+        if let Some(found) = self.take_listed(size, &ok) {
             return Some(found);
         }
-        if self.cached_bytes == 0 {
+        // The unmerged block may fit, or complete a run that does.
+        let (ptr, b) = self.recent.take()?;
+        self.merge(ptr, b);
+        self.take_listed(size, &ok)
+    }
+
+    fn take_listed(&mut self, size: usize, ok: &impl Fn(u64) -> bool) -> Option<(u64, FreeBlock)> {
+        let own = list_of(size);
+        let first = if list_floor(own) == size { own } else { own + 1 };
+        let mut l = first;
+        while let Some(found) = self.next_nonempty(l) {
+            let head = self.heads[found];
+            if ok(self.recs[head as usize].block.epoch) {
+                return Some(self.carve(head, size));
+            }
+            if let Some(i) = self.find_in(found, |b| ok(b.epoch)) {
+                return Some(self.carve(i, size));
+            }
+            l = found + 1;
+        }
+        // Blocks of the request's own list may fit too when it is not a boundary.
+        let i = self.find_in(own, |b| b.size >= size && ok(b.epoch))?;
+        Some(self.carve(i, size))
+    }
+
+    fn next_nonempty(&self, from: usize) -> Option<usize> {
+        let mut w = from / 64;
+        if w >= WORDS {
             return None;
         }
-        if let Some(found) = self.split_larger_cached(size, &ok) {
-            return Some(found);
+        let mut word = self.bits[w] & (!0u64 << (from % 64));
+        loop {
+            if word != 0 {
+                return Some(w * 64 + word.trailing_zeros() as usize);
+            }
+            w += 1;
+            if w == WORDS {
+                return None;
+            }
+            word = self.bits[w];
         }
-        self.flush();
-        self.take_from_tree(size, &ok)
     }
 
-    /// The most recently freed block of the smallest larger cached class: its front is
-    /// handed out, the rest goes to the tree. Cheaper than flushing the whole cache.
-    fn split_larger_cached(&mut self, size: usize, ok: &impl Fn(u64) -> bool) -> Option<(u64, u64)> {
-        let above = match class_index(size) {
-            Some(c) if c + 1 < CLASSES => self.cache_bits & !((1u128 << (c + 1)) - 1),
-            Some(_) => 0,
-            None => self.cache_bits,
-        };
-        let mut bits = above;
-        while bits != 0 {
-            let c = bits.trailing_zeros() as usize;
-            bits &= bits - 1;
-            let stack = &mut self.cache[c];
-            let Some(i) = stack.iter().rposition(|(_, b)| ok(b.epoch) && b.size >= size) else { continue };
-            let (ptr, b) = stack.remove(i);
-            if stack.is_empty() {
-                self.cache_bits &= !(1 << c);
+    fn find_in(&self, list: usize, ok: impl Fn(&FreeBlock) -> bool) -> Option<u32> {
+        let mut i = self.heads[list];
+        while i != NIL {
+            let r = &self.recs[i as usize];
+            if ok(&r.block) {
+                return Some(i);
             }
-            self.cached_bytes -= b.size;
-            if b.size > size {
-                let rest = FreeBlock { size: b.size - size, ..b };
-                let inserted = self.insert_into_tree(ptr + size as u64, rest);
-                debug_assert!(inserted, "a cached block's remainder is not free elsewhere");
-            }
-            return Some((ptr, b.epoch));
+            i = r.next;
         }
         None
     }
 
-    /// Moves every cached block into the tree, coalescing.
-    fn flush(&mut self) {
-        for c in 0..CLASSES {
-            if self.cache_bits & (1 << c) != 0 {
-                for (ptr, b) in std::mem::take(&mut self.cache[c]) {
-                    // A cached double free shows up here as an overlap; it is dropped (the
-                    // block is free already), so the lists stay consistent.
-                    let _ = self.insert_into_tree(ptr, b);
-                }
-            }
+    /// Hands out the front `size` bytes of block `i`; the rest keeps the record.
+    fn carve(&mut self, i: u32, size: usize) -> (u64, FreeBlock) {
+        let Rec { ptr, block, .. } = self.recs[i as usize];
+        debug_assert!(block.size >= size);
+        self.ends.remove(ptr);
+        self.bytes -= size;
+        if block.size == size {
+            self.ends.remove((ptr + size as u64) | 1);
+            self.unlink(i);
+            self.spare.push(i);
+        } else {
+            let r = &mut self.recs[i as usize];
+            r.ptr = ptr + size as u64;
+            r.block.size -= size;
+            self.ends.insert(ptr + size as u64, i);
+            self.relink(i);
         }
-        self.cache_bits = 0;
-        self.cached_bytes = 0;
+        (ptr, FreeBlock { size, ..block })
     }
 
-    fn take_from_tree(&mut self, size: usize, ok: &impl Fn(u64) -> bool) -> Option<(u64, u64)> {
-        let (found_size, ptr) =
-            *self.by_size.range((size, 0)..).find(|&&(_, ptr)| ok(self.by_addr[&ptr].epoch))?;
-        let block = self.remove(ptr, found_size);
-        if found_size > size {
-            self.put(ptr + size as u64, FreeBlock { size: found_size - size, ..block });
+    /// Adds a freed block. It waits in the slot; the block it displaces there is merged
+    /// with its free neighbours of the same chunk, and a merged block carries the later of
+    /// the epochs (it is usable where all parts are). The caller guarantees the block is not
+    /// free already (the pool checks every free against its live allocations first).
+    pub fn insert(&mut self, ptr: u64, block: FreeBlock) {
+        debug_assert!(
+            self.ends.get(ptr).is_none() && self.recent.is_none_or(|(p, _)| p != ptr),
+            "pool bookkeeping: {ptr:#x} is already free"
+        );
+        if let Some((p, b)) = self.recent.replace((ptr, block)) {
+            self.merge(p, b);
         }
-        Some((ptr, block.epoch))
     }
 
-    /// Adds a freed block: to the cache when its size is a class size, else to the tree.
-    /// Returns false, changing nothing, for a double free it can see: a block overlapping
-    /// one in the tree, or the same block among the last few cached of its class (debug
-    /// builds of the pool check every free against their live allocations).
-    #[must_use]
-    pub fn insert(&mut self, ptr: u64, block: FreeBlock) -> bool {
-        if let Some(c) = class_index(block.size) {
-            // An immediate double free finds the block among the last few of its class
-            // (a bounded look, so that long stacks stay O(1) to push).
-            if self.cache[c].iter().rev().take(RECENT).any(|&(p, _)| p == ptr) {
-                return false;
-            }
-            self.cache[c].push((ptr, block));
-            self.cache_bits |= 1 << c;
-            self.cached_bytes += block.size;
-            return true;
-        }
-        self.insert_into_tree(ptr, block)
-    }
-
-    /// Adds a block to the tree, merging it with free neighbours of the same chunk; a
-    /// merged block carries the later of the two epochs (it is usable where both parts
-    /// are). False, changing nothing, when it overlaps a block already free.
-    fn insert_into_tree(&mut self, ptr: u64, mut block: FreeBlock) -> bool {
+    /// Lists a block, merging it with its free neighbours.
+    fn merge(&mut self, ptr: u64, block: FreeBlock) {
         let end = ptr + block.size as u64;
-        let prev = self.by_addr.range(..=ptr).next_back().map(|(&p, &b)| (p, b));
-        if prev.is_some_and(|(p, b)| p + b.size as u64 > ptr) || self.by_addr.range(ptr..end).next().is_some()
-        {
-            return false;
-        }
-        let mut start = ptr;
-        if let Some((prev, p)) = prev {
-            if prev + p.size as u64 == ptr && p.chunk == block.chunk {
-                self.remove(prev, p.size);
-                start = prev;
-                block = FreeBlock {
-                    size: p.size + block.size,
-                    chunk: block.chunk,
-                    epoch: p.epoch.max(block.epoch),
-                };
+        // Neighbours are unhooked from the maps as they are looked up (one hash operation
+        // each), and put back if they belong to another chunk (rare).
+        let prev = self.ends.remove(ptr | 1).filter(|&p| {
+            let same = self.recs[p as usize].block.chunk == block.chunk;
+            if !same {
+                self.ends.insert(ptr | 1, p);
             }
-        }
-        if let Some(&n) = self.by_addr.get(&end) {
-            if n.chunk == block.chunk {
-                self.remove(end, n.size);
-                block = FreeBlock {
-                    size: block.size + n.size,
-                    chunk: block.chunk,
-                    epoch: block.epoch.max(n.epoch),
-                };
+            same
+        });
+        let next = self.ends.remove(end).filter(|&n| {
+            let same = self.recs[n as usize].block.chunk == block.chunk;
+            if !same {
+                self.ends.insert(end, n);
             }
-        }
-        self.put(start, block);
-        true
+            same
+        });
+        // The merged block keeps a neighbour's record: only the moved end is re-hashed.
+        let (keep, new_end) = match (prev, next) {
+            (None, None) => return self.add(ptr, block),
+            (Some(p), None) => (p, end),
+            (None, Some(n)) => {
+                self.recs[n as usize].ptr = ptr;
+                self.ends.insert(ptr, n);
+                let r = &mut self.recs[n as usize].block;
+                (r.size, r.epoch) = (r.size + block.size, r.epoch.max(block.epoch));
+                self.bytes += block.size;
+                self.relink(n);
+                return;
+            }
+            (Some(p), Some(n)) => {
+                let next = self.recs[n as usize];
+                self.unlink(n);
+                self.spare.push(n);
+                let r = &mut self.recs[p as usize].block;
+                (r.size, r.epoch) = (r.size + next.block.size, r.epoch.max(next.block.epoch));
+                (p, next.ptr + next.block.size as u64)
+            }
+        };
+        self.ends.insert(new_end | 1, keep);
+        let r = &mut self.recs[keep as usize].block;
+        (r.size, r.epoch) = (r.size + block.size, r.epoch.max(block.epoch));
+        self.bytes += block.size;
+        self.relink(keep);
     }
 
-    /// [`Self::insert`] of a block the pool knows is not free anywhere.
-    pub fn insert_fresh(&mut self, ptr: u64, block: FreeBlock) {
-        let inserted = self.insert(ptr, block);
-        debug_assert!(inserted, "pool bookkeeping: {ptr:#x} is already free");
+    /// Moves record `i` to the list of its (changed) size.
+    fn relink(&mut self, i: u32) {
+        if list_of(self.recs[i as usize].block.size) != self.recs[i as usize].list as usize {
+            self.unlink(i);
+            self.link(i);
+        }
     }
 
     /// Removes and returns every block whose epoch satisfies `pred`.
     pub fn drain(&mut self, pred: impl Fn(u64) -> bool) -> Vec<(u64, FreeBlock)> {
-        self.flush();
-        let taken: Vec<(u64, FreeBlock)> =
-            self.by_addr.iter().filter(|(_, b)| pred(b.epoch)).map(|(&p, &b)| (p, b)).collect();
-        for &(ptr, b) in &taken {
-            self.remove(ptr, b.size);
-        }
-        taken
+        self.remove_where(|_, b| pred(b.epoch))
     }
 
-    /// Removes the blocks that are whole chunks (`is_whole(ptr, block)`), and returns them.
+    /// Removes and returns the blocks for which `is_whole(ptr, block)` holds.
     pub fn take_whole_chunks(&mut self, is_whole: impl Fn(u64, &FreeBlock) -> bool) -> Vec<(u64, FreeBlock)> {
-        self.flush();
-        let whole: Vec<(u64, FreeBlock)> =
-            self.by_addr.iter().filter(|(&p, b)| is_whole(p, b)).map(|(&p, &b)| (p, b)).collect();
-        for &(ptr, b) in &whole {
-            self.remove(ptr, b.size);
+        self.remove_where(is_whole)
+    }
+
+    fn remove_where(&mut self, pred: impl Fn(u64, &FreeBlock) -> bool) -> Vec<(u64, FreeBlock)> {
+        if let Some((p, b)) = self.recent.take() {
+            self.merge(p, b);
         }
-        whole
+        let found: Vec<u32> = self
+            .ends
+            .iter()
+            .filter(|&(k, i)| k & 1 == 0 && pred(k, &self.recs[i as usize].block))
+            .map(|(_, i)| i)
+            .collect();
+        found
+            .into_iter()
+            .map(|i| {
+                let r = self.recs[i as usize];
+                self.remove(i);
+                (r.ptr, r.block)
+            })
+            .collect()
     }
 
-    fn put(&mut self, ptr: u64, block: FreeBlock) {
+    fn add(&mut self, ptr: u64, block: FreeBlock) {
+        let rec = Rec { ptr, block, list: 0, prev: NIL, next: NIL };
+        let i = match self.spare.pop() {
+            Some(i) => {
+                self.recs[i as usize] = rec;
+                i
+            }
+            None => {
+                self.recs.push(rec);
+                u32::try_from(self.recs.len() - 1).expect("fewer than 2^32 free blocks")
+            }
+        };
+        self.ends.insert(ptr, i);
+        self.ends.insert((ptr + block.size as u64) | 1, i);
         self.bytes += block.size;
-        self.by_size.insert((block.size, ptr));
-        let previous = self.by_addr.insert(ptr, block);
-        debug_assert!(previous.is_none(), "block {ptr:#x} is already free");
+        self.link(i);
     }
 
-    fn remove(&mut self, ptr: u64, size: usize) -> FreeBlock {
-        self.bytes -= size;
-        self.by_size.remove(&(size, ptr));
-        self.by_addr.remove(&ptr).expect("a listed block")
+    fn remove(&mut self, i: u32) {
+        let Rec { ptr, block, .. } = self.recs[i as usize];
+        self.ends.remove(ptr);
+        self.ends.remove((ptr + block.size as u64) | 1);
+        self.bytes -= block.size;
+        self.unlink(i);
+        self.spare.push(i);
+    }
+
+    /// Pushes record `i` on the list of its size.
+    fn link(&mut self, i: u32) {
+        let l = list_of(self.recs[i as usize].block.size);
+        let head = self.heads[l];
+        if head != NIL {
+            self.recs[head as usize].prev = i;
+        }
+        let r = &mut self.recs[i as usize];
+        (r.list, r.prev, r.next) = (l as u32, NIL, head);
+        self.heads[l] = i;
+        self.bits[l / 64] |= 1 << (l % 64);
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let Rec { list, prev, next, .. } = self.recs[i as usize];
+        let l = list as usize;
+        if prev == NIL {
+            self.heads[l] = next;
+            if next == NIL {
+                self.bits[l / 64] &= !(1 << (l % 64));
+            }
+        } else {
+            self.recs[prev as usize].next = next;
+        }
+        if next != NIL {
+            self.recs[next as usize].prev = prev;
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
 
     fn block(size: usize, chunk: u64, epoch: u64) -> FreeBlock {
         FreeBlock { size, chunk, epoch }
     }
 
     #[test]
-    fn classes() {
+    fn classes_are_list_boundaries() {
         assert_eq!(class_size(1), 256);
         assert_eq!(class_size(4096), 4096);
         assert_eq!(class_size(4097), 4608);
         assert_eq!(class_size(1 << 20), 1 << 20);
         assert_eq!(class_size((1 << 20) + 1), (1 << 20) + (1 << 17));
-        assert_eq!(class_size(CACHE_MAX + 1), CACHE_MAX + 256);
-        let mut seen = std::collections::HashSet::new();
-        for bytes in (1..CACHE_MAX).step_by(4093) {
+        assert_eq!(class_size(ROUND_MAX + 1), ROUND_MAX + 256);
+        for bytes in (1..ROUND_MAX).step_by(4093) {
             let size = class_size(bytes);
             assert!(size >= bytes && size - bytes <= bytes / 8 + 255, "{bytes} -> {size}");
-            if size >= CACHE_MAX {
-                assert_eq!(class_index(size), None);
-                continue;
+            if size < ROUND_MAX {
+                assert_eq!(list_floor(list_of(size)), size, "{size} is a boundary");
             }
-            let c = class_index(size).expect("a class size has a class");
-            assert!(c < CLASSES);
-            seen.insert((c, size));
         }
-        let by_class: std::collections::HashMap<usize, usize> = seen.iter().copied().collect();
-        assert_eq!(by_class.len(), seen.len(), "one size per class");
-        assert_eq!(class_index(5000), None);
-        assert_eq!(class_index(CACHE_MAX), None);
+        for l in 0..LISTS - 1 {
+            assert_eq!(list_of(list_floor(l)), l);
+            assert_eq!(list_of(list_floor(l + 1) - 256), l, "list {l} ends where {} starts", l + 1);
+        }
+        assert_eq!(list_of(usize::MAX / 256 * 256), LISTS - 1);
     }
 
     #[test]
-    fn cache_hits_are_lifo_and_flush_coalesces() {
+    fn takes_split_and_frees_coalesce() {
         let mut f = FreeList::default();
-        // A chunk remainder (not a class size) lives in the tree.
-        assert!(f.insert(0x10000, block(3 * 4096 + 256, 1, 0)));
+        f.insert(0x10000, block(3 * 4096 + 256, 1, 0));
         let a = f.take(4096, |_| true).unwrap().0;
         let b = f.take(4096, |_| true).unwrap().0;
         assert_eq!((a, b), (0x10000, 0x11000));
-        assert!(f.insert(a, block(4096, 1, 2)));
-        assert!(f.insert(b, block(4096, 1, 3)));
+        f.insert(a, block(4096, 1, 2));
+        assert_eq!(f.merged_len(), 2, "a is not next to the free rest");
+        f.insert(b, block(4096, 1, 3));
+        assert_eq!(f.merged_len(), 1, "a, b and the rest merged");
         assert_eq!(f.bytes(), 3 * 4096 + 256);
-        assert_eq!(f.take(4096, |_| true), Some((b, 3)), "the most recently freed");
-        assert!(f.insert(b, block(4096, 1, 3)));
-        assert!(!f.insert(b, block(4096, 1, 3)), "an immediate double free is refused");
-        // A larger cached block is split rather than flushing the cache.
-        assert!(f.insert(0x20000, block(8192, 2, 4)));
-        assert_eq!(f.take(4096 + 512, |_| true), Some((0x20000, 4)));
-        assert_eq!(f.take(3584, |_| true), Some((0x21200, 4)), "the rest went to the tree");
-        // 3 pages + 256 only fit after the cache is flushed and everything coalesces.
-        assert_eq!(f.take(3 * 4096 + 256, |_| true), Some((0x10000, 3)));
+        assert_eq!(
+            f.take(3 * 4096 + 256, |_| true),
+            Some((0x10000, block(3 * 4096 + 256, 1, 3))),
+            "the later epoch"
+        );
+        assert_eq!(f.bytes(), 0);
+        assert_eq!(f.merged_len(), 0);
+    }
+
+    #[test]
+    fn chunks_do_not_merge_and_epochs_filter() {
+        let mut f = FreeList::default();
+        f.insert(0x1000, block(256, 1, 5));
+        f.insert(0x1100, block(256, 2, 1));
+        assert_eq!(f.merged_len(), 2, "adjacent blocks of two chunks stay apart");
+        assert_eq!(f.take(256, |e| e < 2), Some((0x1100, block(256, 2, 1))));
+        assert_eq!(f.take(256, |e| e < 2), None);
+        assert_eq!(f.take_whole_chunks(|_, b| b.chunk == 1).len(), 1);
         assert_eq!(f.bytes(), 0);
     }
 
     #[test]
-    fn chunks_do_not_merge_epochs_filter_and_overlaps_are_refused() {
+    fn sizes_beyond_the_boundaries_fit_within_their_list() {
         let mut f = FreeList::default();
-        assert!(f.insert(0x1000, block(256, 1, 5)));
-        assert!(f.insert(0x1100, block(256, 2, 1)));
-        assert_eq!(f.take(256, |e| e < 2), Some((0x1100, 1)));
-        assert_eq!(f.take(256, |e| e < 2), None);
-        assert_eq!(f.take_whole_chunks(|_, b| b.chunk == 1).len(), 1);
-        assert_eq!(f.bytes(), 0);
-        assert!(f.insert(0x8000, block(5000 / 256 * 256, 3, 0)));
-        assert!(!f.insert(0x8100, block(4864, 3, 0)), "overlap in the tree is refused");
-        assert_eq!(f.bytes(), 4864);
+        let big = ROUND_MAX + 4096;
+        f.insert(1 << 40, block(big, 1, 0));
+        assert_eq!(f.take(ROUND_MAX + 8192, |_| true), None, "too big");
+        assert_eq!(
+            f.take(ROUND_MAX + 256, |_| true),
+            Some((1 << 40, block(ROUND_MAX + 256, 1, 0))),
+            "same list, fits"
+        );
+        assert_eq!(f.bytes(), 3840);
+    }
+
+    proptest! {
+        /// Against a model (a map of free granules): every take returns free memory of the
+        /// right chunk, nothing is lost, and neighbours of one chunk are always merged.
+        #[test]
+        fn matches_a_model(ops in proptest::collection::vec((0u8..3, 1usize..64, 0u64..4), 1..200)) {
+            const G: u64 = 256;
+            let mut f = FreeList::default();
+            // Two adjacent chunks of 64 granules each.
+            let mut free: BTreeMap<u64, u64> = BTreeMap::new(); // granule -> chunk
+            for c in 0..2u64 {
+                f.insert(0x100000 + c * 64 * G, block(64 * G as usize, c, 0));
+                for g in 0..64 { free.insert(0x100000 / G + c * 64 + g, c); }
+            }
+            let mut live: Vec<(u64, usize, u64)> = Vec::new();
+            for (op, n, epoch) in ops {
+                if op < 2 || live.is_empty() {
+                    let size = n * G as usize;
+                    match f.take(size, |e| e <= epoch) {
+                        Some((ptr, b)) => {
+                            let chunk = free[&(ptr / G)];
+                            prop_assert_eq!((b.size, b.chunk), (size, chunk));
+                            for g in ptr / G..(ptr + size as u64) / G {
+                                prop_assert_eq!(free.remove(&g), Some(chunk), "granule {:#x} not free or of another chunk", g);
+                            }
+                            live.push((ptr, size, chunk));
+                        }
+                        None => {
+                            // Nothing fits under the epoch filter: no run of free granules
+                            // of one chunk is long enough, or the filter refused it.
+                            if epoch == 3 {
+                                let longest = (0..2u64).map(|c| {
+                                    let (mut best, mut run) = (0, 0);
+                                    for g in 0..64 {
+                                        if free.contains_key(&(0x100000 / G + c * 64 + g)) { run += 1; best = best.max(run) } else { run = 0 }
+                                    }
+                                    best
+                                }).max().unwrap();
+                                prop_assert!(longest < n as u64, "{} granules free in a row, {} asked", longest, n);
+                            }
+                        }
+                    }
+                } else {
+                    let (ptr, size, chunk) = live.swap_remove(n % live.len());
+                    f.insert(ptr, block(size, chunk, epoch));
+                    for g in ptr / G..(ptr + size as u64) / G { free.insert(g, chunk); }
+                }
+                prop_assert_eq!(f.bytes() as u64, free.len() as u64 * G);
+                // Maximal merging: the number of blocks is the number of runs of free
+                // granules within a chunk.
+                let runs = free.iter().filter(|(&g, &c)| g % 64 == 0 || free.get(&(g - 1)) != Some(&c)).count();
+                prop_assert_eq!(f.merged_len(), runs);
+            }
+        }
     }
 }

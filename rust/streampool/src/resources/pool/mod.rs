@@ -1,6 +1,7 @@
 //! The lock-sharded stream-ordered pool. The design, the policy order and the reasons
 //! are in `IMPLEMENTATION.md` beside this file.
 
+mod addrmap;
 mod freelist;
 
 #[cfg(not(loom))]
@@ -8,6 +9,7 @@ use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 
+use addrmap::AddrMap;
 use freelist::{class_size, FreeBlock, FreeList};
 
 use crate::device::{BackendRef, DevPtr};
@@ -19,12 +21,15 @@ use crate::size::align_up;
 use crate::stream::{Event, Stream};
 use std::sync::Arc;
 
-use crate::sync::{lock, try_lock, AtomicI64, AtomicU64, AtomicUsize, Mutex, Ordering, RwLock};
+use crate::sync::{lock, try_lock, AtomicU64, AtomicUsize, Mutex, Ordering, RwLock};
 
 /// Growth never asks the upstream for less than this (unless the maximum leaves less).
 pub const MIN_CHUNK: usize = 2 << 20;
 /// Events a shard keeps in flight at most.
 const MAX_EVENTS: usize = 16;
+/// While no stream is short of memory, a shard's interval between events doubles after
+/// each event, up to this many times `events_every`.
+const MAX_EVENT_BACKOFF: usize = 64;
 /// Growth asks for at most this beyond the request.
 pub const MAX_GROWTH_STEP: usize = 1 << 30;
 
@@ -113,13 +118,16 @@ pub struct PoolStats {
 /// bytes.
 pub struct ShardedPoolMemoryResource {
     upstream: ResourceRef,
+    /// The upstream's, kept here: every call asks for them (no dynamic call each time).
+    backend: BackendRef,
+    device: i32,
     #[cfg_attr(loom, allow(dead_code))]
     uid: u64,
     options: PoolOptions,
     maximum: usize,
     shards: RwLock<HashMap<u64, Arc<Shard>>>,
     common: Mutex<FreeList>,
-    chunks: RwLock<ChunkTable>,
+    chunks: RwLock<Arc<ChunkTable>>,
     chunk_generation: AtomicU64,
     next_chunk: AtomicU64,
     reserved: AtomicUsize,
@@ -146,24 +154,78 @@ struct Counters {
     events: AtomicU64,
 }
 
-/// The chunk table: sorted by start, replaced (never changed in place) on growth and release.
-type ChunkTable = Arc<Vec<Chunk>>;
+/// The chunk table: every upstream allocation, sorted by start, and indexed by id.
+/// Replaced (never changed in place) on growth and release.
+#[derive(Debug, Default)]
+struct ChunkTable {
+    sorted: Vec<Chunk>,
+    /// `id << 8` -> index in `sorted`.
+    by_id: AddrMap,
+}
 
-#[derive(Debug, Clone, Copy)]
+impl ChunkTable {
+    fn new(sorted: Vec<Chunk>) -> Arc<ChunkTable> {
+        let mut by_id = AddrMap::default();
+        for (i, c) in sorted.iter().enumerate() {
+            by_id.insert(c.id << 8, i as u32);
+        }
+        Arc::new(ChunkTable { sorted, by_id })
+    }
+
+    /// The chunk that `[ptr, ptr + size)` lies in, if `ptr` is on a 256-byte boundary of it.
+    fn containing(&self, ptr: DevPtr, size: usize) -> Option<&Chunk> {
+        let c = &self.sorted[self.sorted.partition_point(|c| c.start <= ptr).checked_sub(1)?];
+        let fits = ptr + size as u64 <= c.start + c.size as u64 && (ptr - c.start) % ALIGNMENT as u64 == 0;
+        fits.then_some(c)
+    }
+
+    fn by_id(&self, id: u64) -> Option<&Chunk> {
+        self.by_id.get(id << 8).map(|i| &self.sorted[i as usize])
+    }
+}
+
+#[derive(Debug, Clone)]
 struct Chunk {
     start: u64,
     size: usize,
     id: u64,
+    /// A bit per 256 bytes, set where a live allocation starts: a free must clear one, so
+    /// double frees and pointers that were never handed out are refused, whatever the shard.
+    live: Arc<[AtomicU64]>,
 }
 
-/// One stream's free blocks. See `IMPLEMENTATION.md` for epochs.
+impl Chunk {
+    fn new(start: u64, size: usize, id: u64) -> Chunk {
+        let words = (size / ALIGNMENT).div_ceil(64);
+        Chunk { start, size, id, live: (0..words).map(|_| AtomicU64::new(0)).collect() }
+    }
+
+    fn live_bit(&self, ptr: DevPtr) -> (&AtomicU64, u64) {
+        let g = ((ptr - self.start) / ALIGNMENT as u64) as usize;
+        (&self.live[g / 64], 1 << (g % 64))
+    }
+
+    /// Marks `ptr` as the start of a live allocation.
+    fn mark_live(&self, ptr: DevPtr) {
+        let (word, bit) = self.live_bit(ptr);
+        let was = word.fetch_or(bit, Ordering::Relaxed);
+        debug_assert!(was & bit == 0, "pool bookkeeping: {ptr:#x} handed out twice");
+    }
+
+    /// Unmarks `ptr`; false (changing nothing) when no live allocation starts there.
+    fn unmark_live(&self, ptr: DevPtr) -> bool {
+        let (word, bit) = self.live_bit(ptr);
+        word.fetch_and(!bit, Ordering::Relaxed) & bit != 0
+    }
+}
+
+/// One stream's free blocks. See `IMPLEMENTATION.md` for epochs. On cache lines of its
+/// own: threads on different streams share nothing on the hot path.
 #[derive(Debug)]
+#[repr(align(128))]
 struct Shard {
     key: u64,
     state: Mutex<ShardState>,
-    /// Bytes allocated on this stream minus bytes freed on it (may go below zero for one
-    /// shard when memory is freed on another stream; the sum is exact).
-    used: AtomicI64,
 }
 
 #[derive(Debug, Default)]
@@ -179,22 +241,70 @@ struct ShardState {
     completed: u64,
     /// The pool's demand count this shard last answered.
     seen_demand: u64,
+    /// Frees between events now: `events_every`, doubled after each event recorded while
+    /// nobody was short of memory (up to `MAX_EVENT_BACKOFF` times), reset on demand.
+    interval: usize,
     spare_events: Vec<Arc<Event>>,
+    /// Bytes allocated on this stream minus bytes freed on it (may go below zero for one
+    /// shard when memory is freed on another stream; the sum is exact).
+    used: i64,
 }
 
 // A process-wide counter, not shared state of a model: std's atomic, also under loom.
 static NEXT_POOL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-#[cfg(not(loom))]
-thread_local! {
-    /// (pool uid, stream key) -> shard: the hot path's lookup touches nothing shared.
-    static SHARDS: RefCell<Vec<(u64, u64, Arc<Shard>)>> = const { RefCell::new(Vec::new()) };
-    /// (pool uid, chunk generation, chunk table snapshot).
-    static CHUNKS: RefCell<Vec<(u64, u64, ChunkTable)>> = const { RefCell::new(Vec::new()) };
+/// What a thread keeps of one pool, so that the hot path reads nothing shared but its
+/// shard: the shards of the streams it used, and a snapshot of the chunk table with the
+/// table's generation when it was taken.
+struct Local {
+    uid: u64,
+    generation: u64,
+    table: Arc<ChunkTable>,
+    shards: Vec<(u64, Arc<Shard>)>,
 }
 
 #[cfg(not(loom))]
+thread_local! {
+    static LOCALS: RefCell<Vec<Local>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Pools per thread, and shards per pool per thread, kept in `Local`s (the oldest go first).
 const THREAD_CACHE: usize = 16;
+
+impl Local {
+    fn new(uid: u64) -> Local {
+        Local { uid, generation: u64::MAX, table: Arc::default(), shards: Vec::new() }
+    }
+
+    /// Refreshes the snapshot of the chunk table if the table changed since it was taken
+    /// (one atomic load when it did not).
+    fn refresh(&mut self, pool: &ShardedPoolMemoryResource) {
+        let generation = pool.chunk_generation.load(Ordering::Acquire);
+        if generation != self.generation {
+            self.table = pool.table();
+            self.generation = generation;
+        }
+    }
+}
+
+/// The shard of `key` among a thread's, fetched (or made) on first use.
+fn shard_in<'a>(
+    shards: &'a mut Vec<(u64, Arc<Shard>)>,
+    pool: &ShardedPoolMemoryResource,
+    key: u64,
+) -> &'a Shard {
+    let i = match shards.iter().position(|(k, _)| *k == key) {
+        Some(i) => i,
+        None => {
+            if shards.len() >= THREAD_CACHE {
+                shards.remove(0);
+            }
+            shards.push((key, pool.shard_slow(key)));
+            shards.len() - 1
+        }
+    };
+    &shards[i].1
+}
 
 impl ShardedPoolMemoryResource {
     /// A pool over `upstream`. `maximum_pool_size` below `initial_pool_size` is an error.
@@ -214,13 +324,15 @@ impl ShardedPoolMemoryResource {
             return Err(Error::invalid("events_every must be at least 1"));
         }
         let pool = ShardedPoolMemoryResource {
+            backend: upstream.backend().clone(),
+            device: upstream.device(),
             upstream,
             uid: NEXT_POOL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             options,
             maximum,
             shards: RwLock::new(HashMap::new()),
             common: Mutex::new(FreeList::default()),
-            chunks: RwLock::new(Arc::new(Vec::new())),
+            chunks: RwLock::new(Arc::default()),
             chunk_generation: AtomicU64::new(0),
             next_chunk: AtomicU64::new(1),
             reserved: AtomicUsize::new(0),
@@ -233,8 +345,7 @@ impl ShardedPoolMemoryResource {
             let legacy = Stream::legacy();
             let chunk = pool.grow(initial, &legacy, true)?;
             pool.backend().stream_synchronize(pool.device(), legacy.handle())?;
-            lock(&pool.common)
-                .insert_fresh(chunk.start, FreeBlock { size: chunk.size, chunk: chunk.id, epoch: 0 });
+            lock(&pool.common).insert(chunk.start, FreeBlock { size: chunk.size, chunk: chunk.id, epoch: 0 });
         }
         Ok(pool)
     }
@@ -249,10 +360,16 @@ impl ShardedPoolMemoryResource {
     pub fn stats(&self) -> PoolStats {
         let shards: Vec<Arc<Shard>> =
             self.shards.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
-        let mut shard_free_bytes: Vec<(u64, usize)> =
-            shards.iter().map(|s| (s.key, lock(&s.state).free.bytes())).collect();
+        let mut used = 0i64;
+        let mut shard_free_bytes: Vec<(u64, usize)> = shards
+            .iter()
+            .map(|s| {
+                let st = lock(&s.state);
+                used += st.used;
+                (s.key, st.free.bytes())
+            })
+            .collect();
         shard_free_bytes.sort_unstable();
-        let used: i64 = shards.iter().map(|s| s.used.load(Ordering::Relaxed)).sum();
         let common_free_bytes = lock(&self.common).bytes();
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -279,25 +396,31 @@ impl ShardedPoolMemoryResource {
         self.trim(0)
     }
 
-    #[cfg(loom)]
-    fn with_shard<T>(&self, key: u64, f: impl FnOnce(&Shard) -> T) -> T {
-        f(&self.shard_slow(key))
+    /// Runs `f` on this thread's `Local` of this pool (under loom, a fresh one each time:
+    /// the model then sees every shared access).
+    fn local<T>(&self, f: impl FnOnce(&mut Local) -> T) -> T {
+        #[cfg(loom)]
+        return f(&mut Local::new(self.uid));
+        #[cfg(not(loom))]
+        LOCALS.with(|cell| {
+            let mut locals = cell.borrow_mut();
+            let i = match locals.iter().position(|l| l.uid == self.uid) {
+                Some(i) => i,
+                None => {
+                    if locals.len() >= THREAD_CACHE {
+                        locals.remove(0);
+                    }
+                    locals.push(Local::new(self.uid));
+                    locals.len() - 1
+                }
+            };
+            f(&mut locals[i])
+        })
     }
 
-    #[cfg(not(loom))]
-    fn with_shard<T>(&self, key: u64, f: impl FnOnce(&Shard) -> T) -> T {
-        SHARDS.with(|cache| {
-            let mut cache = cache.borrow_mut();
-            if let Some((.., shard)) = cache.iter().find(|(uid, k, _)| *uid == self.uid && *k == key) {
-                return f(shard);
-            }
-            let shard = self.shard_slow(key);
-            if cache.len() >= THREAD_CACHE {
-                cache.remove(0);
-            }
-            cache.push((self.uid, key, shard.clone()));
-            f(&shard)
-        })
+    /// The chunk table now (off the hot path).
+    fn table(&self) -> Arc<ChunkTable> {
+        self.chunks.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The shard of `key`, made on first use. Two threads using a new stream at once get
@@ -309,7 +432,13 @@ impl ShardedPoolMemoryResource {
         let mut map = self.shards.write().unwrap_or_else(|e| e.into_inner());
         map.entry(key)
             .or_insert_with(|| {
-                Arc::new(Shard { key, state: Mutex::new(ShardState::default()), used: AtomicI64::new(0) })
+                Arc::new(Shard {
+                    key,
+                    state: Mutex::new(ShardState {
+                        interval: self.options.events_every,
+                        ..Default::default()
+                    }),
+                })
             })
             .clone()
     }
@@ -322,44 +451,6 @@ impl ShardedPoolMemoryResource {
             .filter(|s| s.key != key)
             .cloned()
             .collect()
-    }
-
-    /// The chunk that `ptr` lies in (for coalescing within one chunk only), from this
-    /// thread's snapshot of the chunk table, refreshed when the table changed.
-    fn chunk_of(&self, ptr: DevPtr, size: usize) -> Option<Chunk> {
-        #[cfg(loom)]
-        let table = self.chunks.read().unwrap_or_else(|e| e.into_inner()).clone();
-        #[cfg(not(loom))]
-        let table = self.chunk_table();
-        let i = table.partition_point(|c| c.start <= ptr).checked_sub(1)?;
-        let c = table[i];
-        (ptr + size as u64 <= c.start + c.size as u64).then_some(c)
-    }
-
-    #[cfg(not(loom))]
-    fn chunk_table(&self) -> ChunkTable {
-        let generation = self.chunk_generation.load(Ordering::Acquire);
-        CHUNKS.with(|cache| {
-            let mut cache = cache.borrow_mut();
-            let pos = cache.iter().position(|(uid, ..)| *uid == self.uid);
-            let table = match pos {
-                Some(i) if cache[i].1 == generation => cache[i].2.clone(),
-                _ => {
-                    let table = self.chunks.read().unwrap_or_else(|e| e.into_inner()).clone();
-                    match pos {
-                        Some(i) => cache[i] = (self.uid, generation, table.clone()),
-                        None => {
-                            if cache.len() >= THREAD_CACHE {
-                                cache.remove(0);
-                            }
-                            cache.push((self.uid, generation, table.clone()))
-                        }
-                    }
-                    table
-                }
-            };
-            table
-        })
     }
 
     /// Takes at least `size` bytes (exactly, if `exact`; else by the growth policy) from
@@ -396,13 +487,13 @@ impl ShardedPoolMemoryResource {
                 return Err(e);
             }
         };
-        let c = Chunk { start, size: chunk, id: self.next_chunk.fetch_add(1, Ordering::Relaxed) };
+        let c = Chunk::new(start, chunk, self.next_chunk.fetch_add(1, Ordering::Relaxed));
         {
             let mut table = self.chunks.write().unwrap_or_else(|e| e.into_inner());
-            let mut next: Vec<Chunk> = table.as_ref().clone();
+            let mut next: Vec<Chunk> = table.sorted.clone();
             let at = next.partition_point(|x| x.start < start);
-            next.insert(at, c);
-            *table = Arc::new(next);
+            next.insert(at, c.clone());
+            *table = ChunkTable::new(next);
             self.chunk_generation.fetch_add(1, Ordering::Release);
         }
         self.counters.growths.fetch_add(1, Ordering::Relaxed);
@@ -440,7 +531,7 @@ impl ShardedPoolMemoryResource {
             };
             let mut common = lock(&self.common);
             for (ptr, b) in blocks {
-                common.insert_fresh(ptr, FreeBlock { epoch: 0, ..b });
+                common.insert(ptr, FreeBlock { epoch: 0, ..b });
             }
         }
     }
@@ -449,8 +540,10 @@ impl ShardedPoolMemoryResource {
     /// `keep` free bytes remain; returns the bytes released.
     fn trim(&self, keep: usize) -> Result<usize> {
         let whole = {
-            let table = self.chunks.read().unwrap_or_else(|e| e.into_inner()).clone();
-            let is_whole = |ptr: u64, b: &FreeBlock| table.iter().any(|c| c.start == ptr && c.size == b.size);
+            let table = self.table();
+            let is_whole = |ptr: u64, b: &FreeBlock| {
+                table.by_id(b.chunk).is_some_and(|c| c.start == ptr && c.size == b.size)
+            };
             let mut common = lock(&self.common);
             let free_now = common.bytes();
             let mut candidates = common.take_whole_chunks(is_whole);
@@ -463,7 +556,7 @@ impl ShardedPoolMemoryResource {
                     excess -= b.size;
                     release.push((ptr, b));
                 } else {
-                    common.insert_fresh(ptr, b);
+                    common.insert(ptr, b);
                 }
             }
             release
@@ -474,8 +567,8 @@ impl ShardedPoolMemoryResource {
             self.upstream.deallocate(ptr, b.size, &Stream::legacy())?;
             {
                 let mut table = self.chunks.write().unwrap_or_else(|e| e.into_inner());
-                let next: Vec<Chunk> = table.iter().filter(|c| c.start != ptr).copied().collect();
-                *table = Arc::new(next);
+                let next: Vec<Chunk> = table.sorted.iter().filter(|c| c.start != ptr).cloned().collect();
+                *table = ChunkTable::new(next);
                 self.chunk_generation.fetch_add(1, Ordering::Release);
             }
             self.reserved.fetch_sub(b.size, Ordering::AcqRel);
@@ -529,7 +622,7 @@ impl ShardedPoolMemoryResource {
                 // Only blocks an event covers (or known complete): blocks of an epoch that
                 // a concurrent synchronisation closed without an event are neither.
                 let covered = st.events.back().map_or(0, |(e, _)| e + 1).max(st.completed);
-                st.free.take(size, |e| e < covered).map(|(ptr, epoch)| (ptr, st.covering(epoch)))
+                st.free.take(size, |e| e < covered).map(|(ptr, b)| (ptr, st.covering(b.epoch)))
             };
             if let Some((ptr, event)) = taken {
                 if let Some(event) = event {
@@ -562,15 +655,16 @@ impl ShardedPoolMemoryResource {
     /// the growing stream only, so it is treated as freed there).
     fn place_chunk(&self, chunk: Chunk, size: usize, key: u64) -> DevPtr {
         if chunk.size > size {
-            self.with_shard(key, |shard| {
+            {
+                let shard = self.shard_slow(key);
                 let mut st = lock(&shard.state);
                 let epoch = st.epoch;
-                st.free.insert_fresh(
+                st.free.insert(
                     chunk.start + size as u64,
                     FreeBlock { size: chunk.size - size, chunk: chunk.id, epoch },
                 );
                 st.unevented += 1;
-            });
+            }
         }
         chunk.start
     }
@@ -580,8 +674,8 @@ impl ShardedPoolMemoryResource {
     /// device synchronisation (rare: only when a wait failed).
     fn return_block(&self, ptr: DevPtr, size: usize) {
         let _ = self.backend().ctx_synchronize(self.device());
-        if let Some(c) = self.chunk_of(ptr, size) {
-            lock(&self.common).insert_fresh(ptr, FreeBlock { size, chunk: c.id, epoch: 0 });
+        if let Some(chunk) = self.table().containing(ptr, size).map(|c| c.id) {
+            lock(&self.common).insert(ptr, FreeBlock { size, chunk, epoch: 0 });
         }
     }
 
@@ -668,32 +762,57 @@ impl ShardState {
 }
 
 impl ShardedPoolMemoryResource {
-    /// Step 1 of the policy. `None` when `!blocking` and the shard's lock is taken.
+    /// Step 1 of the policy, and the live mark of what it hands out. `None` when
+    /// `!blocking` and the shard's lock is taken.
     fn take_own(&self, size: usize, key: u64, blocking: bool) -> Option<Option<DevPtr>> {
-        self.with_shard(key, |shard| {
-            let mut st = if blocking { lock(&shard.state) } else { try_lock(&shard.state)? };
-            let found = st.free.take(size, |_| true).map(|(ptr, _)| ptr);
-            if found.is_some() {
-                shard.used.fetch_add(size as i64, Ordering::Relaxed);
-            }
-            Some(found)
+        self.local(|l| {
+            let taken = {
+                let shard = shard_in(&mut l.shards, self, key);
+                let mut st = if blocking { lock(&shard.state) } else { try_lock(&shard.state)? };
+                let taken = st.free.take(size, |_| true);
+                if taken.is_some() {
+                    st.used += size as i64;
+                }
+                taken
+            };
+            Some(taken.map(|(ptr, block)| {
+                // After the shard's lock: the snapshot then knows every chunk whose blocks
+                // could be in the shard.
+                l.refresh(self);
+                match l.table.by_id(block.chunk) {
+                    Some(c) => c.mark_live(ptr),
+                    None => {
+                        self.table().by_id(block.chunk).expect("a free block's chunk is held").mark_live(ptr)
+                    }
+                }
+                ptr
+            }))
         })
+    }
+
+    /// Marks an allocation of the slow path live.
+    fn mark_live(&self, ptr: DevPtr, size: usize) {
+        let table = self.table();
+        table.containing(ptr, size).expect("an allocation lies in a chunk").mark_live(ptr);
     }
 
     /// Puts a freed block in the shard of `stream`, recording an event when it is due.
     /// `None` when `!blocking` and that would wait for the shard's lock or call the driver.
     fn free_into(&self, ptr: DevPtr, bytes: usize, stream: &Stream, blocking: bool) -> Option<Result<()>> {
         let size = class_size(bytes);
-        let Some(chunk) = self.chunk_of(ptr, size) else {
-            return Some(Err(Error::InvalidPointer(format!(
-                "{ptr:#x} (+{bytes} bytes) does not lie in memory of this ShardedPoolMemoryResource"
-            ))));
-        };
         let key = stream.key(self.backend(), self.device());
         let demand = self.demand.load(Ordering::Relaxed);
-        self.with_shard(key, |shard| {
+        self.local(|l| {
+            l.refresh(self);
+            let Local { table, shards, .. } = l;
+            let Some(chunk) = table.containing(ptr, size) else {
+                return Some(Err(Error::InvalidPointer(format!(
+                    "{ptr:#x} (+{bytes} bytes) does not lie in memory of this ShardedPoolMemoryResource"
+                ))));
+            };
+            let shard = shard_in(shards, self, key);
             let mut st = if blocking { lock(&shard.state) } else { try_lock(&shard.state)? };
-            let record = st.unevented + 1 >= self.options.events_every || demand != st.seen_demand;
+            let record = demand != st.seen_demand || st.unevented + 1 >= st.interval;
             if record && !blocking {
                 return None;
             }
@@ -701,26 +820,29 @@ impl ShardedPoolMemoryResource {
             if let Err(e) = self.forget_live(ptr, size, bytes) {
                 return Some(Err(e));
             }
-            let epoch = st.epoch;
-            if !st.free.insert(ptr, FreeBlock { size, chunk: chunk.id, epoch }) {
+            if !chunk.unmark_live(ptr) {
                 return Some(Err(Error::InvalidPointer(format!(
-                    "{ptr:#x} (+{bytes} bytes) overlaps memory already free in this pool (double free?)"
+                    "{ptr:#x} is not an outstanding allocation of this ShardedPoolMemoryResource (double free?)"
                 ))));
             }
+            let epoch = st.epoch;
+            st.free.insert(ptr, FreeBlock { size, chunk: chunk.id, epoch });
             st.unevented += 1;
-            shard.used.fetch_sub(size as i64, Ordering::Relaxed);
+            st.used -= size as i64;
             if record {
+                // While nobody is short of memory, each event doubles the interval to the
+                // next (a stream that frees a lot records rarely); demand resets it.
+                st.interval = if demand != st.seen_demand {
+                    self.options.events_every
+                } else {
+                    st.interval.saturating_mul(2).min(self.options.events_every * MAX_EVENT_BACKOFF)
+                };
                 st.seen_demand = demand;
                 // Failing to record only delays reuse by other streams.
                 let _ = self.record(&mut st, stream);
             }
             Some(Ok(()))
         })
-    }
-
-    #[cfg(debug_assertions)]
-    fn remember_live(&self, ptr: DevPtr, size: usize) {
-        lock(&self.live).insert(ptr, size);
     }
 
     /// Debug builds check every free against the live allocations.
@@ -744,10 +866,10 @@ impl ShardedPoolMemoryResource {
 
 impl MemoryResource for ShardedPoolMemoryResource {
     fn backend(&self) -> &BackendRef {
-        self.upstream.backend()
+        &self.backend
     }
     fn device(&self) -> i32 {
-        self.upstream.device()
+        self.device
     }
     fn name(&self) -> &str {
         "ShardedPoolMemoryResource"
@@ -763,7 +885,7 @@ impl MemoryResource for ShardedPoolMemoryResource {
         let size = class_size(bytes);
         let ptr = self.take_own(size, stream.key(self.backend(), self.device()), false)??;
         #[cfg(debug_assertions)]
-        self.remember_live(ptr, size);
+        lock(&self.live).insert(ptr, size);
         Some(Ok(ptr))
     }
 
@@ -779,14 +901,15 @@ impl MemoryResource for ShardedPoolMemoryResource {
         let key = stream.key(self.backend(), self.device());
         let result = match self.take_own(size, key, true).flatten() {
             Some(ptr) => Ok(ptr),
-            None => self.allocate_slow(size, stream, key).inspect(|_| {
-                self.with_shard(key, |shard| shard.used.fetch_add(size as i64, Ordering::Relaxed));
+            None => self.allocate_slow(size, stream, key).inspect(|&ptr| {
+                self.mark_live(ptr, size);
+                lock(&self.shard_slow(key).state).used += size as i64;
             }),
         };
         match result {
             Ok(ptr) => {
                 #[cfg(debug_assertions)]
-                self.remember_live(ptr, size);
+                lock(&self.live).insert(ptr, size);
                 Ok(ptr)
             }
             // Name the size asked, not the rounded one.
@@ -808,7 +931,7 @@ impl Drop for ShardedPoolMemoryResource {
         // driver torn down at exit) have nobody to report to.
         let _ = self.backend().ctx_synchronize(self.device());
         let table = self.chunks.read().unwrap_or_else(|e| e.into_inner()).clone();
-        for c in table.iter() {
+        for c in table.sorted.iter() {
             let _ = self.upstream.deallocate(c.start, c.size, &Stream::legacy());
         }
     }
