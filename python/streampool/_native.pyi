@@ -526,7 +526,10 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     no limit but the upstream's; sizes are rounded to 256 bytes. ``release_threshold``:
     free bytes kept before whole free chunks go back after a synchronisation.
     ``events_every``: a stream records an event after this many frees, so that other
-    streams can reuse what it freed.
+    streams can reuse what it freed (the interval doubles after each event, up to 64
+    times, while no stream is short of memory). A free must pass the size it allocated, as
+    in RMM: a double free or an address the pool never handed out is always refused; a
+    wrong size is caught in debug builds only.
 
     Example::
 

@@ -134,7 +134,18 @@ impl Stream {
 
     /// Refuses this stream for use by an object of `backend`, device `device`, when it
     /// belongs to another backend or device.
+    #[inline]
     pub fn check(&self, backend: &BackendRef, device: i32) -> Result<()> {
+        match self.binding() {
+            Some((mine, my_device)) if !(Arc::ptr_eq(mine, backend) && my_device == device) => {
+                self.check_slow(backend, device)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    #[cold]
+    fn check_slow(&self, backend: &BackendRef, device: i32) -> Result<()> {
         let Some((mine, my_device)) = self.binding() else { return Ok(()) };
         if !Arc::ptr_eq(mine, backend) && mine.id() != backend.id() {
             crate::device::check_same_backend(backend, mine, &format!("stream {:#x}", self.handle))?;
