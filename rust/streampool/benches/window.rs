@@ -8,10 +8,10 @@
 //!
 //! ```text
 //! cargo bench -p streampool --bench window -- [--secs 0.5] [--reps 3]
-//!     [--threads 1,2,4,8,16] [--resources sharded,async] [--events-every N] [--json FILE]
+//!     [--threads 1,2,4,8,16] [--resources sharded,async] [--events-every N] [--json FILE] [--sim]
 //! ```
-//! Runs on the CUDA driver when there is one, else on the simulated device (and says so:
-//! those numbers measure the simulator, not a GPU).
+//! Runs on the CUDA driver when there is one (unless `--sim`), else on the simulated device
+//! (and says so: those numbers measure the simulator and the host, not a GPU).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
@@ -34,6 +34,7 @@ struct Args {
     resources: Vec<String>,
     json: Option<String>,
     events_every: usize,
+    sim: bool,
 }
 
 fn args() -> Args {
@@ -44,6 +45,7 @@ fn args() -> Args {
         resources: vec!["sharded".into(), "async".into()],
         json: None,
         events_every: PoolOptions::default().events_every,
+        sim: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -55,6 +57,7 @@ fn args() -> Args {
             "--resources" => a.resources = v().split(',').map(String::from).collect(),
             "--json" => a.json = Some(v()),
             "--events-every" => a.events_every = v().parse().expect("--events-every"),
+            "--sim" => a.sim = true,
             "--bench" => {}
             other => panic!("unknown argument {other}"),
         }
@@ -187,7 +190,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let a = args();
-    let (backend, device): (BackendRef, String) = match CudaBackend::get() {
+    let cuda = if a.sim { Err("--sim".to_string()) } else { CudaBackend::get().map_err(|e| e.to_string()) };
+    let (backend, device): (BackendRef, String) = match cuda {
         Ok(cuda) => {
             let info = streampool::device::Backend::device_info(&*cuda, 0).unwrap();
             let d = format!("{} ({})", info.name, streampool::device::Backend::describe(&*cuda));
@@ -195,7 +199,7 @@ fn main() {
         }
         Err(e) => {
             eprintln!(
-                "no CUDA driver ({e}): running on the simulated device; these numbers measure the simulator"
+                "no CUDA driver ({e}): running on the simulated device; these numbers measure the simulator and the host"
             );
             let sim: BackendRef = SimDevice::new(64 << 30);
             let d = sim.describe();

@@ -21,7 +21,7 @@ use crate::size::align_up;
 use crate::stream::{Event, Stream};
 use std::sync::Arc;
 
-use crate::sync::{lock, try_lock, AtomicU64, AtomicUsize, Mutex, Ordering, RwLock};
+use crate::sync::{lock, AtomicU64, AtomicUsize, Mutex, Ordering, RwLock, ShardLock};
 
 /// Growth never asks the upstream for less than this (unless the maximum leaves less).
 pub const MIN_CHUNK: usize = 2 << 20;
@@ -248,7 +248,7 @@ impl Chunk {
 #[repr(align(128))]
 struct Shard {
     key: u64,
-    state: Mutex<ShardState>,
+    state: ShardLock<ShardState>,
 }
 
 #[derive(Debug, Default)]
@@ -387,7 +387,7 @@ impl ShardedPoolMemoryResource {
         let mut shard_free_bytes: Vec<(u64, usize)> = shards
             .iter()
             .map(|s| {
-                let st = lock(&s.state);
+                let st = s.state.lock();
                 used += st.used;
                 (s.key, st.free.bytes())
             })
@@ -457,7 +457,7 @@ impl ShardedPoolMemoryResource {
             .or_insert_with(|| {
                 Arc::new(Shard {
                     key,
-                    state: Mutex::new(ShardState {
+                    state: ShardLock::new(ShardState {
                         interval: self.options.events_every,
                         ..Default::default()
                     }),
@@ -547,7 +547,7 @@ impl ShardedPoolMemoryResource {
     fn harvest_completed(&self) {
         for shard in self.other_shards(u64::MAX) {
             let blocks = {
-                let mut st = lock(&shard.state);
+                let mut st = shard.state.lock();
                 st.refresh();
                 let done = st.completed;
                 st.free.drain(|e| e < done)
@@ -620,7 +620,7 @@ impl ShardedPoolMemoryResource {
         // 3. completed blocks of other streams
         let others = self.other_shards(key);
         for shard in &others {
-            let mut st = lock(&shard.state);
+            let mut st = shard.state.lock();
             st.refresh();
             let done = st.completed;
             if let Some((ptr, _)) = st.free.take(size, |e| e < done) {
@@ -640,7 +640,7 @@ impl ShardedPoolMemoryResource {
         // 5. wait on another stream's recorded event
         for shard in &others {
             let taken = {
-                let mut st = lock(&shard.state);
+                let mut st = shard.state.lock();
                 st.refresh();
                 // Only blocks an event covers (or known complete): blocks of an epoch that
                 // a concurrent synchronisation closed without an event are neither.
@@ -680,7 +680,7 @@ impl ShardedPoolMemoryResource {
         if chunk.size > size {
             {
                 let shard = self.shard_slow(key);
-                let mut st = lock(&shard.state);
+                let mut st = shard.state.lock();
                 let epoch = st.epoch;
                 st.free.insert(
                     chunk.start + size as u64,
@@ -709,7 +709,7 @@ impl ShardedPoolMemoryResource {
         let closed: Vec<u64> = shards
             .iter()
             .map(|s| {
-                let mut st = lock(&s.state);
+                let mut st = s.state.lock();
                 let e = st.epoch;
                 st.epoch += 1;
                 st.unevented = 0;
@@ -719,7 +719,7 @@ impl ShardedPoolMemoryResource {
         self.backend().ctx_synchronize(self.device())?;
         self.counters.syncs.fetch_add(1, Ordering::Relaxed);
         for (shard, e) in shards.iter().zip(closed) {
-            let mut st = lock(&shard.state);
+            let mut st = shard.state.lock();
             st.completed = st.completed.max(e + 1);
             while st.events.front().is_some_and(|(ev, _)| *ev <= e) {
                 let (_, ev) = st.events.pop_front().expect("checked");
@@ -791,7 +791,7 @@ impl ShardedPoolMemoryResource {
         self.local(|l| {
             let taken = {
                 let shard = shard_in(&mut l.shards, self, key);
-                let mut st = if blocking { lock(&shard.state) } else { try_lock(&shard.state)? };
+                let mut st = if blocking { shard.state.lock() } else { shard.state.try_lock()? };
                 let taken = st.free.take(size, |_| true);
                 if taken.is_some() {
                     st.used += size as i64;
@@ -834,7 +834,7 @@ impl ShardedPoolMemoryResource {
                 ))));
             };
             let shard = shard_in(shards, self, key);
-            let mut st = if blocking { lock(&shard.state) } else { try_lock(&shard.state)? };
+            let mut st = if blocking { shard.state.lock() } else { shard.state.try_lock()? };
             let record = demand != st.seen_demand || st.unevented + 1 >= st.interval;
             if record && !blocking {
                 return None;
@@ -926,7 +926,7 @@ impl MemoryResource for ShardedPoolMemoryResource {
             Some(ptr) => Ok(ptr),
             None => self.allocate_slow(size, stream, key).inspect(|&ptr| {
                 self.mark_live(ptr, size);
-                lock(&self.shard_slow(key).state).used += size as i64;
+                self.shard_slow(key).state.lock().used += size as i64;
             }),
         };
         match result {
