@@ -169,21 +169,27 @@ impl Stream {
     /// (the driver's `cuStreamGetId`, looked up once: handle values are reused once a
     /// stream is destroyed, keys are not). For the per-thread default stream, the calling
     /// thread's. Pools key their per-stream state by it.
+    #[inline]
     pub fn key(&self, backend: &BackendRef, device: i32) -> u64 {
         match &self.origin {
             Origin::Owned(o) => o.key,
             Origin::Borrowed { key, .. } => *key,
-            Origin::Default => DEFAULT_KEYS.with(|keys| {
-                let id = backend.id();
-                let mut keys = keys.borrow_mut();
-                if let Some(&(.., key)) = keys.iter().find(|k| (k.0, k.1, k.2) == (id, device, self.handle)) {
-                    return key;
-                }
-                let key = stream_key(backend, device, self.handle);
-                keys.push((id, device, self.handle, key));
-                key
-            }),
+            Origin::Default => self.default_key(backend, device),
         }
+    }
+
+    /// The key of a default stream: the legacy one's, or this thread's per-thread one.
+    fn default_key(&self, backend: &BackendRef, device: i32) -> u64 {
+        DEFAULT_KEYS.with(|keys| {
+            let id = backend.id();
+            let mut keys = keys.borrow_mut();
+            if let Some(&(.., key)) = keys.iter().find(|k| (k.0, k.1, k.2) == (id, device, self.handle)) {
+                return key;
+            }
+            let key = stream_key(backend, device, self.handle);
+            keys.push((id, device, self.handle, key));
+            key
+        })
     }
 
     /// Makes all later work on this stream wait for `event`'s recorded work.

@@ -425,6 +425,49 @@ fn eight_threads_on_one_stream() {
     assert_eq!(st.used_bytes, 0);
 }
 
+/// Four streams under a maximum that cannot hold what they ask together: growth fails,
+/// streams take each other's blocks (completed, waited for, or after a synchronisation)
+/// while others free; an allocation may fail cleanly, and every byte stays accounted for.
+#[test]
+fn four_streams_under_a_tight_maximum() {
+    let (sim, b) = setup(1 << 30);
+    let p = Arc::new(pool(
+        &b,
+        PoolOptions { maximum_pool_size: Some(6 * MIB), events_every: 1, ..Default::default() },
+    ));
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let (p, b, sim) = (p.clone(), b.clone(), sim.clone());
+            scope.spawn(move || {
+                let s = stream(&b);
+                let mut x = 0x9e3779b97f4a7c15u64 ^ (t + 1);
+                for i in 0..300 {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let n = MIB + (x % (2 * MIB as u64)) as usize;
+                    match p.allocate(n, &s) {
+                        Ok(ptr) => {
+                            sim.write(s.handle(), ptr, n).unwrap();
+                            p.deallocate(ptr, n, &s).unwrap();
+                        }
+                        Err(e) => assert!(e.is_out_of_memory(), "{e}"),
+                    }
+                    if i % 7 == 0 {
+                        sim.step_any();
+                    }
+                }
+            });
+        }
+    });
+    let st = p.stats();
+    assert_accounting(&st);
+    assert_eq!(st.used_bytes, 0);
+    assert!(st.reserved_bytes <= 6 * MIB);
+    assert!(st.cross_stream_waits + st.synchronizations + st.completed_steals > 0, "{st:?}");
+    assert_no_races(&sim);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 

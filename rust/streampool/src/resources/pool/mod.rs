@@ -311,6 +311,7 @@ impl Local {
 }
 
 /// The shard of `key` among a thread's, fetched (or made) on first use.
+#[inline]
 fn shard_in<'a>(
     shards: &'a mut Vec<(u64, Arc<Shard>)>,
     pool: &ShardedPoolMemoryResource,
@@ -976,9 +977,12 @@ impl fmt::Debug for ShardedPoolMemoryResource {
 /// threads (within loom's bounds) through the real pool over the simulated device; the
 /// device itself is not modelled (its lock is never held across a pool lock).
 ///
-/// Cross-shard reuse racing with growth is not modelled here: loom 0.7.3 trips over its
-/// own assertion ("TODO: this sometimes fails", rt/atomic.rs) in its first execution of
-/// such a model. tests/pool.rs covers it with 8-thread stress and random interleavings.
+/// Cross-shard reuse racing with growth under a maximum is not modelled here: such a
+/// model (two streams, growth failing, a wait or a synchronisation, then reuse) stops inside
+/// loom 0.7.3 itself, at "expected to be able to acquire lock" in its mutex, and an earlier
+/// one at "TODO: this sometimes fails" in its atomics; neither was traced to the pool (the
+/// same scenario passes as a stress test under eight threads). tests/pool.rs covers it with
+/// stress tests and random interleavings.
 #[cfg(all(test, loom))]
 mod loom_tests {
     use super::*;
@@ -1018,6 +1022,31 @@ mod loom_tests {
             let _ = x;
             check(&p);
             assert_eq!(p.stats().shard_free_bytes.iter().filter(|(k, _)| *k == s.key(&b, 0)).count(), 1);
+        });
+    }
+
+    /// Two threads allocate and free on one stream at once: its shard's free list is shared,
+    /// blocks split and merge under its lock; nothing is handed out twice (debug builds
+    /// assert on the live bits), nothing is lost.
+    #[test]
+    fn loom_one_stream_two_threads() {
+        crate::sync::model(|| {
+            let (p, b) = pool(PoolOptions { initial_pool_size: Some(1 << 20), ..Default::default() });
+            let s = Stream::create(&b, 0, false).unwrap();
+            let other = {
+                let (p, s) = (p.clone(), s.clone());
+                loom::thread::spawn(move || {
+                    let x = p.allocate(8192, &s).unwrap();
+                    p.deallocate(x, 8192, &s).unwrap();
+                })
+            };
+            let y = p.allocate(4096, &s).unwrap();
+            let z = p.allocate(4096, &s).unwrap();
+            assert_ne!(y, z);
+            p.deallocate(y, 4096, &s).unwrap();
+            p.deallocate(z, 4096, &s).unwrap();
+            other.join().unwrap();
+            check(&p);
         });
     }
 }
