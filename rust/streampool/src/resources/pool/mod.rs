@@ -33,6 +33,19 @@ const MAX_EVENT_BACKOFF: usize = 64;
 /// Growth asks for at most this beyond the request.
 pub const MAX_GROWTH_STEP: usize = 1 << 30;
 
+/// How much a growth asks the upstream for, beyond the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Growth {
+    /// The request, exactly (`initial_pool_size`).
+    Exact,
+    /// The request rounded up to `MIN_CHUNK`: other streams hold free memory that should
+    /// become takeable soon, so the pool does not take a large step it will not need.
+    Small,
+    /// A quarter of what the pool holds, between `MIN_CHUNK` and `MAX_GROWTH_STEP`: few
+    /// upstream calls for large pools, small steps for small ones.
+    Geometric,
+}
+
 /// How a [`ShardedPoolMemoryResource`] grows, records events and gives memory back.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolOptions {
@@ -264,6 +277,9 @@ struct ShardState {
     completed: u64,
     /// The pool's demand count this shard last answered.
     seen_demand: u64,
+    /// Another stream looked for completed blocks here and found none: record an event at
+    /// the next free.
+    wanted: bool,
     /// Frees between events now: `events_every`, doubled after each event recorded while
     /// nobody was short of memory (up to `MAX_EVENT_BACKOFF` times), reset on demand.
     interval: usize,
@@ -367,7 +383,7 @@ impl ShardedPoolMemoryResource {
         };
         if initial > 0 {
             let legacy = Stream::legacy();
-            let chunk = pool.grow(initial, &legacy, true)?;
+            let chunk = pool.grow(initial, &legacy, Growth::Exact)?;
             pool.backend().stream_synchronize(pool.device(), legacy.handle())?;
             lock(&pool.common).insert(chunk.start, FreeBlock { size: chunk.size, chunk: chunk.id, epoch: 0 });
         }
@@ -477,19 +493,23 @@ impl ShardedPoolMemoryResource {
             .collect()
     }
 
-    /// Takes at least `size` bytes (exactly, if `exact`; else by the growth policy) from
+    /// Takes at least `size` bytes (by `growth`, see [`Growth`]) from
     /// the upstream on `stream` as a new chunk (not yet listed as free anywhere). The
     /// reservation is made before the upstream call and rolled back if it fails, so
     /// concurrent growths never pass the maximum.
-    fn grow(&self, size: usize, stream: &Stream, exact: bool) -> Result<Chunk> {
+    fn grow(&self, size: usize, stream: &Stream, growth: Growth) -> Result<Chunk> {
         let mut reserved = self.reserved.load(Ordering::Relaxed);
         let chunk = loop {
             let room = self.maximum.saturating_sub(reserved);
             if size > room {
                 return Err(self.out_of_memory(size));
             }
-            let step = (reserved / 4).clamp(MIN_CHUNK, MAX_GROWTH_STEP);
-            let want = if exact {
+            let step = match growth {
+                Growth::Exact => 0,
+                Growth::Small => MIN_CHUNK,
+                Growth::Geometric => (reserved / 4).clamp(MIN_CHUNK, MAX_GROWTH_STEP),
+            };
+            let want = if growth == Growth::Exact {
                 size
             } else {
                 align_up(size.max(step), MIN_CHUNK).min(room / ALIGNMENT * ALIGNMENT).max(size)
@@ -620,8 +640,17 @@ impl ShardedPoolMemoryResource {
         }
         // 3. completed blocks of other streams
         let others = self.other_shards(key);
+        let mut others_hold_free = false;
         for shard in &others {
             let mut st = shard.state.lock();
+            if st.free.bytes() == 0 {
+                continue;
+            }
+            // This stream's memory is wanted: it records an event at its next free (its
+            // interval may have grown long), so that what it frees can be taken next time
+            // rather than memory grown anew.
+            st.wanted = true;
+            others_hold_free = true;
             st.refresh();
             let done = st.completed;
             if let Some((ptr, _)) = st.free.take(size, |e| e < done) {
@@ -629,8 +658,10 @@ impl ShardedPoolMemoryResource {
                 return Ok(ptr);
             }
         }
-        // 4. grow on this stream
-        match self.grow(size, stream, false) {
+        // 4. grow on this stream (by little when other streams' memory should come back
+        // soon)
+        let growth = if others_hold_free { Growth::Small } else { Growth::Geometric };
+        match self.grow(size, stream, growth) {
             Ok(chunk) => return Ok(self.place_chunk(chunk, size, key)),
             Err(e) if e.is_out_of_memory() => {}
             Err(e) => return Err(e),
@@ -667,7 +698,7 @@ impl ShardedPoolMemoryResource {
             return Ok(ptr);
         }
         self.trim(0)?;
-        match self.grow(size, stream, false) {
+        match self.grow(size, stream, Growth::Geometric) {
             Ok(chunk) => Ok(self.place_chunk(chunk, size, key)),
             Err(e) if e.is_out_of_memory() => Err(self.out_of_memory(size)),
             Err(e) => Err(e),
@@ -836,7 +867,8 @@ impl ShardedPoolMemoryResource {
             };
             let shard = shard_in(shards, self, key);
             let mut st = if blocking { shard.state.lock() } else { shard.state.try_lock()? };
-            let record = demand != st.seen_demand || st.unevented + 1 >= st.interval;
+            let asked = st.wanted || demand != st.seen_demand;
+            let record = asked || st.unevented + 1 >= st.interval;
             if record && !blocking {
                 return None;
             }
@@ -854,14 +886,16 @@ impl ShardedPoolMemoryResource {
             st.unevented += 1;
             st.used -= size as i64;
             if record {
-                // While nobody is short of memory, each event doubles the interval to the
-                // next (a stream that frees a lot records rarely); demand resets it.
-                st.interval = if demand != st.seen_demand {
+                // While nobody needs this stream's memory, each event doubles the interval
+                // to the next (a stream that frees a lot records rarely); being asked
+                // resets it.
+                st.interval = if asked {
                     self.options.events_every
                 } else {
                     st.interval.saturating_mul(2).min(self.options.events_every * MAX_EVENT_BACKOFF)
                 };
                 st.seen_demand = demand;
+                st.wanted = false;
                 // Failing to record only delays reuse by other streams.
                 let _ = self.record(&mut st, stream);
             }
