@@ -34,10 +34,8 @@ use errors::{detached, OrRaise};
 /// A byte count from Python: an int >= 0, or a string such as "1GiB" (2**30) or "1GB" (10**9).
 pub(crate) fn size_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     // The common case first, on the allocation fast path: a plain, non-negative int.
-    if obj.is_exact_instance_of::<PyInt>() {
-        if let Ok(n) = obj.extract::<usize>() {
-            return Ok(n);
-        }
+    if let Some(n) = plain_int(obj).and_then(|n| usize::try_from(n).ok()) {
+        return Ok(n);
     }
     if let Ok(text) = obj.cast::<PyString>() {
         return streampool::parse_size(&text.to_cow()?).or_raise(obj.py());
@@ -51,14 +49,31 @@ pub(crate) fn size_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 
 /// An address from Python: an int in `0..2**64`.
 pub(crate) fn ptr_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevPtr> {
-    if obj.is_exact_instance_of::<PyInt>() {
-        if let Ok(p) = obj.extract::<DevPtr>() {
-            return Ok(p);
-        }
+    if let Some(p) = plain_int(obj) {
+        return Ok(p);
     }
     let int = index(obj, "ptr", "an address (an int)")?;
     int.extract::<DevPtr>()
         .map_err(|_| PyValueError::new_err(format!("ptr = {int} is not an address (must be in 0..2**64)")))
+}
+
+/// The value of a plain `int` (not a subclass, not a bool) in `0..=c_long::MAX`; `None` for
+/// anything else, which takes the general conversion. This is every size and address the
+/// hot calls get, and `PyLong_AsLongAndOverflow` reads it in a few instructions, where
+/// `PyLong_AsUnsignedLongLong` goes through `_PyLong_AsByteArray` for any value of more than
+/// one 30-bit digit (every device address).
+fn plain_int(obj: &Bound<'_, PyAny>) -> Option<u64> {
+    if !obj.is_exact_instance_of::<PyInt>() {
+        return None;
+    }
+    let mut overflow = 0;
+    // SAFETY: `obj` is an int, alive for the call, and the thread is attached. For an int
+    // this call cannot fail: a value beyond a C long is reported in `overflow`, not raised.
+    let value = unsafe { pyo3::ffi::PyLong_AsLongAndOverflow(obj.as_ptr(), &mut overflow) };
+    if overflow != 0 {
+        return None;
+    }
+    u64::try_from(value).ok()
 }
 
 /// `operator.index(obj)`, refusing bools and naming the argument in the TypeError.
