@@ -46,14 +46,17 @@ impl DeviceBuffer {
             None => get_current_device_resource(py)?,
         };
         let resource = mr.get().inner.clone();
-        let core_stream = to_stream(py, stream, resource.backend())?;
+        let core_stream = to_stream(py, stream, || resource.backend())?;
         let stream = match stream.filter(|s| !s.is_none()) {
             Some(s) => s.clone().unbind(),
             None => default_stream(py)?.clone_ref(py).into_any(),
         };
         let alloc = match Allocation::try_new(&resource, size, &core_stream) {
             Some(settled) => settled.or_raise(py)?,
-            None => detached(py, move || Allocation::new(resource, size, core_stream))?,
+            None => {
+                let core_stream = core_stream.into_owned();
+                detached(py, move || Allocation::new(resource, size, core_stream))?
+            }
         };
         Ok(DeviceBuffer { alloc: Mutex::new(Some(Arc::new(alloc))), size, mr, stream })
     }
@@ -81,7 +84,7 @@ impl DeviceBuffer {
         let alloc = self.live()?;
         let resource = alloc.resource().clone();
         let stream = match stream.filter(|s| !s.is_none()) {
-            Some(s) => to_stream(py, Some(s), resource.backend())?,
+            Some(s) => to_stream(py, Some(s), || resource.backend())?.into_owned(),
             None => alloc.stream().clone(),
         };
         if bytes == 0 {
@@ -395,7 +398,7 @@ impl DeviceBuffer {
         let resource = alloc.resource().clone();
         let to = location_arg(device, Location::Device(resource.device()))?;
         let stream = match stream.filter(|s| !s.is_none()) {
-            Some(s) => to_stream(py, Some(s), resource.backend())?,
+            Some(s) => to_stream(py, Some(s), || resource.backend())?.into_owned(),
             None => alloc.stream().clone(),
         };
         detached(py, move || alloc.prefetch(Some(to), Some(&stream)))

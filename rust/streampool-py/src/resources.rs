@@ -56,13 +56,13 @@ impl PyMemoryResource {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<DevPtr> {
         let bytes = size_arg(nbytes, "nbytes")?;
-        let stream = to_stream(py, stream, self.inner.backend())?;
+        let stream = to_stream(py, stream, || self.inner.backend())?;
         // The fast path keeps the GIL: releasing and retaking it costs more than the
         // allocation and makes threads convoy. Only what can wait releases it.
         if let Some(settled) = self.inner.try_allocate(bytes, &stream) {
             return settled.or_raise(py);
         }
-        let mr = self.inner.clone();
+        let (mr, stream) = (self.inner.clone(), stream.into_owned());
         detached(py, move || mr.allocate(bytes, &stream))
     }
 
@@ -78,11 +78,11 @@ impl PyMemoryResource {
     ) -> PyResult<()> {
         let ptr = ptr_arg(ptr)?;
         let bytes = size_arg(nbytes, "nbytes")?;
-        let stream = to_stream(py, stream, self.inner.backend())?;
+        let stream = to_stream(py, stream, || self.inner.backend())?;
         if let Some(settled) = self.inner.try_deallocate(ptr, bytes, &stream) {
             return settled.or_raise(py);
         }
-        let mr = self.inner.clone();
+        let (mr, stream) = (self.inner.clone(), stream.into_owned());
         detached(py, move || mr.deallocate(ptr, bytes, &stream))
     }
 
