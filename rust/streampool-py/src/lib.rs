@@ -32,11 +32,18 @@ mod streams;
 use errors::{detached, OrRaise};
 
 /// A byte count from Python: an int >= 0, or a string such as "1GiB" (2**30) or "1GB" (10**9).
+///
+/// The common case, a plain non-negative int, is inlined into the caller: a `PyResult`
+/// returned through memory and read back costs a store-forwarding stall.
+#[inline]
 pub(crate) fn size_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
-    // The common case first, on the allocation fast path: a plain, non-negative int.
-    if let Some(n) = plain_int(obj).and_then(|n| usize::try_from(n).ok()) {
-        return Ok(n);
+    match plain_int(obj).and_then(|n| usize::try_from(n).ok()) {
+        Some(n) => Ok(n),
+        None => any_size(obj, what),
     }
+}
+
+fn any_size(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     if let Ok(text) = obj.cast::<PyString>() {
         return streampool::parse_size(&text.to_cow()?).or_raise(obj.py());
     }
@@ -47,11 +54,16 @@ pub(crate) fn size_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     int.extract::<usize>().map_err(|_| PyValueError::new_err(format!("{what} = {int} is too large")))
 }
 
-/// An address from Python: an int in `0..2**64`.
+/// An address from Python: an int in `0..2**64` (a plain int inlined, as in [`size_arg`]).
+#[inline]
 pub(crate) fn ptr_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevPtr> {
-    if let Some(p) = plain_int(obj) {
-        return Ok(p);
+    match plain_int(obj) {
+        Some(p) => Ok(p),
+        None => any_ptr(obj),
     }
+}
+
+fn any_ptr(obj: &Bound<'_, PyAny>) -> PyResult<DevPtr> {
     let int = index(obj, "ptr", "an address (an int)")?;
     int.extract::<DevPtr>()
         .map_err(|_| PyValueError::new_err(format!("ptr = {int} is not an address (must be in 0..2**64)")))
@@ -62,6 +74,7 @@ pub(crate) fn ptr_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevPtr> {
 /// hot calls get, and `PyLong_AsLongAndOverflow` reads it in a few instructions, where
 /// `PyLong_AsUnsignedLongLong` goes through `_PyLong_AsByteArray` for any value of more than
 /// one 30-bit digit (every device address).
+#[inline]
 fn plain_int(obj: &Bound<'_, PyAny>) -> Option<u64> {
     if !obj.is_exact_instance_of::<PyInt>() {
         return None;
