@@ -11,7 +11,7 @@ use streampool::device::{Advice, DevPtr, Location};
 use streampool::{managed, Allocation, Stream};
 
 use crate::dlpack;
-use crate::errors::{buffer_error, detached, OrRaise};
+use crate::errors::{buffer_error, detached, fast_path_settled, OrRaise};
 use crate::resources::{get_current_device_resource, PyMemoryResource};
 use crate::size_arg;
 use crate::streams::{default_stream, to_stream};
@@ -81,7 +81,10 @@ impl DeviceBuffer {
         let resource = &mr.get().inner;
         let core_stream = to_stream(py, stream, || resource.backend())?;
         let alloc = match Allocation::try_new(resource, size, &core_stream) {
-            Some(settled) => settled.or_raise(py)?,
+            Some(settled) => {
+                fast_path_settled(py);
+                settled.or_raise(py)?
+            }
             None => {
                 let (resource, core_stream) = (resource.clone(), core_stream.into_owned());
                 detached(py, move || Allocation::new(resource, size, core_stream))?
