@@ -2,8 +2,9 @@
 //!
 //! Thin, frozen `#[pyclass]` wrappers around `Arc`s of the core's `Send + Sync` types:
 //!
-//! * [`errors`]: the core error as a Python exception (one `match`), and the helper that
-//!   releases the GIL around every call that can block;
+//! * [`errors`]: the core error as a Python exception (one `match`), the helper that
+//!   releases the GIL around every call that can block, and the fast path's hand-over of
+//!   the GIL to waiting threads;
 //! * [`streams`]: `Stream`, the default streams, and the conversion behind every
 //!   `stream=` argument (our streams, ints, cuda.core, PyTorch, CuPy, Numba);
 //! * [`resources`]: `MemoryResource` and its subclasses, the current resource per device;

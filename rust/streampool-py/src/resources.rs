@@ -58,7 +58,8 @@ impl PyMemoryResource {
         let bytes = size_arg(nbytes, "nbytes")?;
         let stream = to_stream(py, stream, || self.inner.backend())?;
         // The fast path keeps the GIL: releasing and retaking it costs more than the
-        // allocation and makes threads convoy. Only what can wait releases it.
+        // allocation and makes threads convoy. Only what can wait releases it (and
+        // `fast_path_settled`, now and then, to let waiting threads have it).
         if let Some(settled) = self.inner.try_allocate(bytes, &stream) {
             fast_path_settled(py);
             return settled.or_raise(py);
