@@ -201,6 +201,39 @@ def test_close_and_context_manager() -> None:
     assert again.size == 4096
 
 
+def test_memory_is_freed_when_its_last_user_is_done() -> None:
+    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())
+
+    def used() -> int:
+        return int(pool.stats["used_bytes"])
+
+    buf = streampool.DeviceBuffer(size=4096, mr=pool)
+    assert used() == 4096 and buf.ptr != 0 and not buf.closed
+    del buf  # never shared: freed at once
+    assert used() == 0
+
+    buf = streampool.DeviceBuffer(size=4096, mr=pool)
+    capsule = buf.__dlpack__(max_version=(1, 0))
+    buf.close()  # the consumer still holds the memory
+    assert buf.closed and used() == 4096
+    with pytest.raises(ValueError, match="closed"):
+        buf.ptr  # noqa: B018
+    del capsule
+    assert used() == 0
+
+    buf = streampool.DeviceBuffer(size=4096, mr=pool)
+    capsule = buf.__dlpack__(max_version=(1, 0))
+    del buf
+    assert used() == 4096
+    del capsule
+    assert used() == 0
+
+    buf = streampool.DeviceBuffer(size=4096, mr=pool)
+    buf.__dlpack__(max_version=(1, 0))  # shared, and the consumer is gone already
+    buf.close()
+    assert used() == 0
+
+
 def test_buffer_keeps_its_stream_alive(sim: SimulatedDevice) -> None:
     import gc
 

@@ -110,6 +110,42 @@ def test_eight_threads_several_streams(sim: SimulatedDevice) -> None:
     assert s["used_bytes"] == 0 and s["reserved_bytes"] == s["free_bytes"]
 
 
+def test_threads_on_the_fast_path_hand_the_gil_over() -> None:
+    """Far more fast-path calls than the binding makes between two hand-overs of the GIL
+    (1024), from threads that hand it to one another: every call completes, no two live
+    allocations overlap, and the pool ends empty."""
+    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())
+    live: dict[int, int] = {}
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            s = streampool.Stream()
+            for i in range(3000):
+                n = 256 << (i % 4)
+                p = pool.allocate(n, s)
+                for q, m in list(live.items()):  # a snapshot: other threads change `live`
+                    assert p + n <= q or q + m <= p, f"{p:#x}+{n} overlaps {q:#x}+{m}"
+                live[p] = n
+                buf = streampool.DeviceBuffer(size=n, stream=s, mr=pool)
+                assert buf.ptr not in live
+                del buf
+                del live[p]
+                pool.deallocate(p, n, s)
+            s.synchronize()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in threads), "a thread is stuck"
+    assert not errors, errors[0]
+    assert pool.stats["used_bytes"] == 0
+
+
 def test_no_deadlock_with_python_callbacks_in_the_stack() -> None:
     """design.md: no lock is held across a call into Python. 8 threads allocate through a
     logging sink and a failure callback that frees memory into the same pool and retries."""

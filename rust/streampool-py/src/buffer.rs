@@ -11,7 +11,7 @@ use streampool::device::{Advice, DevPtr, Location};
 use streampool::{managed, Allocation, Stream};
 
 use crate::dlpack;
-use crate::errors::{buffer_error, detached, OrRaise};
+use crate::errors::{buffer_error, detached, fast_path_settled, OrRaise};
 use crate::resources::{get_current_device_resource, PyMemoryResource};
 use crate::size_arg;
 use crate::streams::{default_stream, to_stream};
@@ -25,13 +25,46 @@ use crate::streams::{default_stream, to_stream};
 #[derive(Debug)]
 #[pyclass(frozen, weakref, module = "streampool", name = "DeviceBuffer")]
 pub struct DeviceBuffer {
-    // An `Arc` so that an in-flight copy or a DLPack consumer keeps the memory valid even
-    // if the buffer is closed meanwhile; the lock is held only to clone or take it.
-    alloc: Mutex<Option<Arc<Allocation>>>,
+    // The lock is held only to look at, share or take the memory.
+    memory: Mutex<Memory>,
     size: usize,
     mr: Py<PyMemoryResource>,
     // The stream object as given (a torch or cupy stream stays alive with the buffer).
     stream: Py<PyAny>,
+}
+
+/// A buffer's memory: its own until something shares it (an in-flight copy or a DLPack
+/// consumer holds an `Arc`, which keeps the memory valid even if the buffer is closed
+/// meanwhile). Most buffers are never shared: an `Arc` up front would cost each one a heap
+/// allocation and free.
+#[derive(Debug, Default)]
+enum Memory {
+    Own(Allocation),
+    Shared(Arc<Allocation>),
+    #[default]
+    Closed,
+}
+
+impl Memory {
+    fn get(&self) -> Option<&Allocation> {
+        match self {
+            Memory::Own(alloc) => Some(alloc),
+            Memory::Shared(alloc) => Some(alloc),
+            Memory::Closed => None,
+        }
+    }
+}
+
+/// Drops `value` with the GIL released (freeing can wait for the device: `cuMemFree`),
+/// unless the interpreter is shutting down, when dropping it with the GIL held is the only
+/// option.
+fn drop_detached<T: Send>(value: T) {
+    let mut value = Some(value);
+    let _ = Python::try_attach(|py| {
+        let value = value.take();
+        py.detach(move || drop(value));
+    });
+    drop(value);
 }
 
 impl DeviceBuffer {
@@ -45,26 +78,39 @@ impl DeviceBuffer {
             Some(mr) => mr.unbind(),
             None => get_current_device_resource(py)?,
         };
-        let resource = mr.get().inner.clone();
-        let core_stream = to_stream(py, stream, resource.backend())?;
+        let resource = &mr.get().inner;
+        let core_stream = to_stream(py, stream, || resource.backend())?;
+        let alloc = match Allocation::try_new(resource, size, &core_stream) {
+            Some(settled) => {
+                fast_path_settled(py);
+                settled.or_raise(py)?
+            }
+            None => {
+                let (resource, core_stream) = (resource.clone(), core_stream.into_owned());
+                detached(py, move || Allocation::new(resource, size, core_stream))?
+            }
+        };
         let stream = match stream.filter(|s| !s.is_none()) {
             Some(s) => s.clone().unbind(),
             None => default_stream(py)?.clone_ref(py).into_any(),
         };
-        let alloc = match Allocation::try_new(&resource, size, &core_stream) {
-            Some(settled) => settled.or_raise(py)?,
-            None => detached(py, move || Allocation::new(resource, size, core_stream))?,
-        };
-        Ok(DeviceBuffer { alloc: Mutex::new(Some(Arc::new(alloc))), size, mr, stream })
+        Ok(DeviceBuffer { memory: Mutex::new(Memory::Own(alloc)), size, mr, stream })
     }
 
-    fn slot(&self) -> MutexGuard<'_, Option<Arc<Allocation>>> {
-        self.alloc.lock().unwrap_or_else(|e| e.into_inner())
+    fn slot(&self) -> MutexGuard<'_, Memory> {
+        self.memory.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The allocation, or ValueError once closed.
+    /// The allocation, shared from now on; ValueError once closed.
     fn live(&self) -> PyResult<Arc<Allocation>> {
-        self.slot().clone().ok_or_else(|| PyValueError::new_err("DeviceBuffer is closed"))
+        let mut slot = self.slot();
+        let shared = match std::mem::take(&mut *slot) {
+            Memory::Own(alloc) => Arc::new(alloc),
+            Memory::Shared(alloc) => alloc,
+            Memory::Closed => return Err(closed()),
+        };
+        *slot = Memory::Shared(shared.clone());
+        Ok(shared)
     }
 
     /// Copies `bytes` between the buffer's start and host memory at `host`, on `stream`
@@ -81,7 +127,7 @@ impl DeviceBuffer {
         let alloc = self.live()?;
         let resource = alloc.resource().clone();
         let stream = match stream.filter(|s| !s.is_none()) {
-            Some(s) => to_stream(py, Some(s), resource.backend())?,
+            Some(s) => to_stream(py, Some(s), || resource.backend())?.into_owned(),
             None => alloc.stream().clone(),
         };
         if bytes == 0 {
@@ -127,6 +173,10 @@ fn advice_arg(advice: &str) -> PyResult<Advice> {
         let names: Vec<String> = ADVICE.iter().map(|(name, _)| format!("'{name}'")).collect();
         PyValueError::new_err(format!("unknown advice '{advice}'; expected one of {}", names.join(", ")))
     })
+}
+
+fn closed() -> PyErr {
+    PyValueError::new_err("DeviceBuffer is closed")
 }
 
 /// A location from Python: None (`default`), "host", or a device ordinal (an int >= 0).
@@ -205,7 +255,7 @@ impl DeviceBuffer {
     /// The device address (0 for an empty buffer).
     #[getter]
     fn ptr(&self) -> PyResult<DevPtr> {
-        Ok(self.live()?.ptr())
+        self.slot().get().map(Allocation::ptr).ok_or_else(closed)
     }
 
     /// The size in bytes.
@@ -235,7 +285,7 @@ impl DeviceBuffer {
     /// True once `close()` has been called.
     #[getter]
     fn closed(&self) -> bool {
-        self.slot().is_none()
+        self.slot().get().is_none()
     }
 
     fn __len__(&self) -> usize {
@@ -395,7 +445,7 @@ impl DeviceBuffer {
         let resource = alloc.resource().clone();
         let to = location_arg(device, Location::Device(resource.device()))?;
         let stream = match stream.filter(|s| !s.is_none()) {
-            Some(s) => to_stream(py, Some(s), resource.backend())?,
+            Some(s) => to_stream(py, Some(s), || resource.backend())?.into_owned(),
             None => alloc.stream().clone(),
         };
         detached(py, move || alloc.prefetch(Some(to), Some(&stream)))
@@ -427,14 +477,20 @@ impl DeviceBuffer {
     /// Frees the memory now, on its stream (later use raises ValueError; closing again does
     /// nothing). Memory still used by a DLPack consumer is freed when that consumer is done.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(alloc) = self.slot().take() else { return Ok(()) };
-        match Arc::try_unwrap(alloc) {
-            Ok(alloc) => detached(py, move || alloc.free()),
-            Err(shared) => {
-                py.detach(move || drop(shared));
-                Ok(())
-            }
-        }
+        // Taken in a statement of its own: the lock is released before the GIL is.
+        let memory = std::mem::take(&mut *self.slot());
+        let alloc = match memory {
+            Memory::Own(alloc) => alloc,
+            Memory::Shared(shared) => match Arc::try_unwrap(shared) {
+                Ok(alloc) => alloc,
+                Err(shared) => {
+                    py.detach(move || drop(shared));
+                    return Ok(());
+                }
+            },
+            Memory::Closed => return Ok(()),
+        };
+        detached(py, move || alloc.free())
     }
 
     fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
@@ -458,7 +514,7 @@ impl DeviceBuffer {
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let mr = self.mr.bind(py).repr()?;
         let stream = self.stream.bind(py).repr()?;
-        Ok(match self.slot().as_ref() {
+        Ok(match self.slot().get() {
             Some(a) => {
                 format!("<DeviceBuffer size={} ptr={:#x} stream={stream} mr={mr}>", self.size, a.ptr())
             }
@@ -469,23 +525,19 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        let Some(alloc) = self.slot().take() else { return };
-        // A pool's fast path frees without waiting: keep the GIL for it.
-        let alloc = match Arc::try_unwrap(alloc) {
-            Ok(mut only) => match only.try_release() {
-                Some(_) => return,
-                None => Arc::new(only),
+        // No lock to take: `&mut self` means nobody else holds a reference.
+        let mut alloc = match std::mem::take(self.memory.get_mut().unwrap_or_else(|e| e.into_inner())) {
+            Memory::Own(alloc) => alloc,
+            Memory::Shared(shared) => match Arc::try_unwrap(shared) {
+                Ok(alloc) => alloc,
+                Err(shared) => return drop_detached(shared),
             },
-            Err(shared) => shared,
+            Memory::Closed => return,
         };
-        // Freeing can wait for the device (`cuMemFree`): release the GIL for it, unless the
-        // interpreter is shutting down, when freeing with it held is the only option.
-        let mut alloc = Some(alloc);
-        let _ = Python::try_attach(|py| {
-            let alloc = alloc.take();
-            py.detach(move || drop(alloc));
-        });
-        drop(alloc);
+        // A pool's fast path frees without waiting: keep the GIL for it.
+        if alloc.try_release().is_none() {
+            drop_detached(alloc);
+        }
     }
 }
 

@@ -266,7 +266,7 @@ pub(crate) fn order_consumer(
                         _ => {}
                     }
                 }
-                to_stream(py, Some(s), &backend)?
+                to_stream(py, Some(s), || &backend)?.into_owned()
             }
         };
     let producer = alloc.stream().clone();

@@ -2,8 +2,9 @@
 //!
 //! Thin, frozen `#[pyclass]` wrappers around `Arc`s of the core's `Send + Sync` types:
 //!
-//! * [`errors`]: the core error as a Python exception (one `match`), and the helper that
-//!   releases the GIL around every call that can block;
+//! * [`errors`]: the core error as a Python exception (one `match`), the helper that
+//!   releases the GIL around every call that can block, and the fast path's hand-over of
+//!   the GIL to waiting threads;
 //! * [`streams`]: `Stream`, the default streams, and the conversion behind every
 //!   `stream=` argument (our streams, ints, cuda.core, PyTorch, CuPy, Numba);
 //! * [`resources`]: `MemoryResource` and its subclasses, the current resource per device;
@@ -32,13 +33,18 @@ mod streams;
 use errors::{detached, OrRaise};
 
 /// A byte count from Python: an int >= 0, or a string such as "1GiB" (2**30) or "1GB" (10**9).
+///
+/// The common case, a plain non-negative int, is inlined into the caller: a `PyResult`
+/// returned through memory and read back costs a store-forwarding stall.
+#[inline]
 pub(crate) fn size_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
-    // The common case first, on the allocation fast path: a plain, non-negative int.
-    if obj.is_exact_instance_of::<PyInt>() {
-        if let Ok(n) = obj.extract::<usize>() {
-            return Ok(n);
-        }
+    match plain_int(obj).and_then(|n| usize::try_from(n).ok()) {
+        Some(n) => Ok(n),
+        None => any_size(obj, what),
     }
+}
+
+fn any_size(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     if let Ok(text) = obj.cast::<PyString>() {
         return streampool::parse_size(&text.to_cow()?).or_raise(obj.py());
     }
@@ -49,16 +55,39 @@ pub(crate) fn size_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     int.extract::<usize>().map_err(|_| PyValueError::new_err(format!("{what} = {int} is too large")))
 }
 
-/// An address from Python: an int in `0..2**64`.
+/// An address from Python: an int in `0..2**64` (a plain int inlined, as in [`size_arg`]).
+#[inline]
 pub(crate) fn ptr_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevPtr> {
-    if obj.is_exact_instance_of::<PyInt>() {
-        if let Ok(p) = obj.extract::<DevPtr>() {
-            return Ok(p);
-        }
+    match plain_int(obj) {
+        Some(p) => Ok(p),
+        None => any_ptr(obj),
     }
+}
+
+fn any_ptr(obj: &Bound<'_, PyAny>) -> PyResult<DevPtr> {
     let int = index(obj, "ptr", "an address (an int)")?;
     int.extract::<DevPtr>()
         .map_err(|_| PyValueError::new_err(format!("ptr = {int} is not an address (must be in 0..2**64)")))
+}
+
+/// The value of a plain `int` (not a subclass, not a bool) in `0..=c_long::MAX`; `None` for
+/// anything else, which takes the general conversion. This is every size and address the
+/// hot calls get, and `PyLong_AsLongAndOverflow` reads it in a few instructions, where
+/// `PyLong_AsUnsignedLongLong` goes through `_PyLong_AsByteArray` for any value of more than
+/// one 30-bit digit (every device address).
+#[inline]
+fn plain_int(obj: &Bound<'_, PyAny>) -> Option<u64> {
+    if !obj.is_exact_instance_of::<PyInt>() {
+        return None;
+    }
+    let mut overflow = 0;
+    // SAFETY: `obj` is an int, alive for the call, and the thread is attached. For an int
+    // this call cannot fail: a value beyond a C long is reported in `overflow`, not raised.
+    let value = unsafe { pyo3::ffi::PyLong_AsLongAndOverflow(obj.as_ptr(), &mut overflow) };
+    if overflow != 0 {
+        return None;
+    }
+    u64::try_from(value).ok()
 }
 
 /// `operator.index(obj)`, refusing bools and naming the argument in the TypeError.

@@ -14,7 +14,7 @@ use streampool::device::{self, BackendRef, DevPtr};
 use streampool::resources::{check_device, ManagedMemoryResource, PinnedHostMemoryResource};
 use streampool::{AsyncPoolOptions, CudaAsyncMemoryResource, CudaMemoryResource, MemoryKind, ResourceRef};
 
-use crate::errors::{detached, OrRaise};
+use crate::errors::{detached, fast_path_settled, OrRaise};
 use crate::streams::to_stream;
 use crate::{ptr_arg, size_arg};
 
@@ -56,13 +56,15 @@ impl PyMemoryResource {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<DevPtr> {
         let bytes = size_arg(nbytes, "nbytes")?;
-        let stream = to_stream(py, stream, self.inner.backend())?;
+        let stream = to_stream(py, stream, || self.inner.backend())?;
         // The fast path keeps the GIL: releasing and retaking it costs more than the
-        // allocation and makes threads convoy. Only what can wait releases it.
+        // allocation and makes threads convoy. Only what can wait releases it (and
+        // `fast_path_settled`, now and then, to let waiting threads have it).
         if let Some(settled) = self.inner.try_allocate(bytes, &stream) {
+            fast_path_settled(py);
             return settled.or_raise(py);
         }
-        let mr = self.inner.clone();
+        let (mr, stream) = (self.inner.clone(), stream.into_owned());
         detached(py, move || mr.allocate(bytes, &stream))
     }
 
@@ -78,11 +80,12 @@ impl PyMemoryResource {
     ) -> PyResult<()> {
         let ptr = ptr_arg(ptr)?;
         let bytes = size_arg(nbytes, "nbytes")?;
-        let stream = to_stream(py, stream, self.inner.backend())?;
+        let stream = to_stream(py, stream, || self.inner.backend())?;
         if let Some(settled) = self.inner.try_deallocate(ptr, bytes, &stream) {
+            fast_path_settled(py);
             return settled.or_raise(py);
         }
-        let mr = self.inner.clone();
+        let (mr, stream) = (self.inner.clone(), stream.into_owned());
         detached(py, move || mr.deallocate(ptr, bytes, &stream))
     }
 

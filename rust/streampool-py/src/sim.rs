@@ -34,7 +34,7 @@ impl PySimDevice {
     /// The raw handle of a stream argument, checked to be a stream of this device.
     fn handle(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<RawStream> {
         let backend = self.backend();
-        let stream = to_stream(py, stream, &backend)?;
+        let stream = to_stream(py, stream, || &backend)?;
         if let Some((theirs, _)) = stream.binding() {
             device::check_same_backend(&backend, theirs, &format!("stream {:#x}", stream.handle()))
                 .or_raise(py)?;
