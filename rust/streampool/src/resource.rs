@@ -157,14 +157,23 @@ pub struct Allocation {
     ptr: DevPtr,
     bytes: usize,
     stream: Stream,
-    thread: ThreadId,
+    /// The allocating thread, kept only for the per-thread default stream (looking it up
+    /// costs two atomic operations on every allocation otherwise).
+    thread: Option<ThreadId>,
+}
+
+/// The calling thread, when `stream` is the per-thread default stream (whose identity
+/// depends on it).
+fn owner(stream: &Stream) -> Option<ThreadId> {
+    stream.is_per_thread().then(|| std::thread::current().id())
 }
 
 impl Allocation {
     /// Allocates `bytes` from `mr` on `stream`.
     pub fn new(mr: ResourceRef, bytes: usize, stream: Stream) -> Result<Self> {
         let ptr = mr.allocate(bytes, &stream)?;
-        Ok(Allocation { mr, ptr, bytes, stream, thread: std::thread::current().id() })
+        let thread = owner(&stream);
+        Ok(Allocation { mr, ptr, bytes, stream, thread })
     }
 
     /// [`Allocation::new`] without waiting for anything (see
@@ -174,8 +183,7 @@ impl Allocation {
             Ok(ptr) => ptr,
             Err(e) => return Some(Err(e)),
         };
-        let thread = std::thread::current().id();
-        Some(Ok(Allocation { mr: mr.clone(), ptr, bytes, stream: stream.clone(), thread }))
+        Some(Ok(Allocation { mr: mr.clone(), ptr, bytes, stream: stream.clone(), thread: owner(stream) }))
     }
 
     /// Frees now without waiting for anything, where the resource can: `Some(result)`
@@ -185,7 +193,7 @@ impl Allocation {
         if self.ptr == 0 {
             return Some(Ok(()));
         }
-        if self.stream.is_per_thread() && std::thread::current().id() != self.thread {
+        if self.thread.is_some() && owner(&self.stream) != self.thread {
             return None;
         }
         let result = self.mr.try_deallocate(self.ptr, self.bytes, &self.stream)?;
@@ -225,7 +233,7 @@ impl Allocation {
         if ptr == 0 {
             return Ok(());
         }
-        if self.stream.is_per_thread() && std::thread::current().id() != self.thread {
+        if self.thread.is_some() && owner(&self.stream) != self.thread {
             let (backend, device) = (self.mr.backend(), self.mr.device());
             backend.ctx_synchronize(device)?;
             return self.mr.deallocate(ptr, self.bytes, &Stream::legacy());
