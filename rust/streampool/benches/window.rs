@@ -4,7 +4,10 @@
 //! freeing the oldest before each new one (the loop of `bench_rmm.cpp`'s `run_mt`, with its
 //! counters padded to cache lines as there). 100 ms of warm-up, then aggregate allocations per second in
 //! one common window (the main thread snapshots per-thread counters at its start and
-//! end), and the slowest thread's share of the mean. Also the one-thread "fixed" pairs.
+//! end), and the slowest thread's share of the mean; beside it, the least CPU time any thread
+//! got in the window and the slowest thread's operations per CPU-second against the mean
+//! (which tell a thread the OS ran less from one the pool slowed). Also the one-thread
+//! "fixed" pairs.
 //!
 //! ```text
 //! cargo bench -p streampool --bench window -- [--secs 0.5] [--reps 3]
@@ -96,16 +99,37 @@ struct MtResult {
     allocs_per_sec: f64,
     ns_per_op_per_thread: f64,
     slowest_share: f64,
+    /// The least CPU time any thread got, as a share of the window.
+    least_on_cpu: f64,
+    /// The slowest thread's operations per CPU-second, as a share of the mean: near 1 when
+    /// threads differ only in how long the OS ran them.
+    slowest_per_cpu_share: f64,
 }
 
 /// A thread's operation count, on a cache line of its own (as `bench_rmm.cpp`'s
 /// `PaddedCounter`): counters side by side would make every thread's store evict the
 /// others' line, and the benchmark would measure that.
 #[repr(align(128))]
-struct Counter(AtomicU64);
+struct Counter {
+    ops: AtomicU64,
+    /// The thread's CPU time (ns), stored every 256 operations: a thread that gets fewer
+    /// operations done than others only because the OS ran it less shows here.
+    cpu_ns: AtomicU64,
+}
+
+/// This thread's CPU time in ns (`CLOCK_THREAD_CPUTIME_ID`).
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec for the call.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime");
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
 
 fn run_mt(mr: &ResourceRef, b: &BackendRef, threads: usize, secs: f64) -> MtResult {
-    let counters: Arc<Vec<Counter>> = Arc::new((0..threads).map(|_| Counter(AtomicU64::new(0))).collect());
+    let counters: Arc<Vec<Counter>> = Arc::new(
+        (0..threads).map(|_| Counter { ops: AtomicU64::new(0), cpu_ns: AtomicU64::new(0) }).collect(),
+    );
     let stop = Arc::new(AtomicBool::new(false));
     let ready = Arc::new(Barrier::new(threads + 1));
     let handles: Vec<_> = (0..threads)
@@ -134,7 +158,10 @@ fn run_mt(mr: &ResourceRef, b: &BackendRef, threads: usize, secs: f64) -> MtResu
                     ring[head] = (mr.allocate(n, &stream).unwrap(), n);
                     head = (head + 1) % WINDOW;
                     ops += 1;
-                    counters[t].0.store(ops, Ordering::Relaxed);
+                    if ops % 256 == 0 {
+                        counters[t].cpu_ns.store(thread_cpu_ns(), Ordering::Relaxed);
+                    }
+                    counters[t].ops.store(ops, Ordering::Relaxed);
                 }
                 for (p, n) in ring {
                     mr.deallocate(p, n, &stream).unwrap();
@@ -145,16 +172,23 @@ fn run_mt(mr: &ResourceRef, b: &BackendRef, threads: usize, secs: f64) -> MtResu
         .collect();
     ready.wait();
     std::thread::sleep(Duration::from_millis(100));
-    let start: Vec<u64> = counters.iter().map(|c| c.0.load(Ordering::Relaxed)).collect();
+    let snapshot = || -> Vec<(u64, u64)> {
+        counters.iter().map(|c| (c.ops.load(Ordering::Relaxed), c.cpu_ns.load(Ordering::Relaxed))).collect()
+    };
+    let start = snapshot();
     let t0 = Instant::now();
     std::thread::sleep(Duration::from_secs_f64(secs));
-    let end: Vec<u64> = counters.iter().map(|c| c.0.load(Ordering::Relaxed)).collect();
+    let end = snapshot();
     let elapsed = t0.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     for h in handles {
         h.join().unwrap();
     }
-    let per: Vec<f64> = start.iter().zip(&end).map(|(s, e)| (e - s) as f64).collect();
+    let per: Vec<f64> = start.iter().zip(&end).map(|(s, e)| (e.0 - s.0) as f64).collect();
+    let cpu: Vec<f64> = start.iter().zip(&end).map(|(s, e)| (e.1 - s.1) as f64 / 1e9).collect();
+    let per_cpu: Vec<f64> =
+        per.iter().zip(&cpu).map(|(ops, c)| if *c > 0.0 { ops / c } else { 0.0 }).collect();
+    let mean_per_cpu = per_cpu.iter().sum::<f64>() / threads as f64;
     let total: f64 = per.iter().sum();
     let mean = total / threads as f64;
     let slowest = per.iter().cloned().fold(f64::INFINITY, f64::min);
@@ -162,6 +196,8 @@ fn run_mt(mr: &ResourceRef, b: &BackendRef, threads: usize, secs: f64) -> MtResu
         allocs_per_sec: total / elapsed,
         ns_per_op_per_thread: if mean > 0.0 { elapsed * 1e9 / mean } else { f64::INFINITY },
         slowest_share: if mean > 0.0 { slowest / mean } else { 0.0 },
+        least_on_cpu: cpu.iter().cloned().fold(f64::INFINITY, f64::min) / elapsed,
+        slowest_per_cpu_share: per_cpu.iter().cloned().fold(f64::INFINITY, f64::min) / mean_per_cpu,
     }
 }
 
@@ -224,12 +260,15 @@ fn main() {
             let rate = median(runs.iter().map(|r| r.allocs_per_sec).collect());
             let ns = median(runs.iter().map(|r| r.ns_per_op_per_thread).collect());
             let share = median(runs.iter().map(|r| r.slowest_share).collect());
+            let on_cpu = median(runs.iter().map(|r| r.least_on_cpu).collect());
+            let per_cpu = median(runs.iter().map(|r| r.slowest_per_cpu_share).collect());
             println!(
-                "window {name:<8} T={t:<2}  {:8.3} M allocs/s  {ns:8.1} ns/op/thread  slowest {share:.2}",
+                "window {name:<8} T={t:<2}  {:8.3} M allocs/s  {ns:8.1} ns/op/thread  slowest {share:.2}  \
+                 (least on CPU {on_cpu:.2} of the window; per CPU-second, slowest {per_cpu:.2})",
                 rate / 1e6
             );
             json.push(format!(
-                r#"{{"workload":"window","resource":"{name}","threads":{t},"allocs_per_sec":{rate:.0},"ns_per_op_per_thread":{ns:.1},"slowest_share":{share:.3}}}"#
+                r#"{{"workload":"window","resource":"{name}","threads":{t},"allocs_per_sec":{rate:.0},"ns_per_op_per_thread":{ns:.1},"slowest_share":{share:.3},"least_on_cpu":{on_cpu:.3},"slowest_per_cpu_share":{per_cpu:.3}}}"#
             ));
         }
     }

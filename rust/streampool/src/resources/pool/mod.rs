@@ -38,9 +38,6 @@ pub const MAX_GROWTH_STEP: usize = 1 << 30;
 enum Growth {
     /// The request, exactly (`initial_pool_size`).
     Exact,
-    /// The request rounded up to `MIN_CHUNK`: other streams hold free memory that should
-    /// become takeable soon, so the pool does not take a large step it will not need.
-    Small,
     /// A quarter of what the pool holds, between `MIN_CHUNK` and `MAX_GROWTH_STEP`: few
     /// upstream calls for large pools, small steps for small ones.
     Geometric,
@@ -506,7 +503,6 @@ impl ShardedPoolMemoryResource {
             }
             let step = match growth {
                 Growth::Exact => 0,
-                Growth::Small => MIN_CHUNK,
                 Growth::Geometric => (reserved / 4).clamp(MIN_CHUNK, MAX_GROWTH_STEP),
             };
             let want = if growth == Growth::Exact {
@@ -640,7 +636,6 @@ impl ShardedPoolMemoryResource {
         }
         // 3. completed blocks of other streams
         let others = self.other_shards(key);
-        let mut others_hold_free = false;
         for shard in &others {
             let mut st = shard.state.lock();
             if st.free.bytes() == 0 {
@@ -650,7 +645,6 @@ impl ShardedPoolMemoryResource {
             // interval may have grown long), so that what it frees can be taken next time
             // rather than memory grown anew.
             st.wanted = true;
-            others_hold_free = true;
             st.refresh();
             let done = st.completed;
             if let Some((ptr, _)) = st.free.take(size, |e| e < done) {
@@ -658,10 +652,8 @@ impl ShardedPoolMemoryResource {
                 return Ok(ptr);
             }
         }
-        // 4. grow on this stream (by little when other streams' memory should come back
-        // soon)
-        let growth = if others_hold_free { Growth::Small } else { Growth::Geometric };
-        match self.grow(size, stream, growth) {
+        // 4. grow on this stream
+        match self.grow(size, stream, Growth::Geometric) {
             Ok(chunk) => return Ok(self.place_chunk(chunk, size, key)),
             Err(e) if e.is_out_of_memory() => {}
             Err(e) => return Err(e),
