@@ -28,7 +28,7 @@ mkdir -p $X && for w in .peers/librmm*.whl .peers/rapids_logger*.whl; do python3
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 for round in 1 2; do
   [ -x $X/bench_rmm ] && $X/bench_rmm "$SECS" "$REPS" all fixed,mt >"$OUT/rmm-$round.txt" 2>&1
-  .gpu/bench/window --secs "$SECS" --reps "$REPS" --json "$OUT/ours-rust-$round.json" >"$OUT/ours-rust-$round.txt" 2>&1
+  .gpu/bench/window --secs "$SECS" --reps "$REPS" --resources sharded,async,control --json "$OUT/ours-rust-$round.json" >"$OUT/ours-rust-$round.txt" 2>&1
 done
 python3 .peers/bench_py.py --part B --secs "$SECS" --reps "$REPS" >"$OUT/peers-py.txt" 2>&1
 python3 .peers/bench_py.py --part A --reps "$REPS" >"$OUT/peers-py-fixed.txt" 2>&1

@@ -11,7 +11,8 @@
 //!
 //! ```text
 //! cargo bench -p streampool --bench window -- [--secs 0.5] [--reps 3]
-//!     [--threads 1,2,4,8,16] [--resources sharded,async] [--events-every N] [--json FILE] [--sim]
+//!     [--threads 1,2,4,8,16] [--resources sharded,async,control] [--events-every N] [--json FILE]
+//!     [--sim] [--same-sizes]
 //! ```
 //! Runs on the CUDA driver when there is one (unless `--sim`), else on the simulated device
 //! (and says so: those numbers measure the simulator and the host, not a GPU).
@@ -23,8 +24,12 @@ use std::time::{Duration, Instant};
 use streampool::device::cuda::CudaBackend;
 use streampool::device::sim::SimDevice;
 use streampool::device::BackendRef;
+use streampool::device::DevPtr;
 use streampool::resource::ResourceRef;
-use streampool::{CudaAsyncMemoryResource, PoolOptions, ShardedPoolMemoryResource, Stream};
+use streampool::{
+    CudaAsyncMemoryResource, MemoryKind, MemoryResource, PoolOptions, PoolStats, ShardedPoolMemoryResource,
+    Stream,
+};
 
 const WINDOW: usize = 16;
 /// Pre-generated sizes per thread, as in `bench_rmm.cpp`.
@@ -38,6 +43,9 @@ struct Args {
     json: Option<String>,
     events_every: usize,
     sim: bool,
+    /// Every thread draws the same sizes (a diagnostic: how much of the spread between
+    /// threads comes from their different size sequences).
+    same_sizes: bool,
 }
 
 fn args() -> Args {
@@ -49,6 +57,7 @@ fn args() -> Args {
         json: None,
         events_every: PoolOptions::default().events_every,
         sim: false,
+        same_sizes: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -61,6 +70,7 @@ fn args() -> Args {
             "--json" => a.json = Some(v()),
             "--events-every" => a.events_every = v().parse().expect("--events-every"),
             "--sim" => a.sim = true,
+            "--same-sizes" => a.same_sizes = true,
             "--bench" => {}
             other => panic!("unknown argument {other}"),
         }
@@ -68,16 +78,62 @@ fn args() -> Args {
     a
 }
 
-fn make(name: &str, b: &BackendRef, events_every: usize) -> ResourceRef {
+/// The resource of `name`, and the pool itself when it is one (for its counters).
+fn make(
+    name: &str,
+    b: &BackendRef,
+    events_every: usize,
+) -> (ResourceRef, Option<Arc<ShardedPoolMemoryResource>>) {
     let async_mr: ResourceRef =
         Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
     match name {
-        "async" => async_mr,
-        "sharded" => Arc::new(
-            ShardedPoolMemoryResource::new(async_mr, PoolOptions { events_every, ..Default::default() })
-                .unwrap(),
-        ),
-        other => panic!("unknown resource {other} (sharded, async)"),
+        "async" => (async_mr, None),
+        "sharded" => {
+            let pool = Arc::new(
+                ShardedPoolMemoryResource::new(async_mr, PoolOptions { events_every, ..Default::default() })
+                    .unwrap(),
+            );
+            (pool.clone(), Some(pool))
+        }
+        "control" => (Arc::new(Control { backend: b.clone() }), None),
+        other => panic!("unknown resource {other} (sharded, async, control)"),
+    }
+}
+
+/// A control, not a resource: each call does a fixed amount of arithmetic on its own
+/// registers (no memory shared, no lock, nothing that depends on the sizes) and hands out
+/// a made-up address. Its threads can differ in speed only because their cores do, so the
+/// window's fairness figures for it measure the machine.
+#[derive(Debug)]
+struct Control {
+    backend: BackendRef,
+}
+
+impl MemoryResource for Control {
+    fn backend(&self) -> &BackendRef {
+        &self.backend
+    }
+    fn device(&self) -> i32 {
+        0
+    }
+    fn name(&self) -> &str {
+        "control"
+    }
+    fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::Device
+    }
+    fn do_allocate(&self, bytes: usize, _: &Stream) -> streampool::Result<DevPtr> {
+        let mut x = bytes as u64 | 1;
+        for _ in 0..40 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+        }
+        Ok(std::hint::black_box(x) | 1 << 40)
+    }
+    fn do_deallocate(&self, ptr: DevPtr, _: usize, _: &Stream) -> streampool::Result<()> {
+        std::hint::black_box(ptr);
+        Ok(())
     }
 }
 
@@ -104,6 +160,9 @@ struct MtResult {
     /// The slowest thread's operations per CPU-second, as a share of the mean: near 1 when
     /// threads differ only in how long the OS ran them.
     slowest_per_cpu_share: f64,
+    /// A pool's events recorded, growths, and steals, waits and synchronisations, in the
+    /// window.
+    in_window: Option<[u64; 3]>,
 }
 
 /// A thread's operation count, on a cache line of its own (as `bench_rmm.cpp`'s
@@ -126,7 +185,13 @@ fn thread_cpu_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-fn run_mt(mr: &ResourceRef, b: &BackendRef, threads: usize, secs: f64) -> MtResult {
+fn run_mt(
+    (mr, pool): &(ResourceRef, Option<Arc<ShardedPoolMemoryResource>>),
+    b: &BackendRef,
+    threads: usize,
+    secs: f64,
+    same_sizes: bool,
+) -> MtResult {
     let counters: Arc<Vec<Counter>> = Arc::new(
         (0..threads).map(|_| Counter { ops: AtomicU64::new(0), cpu_ns: AtomicU64::new(0) }).collect(),
     );
@@ -138,7 +203,7 @@ fn run_mt(mr: &ResourceRef, b: &BackendRef, threads: usize, secs: f64) -> MtResu
                 (mr.clone(), b.clone(), counters.clone(), stop.clone(), ready.clone());
             std::thread::spawn(move || {
                 let stream = Stream::create(&b, 0, false).unwrap();
-                let sizes = sizes(t as u64 + 1, SIZES);
+                let sizes = sizes(if same_sizes { 1 } else { t as u64 + 1 }, SIZES);
                 // A ring of WINDOW live allocations, filled before the start.
                 let mut k = 0usize;
                 let mut ring: Vec<(u64, usize)> = (0..WINDOW)
@@ -175,10 +240,12 @@ fn run_mt(mr: &ResourceRef, b: &BackendRef, threads: usize, secs: f64) -> MtResu
     let snapshot = || -> Vec<(u64, u64)> {
         counters.iter().map(|c| (c.ops.load(Ordering::Relaxed), c.cpu_ns.load(Ordering::Relaxed))).collect()
     };
+    let stats0 = pool.as_ref().map(|p| p.stats());
     let start = snapshot();
     let t0 = Instant::now();
     std::thread::sleep(Duration::from_secs_f64(secs));
     let end = snapshot();
+    let stats1 = pool.as_ref().map(|p| p.stats());
     let elapsed = t0.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     for h in handles {
@@ -198,6 +265,14 @@ fn run_mt(mr: &ResourceRef, b: &BackendRef, threads: usize, secs: f64) -> MtResu
         slowest_share: if mean > 0.0 { slowest / mean } else { 0.0 },
         least_on_cpu: cpu.iter().cloned().fold(f64::INFINITY, f64::min) / elapsed,
         slowest_per_cpu_share: per_cpu.iter().cloned().fold(f64::INFINITY, f64::min) / mean_per_cpu,
+        in_window: stats0.zip(stats1).map(|(s0, s1)| {
+            let slow = |s: &PoolStats| s.completed_steals + s.cross_stream_waits + s.synchronizations;
+            [
+                s1.events_recorded - s0.events_recorded,
+                s1.upstream_growths - s0.upstream_growths,
+                slow(&s1) - slow(&s0),
+            ]
+        }),
     }
 }
 
@@ -246,7 +321,7 @@ fn main() {
     let mut json = Vec::new();
     for name in &a.resources {
         for &n in &[256usize, 64 << 10, 4 << 20] {
-            let mr = make(name, &backend, a.events_every);
+            let (mr, _) = make(name, &backend, a.events_every);
             let ns = run_fixed(&mr, &backend, n, a.reps);
             println!("fixed  {name:<8} {n:>8} B  {ns:8.1} ns/pair");
             json.push(format!(
@@ -255,16 +330,22 @@ fn main() {
         }
         for &t in &a.threads {
             let runs: Vec<MtResult> = (0..a.reps)
-                .map(|_| run_mt(&make(name, &backend, a.events_every), &backend, t, a.secs))
+                .map(|_| run_mt(&make(name, &backend, a.events_every), &backend, t, a.secs, a.same_sizes))
                 .collect();
             let rate = median(runs.iter().map(|r| r.allocs_per_sec).collect());
             let ns = median(runs.iter().map(|r| r.ns_per_op_per_thread).collect());
             let share = median(runs.iter().map(|r| r.slowest_share).collect());
             let on_cpu = median(runs.iter().map(|r| r.least_on_cpu).collect());
             let per_cpu = median(runs.iter().map(|r| r.slowest_per_cpu_share).collect());
+            let counts = match runs.iter().filter_map(|r| r.in_window).max() {
+                Some([e, g, s]) => {
+                    format!("; in the window at most {e} events, {g} growths, {s} steals/waits/syncs")
+                }
+                None => String::new(),
+            };
             println!(
                 "window {name:<8} T={t:<2}  {:8.3} M allocs/s  {ns:8.1} ns/op/thread  slowest {share:.2}  \
-                 (least on CPU {on_cpu:.2} of the window; per CPU-second, slowest {per_cpu:.2})",
+                 (least on CPU {on_cpu:.2} of the window; per CPU-second, slowest {per_cpu:.2}{counts})",
                 rate / 1e6
             );
             json.push(format!(
