@@ -4,12 +4,24 @@ threads (no deadlock with Python callbacks in the stack)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 
 import streampool
 from streampool import mr
 from streampool.sim import SimulatedDevice
+
+
+def run_threads(work: Callable[[int], None], n: int, errors: list[BaseException]) -> None:
+    """Runs `work(0..n)` on n threads; fails if one is stuck (a deadlock) or raised."""
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in threads), "a thread is stuck (deadlock?)"
+    assert not errors, errors[0]
 
 
 def test_rmm_name_and_arguments() -> None:
@@ -98,13 +110,7 @@ def test_eight_threads_several_streams(sim: SimulatedDevice) -> None:
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=60)
-    assert not any(th.is_alive() for th in threads), "a thread is stuck"
-    assert not errors, errors[0]
+    run_threads(work, 8, errors)
     sim.run()
     s = pool.stats
     assert s["used_bytes"] == 0 and s["reserved_bytes"] == s["free_bytes"]
@@ -136,13 +142,7 @@ def test_threads_on_the_fast_path_hand_the_gil_over() -> None:
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=60)
-    assert not any(th.is_alive() for th in threads), "a thread is stuck"
-    assert not errors, errors[0]
+    run_threads(work, 4, errors)
     assert pool.stats["used_bytes"] == 0
 
 
@@ -183,13 +183,7 @@ def test_no_deadlock_with_python_callbacks_in_the_stack() -> None:
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=60)
-    assert not any(th.is_alive() for th in threads), "deadlock: a thread is stuck"
-    assert not errors, errors[0]
+    run_threads(work, 8, errors)
     for p, n in spare:
         pool.deallocate(p, n)
     assert len(lines) > 100

@@ -1021,6 +1021,20 @@ mod loom_tests {
         (Arc::new(ShardedPoolMemoryResource::new(upstream, options).unwrap()), sim)
     }
 
+    /// A thread that allocates `n` bytes on `s` and frees them; joins to the address.
+    fn use_once(
+        p: &Arc<ShardedPoolMemoryResource>,
+        s: &Stream,
+        n: usize,
+    ) -> loom::thread::JoinHandle<DevPtr> {
+        let (p, s) = (p.clone(), s.clone());
+        loom::thread::spawn(move || {
+            let x = p.allocate(n, &s).unwrap();
+            p.deallocate(x, n, &s).unwrap();
+            x
+        })
+    }
+
     fn check(p: &ShardedPoolMemoryResource) {
         let s = p.stats();
         assert_eq!(s.reserved_bytes, s.used_bytes + s.free_bytes, "{s:?}");
@@ -1034,18 +1048,10 @@ mod loom_tests {
         crate::sync::model(|| {
             let (p, b) = pool(PoolOptions { initial_pool_size: Some(1 << 20), ..Default::default() });
             let s = Stream::create(&b, 0, false).unwrap();
-            let other = {
-                let (p, s) = (p.clone(), s.clone());
-                loom::thread::spawn(move || {
-                    let x = p.allocate(4096, &s).unwrap();
-                    p.deallocate(x, 4096, &s).unwrap();
-                    x
-                })
-            };
+            let other = use_once(&p, &s, 4096);
             let y = p.allocate(4096, &s).unwrap();
-            let x = other.join().unwrap();
+            other.join().unwrap();
             p.deallocate(y, 4096, &s).unwrap();
-            let _ = x;
             check(&p);
             assert_eq!(p.stats().shard_free_bytes.iter().filter(|(k, _)| *k == s.key(&b, 0)).count(), 1);
         });
@@ -1059,13 +1065,7 @@ mod loom_tests {
         crate::sync::model(|| {
             let (p, b) = pool(PoolOptions { initial_pool_size: Some(1 << 20), ..Default::default() });
             let s = Stream::create(&b, 0, false).unwrap();
-            let other = {
-                let (p, s) = (p.clone(), s.clone());
-                loom::thread::spawn(move || {
-                    let x = p.allocate(8192, &s).unwrap();
-                    p.deallocate(x, 8192, &s).unwrap();
-                })
-            };
+            let other = use_once(&p, &s, 8192);
             let y = p.allocate(4096, &s).unwrap();
             let z = p.allocate(4096, &s).unwrap();
             assert_ne!(y, z);
