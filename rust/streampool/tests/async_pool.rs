@@ -1,16 +1,10 @@
 //! `CudaAsyncMemoryResource`'s choice of pool and its settings, on the simulated device.
 
-use std::sync::Arc;
-
-use streampool::device::sim::SimDevice;
-use streampool::device::{BackendRef, PoolAttr};
+use streampool::device::PoolAttr;
 use streampool::{AsyncPoolOptions, CudaAsyncMemoryResource, Error, MemoryResource, Stream};
 
-fn sim() -> (Arc<SimDevice>, BackendRef) {
-    let sim = SimDevice::new(256 << 20);
-    let backend: BackendRef = sim.clone();
-    (sim, backend)
-}
+mod common;
+use common::sim;
 
 #[test]
 fn no_options_use_the_default_pool_and_raise_its_threshold() {

@@ -3,19 +3,15 @@
 
 use std::sync::Arc;
 
-use streampool::device::sim::SimDevice;
-use streampool::device::{Advice, BackendRef, Location, PoolAttr, PoolProps};
+use streampool::device::{Advice, Location, PoolAttr, PoolProps};
 use streampool::resource::ResourceRef;
 use streampool::{
     Allocation, AsyncPoolOptions, CudaAsyncManagedMemoryResource, CudaAsyncMemoryResource, Error,
     ManagedMemoryResource, MemoryKind, MemoryResource, Stream,
 };
 
-fn sim() -> (Arc<SimDevice>, BackendRef) {
-    let sim = SimDevice::new(256 << 20);
-    let backend: BackendRef = sim.clone();
-    (sim, backend)
-}
+mod common;
+use common::sim;
 
 #[test]
 fn no_options_use_the_default_managed_pool_and_raise_its_threshold() {

@@ -31,6 +31,22 @@ fn stream(b: &BackendRef) -> Stream {
 }
 
 /// reserved = used + free, and grown = reserved + released.
+/// The stress tests' sizes: xorshift, the same sequence per seed.
+struct XorShift(u64);
+
+impl XorShift {
+    fn new(seed: u64) -> Self {
+        XorShift(0x9e3779b97f4a7c15 ^ seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
 fn assert_accounting(s: &PoolStats) {
     assert_eq!(s.reserved_bytes, s.used_bytes + s.free_bytes, "{s:?}");
     assert_eq!(s.grown_bytes, (s.reserved_bytes as u64) + s.released_bytes, "{s:?}");
@@ -375,11 +391,9 @@ fn eight_threads_on_several_streams() {
             let (p, sim, streams) = (p.clone(), sim.clone(), streams.clone());
             std::thread::spawn(move || {
                 let mut window: std::collections::VecDeque<(DevPtr, usize, usize)> = Default::default();
-                let mut x = 0x9e3779b97f4a7c15u64 ^ t as u64;
+                let mut rng = XorShift::new(t as u64);
                 for i in 0..600 {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
+                    let x = rng.next();
                     let n = 1024 << (x % 10);
                     let si = if i % 5 == 0 { (t + 1) % 4 } else { t % 4 };
                     let s = if t == 7 { Stream::per_thread() } else { streams[si].clone() };
@@ -424,11 +438,9 @@ fn eight_threads_on_one_stream() {
             let (p, s) = (p.clone(), s.clone());
             scope.spawn(move || {
                 let mut window = std::collections::VecDeque::new();
-                let mut x = 0x9e3779b97f4a7c15u64 ^ (t + 1);
+                let mut rng = XorShift::new(t + 1);
                 for _ in 0..5000 {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
+                    let x = rng.next();
                     let n = 256 << (x % 12);
                     window.push_back((p.allocate(n, &s).unwrap(), n));
                     if window.len() > 8 {
@@ -462,11 +474,9 @@ fn four_streams_under_a_tight_maximum() {
             let (p, b, sim) = (p.clone(), b.clone(), sim.clone());
             scope.spawn(move || {
                 let s = stream(&b);
-                let mut x = 0x9e3779b97f4a7c15u64 ^ (t + 1);
+                let mut rng = XorShift::new(t + 1);
                 for i in 0..300 {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
+                    let x = rng.next();
                     let n = MIB + (x % (2 * MIB as u64)) as usize;
                     match p.allocate(n, &s) {
                         Ok(ptr) => {

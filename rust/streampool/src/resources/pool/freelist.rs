@@ -23,7 +23,7 @@ use super::addrmap::AddrMap;
 use crate::size::align_up;
 
 /// Sizes of this or more are rounded to 256 bytes only (not to a list boundary).
-pub(crate) const ROUND_MAX: usize = 64 << 20;
+const ROUND_MAX: usize = 64 << 20;
 /// Lists: 15 below 4 KiB, then 8 per power of two up to 2^64.
 const LISTS: usize = 15 + 52 * 8;
 const WORDS: usize = LISTS.div_ceil(64);

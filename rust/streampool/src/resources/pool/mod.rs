@@ -21,7 +21,7 @@ use crate::size::align_up;
 use crate::stream::{Event, Stream};
 use std::sync::Arc;
 
-use crate::sync::{lock, AtomicU64, AtomicUsize, Mutex, Ordering, RwLock, ShardLock};
+use crate::sync::{lock, read, write, AtomicU64, AtomicUsize, Mutex, Ordering, RwLock, ShardLock};
 
 /// Growth never asks the upstream for less than this (unless the maximum leaves less).
 pub const MIN_CHUNK: usize = 2 << 20;
@@ -34,7 +34,7 @@ const MAX_EVENT_BACKOFF: usize = 64;
 pub const MAX_GROWTH_STEP: usize = 1 << 30;
 
 /// How much a growth asks the upstream for, beyond the request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 enum Growth {
     /// The request, exactly (`initial_pool_size`).
     Exact,
@@ -293,6 +293,7 @@ static NEXT_POOL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::n
 /// shard: the shards of the streams it used, and a snapshot of the chunk table with the
 /// table's generation when it was taken.
 struct Local {
+    #[cfg_attr(loom, allow(dead_code))]
     uid: u64,
     generation: u64,
     table: Arc<ChunkTable>,
@@ -395,8 +396,7 @@ impl ShardedPoolMemoryResource {
     /// What the pool holds and how often each policy step ran. Exact when no other thread
     /// is allocating or freeing.
     pub fn stats(&self) -> PoolStats {
-        let shards: Vec<Arc<Shard>> =
-            self.shards.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+        let shards: Vec<Arc<Shard>> = read(&self.shards).values().cloned().collect();
         let mut used = 0i64;
         let mut shard_free_bytes: Vec<(u64, usize)> = shards
             .iter()
@@ -457,16 +457,16 @@ impl ShardedPoolMemoryResource {
 
     /// The chunk table now (off the hot path).
     fn table(&self) -> Arc<ChunkTable> {
-        self.chunks.read().unwrap_or_else(|e| e.into_inner()).clone()
+        read(&self.chunks).clone()
     }
 
     /// The shard of `key`, made on first use. Two threads using a new stream at once get
     /// the same shard: it is inserted under the write lock, re-checked there.
     fn shard_slow(&self, key: u64) -> Arc<Shard> {
-        if let Some(s) = self.shards.read().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        if let Some(s) = read(&self.shards).get(&key) {
             return s.clone();
         }
-        let mut map = self.shards.write().unwrap_or_else(|e| e.into_inner());
+        let mut map = write(&self.shards);
         map.entry(key)
             .or_insert_with(|| {
                 Arc::new(Shard {
@@ -481,13 +481,7 @@ impl ShardedPoolMemoryResource {
     }
 
     fn other_shards(&self, key: u64) -> Vec<Arc<Shard>> {
-        self.shards
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .filter(|s| s.key != key)
-            .cloned()
-            .collect()
+        read(&self.shards).values().filter(|s| s.key != key).cloned().collect()
     }
 
     /// Takes at least `size` bytes (by `growth`, see [`Growth`]) from
@@ -501,14 +495,12 @@ impl ShardedPoolMemoryResource {
             if size > room {
                 return Err(self.out_of_memory(size));
             }
-            let step = match growth {
-                Growth::Exact => 0,
-                Growth::Geometric => (reserved / 4).clamp(MIN_CHUNK, MAX_GROWTH_STEP),
-            };
-            let want = if growth == Growth::Exact {
-                size
-            } else {
-                align_up(size.max(step), MIN_CHUNK).min(room / ALIGNMENT * ALIGNMENT).max(size)
+            let want = match growth {
+                Growth::Exact => size,
+                Growth::Geometric => {
+                    let step = (reserved / 4).clamp(MIN_CHUNK, MAX_GROWTH_STEP);
+                    align_up(size.max(step), MIN_CHUNK).min(room / ALIGNMENT * ALIGNMENT).max(size)
+                }
             };
             match self.reserved.compare_exchange_weak(
                 reserved,
@@ -529,7 +521,7 @@ impl ShardedPoolMemoryResource {
         };
         let c = Chunk::new(start, chunk, self.next_chunk.fetch_add(1, Ordering::Relaxed));
         {
-            let mut table = self.chunks.write().unwrap_or_else(|e| e.into_inner());
+            let mut table = write(&self.chunks);
             let mut next: Vec<Chunk> = table.sorted.clone();
             let at = next.partition_point(|x| x.start < start);
             next.insert(at, c.clone());
@@ -606,7 +598,7 @@ impl ShardedPoolMemoryResource {
             // Complete, so any stream orders the free; the legacy one always exists.
             self.upstream.deallocate(ptr, b.size, &Stream::legacy())?;
             {
-                let mut table = self.chunks.write().unwrap_or_else(|e| e.into_inner());
+                let mut table = write(&self.chunks);
                 let next: Vec<Chunk> = table.sorted.iter().filter(|c| c.start != ptr).cloned().collect();
                 *table = ChunkTable::new(next);
                 self.chunk_generation.fetch_add(1, Ordering::Release);
@@ -702,16 +694,14 @@ impl ShardedPoolMemoryResource {
     /// the growing stream only, so it is treated as freed there).
     fn place_chunk(&self, chunk: Chunk, size: usize, key: u64) -> DevPtr {
         if chunk.size > size {
-            {
-                let shard = self.shard_slow(key);
-                let mut st = shard.state.lock();
-                let epoch = st.epoch;
-                st.free.insert(
-                    chunk.start + size as u64,
-                    FreeBlock { size: chunk.size - size, chunk: chunk.id, epoch },
-                );
-                st.unevented += 1;
-            }
+            let shard = self.shard_slow(key);
+            let mut st = shard.state.lock();
+            let epoch = st.epoch;
+            st.free.insert(
+                chunk.start + size as u64,
+                FreeBlock { size: chunk.size - size, chunk: chunk.id, epoch },
+            );
+            st.unevented += 1;
         }
         chunk.start
     }
@@ -980,7 +970,7 @@ impl Drop for ShardedPoolMemoryResource {
         // Every use of the pool's memory must finish before it goes back; failures (the
         // driver torn down at exit) have nobody to report to.
         let _ = self.backend().ctx_synchronize(self.device());
-        let table = self.chunks.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let table = self.table();
         for c in table.sorted.iter() {
             let _ = self.upstream.deallocate(c.start, c.size, &Stream::legacy());
         }
