@@ -81,8 +81,10 @@ def test_bad_frees_leave_the_pool_usable() -> None:
         pool.deallocate(p + (64 << 20), 4096)
     pool.deallocate(p, 4096)
     with pytest.raises(streampool.InvalidPointerError, match="double free"):
-        pool.deallocate(p, 4096)  # seen among the recently freed blocks of its class
+        pool.deallocate(p, 4096)
     assert pool.allocate(4096) == p
+    with pytest.raises(streampool.InvalidPointerError, match="allocated with 4096 bytes"):
+        pool.deallocate(p, 8192)  # not the allocation's size: refused in every build
     pool.deallocate(p, 4096)
     s = pool.stats
     assert s["reserved_bytes"] == s["used_bytes"] + s["free_bytes"] and s["used_bytes"] == 0

@@ -528,8 +528,8 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     ``events_every``: a stream records an event after this many frees, so that other
     streams can reuse what it freed (the interval doubles after each event, up to 64
     times, while no stream is short of memory). A free must pass the size it allocated, as
-    in RMM: a double free or an address the pool never handed out is always refused; a
-    wrong size is caught in debug builds only.
+    in RMM: a double free, an address the pool never handed out, or a size that does not
+    round to the allocation's is always refused, and changes nothing.
 
     Example::
 

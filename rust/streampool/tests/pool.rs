@@ -279,7 +279,26 @@ fn bad_options_and_bad_frees() {
     assert!(matches!(p.deallocate(ptr, 1000, &s), Err(Error::InvalidPointer(_))), "double free");
     let again = p.allocate(1000, &s).unwrap();
     p.deallocate(again, 1000, &s).unwrap();
+    // A size that does not round to the allocation's, on its stream or on another: refused
+    // in every build, nothing changes.
+    let ptr = p.allocate(1000, &s).unwrap();
+    let other = stream(&b);
+    for on in [&s, &other] {
+        let err = p.deallocate(ptr, 5000, on).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidPointer(_)) && err.to_string().contains("allocated with 1024"),
+            "{err}"
+        );
+    }
+    assert_eq!(p.stats().used_bytes, 1024);
+    // Freed on another stream than its allocation's, then freed again on either.
+    p.deallocate(ptr, 1000, &other).unwrap();
+    for on in [&s, &other] {
+        let err = p.deallocate(ptr, 1000, on).unwrap_err();
+        assert!(matches!(err, Error::InvalidPointer(_)) && err.to_string().contains("double free"), "{err}");
+    }
     assert_accounting(&p.stats());
+    assert_eq!(p.stats().used_bytes, 0);
 }
 
 /// An upstream that fails every other growth.

@@ -1,14 +1,13 @@
-//! A small hash map from device addresses to block records, for the free list's
-//! neighbour look-ups: open addressing, linear probing, deletion by backward shift (no
-//! tombstones, so a map with constant churn stays as fast as a fresh one), at most a
-//! quarter full (runs stay short: most look-ups probe one slot). The free list does up to
-//! three look-ups per free and two per allocation, so these lines are much of the pool's
-//! hot path.
+//! A small hash map from device addresses to block records, for the live blocks of a
+//! shard: open addressing, linear probing, deletion by backward shift (no tombstones, so a
+//! map with constant churn stays as fast as a fresh one), at most a quarter full (runs stay
+//! short: most look-ups probe one slot). One insert per allocation and one removal per free
+//! are the only hashing on the pool's hot path.
 
 const EMPTY: u64 = u64::MAX;
 
-/// Keys are 256-byte aligned addresses, with bit 0 free for a tag (the free list keys a
-/// block's start as `start` and its end as `end | 1`); `u64::MAX` is never a key.
+/// Keys are 256-byte aligned addresses (the hash rotates their zero low bits away);
+/// `u64::MAX` is never a key.
 #[derive(Debug, Clone)]
 pub(crate) struct AddrMap {
     slots: Vec<(u64, u32)>,

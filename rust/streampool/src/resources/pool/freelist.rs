@@ -1,19 +1,26 @@
-//! Free blocks of one shard (or of the common list): a two-level segregated fit (TLSF)
-//! free list with its headers on the host, since the memory it manages is the device's.
+//! The blocks of one shard (or of the common list): a two-level segregated fit (TLSF)
+//! free list with its headers on the host, since the memory it manages is the device's,
+//! and with boundary tags, so that the hot path hashes once per allocation and once per
+//! free.
 //!
-//! * **Lists by size**: one list per size range, 8 ranges per power of two (one per 256
-//!   bytes below 4 KiB), and a bitmap of the non-empty lists. A request of `size` bytes
-//!   takes the head of the first non-empty list whose every block fits: a few bit
-//!   operations, whatever the number of blocks.
-//! * **Coalescing at once**: two hash maps find the free block that ends where a freed block
-//!   starts and the one that starts where it ends; neighbours of the same upstream chunk
-//!   merge on the spot, so free memory stays in few large blocks.
-//! * **A slab of headers**: block records live in one vector, linked into their list by
-//!   index, and are reused; after warm-up an operation allocates nothing.
-//! * **The last freed block** waits in a slot before it is merged: an allocation of
-//!   exactly its size takes it back without touching the lists or the maps (a stream that
-//!   frees and allocates one size in turn, the commonest pattern, does no hashing at all).
-//!   The next free pushes it into the lists, so at most one block is ever unmerged.
+//! * **Records**: every block the shard knows is a record in a slab (reused, so after
+//!   warm-up nothing is allocated): its address, size, chunk, and the epoch it was freed in
+//!   when it is free. A record links to the records just before and after it in memory
+//!   (`left`, `right`) when the shard owns those too: a block split here stays linked to
+//!   its parts.
+//! * **Lists by size**: free records sit in one list per size range, 8 ranges per power of
+//!   two (one per 256 bytes below 4 KiB), with a bitmap of the non-empty lists. A request of
+//!   `size` bytes takes the head of the first non-empty list whose every block fits: a few
+//!   bit operations, whatever the number of blocks.
+//! * **Live blocks** are found by address in a small open-addressing map ([`AddrMap`]): one
+//!   insert per allocation, one removal per free. That map is also the check on frees: a
+//!   double free, a pointer never handed out, or a wrong size is refused exactly.
+//! * **Merging at once**: a freed block merges with the free records it links to, with no
+//!   look-up at all.
+//! * **Loose blocks**: a block that enters from elsewhere (freed on this stream after being
+//!   allocated on another, taken from another shard, or grown) has no links. Such blocks
+//!   are merged by address, in one sort of the free records, when a request finds no fit
+//!   (the only time merging more can matter), not on every free.
 //!
 //! Requests are rounded by [`class_size`] to a list boundary (at most 12.5 % more than
 //! asked), so that the first block of the first non-empty list at or above the request's
@@ -28,6 +35,10 @@ const ROUND_MAX: usize = 64 << 20;
 const LISTS: usize = 15 + 52 * 8;
 const WORDS: usize = LISTS.div_ceil(64);
 const NIL: u32 = u32::MAX;
+/// `Rec::list` of a live record (handed out, in the live map).
+const LIVE: u32 = u32::MAX;
+/// `Rec::list` of a record in the slab's spare stack.
+const SPARE: u32 = u32::MAX - 1;
 
 /// The size a request of `bytes` is served with: a multiple of 256 up to 4 KiB, then the
 /// next of 8 boundaries per power of two (at most 12.5 % more than asked) below 64 MiB,
@@ -69,39 +80,56 @@ pub(crate) struct FreeBlock {
     pub epoch: u64,
 }
 
+/// Why a free was refused (nothing changed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NotFreed {
+    /// No live block of this list starts there.
+    Unknown,
+    /// The live block there has this size.
+    WrongSize(usize),
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Rec {
     ptr: u64,
-    block: FreeBlock,
-    list: u32,
+    size: usize,
+    chunk: u64,
+    epoch: u64,
+    /// The records just before and after this one in memory, when this list owns them.
+    left: u32,
+    right: u32,
+    /// Links in the size list (free records).
     prev: u32,
     next: u32,
+    /// The size list (free), `LIVE` or `SPARE`.
+    list: u32,
 }
 
-/// Free blocks (see the module docs).
+/// The blocks of a shard (see the module docs).
 #[derive(Debug)]
 pub(crate) struct FreeList {
-    /// The last freed block, not merged yet (see the module docs).
-    recent: Option<(u64, FreeBlock)>,
     recs: Vec<Rec>,
     spare: Vec<u32>,
-    heads: Vec<u32>,
+    heads: [u32; LISTS],
     bits: [u64; WORDS],
-    /// A free block's record by its start (`start`) and by its end (`end | 1`).
-    ends: AddrMap,
+    /// Live records by address.
+    live: AddrMap,
+    /// Free bytes.
     bytes: usize,
+    /// A free record may have an unlinked free neighbour: merging by address may help.
+    loose: bool,
 }
 
 impl Default for FreeList {
     fn default() -> Self {
         FreeList {
-            recent: None,
             recs: Vec::new(),
             spare: Vec::new(),
-            heads: vec![NIL; LISTS],
+            heads: [NIL; LISTS],
             bits: [0; WORDS],
-            ends: AddrMap::default(),
+            live: AddrMap::default(),
             bytes: 0,
+            loose: false,
         }
     }
 }
@@ -109,56 +137,164 @@ impl Default for FreeList {
 impl FreeList {
     /// Free bytes held.
     pub fn bytes(&self) -> usize {
-        self.bytes + self.recent.map_or(0, |(_, b)| b.size)
+        self.bytes
     }
 
-    /// Free blocks held, once the slot's block is merged.
+    /// Hands out `size` bytes (a class size) from the free blocks, and records them live
+    /// here (to be given back by [`free`](Self::free) or [`take_live`](Self::take_live)).
+    #[inline]
+    pub fn allocate(&mut self, size: usize) -> Option<u64> {
+        let i = self.find(size, &|_| true)?;
+        let a = self.carve(i, size);
+        let ptr = self.recs[a as usize].ptr;
+        self.live.insert(ptr, a);
+        Some(ptr)
+    }
+
+    /// Takes the front `size` bytes of a free block whose epoch satisfies `ok` out of this
+    /// list (for another shard; the rest stays free, same chunk and epoch). Returns the
+    /// address and the block taken (its size is `size`).
+    pub fn take(&mut self, size: usize, ok: impl Fn(u64) -> bool) -> Option<(u64, FreeBlock)> {
+        let i = self.find(size, &ok)?;
+        let a = self.carve(i, size);
+        let Rec { ptr, chunk, epoch, .. } = self.recs[a as usize];
+        self.detach(a);
+        self.retire(a);
+        Some((ptr, FreeBlock { size, chunk, epoch }))
+    }
+
+    /// Frees the live block at `ptr` of `size` bytes into epoch `epoch`, merging it with
+    /// the free blocks it links to. Refused, changing nothing, when no live block of this
+    /// list starts at `ptr` or it has another size.
+    #[inline]
+    pub fn free(&mut self, ptr: u64, size: usize, epoch: u64) -> Result<(), NotFreed> {
+        let i = self.unlive(ptr, size)?;
+        self.recs[i as usize].epoch = epoch;
+        self.bytes += size;
+        self.settle(i);
+        Ok(())
+    }
+
+    /// Removes the live block at `ptr` of `size` bytes from this list (it was freed on
+    /// another stream); returns its chunk. Refused as [`free`](Self::free) is.
+    pub fn take_live(&mut self, ptr: u64, size: usize) -> Result<u64, NotFreed> {
+        let i = self.unlive(ptr, size)?;
+        let chunk = self.recs[i as usize].chunk;
+        self.detach(i);
+        self.retire(i);
+        Ok(chunk)
+    }
+
+    /// Records a live block handed out from elsewhere (another shard, the common list, a
+    /// new chunk) as this list's.
+    pub fn insert_live(&mut self, ptr: u64, size: usize, chunk: u64) {
+        let i = self.new_rec(Rec {
+            ptr,
+            size,
+            chunk,
+            epoch: 0,
+            left: NIL,
+            right: NIL,
+            prev: NIL,
+            next: NIL,
+            list: LIVE,
+        });
+        self.live.insert(ptr, i);
+    }
+
+    /// Adds a free block from elsewhere (not live here). It is merged with its neighbours
+    /// by address when a request next finds no fit.
+    pub fn insert(&mut self, ptr: u64, block: FreeBlock) {
+        debug_assert!(self.live.get(ptr).is_none(), "pool bookkeeping: {ptr:#x} is live here");
+        let FreeBlock { size, chunk, epoch } = block;
+        let i = self.new_rec(Rec {
+            ptr,
+            size,
+            chunk,
+            epoch,
+            left: NIL,
+            right: NIL,
+            prev: NIL,
+            next: NIL,
+            list: LIVE,
+        });
+        self.bytes += size;
+        self.loose = true;
+        self.link(i);
+    }
+
+    /// Removes and returns every free block whose epoch satisfies `pred`.
+    pub fn drain(&mut self, pred: impl Fn(u64) -> bool) -> Vec<(u64, FreeBlock)> {
+        self.remove_where(|_, b| pred(b.epoch))
+    }
+
+    /// Removes and returns the free blocks for which `is_whole(ptr, block)` holds, after
+    /// merging every free neighbour.
+    pub fn take_whole_chunks(&mut self, is_whole: impl Fn(u64, &FreeBlock) -> bool) -> Vec<(u64, FreeBlock)> {
+        self.remove_where(is_whole)
+    }
+
+    /// Free blocks held, once merged.
     #[cfg(test)]
     pub fn merged_len(&mut self) -> usize {
-        if let Some((p, b)) = self.recent.take() {
-            self.merge(p, b);
-        }
-        self.ends.len() / 2
+        self.merge_loose();
+        self.recs.iter().filter(|r| Self::is_free_list(r.list)).count()
     }
 
-    /// Takes the front `size` bytes of a free block whose epoch satisfies `ok` (the rest
-    /// stays free, same chunk and epoch): the head of the first non-empty list whose blocks
-    /// all fit, else (only when `ok` refuses heads, or for sizes that are not a list
-    /// boundary) the first fitting block found list by list. Returns the address and the
-    /// block taken (its size is `size`).
-    pub fn take(&mut self, size: usize, ok: impl Fn(u64) -> bool) -> Option<(u64, FreeBlock)> {
-        if let Some((ptr, b)) = self.recent {
-            if b.size == size && ok(b.epoch) {
-                self.recent = None;
-                return Some((ptr, b));
-            }
+    /// The live record at `ptr`, out of the live map, if it has `size` bytes.
+    #[inline]
+    fn unlive(&mut self, ptr: u64, size: usize) -> Result<u32, NotFreed> {
+        let i = self.live.remove(ptr).ok_or(NotFreed::Unknown)?;
+        let had = self.recs[i as usize].size;
+        if had != size {
+            self.live.insert(ptr, i);
+            return Err(NotFreed::WrongSize(had));
         }
-        if let Some(found) = self.take_listed(size, &ok) {
-            return Some(found);
-        }
-        // The unmerged block may fit, or complete a run that does.
-        let (ptr, b) = self.recent.take()?;
-        self.merge(ptr, b);
-        self.take_listed(size, &ok)
+        Ok(i)
     }
 
-    fn take_listed(&mut self, size: usize, ok: &impl Fn(u64) -> bool) -> Option<(u64, FreeBlock)> {
+    fn is_free_list(list: u32) -> bool {
+        (list as usize) < LISTS
+    }
+
+    fn is_free(&self, i: u32) -> bool {
+        Self::is_free_list(self.recs[i as usize].list)
+    }
+
+    /// A free record of at least `size` bytes whose epoch satisfies `ok`; merges loose
+    /// blocks first when none fits as they are.
+    #[inline]
+    fn find(&mut self, size: usize, ok: &impl Fn(u64) -> bool) -> Option<u32> {
+        if let Some(i) = self.find_listed(size, ok) {
+            return Some(i);
+        }
+        if !self.loose {
+            return None;
+        }
+        self.merge_loose();
+        self.find_listed(size, ok)
+    }
+
+    /// The head of the first non-empty list whose blocks all fit, else (only when `ok`
+    /// refuses heads, or for sizes that are not a list boundary) the first fitting block
+    /// found list by list.
+    #[inline]
+    fn find_listed(&self, size: usize, ok: &impl Fn(u64) -> bool) -> Option<u32> {
         let own = list_of(size);
         let first = if list_floor(own) == size { own } else { own + 1 };
         let mut l = first;
         while let Some(found) = self.next_nonempty(l) {
             let head = self.heads[found];
-            if ok(self.recs[head as usize].block.epoch) {
-                return Some(self.carve(head, size));
+            if ok(self.recs[head as usize].epoch) {
+                return Some(head);
             }
-            if let Some(i) = self.find_in(found, |b| ok(b.epoch)) {
-                return Some(self.carve(i, size));
+            if let Some(i) = self.find_in(found, |r| ok(r.epoch)) {
+                return Some(i);
             }
             l = found + 1;
         }
         // Blocks of the request's own list may fit too when it is not a boundary.
-        let i = self.find_in(own, |b| b.size >= size && ok(b.epoch))?;
-        Some(self.carve(i, size))
+        self.find_in(own, |r| r.size >= size && ok(r.epoch))
     }
 
     fn next_nonempty(&self, from: usize) -> Option<usize> {
@@ -179,11 +315,11 @@ impl FreeList {
         }
     }
 
-    fn find_in(&self, list: usize, ok: impl Fn(&FreeBlock) -> bool) -> Option<u32> {
+    fn find_in(&self, list: usize, ok: impl Fn(&Rec) -> bool) -> Option<u32> {
         let mut i = self.heads[list];
         while i != NIL {
             let r = &self.recs[i as usize];
-            if ok(&r.block) {
+            if ok(r) {
                 return Some(i);
             }
             i = r.next;
@@ -191,156 +327,170 @@ impl FreeList {
         None
     }
 
-    /// Hands out the front `size` bytes of block `i`; the rest keeps the record.
-    fn carve(&mut self, i: u32, size: usize) -> (u64, FreeBlock) {
-        let Rec { ptr, block, .. } = self.recs[i as usize];
-        debug_assert!(block.size >= size);
-        self.ends.remove(ptr);
+    /// Splits the front `size` bytes of free record `i` into a record of their own (or
+    /// takes `i` whole when it has exactly `size`), linked in its place, marked live and in
+    /// no size list; returns that record.
+    #[inline]
+    fn carve(&mut self, i: u32, size: usize) -> u32 {
+        let r = self.recs[i as usize];
+        debug_assert!(r.size >= size);
         self.bytes -= size;
-        if block.size == size {
-            self.ends.remove((ptr + size as u64) | 1);
+        if r.size == size {
             self.unlink(i);
-            self.spare.push(i);
+            self.recs[i as usize].list = LIVE;
+            return i;
+        }
+        let a = self.new_rec(Rec { size, right: i, prev: NIL, next: NIL, list: LIVE, ..r });
+        if r.left != NIL {
+            self.recs[r.left as usize].right = a;
+        }
+        let rest = &mut self.recs[i as usize];
+        (rest.left, rest.ptr, rest.size) = (a, r.ptr + size as u64, r.size - size);
+        self.relink(i);
+        a
+    }
+
+    /// Lists record `i` (just freed, in no list), merged with the free records it links to.
+    #[inline]
+    fn settle(&mut self, i: u32) {
+        let Rec { left, right, .. } = self.recs[i as usize];
+        if left == NIL || right == NIL {
+            // A neighbour this list does not link to may be free here too.
+            self.loose = true;
+        }
+        let right_free = right != NIL && self.is_free(right);
+        if left != NIL && self.is_free(left) {
+            self.absorb(left, i);
+            if right_free {
+                self.absorb(left, right);
+            }
+            self.relink(left);
         } else {
-            let r = &mut self.recs[i as usize];
-            r.ptr = ptr + size as u64;
-            r.block.size -= size;
-            self.ends.insert(ptr + size as u64, i);
-            self.relink(i);
-        }
-        (ptr, FreeBlock { size, ..block })
-    }
-
-    /// Adds a freed block. It waits in the slot; the block it displaces there is merged
-    /// with its free neighbours of the same chunk, and a merged block carries the later of
-    /// the epochs (it is usable where all parts are). The caller guarantees the block is not
-    /// free already (the pool checks every free against its live allocations first).
-    pub fn insert(&mut self, ptr: u64, block: FreeBlock) {
-        debug_assert!(
-            self.ends.get(ptr).is_none() && self.recent.is_none_or(|(p, _)| p != ptr),
-            "pool bookkeeping: {ptr:#x} is already free"
-        );
-        if let Some((p, b)) = self.recent.replace((ptr, block)) {
-            self.merge(p, b);
-        }
-    }
-
-    /// Lists a block, merging it with its free neighbours.
-    fn merge(&mut self, ptr: u64, block: FreeBlock) {
-        let end = ptr + block.size as u64;
-        // Neighbours are unhooked from the maps as they are looked up (one hash operation
-        // each), and put back if they belong to another chunk (rare).
-        let prev = self.ends.remove(ptr | 1).filter(|&p| {
-            let same = self.recs[p as usize].block.chunk == block.chunk;
-            if !same {
-                self.ends.insert(ptr | 1, p);
+            if right_free {
+                self.absorb(i, right);
             }
-            same
-        });
-        let next = self.ends.remove(end).filter(|&n| {
-            let same = self.recs[n as usize].block.chunk == block.chunk;
-            if !same {
-                self.ends.insert(end, n);
-            }
-            same
-        });
-        // The merged block keeps a neighbour's record: only the moved end is re-hashed.
-        let (keep, new_end) = match (prev, next) {
-            (None, None) => return self.add(ptr, block),
-            (Some(p), None) => (p, end),
-            (None, Some(n)) => {
-                self.recs[n as usize].ptr = ptr;
-                self.ends.insert(ptr, n);
-                let r = &mut self.recs[n as usize].block;
-                (r.size, r.epoch) = (r.size + block.size, r.epoch.max(block.epoch));
-                self.bytes += block.size;
-                self.relink(n);
-                return;
-            }
-            (Some(p), Some(n)) => {
-                let next = self.recs[n as usize];
-                self.unlink(n);
-                self.spare.push(n);
-                let r = &mut self.recs[p as usize].block;
-                (r.size, r.epoch) = (r.size + next.block.size, r.epoch.max(next.block.epoch));
-                (p, next.ptr + next.block.size as u64)
-            }
-        };
-        self.ends.insert(new_end | 1, keep);
-        let r = &mut self.recs[keep as usize].block;
-        (r.size, r.epoch) = (r.size + block.size, r.epoch.max(block.epoch));
-        self.bytes += block.size;
-        self.relink(keep);
-    }
-
-    /// Moves record `i` to the list of its (changed) size.
-    fn relink(&mut self, i: u32) {
-        if list_of(self.recs[i as usize].block.size) != self.recs[i as usize].list as usize {
-            self.unlink(i);
             self.link(i);
         }
     }
 
-    /// Removes and returns every block whose epoch satisfies `pred`.
-    pub fn drain(&mut self, pred: impl Fn(u64) -> bool) -> Vec<(u64, FreeBlock)> {
-        self.remove_where(|_, b| pred(b.epoch))
+    /// Record `keep` takes in `gone`, the record just after it in memory (free or just
+    /// freed); `gone` goes back to the slab.
+    fn absorb(&mut self, keep: u32, gone: u32) {
+        let g = self.recs[gone as usize];
+        if Self::is_free_list(g.list) {
+            self.unlink(gone);
+        }
+        if g.right != NIL {
+            self.recs[g.right as usize].left = keep;
+        }
+        let k = &mut self.recs[keep as usize];
+        (k.size, k.epoch, k.right) = (k.size + g.size, k.epoch.max(g.epoch), g.right);
+        self.retire(gone);
     }
 
-    /// Removes and returns the blocks for which `is_whole(ptr, block)` holds.
-    pub fn take_whole_chunks(&mut self, is_whole: impl Fn(u64, &FreeBlock) -> bool) -> Vec<(u64, FreeBlock)> {
-        self.remove_where(is_whole)
+    /// Merges every pair of free records that are neighbours in memory (of one chunk), by
+    /// sorting the free records by address.
+    fn merge_loose(&mut self) {
+        self.loose = false;
+        let mut free: Vec<u32> = (0..self.recs.len() as u32).filter(|&i| self.is_free(i)).collect();
+        free.sort_unstable_by_key(|&i| self.recs[i as usize].ptr);
+        let mut keep = NIL;
+        for i in free {
+            if keep != NIL {
+                let (k, r) = (self.recs[keep as usize], self.recs[i as usize]);
+                if k.ptr + k.size as u64 == r.ptr && k.chunk == r.chunk {
+                    // Linked already, or loose: either way nothing of this list lies between.
+                    if k.right != i {
+                        self.detach_right(keep);
+                        self.detach_left(i);
+                        self.recs[keep as usize].right = i;
+                        self.recs[i as usize].left = keep;
+                    }
+                    self.absorb(keep, i);
+                    self.relink(keep);
+                    continue;
+                }
+            }
+            keep = i;
+        }
+    }
+
+    fn detach_left(&mut self, i: u32) {
+        let l = std::mem::replace(&mut self.recs[i as usize].left, NIL);
+        if l != NIL {
+            self.recs[l as usize].right = NIL;
+        }
+    }
+
+    fn detach_right(&mut self, i: u32) {
+        let r = std::mem::replace(&mut self.recs[i as usize].right, NIL);
+        if r != NIL {
+            self.recs[r as usize].left = NIL;
+        }
+    }
+
+    /// Unlinks record `i` from its neighbours in memory (it leaves this list).
+    fn detach(&mut self, i: u32) {
+        self.detach_left(i);
+        self.detach_right(i);
     }
 
     fn remove_where(&mut self, pred: impl Fn(u64, &FreeBlock) -> bool) -> Vec<(u64, FreeBlock)> {
-        if let Some((p, b)) = self.recent.take() {
-            self.merge(p, b);
-        }
-        let found: Vec<u32> = self
-            .ends
-            .iter()
-            .filter(|&(k, i)| k & 1 == 0 && pred(k, &self.recs[i as usize].block))
-            .map(|(_, i)| i)
+        self.merge_loose();
+        let found: Vec<u32> = (0..self.recs.len() as u32)
+            .filter(|&i| {
+                let r = &self.recs[i as usize];
+                Self::is_free_list(r.list)
+                    && pred(r.ptr, &FreeBlock { size: r.size, chunk: r.chunk, epoch: r.epoch })
+            })
             .collect();
         found
             .into_iter()
             .map(|i| {
-                let r = self.recs[i as usize];
-                self.remove(i);
-                (r.ptr, r.block)
+                let Rec { ptr, size, chunk, epoch, .. } = self.recs[i as usize];
+                self.unlink(i);
+                self.detach(i);
+                self.retire(i);
+                self.bytes -= size;
+                (ptr, FreeBlock { size, chunk, epoch })
             })
             .collect()
     }
 
-    fn add(&mut self, ptr: u64, block: FreeBlock) {
-        let rec = Rec { ptr, block, list: 0, prev: NIL, next: NIL };
-        let i = match self.spare.pop() {
+    fn new_rec(&mut self, rec: Rec) -> u32 {
+        match self.spare.pop() {
             Some(i) => {
                 self.recs[i as usize] = rec;
                 i
             }
             None => {
                 self.recs.push(rec);
-                u32::try_from(self.recs.len() - 1).expect("fewer than 2^32 free blocks")
+                u32::try_from(self.recs.len() - 1)
+                    .ok()
+                    .filter(|&i| i < SPARE)
+                    .expect("fewer than 2^32 - 2 blocks")
             }
-        };
-        self.ends.insert(ptr, i);
-        self.ends.insert((ptr + block.size as u64) | 1, i);
-        self.bytes += block.size;
-        self.link(i);
+        }
     }
 
-    fn remove(&mut self, i: u32) {
-        let Rec { ptr, block, .. } = self.recs[i as usize];
-        self.ends.remove(ptr);
-        self.ends.remove((ptr + block.size as u64) | 1);
-        self.bytes -= block.size;
-        self.unlink(i);
+    fn retire(&mut self, i: u32) {
+        self.recs[i as usize].list = SPARE;
         self.spare.push(i);
     }
 
-    /// Pushes record `i` on the list of its size.
+    /// Moves free record `i` to the list of its (changed) size.
+    #[inline]
+    fn relink(&mut self, i: u32) {
+        if list_of(self.recs[i as usize].size) != self.recs[i as usize].list as usize {
+            self.unlink(i);
+            self.link(i);
+        }
+    }
+
+    /// Pushes record `i` (in no list) on the list of its size.
+    #[inline]
     fn link(&mut self, i: u32) {
-        let l = list_of(self.recs[i as usize].block.size);
+        let l = list_of(self.recs[i as usize].size);
         let head = self.heads[l];
         if head != NIL {
             self.recs[head as usize].prev = i;
@@ -351,6 +501,8 @@ impl FreeList {
         self.bits[l / 64] |= 1 << (l % 64);
     }
 
+    /// Takes free record `i` off its size list (its `list` still names it).
+    #[inline]
     fn unlink(&mut self, i: u32) {
         let Rec { list, prev, next, .. } = self.recs[i as usize];
         let l = list as usize;
@@ -401,15 +553,15 @@ mod tests {
     }
 
     #[test]
-    fn takes_split_and_frees_coalesce() {
+    fn allocations_split_and_frees_merge() {
         let mut f = FreeList::default();
         f.insert(0x10000, block(3 * 4096 + 256, 1, 0));
-        let a = f.take(4096, |_| true).unwrap().0;
-        let b = f.take(4096, |_| true).unwrap().0;
+        let a = f.allocate(4096).unwrap();
+        let b = f.allocate(4096).unwrap();
         assert_eq!((a, b), (0x10000, 0x11000));
-        f.insert(a, block(4096, 1, 2));
+        f.free(a, 4096, 2).unwrap();
         assert_eq!(f.merged_len(), 2, "a is not next to the free rest");
-        f.insert(b, block(4096, 1, 3));
+        f.free(b, 4096, 3).unwrap();
         assert_eq!(f.merged_len(), 1, "a, b and the rest merged");
         assert_eq!(f.bytes(), 3 * 4096 + 256);
         assert_eq!(
@@ -419,6 +571,21 @@ mod tests {
         );
         assert_eq!(f.bytes(), 0);
         assert_eq!(f.merged_len(), 0);
+    }
+
+    #[test]
+    fn bad_frees_change_nothing() {
+        let mut f = FreeList::default();
+        f.insert(0x10000, block(8192, 1, 0));
+        let a = f.allocate(4096).unwrap();
+        assert_eq!(f.free(a + 256, 4096, 1), Err(NotFreed::Unknown));
+        assert_eq!(f.free(a, 4352, 1), Err(NotFreed::WrongSize(4096)));
+        assert_eq!(f.take_live(a, 256), Err(NotFreed::WrongSize(4096)));
+        assert_eq!(f.bytes(), 4096);
+        f.free(a, 4096, 1).unwrap();
+        assert_eq!(f.free(a, 4096, 1), Err(NotFreed::Unknown), "double free");
+        assert_eq!(f.merged_len(), 1);
+        assert_eq!(f.bytes(), 8192);
     }
 
     #[test]
@@ -447,58 +614,107 @@ mod tests {
         assert_eq!(f.bytes(), 3840);
     }
 
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum G {
+        Free(u64),
+        Live,
+        Out,
+    }
+
     proptest! {
-        /// Against a model (a map of free granules): every take returns free memory of the
-        /// right chunk, nothing is lost, and neighbours of one chunk are always merged.
+        /// Against a model (the state of every 256-byte granule of two adjacent chunks):
+        /// allocations, takes, frees here, frees of blocks allocated elsewhere, blocks moved
+        /// out as live and back in as live or free, bad frees. Every block handed out was
+        /// free and of one chunk, nothing is lost, a request fails only when no run of free
+        /// granules fits it, and once merged the free blocks are exactly the runs.
         #[test]
-        fn matches_a_model(ops in proptest::collection::vec((0u8..3, 1usize..64, 0u64..4), 1..200)) {
-            const G: u64 = 256;
+        fn matches_a_model(ops in proptest::collection::vec((0u8..8, 1usize..64, 0u64..4), 1..250)) {
+            const G0: u64 = 0x100000 / 256;
             let mut f = FreeList::default();
-            // Two adjacent chunks of 64 granules each.
-            let mut free: BTreeMap<u64, u64> = BTreeMap::new(); // granule -> chunk
+            let mut g: BTreeMap<u64, G> = BTreeMap::new();
+            let chunk_of = |gr: u64| (gr - G0) / 64;
             for c in 0..2u64 {
-                f.insert(0x100000 + c * 64 * G, block(64 * G as usize, c, 0));
-                for g in 0..64 { free.insert(0x100000 / G + c * 64 + g, c); }
+                f.insert((G0 + c * 64) * 256, block(64 * 256, c, 0));
+                for i in 0..64 { g.insert(G0 + c * 64 + i, G::Free(c)); }
             }
-            let mut live: Vec<(u64, usize, u64)> = Vec::new();
+            let longest = |g: &BTreeMap<u64, G>| {
+                let (mut best, mut run, mut last) = (0, 0, None);
+                for (&gr, &s) in g.iter() {
+                    match s {
+                        G::Free(c) if last == Some(c) && g.get(&(gr - 1)) == Some(&G::Free(c)) => run += 1,
+                        G::Free(c) => { run = 1; last = Some(c) }
+                        _ => { run = 0; last = None }
+                    }
+                    best = best.max(run);
+                }
+                best
+            };
+            let mut live: Vec<(u64, usize)> = Vec::new();
+            let mut out: Vec<(u64, usize)> = Vec::new();
             for (op, n, epoch) in ops {
-                if op < 2 || live.is_empty() {
-                    let size = n * G as usize;
-                    match f.take(size, |e| e <= epoch) {
-                        Some((ptr, b)) => {
-                            let chunk = free[&(ptr / G)];
-                            prop_assert_eq!((b.size, b.chunk), (size, chunk));
-                            for g in ptr / G..(ptr + size as u64) / G {
-                                prop_assert_eq!(free.remove(&g), Some(chunk), "granule {:#x} not free or of another chunk", g);
+                let size = n * 256;
+                match op {
+                    0 | 1 => {
+                        let got = if op == 0 { f.allocate(size) } else { f.take(size, |e| e <= epoch).map(|(p, b)| { assert_eq!(b.size, size); p }) };
+                        match got {
+                            Some(ptr) => {
+                                let c = chunk_of(ptr / 256);
+                                for gr in ptr / 256..ptr / 256 + n as u64 {
+                                    prop_assert_eq!(g.insert(gr, if op == 0 { G::Live } else { G::Out }), Some(G::Free(c)), "granule {:#x}", gr);
+                                }
+                                if op == 0 { live.push((ptr, size)) } else { out.push((ptr, size)) }
                             }
-                            live.push((ptr, size, chunk));
-                        }
-                        None => {
-                            // Nothing fits under the epoch filter: no run of free granules
-                            // of one chunk is long enough, or the filter refused it.
-                            if epoch == 3 {
-                                let longest = (0..2u64).map(|c| {
-                                    let (mut best, mut run) = (0, 0);
-                                    for g in 0..64 {
-                                        if free.contains_key(&(0x100000 / G + c * 64 + g)) { run += 1; best = best.max(run) } else { run = 0 }
-                                    }
-                                    best
-                                }).max().unwrap();
-                                prop_assert!(longest < n as u64, "{} granules free in a row, {} asked", longest, n);
-                            }
+                            None if op == 0 || epoch == 3 => prop_assert!(longest(&g) < n, "{} free in a row, {} asked", longest(&g), n),
+                            None => {}
                         }
                     }
-                } else {
-                    let (ptr, size, chunk) = live.swap_remove(n % live.len());
-                    f.insert(ptr, block(size, chunk, epoch));
-                    for g in ptr / G..(ptr + size as u64) / G { free.insert(g, chunk); }
+                    2 if !live.is_empty() => {
+                        let (ptr, size) = live.swap_remove(n % live.len());
+                        prop_assert_eq!(f.free(ptr, size, epoch), Ok(()));
+                        for gr in ptr / 256..(ptr + size as u64) / 256 { g.insert(gr, G::Free(chunk_of(gr))); }
+                    }
+                    3 if !out.is_empty() => {
+                        let (ptr, size) = out.swap_remove(n % out.len());
+                        f.insert(ptr, block(size, chunk_of(ptr / 256), epoch));
+                        for gr in ptr / 256..(ptr + size as u64) / 256 { g.insert(gr, G::Free(chunk_of(gr))); }
+                    }
+                    4 if !out.is_empty() => {
+                        let (ptr, size) = out.swap_remove(n % out.len());
+                        f.insert_live(ptr, size, chunk_of(ptr / 256));
+                        for gr in ptr / 256..(ptr + size as u64) / 256 { g.insert(gr, G::Live); }
+                        live.push((ptr, size));
+                    }
+                    5 if !live.is_empty() => {
+                        let (ptr, size) = live.swap_remove(n % live.len());
+                        prop_assert_eq!(f.take_live(ptr, size), Ok(chunk_of(ptr / 256)));
+                        for gr in ptr / 256..(ptr + size as u64) / 256 { g.insert(gr, G::Out); }
+                        out.push((ptr, size));
+                    }
+                    6 => {
+                        // A pointer where no live block starts, or a live one with the wrong size.
+                        let ptr = (G0 + (n as u64 * 2 + epoch) % 128) * 256;
+                        let bytes = f.bytes();
+                        match live.iter().find(|(p, _)| *p == ptr) {
+                            Some(&(_, size)) => prop_assert_eq!(f.free(ptr, size + 256, epoch), Err(NotFreed::WrongSize(size))),
+                            None => prop_assert_eq!(f.free(ptr, 256, epoch), Err(NotFreed::Unknown)),
+                        }
+                        prop_assert_eq!(f.bytes(), bytes);
+                    }
+                    _ => {}
                 }
-                prop_assert_eq!(f.bytes() as u64, free.len() as u64 * G);
-                // Maximal merging: the number of blocks is the number of runs of free
-                // granules within a chunk.
-                let runs = free.iter().filter(|(&g, &c)| g % 64 == 0 || free.get(&(g - 1)) != Some(&c)).count();
-                prop_assert_eq!(f.merged_len(), runs);
+                let free = g.values().filter(|s| matches!(s, G::Free(_))).count();
+                prop_assert_eq!(f.bytes(), free * 256);
+                if op == 7 {
+                    // Merged: the free blocks are the runs of free granules within a chunk.
+                    let runs = g.iter().filter(|(&gr, &s)| matches!(s, G::Free(_)) && ((gr - G0) % 64 == 0 || g.get(&(gr - 1)) != Some(&s))).count();
+                    prop_assert_eq!(f.merged_len(), runs);
+                }
             }
+            // Everything live can be freed, and then all of it is one block per chunk.
+            for (ptr, size) in live { prop_assert_eq!(f.free(ptr, size, 0), Ok(())); }
+            for (ptr, size) in out { f.insert(ptr, block(size, chunk_of(ptr / 256), 0)); }
+            prop_assert_eq!(f.merged_len(), 2);
+            prop_assert_eq!(f.bytes(), 128 * 256);
         }
     }
 }

@@ -9,8 +9,7 @@ use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 
-use addrmap::AddrMap;
-use freelist::{class_size, FreeBlock, FreeList};
+use freelist::{class_size, FreeBlock, FreeList, NotFreed};
 
 use crate::device::{BackendRef, DevPtr};
 use crate::error::{Error, Result};
@@ -123,9 +122,10 @@ pub struct PoolStats {
 /// 7. `OutOfMemory`.
 ///
 /// # Bad input
-/// A free must pass the size it allocated (as in RMM). A double free, or an address the
-/// pool did not hand out, is always refused with [`Error::InvalidPointer`] (a bit per 256
-/// bytes marks where live allocations start); a wrong size is caught in debug builds only.
+/// A free must pass the size it allocated (as in RMM). A double free, an address the pool
+/// did not hand out, or a size that does not round to the allocation's (sizes are rounded
+/// to 256 bytes, and above 4 KiB to one of 8 steps per power of two) is always refused with
+/// [`Error::InvalidPointer`], and changes nothing (every live allocation has a record).
 ///
 /// # Thread safety
 /// Any thread may allocate and free on any stream. Each shard has its own lock; the
@@ -144,15 +144,12 @@ pub struct ShardedPoolMemoryResource {
     shards: RwLock<HashMap<u64, Arc<Shard>>>,
     common: Mutex<FreeList>,
     chunks: RwLock<Arc<ChunkTable>>,
-    chunk_generation: AtomicU64,
     next_chunk: AtomicU64,
     reserved: AtomicUsize,
     /// Bumped when an allocation had to look beyond the completed blocks: every stream
     /// then records an event at its next free, so that its blocks can be taken.
     demand: AtomicU64,
     counters: Counters,
-    #[cfg(debug_assertions)]
-    live: Mutex<HashMap<DevPtr, usize>>,
 }
 
 /// Written off the hot path (an event every batch of frees, steals, growth), read by
@@ -170,50 +167,24 @@ struct Counters {
     events: AtomicU64,
 }
 
-/// The chunk table: every upstream allocation, sorted by start, and indexed by id.
-/// Replaced (never changed in place) on growth and release.
+/// The chunk table: every upstream allocation, sorted by start. Replaced (never changed
+/// in place) on growth and release; read off the hot path only.
 #[derive(Debug, Default)]
 struct ChunkTable {
     sorted: Vec<Chunk>,
-    /// `id << 8` -> index in `sorted`.
-    by_id: AddrMap,
-    /// `(page << 8)` -> index in `sorted` of the first chunk that touches the page, for
-    /// every 2 MiB page that a chunk touches: a free finds its chunk in one look-up and a
-    /// step or two forward, not a binary search over every chunk.
-    by_page: AddrMap,
 }
 
-const PAGE_SHIFT: u32 = 21;
-
 impl ChunkTable {
-    fn new(sorted: Vec<Chunk>) -> Arc<ChunkTable> {
-        let (mut by_id, mut by_page) = (AddrMap::default(), AddrMap::default());
-        for (i, c) in sorted.iter().enumerate() {
-            by_id.insert(c.id << 8, i as u32);
-            for page in c.start >> PAGE_SHIFT..=(c.start + c.size as u64 - 1) >> PAGE_SHIFT {
-                if by_page.get(page << 8).is_none() {
-                    by_page.insert(page << 8, i as u32);
-                }
-            }
-        }
-        Arc::new(ChunkTable { sorted, by_id, by_page })
-    }
-
     /// The chunk that `[ptr, ptr + size)` lies in, if `ptr` is on a 256-byte boundary of it.
     fn containing(&self, ptr: DevPtr, size: usize) -> Option<&Chunk> {
-        // The last chunk starting at or before `ptr`, from the first one on its page.
-        let first = self.by_page.get((ptr >> PAGE_SHIFT) << 8)? as usize;
-        let after =
-            self.sorted[first..].iter().position(|c| c.start > ptr).map_or(self.sorted.len(), |n| first + n);
+        let after = self.sorted.partition_point(|c| c.start <= ptr);
         let c = &self.sorted[after.checked_sub(1)?];
-        let fits = c.start <= ptr
-            && ptr + size as u64 <= c.start + c.size as u64
-            && (ptr - c.start) % ALIGNMENT as u64 == 0;
+        let fits = ptr + size as u64 <= c.start + c.size as u64 && (ptr - c.start) % ALIGNMENT as u64 == 0;
         fits.then_some(c)
     }
 
     fn by_id(&self, id: u64) -> Option<&Chunk> {
-        self.by_id.get(id << 8).map(|i| &self.sorted[i as usize])
+        self.sorted.iter().find(|c| c.id == id)
     }
 }
 
@@ -222,34 +193,6 @@ struct Chunk {
     start: u64,
     size: usize,
     id: u64,
-    /// A bit per 256 bytes, set where a live allocation starts: a free must clear one, so
-    /// double frees and pointers that were never handed out are refused, whatever the shard.
-    live: Arc<[AtomicU64]>,
-}
-
-impl Chunk {
-    fn new(start: u64, size: usize, id: u64) -> Chunk {
-        let words = (size / ALIGNMENT).div_ceil(64);
-        Chunk { start, size, id, live: (0..words).map(|_| AtomicU64::new(0)).collect() }
-    }
-
-    fn live_bit(&self, ptr: DevPtr) -> (&AtomicU64, u64) {
-        let g = ((ptr - self.start) / ALIGNMENT as u64) as usize;
-        (&self.live[g / 64], 1 << (g % 64))
-    }
-
-    /// Marks `ptr` as the start of a live allocation.
-    fn mark_live(&self, ptr: DevPtr) {
-        let (word, bit) = self.live_bit(ptr);
-        let was = word.fetch_or(bit, Ordering::Relaxed);
-        debug_assert!(was & bit == 0, "pool bookkeeping: {ptr:#x} handed out twice");
-    }
-
-    /// Unmarks `ptr`; false (changing nothing) when no live allocation starts there.
-    fn unmark_live(&self, ptr: DevPtr) -> bool {
-        let (word, bit) = self.live_bit(ptr);
-        word.fetch_and(!bit, Ordering::Relaxed) & bit != 0
-    }
 }
 
 /// One stream's free blocks. See `IMPLEMENTATION.md` for epochs. On cache lines of its
@@ -289,60 +232,25 @@ struct ShardState {
 // A process-wide counter, not shared state of a model: std's atomic, also under loom.
 static NEXT_POOL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-/// What a thread keeps of one pool, so that the hot path reads nothing shared but its
-/// shard: the shards of the streams it used, and a snapshot of the chunk table with the
-/// table's generation when it was taken.
+/// A shard a thread used, kept by the thread so that the hot path reads nothing shared
+/// but the shard itself.
+#[cfg(not(loom))]
 struct Local {
-    #[cfg_attr(loom, allow(dead_code))]
-    uid: u64,
-    generation: u64,
-    table: Arc<ChunkTable>,
-    shards: Vec<(u64, Arc<Shard>)>,
+    pool: u64,
+    key: u64,
+    shard: Arc<Shard>,
 }
 
 #[cfg(not(loom))]
 thread_local! {
-    static LOCALS: RefCell<Vec<Local>> = const { RefCell::new(Vec::new()) };
+    /// This thread's shards of every pool, with the index of the last one used (a thread
+    /// that works on one stream finds it with one comparison).
+    static LOCALS: RefCell<(usize, Vec<Local>)> = const { RefCell::new((0, Vec::new())) };
 }
 
-/// Pools per thread, and shards per pool per thread, kept in `Local`s (the oldest go first).
-const THREAD_CACHE: usize = 16;
-
-impl Local {
-    fn new(uid: u64) -> Local {
-        Local { uid, generation: u64::MAX, table: Arc::default(), shards: Vec::new() }
-    }
-
-    /// Refreshes the snapshot of the chunk table if the table changed since it was taken
-    /// (one atomic load when it did not).
-    fn refresh(&mut self, pool: &ShardedPoolMemoryResource) {
-        let generation = pool.chunk_generation.load(Ordering::Acquire);
-        if generation != self.generation {
-            self.table = pool.table();
-            self.generation = generation;
-        }
-    }
-}
-
-/// The shard of `key` among a thread's, fetched (or made) on first use.
-#[inline]
-fn shard_in<'a>(
-    shards: &'a mut Vec<(u64, Arc<Shard>)>,
-    pool: &ShardedPoolMemoryResource,
-    key: u64,
-) -> &'a Shard {
-    let i = match shards.iter().position(|(k, _)| *k == key) {
-        Some(i) => i,
-        None => {
-            if shards.len() >= THREAD_CACHE {
-                shards.remove(0);
-            }
-            shards.push((key, pool.shard_slow(key)));
-            shards.len() - 1
-        }
-    };
-    &shards[i].1
-}
+/// Shards a thread keeps (the oldest go first).
+#[cfg(not(loom))]
+const THREAD_CACHE: usize = 64;
 
 impl ShardedPoolMemoryResource {
     /// A pool over `upstream`. `maximum_pool_size` below `initial_pool_size` is an error.
@@ -371,13 +279,10 @@ impl ShardedPoolMemoryResource {
             shards: RwLock::new(HashMap::new()),
             common: Mutex::new(FreeList::default()),
             chunks: RwLock::new(Arc::default()),
-            chunk_generation: AtomicU64::new(0),
             next_chunk: AtomicU64::new(1),
             reserved: AtomicUsize::new(0),
             demand: AtomicU64::new(0),
             counters: Counters::default(),
-            #[cfg(debug_assertions)]
-            live: Mutex::new(HashMap::new()),
         };
         if initial > 0 {
             let legacy = Stream::legacy();
@@ -433,25 +338,30 @@ impl ShardedPoolMemoryResource {
         self.trim(0)
     }
 
-    /// Runs `f` on this thread's `Local` of this pool (under loom, a fresh one each time:
-    /// the model then sees every shared access).
-    fn local<T>(&self, f: impl FnOnce(&mut Local) -> T) -> T {
+    /// Runs `f` on the shard of `key`, found among this thread's (or made on first use).
+    /// Under loom, looked up in the pool every time: the model then sees every shared access.
+    #[inline]
+    fn with_shard<T>(&self, key: u64, f: impl FnOnce(&Shard) -> T) -> T {
         #[cfg(loom)]
-        return f(&mut Local::new(self.uid));
+        return f(&self.shard_slow(key));
         #[cfg(not(loom))]
         LOCALS.with(|cell| {
             let mut locals = cell.borrow_mut();
-            let i = match locals.iter().position(|l| l.uid == self.uid) {
-                Some(i) => i,
-                None => {
-                    if locals.len() >= THREAD_CACHE {
-                        locals.remove(0);
+            let (last, list) = &mut *locals;
+            let hit = |l: &Local| l.pool == self.uid && l.key == key;
+            if !list.get(*last).is_some_and(hit) {
+                *last = match list.iter().position(hit) {
+                    Some(i) => i,
+                    None => {
+                        if list.len() >= THREAD_CACHE {
+                            list.remove(0);
+                        }
+                        list.push(Local { pool: self.uid, key, shard: self.shard_slow(key) });
+                        list.len() - 1
                     }
-                    locals.push(Local::new(self.uid));
-                    locals.len() - 1
-                }
-            };
-            f(&mut locals[i])
+                };
+            }
+            f(&list[*last].shard)
         })
     }
 
@@ -519,14 +429,13 @@ impl ShardedPoolMemoryResource {
                 return Err(e);
             }
         };
-        let c = Chunk::new(start, chunk, self.next_chunk.fetch_add(1, Ordering::Relaxed));
+        let c = Chunk { start, size: chunk, id: self.next_chunk.fetch_add(1, Ordering::Relaxed) };
         {
             let mut table = write(&self.chunks);
             let mut next: Vec<Chunk> = table.sorted.clone();
             let at = next.partition_point(|x| x.start < start);
             next.insert(at, c.clone());
-            *table = ChunkTable::new(next);
-            self.chunk_generation.fetch_add(1, Ordering::Release);
+            *table = Arc::new(ChunkTable { sorted: next });
         }
         self.counters.growths.fetch_add(1, Ordering::Relaxed);
         self.counters.grown_bytes.fetch_add(chunk as u64, Ordering::Relaxed);
@@ -600,8 +509,7 @@ impl ShardedPoolMemoryResource {
             {
                 let mut table = write(&self.chunks);
                 let next: Vec<Chunk> = table.sorted.iter().filter(|c| c.start != ptr).cloned().collect();
-                *table = ChunkTable::new(next);
-                self.chunk_generation.fetch_add(1, Ordering::Release);
+                *table = Arc::new(ChunkTable { sorted: next });
             }
             self.reserved.fetch_sub(b.size, Ordering::AcqRel);
             self.counters.released_bytes.fetch_add(b.size as u64, Ordering::Relaxed);
@@ -620,11 +528,11 @@ impl ShardedPoolMemoryResource {
         Ok(())
     }
 
-    /// Steps 2 to 7 of the policy.
-    fn allocate_slow(&self, size: usize, stream: &Stream, key: u64) -> Result<DevPtr> {
+    /// Steps 2 to 7 of the policy; returns the address and its chunk.
+    fn allocate_slow(&self, size: usize, stream: &Stream, key: u64) -> Result<(DevPtr, u64)> {
         // 2. completed blocks in the common list
-        if let Some((ptr, _)) = lock(&self.common).take(size, |_| true) {
-            return Ok(ptr);
+        if let Some((ptr, b)) = lock(&self.common).take(size, |_| true) {
+            return Ok((ptr, b.chunk));
         }
         // 3. completed blocks of other streams
         let others = self.other_shards(key);
@@ -639,14 +547,14 @@ impl ShardedPoolMemoryResource {
             st.wanted = true;
             st.refresh();
             let done = st.completed;
-            if let Some((ptr, _)) = st.free.take(size, |e| e < done) {
+            if let Some((ptr, b)) = st.free.take(size, |e| e < done) {
                 self.counters.completed_steals.fetch_add(1, Ordering::Relaxed);
-                return Ok(ptr);
+                return Ok((ptr, b.chunk));
             }
         }
         // 4. grow on this stream
         match self.grow(size, stream, Growth::Geometric) {
-            Ok(chunk) => return Ok(self.place_chunk(chunk, size, key)),
+            Ok(chunk) => return Ok((self.place_chunk(&chunk, size, key), chunk.id)),
             Err(e) if e.is_out_of_memory() => {}
             Err(e) => return Err(e),
         }
@@ -661,9 +569,9 @@ impl ShardedPoolMemoryResource {
                 // Only blocks an event covers (or known complete): blocks of an epoch that
                 // a concurrent synchronisation closed without an event are neither.
                 let covered = st.events.back().map_or(0, |(e, _)| e + 1).max(st.completed);
-                st.free.take(size, |e| e < covered).map(|(ptr, b)| (ptr, st.covering(b.epoch)))
+                st.free.take(size, |e| e < covered).map(|(ptr, b)| (ptr, b.chunk, st.covering(b.epoch)))
             };
-            if let Some((ptr, event)) = taken {
+            if let Some((ptr, chunk, event)) = taken {
                 if let Some(event) = event {
                     if let Err(e) = stream.wait(&event) {
                         // Not handed out: put it back where it was (its shard's epoch
@@ -673,17 +581,17 @@ impl ShardedPoolMemoryResource {
                     }
                     self.counters.waits.fetch_add(1, Ordering::Relaxed);
                 }
-                return Ok(ptr);
+                return Ok((ptr, chunk));
             }
         }
         // 6. synchronise, gather, coalesce, release, retry
         self.synchronize_and_gather()?;
-        if let Some((ptr, _)) = lock(&self.common).take(size, |_| true) {
-            return Ok(ptr);
+        if let Some((ptr, b)) = lock(&self.common).take(size, |_| true) {
+            return Ok((ptr, b.chunk));
         }
         self.trim(0)?;
         match self.grow(size, stream, Growth::Geometric) {
-            Ok(chunk) => Ok(self.place_chunk(chunk, size, key)),
+            Ok(chunk) => Ok((self.place_chunk(&chunk, size, key), chunk.id)),
             Err(e) if e.is_out_of_memory() => Err(self.out_of_memory(size)),
             Err(e) => Err(e),
         }
@@ -692,7 +600,7 @@ impl ShardedPoolMemoryResource {
     /// A fresh chunk grown on the stream of `key`: the first `size` bytes are handed out,
     /// the rest goes to that stream's shard (memory from an async upstream is ordered for
     /// the growing stream only, so it is treated as freed there).
-    fn place_chunk(&self, chunk: Chunk, size: usize, key: u64) -> DevPtr {
+    fn place_chunk(&self, chunk: &Chunk, size: usize, key: u64) -> DevPtr {
         if chunk.size > size {
             let shard = self.shard_slow(key);
             let mut st = shard.state.lock();
@@ -770,6 +678,12 @@ impl ShardedPoolMemoryResource {
 }
 
 impl ShardState {
+    /// Whether the next free is to record an event: asked for, or the interval is up.
+    #[inline]
+    fn event_due(&self, demand: u64) -> bool {
+        self.wanted || demand != self.seen_demand || self.unevented + 1 >= self.interval
+    }
+
     /// Advances `completed` past every recorded event that has finished.
     fn refresh(&mut self) {
         while let Some((e, ev)) = self.events.front() {
@@ -799,109 +713,125 @@ impl ShardState {
 }
 
 impl ShardedPoolMemoryResource {
-    /// Step 1 of the policy, and the live mark of what it hands out. `None` when
-    /// `!blocking` and the shard's lock is taken.
+    /// Step 1 of the policy. `None` when `!blocking` and the shard's lock is taken.
+    #[inline]
     fn take_own(&self, size: usize, key: u64, blocking: bool) -> Option<Option<DevPtr>> {
-        self.local(|l| {
-            let taken = {
-                let shard = shard_in(&mut l.shards, self, key);
-                let mut st = if blocking { shard.state.lock() } else { shard.state.try_lock()? };
-                let taken = st.free.take(size, |_| true);
-                if taken.is_some() {
-                    st.used += size as i64;
-                }
-                taken
-            };
-            Some(taken.map(|(ptr, block)| {
-                // After the shard's lock: the snapshot then knows every chunk whose blocks
-                // could be in the shard.
-                l.refresh(self);
-                match l.table.by_id(block.chunk) {
-                    Some(c) => c.mark_live(ptr),
-                    None => {
-                        self.table().by_id(block.chunk).expect("a free block's chunk is held").mark_live(ptr)
-                    }
-                }
-                ptr
-            }))
+        self.with_shard(key, |shard| {
+            let mut st = if blocking { shard.state.lock() } else { shard.state.try_lock()? };
+            let ptr = st.free.allocate(size);
+            if ptr.is_some() {
+                st.used += size as i64;
+            }
+            Some(ptr)
         })
     }
 
-    /// Marks an allocation of the slow path live.
-    fn mark_live(&self, ptr: DevPtr, size: usize) {
-        let table = self.table();
-        table.containing(ptr, size).expect("an allocation lies in a chunk").mark_live(ptr);
+    /// Records an allocation of the slow path (steps 2 to 6) as live in its stream's shard.
+    fn record_live(&self, ptr: DevPtr, size: usize, chunk: u64, key: u64) {
+        let shard = self.shard_slow(key);
+        let mut st = shard.state.lock();
+        st.free.insert_live(ptr, size, chunk);
+        st.used += size as i64;
     }
 
-    /// Puts a freed block in the shard of `stream`, recording an event when it is due.
-    /// `None` when `!blocking` and that would wait for the shard's lock or call the driver.
+    /// Frees a block into the shard of `stream`, recording an event when one is due.
+    /// `None` when `!blocking` and that would wait for a lock, call the driver, or look
+    /// through other shards (a block allocated on another stream).
+    #[inline]
     fn free_into(&self, ptr: DevPtr, bytes: usize, stream: &Stream, blocking: bool) -> Option<Result<()>> {
         let size = class_size(bytes);
         let key = stream.key(self.backend(), self.device());
         let demand = self.demand.load(Ordering::Relaxed);
-        self.local(|l| {
-            l.refresh(self);
-            let Local { table, shards, .. } = l;
-            let Some(chunk) = table.containing(ptr, size) else {
-                return Some(Err(Error::InvalidPointer(format!(
-                    "{ptr:#x} (+{bytes} bytes) does not lie in memory of this ShardedPoolMemoryResource"
-                ))));
-            };
-            let shard = shard_in(shards, self, key);
+        let freed = self.with_shard(key, |shard| {
             let mut st = if blocking { shard.state.lock() } else { shard.state.try_lock()? };
-            let asked = st.wanted || demand != st.seen_demand;
-            let record = asked || st.unevented + 1 >= st.interval;
-            if record && !blocking {
+            if !blocking && st.event_due(demand) {
                 return None;
             }
-            #[cfg(debug_assertions)]
-            if let Err(e) = self.forget_live(ptr, size, bytes) {
-                return Some(Err(e));
-            }
-            if !chunk.unmark_live(ptr) {
-                return Some(Err(Error::InvalidPointer(format!(
-                    "{ptr:#x} is not an outstanding allocation of this ShardedPoolMemoryResource (double free?)"
-                ))));
-            }
             let epoch = st.epoch;
-            st.free.insert(ptr, FreeBlock { size, chunk: chunk.id, epoch });
-            st.unevented += 1;
-            st.used -= size as i64;
-            if record {
-                // While nobody needs this stream's memory, each event doubles the interval
-                // to the next (a stream that frees a lot records rarely); being asked
-                // resets it.
-                st.interval = if asked {
-                    self.options.events_every
-                } else {
-                    st.interval.saturating_mul(2).min(self.options.events_every * MAX_EVENT_BACKOFF)
-                };
-                st.seen_demand = demand;
-                st.wanted = false;
-                // Failing to record only delays reuse by other streams.
-                let _ = self.record(&mut st, stream);
-            }
-            Some(Ok(()))
-        })
-    }
-
-    /// Debug builds check every free against the live allocations.
-    #[cfg(debug_assertions)]
-    fn forget_live(&self, ptr: DevPtr, size: usize, bytes: usize) -> Result<()> {
-        let mut live = lock(&self.live);
-        match live.get(&ptr) {
-            Some(&n) if n == size => {
-                live.remove(&ptr);
-                Ok(())
-            }
-            Some(&n) => Err(Error::InvalidPointer(format!(
-                "{ptr:#x} was allocated with {n} bytes (rounded) but freed with {bytes}"
-            ))),
-            None => Err(Error::InvalidPointer(format!(
-                "{ptr:#x} is not an outstanding allocation of this pool (double free?)"
-            ))),
+            Some(match st.free.free(ptr, size, epoch) {
+                Ok(()) => {
+                    st.used -= size as i64;
+                    self.after_free(&mut st, stream, demand);
+                    Ok(true)
+                }
+                Err(NotFreed::Unknown) => Ok(false),
+                Err(NotFreed::WrongSize(had)) => Err(wrong_size(ptr, had, bytes)),
+            })
+        })?;
+        match freed {
+            Ok(true) => Some(Ok(())),
+            Ok(false) if !blocking => None,
+            Ok(false) => Some(self.free_foreign(ptr, size, bytes, stream, key, demand)),
+            Err(e) => Some(Err(e)),
         }
     }
+
+    /// A free on one stream of a block allocated on another: the block leaves the shard it
+    /// was allocated from and enters this stream's (its memory is now last used here).
+    fn free_foreign(
+        &self,
+        ptr: DevPtr,
+        size: usize,
+        bytes: usize,
+        stream: &Stream,
+        key: u64,
+        demand: u64,
+    ) -> Result<()> {
+        let mut chunk = None;
+        for shard in self.other_shards(key) {
+            let mut st = shard.state.lock();
+            match st.free.take_live(ptr, size) {
+                Ok(c) => {
+                    st.used -= size as i64;
+                    chunk = Some(c);
+                    break;
+                }
+                Err(NotFreed::Unknown) => {}
+                Err(NotFreed::WrongSize(had)) => return Err(wrong_size(ptr, had, bytes)),
+            }
+        }
+        let Some(chunk) = chunk else {
+            return Err(Error::InvalidPointer(if self.table().containing(ptr, size).is_some() {
+                format!("{ptr:#x} is not an outstanding allocation of this ShardedPoolMemoryResource (double free?)")
+            } else {
+                format!("{ptr:#x} (+{bytes} bytes) does not lie in memory of this ShardedPoolMemoryResource")
+            }));
+        };
+        let shard = self.shard_slow(key);
+        let mut st = shard.state.lock();
+        let epoch = st.epoch;
+        st.free.insert(ptr, FreeBlock { size, chunk, epoch });
+        self.after_free(&mut st, stream, demand);
+        Ok(())
+    }
+
+    /// Counts a free into the open epoch and records an event when one is due: after
+    /// `interval` frees, or at once when another stream is short of memory. While nobody
+    /// needs this stream's memory, each event doubles the interval to the next (a stream
+    /// that frees a lot records rarely); being asked resets it.
+    #[inline]
+    fn after_free(&self, st: &mut ShardState, stream: &Stream, demand: u64) {
+        let due = st.event_due(demand);
+        st.unevented += 1;
+        if due {
+            let asked = st.wanted || demand != st.seen_demand;
+            st.interval = if asked {
+                self.options.events_every
+            } else {
+                st.interval.saturating_mul(2).min(self.options.events_every * MAX_EVENT_BACKOFF)
+            };
+            st.seen_demand = demand;
+            st.wanted = false;
+            // Failing to record only delays reuse by other streams.
+            let _ = self.record(st, stream);
+        }
+    }
+}
+
+fn wrong_size(ptr: DevPtr, had: usize, bytes: usize) -> Error {
+    Error::InvalidPointer(format!(
+        "{ptr:#x} was allocated with {had} bytes (rounded to 256) but freed with {bytes}"
+    ))
 }
 
 impl MemoryResource for ShardedPoolMemoryResource {
@@ -923,10 +853,7 @@ impl MemoryResource for ShardedPoolMemoryResource {
             return Some(settled);
         }
         let size = class_size(bytes);
-        let ptr = self.take_own(size, stream.key(self.backend(), self.device()), false)??;
-        #[cfg(debug_assertions)]
-        lock(&self.live).insert(ptr, size);
-        Some(Ok(ptr))
+        Some(Ok(self.take_own(size, stream.key(self.backend(), self.device()), false)??))
     }
 
     fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
@@ -941,17 +868,13 @@ impl MemoryResource for ShardedPoolMemoryResource {
         let key = stream.key(self.backend(), self.device());
         let result = match self.take_own(size, key, true).flatten() {
             Some(ptr) => Ok(ptr),
-            None => self.allocate_slow(size, stream, key).inspect(|&ptr| {
-                self.mark_live(ptr, size);
-                self.shard_slow(key).state.lock().used += size as i64;
+            None => self.allocate_slow(size, stream, key).map(|(ptr, chunk)| {
+                self.record_live(ptr, size, chunk, key);
+                ptr
             }),
         };
         match result {
-            Ok(ptr) => {
-                #[cfg(debug_assertions)]
-                lock(&self.live).insert(ptr, size);
-                Ok(ptr)
-            }
+            Ok(ptr) => Ok(ptr),
             // Name the size asked, not the rounded one.
             Err(Error::OutOfMemory { available, resource, .. }) => {
                 Err(Error::OutOfMemory { requested: bytes, available, resource })
@@ -1048,8 +971,7 @@ mod loom_tests {
     }
 
     /// Two threads allocate and free on one stream at once: its shard's free list is shared,
-    /// blocks split and merge under its lock; nothing is handed out twice (debug builds
-    /// assert on the live bits), nothing is lost.
+    /// blocks split and merge under its lock; nothing is handed out twice, nothing is lost.
     #[test]
     fn loom_one_stream_two_threads() {
         crate::sync::model(|| {
@@ -1073,8 +995,8 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
-        /// The page index finds the same chunk as a scan of every chunk, for chunks of any
-        /// size and alignment (several on one page, or one over many pages).
+        /// The chunk look-up finds the same chunk as a scan of every chunk, for chunks of
+        /// any size and alignment.
         #[test]
         fn chunk_lookup_matches_a_scan(
             gaps in proptest::collection::vec((0u64..20_000, 1usize..40_000), 1..12),
@@ -1083,10 +1005,10 @@ mod tests {
             let (mut at, mut chunks) = (1u64 << 40, Vec::new());
             for (i, (gap, granules)) in gaps.into_iter().enumerate() {
                 at += gap * 256;
-                chunks.push(Chunk::new(at, granules * 256, i as u64 + 1));
+                chunks.push(Chunk { start: at, size: granules * 256, id: i as u64 + 1 });
                 at += granules as u64 * 256;
             }
-            let table = ChunkTable::new(chunks.clone());
+            let table = ChunkTable { sorted: chunks.clone() };
             for (offset, granules) in probes {
                 let ptr = (1u64 << 40) + offset * 64;
                 let size = granules * 256;
