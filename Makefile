@@ -30,10 +30,11 @@ bench: ## the window and fixed workloads here (on the simulated device without a
 	$(CARGO) bench -p streampool --bench window -- --secs 0.3 --reps 1
 	$(PYTHON) benchmarks/bench_pool.py --secs 0.3 --reps 1
 
-lint: ## rustfmt, clippy, ruff and stubtest
+lint: ## rustfmt, clippy, ruff (check and format) and stubtest
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --quiet -- -D warnings
 	$(PYTHON) -m ruff check python tests benchmarks
+	$(PYTHON) -m ruff format --check python tests benchmarks
 	$(PYTHON) -m mypy.stubtest streampool._native --allowlist python/stubtest-allowlist.txt
 
 fmt: ## format Rust and Python

@@ -137,8 +137,12 @@ def main() -> None:
         for n in (256, 64 << 10, 4 << 20):
             pair = fixed_pairs(make(), n, args.reps)
             buf = fixed_buffers(make(), n, args.reps)
-            print(f"fixed  {name:<20} {n:>8} B  allocate+deallocate {pair:8.1f} ns   DeviceBuffer {buf:8.1f} ns")
-            results.append({"workload": "fixed", "resource": name, "bytes": n, "ns_per_pair": pair, "ns_per_buffer": buf})
+            print(
+                f"fixed  {name:<20} {n:>8} B  allocate+deallocate {pair:8.1f} ns   DeviceBuffer {buf:8.1f} ns"
+            )
+            results.append(
+                {"workload": "fixed", "resource": name, "bytes": n, "ns_per_pair": pair, "ns_per_buffer": buf}
+            )
         for t in (int(x) for x in args.threads.split(",")):
             runs = [window(make, t, args.secs) for _ in range(args.reps)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}

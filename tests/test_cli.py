@@ -24,7 +24,12 @@ def test_environment_report_on_the_simulated_device() -> None:
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "simulated device" in text.lower()
-    for name in ("CudaAsyncMemoryResource", "CudaMemoryResource", "ManagedMemoryResource", "PinnedHostMemoryResource"):
+    for name in (
+        "CudaAsyncMemoryResource",
+        "CudaMemoryResource",
+        "ManagedMemoryResource",
+        "PinnedHostMemoryResource",
+    ):
         assert name in text
     assert "recommended" in text.lower()
 

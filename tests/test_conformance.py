@@ -62,7 +62,15 @@ def test_cross_stream_reuse(resource: mr.MemoryResource, sim: SimulatedDevice) -
 
 
 def test_default_streams(resource: mr.MemoryResource, sim: SimulatedDevice) -> None:
-    for s in (None, streampool.DEFAULT_STREAM, streampool.LEGACY_DEFAULT_STREAM, streampool.PER_THREAD_DEFAULT_STREAM, 0, 1, 2):
+    for s in (
+        None,
+        streampool.DEFAULT_STREAM,
+        streampool.LEGACY_DEFAULT_STREAM,
+        streampool.PER_THREAD_DEFAULT_STREAM,
+        0,
+        1,
+        2,
+    ):
         ptr = resource.allocate(512, s)
         sim.write(s, ptr, 512)
         resource.deallocate(ptr, 512, s)

@@ -61,6 +61,8 @@ def test_async_pool_options_and_attributes() -> None:
     assert streampool._native.pointer_pool(shared.allocate(256)) == shared.pool_handle
 
 
-@pytest.mark.parametrize("text,expected", [("1GiB", 1 << 30), ("1GB", 10**9), ("512 MiB", 512 << 20), (42, 42)])
+@pytest.mark.parametrize(
+    "text,expected", [("1GiB", 1 << 30), ("1GB", 10**9), ("512 MiB", 512 << 20), (42, 42)]
+)
 def test_parse_size(text: str | int, expected: int) -> None:
     assert streampool.parse_size(text) == expected

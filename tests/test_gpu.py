@@ -61,11 +61,15 @@ def test_default_async_allocations_come_from_the_current_pool() -> None:
     assert err == driver.CUresult.CUDA_SUCCESS
     assert int(current) == resource.pool_handle
     ptr = resource.allocate(1 << 20)
-    err, pool = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr)
+    err, pool = driver.cuPointerGetAttribute(
+        driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr
+    )
     assert err == driver.CUresult.CUDA_SUCCESS
     assert int(pool) == resource.pool_handle == streampool._native.pointer_pool(ptr)
     resource.deallocate(ptr, 1 << 20)
-    err, threshold = driver.cuMemPoolGetAttribute(current, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)
+    err, threshold = driver.cuMemPoolGetAttribute(
+        current, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
+    )
     assert int(threshold) == 2**64 - 1
 
 

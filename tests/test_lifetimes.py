@@ -68,7 +68,9 @@ print("ok")
 @pytest.mark.nosim
 def test_exit_with_live_buffers_and_resources_is_quiet() -> None:
     env = dict(os.environ, STREAMPOOL_DEVICE="sim")
-    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT], env=env, capture_output=True, text=True, timeout=60
+    )
     assert (out.returncode, out.stdout, out.stderr) == (0, "ok\n", "")
 
 

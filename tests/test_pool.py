@@ -25,7 +25,9 @@ def run_threads(work: Callable[[int], None], n: int, errors: list[BaseException]
 
 
 def test_rmm_name_and_arguments() -> None:
-    pool = mr.PoolMemoryResource(mr.CudaAsyncMemoryResource(), initial_pool_size="4MiB", maximum_pool_size="1GiB")
+    pool = mr.PoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), initial_pool_size="4MiB", maximum_pool_size="1GiB"
+    )
     assert isinstance(pool, mr.ShardedPoolMemoryResource)
     assert pool.pool_size() == 4 << 20
     assert isinstance(pool.upstream, mr.CudaAsyncMemoryResource)
@@ -91,7 +93,9 @@ def test_bad_frees_leave_the_pool_usable() -> None:
 
 
 def test_eight_threads_several_streams(sim: SimulatedDevice) -> None:
-    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), maximum_pool_size="64MiB", events_every=8)
+    pool = mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), maximum_pool_size="64MiB", events_every=8
+    )
     streams = [streampool.Stream() for _ in range(4)]
     errors: list[BaseException] = []
 

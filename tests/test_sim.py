@@ -86,7 +86,9 @@ def test_use_after_free_is_refused(sim: SimulatedDevice) -> None:
 def test_per_thread_default_streams_differ_between_threads(sim: SimulatedDevice) -> None:
     buf = streampool.DeviceBuffer(size=1024)
     sim.write(streampool.PER_THREAD_DEFAULT_STREAM, buf.ptr, 1024, label="main thread")
-    t = threading.Thread(target=lambda: sim.read(streampool.PER_THREAD_DEFAULT_STREAM, buf.ptr, 1024, label="other thread"))
+    t = threading.Thread(
+        target=lambda: sim.read(streampool.PER_THREAD_DEFAULT_STREAM, buf.ptr, 1024, label="other thread")
+    )
     t.start()
     t.join()
     sim.run()

@@ -65,7 +65,10 @@ class ResourceMachine(RuleBasedStateMachine):
     def new_stream(self) -> streampool.Stream:
         return streampool.Stream()
 
-    @rule(target=streams, which=st.sampled_from([streampool.DEFAULT_STREAM, streampool.PER_THREAD_DEFAULT_STREAM]))
+    @rule(
+        target=streams,
+        which=st.sampled_from([streampool.DEFAULT_STREAM, streampool.PER_THREAD_DEFAULT_STREAM]),
+    )
     def default_stream(self, which: streampool.Stream) -> streampool.Stream:
         return which
 
@@ -112,7 +115,9 @@ class ResourceMachine(RuleBasedStateMachine):
             assert not races, races[0]
 
 
-SETTINGS = settings(max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck))
+SETTINGS = settings(
+    max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+)
 
 
 @pytest.mark.nosim

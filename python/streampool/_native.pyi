@@ -366,7 +366,9 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
     did not hand out, a double free or a size that does not match raises
     InvalidPointerError, and the upstream is not called."""
 
-    def __new__(cls, upstream_mr: MemoryResource, capture_stacks: bool = False) -> TrackingResourceAdaptor: ...
+    def __new__(
+        cls, upstream_mr: MemoryResource, capture_stacks: bool = False
+    ) -> TrackingResourceAdaptor: ...
     def get_allocated_bytes(self) -> int:
         """Bytes allocated through it and not yet freed."""
     def get_outstanding_allocations_str(self) -> str:
@@ -452,7 +454,9 @@ class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
     of allocate unchanged; a result that is not a bool raises TypeError there. TypeError
     when ``callback`` is not callable."""
 
-    def __new__(cls, upstream_mr: MemoryResource, callback: Callable[[int], bool]) -> FailureCallbackResourceAdaptor: ...
+    def __new__(
+        cls, upstream_mr: MemoryResource, callback: Callable[[int], bool]
+    ) -> FailureCallbackResourceAdaptor: ...
 
 @final
 class PrefetchResourceAdaptor(UpstreamResourceAdaptor):
@@ -486,7 +490,10 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
     ``[2**min_size_exponent, 2**max_size_exponent]`` (None, or RMM's -1: none)."""
 
     def __new__(
-        cls, upstream_mr: MemoryResource, min_size_exponent: int | None = None, max_size_exponent: int | None = None
+        cls,
+        upstream_mr: MemoryResource,
+        min_size_exponent: int | None = None,
+        max_size_exponent: int | None = None,
     ) -> BinningMemoryResource: ...
     def add_bin(self, allocation_size: _Size, bin_resource: MemoryResource | None = None) -> None:
         """Adds a bin for allocations up to ``allocation_size`` bytes, served by
