@@ -105,6 +105,15 @@ struct Rec {
     list: u32,
 }
 
+impl Rec {
+    /// A record of a block that entered from elsewhere: linked to nothing, in no list yet
+    /// (`list` is `LIVE` until [`FreeList::link`] lists a free one).
+    fn loose(ptr: u64, b: FreeBlock) -> Rec {
+        let FreeBlock { size, chunk, epoch } = b;
+        Rec { ptr, size, chunk, epoch, left: NIL, right: NIL, prev: NIL, next: NIL, list: LIVE }
+    }
+}
+
 /// The blocks of a shard (see the module docs).
 #[derive(Debug)]
 pub(crate) struct FreeList {
@@ -188,17 +197,7 @@ impl FreeList {
     /// Records a live block handed out from elsewhere (another shard, the common list, a
     /// new chunk) as this list's.
     pub fn insert_live(&mut self, ptr: u64, size: usize, chunk: u64) {
-        let i = self.new_rec(Rec {
-            ptr,
-            size,
-            chunk,
-            epoch: 0,
-            left: NIL,
-            right: NIL,
-            prev: NIL,
-            next: NIL,
-            list: LIVE,
-        });
+        let i = self.new_rec(Rec::loose(ptr, FreeBlock { size, chunk, epoch: 0 }));
         self.live.insert(ptr, i);
     }
 
@@ -206,19 +205,8 @@ impl FreeList {
     /// by address when a request next finds no fit.
     pub fn insert(&mut self, ptr: u64, block: FreeBlock) {
         debug_assert!(self.live.get(ptr).is_none(), "pool bookkeeping: {ptr:#x} is live here");
-        let FreeBlock { size, chunk, epoch } = block;
-        let i = self.new_rec(Rec {
-            ptr,
-            size,
-            chunk,
-            epoch,
-            left: NIL,
-            right: NIL,
-            prev: NIL,
-            next: NIL,
-            list: LIVE,
-        });
-        self.bytes += size;
+        let i = self.new_rec(Rec::loose(ptr, block));
+        self.bytes += block.size;
         self.loose = true;
         self.link(i);
     }

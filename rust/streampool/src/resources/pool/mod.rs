@@ -576,7 +576,7 @@ impl ShardedPoolMemoryResource {
                     if let Err(e) = stream.wait(&event) {
                         // Not handed out: put it back where it was (its shard's epoch
                         // ordering still holds for it).
-                        self.return_block(ptr, size);
+                        self.return_block(ptr, size, chunk);
                         return Err(e);
                     }
                     self.counters.waits.fetch_add(1, Ordering::Relaxed);
@@ -614,14 +614,11 @@ impl ShardedPoolMemoryResource {
         chunk.start
     }
 
-    /// A block taken but not handed out goes to the common list only if complete; else
-    /// back is not possible without its shard, so it is kept in the common list after a
-    /// device synchronisation (rare: only when a wait failed).
-    fn return_block(&self, ptr: DevPtr, size: usize) {
+    /// A block taken but not handed out (its wait failed: rare) goes to the common list
+    /// after a device synchronisation, which completes its free.
+    fn return_block(&self, ptr: DevPtr, size: usize, chunk: u64) {
         let _ = self.backend().ctx_synchronize(self.device());
-        if let Some(chunk) = self.table().containing(ptr, size).map(|c| c.id) {
-            lock(&self.common).insert(ptr, FreeBlock { size, chunk, epoch: 0 });
-        }
+        lock(&self.common).insert(ptr, FreeBlock { size, chunk, epoch: 0 });
     }
 
     fn synchronize_and_gather(&self) -> Result<()> {
@@ -678,10 +675,17 @@ impl ShardedPoolMemoryResource {
 }
 
 impl ShardState {
+    /// Whether another stream asked for this stream's memory since its last event (it
+    /// looked into this shard, or the pool's demand count moved).
+    #[inline]
+    fn asked(&self, demand: u64) -> bool {
+        self.wanted || demand != self.seen_demand
+    }
+
     /// Whether the next free is to record an event: asked for, or the interval is up.
     #[inline]
     fn event_due(&self, demand: u64) -> bool {
-        self.wanted || demand != self.seen_demand || self.unevented + 1 >= self.interval
+        self.asked(demand) || self.unevented + 1 >= self.interval
     }
 
     /// Advances `completed` past every recorded event that has finished.
@@ -814,8 +818,7 @@ impl ShardedPoolMemoryResource {
         let due = st.event_due(demand);
         st.unevented += 1;
         if due {
-            let asked = st.wanted || demand != st.seen_demand;
-            st.interval = if asked {
+            st.interval = if st.asked(demand) {
                 self.options.events_every
             } else {
                 st.interval.saturating_mul(2).min(self.options.events_every * MAX_EVENT_BACKOFF)
@@ -829,9 +832,7 @@ impl ShardedPoolMemoryResource {
 }
 
 fn wrong_size(ptr: DevPtr, had: usize, bytes: usize) -> Error {
-    Error::InvalidPointer(format!(
-        "{ptr:#x} was allocated with {had} bytes (rounded to 256) but freed with {bytes}"
-    ))
+    Error::InvalidPointer(format!("{ptr:#x} was allocated with {had} bytes (rounded) but freed with {bytes}"))
 }
 
 impl MemoryResource for ShardedPoolMemoryResource {
