@@ -77,30 +77,49 @@ pub trait MemoryResource: Send + Sync + fmt::Debug {
     }
 
     /// Allocates `bytes` bytes for use on `stream`; 0 bytes gives the null pointer.
+    ///
+    /// Resources keep this method; one with a fast path of its own may override it, and
+    /// then ends in [`checked_allocate`] for everything that path does not settle.
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
-        if let Some(settled) = settle_allocate(self, bytes, stream) {
-            return settled;
-        }
-        self.do_allocate(bytes, stream)
+        checked_allocate(self, bytes, stream)
     }
 
     /// Frees `ptr` (of `bytes` bytes, as allocated) for reuse after the work enqueued on
-    /// `stream` so far. `deallocate(0, 0, s)` does nothing.
+    /// `stream` so far. `deallocate(0, 0, s)` does nothing. (Overridden, like `allocate`,
+    /// only by a resource with a fast path, which ends in [`checked_deallocate`].)
     fn deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
-        if let Some(settled) = settle_deallocate(self, ptr, bytes, stream) {
-            return settled;
-        }
-        self.do_deallocate(ptr, bytes, stream).map_err(|e| match e {
-            // What the driver says of a pointer it did not hand out, or already freed.
-            Error::Driver { call, code: CUDA_ERROR_INVALID_VALUE, name, .. } => {
-                Error::InvalidPointer(format!(
-                    "{ptr:#x} was not allocated by this {}, or was already freed ({call}: {name})",
-                    self.name()
-                ))
-            }
-            e => e,
-        })
+        checked_deallocate(self, ptr, bytes, stream)
     }
+}
+
+/// What [`MemoryResource::allocate`] does: the checks of [`settle_allocate`], then
+/// `do_allocate`.
+pub fn checked_allocate<R: MemoryResource + ?Sized>(mr: &R, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+    if let Some(settled) = settle_allocate(mr, bytes, stream) {
+        return settled;
+    }
+    mr.do_allocate(bytes, stream)
+}
+
+/// What [`MemoryResource::deallocate`] does: the checks of [`settle_deallocate`], then
+/// `do_deallocate`, with the driver's word for a pointer it does not know made plain.
+pub fn checked_deallocate<R: MemoryResource + ?Sized>(
+    mr: &R,
+    ptr: DevPtr,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<()> {
+    if let Some(settled) = settle_deallocate(mr, ptr, bytes, stream) {
+        return settled;
+    }
+    mr.do_deallocate(ptr, bytes, stream).map_err(|e| match e {
+        // What the driver says of a pointer it did not hand out, or already freed.
+        Error::Driver { call, code: CUDA_ERROR_INVALID_VALUE, name, .. } => Error::InvalidPointer(format!(
+            "{ptr:#x} was not allocated by this {}, or was already freed ({call}: {name})",
+            mr.name()
+        )),
+        e => e,
+    })
 }
 
 /// The checks every allocation passes before a resource sees it: `Some` when they settle

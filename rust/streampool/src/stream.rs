@@ -132,6 +132,17 @@ impl Stream {
         }
     }
 
+    /// True when this stream is certainly usable by an object of `backend`, device
+    /// `device` (a default stream, or one bound to exactly that backend object and device):
+    /// the test of a hot path, whose `false` leads to [`Stream::check`] for the answer.
+    #[inline]
+    pub fn is_bound_to(&self, backend: &BackendRef, device: i32) -> bool {
+        match self.binding() {
+            Some((mine, my_device)) => Arc::ptr_eq(mine, backend) && my_device == device,
+            None => true,
+        }
+    }
+
     /// Refuses this stream for use by an object of `backend`, device `device`, when it
     /// belongs to another backend or device.
     #[inline]

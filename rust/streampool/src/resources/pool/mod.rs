@@ -14,7 +14,8 @@ use freelist::{class_size, FreeBlock, FreeList, NotFreed};
 use crate::device::{BackendRef, DevPtr};
 use crate::error::{Error, Result};
 use crate::resource::{
-    settle_allocate, settle_deallocate, MemoryKind, MemoryResource, ResourceRef, ALIGNMENT,
+    checked_allocate, checked_deallocate, settle_allocate, settle_deallocate, MemoryKind, MemoryResource,
+    ResourceRef, ALIGNMENT,
 };
 use crate::size::align_up;
 use crate::stream::{Event, Stream};
@@ -738,35 +739,50 @@ impl ShardedPoolMemoryResource {
         st.used += size as i64;
     }
 
-    /// Frees a block into the shard of `stream`, recording an event when one is due.
-    /// `None` when `!blocking` and that would wait for a lock, call the driver, or look
-    /// through other shards (a block allocated on another stream).
+    /// Frees a block allocated on `stream` into its shard (`size` rounded by
+    /// [`class_size`]), recording an event when one is due. The answer is small, so that
+    /// the hot path keeps it in registers (an `Option<Result<..>>` of the crate's error,
+    /// built and copied on the stack, stalled the loads that read it back).
     #[inline]
-    fn free_into(&self, ptr: DevPtr, bytes: usize, stream: &Stream, blocking: bool) -> Option<Result<()>> {
-        let size = class_size(bytes);
+    fn free_own(&self, ptr: DevPtr, size: usize, stream: &Stream, blocking: bool) -> OwnFree {
         let key = stream.key(self.backend(), self.device());
         let demand = self.demand.load(Ordering::Relaxed);
-        let freed = self.with_shard(key, |shard| {
-            let mut st = if blocking { shard.state.lock() } else { shard.state.try_lock()? };
-            if !blocking && st.event_due(demand) {
-                return None;
-            }
+        self.with_shard(key, |shard| {
+            let mut st = if blocking {
+                shard.state.lock()
+            } else {
+                match shard.state.try_lock() {
+                    Some(st) if !st.event_due(demand) => st,
+                    _ => return OwnFree::Busy,
+                }
+            };
             let epoch = st.epoch;
-            Some(match st.free.free(ptr, size, epoch) {
+            match st.free.free(ptr, size, epoch) {
                 Ok(()) => {
                     st.used -= size as i64;
                     self.after_free(&mut st, stream, demand);
-                    Ok(true)
+                    OwnFree::Done
                 }
-                Err(NotFreed::Unknown) => Ok(false),
-                Err(NotFreed::WrongSize(had)) => Err(wrong_size(ptr, had, bytes)),
-            })
-        })?;
-        match freed {
-            Ok(true) => Some(Ok(())),
-            Ok(false) if !blocking => None,
-            Ok(false) => Some(self.free_foreign(ptr, size, bytes, stream, key, demand)),
-            Err(e) => Some(Err(e)),
+                Err(NotFreed::Unknown) => OwnFree::NotHere,
+                Err(NotFreed::WrongSize(had)) => OwnFree::WrongSize(had),
+            }
+        })
+    }
+
+    /// Frees a block into the shard of `stream`, recording an event when one is due.
+    /// `None` when `!blocking` and that would wait for a lock, call the driver, or look
+    /// through other shards (a block allocated on another stream).
+    fn free_into(&self, ptr: DevPtr, bytes: usize, stream: &Stream, blocking: bool) -> Option<Result<()>> {
+        let size = class_size(bytes);
+        match self.free_own(ptr, size, stream, blocking) {
+            OwnFree::Done => Some(Ok(())),
+            OwnFree::Busy => None,
+            OwnFree::NotHere if !blocking => None,
+            OwnFree::NotHere => {
+                let key = stream.key(self.backend(), self.device());
+                Some(self.free_foreign(ptr, size, bytes, stream, key, self.demand.load(Ordering::Relaxed)))
+            }
+            OwnFree::WrongSize(had) => Some(Err(wrong_size(ptr, had, bytes))),
         }
     }
 
@@ -818,17 +834,68 @@ impl ShardedPoolMemoryResource {
         let due = st.event_due(demand);
         st.unevented += 1;
         if due {
-            st.interval = if st.asked(demand) {
-                self.options.events_every
-            } else {
-                st.interval.saturating_mul(2).min(self.options.events_every * MAX_EVENT_BACKOFF)
-            };
-            st.seen_demand = demand;
-            st.wanted = false;
-            // Failing to record only delays reuse by other streams.
-            let _ = self.record(st, stream);
+            self.event_due_now(st, stream, demand);
         }
     }
+
+    #[cold]
+    #[inline(never)]
+    fn event_due_now(&self, st: &mut ShardState, stream: &Stream, demand: u64) {
+        st.interval = if st.asked(demand) {
+            self.options.events_every
+        } else {
+            st.interval.saturating_mul(2).min(self.options.events_every * MAX_EVENT_BACKOFF)
+        };
+        st.seen_demand = demand;
+        st.wanted = false;
+        // Failing to record only delays reuse by other streams.
+        let _ = self.record(st, stream);
+    }
+
+    /// The same-stream fast path of an allocation (policy step 1), for sizes and streams
+    /// that need no check beyond a comparison; `None` sends the caller to the full path.
+    #[inline]
+    fn allocate_own(&self, bytes: usize, stream: &Stream, blocking: bool) -> Option<DevPtr> {
+        // 0 (the null pointer) and impossible sizes are settled by the full path.
+        if bytes.wrapping_sub(1) >= isize::MAX as usize || !stream.is_bound_to(self.backend(), self.device())
+        {
+            return None;
+        }
+        self.take_own(class_size(bytes), stream.key(self.backend(), self.device()), blocking).flatten()
+    }
+
+    /// The same-stream fast path of a free: true once freed.
+    #[inline]
+    fn deallocate_own(&self, ptr: DevPtr, bytes: usize, stream: &Stream, blocking: bool) -> bool {
+        ptr != 0
+            && bytes != 0
+            && stream.is_bound_to(self.backend(), self.device())
+            && matches!(self.free_own(ptr, class_size(bytes), stream, blocking), OwnFree::Done)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn allocate_cold(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        checked_allocate(self, bytes, stream)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn deallocate_cold(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        checked_deallocate(self, ptr, bytes, stream)
+    }
+}
+
+/// What a free in its stream's own shard came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OwnFree {
+    Done,
+    /// Not tried (`!blocking`): the lock is taken, or an event is due (a driver call).
+    Busy,
+    /// The shard has no live block there: allocated on another stream, or a bad free.
+    NotHere,
+    /// The live block there has this size.
+    WrongSize(usize),
 }
 
 fn wrong_size(ptr: DevPtr, had: usize, bytes: usize) -> Error {
@@ -849,19 +916,40 @@ impl MemoryResource for ShardedPoolMemoryResource {
         self.upstream.memory_kind()
     }
 
-    fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<Result<DevPtr>> {
-        if let Some(settled) = settle_allocate(self, bytes, stream) {
-            return Some(settled);
+    // The four entry points try the same-stream path first (small answers, in registers)
+    // and leave everything else, the checks' errors included, to the full path out of line.
+    #[inline]
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        match self.allocate_own(bytes, stream, true) {
+            Some(ptr) => Ok(ptr),
+            None => self.allocate_cold(bytes, stream),
         }
-        let size = class_size(bytes);
-        Some(Ok(self.take_own(size, stream.key(self.backend(), self.device()), false)??))
+    }
+
+    #[inline]
+    fn deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if self.deallocate_own(ptr, bytes, stream, true) {
+            return Ok(());
+        }
+        self.deallocate_cold(ptr, bytes, stream)
+    }
+
+    fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<Result<DevPtr>> {
+        if let Some(ptr) = self.allocate_own(bytes, stream, false) {
+            return Some(Ok(ptr));
+        }
+        // Settled by the checks (the null pointer, an error), or the full path's to do.
+        settle_allocate(self, bytes, stream)
     }
 
     fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
-        if let Some(settled) = settle_deallocate(self, ptr, bytes, stream) {
-            return Some(settled);
+        if self.deallocate_own(ptr, bytes, stream, false) {
+            return Some(Ok(()));
         }
-        self.free_into(ptr, bytes, stream, false)
+        match settle_deallocate(self, ptr, bytes, stream) {
+            Some(settled) => Some(settled),
+            None => self.free_into(ptr, bytes, stream, false),
+        }
     }
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
