@@ -2,6 +2,9 @@
 
 - fixed: one thread, one non-blocking stream: ``mr.allocate``/``mr.deallocate`` pairs and
   ``DeviceBuffer`` create+drop, median ns per pair over repetitions;
+- control: the same loops over calls that do nothing (a pair of empty function calls, an
+  empty Python class made with the same keywords as ``DeviceBuffer``): what the interpreter
+  costs on this host at this moment, the floor under the two fixed figures;
 - window: T threads, each on its own stream, each keeping a FIFO of 16 live allocations of
   log-uniform size in [1 KiB, 4 MiB] (pre-generated), freeing the oldest before each new
   one; aggregate allocations/s in one common window, ns per operation per thread, and the
@@ -63,6 +66,37 @@ def fixed_buffers(resource: mr.MemoryResource, n: int, reps: int, iters: int = 2
         samples.append((time.perf_counter_ns() - t0) / iters)
     s.synchronize()
     return statistics.median(samples)
+
+
+class _Empty:
+    """A class with DeviceBuffer's signature that does nothing: the control's object."""
+
+    __slots__ = ()
+
+    def __init__(self, size: int = 0, stream: object = None, mr: object = None) -> None:
+        pass
+
+
+def control(reps: int, iters: int = 20000) -> tuple[float, float]:
+    """ns per pair of empty calls, and per empty object made with DeviceBuffer's keywords."""
+
+    def nothing(a: object, b: object, c: object = None) -> None:
+        pass
+
+    s, n = streampool.Stream(), 4096
+    pairs, objects = [], []
+    for _ in range(max(reps, 3)):
+        t0 = time.perf_counter_ns()
+        for _ in range(iters):
+            p = nothing(n, s)
+            nothing(p, n, s)
+        pairs.append((time.perf_counter_ns() - t0) / iters)
+        t0 = time.perf_counter_ns()
+        for _ in range(iters):
+            b = _Empty(size=n, stream=s, mr=None)
+            del b
+        objects.append((time.perf_counter_ns() - t0) / iters)
+    return statistics.median(pairs), statistics.median(objects)
 
 
 def sizes(seed: int, m: int = 4096) -> list[int]:
@@ -132,7 +166,11 @@ def main() -> None:
         sim = streampool.sim.SimulatedDevice(capacity_bytes="64GiB").__enter__()
         device = sim.describe()
     print(f"device: {device}")
-    results = []
+    pair, obj = control(args.reps)
+    print(
+        f"fixed  {'control':<20} {'-':>8}    empty call pair     {pair:8.1f} ns   empty object {obj:8.1f} ns"
+    )
+    results = [{"workload": "fixed", "resource": "control", "ns_per_pair": pair, "ns_per_buffer": obj}]
     for name, make in resources().items():
         for n in (256, 64 << 10, 4 << 20):
             pair = fixed_pairs(make(), n, args.reps)
