@@ -54,17 +54,29 @@ def fixed_pairs(resource: mr.MemoryResource, n: int, reps: int, iters: int = 200
     return statistics.median(samples)
 
 
-def fixed_buffers(resource: mr.MemoryResource, n: int, reps: int, iters: int = 20000) -> float:
+def fixed_buffers(
+    resource: mr.MemoryResource, n: int, reps: int, iters: int = 20000, current: bool = False
+) -> float:
+    """ns per DeviceBuffer create+drop; with ``current``, on the current device resource
+    (``DeviceBuffer(size=n, stream=s)``, as RMM users write it) set to ``resource``."""
     s = streampool.Stream()
     DB = streampool.DeviceBuffer
+    previous = streampool.set_current_device_resource(resource) if current else None
     samples = []
     for _ in range(max(reps, 3)):
         t0 = time.perf_counter_ns()
-        for _ in range(iters):
-            b = DB(size=n, stream=s, mr=resource)
-            del b
+        if current:
+            for _ in range(iters):
+                b = DB(size=n, stream=s)
+                del b
+        else:
+            for _ in range(iters):
+                b = DB(size=n, stream=s, mr=resource)
+                del b
         samples.append((time.perf_counter_ns() - t0) / iters)
     s.synchronize()
+    if previous is not None:
+        streampool.set_current_device_resource(previous)
     return statistics.median(samples)
 
 
@@ -175,11 +187,20 @@ def main() -> None:
         for n in (256, 64 << 10, 4 << 20):
             pair = fixed_pairs(make(), n, args.reps)
             buf = fixed_buffers(make(), n, args.reps)
+            cur = fixed_buffers(make(), n, args.reps, current=True)
             print(
                 f"fixed  {name:<20} {n:>8} B  allocate+deallocate {pair:8.1f} ns   DeviceBuffer {buf:8.1f} ns"
+                f"   (current resource {cur:8.1f} ns)"
             )
             results.append(
-                {"workload": "fixed", "resource": name, "bytes": n, "ns_per_pair": pair, "ns_per_buffer": buf}
+                {
+                    "workload": "fixed",
+                    "resource": name,
+                    "bytes": n,
+                    "ns_per_pair": pair,
+                    "ns_per_buffer": buf,
+                    "ns_per_buffer_current": cur,
+                }
             )
         for t in (int(x) for x in args.threads.split(",")):
             runs = [window(make, t, args.secs) for _ in range(args.reps)]

@@ -348,6 +348,13 @@ fn registry() -> MutexGuard<'static, Option<Registry>> {
 }
 
 fn current_placement(py: Python<'_>, device: Option<i32>) -> PyResult<(BackendRef, i32)> {
+    // Once the backend exists, naming the current device waits for nothing (the driver
+    // reads the thread's context): the GIL stays held, as on the allocation fast path.
+    // Releasing it here made every buffer on the default resource hand the GIL round.
+    if let Some(backend) = device::backend_ready() {
+        let device = check_device(&backend, device).or_raise(py)?;
+        return Ok((backend, device));
+    }
     detached(py, move || {
         let backend = device::backend()?;
         let device = check_device(&backend, device)?;

@@ -298,9 +298,26 @@ pub fn active_sim() -> Option<Arc<sim::SimDevice>> {
     ACTIVE_SIM.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
-/// True when `STREAMPOOL_DEVICE=sim` selects the simulated device for the whole process.
+/// True when `STREAMPOOL_DEVICE=sim` selects the simulated device for the whole process
+/// (read once, at the first use: reading the environment takes a lock and a copy).
 pub fn env_selects_sim() -> bool {
-    std::env::var("STREAMPOOL_DEVICE").map(|v| v.eq_ignore_ascii_case("sim")).unwrap_or(false)
+    static SELECTS: OnceLock<bool> = OnceLock::new();
+    *SELECTS.get_or_init(|| {
+        std::env::var("STREAMPOOL_DEVICE").map(|v| v.eq_ignore_ascii_case("sim")).unwrap_or(false)
+    })
+}
+
+/// What [`backend`] gives, when that needs neither the driver's probe nor a new simulated
+/// device (both are done once per process): for callers that hold Python's GIL, which
+/// must not wait on anything. `None`: call [`backend`] (with the GIL released).
+pub fn backend_ready() -> Option<BackendRef> {
+    if let Some(sim) = active_sim() {
+        return Some(sim);
+    }
+    if env_selects_sim() {
+        return ENV_SIM.get()?.clone().map(|sim| sim as BackendRef);
+    }
+    cuda::CudaBackend::ready().map(|cuda| cuda as BackendRef)
 }
 
 fn env_sim() -> Result<Option<Arc<sim::SimDevice>>> {

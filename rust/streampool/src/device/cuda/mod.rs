@@ -181,6 +181,11 @@ impl CudaBackend {
         .clone()
     }
 
+    /// The driver, when it was probed already and found usable.
+    pub fn ready() -> Option<Arc<CudaBackend>> {
+        CUDA.get()?.as_ref().ok().cloned()
+    }
+
     fn device(&self, dev: i32) -> Result<&Device> {
         usize::try_from(dev).ok().and_then(|i| self.devices.get(i)).ok_or_else(|| {
             Error::invalid(format!(
