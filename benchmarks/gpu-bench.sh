@@ -6,6 +6,12 @@
 #   .gpu/wheels/*.whl             our wheel (make gpu-build)
 #   .peers/bench_rmm.cpp, .peers/bench_py.py   the peers' programs (../shared/peers/)
 #   .peers/*.whl                  librmm-cu13 26.10.0, rapids-logger 0.3, rmm-cu13 26.10.0
+# (.peers/ is ignored by git; made here with
+#   mkdir -p .peers && cp ../shared/peers/bench_rmm.cpp ../shared/peers/bench_py.py .peers/ &&
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+#     --platform manylinux_2_24_x86_64 -d .peers librmm-cu13==26.10.0 "rapids-logger==0.3.*" rmm-cu13==26.10.0
+# and carried with .gpu/.)
 # Writes logs to $BENCH_LOGS (default /tmp/streampool-bench), prints a summary last. See benchmarks/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
