@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import streampool
 from streampool import mr
@@ -40,9 +41,15 @@ def resources() -> dict[str, Callable[[], mr.MemoryResource]]:
     }
 
 
-def fixed_pairs(resource: mr.MemoryResource, n: int, reps: int, iters: int = 20000) -> float:
-    s = streampool.Stream()
-    a, d = resource.allocate, resource.deallocate
+def timed_pairs(
+    a: Callable[[int, streampool.Stream], Any],
+    d: Callable[[Any, int, streampool.Stream], Any],
+    n: int,
+    s: streampool.Stream,
+    reps: int,
+    iters: int = 20000,
+) -> float:
+    """Median ns per ``p = a(n, s); d(p, n, s)`` over the repetitions."""
     samples = []
     for _ in range(max(reps, 3)):
         t0 = time.perf_counter_ns()
@@ -50,8 +57,14 @@ def fixed_pairs(resource: mr.MemoryResource, n: int, reps: int, iters: int = 200
             p = a(n, s)
             d(p, n, s)
         samples.append((time.perf_counter_ns() - t0) / iters)
-    s.synchronize()
     return statistics.median(samples)
+
+
+def fixed_pairs(resource: mr.MemoryResource, n: int, reps: int) -> float:
+    s = streampool.Stream()
+    ns = timed_pairs(resource.allocate, resource.deallocate, n, s, reps)
+    s.synchronize()
+    return ns
 
 
 def fixed_buffers(
@@ -96,19 +109,15 @@ def control(reps: int, iters: int = 20000) -> tuple[float, float]:
         pass
 
     s, n = streampool.Stream(), 4096
-    pairs, objects = [], []
+    pair = timed_pairs(nothing, nothing, n, s, reps, iters)
+    objects = []
     for _ in range(max(reps, 3)):
-        t0 = time.perf_counter_ns()
-        for _ in range(iters):
-            p = nothing(n, s)
-            nothing(p, n, s)
-        pairs.append((time.perf_counter_ns() - t0) / iters)
         t0 = time.perf_counter_ns()
         for _ in range(iters):
             b = _Empty(size=n, stream=s, mr=None)
             del b
         objects.append((time.perf_counter_ns() - t0) / iters)
-    return statistics.median(pairs), statistics.median(objects)
+    return pair, statistics.median(objects)
 
 
 def sizes(seed: int, m: int = 4096) -> list[int]:
