@@ -147,12 +147,10 @@ impl Stream {
     /// belongs to another backend or device.
     #[inline]
     pub fn check(&self, backend: &BackendRef, device: i32) -> Result<()> {
-        match self.binding() {
-            Some((mine, my_device)) if !(Arc::ptr_eq(mine, backend) && my_device == device) => {
-                self.check_slow(backend, device)
-            }
-            _ => Ok(()),
+        if self.is_bound_to(backend, device) {
+            return Ok(());
         }
+        self.check_slow(backend, device)
     }
 
     #[cold]

@@ -864,13 +864,18 @@ impl ShardedPoolMemoryResource {
         self.take_own(class_size(bytes), stream.key(self.backend(), self.device()), blocking).flatten()
     }
 
+    /// True when a free passes the trait's checks by comparisons alone (a pointer and a
+    /// size that are not 0, a stream of this backend object and device).
+    #[inline]
+    fn plainly_freeable(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> bool {
+        ptr != 0 && bytes != 0 && stream.is_bound_to(self.backend(), self.device())
+    }
+
     /// The same-stream fast path of a free: true once freed.
     #[inline]
-    fn deallocate_own(&self, ptr: DevPtr, bytes: usize, stream: &Stream, blocking: bool) -> bool {
-        ptr != 0
-            && bytes != 0
-            && stream.is_bound_to(self.backend(), self.device())
-            && matches!(self.free_own(ptr, class_size(bytes), stream, blocking), OwnFree::Done)
+    fn deallocate_own(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> bool {
+        self.plainly_freeable(ptr, bytes, stream)
+            && matches!(self.free_own(ptr, class_size(bytes), stream, true), OwnFree::Done)
     }
 
     #[cold]
@@ -932,7 +937,7 @@ impl MemoryResource for ShardedPoolMemoryResource {
 
     #[inline]
     fn deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
-        if self.deallocate_own(ptr, bytes, stream, true) {
+        if self.deallocate_own(ptr, bytes, stream) {
             return Ok(());
         }
         self.deallocate_cold(ptr, bytes, stream)
@@ -947,13 +952,13 @@ impl MemoryResource for ShardedPoolMemoryResource {
     }
 
     fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
-        if self.deallocate_own(ptr, bytes, stream, false) {
-            return Some(Ok(()));
+        // One look into the stream's own shard, whichever way the checks are passed.
+        if !self.plainly_freeable(ptr, bytes, stream) {
+            if let Some(settled) = settle_deallocate(self, ptr, bytes, stream) {
+                return Some(settled);
+            }
         }
-        match settle_deallocate(self, ptr, bytes, stream) {
-            Some(settled) => Some(settled),
-            None => self.free_into(ptr, bytes, stream, false),
-        }
+        self.free_into(ptr, bytes, stream, false)
     }
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
