@@ -1,4 +1,4 @@
-//! The window workload of `../shared/peers/bench_rmm.cpp` ("mt"), for streampool's
+//! The window workload of `benchmarks/bench_rmm.cpp` ("mt"), for streampool's
 //! resources: T threads, each on its own non-blocking stream, each keeping a ring of 16
 //! live allocations of log-uniform size in [1 KiB, 4 MiB] (8192 pre-generated per thread),
 //! freeing the oldest before each new one (the loop of `bench_rmm.cpp`'s `run_mt`, with its
@@ -9,10 +9,19 @@
 //! (which tell a thread the OS ran less from one the pool slowed). Also the one-thread
 //! "fixed" pairs.
 //!
+//! Every window figure comes with memory: the peak of the live bytes (sizes asked for,
+//! summed over the threads, sampled every millisecond) and the peak of what the resource
+//! reserved from the device (the pool's `peak_reserved_bytes`; for `async`, the driver
+//! pool's reserved memory, sampled), and their ratio.
+//!
+//! `--handoff` makes it the producer/consumer soak: each thread, when it evicts a block,
+//! hands half of them (at random) to the next thread after recording an event on its own
+//! stream; that thread waits on the event and frees the block on its own stream.
+//!
 //! ```text
 //! cargo bench -p streampool --bench window -- [--secs 0.5] [--reps 3]
 //!     [--threads 1,2,4,8,16] [--resources sharded,async,control] [--events-every N] [--json FILE]
-//!     [--sim] [--same-sizes]
+//!     [--sim] [--same-sizes] [--handoff] [--no-fixed] [--headroom F|none]
 //! ```
 //! Runs on the CUDA driver when there is one (unless `--sim`), else on the simulated device
 //! (and says so: those numbers measure the simulator and the host, not a GPU).
@@ -46,6 +55,10 @@ struct Args {
     /// Every thread draws the same sizes (a diagnostic: how much of the spread between
     /// threads comes from their different size sequences).
     same_sizes: bool,
+    handoff: bool,
+    fixed: bool,
+    /// The pool's footprint budget (`PoolOptions::headroom`).
+    headroom: Option<f64>,
 }
 
 fn args() -> Args {
@@ -58,6 +71,9 @@ fn args() -> Args {
         events_every: PoolOptions::default().events_every,
         sim: false,
         same_sizes: false,
+        handoff: false,
+        fixed: true,
+        headroom: PoolOptions::default().headroom,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -71,6 +87,9 @@ fn args() -> Args {
             "--events-every" => a.events_every = v().parse().expect("--events-every"),
             "--sim" => a.sim = true,
             "--same-sizes" => a.same_sizes = true,
+            "--handoff" => a.handoff = true,
+            "--no-fixed" => a.fixed = false,
+            "--headroom" => a.headroom = v().parse().ok(),
             "--bench" => {}
             other => panic!("unknown argument {other}"),
         }
@@ -79,23 +98,42 @@ fn args() -> Args {
 }
 
 /// The resource of `name`, and the pool itself when it is one (for its counters).
-fn make(
-    name: &str,
-    b: &BackendRef,
-    events_every: usize,
-) -> (ResourceRef, Option<Arc<ShardedPoolMemoryResource>>) {
-    let async_mr: ResourceRef =
-        Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
+/// A resource under test, with what tells its reserved memory.
+struct Made {
+    mr: ResourceRef,
+    pool: Option<Arc<ShardedPoolMemoryResource>>,
+    driver_pool: Option<Arc<CudaAsyncMemoryResource>>,
+}
+
+impl Made {
+    /// Bytes reserved from the device now (the pool's peak, or the driver pool's reserved).
+    fn reserved(&self) -> usize {
+        match (&self.pool, &self.driver_pool) {
+            (Some(p), _) => p.stats().peak_reserved_bytes,
+            (None, Some(d)) => d.reserved_bytes().unwrap_or(0),
+            _ => 0,
+        }
+    }
+}
+
+fn make(name: &str, b: &BackendRef, events_every: usize, headroom: Option<f64>) -> Made {
+    let driver = Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
+    // The driver's pool is the device's, shared: start from what it holds now.
+    let _ = driver.trim_to(0);
+    let async_mr: ResourceRef = driver.clone();
     match name {
-        "async" => (async_mr, None),
+        "async" => Made { mr: async_mr, pool: None, driver_pool: Some(driver) },
         "sharded" => {
             let pool = Arc::new(
-                ShardedPoolMemoryResource::new(async_mr, PoolOptions { events_every, ..Default::default() })
-                    .unwrap(),
+                ShardedPoolMemoryResource::new(
+                    async_mr,
+                    PoolOptions { events_every, headroom, ..Default::default() },
+                )
+                .unwrap(),
             );
-            (pool.clone(), Some(pool))
+            Made { mr: pool.clone(), pool: Some(pool), driver_pool: None }
         }
-        "control" => (Arc::new(Control { backend: b.clone() }), None),
+        "control" => Made { mr: Arc::new(Control { backend: b.clone() }), pool: None, driver_pool: None },
         other => panic!("unknown resource {other} (sharded, async, control)"),
     }
 }
@@ -163,6 +201,9 @@ struct MtResult {
     /// A pool's events recorded, growths, and steals, waits and synchronisations, in the
     /// window.
     in_window: Option<[u64; 3]>,
+    /// Peak live bytes (sampled) and peak reserved bytes, warm-up included.
+    peak_live: usize,
+    peak_reserved: usize,
 }
 
 /// A thread's operation count, on a cache line of its own (as `bench_rmm.cpp`'s
@@ -174,6 +215,8 @@ struct Counter {
     /// The thread's CPU time (ns), stored every 256 operations: a thread that gets fewer
     /// operations done than others only because the OS ran it less shows here.
     cpu_ns: AtomicU64,
+    /// The thread's live bytes (sizes asked for), stored at every operation.
+    live: AtomicU64,
 }
 
 /// This thread's CPU time in ns (`CLOCK_THREAD_CPUTIME_ID`).
@@ -185,57 +228,116 @@ fn thread_cpu_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// A block handed to another thread: its address and size, and the event after which
+/// the other thread may use it.
+type Handoff = (u64, usize, streampool::Event);
+
 fn run_mt(
-    (mr, pool): &(ResourceRef, Option<Arc<ShardedPoolMemoryResource>>),
+    made: &Made,
     b: &BackendRef,
     threads: usize,
     secs: f64,
     same_sizes: bool,
+    handoff: bool,
 ) -> MtResult {
+    let (mr, pool) = (&made.mr, &made.pool);
     let counters: Arc<Vec<Counter>> = Arc::new(
-        (0..threads).map(|_| Counter { ops: AtomicU64::new(0), cpu_ns: AtomicU64::new(0) }).collect(),
+        (0..threads)
+            .map(|_| Counter { ops: AtomicU64::new(0), cpu_ns: AtomicU64::new(0), live: AtomicU64::new(0) })
+            .collect(),
     );
+    let (senders, receivers): (Vec<_>, Vec<_>) =
+        (0..threads).map(|_| std::sync::mpsc::channel::<Handoff>()).unzip();
+    let done = Arc::new(Barrier::new(threads));
     let stop = Arc::new(AtomicBool::new(false));
     let ready = Arc::new(Barrier::new(threads + 1));
-    let handles: Vec<_> = (0..threads)
-        .map(|t| {
-            let (mr, b, counters, stop, ready) =
-                (mr.clone(), b.clone(), counters.clone(), stop.clone(), ready.clone());
+    let handles: Vec<_> = receivers
+        .into_iter()
+        .enumerate()
+        .map(|(t, inbox)| {
+            let (mr, b, counters, stop, ready, done) =
+                (mr.clone(), b.clone(), counters.clone(), stop.clone(), ready.clone(), done.clone());
+            let next = senders[(t + 1) % threads].clone();
             std::thread::spawn(move || {
                 let stream = Stream::create(&b, 0, false).unwrap();
                 let sizes = sizes(if same_sizes { 1 } else { t as u64 + 1 }, SIZES);
+                let mut coin = t as u64 * 0x9e37_79b9 + 1;
+                let mut live = 0u64;
                 // A ring of WINDOW live allocations, filled before the start.
                 let mut k = 0usize;
                 let mut ring: Vec<(u64, usize)> = (0..WINDOW)
                     .map(|_| {
                         let n = sizes[k % SIZES];
                         k += 1;
+                        live += n as u64;
                         (mr.allocate(n, &stream).unwrap(), n)
                     })
                     .collect();
                 let (mut head, mut ops) = (0usize, 0u64);
+                let receive = |live: &mut u64| {
+                    while let Ok((p, n, ev)) = inbox.try_recv() {
+                        stream.wait(&ev).unwrap();
+                        mr.deallocate(p, n, &stream).unwrap();
+                        *live -= n as u64;
+                    }
+                };
                 ready.wait();
                 while !stop.load(Ordering::Relaxed) {
                     let (p, n) = ring[head];
-                    mr.deallocate(p, n, &stream).unwrap();
+                    coin ^= coin << 13;
+                    coin ^= coin >> 7;
+                    coin ^= coin << 17;
+                    if handoff && coin % 2 == 0 {
+                        // The next thread frees it, after this stream's work so far.
+                        let ev = streampool::Event::new(&b, 0).unwrap();
+                        ev.record(&stream).unwrap();
+                        next.send((p, n, ev)).unwrap();
+                    } else {
+                        mr.deallocate(p, n, &stream).unwrap();
+                        live -= n as u64;
+                    }
+                    if handoff {
+                        receive(&mut live);
+                    }
                     let n = sizes[k % SIZES];
                     k += 1;
                     ring[head] = (mr.allocate(n, &stream).unwrap(), n);
+                    live += n as u64;
                     head = (head + 1) % WINDOW;
                     ops += 1;
                     if ops % 256 == 0 {
                         counters[t].cpu_ns.store(thread_cpu_ns(), Ordering::Relaxed);
                     }
                     counters[t].ops.store(ops, Ordering::Relaxed);
+                    counters[t].live.store(live, Ordering::Relaxed);
                 }
                 for (p, n) in ring {
                     mr.deallocate(p, n, &stream).unwrap();
                 }
+                done.wait();
+                receive(&mut live);
                 b.stream_synchronize(0, stream.handle()).unwrap();
             })
         })
         .collect();
+    drop(senders);
     ready.wait();
+    // Peak live: the sum of the threads' live bytes, sampled every millisecond (from the
+    // first allocation, warm-up included); it can only miss a peak, so the ratio shown is
+    // if anything too high.
+    let sampling = Arc::new(AtomicBool::new(true));
+    let sampler = {
+        let (counters, sampling) = (counters.clone(), sampling.clone());
+        std::thread::spawn(move || {
+            let mut peak = 0u64;
+            while sampling.load(Ordering::Relaxed) {
+                peak = peak.max(counters.iter().map(|c| c.live.load(Ordering::Relaxed)).sum());
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            peak as usize
+        })
+    };
+    let mut peak_reserved = made.reserved();
     std::thread::sleep(Duration::from_millis(100));
     let snapshot = || -> Vec<(u64, u64)> {
         counters.iter().map(|c| (c.ops.load(Ordering::Relaxed), c.cpu_ns.load(Ordering::Relaxed))).collect()
@@ -247,6 +349,9 @@ fn run_mt(
     let end = snapshot();
     let stats1 = pool.as_ref().map(|p| p.stats());
     let elapsed = t0.elapsed().as_secs_f64();
+    peak_reserved = peak_reserved.max(made.reserved());
+    sampling.store(false, Ordering::Relaxed);
+    let peak_live = sampler.join().unwrap();
     stop.store(true, Ordering::Relaxed);
     for h in handles {
         h.join().unwrap();
@@ -273,6 +378,8 @@ fn run_mt(
                 slow(&s1) - slow(&s0),
             ]
         }),
+        peak_live,
+        peak_reserved,
     }
 }
 
@@ -320,8 +427,8 @@ fn main() {
     println!("device: {device}");
     let mut json = Vec::new();
     for name in &a.resources {
-        for &n in &[256usize, 64 << 10, 4 << 20] {
-            let (mr, _) = make(name, &backend, a.events_every);
+        for &n in if a.fixed { &[256usize, 64 << 10, 4 << 20][..] } else { &[] } {
+            let mr = make(name, &backend, a.events_every, a.headroom).mr;
             let ns = run_fixed(&mr, &backend, n, a.reps);
             println!("fixed  {name:<8} {n:>8} B  {ns:8.1} ns/pair");
             json.push(format!(
@@ -330,7 +437,10 @@ fn main() {
         }
         for &t in &a.threads {
             let runs: Vec<MtResult> = (0..a.reps)
-                .map(|_| run_mt(&make(name, &backend, a.events_every), &backend, t, a.secs, a.same_sizes))
+                .map(|_| {
+                    let made = make(name, &backend, a.events_every, a.headroom);
+                    run_mt(&made, &backend, t, a.secs, a.same_sizes, a.handoff)
+                })
                 .collect();
             let rate = median(runs.iter().map(|r| r.allocs_per_sec).collect());
             let ns = median(runs.iter().map(|r| r.ns_per_op_per_thread).collect());
@@ -343,13 +453,27 @@ fn main() {
                 }
                 None => String::new(),
             };
+            // Memory: the worst round's ratio, and its figures.
+            let worst = runs
+                .iter()
+                .max_by(|x, y| {
+                    let r = |m: &MtResult| m.peak_reserved as f64 / m.peak_live.max(1) as f64;
+                    r(x).partial_cmp(&r(y)).unwrap()
+                })
+                .expect("at least one round");
+            let (live, reserved) = (worst.peak_live, worst.peak_reserved);
+            let ratio = if reserved == 0 { f64::NAN } else { reserved as f64 / live.max(1) as f64 };
+            let workload = if a.handoff { "handoff" } else { "window" };
             println!(
-                "window {name:<8} T={t:<2}  {:8.3} M allocs/s  {ns:8.1} ns/op/thread  slowest {share:.2}  \
+                "{workload} {name:<8} T={t:<2}  {:8.3} M allocs/s  {ns:8.1} ns/op/thread  slowest {share:.2}  \
+                 reserved/live {ratio:.2} ({:.0}/{:.0} MiB, worst round)  \
                  (least on CPU {on_cpu:.2} of the window; per CPU-second, slowest {per_cpu:.2}{counts})",
-                rate / 1e6
+                rate / 1e6,
+                reserved as f64 / (1 << 20) as f64,
+                live as f64 / (1 << 20) as f64,
             );
             json.push(format!(
-                r#"{{"workload":"window","resource":"{name}","threads":{t},"allocs_per_sec":{rate:.0},"ns_per_op_per_thread":{ns:.1},"slowest_share":{share:.3},"least_on_cpu":{on_cpu:.3},"slowest_per_cpu_share":{per_cpu:.3}}}"#
+                r#"{{"workload":"{workload}","resource":"{name}","threads":{t},"allocs_per_sec":{rate:.0},"ns_per_op_per_thread":{ns:.1},"slowest_share":{share:.3},"least_on_cpu":{on_cpu:.3},"slowest_per_cpu_share":{per_cpu:.3},"peak_live_bytes":{live},"peak_reserved_bytes":{reserved}}}"#
             ));
         }
     }

@@ -37,7 +37,12 @@ struct OwnedStream {
     device: i32,
     handle: RawStream,
     key: u64,
+    /// Run with the stream, still alive, just before it is destroyed ([`Stream::on_destroy`]).
+    on_destroy: std::sync::Mutex<Vec<DestroyHook>>,
 }
+
+/// See [`Stream::on_destroy`].
+pub type DestroyHook = Box<dyn FnOnce(&Stream) + Send>;
 
 /// Keys handed out where the driver cannot name a stream (`cuStreamGetId` needs CUDA 12):
 /// unique per wrapper, which is conservative (one stream may get two keys, never the
@@ -55,6 +60,21 @@ thread_local! {
 
 impl Drop for OwnedStream {
     fn drop(&mut self) {
+        let hooks = std::mem::take(self.on_destroy.get_mut().unwrap_or_else(|e| e.into_inner()));
+        if !hooks.is_empty() {
+            // The last clone is gone; the hooks see the stream as a borrowed handle.
+            let view = Stream {
+                handle: self.handle,
+                origin: Origin::Borrowed {
+                    backend: self.backend.clone(),
+                    device: self.device,
+                    key: self.key,
+                },
+            };
+            for hook in hooks {
+                hook(&view);
+            }
+        }
         // Work already enqueued still runs (the driver's rule); a failure here (driver
         // torn down at exit) has nobody to report to.
         let _ = self.backend.stream_destroy(self.device, self.handle);
@@ -77,7 +97,8 @@ impl Stream {
     pub fn create(backend: &BackendRef, device: i32, blocking: bool) -> Result<Self> {
         let handle = backend.stream_create(device, blocking)?;
         let key = stream_key(backend, device, handle);
-        let owned = OwnedStream { backend: backend.clone(), device, handle, key };
+        let owned =
+            OwnedStream { backend: backend.clone(), device, handle, key, on_destroy: Default::default() };
         Ok(Stream { handle, origin: Origin::Owned(Arc::new(owned)) })
     }
 
@@ -99,6 +120,21 @@ impl Stream {
                 let key = stream_key(backend, device, handle);
                 Ok(Stream { handle, origin: Origin::Borrowed { backend: backend.clone(), device, key } })
             }
+        }
+    }
+
+    /// Runs `hook` with this stream, still alive, just before the stream is destroyed (when
+    /// its last clone is dropped), so that state kept per stream (a pool's shard) can
+    /// record a last event on it and be retired. Only for streams this crate owns: for the
+    /// default streams and borrowed handles, whose end cannot be seen, `hook` is dropped
+    /// and the answer is false.
+    pub fn on_destroy(&self, hook: DestroyHook) -> bool {
+        match &self.origin {
+            Origin::Owned(o) => {
+                o.on_destroy.lock().unwrap_or_else(|e| e.into_inner()).push(hook);
+                true
+            }
+            _ => false,
         }
     }
 

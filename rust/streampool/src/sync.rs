@@ -58,41 +58,49 @@ pub(crate) fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
 /// nanoseconds at a time. Taking it is one atomic exchange and releasing it a plain store,
 /// where std's mutex needs an atomic read-modify-write for each (on the H200 machine's
 /// Xeon such an instruction costs more than the rest of a free-list operation). A waiter
-/// spins briefly, then yields its time slice until the lock is free. Under loom it is a
-/// loom mutex, so that the models see every acquisition.
-#[cfg(not(loom))]
+/// spins briefly, then yields its time slice until the lock is free. The same code runs
+/// under loom, on loom's atomics and its tracked cell, so that the models check this lock
+/// itself (mutual exclusion, and the Acquire/Release pair ordering the guarded accesses).
 pub(crate) struct ShardLock<T> {
-    locked: std::sync::atomic::AtomicBool,
-    value: std::cell::UnsafeCell<T>,
+    locked: AtomicBool,
+    value: ShardCell<T>,
 }
+
+#[cfg(loom)]
+type ShardCell<T> = loom::cell::UnsafeCell<T>;
+#[cfg(not(loom))]
+type ShardCell<T> = std::cell::UnsafeCell<T>;
 
 // SAFETY: the value is reached only through a `ShardGuard`, and `locked` lets one guard
 // exist at a time (Acquire on taking, Release on giving back order the accesses).
-#[cfg(not(loom))]
 unsafe impl<T: Send> Sync for ShardLock<T> {}
 
-#[cfg(not(loom))]
 impl<T> ShardLock<T> {
     pub(crate) fn new(value: T) -> Self {
-        ShardLock {
-            locked: std::sync::atomic::AtomicBool::new(false),
-            value: std::cell::UnsafeCell::new(value),
-        }
+        ShardLock { locked: AtomicBool::new(false), value: ShardCell::new(value) }
     }
 
     /// The lock if it is free now.
     pub(crate) fn try_lock(&self) -> Option<ShardGuard<'_, T>> {
         // `then`, not `then_some`: a guard made and dropped on failure would unlock the holder.
-        (!self.locked.swap(true, std::sync::atomic::Ordering::Acquire)).then(|| ShardGuard { lock: self })
+        (!self.locked.swap(true, Ordering::Acquire)).then(|| ShardGuard {
+            lock: self,
+            #[cfg(loom)]
+            value: std::mem::ManuallyDrop::new(self.value.get_mut()),
+        })
     }
 
     pub(crate) fn lock(&self) -> ShardGuard<'_, T> {
+        #[cfg_attr(loom, allow(unused_mut, unused_variables))]
         let mut spins = 0u32;
         loop {
             if let Some(guard) = self.try_lock() {
                 return guard;
             }
-            while self.locked.load(std::sync::atomic::Ordering::Relaxed) {
+            while self.locked.load(Ordering::Relaxed) {
+                #[cfg(loom)]
+                loom::thread::yield_now();
+                #[cfg(not(loom))]
                 if spins < 100 {
                     spins += 1;
                     std::hint::spin_loop();
@@ -104,7 +112,6 @@ impl<T> ShardLock<T> {
     }
 }
 
-#[cfg(not(loom))]
 impl<T> std::fmt::Debug for ShardLock<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("ShardLock { .. }")
@@ -112,50 +119,45 @@ impl<T> std::fmt::Debug for ShardLock<T> {
 }
 
 /// Holds a [`ShardLock`]; gives it back when dropped.
-#[cfg(not(loom))]
 pub(crate) struct ShardGuard<'a, T> {
     lock: &'a ShardLock<T>,
+    /// Loom's record of this guard's access to the value, ended before the unlock.
+    #[cfg(loom)]
+    value: std::mem::ManuallyDrop<loom::cell::MutPtr<T>>,
 }
 
-#[cfg(not(loom))]
 impl<T> std::ops::Deref for ShardGuard<'_, T> {
     type Target = T;
     fn deref(&self) -> &T {
         // SAFETY: this guard is the only one (see `ShardLock`), so nothing else refers to
         // the value while it lives.
-        unsafe { &*self.lock.value.get() }
+        #[cfg(not(loom))]
+        return unsafe { &*self.lock.value.get() };
+        // SAFETY: as above; loom checks it.
+        #[cfg(loom)]
+        return unsafe { &*self.value.deref() };
     }
 }
 
-#[cfg(not(loom))]
 impl<T> std::ops::DerefMut for ShardGuard<'_, T> {
     fn deref_mut(&mut self) -> &mut T {
         // SAFETY: as in `deref`, and `&mut self` makes this reference unique.
-        unsafe { &mut *self.lock.value.get() }
+        #[cfg(not(loom))]
+        return unsafe { &mut *self.lock.value.get() };
+        // SAFETY: as above; loom checks it.
+        #[cfg(loom)]
+        return unsafe { self.value.deref() };
     }
 }
 
-#[cfg(not(loom))]
 impl<T> Drop for ShardGuard<'_, T> {
     fn drop(&mut self) {
-        self.lock.locked.store(false, std::sync::atomic::Ordering::Release);
-    }
-}
-
-#[cfg(loom)]
-#[derive(Debug)]
-pub(crate) struct ShardLock<T>(Mutex<T>);
-
-#[cfg(loom)]
-impl<T> ShardLock<T> {
-    pub(crate) fn new(value: T) -> Self {
-        ShardLock(Mutex::new(value))
-    }
-    pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
-        try_lock(&self.0)
-    }
-    pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
-        lock(&self.0)
+        // SAFETY: dropped once, here, and not used after.
+        #[cfg(loom)]
+        unsafe {
+            std::mem::ManuallyDrop::drop(&mut self.value)
+        };
+        self.lock.locked.store(false, Ordering::Release);
     }
 }
 

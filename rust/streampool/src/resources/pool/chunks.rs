@@ -1,0 +1,191 @@
+//! The pool's chunks: what it took from the upstream, how it grows, and how it gives
+//! whole chunks back.
+
+use std::sync::Arc;
+
+use super::freelist::FreeBlock;
+use super::ShardedPoolMemoryResource;
+use crate::device::DevPtr;
+use crate::error::Result;
+use crate::resource::ALIGNMENT;
+use crate::stream::Stream;
+use crate::sync::{lock, read, write, Ordering};
+
+/// Growth never asks the upstream for less than this (unless the request, the footprint
+/// budget or the maximum leave less): the driver's pools map memory in 2 MiB pages.
+pub const MIN_CHUNK: usize = 2 << 20;
+/// Growth asks for at most this beyond the request.
+pub const MAX_GROWTH_STEP: usize = 1 << 30;
+
+/// The chunk table: every upstream allocation, sorted by start. Replaced (never changed
+/// in place) on growth and release; read off the hot path only.
+#[derive(Debug, Default)]
+pub(super) struct ChunkTable {
+    pub sorted: Vec<Chunk>,
+}
+
+impl ChunkTable {
+    /// The chunk that `[ptr, ptr + size)` lies in, if `ptr` is on a 256-byte boundary of it.
+    pub fn containing(&self, ptr: DevPtr, size: usize) -> Option<&Chunk> {
+        let after = self.sorted.partition_point(|c| c.start <= ptr);
+        let c = &self.sorted[after.checked_sub(1)?];
+        let fits = ptr + size as u64 <= c.start + c.size as u64 && (ptr - c.start) % ALIGNMENT as u64 == 0;
+        fits.then_some(c)
+    }
+
+    pub fn by_id(&self, id: u64) -> Option<&Chunk> {
+        self.sorted.iter().find(|c| c.id == id)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct Chunk {
+    pub start: u64,
+    pub size: usize,
+    pub id: u64,
+}
+
+impl ShardedPoolMemoryResource {
+    /// The chunk table now (off the hot path).
+    pub(super) fn table(&self) -> Arc<ChunkTable> {
+        read(&self.chunks).clone()
+    }
+
+    /// Takes `want` bytes (at least `size`; less when the maximum leaves less) from the
+    /// upstream on `stream` as a new chunk, not yet listed as free anywhere. When the
+    /// upstream cannot give `want` but `want > size`, asks again for `size` alone: the
+    /// step beyond the request is a convenience, never a reason to fail. The reservation is
+    /// made before the upstream call and rolled back if it fails, so concurrent growths
+    /// never pass the maximum.
+    pub(super) fn grow(&self, size: usize, want: usize, stream: &Stream) -> Result<Chunk> {
+        let size = size.next_multiple_of(ALIGNMENT);
+        let mut want = want.max(size);
+        loop {
+            let chunk = self.reserve(size, want)?;
+            match self.upstream.allocate(chunk, stream) {
+                Ok(start) => return Ok(self.add_chunk(start, chunk)),
+                Err(e) => {
+                    self.reserved.fetch_sub(chunk, Ordering::AcqRel);
+                    if !(e.is_out_of_memory() && chunk > size) {
+                        return Err(self.out_of_memory_after(size, e));
+                    }
+                    want = size;
+                }
+            }
+        }
+    }
+
+    /// Reserves up to `want` bytes (at least `size`) under the maximum; returns how many.
+    fn reserve(&self, size: usize, want: usize) -> Result<usize> {
+        let mut reserved = self.reserved.load(Ordering::Relaxed);
+        loop {
+            let room = self.maximum.saturating_sub(reserved);
+            if size > room {
+                return Err(self.out_of_memory(size, None));
+            }
+            let chunk = want.min(room / ALIGNMENT * ALIGNMENT).max(size);
+            match self.reserved.compare_exchange_weak(
+                reserved,
+                reserved + chunk,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => {
+                    self.counters.peak_reserved.fetch_max(reserved + chunk, Ordering::Relaxed);
+                    return Ok(chunk);
+                }
+                Err(now) => reserved = now,
+            }
+        }
+    }
+
+    fn add_chunk(&self, start: DevPtr, size: usize) -> Chunk {
+        let c = Chunk { start, size, id: self.next_chunk.fetch_add(1, Ordering::Relaxed) };
+        {
+            let mut table = write(&self.chunks);
+            let mut next: Vec<Chunk> = table.sorted.clone();
+            let at = next.partition_point(|x| x.start < start);
+            next.insert(at, c.clone());
+            *table = Arc::new(ChunkTable { sorted: next });
+        }
+        self.counters.growths.fetch_add(1, Ordering::Relaxed);
+        self.counters.grown_bytes.fetch_add(size as u64, Ordering::Relaxed);
+        c
+    }
+
+    /// Gives whole free chunks of the common list back to the upstream until at most
+    /// `keep` free bytes remain; returns the bytes released.
+    pub(super) fn trim(&self, keep: usize) -> Result<usize> {
+        let whole = {
+            let table = self.table();
+            let is_whole = |ptr: u64, b: &FreeBlock| {
+                table.by_id(b.chunk).is_some_and(|c| c.start == ptr && c.size == b.size)
+            };
+            let mut common = lock(&self.common);
+            let free_now = common.bytes();
+            let mut candidates = common.take_whole_chunks(is_whole);
+            // Keep the largest chunks when only some must go.
+            candidates.sort_by_key(|(_, b)| std::cmp::Reverse(b.size));
+            let mut excess = free_now.saturating_sub(keep);
+            let mut release = Vec::new();
+            for (ptr, b) in candidates {
+                if excess >= b.size {
+                    excess -= b.size;
+                    release.push((ptr, b));
+                } else {
+                    common.insert(ptr, b);
+                }
+            }
+            release
+        };
+        let mut released = 0;
+        for (ptr, b) in whole {
+            // Complete, so any stream orders the free; the legacy one always exists.
+            self.upstream.deallocate(ptr, b.size, &Stream::legacy())?;
+            {
+                let mut table = write(&self.chunks);
+                let next: Vec<Chunk> = table.sorted.iter().filter(|c| c.start != ptr).cloned().collect();
+                *table = Arc::new(ChunkTable { sorted: next });
+            }
+            self.reserved.fetch_sub(b.size, Ordering::AcqRel);
+            self.counters.released_bytes.fetch_add(b.size as u64, Ordering::Relaxed);
+            released += b.size;
+        }
+        Ok(released)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The chunk look-up finds the same chunk as a scan of every chunk, for chunks of
+        /// any size and alignment.
+        #[test]
+        fn chunk_lookup_matches_a_scan(
+            gaps in proptest::collection::vec((0u64..20_000, 1usize..40_000), 1..12),
+            probes in proptest::collection::vec((0u64..600_000, 1usize..4), 1..64),
+        ) {
+            let (mut at, mut chunks) = (1u64 << 40, Vec::new());
+            for (i, (gap, granules)) in gaps.into_iter().enumerate() {
+                at += gap * 256;
+                chunks.push(Chunk { start: at, size: granules * 256, id: i as u64 + 1 });
+                at += granules as u64 * 256;
+            }
+            let table = ChunkTable { sorted: chunks.clone() };
+            for (offset, granules) in probes {
+                let ptr = (1u64 << 40) + offset * 64;
+                let size = granules * 256;
+                let scan = chunks.iter().find(|c| {
+                    c.start <= ptr && ptr + size as u64 <= c.start + c.size as u64 && (ptr - c.start) % 256 == 0
+                });
+                prop_assert_eq!(table.containing(ptr, size).map(|c| c.id), scan.map(|c| c.id));
+            }
+            for c in &chunks {
+                prop_assert_eq!(table.by_id(c.id).map(|c| c.start), Some(c.start));
+            }
+        }
+    }
+}

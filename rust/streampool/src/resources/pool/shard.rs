@@ -1,0 +1,166 @@
+//! One stream's shard: its free blocks, its epochs and the events that cover them
+//! (`IMPLEMENTATION.md`, "Epochs"), and its retirement when its stream is destroyed.
+
+use std::collections::VecDeque;
+
+use super::freelist::FreeList;
+use crate::device::BackendRef;
+use crate::error::Result;
+use crate::stream::{Event, Stream};
+use crate::sync::ShardLock;
+use std::sync::Arc;
+
+/// Events a shard keeps in flight at most.
+pub(super) const MAX_EVENTS: usize = 16;
+/// While no stream is short of memory, a shard's interval between events doubles after
+/// each event, up to this many times `events_every`.
+pub(super) const MAX_EVENT_BACKOFF: usize = 64;
+
+/// One stream's free blocks. On cache lines of its own: threads on different streams
+/// share nothing on the hot path.
+#[derive(Debug)]
+#[repr(align(128))]
+pub(super) struct Shard {
+    pub key: u64,
+    pub state: ShardLock<ShardState>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct ShardState {
+    pub free: FreeList,
+    /// The open epoch: blocks entering the shard now get it.
+    pub epoch: u64,
+    /// Blocks that entered in the open epoch.
+    pub unevented: usize,
+    /// Recorded events, oldest first: `(e, event)` covers every block of epoch <= e.
+    pub events: VecDeque<(u64, Arc<Event>)>,
+    /// Every block of an epoch below this has completed.
+    pub completed: u64,
+    /// The pool's demand count this shard last answered.
+    pub seen_demand: u64,
+    /// Another stream looked for completed blocks here and found none: record an event at
+    /// the next free.
+    pub wanted: bool,
+    /// Frees between events now: `events_every`, doubled after each event recorded while
+    /// nobody was short of memory (up to `MAX_EVENT_BACKOFF` times), reset on demand.
+    pub interval: usize,
+    pub spare_events: Vec<Arc<Event>>,
+    /// Bytes of the live blocks whose records this shard holds (allocated on this stream,
+    /// not yet freed). Signed: see [`ShardState::used_bytes`].
+    pub used: i64,
+    /// The stream was destroyed: nothing enters this shard any more, an event recorded
+    /// just before the destruction covers every free block, and the shard leaves the pool
+    /// once those blocks have gone to the common list and its live blocks are freed.
+    pub retired: bool,
+}
+
+impl Shard {
+    /// Epochs start at 1: epoch 0 tags blocks known complete everywhere (from the common
+    /// list), which every shard's `completed` is past.
+    pub fn new(key: u64, events_every: usize) -> Self {
+        let state = ShardState { interval: events_every, epoch: 1, completed: 1, ..Default::default() };
+        Shard { key, state: ShardLock::new(state) }
+    }
+
+    /// Called as `stream` (this shard's, still alive) is destroyed: covers every free block
+    /// with one last event, so that other streams may take them once it completes (or wait
+    /// on it), and marks the shard retired. A failure to record (the driver torn down at
+    /// exit) leaves the blocks to the next synchronisation.
+    pub fn retire(&self, backend: &BackendRef, device: i32, stream: &Stream) {
+        let mut st = self.state.lock();
+        st.retired = true;
+        if st.unevented > 0 {
+            // DROP_ERROR_HOOK
+            let _ = st.record_event(backend, device, stream, true);
+        }
+    }
+}
+
+impl ShardState {
+    /// Whether another stream asked for this stream's memory since its last event (it
+    /// looked into this shard, or the pool's demand count moved).
+    #[inline]
+    pub fn asked(&self, demand: u64) -> bool {
+        self.wanted || demand != self.seen_demand
+    }
+
+    /// Whether the next free is to record an event: asked for, or the interval is up.
+    #[inline]
+    pub fn event_due(&self, demand: u64) -> bool {
+        self.asked(demand) || self.unevented + 1 >= self.interval
+    }
+
+    /// The bytes of live blocks recorded here. A block allocated on this stream and freed
+    /// on another leaves this shard's records, so each shard's figure is exact; it is
+    /// signed only so that a bookkeeping slip would show as a negative sum, never wrap.
+    pub fn used_bytes(&self) -> i64 {
+        self.used
+    }
+
+    /// Advances `completed` past every recorded event that has finished.
+    pub fn refresh(&mut self) {
+        while let Some((e, ev)) = self.events.front() {
+            if !ev.query().unwrap_or(false) {
+                break;
+            }
+            self.completed = self.completed.max(e + 1);
+            let (_, ev) = self.events.pop_front().expect("checked");
+            self.spare(ev);
+        }
+    }
+
+    /// Every block of an epoch below this is covered by a recorded event or known complete.
+    pub fn covered(&self) -> u64 {
+        self.events.back().map_or(0, |(e, _)| e + 1).max(self.completed)
+    }
+
+    /// The event that covers blocks of `epoch`, or None when they are known complete.
+    pub fn covering(&self, epoch: u64) -> Option<Arc<Event>> {
+        if epoch < self.completed {
+            return None;
+        }
+        self.events.iter().find(|(e, _)| *e >= epoch).map(|(_, ev)| ev.clone())
+    }
+
+    /// Marks every epoch up to `e` complete (a device synchronisation saw it finish).
+    pub fn complete_through(&mut self, e: u64) {
+        self.completed = self.completed.max(e + 1);
+        while self.events.front().is_some_and(|(ev, _)| *ev <= e) {
+            let (_, ev) = self.events.pop_front().expect("checked");
+            self.spare(ev);
+        }
+    }
+
+    fn spare(&mut self, event: Arc<Event>) {
+        // Reused only when no waiter still holds it (a re-record would make it wait longer).
+        if Arc::strong_count(&event) == 1 && self.spare_events.len() < 8 {
+            self.spare_events.push(event);
+        }
+    }
+
+    /// Records an event on `stream` covering the open epoch, and opens the next; false
+    /// when `MAX_EVENTS` are in flight and `!force` (more would not make blocks takeable
+    /// sooner: the open epoch stays open, and the next record covers it).
+    pub fn record_event(
+        &mut self,
+        backend: &BackendRef,
+        device: i32,
+        stream: &Stream,
+        force: bool,
+    ) -> Result<bool> {
+        self.refresh();
+        if self.events.len() >= MAX_EVENTS && !force {
+            self.unevented = 0;
+            return Ok(false);
+        }
+        let event = match self.spare_events.pop() {
+            Some(e) => e,
+            None => Arc::new(Event::new(backend, device)?),
+        };
+        event.record(stream)?;
+        self.events.push_back((self.epoch, event));
+        self.epoch += 1;
+        self.unevented = 0;
+        Ok(true)
+    }
+}
