@@ -106,3 +106,28 @@ def test_documentation_links_point_at_files_and_headings_that_exist(page: str) -
         if anchor:
             headings = re.findall(r"^#+ (.*)$", path.read_text(encoding="utf-8"), re.MULTILINE)
             assert anchor in {_anchor(h) for h in headings}, f"{page}: no heading #{anchor} in {target}"
+
+
+def _layout_block() -> str:
+    text = (README.parent / "DEVELOPERS.md").read_text(encoding="utf-8")
+    section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    return section.split("```", 2)[1]
+
+
+@pytest.mark.nosim
+def test_developers_layout_names_every_folder_and_crate_source_file() -> None:
+    root = README.parent
+    layout = _layout_block()
+    ignored = {line.strip().strip("/") for line in (root / ".gitignore").read_text().splitlines()}
+    for entry in sorted(root.iterdir()):
+        if (
+            not entry.is_dir()
+            or entry.name in ignored
+            or (entry.name.startswith(".") and entry.name != ".ci")
+        ):
+            continue
+        assert f"{entry.name}/" in layout, f"DEVELOPERS.md's layout misses {entry.name}/"
+    for crate in ("rust/streampool", "rust/streampool-py"):
+        for entry in sorted((root / crate / "src").iterdir()):
+            name = f"src/{entry.name}" + ("/" if entry.is_dir() else "")
+            assert name in layout, f"DEVELOPERS.md's layout misses {crate}/{name}"
