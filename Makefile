@@ -3,11 +3,13 @@ PYTHON ?= python3
 CARGO ?= cargo
 export PYTHONUNBUFFERED := 1
 export PIP_ROOT_USER_ACTION := ignore
+# Pinned: ruff's format and rules change between releases.
+RUFF_VERSION ?= 0.17.6
 
-.PHONY: help install test test-rust test-python test-loom lint fmt bench gpu-build test-gpu gpu-bench clean
+.PHONY: help install install-lint test test-rust test-python test-loom lint fmt bench profile-build gpu-build test-gpu gpu-bench peers clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
 install: ## build the wheel once and install it with the test dependencies
 	$(PYTHON) -m pip install -q --upgrade pip maturin
@@ -30,16 +32,25 @@ bench: ## the window and fixed workloads here (on the simulated device without a
 	$(CARGO) bench -p streampool --bench window -- --secs 0.3 --reps 1
 	$(PYTHON) benchmarks/bench_pool.py --secs 0.3 --reps 1
 
-lint: ## rustfmt, clippy, ruff (check and format) and stubtest
+install-lint: ## install what lint uses: ruff, mypy, rustfmt and clippy; the package too when it is missing
+	$(PYTHON) -m pip install -q "ruff==$(RUFF_VERSION)" mypy
+	if command -v rustup >/dev/null; then rustup component add rustfmt clippy >/dev/null; fi
+	$(PYTHON) -c "import streampool._native" 2>/dev/null || $(MAKE) install
+
+lint: install-lint ## rustfmt, clippy, ruff (check and format) and stubtest (run `make install` first to check a changed binding)
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --quiet -- -D warnings
 	$(PYTHON) -m ruff check python tests benchmarks
 	$(PYTHON) -m ruff format --check python tests benchmarks
 	$(PYTHON) -m mypy.stubtest streampool._native --allowlist python/stubtest-allowlist.txt
 
-fmt: ## format Rust and Python
+fmt: install-lint ## format Rust and Python
 	$(CARGO) fmt --all
 	$(PYTHON) -m ruff format python tests benchmarks
+
+profile-build: ## the window bench and a wheel with line tables (the `profiling` profile), for perf and callgrind
+	$(CARGO) bench -p streampool --bench window --profile profiling --no-run
+	$(PYTHON) -m maturin build --profile profiling -q -o dist/profiling
 
 gpu-build: ## build what the GPU machine runs into .gpu/ (wheel + Rust test binaries)
 	bash scripts/gpu-build.sh
@@ -47,8 +58,14 @@ gpu-build: ## build what the GPU machine runs into .gpu/ (wheel + Rust test bina
 test-gpu: ## on a GPU machine: the GPU-marked pytest tests and the Rust GPU tests (see DEVELOPERS.md)
 	bash scripts/gpu-suite.sh
 
-gpu-bench: ## on a GPU machine: the pool benchmarks next to RMM's, CuPy's and PyTorch's (benchmarks/RESULTS.md)
+gpu-bench: ## on a GPU machine: the pool benchmarks next to RMM's, CuPy's and PyTorch's (benchmarks/README.md)
 	bash benchmarks/gpu-bench.sh
+
+peers: ## download the RMM wheels gpu-bench uses into .peers/ (for the GPU machine's Python 3.12)
+	mkdir -p .peers
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	  --platform manylinux_2_24_x86_64 -d .peers librmm-cu13==26.10.0 "rapids-logger==0.3.*" rmm-cu13==26.10.0
 
 clean: ## remove build outputs
 	$(CARGO) clean

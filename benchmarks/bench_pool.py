@@ -1,4 +1,4 @@
-"""streampool's resources from Python, on the workloads of ../shared/peers/bench_py.py.
+"""streampool's resources from Python, on the workloads of benchmarks/bench_py.py (the peers' side).
 
 - fixed: one thread, one non-blocking stream: ``mr.allocate``/``mr.deallocate`` pairs and
   ``DeviceBuffer`` create+drop, median ns per pair over repetitions;

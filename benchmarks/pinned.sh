@@ -2,18 +2,13 @@
 # One thread of ours and of the peers on the same vCPUs: the host's fastest and its slowest
 # (by the control of the window bench, 0.3 s on each), so that one-thread figures are
 # compared where both ran, not wherever the scheduler put each (benchmarks/RESULTS.md).
-# Expects what gpu-bench.sh expects, and the RMM bench it builds ($X/bench_rmm; run
-# gpu-bench.sh first, or this builds it the same way). Prints tagged lines.
+# Expects what gpu-bench.sh expects; builds benchmarks/bench_rmm.cpp as it does when
+# gpu-bench.sh has not already (benchmarks/README.md). Prints tagged lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-X=/tmp/rmmx
-if [ ! -x $X/bench_rmm ]; then
-  mkdir -p $X && for w in .peers/librmm*.whl .peers/rapids_logger*.whl; do python3 -m zipfile -e "$w" $X; done
-  (cd $X && nvcc -std=c++17 -O2 -I$X/librmm/include/rapids -I$X/librmm/include -I$X/rapids_logger/include \
-    "$OLDPWD/.peers/bench_rmm.cpp" -o bench_rmm -L$X/librmm/lib64 -L$X/rapids_logger/lib64 \
-    -lrmm -lrapids_logger -Xlinker -rpath -Xlinker "$X/librmm/lib64:$X/rapids_logger/lib64") >/tmp/pinned-build.txt 2>&1
-fi
+X=${RMM_BENCH_DIR:-/tmp/rmmx}
+[ -x "$X/bench_rmm" ] || bash benchmarks/build-rmm.sh
 [ -d /tmp/spb ] || python3 -m pip install -q --no-index --no-deps --target /tmp/spb .gpu/wheels/*.whl .peers/*.whl
 rates=()
 for cpu in $(seq 0 $(($(nproc) - 1))); do
@@ -36,6 +31,6 @@ for cpu in $fast $slow; do
   done
   PYTHONPATH=/tmp/spb taskset -c "$cpu" python3 benchmarks/bench_pool.py --threads 1 --secs 0.2 --reps 3 2>&1 \
     | grep -E "^fixed  (control|ShardedPool)" | sed "s/^/$tag py ours /"
-  PYTHONPATH=/tmp/spb taskset -c "$cpu" python3 .peers/bench_py.py --part A --reps 3 2>&1 \
+  PYTHONPATH=/tmp/spb taskset -c "$cpu" python3 benchmarks/bench_py.py --part A --reps 3 2>&1 \
     | grep -E "noop|pool\(async\)|cupy_MemoryPool|torch|canary" | sed "s/^/$tag py peers /"
 done

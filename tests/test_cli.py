@@ -66,3 +66,42 @@ def test_first_gpu_use_without_a_driver_raises_a_clear_error() -> None:
     assert out.returncode == 0 and out.stderr == "", out.stderr
     assert out.stdout.startswith("CudaDriverNotFoundError |")
     assert "simulated device" in out.stdout
+
+
+@pytest.mark.nosim
+@pytest.mark.parametrize("unbuffered", [True, False], ids=["unbuffered", "buffered"])
+def test_report_into_a_closed_pipe_exits_0_quietly(unbuffered: bool) -> None:
+    """`python -m streampool | head -1`: the reader may leave before the report is written.
+
+    The pipe's reading end is closed before the report starts, so that every write fails:
+    the first line's (unbuffered) or the final flush's (buffered).
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("STREAMPOOL_DEVICE", "PYTHONUNBUFFERED")}
+    env["STREAMPOOL_DEVICE"] = "sim"
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "streampool"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
+
+
+@pytest.mark.nosim
+@pytest.mark.skipif(shutil.which("head") is None or shutil.which("bash") is None, reason="no bash or head")
+def test_report_piped_into_head_exits_0() -> None:
+    script = f'set -o pipefail; "{sys.executable}" -m streampool | head -1'
+    out = _run(["bash", "-c", script], STREAMPOOL_DEVICE="sim", PYTHONUNBUFFERED="1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("streampool ") and out.stdout.count("\n") == 1
+    assert out.stderr == ""

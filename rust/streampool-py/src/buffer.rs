@@ -11,7 +11,8 @@ use streampool::device::{Advice, DevPtr, Location};
 use streampool::{managed, Allocation, Stream};
 
 use crate::dlpack;
-use crate::errors::{buffer_error, detached, fast_path_settled, OrRaise};
+use crate::errors::{buffer_error, detached, OrRaise};
+use crate::gil::fast_path_settled;
 use crate::resources::{get_current_device_resource, PyMemoryResource};
 use crate::size_arg;
 use crate::streams::{default_stream, to_stream};

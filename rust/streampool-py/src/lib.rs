@@ -2,9 +2,9 @@
 //!
 //! Thin, frozen `#[pyclass]` wrappers around `Arc`s of the core's `Send + Sync` types:
 //!
-//! * [`errors`]: the core error as a Python exception (one `match`), the helper that
-//!   releases the GIL around every call that can block, and the fast path's hand-over of
-//!   the GIL to waiting threads;
+//! * [`errors`]: the core error as a Python exception (one `match`), and the helper that
+//!   releases the GIL around every call that can block;
+//! * [`gil`]: the fast path's hand-over of the GIL to waiting threads;
 //! * [`streams`]: `Stream`, the default streams, and the conversion behind every
 //!   `stream=` argument (our streams, ints, cuda.core, PyTorch, CuPy, Numba);
 //! * [`resources`]: `MemoryResource` and its subclasses, the current resource per device;
@@ -25,6 +25,7 @@ mod adaptors;
 mod buffer;
 mod dlpack;
 mod errors;
+mod gil;
 mod pool;
 mod resources;
 mod sim;

@@ -14,7 +14,8 @@ use streampool::device::{self, BackendRef, DevPtr};
 use streampool::resources::{check_device, ManagedMemoryResource, PinnedHostMemoryResource};
 use streampool::{AsyncPoolOptions, CudaAsyncMemoryResource, CudaMemoryResource, MemoryKind, ResourceRef};
 
-use crate::errors::{detached, fast_path_settled, OrRaise};
+use crate::errors::{detached, OrRaise};
+use crate::gil::fast_path_settled;
 use crate::streams::to_stream;
 use crate::{ptr_arg, size_arg};
 

@@ -1,0 +1,133 @@
+"""The README's Python examples, run verbatim, each in a fresh interpreter.
+
+Every ```python block in README.md is preceded by a marker comment saying where it runs:
+
+* ``<!-- readme-test: sim -->``: on the simulated device (``STREAMPOOL_DEVICE=sim``);
+* ``<!-- readme-test: anywhere -->``: with ``STREAMPOOL_DEVICE`` unset (the block enters a
+  simulated device itself);
+* ``<!-- readme-test: gpu MODULE... -->``: on a GPU, with the named modules installed (a
+  ``gpu`` test, run by the GPU suite).
+
+A block without a marker fails the test, so that no example goes unrun.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+MARKER = re.compile(r"<!-- readme-test: (\w+)((?: [\w.]+)*) -->\n\n?\Z")
+MODES = ("sim", "anywhere", "gpu")
+
+
+class Example(NamedTuple):
+    line: int
+    mode: str
+    modules: tuple[str, ...]
+    code: str
+
+
+def examples(text: str) -> list[Example]:
+    """The python blocks of ``text`` with their markers; a block without one raises."""
+    found = []
+    for fence in FENCE.finditer(text):
+        line = text.count("\n", 0, fence.start()) + 1
+        marker = MARKER.search(text, 0, fence.start())
+        if marker is None or marker.group(1) not in MODES:
+            raise ValueError(
+                f"README.md line {line}: a python block needs a marker such as <!-- readme-test: sim -->"
+            )
+        found.append(Example(line, marker.group(1), tuple(marker.group(2).split()), fence.group(1)))
+    return found
+
+
+EXAMPLES = examples(README.read_text(encoding="utf-8"))
+
+
+def _params() -> list[object]:
+    params: list[object] = []
+    for ex in EXAMPLES:
+        marks = [pytest.mark.gpu] if ex.mode == "gpu" else []
+        params.append(pytest.param(ex, id=f"line{ex.line}-{ex.mode}", marks=marks))
+    return params
+
+
+def test_every_block_has_a_marker_and_some_run_without_a_gpu() -> None:
+    assert {ex.mode for ex in EXAMPLES} == set(MODES)
+    with pytest.raises(ValueError, match="line 3: a python block needs a marker"):
+        examples("intro\n\n```python\nprint(1)\n```\n")
+
+
+@pytest.mark.nosim
+@pytest.mark.parametrize("example", _params())
+def test_readme_example_runs(example: Example, tmp_path: Path) -> None:
+    for module in example.modules:
+        pytest.importorskip(module)
+    env = {k: v for k, v in os.environ.items() if k != "STREAMPOOL_DEVICE"}
+    if example.mode == "sim":
+        env["STREAMPOOL_DEVICE"] = "sim"
+    out = subprocess.run(
+        [sys.executable, "-c", example.code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, f"README.md line {example.line} failed:\n{out.stderr}"
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.nosim
+@pytest.mark.parametrize("page", ["docs/README.md", "docs/choosing-a-resource.md"])
+def test_documentation_links_point_at_files_and_headings_that_exist(page: str) -> None:
+    root = README.parent
+    source = root / page
+    links = LINK.findall(source.read_text(encoding="utf-8"))
+    assert links, f"{page} links nowhere"
+    for target, anchor in links:
+        path = (source.parent / target).resolve()
+        assert path.exists(), f"{page} links to {target}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", path.read_text(encoding="utf-8"), re.MULTILINE)
+            assert anchor in {_anchor(h) for h in headings}, f"{page}: no heading #{anchor} in {target}"
+
+
+def _layout_block() -> str:
+    text = (README.parent / "DEVELOPERS.md").read_text(encoding="utf-8")
+    section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    return section.split("```", 2)[1]
+
+
+@pytest.mark.nosim
+def test_developers_layout_names_every_folder_and_crate_source_file() -> None:
+    root = README.parent
+    layout = _layout_block()
+    ignored = {line.strip().strip("/") for line in (root / ".gitignore").read_text().splitlines()}
+    for entry in sorted(root.iterdir()):
+        if (
+            not entry.is_dir()
+            or entry.name in ignored
+            or (entry.name.startswith(".") and entry.name != ".ci")
+        ):
+            continue
+        assert f"{entry.name}/" in layout, f"DEVELOPERS.md's layout misses {entry.name}/"
+    for crate in ("rust/streampool", "rust/streampool-py"):
+        for entry in sorted((root / crate / "src").iterdir()):
+            name = f"src/{entry.name}" + ("/" if entry.is_dir() else "")
+            assert name in layout, f"DEVELOPERS.md's layout misses {crate}/{name}"
