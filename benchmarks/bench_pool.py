@@ -1,7 +1,8 @@
 """streampool's resources from Python, on the workloads of benchmarks/bench_py.py (the peers' side).
 
 - fixed: one thread, one non-blocking stream: ``mr.allocate``/``mr.deallocate`` pairs and
-  ``DeviceBuffer`` create+drop, median ns per pair over repetitions;
+  ``DeviceBuffer`` create+drop, median ns per pair over repetitions (the pool bare and
+  under a StatisticsResourceAdaptor, which forwards its fast path);
 - control: the same loops over calls that do nothing (a pair of empty function calls, an
   empty Python class made with the same keywords as ``DeviceBuffer``): what the interpreter
   costs on this host at this moment, the floor under the two fixed figures;
@@ -37,6 +38,10 @@ WINDOW = 16
 def resources() -> dict[str, Callable[[], mr.MemoryResource]]:
     return {
         "ShardedPool(async)": lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()),
+        # An adaptor over the pool: what forwarding the pool's fast path through it costs.
+        "Statistics(Pool)": lambda: mr.StatisticsResourceAdaptor(
+            mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())
+        ),
         "CudaAsync": lambda: mr.CudaAsyncMemoryResource(),
     }
 

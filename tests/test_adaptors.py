@@ -898,3 +898,199 @@ def test_exit_with_live_buffers_and_python_callbacks_is_quiet() -> None:
         [sys.executable, "-c", EXIT_SCRIPT], env=env, capture_output=True, text=True, timeout=60
     )
     assert (out.returncode, out.stdout, out.stderr) == (0, "ok\n", "")
+
+
+# --- depth: every call recurses through a chain, so chains are at most MAX_RESOURCE_DEPTH deep
+
+
+def build_chain(levels: int, base: mr.MemoryResource | None = None) -> mr.MemoryResource:
+    """``levels`` adaptors over ``base`` (a new CudaAsyncMemoryResource by default),
+    cycling through the kinds."""
+    kinds: list[Callable[[mr.MemoryResource], mr.MemoryResource]] = [
+        mr.StatisticsResourceAdaptor,
+        mr.TrackingResourceAdaptor,
+        lambda up: mr.LoggingResourceAdaptor(up, callback=lambda line: None),
+        lambda up: mr.LimitingResourceAdaptor(up, "1GiB"),
+        lambda up: mr.FailureCallbackResourceAdaptor(up, lambda nbytes: False),
+        mr.PrefetchResourceAdaptor,
+        mr.BinningMemoryResource,
+    ]
+    resource = base if base is not None else mr.CudaAsyncMemoryResource()
+    for i in range(levels):
+        resource = kinds[i % len(kinds)](resource)
+    return resource
+
+
+def test_a_chain_deeper_than_the_limit_is_refused_and_the_chain_still_works() -> None:
+    limit = mr.MAX_RESOURCE_DEPTH
+    assert limit == 256
+    top = build_chain(limit - 1)  # the deepest allowed: limit resources, the leaf included
+    for make in (
+        mr.StatisticsResourceAdaptor,
+        mr.TrackingResourceAdaptor,
+        lambda up: mr.LimitingResourceAdaptor(up, 1),
+        mr.BinningMemoryResource,
+        mr.FixedSizeMemoryResource,
+        lambda up: mr.LoggingResourceAdaptor(up, callback=print),
+    ):
+        with pytest.raises(
+            streampool.InvalidArgumentError, match=f"{limit + 1} resources deep.*limit of {limit}"
+        ):
+            make(top)
+    assert issubclass(streampool.InvalidArgumentError, ValueError)
+    binning = mr.BinningMemoryResource(mr.CudaAsyncMemoryResource())
+    with pytest.raises(ValueError, match="limit of 256"):
+        binning.add_bin(4096, top)
+    ptr = top.allocate(4096)
+    top.deallocate(ptr, 4096)
+    assert binning.bins == []
+
+
+def test_the_deepest_chain_allocates_frees_and_drops_in_a_thread() -> None:
+    """In a Python thread with a 2 MiB stack (a Rust thread's default; Python's is
+    larger): an allocation, a free, a DeviceBuffer and dropping the chain, from the top."""
+    results: list[object] = []
+
+    def work() -> None:
+        leaf = mr.CudaAsyncMemoryResource()
+        alone = sys.getrefcount(leaf)
+        top = build_chain(mr.MAX_RESOURCE_DEPTH - 1, leaf)
+        ptr = top.allocate(1000)
+        top.deallocate(ptr, 1000)
+        buf = streampool.DeviceBuffer(size=4096, mr=top)
+        del buf
+        del top
+        gc.collect()
+        results.append(sys.getrefcount(leaf) == alone)  # the whole chain was dropped
+
+    previous = threading.stack_size(2 << 20)
+    try:
+        t = threading.Thread(target=work)
+        t.start()
+    finally:
+        threading.stack_size(previous)
+    t.join(JOIN_TIMEOUT)
+    assert results == [True]
+
+
+def test_a_bin_that_calls_back_into_the_binning_resource_is_refused() -> None:
+    binning = mr.BinningMemoryResource(mr.CudaAsyncMemoryResource())
+    over = mr.StatisticsResourceAdaptor(binning)
+    with pytest.raises(ValueError, match="add bins before wrapping it"):
+        binning.add_bin(1024, over)  # allocations of 1024 bytes would recurse for ever
+    binning.add_bin(1024, mr.CudaAsyncMemoryResource())  # not deeper: accepted
+    ptr = over.allocate(100)
+    over.deallocate(ptr, 100)
+
+
+# --- wrong sizes: refused where the resource can tell, and nothing changes
+
+
+def test_binning_refuses_a_free_with_another_size_in_both_directions() -> None:
+    below = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    binning = mr.BinningMemoryResource(below, 8, 12)  # 256 B .. 4 KiB bins
+    small = binning.allocate(300)
+    big = binning.allocate(MiB)
+    before = below.allocation_counts
+    for ptr, wrong, right in ((small, MiB, 300), (big, 300, MiB), (small, 1000, 300)):
+        with pytest.raises(
+            streampool.InvalidPointerError, match=f"allocated with {right} bytes but freed with {wrong}"
+        ):
+            binning.deallocate(ptr, wrong)
+    with pytest.raises(streampool.InvalidPointerError, match="not an outstanding allocation"):
+        binning.deallocate(small + 256, 300)
+    assert below.allocation_counts == before  # the upstream was never asked
+    live = [(small, 300), (big, MiB)]
+    for n in (300, 300, MiB, 4096):  # usable, and nothing overlaps what is live
+        p = binning.allocate(n)
+        assert all(p + n <= q or q + m <= p for q, m in live)
+        live.append((p, n))
+    for p, n in live:
+        binning.deallocate(p, n)
+    with pytest.raises(streampool.InvalidPointerError, match="double free"):
+        binning.deallocate(small, 300)
+
+
+def test_limiting_refuses_a_free_of_more_than_is_in_use() -> None:
+    limited = mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), "1MiB")
+    ptr = limited.allocate(1000)
+    with pytest.raises(streampool.InvalidPointerError, match="4000 bytes, but only 1000 bytes are allocated"):
+        limited.deallocate(ptr, 4000)
+    assert limited.get_allocated_bytes() == 1000
+    limited.deallocate(ptr, 1000)
+    with pytest.raises(streampool.InvalidPointerError):
+        limited.deallocate(ptr, 1000)
+    assert limited.get_allocated_bytes() == 0  # never wraps below zero
+    whole = limited.allocate("1MiB")  # the whole limit is still there
+    limited.deallocate(whole, "1MiB")
+
+
+def test_statistics_refuse_a_free_of_more_than_is_in_use() -> None:
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    ptr = stats.allocate(1000)
+    before = stats.allocation_counts
+    with pytest.raises(streampool.InvalidPointerError, match="1000 bytes in 1 allocation"):
+        stats.deallocate(ptr, 4000)
+    assert stats.allocation_counts == before
+    stats.deallocate(ptr, 1000)
+    with pytest.raises(streampool.InvalidPointerError, match="0 bytes in 0 allocation"):
+        stats.deallocate(ptr, 1000)
+    assert (stats.allocation_counts.current_bytes, stats.allocation_counts.total_bytes) == (0, 1000)
+
+
+def test_the_async_resource_cannot_check_sizes() -> None:
+    """Documented: the driver's free takes no size, so a wrong size frees the allocation."""
+    resource = mr.CudaAsyncMemoryResource()
+    ptr = resource.allocate(4096)
+    resource.deallocate(ptr, 1 << 40)
+    assert "Sizes are not checked" in (mr.CudaAsyncMemoryResource.__doc__ or "")
+
+
+# --- the fast path: adaptors over the sharded pool keep the GIL
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "fast"),
+    [
+        ("statistics", mr.StatisticsResourceAdaptor, True),
+        ("tracking", mr.TrackingResourceAdaptor, True),
+        ("limiting", lambda up: mr.LimitingResourceAdaptor(up, "1GiB"), True),
+        ("logging", lambda up: mr.LoggingResourceAdaptor(up, callback=lambda line: None), False),
+    ],
+)
+def test_adaptors_over_the_pool_take_its_fast_path(
+    name: str, make: Callable[[mr.MemoryResource], mr.MemoryResource], fast: bool
+) -> None:
+    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())
+    adaptor = make(pool)
+    s = streampool.Stream()
+    adaptor.deallocate(adaptor.allocate(4096, s), 4096, s)  # grows the pool: the full path
+    before = streampool._native._fast_path_calls()
+    for _ in range(10):
+        adaptor.deallocate(adaptor.allocate(4096, s), 4096, s)
+    assert streampool._native._fast_path_calls() - before == (20 if fast else 0), name
+
+
+# --- failures in Drop are recorded
+
+
+def test_a_failed_free_when_a_buffer_is_collected_is_recorded() -> None:
+    def refuse_frees(line: str) -> None:
+        if ",free," in line:
+            raise OSError("the log disk is full")
+
+    logged = mr.LoggingResourceAdaptor(mr.CudaAsyncMemoryResource(), callback=refuse_frees)
+    count, _ = streampool.drop_errors()
+    buf = streampool.DeviceBuffer(size=4096, mr=logged)
+    ptr = buf.ptr
+    del buf  # nobody to raise to: recorded
+    after, recent = streampool.drop_errors()
+    assert after == count + 1
+    assert recent[-1].startswith(
+        f"dropping an Allocation of 4096 bytes at {ptr:#x} from LoggingResourceAdaptor"
+    )
+    assert "the log disk is full" in recent[-1]
+    ptr = logged.allocate(4096)  # still usable; where there is a caller, it is told
+    with pytest.raises(OSError, match="disk is full"):
+        logged.deallocate(ptr, 4096)
+    assert streampool.drop_errors()[0] == after

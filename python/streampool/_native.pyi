@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_STREAM",
     "LEGACY_DEFAULT_STREAM",
     "LOG_HEADER",
+    "MAX_RESOURCE_DEPTH",
     "PER_THREAD_DEFAULT_STREAM",
     "AllocationRecord",
     "BinningMemoryResource",
@@ -56,12 +57,14 @@ __all__ = [
     "UpstreamResourceAdaptor",
     "_SimDevice",
     "__version__",
+    "_fast_path_calls",
     "_parse_log",
     "_rebuild_device_buffer",
     "backend_description",
     "device_count",
     "device_info",
     "driver_version",
+    "drop_errors",
     "get_current_device",
     "get_current_device_resource",
     "get_per_device_resource",
@@ -187,6 +190,11 @@ class CudaAsyncMemoryResource(MemoryResource):
     uses the driver's pool (the default pool's release threshold is raised to the
     maximum). With ``initial_pool_size``, ``release_threshold`` or ``enable_ipc`` it
     creates a pool of its own, destroyed with the resource.
+
+    Sizes are not checked on free: the driver's free (``cuMemFreeAsync``) takes no size and
+    the resource keeps no record per allocation, so ``deallocate(ptr, 1 << 40)`` is
+    accepted and frees the allocation at ``ptr``, whatever its size. Wrap it in a
+    TrackingResourceAdaptor to have wrong sizes refused.
     """
 
     def __new__(
@@ -227,6 +235,9 @@ class CudaAsyncManagedMemoryResource(MemoryResource):
     managed access: UnsupportedError, saying which is missing, otherwise (use
     ManagedMemoryResource there). Keep managed allocations well below the GPU's free
     memory unless the work needs to oversubscribe it.
+
+    Sizes are not checked on free (the driver's free takes no size), as for
+    CudaAsyncMemoryResource.
     """
 
     def __new__(
@@ -257,7 +268,7 @@ class CudaAsyncManagedMemoryResource(MemoryResource):
 class CudaAsyncViewMemoryResource(MemoryResource):
     """Allocates from a driver pool someone else owns (PyTorch's, CuPy's) and never
     destroys it: the owner must outlive the view. A handle that is not a pool raises
-    ValueError."""
+    ValueError. Sizes are not checked on free (the driver's free takes no size)."""
 
     def __new__(cls, pool_handle: int, device: int | None = None) -> CudaAsyncViewMemoryResource: ...
     @property
@@ -269,19 +280,22 @@ class CudaAsyncViewMemoryResource(MemoryResource):
 
 @final
 class CudaMemoryResource(MemoryResource):
-    """Plain device memory (``cuMemAlloc``/``cuMemFree``); every free waits for the device."""
+    """Plain device memory (``cuMemAlloc``/``cuMemFree``); every free waits for the device.
+    Sizes are not checked on free (``cuMemFree`` takes no size)."""
 
     def __new__(cls, device: int | None = None) -> CudaMemoryResource: ...
 
 @final
 class ManagedMemoryResource(MemoryResource):
-    """Managed (unified) memory (``cuMemAllocManaged``), for work larger than device memory."""
+    """Managed (unified) memory (``cuMemAllocManaged``), for work larger than device memory.
+    Sizes are not checked on free (``cuMemFree`` takes no size)."""
 
     def __new__(cls, device: int | None = None) -> ManagedMemoryResource: ...
 
 @final
 class PinnedHostMemoryResource(MemoryResource):
-    """Page-locked host memory (``cuMemHostAlloc``)."""
+    """Page-locked host memory (``cuMemHostAlloc``). Sizes are not checked on free
+    (``cuMemFreeHost`` takes no size)."""
 
     def __new__(cls, device: int | None = None) -> PinnedHostMemoryResource: ...
 
@@ -309,6 +323,12 @@ def get_current_device() -> int:
 # that called allocate/deallocate, with the GIL re-taken and no lock of any resource held;
 # an exception they raise reaches that caller unchanged.
 
+MAX_RESOURCE_DEPTH: Final[int]
+"""The deepest chain of resources that may be built (256): an adaptor, pool or binning
+resource that would be deeper (itself and the chain below it) raises InvalidArgumentError
+(a ValueError) naming its depth and this limit. Every call recurses through the chain, and
+a deeper one could overflow the thread's stack."""
+
 @disjoint_base
 class UpstreamResourceAdaptor(MemoryResource):
     """Base class of the resources that wrap another one (not constructible itself). Keeps
@@ -325,7 +345,12 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     """Counts what passes through it: current, peak and total bytes and allocations, on a
     stack of counters (``push_counters``/``pop_counters``) for measuring code blocks, as
     RMM's. Counts allocations once their upstream call has returned; a scope that frees
-    memory allocated before it began reports ``current`` as 0, not below."""
+    memory allocated before it began reports ``current`` as 0, not below.
+
+    It keeps no record per allocation, so it cannot check a free's size; a free of more
+    bytes than are in use through it (all scopes together), or when nothing is, is
+    certainly wrong and raises InvalidPointerError without reaching the upstream (nothing
+    changes). Takes the upstream's fast path (the GIL kept) where the upstream has one."""
 
     def __new__(cls, upstream_mr: MemoryResource) -> StatisticsResourceAdaptor: ...
     @property
@@ -364,7 +389,8 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
     """Tracks every outstanding allocation (address, size, stream, thread and, with
     ``capture_stacks``, the Python stack: slow, for finding leaks). A free of a pointer it
     did not hand out, a double free or a size that does not match raises
-    InvalidPointerError, and the upstream is not called."""
+    InvalidPointerError, and the upstream is not called. Without ``capture_stacks``, takes
+    the upstream's fast path (the GIL kept) where the upstream has one."""
 
     def __new__(
         cls, upstream_mr: MemoryResource, capture_stacks: bool = False
@@ -420,7 +446,9 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
     With neither ``log_file_name`` nor ``callback``, the file is ``STREAMPOOL_LOG_FILE``,
     else ``RMM_LOG_FILE``; ValueError when neither is set. Unlike RMM, no ``.dev<N>``
     suffix is added to the name. An exception raised by ``callback`` reaches the caller
-    of allocate/deallocate; the adaptor stays usable."""
+    of allocate/deallocate; the adaptor stays usable. Frees are logged and passed on with
+    the size given (the upstream checks it where it can). Every call releases the GIL (no
+    fast path): a file write may block, and a free is logged before it happens."""
 
     def __new__(
         cls,
@@ -437,7 +465,13 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
 class LimitingResourceAdaptor(UpstreamResourceAdaptor):
     """Refuses, with OutOfMemoryError, allocations that would take the bytes outstanding
     through it over ``allocation_limit`` (an int > 0, or a string such as ``"2GiB"``;
-    ValueError otherwise). Holds under any number of threads."""
+    ValueError otherwise). Holds under any number of threads.
+
+    It keeps no record per allocation, so it cannot check a free's size; a free of more
+    bytes than are allocated through it is certainly wrong and raises InvalidPointerError
+    without reaching the upstream (nothing changes: free it again with the right size).
+    The count never goes below 0. Takes the upstream's fast path (the GIL kept) where the
+    upstream has one."""
 
     def __new__(cls, upstream_mr: MemoryResource, allocation_limit: _Size) -> LimitingResourceAdaptor: ...
     def get_allocated_bytes(self) -> int:
@@ -452,7 +486,8 @@ class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
     allocation, False lets the OutOfMemoryError reach the caller. The callback may free
     memory into the same stack (no lock is held). An exception it raises reaches the caller
     of allocate unchanged; a result that is not a bool raises TypeError there. TypeError
-    when ``callback`` is not callable."""
+    when ``callback`` is not callable. Frees are passed on as given (the upstream checks
+    sizes where it can)."""
 
     def __new__(
         cls, upstream_mr: MemoryResource, callback: Callable[[int], bool]
@@ -461,7 +496,8 @@ class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
 @final
 class PrefetchResourceAdaptor(UpstreamResourceAdaptor):
     """Prefetches every allocation to the device on the allocating stream
-    (``cuMemPrefetchAsync``), for managed memory."""
+    (``cuMemPrefetchAsync``), for managed memory. Frees are passed on as given (the
+    upstream checks sizes where it can)."""
 
     def __new__(cls, upstream_mr: MemoryResource) -> PrefetchResourceAdaptor: ...
 
@@ -470,7 +506,9 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
     """Blocks of one size (``block_size``, default 1 MiB, rounded up to 256) carved from
     chunks of ``blocks_to_preallocate`` blocks taken from the upstream as needed. Not a
     general resource: a larger allocation raises InvalidArgumentError (a ValueError). The
-    bins of BinningMemoryResource are made of these."""
+    bins of BinningMemoryResource are made of these. A free of a block that is not
+    outstanding, or with more bytes than a block, raises InvalidPointerError (it records
+    blocks, not sizes: a smaller size frees the same block)."""
 
     def __new__(
         cls, upstream_mr: MemoryResource, block_size: _Size | None = None, blocks_to_preallocate: int = 128
@@ -487,7 +525,11 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
     """Routes each allocation to the bin of the smallest size class that fits it, and
     larger ones to the upstream. With both exponents, starts with a
     FixedSizeMemoryResource bin for every power of two in
-    ``[2**min_size_exponent, 2**max_size_exponent]`` (None, or RMM's -1: none)."""
+    ``[2**min_size_exponent, 2**max_size_exponent]`` (None, or RMM's -1: none).
+
+    It records every allocation's size: a free of a pointer it did not hand out, a double
+    free, or a size other than the one allocated (which would send the free to another
+    bin, or to the upstream) raises InvalidPointerError, and nothing changes."""
 
     def __new__(
         cls,
@@ -498,7 +540,10 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
     def add_bin(self, allocation_size: _Size, bin_resource: MemoryResource | None = None) -> None:
         """Adds a bin for allocations up to ``allocation_size`` bytes, served by
         ``bin_resource`` (kept alive), or by a new FixedSizeMemoryResource of that block
-        size. ValueError for a size that already has a bin."""
+        size. ValueError for a size that already has a bin, while the bin that would give
+        up sizes to it has allocations outstanding, or for a ``bin_resource`` that would
+        make this resource deeper than it was when a resource was built over it (add bins
+        before wrapping it; a bin that calls back into this resource is always refused)."""
     @property
     def bin_mrs(self) -> list[MemoryResource]:
         """The resources given to ``add_bin``, in order (RMM's ``bin_mrs``)."""
@@ -511,10 +556,12 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
 
 class _PoolStats(TypedDict):
     reserved_bytes: int
+    peak_reserved_bytes: int
     used_bytes: int
     free_bytes: int
     common_free_bytes: int
     shard_free_bytes: dict[int, int]
+    retired_shards: int
     grown_bytes: int
     released_bytes: int
     upstream_growths: int
@@ -534,7 +581,11 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     free bytes kept before whole free chunks go back after a synchronisation.
     ``events_every``: a stream records an event after this many frees, so that other
     streams can reuse what it freed (the interval doubles after each event, up to 64
-    times, while no stream is short of memory). A free must pass the size it allocated, as
+    times, while no stream is short of memory). ``headroom``: the footprint budget, free
+    memory the pool may hold beyond the peak live bytes, as a fraction of them (at least
+    2 MiB), before it reuses another stream's memory by waiting rather than growing
+    (``None``: grow whenever no completed block fits). Shards of streams streampool made
+    are retired when those streams are destroyed. A free must pass the size it allocated, as
     in RMM: a double free, an address the pool never handed out, or a size that does not
     round to the allocation's is always refused, and changes nothing.
 
@@ -551,6 +602,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
         maximum_pool_size: _Size | None = None,
         release_threshold: _Size | None = None,
         events_every: int = 64,
+        headroom: float | None = 0.15,
     ) -> Self: ...
     def pool_size(self) -> int:
         """Bytes the pool holds from its upstream (RMM's ``pool_size()``)."""
@@ -558,8 +610,19 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     def stats(self) -> _PoolStats:
         """What the pool holds and how often each step of its policy ran."""
     def release(self) -> int:
-        """Gives every entirely free chunk whose frees are known complete back to the
-        upstream; returns the bytes released."""
+        """Gives back to the upstream every byte that is not live: synchronises the device,
+        gathers every free block and returns every entirely free chunk; returns the bytes
+        released (afterwards the pool holds only the chunks live allocations lie in, and
+        its footprint budget starts again from what is live). Over the device's default
+        pool (``CudaAsyncMemoryResource()``), which keeps what is freed into it (release
+        threshold at the maximum), warns (``UserWarning``) how much that pool still holds:
+        ``upstream.trim_to(0)`` hands it to the system.
+
+        Example::
+
+            pool.release()
+            pool.upstream.trim_to(0)   # and the device's pool gives it to the system
+        """
 
 # --- buffers ------------------------------------------------------------------------
 
@@ -780,3 +843,13 @@ def using_simulated_device() -> bool:
 
 def pointer_pool(ptr: int, device: int | None = None) -> int | None:
     """The driver pool ``ptr`` came from, or None for memory not from a pool."""
+
+def drop_errors() -> tuple[int, list[str]]:
+    """Failures that happened where nobody could be told (freeing memory or destroying a
+    stream or event when its last reference went away, a resource giving its memory back,
+    clean-up after another error): ``(count since the process started, the most recent
+    messages, oldest first)``. Some are expected at interpreter exit."""
+
+def _fast_path_calls() -> int:
+    """Calls settled on the fast path (with the GIL kept) so far, wrapping at 2**32: for
+    tests."""

@@ -28,6 +28,7 @@ byte cap (:class:`LimitingResourceAdaptor`), a callback on out-of-memory
 from __future__ import annotations
 
 from ._native import (
+    MAX_RESOURCE_DEPTH,
     AllocationRecord,
     BinningMemoryResource,
     CudaAsyncManagedMemoryResource,
@@ -53,6 +54,7 @@ from ._native import (
 )
 
 __all__ = [
+    "MAX_RESOURCE_DEPTH",
     "AllocationRecord",
     "BinningMemoryResource",
     "CudaAsyncManagedMemoryResource",

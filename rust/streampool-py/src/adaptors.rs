@@ -206,7 +206,9 @@ fn statistics_object(py: Python<'_>, s: Statistics) -> PyResult<Py<PyAny>> {
 }
 
 /// Counts what passes through it: current, peak and total bytes and allocations, on a
-/// stack of counters (`push_counters`/`pop_counters`) for measuring code blocks.
+/// stack of counters (`push_counters`/`pop_counters`) for measuring code blocks. A free of
+/// more bytes than are in use through it raises InvalidPointerError (it keeps no record per
+/// allocation, so it cannot check sizes otherwise).
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "StatisticsResourceAdaptor")]
 pub struct PyStatisticsResourceAdaptor {
@@ -216,9 +218,9 @@ pub struct PyStatisticsResourceAdaptor {
 #[pymethods]
 impl PyStatisticsResourceAdaptor {
     #[new]
-    fn new(upstream_mr: &Bound<'_, PyMemoryResource>) -> PyClassInitializer<Self> {
-        let inner = Arc::new(StatisticsAdaptor::new(upstream_ref(upstream_mr)));
-        init(inner.clone(), upstream_mr, Self { inner })
+    fn new(upstream_mr: &Bound<'_, PyMemoryResource>) -> PyResult<PyClassInitializer<Self>> {
+        let inner = Arc::new(StatisticsAdaptor::new(upstream_ref(upstream_mr)).or_raise(upstream_mr.py())?);
+        Ok(init(inner.clone(), upstream_mr, Self { inner }))
     }
 
     /// The counters on top of the stack, as a `Statistics`.
@@ -292,10 +294,14 @@ pub struct PyTrackingResourceAdaptor {
 impl PyTrackingResourceAdaptor {
     #[new]
     #[pyo3(signature = (upstream_mr, capture_stacks=false))]
-    fn new(upstream_mr: &Bound<'_, PyMemoryResource>, capture_stacks: bool) -> PyClassInitializer<Self> {
+    fn new(
+        upstream_mr: &Bound<'_, PyMemoryResource>,
+        capture_stacks: bool,
+    ) -> PyResult<PyClassInitializer<Self>> {
         let capture: Option<StackCapture> = capture_stacks.then(|| Arc::new(python_stack) as StackCapture);
-        let inner = Arc::new(TrackingAdaptor::new(upstream_ref(upstream_mr), capture));
-        init(inner.clone(), upstream_mr, Self { inner })
+        let inner =
+            Arc::new(TrackingAdaptor::new(upstream_ref(upstream_mr), capture).or_raise(upstream_mr.py())?);
+        Ok(init(inner.clone(), upstream_mr, Self { inner }))
     }
 
     /// Bytes allocated and not yet freed.
@@ -404,7 +410,7 @@ pub(crate) fn _parse_log(py: Python<'_>, text: String) -> PyResult<Vec<PyLogEven
 }
 
 /// Writes a CSV line per event (RMM's format) to a file, flushed after every line, and/or
-/// hands each line to a Python callback.
+/// hands each line to a Python callback. Frees are logged and passed on with the size given.
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "LoggingResourceAdaptor")]
 pub struct PyLoggingResourceAdaptor {
@@ -482,7 +488,9 @@ impl PyLoggingResourceAdaptor {
 // Limiting, failure callback, prefetch.
 
 /// Refuses allocations that would take the bytes outstanding through it over
-/// `allocation_limit` (an int, or a string such as "2GiB"), with OutOfMemoryError.
+/// `allocation_limit` (an int, or a string such as "2GiB"), with OutOfMemoryError. A free
+/// of more bytes than are allocated through it raises InvalidPointerError (it keeps no
+/// record per allocation, so it cannot check sizes otherwise).
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "LimitingResourceAdaptor")]
 pub struct PyLimitingResourceAdaptor {
@@ -533,7 +541,8 @@ impl PyFailureCallbackResourceAdaptor {
     ) -> PyResult<PyClassInitializer<Self>> {
         let callback = CallbackSlot::new(require_callable(callback, "callback")?);
         let inner =
-            FailureCallbackAdaptor::new(upstream_ref(upstream_mr), failure_callback(callback.clone()));
+            FailureCallbackAdaptor::new(upstream_ref(upstream_mr), failure_callback(callback.clone()))
+                .or_raise(upstream_mr.py())?;
         Ok(init(Arc::new(inner), upstream_mr, Self { callback }))
     }
 
@@ -548,6 +557,7 @@ impl PyFailureCallbackResourceAdaptor {
 
 /// Prefetches every allocation to the device on the allocating stream
 /// (`cuMemPrefetchAsync`): for managed memory, which otherwise migrates on first touch.
+/// Frees are passed on as given.
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "PrefetchResourceAdaptor")]
 pub struct PyPrefetchResourceAdaptor;
@@ -555,8 +565,9 @@ pub struct PyPrefetchResourceAdaptor;
 #[pymethods]
 impl PyPrefetchResourceAdaptor {
     #[new]
-    fn new(upstream_mr: &Bound<'_, PyMemoryResource>) -> PyClassInitializer<Self> {
-        init(Arc::new(PrefetchAdaptor::new(upstream_ref(upstream_mr))), upstream_mr, Self)
+    fn new(upstream_mr: &Bound<'_, PyMemoryResource>) -> PyResult<PyClassInitializer<Self>> {
+        let inner = PrefetchAdaptor::new(upstream_ref(upstream_mr)).or_raise(upstream_mr.py())?;
+        Ok(init(Arc::new(inner), upstream_mr, Self))
     }
 }
 
@@ -611,7 +622,9 @@ impl PyFixedSizeMemoryResource {
 /// Routes each allocation to the bin of the smallest size class that fits it, and larger
 /// ones to the upstream. With `min_size_exponent` and `max_size_exponent`, starts with a
 /// `FixedSizeMemoryResource` bin for every power of two in
-/// `[2**min_size_exponent, 2**max_size_exponent]`; `add_bin` adds more.
+/// `[2**min_size_exponent, 2**max_size_exponent]`; `add_bin` adds more. A free with another
+/// size than allocated, a double free or a pointer it did not hand out raises
+/// InvalidPointerError.
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "BinningMemoryResource")]
 pub struct PyBinningMemoryResource {

@@ -36,6 +36,13 @@ const OFFER_GIL_EVERY: u32 = 1024;
 /// Longer than nearly every wake-up measured (1 to 45 us).
 const HANDOVER_WAIT: Duration = Duration::from_micros(50);
 
+/// Calls settled on the fast path so far (wrapping at 2**32): for tests that check a
+/// resource keeps the GIL.
+#[pyfunction]
+pub(crate) fn _fast_path_calls() -> u32 {
+    FAST_CALLS.load(Ordering::Relaxed)
+}
+
 /// Counts a call settled on the fast path and, every `OFFER_GIL_EVERY` calls, hands the
 /// GIL to a waiting thread, if there is one.
 pub(crate) fn fast_path_settled(py: Python<'_>) {

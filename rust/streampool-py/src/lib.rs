@@ -170,6 +170,16 @@ fn pointer_pool(py: Python<'_>, ptr: &Bound<'_, PyAny>, device: Option<i32>) -> 
     })
 }
 
+/// Failures that happened where nobody could be told (freeing memory or destroying a
+/// stream or event when its last reference went away, a resource giving its memory back,
+/// clean-up after another error): `(count since the process started, the most recent
+/// messages, oldest first)`. Some are expected at interpreter exit.
+#[pyfunction]
+fn drop_errors() -> (u64, Vec<String>) {
+    let errors = streampool::drop_errors();
+    (errors.count, errors.recent)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -220,5 +230,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_info, m)?)?;
     m.add_function(wrap_pyfunction!(using_simulated_device, m)?)?;
     m.add_function(wrap_pyfunction!(pointer_pool, m)?)?;
+    m.add_function(wrap_pyfunction!(drop_errors, m)?)?;
+    m.add_function(wrap_pyfunction!(gil::_fast_path_calls, m)?)?;
+    m.add("MAX_RESOURCE_DEPTH", streampool::MAX_DEPTH)?;
     Ok(())
 }

@@ -196,6 +196,10 @@ async_pool_class! {
     /// With no options it uses the device's current pool, shared with every library that uses
     /// the driver's pool. With `initial_pool_size`, `release_threshold` or `enable_ipc` it
     /// creates a pool of its own, destroyed with the resource.
+    ///
+    /// Sizes are not checked on free: the driver's free takes no size, so
+    /// `deallocate(ptr, 1 << 40)` frees the allocation at `ptr`, whatever its size. Wrap it
+    /// in a TrackingResourceAdaptor to have wrong sizes refused.
     PyCudaAsyncMemoryResource, "CudaAsyncMemoryResource", {
         #[new]
         #[pyo3(signature = (initial_pool_size=None, release_threshold=None, enable_ipc=false, device=None))]
@@ -218,7 +222,7 @@ async_pool_class! {
     /// GPU: with no options the device's current managed pool (the default one's release
     /// threshold raised to the maximum), with options a managed pool of its own. Needs a
     /// CUDA 13 driver and a GPU with concurrent managed access (UnsupportedError saying which
-    /// is missing otherwise).
+    /// is missing otherwise). Sizes are not checked on free (the driver's free takes none).
     PyCudaAsyncManagedMemoryResource, "CudaAsyncManagedMemoryResource", {
         #[new]
         #[pyo3(signature = (initial_pool_size=None, release_threshold=None, device=None))]
@@ -239,6 +243,7 @@ async_pool_class! {
 }
 
 /// Allocates from a driver pool someone else owns (PyTorch's, CuPy's), never destroying it.
+/// Sizes are not checked on free (the driver's free takes none).
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "CudaAsyncViewMemoryResource")]
 pub struct PyCudaAsyncViewMemoryResource {
@@ -277,17 +282,20 @@ impl PyCudaAsyncViewMemoryResource {
     }
 }
 
-/// Plain device memory (`cuMemAlloc`/`cuMemFree`). Every free waits for the device.
+/// Plain device memory (`cuMemAlloc`/`cuMemFree`). Every free waits for the device. Sizes
+/// are not checked on free (`cuMemFree` takes none).
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "CudaMemoryResource")]
 pub struct PyCudaMemoryResource;
 
 /// Managed (unified) memory (`cuMemAllocManaged`), for work larger than device memory.
+/// Sizes are not checked on free (`cuMemFree` takes none).
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "ManagedMemoryResource")]
 pub struct PyManagedMemoryResource;
 
-/// Page-locked host memory (`cuMemHostAlloc`).
+/// Page-locked host memory (`cuMemHostAlloc`). Sizes are not checked on free
+/// (`cuMemFreeHost` takes none).
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "PinnedHostMemoryResource")]
 pub struct PyPinnedHostMemoryResource;

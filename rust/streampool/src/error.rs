@@ -100,3 +100,65 @@ pub const CUDA_ERROR_DEINITIALIZED: i32 = 4;
 pub const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
 /// `CUDA_ERROR_NOT_SUPPORTED`.
 pub const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
+
+// ---------------------------------------------------------------------------------------
+// Failures that nobody can be told of.
+
+/// Messages [`drop_errors`] keeps: the most recent ones.
+const DROP_ERRORS_KEPT: usize = 16;
+
+/// Failures recorded by [`record_drop_error`]: how many, and the last few messages.
+/// std's lock, not `crate::sync`'s: a static, which loom's cannot be (and no model
+/// checks this).
+static DROP_ERRORS: std::sync::Mutex<DropErrorLog> =
+    std::sync::Mutex::new(DropErrorLog { count: 0, recent: std::collections::VecDeque::new() });
+
+struct DropErrorLog {
+    count: u64,
+    recent: std::collections::VecDeque<String>,
+}
+
+/// What [`drop_errors`] reports.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DropErrors {
+    /// Failures recorded since the process started.
+    pub count: u64,
+    /// The messages of the most recent ones (at most 16), oldest first.
+    pub recent: Vec<String>,
+}
+
+/// The failures that happened where nobody could be told: in a `Drop` (an [`Allocation`]
+/// freed by going out of scope, a stream or event destroyed with its last handle, a
+/// resource giving its memory back), or while cleaning up after another error (memory
+/// freed again after a failed prefetch or log line). Such a failure is recorded here
+/// rather than ignored or panicked on (a panic in a `Drop` can abort the process, and
+/// never may cross into Python).
+///
+/// Some are expected: at process exit the driver may be torn down before the last
+/// objects are dropped. Read it in tests and when looking for leaks.
+///
+/// [`Allocation`]: crate::Allocation
+pub fn drop_errors() -> DropErrors {
+    let log = DROP_ERRORS.lock().unwrap_or_else(|e| e.into_inner());
+    DropErrors { count: log.count, recent: log.recent.iter().cloned().collect() }
+}
+
+/// Records a failure that has nobody to report to (see [`drop_errors`]); `what` says what
+/// was being done, e.g. `"dropping an Allocation of 4096 bytes"`. Never panics, never
+/// blocks for long (a lock held only to push a message), and allocates only the message.
+pub fn record_drop_error(what: &str, error: &Error) {
+    let message = format!("{what}: {error}");
+    let mut log = DROP_ERRORS.lock().unwrap_or_else(|e| e.into_inner());
+    log.count += 1;
+    if log.recent.len() == DROP_ERRORS_KEPT {
+        log.recent.pop_front();
+    }
+    log.recent.push_back(message);
+}
+
+/// [`record_drop_error`] for a result: records its error, if any.
+pub(crate) fn record_if_failed(what: impl FnOnce() -> String, result: Result<()>) {
+    if let Err(e) = result {
+        record_drop_error(&what(), &e);
+    }
+}

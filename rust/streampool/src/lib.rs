@@ -44,8 +44,8 @@ pub use adaptors::{
     FixedSizeMemoryResource, LimitingAdaptor, LogAction, LogCallback, LogEvent, LogSink, LoggingAdaptor,
     PrefetchAdaptor, StackCapture, Statistics, StatisticsAdaptor, TrackingAdaptor, LOG_HEADER,
 };
-pub use error::{Error, Result};
-pub use resource::{Allocation, MemoryKind, MemoryResource, ResourceRef, ALIGNMENT};
+pub use error::{drop_errors, record_drop_error, DropErrors, Error, Result};
+pub use resource::{check_depth, Allocation, MemoryKind, MemoryResource, ResourceRef, ALIGNMENT, MAX_DEPTH};
 pub use resources::{
     AsyncPoolOptions, CudaAsyncManagedMemoryResource, CudaAsyncMemoryResource, CudaMemoryResource,
     ManagedMemoryResource, PinnedHostMemoryResource,

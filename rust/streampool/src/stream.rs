@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::device::{BackendRef, RawEvent, RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM};
-use crate::error::{Error, Result};
+use crate::error::{record_if_failed, Error, Result};
 
 /// A CUDA stream handle with its provenance. Cheap to clone.
 #[derive(Clone)]
@@ -76,8 +76,12 @@ impl Drop for OwnedStream {
             }
         }
         // Work already enqueued still runs (the driver's rule); a failure here (driver
-        // torn down at exit) has nobody to report to.
-        let _ = self.backend.stream_destroy(self.device, self.handle);
+        // torn down at exit) has nobody to report to: it is recorded.
+        let (device, handle) = (self.device, self.handle);
+        record_if_failed(
+            || format!("destroying stream {handle:#x} of device {device}"),
+            self.backend.stream_destroy(device, handle),
+        );
     }
 }
 
@@ -300,7 +304,11 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        let _ = self.backend.event_destroy(self.device, self.raw);
+        let (device, raw) = (self.device, self.raw);
+        record_if_failed(
+            || format!("destroying event {raw:#x} of device {device}"),
+            self.backend.event_destroy(device, raw),
+        );
     }
 }
 

@@ -90,7 +90,7 @@ proptest! {
     #[test]
     fn statistics_equal_a_model(ops in proptest::collection::vec((0u8..6, 1usize..100_000, any::<usize>()), 1..80)) {
         let (_sim, b) = sim(1 << 30);
-        let mr = StatisticsAdaptor::new(async_mr(&b));
+        let mr = StatisticsAdaptor::new(async_mr(&b)).unwrap();
         let s = Stream::legacy();
         let mut model = vec![ModelCounters::default()];
         let mut live: Vec<(DevPtr, usize)> = vec![];
@@ -138,7 +138,7 @@ proptest! {
 #[test]
 fn statistics_refusals_count_nothing() {
     let (_sim, b) = sim(64 << 20);
-    let mr = StatisticsAdaptor::new(async_mr(&b));
+    let mr = StatisticsAdaptor::new(async_mr(&b)).unwrap();
     let s = Stream::legacy();
     let p = mr.allocate(1000, &s).unwrap();
     assert!(mr.allocate(128 << 20, &s).unwrap_err().is_out_of_memory());
@@ -154,7 +154,7 @@ fn statistics_refusals_count_nothing() {
 #[test]
 fn statistics_under_threads_are_exact() {
     let (_sim, b) = sim(1 << 30);
-    let mr = Arc::new(StatisticsAdaptor::new(async_mr(&b)));
+    let mr = Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap());
     let threads: Vec<_> = (0..8)
         .map(|t| {
             let mr = mr.clone();
@@ -191,7 +191,7 @@ proptest! {
         ops in proptest::collection::vec((0u8..6, 1usize..50_000, any::<usize>()), 1..60),
     ) {
         let (sim, b) = sim(1 << 30);
-        let mr = TrackingAdaptor::new(async_mr(&b), None);
+        let mr = TrackingAdaptor::new(async_mr(&b), None).unwrap();
         let ss = streams(&b, 3);
         let mut live: BTreeMap<DevPtr, (usize, u64)> = BTreeMap::new();
         let mut freed: Vec<DevPtr> = vec![];
@@ -243,7 +243,7 @@ proptest! {
 fn tracking_report_names_every_leak_with_its_stack() {
     let (_sim, b) = sim(1 << 30);
     let capture: streampool::StackCapture = Arc::new(|| "frame one\nframe two".to_string());
-    let mr = TrackingAdaptor::new(async_mr(&b), Some(capture));
+    let mr = TrackingAdaptor::new(async_mr(&b), Some(capture)).unwrap();
     let s = Stream::legacy();
     let (p, q) = (mr.allocate(1000, &s).unwrap(), mr.allocate(24, &s).unwrap());
     let report = mr.outstanding_report();
@@ -264,7 +264,7 @@ fn tracking_report_names_every_leak_with_its_stack() {
 #[test]
 fn tracking_with_backtraces_records_a_rust_stack() {
     let (_sim, b) = sim(1 << 30);
-    let mr = TrackingAdaptor::with_backtraces(async_mr(&b));
+    let mr = TrackingAdaptor::with_backtraces(async_mr(&b)).unwrap();
     let p = mr.allocate(256, &Stream::legacy()).unwrap();
     assert!(mr.outstanding()[0].stack.as_ref().is_some_and(|s| !s.is_empty()));
     mr.deallocate(p, 256, &Stream::legacy()).unwrap();
@@ -415,7 +415,8 @@ fn failure_callback_retries_while_it_says_true() {
             l.deallocate(p, 256 << 10, &Stream::legacy())?;
             Ok(true)
         }),
-    );
+    )
+    .unwrap();
     let p = mr.allocate(600 << 10, &Stream::legacy()).unwrap();
     assert_eq!(calls.load(Ordering::SeqCst), 3);
     mr.deallocate(p, 600 << 10, &Stream::legacy()).unwrap();
@@ -436,7 +437,8 @@ fn failure_callback_saying_false_gives_the_out_of_memory_error() {
             c.fetch_add(1, Ordering::SeqCst);
             Ok(false)
         }),
-    );
+    )
+    .unwrap();
     let err = mr.allocate(4096, &Stream::legacy()).unwrap_err();
     assert!(
         matches!(&err, Error::OutOfMemory { requested: 4096, available: Some(0), resource } if resource.starts_with("FailureCallbackResourceAdaptor (from ")),
@@ -460,7 +462,8 @@ fn a_failing_callback_is_returned_and_nothing_is_corrupted() {
     let mr = FailureCallbackAdaptor::new(
         limited.clone(),
         Arc::new(|bytes| Err(Error::Callback(format!("python raised MemoryError({bytes})")))),
-    );
+    )
+    .unwrap();
     let err = mr.allocate(4096, &Stream::legacy()).unwrap_err();
     assert_eq!(err, Error::Callback("python raised MemoryError(4096)".into()));
     assert_eq!(limited.allocated_bytes(), 1 << 20, "the failed attempt reserved nothing");
@@ -481,16 +484,19 @@ fn a_callback_may_free_into_its_own_stack() {
     let top: Arc<OnceLock<Arc<TrackingAdaptor>>> = Arc::new(OnceLock::new());
     let victims: Arc<Mutex<Vec<DevPtr>>> = Arc::default();
     let (t, v) = (top.clone(), victims.clone());
-    let retry = Arc::new(FailureCallbackAdaptor::new(
-        limited.clone(),
-        Arc::new(move |_| {
-            let Some(p) = v.lock().unwrap().pop() else { return Ok(false) };
-            t.get().unwrap().deallocate(p, 512 << 10, &Stream::legacy())?;
-            Ok(true)
-        }),
-    ));
-    let stats = Arc::new(StatisticsAdaptor::new(retry));
-    let tracking = Arc::new(TrackingAdaptor::new(stats.clone(), None));
+    let retry = Arc::new(
+        FailureCallbackAdaptor::new(
+            limited.clone(),
+            Arc::new(move |_| {
+                let Some(p) = v.lock().unwrap().pop() else { return Ok(false) };
+                t.get().unwrap().deallocate(p, 512 << 10, &Stream::legacy())?;
+                Ok(true)
+            }),
+        )
+        .unwrap(),
+    );
+    let stats = Arc::new(StatisticsAdaptor::new(retry).unwrap());
+    let tracking = Arc::new(TrackingAdaptor::new(stats.clone(), None).unwrap());
     top.set(tracking.clone()).unwrap();
     let s = Stream::legacy();
     victims
@@ -635,7 +641,7 @@ fn bad_logs_are_refused_naming_the_line() {
 #[test]
 fn a_failing_sink_frees_the_allocation_and_returns_its_error() {
     let (_sim, b) = sim(64 << 20);
-    let stats = Arc::new(StatisticsAdaptor::new(async_mr(&b)));
+    let stats = Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap());
     let path = temp_log("failing-sink");
     let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let f = fail.clone();
@@ -699,7 +705,7 @@ fn prefetch_only_managed_memory_on_the_allocating_stream() {
             (n, prefetched)
         };
         let (base, _) = queued_by(&*upstream);
-        let (with, prefetched) = queued_by(&PrefetchAdaptor::new(upstream));
+        let (with, prefetched) = queued_by(&PrefetchAdaptor::new(upstream).unwrap());
         (with - base, prefetched)
     };
     let managed = extra(Arc::new(ManagedMemoryResource::on(b.clone(), 0)));
@@ -719,10 +725,10 @@ fn prefetch_only_managed_memory_on_the_allocating_stream() {
 #[test]
 fn binning_routes_sizes_to_the_smallest_bin_that_fits() {
     let (sim, b) = sim(256 << 20);
-    let upstream = Arc::new(StatisticsAdaptor::new(async_mr(&b)));
+    let upstream = Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap());
     let mr = BinningMemoryResource::new(upstream.clone(), None, None).unwrap();
     let bins: Vec<Arc<StatisticsAdaptor>> =
-        (0..3).map(|_| Arc::new(StatisticsAdaptor::new(async_mr(&b)))).collect();
+        (0..3).map(|_| Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap())).collect();
     for (size, bin) in [(4096, &bins[1]), (256, &bins[0]), (65536, &bins[2])] {
         mr.add_bin(size, Some(bin.clone())).unwrap();
     }
@@ -818,7 +824,7 @@ fn fixed_size_reuses_on_the_freeing_stream_only() {
 #[test]
 fn fixed_size_reclaims_other_streams_blocks_when_out_of_memory() {
     let (sim, b) = sim(8 << 20);
-    let upstream = Arc::new(StatisticsAdaptor::new(async_mr(&b)));
+    let upstream = Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap());
     let mr = FixedSizeMemoryResource::new(upstream.clone(), 1 << 20, 4).unwrap();
     let ss = streams(&b, 2);
     let (a, bb) = (&ss[0], &ss[1]);
@@ -856,12 +862,12 @@ fn adaptors_forward_properties_and_have_rmm_names() {
     let (_sim, b) = sim(64 << 20);
     let managed: ResourceRef = Arc::new(ManagedMemoryResource::on(b.clone(), 0));
     let all: Vec<ResourceRef> = vec![
-        Arc::new(StatisticsAdaptor::new(managed.clone())),
-        Arc::new(TrackingAdaptor::new(managed.clone(), None)),
+        Arc::new(StatisticsAdaptor::new(managed.clone()).unwrap()),
+        Arc::new(TrackingAdaptor::new(managed.clone(), None).unwrap()),
         Arc::new(LoggingAdaptor::new(managed.clone(), vec![]).unwrap()),
         Arc::new(LimitingAdaptor::new(managed.clone(), 1).unwrap()),
-        Arc::new(FailureCallbackAdaptor::new(managed.clone(), Arc::new(|_| Ok(false)))),
-        Arc::new(PrefetchAdaptor::new(managed.clone())),
+        Arc::new(FailureCallbackAdaptor::new(managed.clone(), Arc::new(|_| Ok(false))).unwrap()),
+        Arc::new(PrefetchAdaptor::new(managed.clone()).unwrap()),
         Arc::new(BinningMemoryResource::new(managed.clone(), None, None).unwrap()),
         Arc::new(FixedSizeMemoryResource::new(managed.clone(), 256, 1).unwrap()),
     ];
@@ -883,4 +889,462 @@ fn adaptors_forward_properties_and_have_rmm_names() {
         assert_eq!((mr.memory_kind(), mr.device(), mr.backend().id()), (MemoryKind::Managed, 0, b.id()));
         assert!(format!("{mr:?}").contains("ManagedMemoryResource"), "{mr:?}");
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Depth: every call recurses through a chain, so chains deeper than MAX_DEPTH are refused.
+
+/// A leaf resource that remembers the lowest stack address its calls ran at.
+#[derive(Debug)]
+struct StackProbe {
+    inner: ResourceRef,
+    lowest: AtomicUsize,
+}
+
+impl StackProbe {
+    fn new(b: &BackendRef) -> Arc<Self> {
+        Arc::new(StackProbe { inner: async_mr(b), lowest: AtomicUsize::new(usize::MAX) })
+    }
+
+    fn mark(&self) {
+        let here = 0u8;
+        self.lowest.fetch_min(std::ptr::addr_of!(here) as usize, Ordering::Relaxed);
+    }
+}
+
+impl MemoryResource for StackProbe {
+    fn backend(&self) -> &BackendRef {
+        self.inner.backend()
+    }
+    fn device(&self) -> i32 {
+        0
+    }
+    fn name(&self) -> &str {
+        "StackProbe"
+    }
+    fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::Device
+    }
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        self.mark();
+        self.inner.allocate(bytes, stream)
+    }
+    fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.mark();
+        self.inner.deallocate(ptr, bytes, stream)
+    }
+}
+
+/// Kinds of level that [`chain_of`] makes.
+const KINDS: usize = 7;
+
+/// `n` adaptors over `base`, cycling through every kind (the logging adaptor with a
+/// callback sink, the tracking adaptor with stacks off: the call path, not the capture).
+fn chain(base: ResourceRef, n: usize) -> Result<ResourceRef> {
+    chain_of(0..KINDS, base, n)
+}
+
+/// `n` adaptors over `base`, cycling through `kinds`.
+fn chain_of(kinds: std::ops::Range<usize>, base: ResourceRef, n: usize) -> Result<ResourceRef> {
+    let mut mr = base;
+    for kind in kinds.cycle().take(n) {
+        mr = match kind {
+            0 => Arc::new(StatisticsAdaptor::new(mr)?),
+            1 => Arc::new(TrackingAdaptor::new(mr, None)?),
+            2 => Arc::new(LoggingAdaptor::new(mr, vec![LogSink::Callback(Arc::new(|_| Ok(())))])?),
+            3 => Arc::new(LimitingAdaptor::new(mr, usize::MAX)?),
+            4 => Arc::new(FailureCallbackAdaptor::new(mr, Arc::new(|_| Ok(false)))?),
+            5 => Arc::new(PrefetchAdaptor::new(mr)?),
+            _ => Arc::new(BinningMemoryResource::new(mr, None, None)?),
+        };
+    }
+    Ok(mr)
+}
+
+/// Runs `f` on a thread with a Rust thread's default stack (2 MiB).
+fn on_2mib_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::Builder::new().stack_size(2 << 20).spawn(f).unwrap().join().unwrap()
+}
+
+/// The stack that an allocation, a free and an `Allocation`'s drop take at most through
+/// the deepest chain allowed of each kind of level, all kinds mixed last; each on a fresh
+/// 2 MiB thread, which also drops the chain from the top.
+#[test]
+fn the_deepest_chain_allowed_allocates_frees_and_drops_on_a_2mib_stack() {
+    let (_sim, b) = sim(64 << 20);
+    for kinds in (0..KINDS).map(|k| k..k + 1).chain(std::iter::once(0..KINDS)) {
+        let probe = StackProbe::new(&b);
+        let top = chain_of(kinds.clone(), probe.clone(), streampool::MAX_DEPTH - 1).unwrap();
+        assert_eq!(top.depth(), streampool::MAX_DEPTH);
+        let used = on_2mib_thread(move || {
+            let here = 0u8;
+            let start = std::ptr::addr_of!(here) as usize;
+            let s = Stream::legacy();
+            let p = top.allocate(1000, &s).unwrap();
+            top.deallocate(p, 1000, &s).unwrap();
+            let guard = streampool::Allocation::new(top.clone(), 4096, s).unwrap();
+            drop(guard);
+            drop(top); // the whole chain, from the top, on this thread
+            start - probe.lowest.load(Ordering::Relaxed)
+        });
+        let per_level = used / streampool::MAX_DEPTH;
+        println!(
+            "kinds {kinds:?}: {used} bytes of stack for {} levels, {per_level} per level",
+            streampool::MAX_DEPTH
+        );
+        // What MAX_DEPTH's comment promises: at most a quarter of the stack.
+        assert!(used < 512 << 10, "kinds {kinds:?}: {used} bytes of stack for the deepest chain");
+    }
+}
+
+#[test]
+fn a_chain_deeper_than_the_limit_is_refused_and_the_chain_below_still_works() {
+    let (sim, b) = sim(64 << 20);
+    let top = chain(async_mr(&b), streampool::MAX_DEPTH - 1).unwrap();
+    let makers: Vec<Box<dyn Fn(ResourceRef) -> Result<ResourceRef>>> = vec![
+        Box::new(|u| Ok(Arc::new(StatisticsAdaptor::new(u)?))),
+        Box::new(|u| Ok(Arc::new(TrackingAdaptor::new(u, None)?))),
+        Box::new(|u| Ok(Arc::new(LoggingAdaptor::new(u, vec![])?))),
+        Box::new(|u| Ok(Arc::new(LimitingAdaptor::new(u, 1 << 20)?))),
+        Box::new(|u| Ok(Arc::new(FailureCallbackAdaptor::new(u, Arc::new(|_| Ok(false)))?))),
+        Box::new(|u| Ok(Arc::new(PrefetchAdaptor::new(u)?))),
+        Box::new(|u| Ok(Arc::new(BinningMemoryResource::new(u, None, None)?))),
+        Box::new(|u| Ok(Arc::new(FixedSizeMemoryResource::new(u, 256, 1)?))),
+    ];
+    for make in &makers {
+        let err = make(top.clone()).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+        let limit = streampool::MAX_DEPTH;
+        assert!(
+            msg.contains(&format!("{} resources deep", limit + 1))
+                && msg.contains(&format!("limit of {limit}")),
+            "{msg}"
+        );
+    }
+    let s = Stream::legacy();
+    let p = top.allocate(4096, &s).unwrap();
+    top.deallocate(p, 4096, &s).unwrap();
+    assert_no_races(&sim);
+}
+
+#[test]
+fn a_bin_may_not_deepen_a_binning_resource_once_wrapped_nor_call_back_into_it() {
+    let (_sim, b) = sim(64 << 20);
+    let binning = Arc::new(BinningMemoryResource::new(async_mr(&b), None, None).unwrap());
+    // Before anything is built over it, a deep bin deepens it.
+    binning.add_bin(1024, Some(chain(async_mr(&b), 3).unwrap())).unwrap();
+    assert_eq!(binning.depth(), 5);
+    let stats: ResourceRef = Arc::new(StatisticsAdaptor::new(binning.clone()).unwrap());
+    // Now a bin as deep is fine, a deeper one is refused, and so is one over `binning`.
+    binning.add_bin(2048, Some(chain(async_mr(&b), 3).unwrap())).unwrap();
+    let err = binning.add_bin(4096, Some(chain(async_mr(&b), 4).unwrap())).unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument(_)) && err.to_string().contains("add bins before wrapping it"),
+        "{err}"
+    );
+    let err = binning.add_bin(8192, Some(stats.clone())).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    assert_eq!(binning.bins().iter().map(|(size, _)| *size).collect::<Vec<_>>(), [1024, 2048]);
+    let s = Stream::legacy();
+    for bytes in [1000, 2000, 8000] {
+        let p = stats.allocate(bytes, &s).unwrap();
+        stats.deallocate(p, bytes, &s).unwrap();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Wrong sizes: refused where the resource can tell, and nothing changes.
+
+#[test]
+fn binning_refuses_a_free_with_another_size_in_both_directions() {
+    let (sim, b) = sim(64 << 20);
+    let upstream = Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap());
+    let mr = BinningMemoryResource::new(upstream.clone(), Some(8), Some(12)).unwrap(); // 256 B .. 4 KiB
+    let s = Stream::legacy();
+    let small = mr.allocate(300, &s).unwrap(); // a block of the 512-byte bin's chunk
+    let big = mr.allocate(1 << 20, &s).unwrap(); // the upstream
+    let before = upstream.statistics();
+    for (ptr, wrong, right) in
+        [(small, 1 << 20, 300), (big, 300, 1 << 20), (small, 1000, 300), (small, 200, 300)]
+    {
+        let err = mr.deallocate(ptr, wrong, &s).unwrap_err();
+        assert!(matches!(err, Error::InvalidPointer(_)), "{err:?}");
+        assert!(
+            err.to_string().contains(&format!("allocated with {right} bytes but freed with {wrong}")),
+            "{err}"
+        );
+    }
+    let err = mr.deallocate(small + 256, 300, &s).unwrap_err();
+    assert!(err.to_string().contains("not an outstanding allocation"), "{err}");
+    assert_eq!(upstream.statistics(), before, "nothing reached the upstream");
+    // Still usable, and nothing handed out overlaps what is live.
+    let mut live = vec![(small, 300), (big, 1 << 20)];
+    for bytes in [300, 300, 500, 1 << 20, 4096] {
+        let p = mr.allocate(bytes, &s).unwrap();
+        assert!(live.iter().all(|&(q, n)| p + bytes as u64 <= q || q + n as u64 <= p), "{p:#x} overlaps");
+        live.push((p, bytes));
+    }
+    for (p, bytes) in live {
+        mr.deallocate(p, bytes, &s).unwrap();
+    }
+    let err = mr.deallocate(small, 300, &s).unwrap_err();
+    assert!(err.to_string().contains("double free"), "{err}");
+    assert_no_races(&sim);
+}
+
+#[test]
+fn limiting_refuses_a_free_of_more_than_is_in_use_and_never_wraps() {
+    let (_sim, b) = sim(64 << 20);
+    let upstream = Arc::new(TrackingAdaptor::new(async_mr(&b), None).unwrap());
+    let mr = LimitingAdaptor::new(upstream.clone(), 1 << 20).unwrap();
+    let s = Stream::legacy();
+    let p = mr.allocate(1000, &s).unwrap();
+    let err = mr.deallocate(p, 4000, &s).unwrap_err();
+    assert!(matches!(err, Error::InvalidPointer(_)), "{err:?}");
+    assert!(err.to_string().contains("4000 bytes, but only 1000 bytes are allocated"), "{err}");
+    assert_eq!((mr.allocated_bytes(), upstream.outstanding().len()), (1000, 1), "nothing changed");
+    mr.deallocate(p, 1000, &s).unwrap();
+    assert_eq!(mr.allocated_bytes(), 0);
+    assert!(mr.deallocate(p, 1000, &s).is_err(), "a free with nothing in use");
+    assert_eq!(mr.allocated_bytes(), 0);
+    // The whole limit is still there.
+    let q = mr.allocate(1 << 20, &s).unwrap();
+    mr.deallocate(q, 1 << 20, &s).unwrap();
+}
+
+#[test]
+fn statistics_refuse_a_free_of_more_than_is_in_use() {
+    let (_sim, b) = sim(64 << 20);
+    let upstream = Arc::new(TrackingAdaptor::new(async_mr(&b), None).unwrap());
+    let mr = StatisticsAdaptor::new(upstream.clone()).unwrap();
+    let s = Stream::legacy();
+    let p = mr.allocate(1000, &s).unwrap();
+    mr.push_counters(); // a scope that frees what was allocated before it: allowed
+    let before = mr.statistics();
+    let err = mr.deallocate(p, 4000, &s).unwrap_err();
+    assert!(matches!(err, Error::InvalidPointer(_)), "{err:?}");
+    assert!(err.to_string().contains("1000 bytes in 1 allocation(s) are in use"), "{err}");
+    assert_eq!((mr.statistics(), upstream.outstanding().len()), (before, 1), "nothing changed");
+    mr.deallocate(p, 1000, &s).unwrap();
+    let err = mr.deallocate(p, 1000, &s).unwrap_err();
+    assert!(err.to_string().contains("0 bytes in 0 allocation(s)"), "{err}");
+    let popped = mr.pop_counters().unwrap();
+    assert_eq!(
+        (popped.total_count, mr.statistics().current_bytes, mr.statistics().total_bytes),
+        (0, 0, 1000)
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// The fast path (try_allocate / try_deallocate) is forwarded where that is correct.
+
+/// A resource over the simulated device's async pool whose fast path always settles the
+/// call (counted), as a pool's does on a hit.
+#[derive(Debug)]
+struct FastUpstream {
+    inner: ResourceRef,
+    kind: MemoryKind,
+    fast: AtomicUsize,
+    slow: AtomicUsize,
+}
+
+impl FastUpstream {
+    fn new(inner: ResourceRef) -> Arc<Self> {
+        let kind = inner.memory_kind();
+        Arc::new(FastUpstream { inner, kind, fast: AtomicUsize::new(0), slow: AtomicUsize::new(0) })
+    }
+
+    fn counts(&self) -> (usize, usize) {
+        (self.fast.load(Ordering::Relaxed), self.slow.load(Ordering::Relaxed))
+    }
+}
+
+impl MemoryResource for FastUpstream {
+    fn backend(&self) -> &BackendRef {
+        self.inner.backend()
+    }
+    fn device(&self) -> i32 {
+        0
+    }
+    fn name(&self) -> &str {
+        "FastUpstream"
+    }
+    fn memory_kind(&self) -> MemoryKind {
+        self.kind
+    }
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        self.slow.fetch_add(1, Ordering::Relaxed);
+        self.inner.allocate(bytes, stream)
+    }
+    fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.slow.fetch_add(1, Ordering::Relaxed);
+        self.inner.deallocate(ptr, bytes, stream)
+    }
+    fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<Result<DevPtr>> {
+        self.fast.fetch_add(1, Ordering::Relaxed);
+        Some(self.inner.allocate(bytes, stream))
+    }
+    fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
+        self.fast.fetch_add(1, Ordering::Relaxed);
+        Some(self.inner.deallocate(ptr, bytes, stream))
+    }
+}
+
+#[test]
+fn adaptors_forward_the_fast_path_where_it_is_correct() {
+    let (_sim, b) = sim(64 << 20);
+    let s = Stream::legacy();
+    type Make = fn(ResourceRef) -> ResourceRef;
+    // (name, adaptor, the upstream's (fast, slow) calls for an allocation and its free)
+    let cases: [(&str, Make, (usize, usize)); 8] = [
+        ("statistics", |u| Arc::new(StatisticsAdaptor::new(u).unwrap()), (2, 0)),
+        ("tracking", |u| Arc::new(TrackingAdaptor::new(u, None).unwrap()), (2, 0)),
+        // The stack capture is the full path's; the free captures nothing.
+        ("tracking with stacks", |u| Arc::new(TrackingAdaptor::with_backtraces(u).unwrap()), (1, 1)),
+        ("limiting", |u| Arc::new(LimitingAdaptor::new(u, 1 << 20).unwrap()), (2, 0)),
+        (
+            "failure callback",
+            |u| Arc::new(FailureCallbackAdaptor::new(u, Arc::new(|_| Ok(false))).unwrap()),
+            (2, 0),
+        ),
+        ("prefetch", |u| Arc::new(PrefetchAdaptor::new(u).unwrap()), (2, 0)),
+        ("binning", |u| Arc::new(BinningMemoryResource::new(u, None, None).unwrap()), (2, 0)),
+        ("logging", |u| Arc::new(LoggingAdaptor::new(u, vec![]).unwrap()), (0, 2)),
+    ];
+    for (name, make, expected) in cases {
+        let upstream = FastUpstream::new(async_mr(&b));
+        let mr = make(upstream.clone());
+        let p = match mr.try_allocate(4096, &s) {
+            Some(result) => result.unwrap(),
+            None => mr.allocate(4096, &s).unwrap(),
+        };
+        match mr.try_deallocate(p, 4096, &s) {
+            Some(result) => result.unwrap(),
+            None => mr.deallocate(p, 4096, &s).unwrap(),
+        }
+        assert_eq!(upstream.counts(), expected, "{name}: (fast, slow) calls of the upstream");
+        assert_eq!(mr.try_allocate(0, &s).map(Result::unwrap).unwrap_or(0), 0, "{name}");
+    }
+    // Over managed memory the prefetch is a driver call: the full path.
+    let upstream = FastUpstream::new(Arc::new(ManagedMemoryResource::on(b.clone(), 0)));
+    assert!(PrefetchAdaptor::new(upstream).unwrap().try_allocate(4096, &s).is_none());
+}
+
+#[test]
+fn the_fast_path_keeps_the_adaptors_books() {
+    let (_sim, b) = sim(64 << 20);
+    let s = Stream::legacy();
+    let upstream: ResourceRef = FastUpstream::new(async_mr(&b));
+    let stats = StatisticsAdaptor::new(upstream.clone()).unwrap();
+    let p = stats.try_allocate(1000, &s).unwrap().unwrap();
+    assert_eq!(stats.statistics().current_bytes, 1000);
+    assert!(matches!(stats.try_deallocate(p, 5000, &s), Some(Err(Error::InvalidPointer(_)))));
+    stats.try_deallocate(p, 1000, &s).unwrap().unwrap();
+    assert_eq!((stats.statistics().current_bytes, stats.statistics().total_bytes), (0, 1000));
+
+    let limiting = LimitingAdaptor::new(upstream.clone(), 4096).unwrap();
+    let p = limiting.try_allocate(4096, &s).unwrap().unwrap();
+    assert!(matches!(limiting.try_allocate(1, &s), Some(Err(Error::OutOfMemory { .. }))));
+    assert!(matches!(limiting.try_deallocate(p, 8192, &s), Some(Err(Error::InvalidPointer(_)))));
+    limiting.try_deallocate(p, 4096, &s).unwrap().unwrap();
+    assert_eq!(limiting.allocated_bytes(), 0);
+
+    let tracking = TrackingAdaptor::new(upstream.clone(), None).unwrap();
+    let p = tracking.try_allocate(1000, &s).unwrap().unwrap();
+    assert_eq!(tracking.outstanding().len(), 1);
+    assert!(matches!(tracking.try_deallocate(p, 999, &s), Some(Err(Error::InvalidPointer(_)))));
+    tracking.try_deallocate(p, 1000, &s).unwrap().unwrap();
+    assert!(matches!(tracking.try_deallocate(p, 1000, &s), Some(Err(Error::InvalidPointer(_)))));
+    assert_eq!(tracking.allocated_bytes(), 0);
+
+    let binning = BinningMemoryResource::new(upstream, None, None).unwrap();
+    let p = binning.try_allocate(1000, &s).unwrap().unwrap();
+    assert!(matches!(binning.try_deallocate(p, 2000, &s), Some(Err(Error::InvalidPointer(_)))));
+    binning.try_deallocate(p, 1000, &s).unwrap().unwrap();
+}
+
+#[test]
+fn statistics_over_the_sharded_pool_take_its_fast_path() {
+    let (_sim, b) = sim(64 << 20);
+    let pool: ResourceRef =
+        Arc::new(streampool::ShardedPoolMemoryResource::new(async_mr(&b), Default::default()).unwrap());
+    let stats = StatisticsAdaptor::new(pool).unwrap();
+    let s = Stream::create(&b, 0, false).unwrap();
+    let p = stats.allocate(4096, &s).unwrap(); // grows the pool: the full path
+    stats.deallocate(p, 4096, &s).unwrap();
+    for _ in 0..10 {
+        let p = stats.try_allocate(4096, &s).expect("a block freed on this stream").unwrap();
+        stats.try_deallocate(p, 4096, &s).expect("into this stream's own shard").unwrap();
+    }
+    let counted = stats.statistics();
+    assert_eq!((counted.total_count, counted.current_count), (11, 0));
+}
+
+// ---------------------------------------------------------------------------------------
+// Failures in Drop are recorded.
+
+/// A resource whose frees fail.
+#[derive(Debug)]
+struct FailingFree {
+    inner: ResourceRef,
+}
+
+impl MemoryResource for FailingFree {
+    fn backend(&self) -> &BackendRef {
+        self.inner.backend()
+    }
+    fn device(&self) -> i32 {
+        0
+    }
+    fn name(&self) -> &str {
+        "FailingFree"
+    }
+    fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::Device
+    }
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        self.inner.allocate(bytes, stream)
+    }
+    fn do_deallocate(&self, _ptr: DevPtr, _bytes: usize, _stream: &Stream) -> Result<()> {
+        Err(Error::Callback("a free that fails on purpose".into()))
+    }
+}
+
+#[test]
+fn a_failure_in_drop_is_recorded() {
+    let (_sim, b) = sim(64 << 20);
+    let mr: ResourceRef = Arc::new(FailingFree { inner: async_mr(&b) });
+    let before = streampool::drop_errors().count;
+    let guard = streampool::Allocation::new(mr.clone(), 4096, Stream::legacy()).unwrap();
+    let ptr = guard.ptr();
+    drop(guard);
+    let after = streampool::drop_errors();
+    assert!(after.count > before, "{after:?}");
+    let expected = format!("dropping an Allocation of 4096 bytes at {ptr:#x} from FailingFree");
+    let found = after.recent.iter().find(|m| m.starts_with(&expected)).expect("the message is kept");
+    assert!(found.contains("a free that fails on purpose"), "{found}");
+    // A fixed-size resource gives its chunks back in its Drop.
+    let before = streampool::drop_errors().count;
+    let fixed = FixedSizeMemoryResource::new(mr, 256, 4).unwrap();
+    let p = fixed.allocate(256, &Stream::legacy()).unwrap();
+    fixed.deallocate(p, 256, &Stream::legacy()).unwrap();
+    drop(fixed);
+    assert!(streampool::drop_errors().count > before);
+    assert!(streampool::drop_errors()
+        .recent
+        .iter()
+        .any(|m| m.starts_with("dropping a FixedSizeMemoryResource")));
+}
+
+#[test]
+fn drop_errors_keep_the_last_16_messages() {
+    for i in 0..20 {
+        streampool::record_drop_error(&format!("test message {i}"), &Error::invalid("x"));
+    }
+    let recent = streampool::drop_errors().recent;
+    assert_eq!(recent.len(), 16);
+    // Other tests may record meanwhile; this one's last message is among the last few.
+    assert!(recent.iter().any(|m| m.starts_with("test message 19")), "{recent:?}");
+    assert!(!recent.iter().any(|m| m.starts_with("test message 0:")), "{recent:?}");
 }

@@ -279,24 +279,24 @@ conformance! {
     sharded_pool_bounded => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
         Arc::new(streampool::ManagedMemoryResource::on(b, 0)), streampool::PoolOptions {
             maximum_pool_size: Some(200 << 20), release_threshold: Some(8 << 20), ..Default::default() }).unwrap());
-    statistics => |b| Arc::new(streampool::StatisticsAdaptor::new(async_mr(b)));
-    tracking => |b| Arc::new(streampool::TrackingAdaptor::new(async_mr(b), None));
-    tracking_with_backtraces => |b| Arc::new(streampool::TrackingAdaptor::with_backtraces(async_mr(b)));
+    statistics => |b| Arc::new(streampool::StatisticsAdaptor::new(async_mr(b)).unwrap());
+    tracking => |b| Arc::new(streampool::TrackingAdaptor::new(async_mr(b), None).unwrap());
+    tracking_with_backtraces => |b| Arc::new(streampool::TrackingAdaptor::with_backtraces(async_mr(b)).unwrap());
     logging => |b| logging_over(async_mr(b), Some(streampool::LogSink::Callback(Arc::new(|_| Ok(())))));
     limiting => |b| Arc::new(streampool::LimitingAdaptor::new(async_mr(b), 2 * CAPACITY).unwrap());
-    failure_callback => |b| Arc::new(streampool::FailureCallbackAdaptor::new(async_mr(b), Arc::new(|_| Ok(false))));
-    prefetch => |b| Arc::new(streampool::PrefetchAdaptor::new(async_mr(b)));
-    prefetch_managed => |b| Arc::new(streampool::PrefetchAdaptor::new(Arc::new(streampool::ManagedMemoryResource::on(b, 0))));
+    failure_callback => |b| Arc::new(streampool::FailureCallbackAdaptor::new(async_mr(b), Arc::new(|_| Ok(false))).unwrap());
+    prefetch => |b| Arc::new(streampool::PrefetchAdaptor::new(async_mr(b)).unwrap());
+    prefetch_managed => |b| Arc::new(streampool::PrefetchAdaptor::new(Arc::new(streampool::ManagedMemoryResource::on(b, 0))).unwrap());
     binning => |b| {
         let mr = streampool::BinningMemoryResource::new(async_mr(b.clone()), Some(8), Some(20)).unwrap();
         mr.add_bin(4 << 20, Some(Arc::new(streampool::CudaMemoryResource::on(b, 0)))).unwrap();
         Arc::new(mr)
     };
     adaptor_stack => |b| {
-        let stats = Arc::new(streampool::StatisticsAdaptor::new(async_mr(b)));
+        let stats = Arc::new(streampool::StatisticsAdaptor::new(async_mr(b)).unwrap());
         let limited = Arc::new(streampool::LimitingAdaptor::new(stats, 2 * CAPACITY).unwrap());
-        let tracked = Arc::new(streampool::TrackingAdaptor::new(limited, None));
-        let retried = Arc::new(streampool::FailureCallbackAdaptor::new(tracked, Arc::new(|_| Ok(false))));
+        let tracked = Arc::new(streampool::TrackingAdaptor::new(limited, None).unwrap());
+        let retried = Arc::new(streampool::FailureCallbackAdaptor::new(tracked, Arc::new(|_| Ok(false))).unwrap());
         logging_over(retried, None)
     };
 }

@@ -3,12 +3,12 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::{as_own_oom, upstream_properties, FixedSizeMemoryResource};
+use super::{as_own_oom, upstream_properties, FixedSizeMemoryResource, PtrMap};
 use crate::device::DevPtr;
 use crate::error::{Error, Result};
-use crate::resource::{MemoryResource, ResourceRef};
+use crate::resource::{check_depth, settle_allocate, settle_deallocate, MemoryResource, ResourceRef};
 use crate::stream::Stream;
-use crate::sync::{read, write, AtomicUsize, Ordering, RwLock};
+use crate::sync::{lock, read, write, AtomicUsize, Mutex, Ordering, RwLock};
 
 /// The largest `max_size_exponent`: bins up to 1 TiB.
 const MAX_EXPONENT: u32 = 40;
@@ -24,15 +24,25 @@ const AUTO_CHUNK_BYTES: usize = 2 << 20;
 /// the upstream when it is larger than every bin. A free is routed by its size with the
 /// same rule, as RMM's is, so it reaches the resource that allocated it.
 ///
-/// Invariant: that a free reaches the resource that allocated it. So a new bin is
-/// refused while the resource it would take sizes from (the next larger bin, or the
-/// upstream) has allocations outstanding: add bins before allocating. Bins of one size
-/// twice, a size of 0, or a resource of another backend or device are refused too.
-/// Every refusal is an [`Error::InvalidArgument`] and leaves the bins as they were.
+/// Invariant: that a free reaches the resource that allocated it. So every allocation's
+/// size is recorded, and a free of an address that is not outstanding (a double free, or
+/// memory allocated elsewhere) or with another size than it was allocated with is refused
+/// with [`Error::InvalidPointer`], before any resource sees it, and changes nothing: a
+/// wrong size would route the free to another bin or to the upstream, which would take
+/// back memory that is part of a bin's chunk. And a new bin is refused while the resource
+/// it would take sizes from (the next larger bin, or the upstream) has allocations
+/// outstanding: add bins before allocating. Bins of one size twice, a size of 0, a
+/// resource of another backend or device, or one that would make this resource deeper
+/// than it was when a resource was built over it (see [`depth`](MemoryResource::depth);
+/// this also refuses a bin that calls back into this resource) are refused too, with an
+/// [`Error::InvalidArgument`] that leaves the bins as they were.
 ///
 /// The bins live behind a read-write lock, taken shared on every allocation and free
 /// (never across the call into a bin) and exclusively by [`add_bin`](Self::add_bin).
-/// Each route counts the allocations it has outstanding, for that check.
+/// Each route counts the allocations it has outstanding, for that check. The sizes are
+/// kept in 16 shards keyed by address, each behind its own lock (never held across a
+/// call into a bin). The fast path ([`MemoryResource::try_allocate`]) is forwarded to the
+/// route's resource.
 ///
 /// What a reader may miss: what each bin holds beyond what it hands out (a
 /// [`FixedSizeMemoryResource`] keeps its chunks until dropped).
@@ -59,6 +69,16 @@ pub struct BinningMemoryResource {
     upstream_outstanding: Arc<AtomicUsize>,
     /// Sorted by size; sizes distinct.
     bins: RwLock<Vec<Bin>>,
+    /// The size of every outstanding allocation.
+    live: PtrMap<usize>,
+    depth: Mutex<Depth>,
+}
+
+/// [`MemoryResource::depth`], fixed once read: a resource built over this one counted on
+/// it, so a bin may no longer make it deeper.
+struct Depth {
+    value: usize,
+    read: bool,
 }
 
 struct Bin {
@@ -76,10 +96,13 @@ impl BinningMemoryResource {
         min_size_exponent: Option<u32>,
         max_size_exponent: Option<u32>,
     ) -> Result<Self> {
+        let depth = check_depth("BinningMemoryResource", [&upstream])?;
         let mr = BinningMemoryResource {
             upstream,
             upstream_outstanding: Arc::new(AtomicUsize::new(0)),
             bins: RwLock::new(Vec::new()),
+            live: PtrMap::new(),
+            depth: Mutex::new(Depth { value: depth, read: false }),
         };
         match (min_size_exponent, max_size_exponent) {
             (None, None) => {}
@@ -129,7 +152,20 @@ impl BinningMemoryResource {
                 Arc::new(FixedSizeMemoryResource::new(self.upstream.clone(), allocation_size, blocks)?)
             }
         };
+        // Asked before taking a lock: a bin over this resource asks this resource's depth.
+        let depth = check_depth("BinningMemoryResource", [&self.upstream, &mr])?;
         let mut bins = write(&self.bins);
+        let mut own = lock(&self.depth);
+        if own.read && depth > own.value {
+            return refuse(format!(
+                "the bin's {} is {} resources deep, which would make this resource {depth} deep, deeper than \
+                 the {} it was when a resource was built over it (add bins before wrapping it; a bin that \
+                 calls back into this resource is always refused)",
+                mr.name(),
+                depth - 1,
+                own.value
+            ));
+        }
         let at = bins.partition_point(|b| b.bytes < allocation_size);
         if bins.get(at).is_some_and(|b| b.bytes == allocation_size) {
             return refuse(format!("overlapping bins: there is already a bin of {allocation_size} bytes"));
@@ -146,6 +182,7 @@ impl BinningMemoryResource {
             ));
         }
         bins.insert(at, Bin { bytes: allocation_size, mr, outstanding: Arc::new(AtomicUsize::new(0)) });
+        own.value = own.value.max(depth);
         Ok(())
     }
 
@@ -176,29 +213,90 @@ impl BinningMemoryResource {
     }
 }
 
-/// Lowers an outstanding count; saturating, as the upstream may accept the free of
-/// memory that was not allocated through the binning resource.
+/// Lowers an outstanding count (every free that lowers one passed the size check, so
+/// its allocation raised it).
 fn lower(count: &AtomicUsize) {
-    let _ = count.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n.saturating_sub(1)));
+    count.fetch_sub(1, Ordering::Relaxed);
+}
+
+impl BinningMemoryResource {
+    /// After the route's allocation: recorded, or the count raised for it lowered again.
+    fn allocated(&self, bytes: usize, count: &AtomicUsize, result: Result<DevPtr>) -> Result<DevPtr> {
+        match result {
+            Ok(ptr) => {
+                self.live.insert(ptr, bytes);
+                Ok(ptr)
+            }
+            Err(e) => {
+                lower(count);
+                Err(as_own_oom(e, bytes, self))
+            }
+        }
+    }
+
+    /// After the route's free of a record taken out: the count lowered, or the record put back.
+    fn freed(&self, ptr: DevPtr, bytes: usize, count: &AtomicUsize, result: Result<()>) -> Result<()> {
+        match result {
+            Ok(()) => lower(count),
+            Err(_) => self.live.insert(ptr, bytes),
+        }
+        result
+    }
 }
 
 impl MemoryResource for BinningMemoryResource {
     upstream_properties!("BinningMemoryResource");
 
+    fn depth(&self) -> usize {
+        let mut own = lock(&self.depth);
+        own.read = true;
+        own.value
+    }
+
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let (mr, count) = self.route(bytes, true);
-        mr.allocate(bytes, stream).map_err(|e| {
-            lower(&count);
-            as_own_oom(e, bytes, self)
-        })
+        self.allocated(bytes, &count, mr.allocate(bytes, stream))
     }
 
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.live.take(ptr, bytes, |&b| b, self.name())?;
         // The allocation's count keeps the route in place until its free has completed.
         let (mr, count) = self.route(bytes, false);
-        mr.deallocate(ptr, bytes, stream)?;
-        lower(&count);
-        Ok(())
+        self.freed(ptr, bytes, &count, mr.deallocate(ptr, bytes, stream))
+    }
+
+    // Forwarded to the route's resource; the locks taken (the bins', shared, and a shard
+    // of the sizes) are held for a moment, never across a call out, so waiting for them
+    // with the GIL held is short and cannot deadlock.
+    fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<Result<DevPtr>> {
+        if let Some(settled) = settle_allocate(self, bytes, stream) {
+            return Some(settled);
+        }
+        let (mr, count) = self.route(bytes, true);
+        match mr.try_allocate(bytes, stream) {
+            Some(result) => Some(self.allocated(bytes, &count, result)),
+            None => {
+                lower(&count);
+                None
+            }
+        }
+    }
+
+    fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
+        if let Some(settled) = settle_deallocate(self, ptr, bytes, stream) {
+            return Some(settled);
+        }
+        if let Err(e) = self.live.take(ptr, bytes, |&b| b, self.name()) {
+            return Some(Err(e));
+        }
+        let (mr, count) = self.route(bytes, false);
+        match mr.try_deallocate(ptr, bytes, stream) {
+            Some(result) => Some(self.freed(ptr, bytes, &count, result)),
+            None => {
+                self.live.insert(ptr, bytes);
+                None
+            }
+        }
     }
 }
 

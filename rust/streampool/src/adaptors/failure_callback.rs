@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::{as_own_oom, upstream_properties};
 use crate::device::DevPtr;
 use crate::error::Result;
-use crate::resource::{MemoryResource, ResourceRef};
+use crate::resource::{check_depth, MemoryResource, ResourceRef};
 use crate::stream::Stream;
 
 /// Called with the size of an allocation that failed for lack of memory: `Ok(true)`
@@ -26,6 +26,8 @@ pub type FailureCallback = Arc<dyn Fn(usize) -> Result<bool> + Send + Sync>;
 /// says `true` without freeing anything retries forever, as RMM's does: count the calls
 /// in it.
 ///
+/// Sizes: frees are forwarded as given; the upstream checks them where it can.
+///
 /// What a reader may miss: nothing is counted here; the callback sees every failure.
 ///
 /// ```
@@ -41,7 +43,7 @@ pub type FailureCallback = Arc<dyn Fn(usize) -> Result<bool> + Send + Sync>;
 /// let mr = FailureCallbackAdaptor::new(limited, Arc::new(move |bytes| {
 ///     seen.lock().unwrap().push(bytes);
 ///     Ok(false)
-/// }));
+/// }))?;
 /// let err = mr.allocate(2 << 20, &Stream::legacy()).unwrap_err();
 /// assert!(matches!(err, Error::OutOfMemory { .. }));
 /// assert_eq!(*calls.lock().unwrap(), vec![2 << 20]);
@@ -53,9 +55,11 @@ pub struct FailureCallbackAdaptor {
 }
 
 impl FailureCallbackAdaptor {
-    /// Calls `callback` when `upstream` is out of memory.
-    pub fn new(upstream: ResourceRef, callback: FailureCallback) -> Self {
-        FailureCallbackAdaptor { upstream, callback }
+    /// Calls `callback` when `upstream` is out of memory; an error when the chain would
+    /// be deeper than [`MAX_DEPTH`](crate::resource::MAX_DEPTH).
+    pub fn new(upstream: ResourceRef, callback: FailureCallback) -> Result<Self> {
+        check_depth("FailureCallbackResourceAdaptor", [&upstream])?;
+        Ok(FailureCallbackAdaptor { upstream, callback })
     }
 
     /// The resource this adaptor allocates from.
@@ -65,7 +69,7 @@ impl FailureCallbackAdaptor {
 }
 
 impl MemoryResource for FailureCallbackAdaptor {
-    upstream_properties!("FailureCallbackResourceAdaptor");
+    upstream_properties!("FailureCallbackResourceAdaptor", depth);
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         loop {
@@ -82,6 +86,19 @@ impl MemoryResource for FailureCallbackAdaptor {
 
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
         self.upstream.deallocate(ptr, bytes, stream)
+    }
+
+    // Forwarded, except an out-of-memory: the callback then runs on the full path (from
+    // Python, with the GIL released first, as a callback that frees memory may wait).
+    fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<Result<DevPtr>> {
+        match self.upstream.try_allocate(bytes, stream)? {
+            Err(e) if e.is_out_of_memory() => None,
+            result => Some(result),
+        }
+    }
+
+    fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
+        self.upstream.try_deallocate(ptr, bytes, stream)
     }
 }
 

@@ -5,8 +5,8 @@ use std::fmt;
 
 use super::{as_own_oom, upstream_properties};
 use crate::device::DevPtr;
-use crate::error::{Error, Result};
-use crate::resource::{MemoryResource, ResourceRef, ALIGNMENT};
+use crate::error::{record_if_failed, Error, Result};
+use crate::resource::{check_depth, MemoryResource, ResourceRef, ALIGNMENT};
 use crate::stream::Stream;
 use crate::sync::{lock, Mutex};
 
@@ -35,7 +35,8 @@ use crate::sync::{lock, Mutex};
 ///
 /// Invariant: a block is either outstanding or on exactly one list; a free of a block
 /// that is not outstanding, or with a size above the block size, is refused
-/// ([`Error::InvalidPointer`]) and changes nothing. One lock guards the lists; it is
+/// ([`Error::InvalidPointer`]) and changes nothing. (It records blocks, not sizes: a
+/// free with another size that fits the block frees the same block, and is accepted.) One lock guards the lists; it is
 /// never held across a call into the upstream or the driver.
 ///
 /// What a reader may miss: blocks on other streams' lists are not reused until an
@@ -82,6 +83,7 @@ impl FixedSizeMemoryResource {
                 "FixedSizeMemoryResource: block_bytes ({block_bytes}) and blocks_per_chunk ({blocks_per_chunk}) must be above 0"
             )));
         }
+        check_depth("FixedSizeMemoryResource", [&upstream])?;
         let block_bytes = block_bytes
             .checked_next_multiple_of(ALIGNMENT)
             .filter(|b| b.checked_mul(blocks_per_chunk).is_some_and(|c| c <= isize::MAX as usize))
@@ -150,7 +152,7 @@ impl FixedSizeMemoryResource {
 }
 
 impl MemoryResource for FixedSizeMemoryResource {
-    upstream_properties!("FixedSizeMemoryResource");
+    upstream_properties!("FixedSizeMemoryResource", depth);
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         if bytes > self.block_bytes {
@@ -197,11 +199,12 @@ impl MemoryResource for FixedSizeMemoryResource {
 impl Drop for FixedSizeMemoryResource {
     fn drop(&mut self) {
         // Every use of every block is ordered before the chunks' frees; a failure (the
-        // driver torn down at exit) has nobody to report to.
-        let _ = self.upstream.backend().ctx_synchronize(self.upstream.device());
+        // driver torn down at exit) has nobody to report to: it is recorded.
+        let what = || "dropping a FixedSizeMemoryResource".to_string();
+        record_if_failed(what, self.upstream.backend().ctx_synchronize(self.upstream.device()));
         let chunks = std::mem::take(&mut lock(&self.state).chunks);
         for chunk in chunks {
-            let _ = self.upstream.deallocate(chunk, self.chunk_bytes(), &Stream::legacy());
+            record_if_failed(what, self.upstream.deallocate(chunk, self.chunk_bytes(), &Stream::legacy()));
         }
     }
 }

@@ -2,10 +2,10 @@
 
 use std::fmt;
 
-use super::{as_own_oom, upstream_properties};
+use super::{as_own_oom, try_upstream_allocate, upstream_properties};
 use crate::device::DevPtr;
 use crate::error::{Error, Result};
-use crate::resource::{MemoryResource, ResourceRef};
+use crate::resource::{check_depth, settle_deallocate, MemoryResource, ResourceRef};
 use crate::stream::Stream;
 use crate::sync::{AtomicUsize, Ordering};
 
@@ -22,6 +22,15 @@ use crate::sync::{AtomicUsize, Ordering};
 /// use, and `resource` naming the limit and the bytes in use, e.g.
 /// `LimitingResourceAdaptor (limit 1048576 bytes, 524288 in use)`. An out-of-memory of
 /// the upstream below the limit is reported with `resource` = `LimitingResourceAdaptor`.
+///
+/// Sizes: the adaptor keeps no record per allocation, so it cannot check that a free
+/// passes the size allocated. A free of more bytes than are allocated through it is
+/// certainly wrong: it is refused with [`Error::InvalidPointer`] and the upstream is not
+/// called, so nothing changes (the memory stays allocated, and the caller may free it
+/// again with the right size; forwarding a size known to be wrong could corrupt an
+/// upstream that routes or rounds by size). Any other wrong size reaches the upstream,
+/// which refuses it where it can, and the count moves by the size given; it never goes
+/// below 0.
 ///
 /// What a reader of [`allocated_bytes`](Self::allocated_bytes) may miss: it counts
 /// reservations of allocations still in flight (and of ones about to fail upstream), and
@@ -57,6 +66,7 @@ impl LimitingAdaptor {
                 "LimitingResourceAdaptor: allocation_limit must be above 0 bytes (0 would refuse every allocation)",
             ));
         }
+        check_depth("LimitingResourceAdaptor", [&upstream])?;
         Ok(LimitingAdaptor { upstream, budget: Budget::new(limit) })
     }
 
@@ -77,16 +87,10 @@ impl LimitingAdaptor {
 }
 
 impl MemoryResource for LimitingAdaptor {
-    upstream_properties!("LimitingResourceAdaptor");
+    upstream_properties!("LimitingResourceAdaptor", depth);
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
-        if let Err(in_use) = self.budget.reserve(bytes) {
-            return Err(Error::OutOfMemory {
-                requested: bytes,
-                available: Some(self.budget.limit.saturating_sub(in_use)),
-                resource: format!("{} (limit {} bytes, {in_use} in use)", self.name(), self.budget.limit),
-            });
-        }
+        self.reserve(bytes)?;
         self.upstream.allocate(bytes, stream).map_err(|e| {
             self.budget.release(bytes);
             as_own_oom(e, bytes, self)
@@ -94,11 +98,63 @@ impl MemoryResource for LimitingAdaptor {
     }
 
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.check_free(ptr, bytes)?;
         // Released only once the upstream has taken the memory back: a refused free (a
         // pointer it does not own) must not make room under the limit.
         self.upstream.deallocate(ptr, bytes, stream)?;
         self.budget.release(bytes);
         Ok(())
+    }
+
+    // Forwarded: the reservation is a compare-and-swap, given back when the upstream's
+    // fast path does not settle the request (the full path reserves again).
+    fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<Result<DevPtr>> {
+        if bytes == 0 {
+            return Some(Ok(0));
+        }
+        if let Err(e) = self.reserve(bytes) {
+            return Some(Err(e));
+        }
+        let result = try_upstream_allocate(self, &self.upstream, bytes, stream);
+        if !matches!(result, Some(Ok(_))) {
+            self.budget.release(bytes);
+        }
+        result
+    }
+
+    fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
+        if ptr == 0 || bytes == 0 {
+            return settle_deallocate(self, ptr, bytes, stream);
+        }
+        if let Err(e) = self.check_free(ptr, bytes) {
+            return Some(Err(e));
+        }
+        let freed = self.upstream.try_deallocate(ptr, bytes, stream)?;
+        Some(freed.map(|()| self.budget.release(bytes)))
+    }
+}
+
+impl LimitingAdaptor {
+    /// Reserves `bytes` under the limit, or the refusal.
+    fn reserve(&self, bytes: usize) -> Result<()> {
+        self.budget.reserve(bytes).map_err(|in_use| Error::OutOfMemory {
+            requested: bytes,
+            available: Some(self.budget.limit.saturating_sub(in_use)),
+            resource: format!("{} (limit {} bytes, {in_use} in use)", self.name(), self.budget.limit),
+        })
+    }
+
+    /// Refuses a free of more bytes than are allocated through it (certainly a wrong size,
+    /// or a pointer allocated elsewhere). The upstream is not called (see the type's docs).
+    fn check_free(&self, ptr: DevPtr, bytes: usize) -> Result<()> {
+        let in_use = self.budget.used();
+        if bytes <= in_use {
+            return Ok(());
+        }
+        Err(Error::InvalidPointer(format!(
+            "{ptr:#x} freed with {bytes} bytes, but only {in_use} bytes are allocated through this \
+             LimitingResourceAdaptor: the size is not the one allocated, or the pointer was not allocated here"
+        )))
     }
 }
 
@@ -142,10 +198,13 @@ impl Budget {
         }
     }
 
-    /// Gives back a reservation.
+    /// Gives back a reservation. Saturating: a free checks that its bytes are in use
+    /// before its upstream call, but two wrong frees racing may both pass that check, and
+    /// the count must then stop at 0 rather than wrap (which would refuse every later
+    /// allocation).
     pub(crate) fn release(&self, bytes: usize) {
-        let before = self.used.fetch_sub(bytes, Ordering::Relaxed);
-        debug_assert!(before >= bytes, "released {bytes} of {before} reserved bytes");
+        let _ =
+            self.used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n.saturating_sub(bytes)));
     }
 
     pub(crate) fn used(&self) -> usize {

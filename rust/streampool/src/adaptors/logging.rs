@@ -25,8 +25,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::{as_own_oom, upstream_properties};
 use crate::device::{DevPtr, RawStream};
-use crate::error::{Error, Result};
-use crate::resource::{MemoryResource, ResourceRef};
+use crate::error::{record_if_failed, Error, Result};
+use crate::resource::{check_depth, MemoryResource, ResourceRef};
 use crate::stream::Stream;
 
 /// The first line of every log.
@@ -108,6 +108,9 @@ pub struct LogEvent {
 /// that the upstream then refuses is still in the log (the log records requests, as
 /// RMM's does). No lock is held while a sink runs.
 ///
+/// Sizes: frees are logged and forwarded as given, wrong sizes included (the log records
+/// requests); the upstream checks them where it can.
+///
 /// What a reader of the log may miss: calls in flight, and the exact order of lines from
 /// different threads within a microsecond.
 ///
@@ -136,6 +139,7 @@ impl LoggingAdaptor {
     /// Logs to `sinks` (at most one file); the file is created or truncated and every
     /// sink is given the header line.
     pub fn new(upstream: ResourceRef, sinks: Vec<LogSink>) -> Result<Self> {
+        check_depth("LoggingResourceAdaptor", [&upstream])?;
         let mut file = None;
         let mut callbacks = Vec::new();
         for sink in sinks {
@@ -200,15 +204,20 @@ impl LoggingAdaptor {
 }
 
 impl MemoryResource for LoggingAdaptor {
-    upstream_properties!("LoggingResourceAdaptor");
+    upstream_properties!("LoggingResourceAdaptor", depth);
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let s = stream.handle();
         match self.upstream.allocate(bytes, stream) {
             Ok(ptr) => {
                 if let Err(e) = self.log(LogAction::Allocate, ptr, bytes, s) {
-                    let _ = self.log(LogAction::Free, ptr, bytes, s);
-                    let _ = self.upstream.deallocate(ptr, bytes, stream);
+                    // Best effort: the sink's error is the one returned; a failure of the
+                    // clean-up is recorded (see `drop_errors`).
+                    let what = || {
+                        format!("LoggingResourceAdaptor: undoing an allocation whose log line failed ({e})")
+                    };
+                    record_if_failed(what, self.log(LogAction::Free, ptr, bytes, s));
+                    record_if_failed(what, self.upstream.deallocate(ptr, bytes, stream));
                     return Err(e);
                 }
                 Ok(ptr)
@@ -226,6 +235,13 @@ impl MemoryResource for LoggingAdaptor {
         self.upstream.deallocate(ptr, bytes, stream)?;
         logged
     }
+
+    // The fast path is not forwarded (the trait's default: every call takes the full
+    // path). A file sink's write may block, which must not happen with the GIL held; a
+    // free is logged before its upstream free, so a free that the upstream's fast path
+    // then sent to the full path would be logged twice; and a sink that fails makes the
+    // adaptor free the memory again, which may wait. Logging is for finding out what a
+    // program does, not for its hot path.
 }
 
 impl fmt::Debug for LoggingAdaptor {

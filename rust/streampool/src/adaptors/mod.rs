@@ -37,8 +37,71 @@ pub use prefetch::PrefetchAdaptor;
 pub use statistics::{Statistics, StatisticsAdaptor};
 pub use tracking::{AllocationRecord, StackCapture, TrackingAdaptor};
 
-use crate::error::Error;
-use crate::resource::{out_of_memory, MemoryResource};
+use std::collections::HashMap;
+
+use crate::device::DevPtr;
+use crate::error::{Error, Result};
+use crate::resource::{out_of_memory, MemoryResource, ResourceRef};
+use crate::stream::Stream;
+use crate::sync::{lock, Mutex, MutexGuard};
+
+/// Shards of a [`PtrMap`]: threads freeing different pointers rarely meet on one lock.
+const SHARDS: usize = 16;
+
+/// Records keyed by address (the tracking adaptor's allocations, the binning resource's
+/// sizes), in 16 shards each behind its own lock. A shard is locked only for one map
+/// operation or a copy of its records, never across a call out (an upstream, a callback),
+/// so waiting for one is short, and cannot deadlock even with the GIL held.
+pub(crate) struct PtrMap<V> {
+    shards: [Mutex<HashMap<DevPtr, V>>; SHARDS],
+}
+
+impl<V> PtrMap<V> {
+    pub(crate) fn new() -> Self {
+        PtrMap { shards: std::array::from_fn(|_| Mutex::new(HashMap::new())) }
+    }
+
+    /// The locked shard that holds `ptr`'s record.
+    fn shard(&self, ptr: DevPtr) -> MutexGuard<'_, HashMap<DevPtr, V>> {
+        // Allocations are at least 256-byte aligned: the bits above the alignment spread.
+        lock(&self.shards[(ptr >> 8) as usize % SHARDS])
+    }
+
+    /// Takes out the record of a free of `ptr` with `bytes`, or refuses the free with
+    /// [`Error::InvalidPointer`] and changes nothing: `ptr` has no record (a double free,
+    /// or memory not allocated through `owner`) or was allocated with another size.
+    /// Taken out *before* the upstream free: once the upstream has the memory back,
+    /// another thread may be handed the same address and record it. Put it back with
+    /// [`insert`](Self::insert) if that free fails.
+    pub(crate) fn take(
+        &self,
+        ptr: DevPtr,
+        bytes: usize,
+        size: impl Fn(&V) -> usize,
+        owner: &str,
+    ) -> Result<V> {
+        let mut shard = self.shard(ptr);
+        match shard.get(&ptr).map(size) {
+            None => Err(Error::InvalidPointer(format!(
+                "{ptr:#x} is not an outstanding allocation of this {owner} (double free, or not allocated here)"
+            ))),
+            Some(had) if had != bytes => Err(Error::InvalidPointer(format!(
+                "{ptr:#x} was allocated with {had} bytes but freed with {bytes} bytes"
+            ))),
+            Some(_) => Ok(shard.remove(&ptr).expect("just found")),
+        }
+    }
+
+    /// Records `value` for `ptr`.
+    pub(crate) fn insert(&self, ptr: DevPtr, value: V) {
+        self.shard(ptr).insert(ptr, value);
+    }
+
+    /// Every shard, one after another (a union of per-shard snapshots).
+    pub(crate) fn shards(&self) -> impl Iterator<Item = MutexGuard<'_, HashMap<DevPtr, V>>> {
+        self.shards.iter().map(lock)
+    }
+}
 
 /// Reports an out-of-memory error from upstream as `mr`'s own (see the module docs);
 /// other errors pass through unchanged.
@@ -53,9 +116,29 @@ pub(crate) fn as_own_oom(e: Error, requested: usize, mr: &dyn MemoryResource) ->
     }
 }
 
+/// An adaptor's fast path into its upstream's ([`MemoryResource::try_allocate`]): `None`
+/// when the upstream does not settle the request, else its answer with an out-of-memory
+/// error reported as `mr`'s own (as the full path does). `Some(Ok(0))` is a zero-size
+/// request's null pointer, which an adaptor passes on without counting it.
+pub(crate) fn try_upstream_allocate(
+    mr: &dyn MemoryResource,
+    upstream: &ResourceRef,
+    bytes: usize,
+    stream: &Stream,
+) -> Option<Result<DevPtr>> {
+    Some(upstream.try_allocate(bytes, stream)?.map_err(|e| as_own_oom(e, bytes, mr)))
+}
+
 /// The `MemoryResource` methods that every adaptor forwards to `self.upstream`, and its
-/// RMM name.
+/// RMM name; with `depth`, also its depth (one more than its upstream's: the constructor
+/// checked it with [`check_depth`](crate::resource::check_depth)).
 macro_rules! upstream_properties {
+    ($name:literal, depth) => {
+        crate::adaptors::upstream_properties!($name);
+        fn depth(&self) -> usize {
+            self.upstream.depth() + 1
+        }
+    };
     ($name:literal) => {
         fn backend(&self) -> &crate::device::BackendRef {
             self.upstream.backend()

@@ -2,10 +2,10 @@
 
 use std::fmt;
 
-use super::{as_own_oom, upstream_properties};
+use super::{as_own_oom, try_upstream_allocate, upstream_properties};
 use crate::device::{DevPtr, Location};
-use crate::error::Result;
-use crate::resource::{MemoryKind, MemoryResource, ResourceRef};
+use crate::error::{record_if_failed, Result};
+use crate::resource::{check_depth, MemoryKind, MemoryResource, ResourceRef};
 use crate::stream::Stream;
 
 /// After each allocation, prefetches it to the allocating device on the allocating
@@ -19,7 +19,8 @@ use crate::stream::Stream;
 /// an error, and the memory is freed again first.
 ///
 /// What a reader may miss: the prefetch is asynchronous; the memory is on the device
-/// only once the stream reaches it. Frees are forwarded unchanged.
+/// only once the stream reaches it. Frees are forwarded unchanged (sizes included: the
+/// upstream checks them where it can).
 ///
 /// ```
 /// use std::sync::Arc;
@@ -27,7 +28,7 @@ use crate::stream::Stream;
 /// use streampool::{ManagedMemoryResource, MemoryResource, PrefetchAdaptor, Stream};
 ///
 /// let sim = SimDevice::new(1 << 30);
-/// let mr = PrefetchAdaptor::new(Arc::new(ManagedMemoryResource::on(sim.clone(), 0)));
+/// let mr = PrefetchAdaptor::new(Arc::new(ManagedMemoryResource::on(sim.clone(), 0)))?;
 /// let p = mr.allocate(1 << 20, &Stream::legacy())?;
 /// mr.deallocate(p, 1 << 20, &Stream::legacy())?;
 /// # Ok::<(), streampool::Error>(())
@@ -37,9 +38,11 @@ pub struct PrefetchAdaptor {
 }
 
 impl PrefetchAdaptor {
-    /// Prefetches what `upstream` allocates, when its memory is managed.
-    pub fn new(upstream: ResourceRef) -> Self {
-        PrefetchAdaptor { upstream }
+    /// Prefetches what `upstream` allocates, when its memory is managed; an error when
+    /// the chain would be deeper than [`MAX_DEPTH`](crate::resource::MAX_DEPTH).
+    pub fn new(upstream: ResourceRef) -> Result<Self> {
+        check_depth("PrefetchResourceAdaptor", [&upstream])?;
+        Ok(PrefetchAdaptor { upstream })
     }
 
     /// The resource this adaptor allocates from.
@@ -49,14 +52,16 @@ impl PrefetchAdaptor {
 }
 
 impl MemoryResource for PrefetchAdaptor {
-    upstream_properties!("PrefetchResourceAdaptor");
+    upstream_properties!("PrefetchResourceAdaptor", depth);
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let ptr = self.upstream.allocate(bytes, stream).map_err(|e| as_own_oom(e, bytes, self))?;
         if self.upstream.memory_kind() == MemoryKind::Managed {
             let (backend, dev) = (self.upstream.backend(), self.upstream.device());
             if let Err(e) = backend.prefetch_async(dev, ptr, bytes, Location::Device(dev), stream.handle()) {
-                let _ = self.upstream.deallocate(ptr, bytes, stream);
+                let what =
+                    || format!("PrefetchResourceAdaptor: freeing an allocation whose prefetch failed ({e})");
+                record_if_failed(what, self.upstream.deallocate(ptr, bytes, stream));
                 return Err(e);
             }
         }
@@ -65,6 +70,19 @@ impl MemoryResource for PrefetchAdaptor {
 
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
         self.upstream.deallocate(ptr, bytes, stream)
+    }
+
+    // Forwarded over memory that is not managed, where the adaptor only forwards; over
+    // managed memory the prefetch is a driver call, which the fast path never makes.
+    fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<Result<DevPtr>> {
+        if self.upstream.memory_kind() == MemoryKind::Managed {
+            return None;
+        }
+        try_upstream_allocate(self, &self.upstream, bytes, stream)
+    }
+
+    fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
+        self.upstream.try_deallocate(ptr, bytes, stream)
     }
 }
 

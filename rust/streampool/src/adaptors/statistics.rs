@@ -2,10 +2,10 @@
 
 use std::fmt;
 
-use super::{as_own_oom, upstream_properties};
+use super::{as_own_oom, try_upstream_allocate, upstream_properties};
 use crate::device::DevPtr;
 use crate::error::{Error, Result};
-use crate::resource::{MemoryResource, ResourceRef};
+use crate::resource::{check_depth, settle_deallocate, MemoryResource, ResourceRef};
 use crate::stream::Stream;
 use crate::sync::{read, write, AtomicI64, Ordering, RwLock};
 
@@ -39,6 +39,15 @@ pub struct Statistics {
 /// `current` fall below zero; [`statistics`](Self::statistics) reports such a value as 0
 /// (the fields are unsigned), and the merge at the pop still adds it correctly.
 ///
+/// Sizes: the adaptor keeps no record per allocation, so it cannot check that a free
+/// passes the size allocated. It refuses, with [`Error::InvalidPointer`] and without
+/// calling the upstream (so nothing changes, and the caller may free again with the right
+/// size), a free that is certainly wrong: of more bytes than are in use through it, all
+/// scopes together, or when nothing is. Any other wrong size reaches the upstream, which
+/// refuses it where it can (a pool, the tracking adaptor), and is counted as given. (Two
+/// wrong frees racing on two threads may both pass the check; the counters are signed and
+/// read as 0 below zero, so they never wrap.)
+///
 /// What a reader of the numbers may miss: allocations and frees in flight on other
 /// threads (counted only once their upstream call has returned), and a consistent
 /// snapshot (the six numbers are read one by one while others update them; `peak` is
@@ -53,7 +62,7 @@ pub struct Statistics {
 /// use streampool::{CudaAsyncMemoryResource, MemoryResource, StatisticsAdaptor, Stream};
 ///
 /// let sim = SimDevice::new(1 << 30);
-/// let mr = StatisticsAdaptor::new(Arc::new(CudaAsyncMemoryResource::on(sim.clone(), 0, Default::default())?));
+/// let mr = StatisticsAdaptor::new(Arc::new(CudaAsyncMemoryResource::on(sim.clone(), 0, Default::default())?))?;
 /// let s = Stream::legacy();
 /// let p = mr.allocate(1000, &s)?;
 /// mr.push_counters();
@@ -74,9 +83,11 @@ pub struct StatisticsAdaptor {
 }
 
 impl StatisticsAdaptor {
-    /// Counts the allocations made through it from `upstream`.
-    pub fn new(upstream: ResourceRef) -> Self {
-        StatisticsAdaptor { upstream, stack: RwLock::new(vec![Counters::default()]) }
+    /// Counts the allocations made through it from `upstream`; an error when the chain
+    /// would be deeper than [`MAX_DEPTH`](crate::resource::MAX_DEPTH).
+    pub fn new(upstream: ResourceRef) -> Result<Self> {
+        check_depth("StatisticsResourceAdaptor", [&upstream])?;
+        Ok(StatisticsAdaptor { upstream, stack: RwLock::new(vec![Counters::default()]) })
     }
 
     /// The counters on top of the stack.
@@ -113,7 +124,7 @@ impl StatisticsAdaptor {
 }
 
 impl MemoryResource for StatisticsAdaptor {
-    upstream_properties!("StatisticsResourceAdaptor");
+    upstream_properties!("StatisticsResourceAdaptor", depth);
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let ptr = self.upstream.allocate(bytes, stream).map_err(|e| as_own_oom(e, bytes, self))?;
@@ -122,9 +133,58 @@ impl MemoryResource for StatisticsAdaptor {
     }
 
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.check_free(ptr, bytes)?;
         self.upstream.deallocate(ptr, bytes, stream)?;
-        read(&self.stack).last().expect("never empty").unrecord(bytes as i64);
+        self.unrecord(bytes);
         Ok(())
+    }
+
+    // Forwarded: the counters are atomics under the stack's shared lock, which only
+    // `push_counters`/`pop_counters` take exclusively, for a moment and without calling
+    // out, so waiting for it with the GIL held is short and cannot deadlock.
+    fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<Result<DevPtr>> {
+        let ptr = match try_upstream_allocate(self, &self.upstream, bytes, stream)? {
+            Ok(0) => return Some(Ok(0)),
+            Ok(ptr) => ptr,
+            Err(e) => return Some(Err(e)),
+        };
+        read(&self.stack).last().expect("never empty").record(bytes as i64);
+        Some(Ok(ptr))
+    }
+
+    fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
+        if ptr == 0 || bytes == 0 {
+            return settle_deallocate(self, ptr, bytes, stream);
+        }
+        if let Err(e) = self.check_free(ptr, bytes) {
+            return Some(Err(e));
+        }
+        let freed = self.upstream.try_deallocate(ptr, bytes, stream)?;
+        Some(freed.map(|()| self.unrecord(bytes)))
+    }
+}
+
+impl StatisticsAdaptor {
+    /// Refuses a free that is certainly wrong: of more bytes than are in use through this
+    /// adaptor (all scopes together), or with no allocation outstanding. The upstream is
+    /// not called (see the type's docs).
+    fn check_free(&self, ptr: DevPtr, bytes: usize) -> Result<()> {
+        let (in_use, count) = read(&self.stack)
+            .iter()
+            .fold((0i64, 0i64), |(b, c), k| (b + k.bytes.value(), c + k.count.value()));
+        if count >= 1 && i64::try_from(bytes).is_ok_and(|b| b <= in_use) {
+            return Ok(());
+        }
+        Err(Error::InvalidPointer(format!(
+            "{ptr:#x} freed with {bytes} bytes, but {} bytes in {} allocation(s) are in use through this \
+             StatisticsResourceAdaptor: the size is not the one allocated, or the pointer was not allocated here",
+            in_use.max(0),
+            count.max(0)
+        )))
+    }
+
+    fn unrecord(&self, bytes: usize) {
+        read(&self.stack).last().expect("never empty").unrecord(bytes as i64);
     }
 }
 
@@ -189,6 +249,10 @@ impl Counter {
 
     fn sub(&self, n: i64) {
         self.value.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    fn value(&self) -> i64 {
+        self.value.load(Ordering::Relaxed)
     }
 
     /// RMM's `counter::operator+=`; called under the exclusive lock, so nothing else

@@ -1,15 +1,14 @@
 //! Every outstanding allocation, with the checks that need them.
 
-use std::collections::HashMap;
 use std::fmt::{self, Write as _};
 use std::sync::Arc;
 
-use super::{as_own_oom, upstream_properties};
+use super::{as_own_oom, try_upstream_allocate, upstream_properties, PtrMap};
 use crate::device::{DevPtr, RawStream};
-use crate::error::{Error, Result};
-use crate::resource::{MemoryResource, ResourceRef};
+use crate::error::Result;
+use crate::resource::{check_depth, settle_deallocate, MemoryResource, ResourceRef};
 use crate::stream::Stream;
-use crate::sync::{lock, AtomicUsize, Mutex, Ordering};
+use crate::sync::{AtomicUsize, Ordering};
 
 /// Captures the caller's stack as text (e.g. a Python traceback from the binding).
 pub type StackCapture = Arc<dyn Fn() -> String + Send + Sync>;
@@ -29,10 +28,6 @@ pub struct AllocationRecord {
     pub stack: Option<String>,
 }
 
-/// Shards of the outstanding map: threads freeing different pointers rarely meet on one
-/// lock.
-const SHARDS: usize = 16;
-
 /// Knows every allocation made through it and not yet freed (RMM's
 /// `tracking_resource_adaptor`), optionally with the allocating stack.
 ///
@@ -40,7 +35,7 @@ const SHARDS: usize = 16;
 /// through it whose free has not been accepted, and
 /// [`allocated_bytes`](Self::allocated_bytes) their sum. A free of a pointer that is not
 /// outstanding (a double free, or one allocated elsewhere) or with another size than it
-/// was allocated with is refused with [`Error::InvalidPointer`]; the upstream is not
+/// was allocated with is refused with [`Error::InvalidPointer`](crate::Error::InvalidPointer); the upstream is not
 /// called and nothing changes.
 ///
 /// What a reader may miss: allocations whose upstream call has not returned yet, and
@@ -54,7 +49,7 @@ const SHARDS: usize = 16;
 /// use streampool::{CudaAsyncMemoryResource, Error, MemoryResource, Stream, TrackingAdaptor};
 ///
 /// let sim = SimDevice::new(1 << 30);
-/// let mr = TrackingAdaptor::new(Arc::new(CudaAsyncMemoryResource::on(sim.clone(), 0, Default::default())?), None);
+/// let mr = TrackingAdaptor::new(Arc::new(CudaAsyncMemoryResource::on(sim.clone(), 0, Default::default())?), None)?;
 /// let s = Stream::legacy();
 /// let p = mr.allocate(4096, &s)?;
 /// assert_eq!(mr.outstanding()[0].bytes, 4096);
@@ -68,25 +63,27 @@ const SHARDS: usize = 16;
 pub struct TrackingAdaptor {
     upstream: ResourceRef,
     capture: Option<StackCapture>,
-    shards: [Mutex<HashMap<DevPtr, AllocationRecord>>; SHARDS],
+    records: PtrMap<AllocationRecord>,
     allocated_bytes: AtomicUsize,
 }
 
 impl TrackingAdaptor {
     /// Tracks the allocations made through it from `upstream`; `capture`, when given, is
-    /// called (with no lock held) on every allocation to record its stack.
-    pub fn new(upstream: ResourceRef, capture: Option<StackCapture>) -> Self {
-        TrackingAdaptor {
+    /// called (with no lock held) on every allocation to record its stack. An error when
+    /// the chain would be deeper than [`MAX_DEPTH`](crate::resource::MAX_DEPTH).
+    pub fn new(upstream: ResourceRef, capture: Option<StackCapture>) -> Result<Self> {
+        check_depth("TrackingResourceAdaptor", [&upstream])?;
+        Ok(TrackingAdaptor {
             upstream,
             capture,
-            shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+            records: PtrMap::new(),
             allocated_bytes: AtomicUsize::new(0),
-        }
+        })
     }
 
     /// Tracks with Rust stack traces (`std::backtrace`, captured whatever
     /// `RUST_BACKTRACE` says). Slow: for finding leaks, not for production.
-    pub fn with_backtraces(upstream: ResourceRef) -> Self {
+    pub fn with_backtraces(upstream: ResourceRef) -> Result<Self> {
         let capture: StackCapture = Arc::new(|| std::backtrace::Backtrace::force_capture().to_string());
         Self::new(upstream, Some(capture))
     }
@@ -94,7 +91,7 @@ impl TrackingAdaptor {
     /// The outstanding allocations, sorted by address.
     pub fn outstanding(&self) -> Vec<AllocationRecord> {
         let mut all: Vec<AllocationRecord> =
-            self.shards.iter().flat_map(|s| lock(s).values().cloned().collect::<Vec<_>>()).collect();
+            self.records.shards().flat_map(|s| s.values().cloned().collect::<Vec<_>>()).collect();
         all.sort_by_key(|r| r.ptr);
         all
     }
@@ -134,11 +131,6 @@ impl TrackingAdaptor {
     pub fn upstream(&self) -> &ResourceRef {
         &self.upstream
     }
-
-    fn shard(&self, ptr: DevPtr) -> &Mutex<HashMap<DevPtr, AllocationRecord>> {
-        // Allocations are at least 256-byte aligned: the bits above the alignment spread.
-        &self.shards[(ptr >> 8) as usize % SHARDS]
-    }
 }
 
 fn thread_label() -> String {
@@ -150,45 +142,77 @@ fn thread_label() -> String {
 }
 
 impl MemoryResource for TrackingAdaptor {
-    upstream_properties!("TrackingResourceAdaptor");
+    upstream_properties!("TrackingResourceAdaptor", depth);
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let stack = self.capture.as_ref().map(|c| c());
         let ptr = self.upstream.allocate(bytes, stream).map_err(|e| as_own_oom(e, bytes, self))?;
-        let record = AllocationRecord { ptr, bytes, stream: stream.handle(), thread: thread_label(), stack };
-        lock(self.shard(ptr)).insert(ptr, record);
-        self.allocated_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.record(ptr, bytes, stream, stack);
         Ok(ptr)
     }
 
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
-        // Taken out before the upstream free: once the upstream has it, another thread may
-        // be handed the same address and record it.
-        let record = {
-            let mut shard = lock(self.shard(ptr));
-            match shard.get(&ptr) {
-                None => {
-                    return Err(Error::InvalidPointer(format!(
-                        "{ptr:#x} is not an outstanding allocation of this {} (double free, or not allocated here)",
-                        self.name()
-                    )))
-                }
-                Some(r) if r.bytes != bytes => {
-                    return Err(Error::InvalidPointer(format!(
-                        "{ptr:#x} was allocated with {} bytes but freed with {bytes} bytes",
-                        r.bytes
-                    )))
-                }
-                Some(_) => shard.remove(&ptr).expect("just found"),
-            }
+        let record = self.records.take(ptr, bytes, |r| r.bytes, self.name())?;
+        self.settle_free(ptr, bytes, record, self.upstream.deallocate(ptr, bytes, stream))
+    }
+
+    // The fast path is forwarded without stack capture only: a capture runs Python code
+    // or walks the Rust stack, which is what the full path (with the GIL released) is for,
+    // and a capture made here would be made again if the upstream then sent the call there.
+    // The shard lock it takes is a `PtrMap`'s: short, and never held across a call out.
+    fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<Result<DevPtr>> {
+        if self.capture.is_some() {
+            return None;
+        }
+        let ptr = match try_upstream_allocate(self, &self.upstream, bytes, stream)? {
+            Ok(0) => return Some(Ok(0)),
+            Ok(ptr) => ptr,
+            Err(e) => return Some(Err(e)),
         };
-        match self.upstream.deallocate(ptr, bytes, stream) {
+        self.record(ptr, bytes, stream, None);
+        Some(Ok(ptr))
+    }
+
+    fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
+        if ptr == 0 || bytes == 0 {
+            return settle_deallocate(self, ptr, bytes, stream);
+        }
+        let record = match self.records.take(ptr, bytes, |r| r.bytes, self.name()) {
+            Ok(record) => record,
+            Err(e) => return Some(Err(e)),
+        };
+        match self.upstream.try_deallocate(ptr, bytes, stream) {
+            Some(freed) => Some(self.settle_free(ptr, bytes, record, freed)),
+            None => {
+                self.records.insert(ptr, record);
+                None
+            }
+        }
+    }
+}
+
+impl TrackingAdaptor {
+    fn record(&self, ptr: DevPtr, bytes: usize, stream: &Stream, stack: Option<String>) {
+        let record = AllocationRecord { ptr, bytes, stream: stream.handle(), thread: thread_label(), stack };
+        self.records.insert(ptr, record);
+        self.allocated_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// After the upstream free of a record taken out: counted, or the record put back.
+    fn settle_free(
+        &self,
+        ptr: DevPtr,
+        bytes: usize,
+        record: AllocationRecord,
+        freed: Result<()>,
+    ) -> Result<()> {
+        match freed {
             Ok(()) => {
                 self.allocated_bytes.fetch_sub(bytes, Ordering::Relaxed);
                 Ok(())
             }
             Err(e) => {
-                lock(self.shard(ptr)).insert(ptr, record);
+                self.records.insert(ptr, record);
                 Err(e)
             }
         }
@@ -198,7 +222,7 @@ impl MemoryResource for TrackingAdaptor {
 impl fmt::Debug for TrackingAdaptor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TrackingAdaptor")
-            .field("outstanding", &self.shards.iter().map(|s| lock(s).len()).sum::<usize>())
+            .field("outstanding", &self.records.shards().map(|s| s.len()).sum::<usize>())
             .field("allocated_bytes", &self.allocated_bytes())
             .field("stacks", &self.capture.is_some())
             .field("upstream", &self.upstream)

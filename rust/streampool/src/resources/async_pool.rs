@@ -47,6 +47,11 @@ impl AsyncPoolOptions {
 /// On out-of-memory it synchronises the allocating stream once (so frees still in
 /// flight on it return to the pool) and retries before failing.
 ///
+/// Sizes are not checked on free: the driver's free (`cuMemFreeAsync`) takes no size and
+/// the resource keeps no record per allocation, so `deallocate(p, n)` with a wrong `n` is
+/// accepted and frees the whole allocation. Wrap it in a
+/// [`TrackingAdaptor`](crate::TrackingAdaptor) to have wrong sizes refused.
+///
 /// ```no_run
 /// use streampool::{CudaAsyncMemoryResource, MemoryResource, Stream};
 /// let mr = CudaAsyncMemoryResource::new(None, Default::default())?;
@@ -232,8 +237,13 @@ impl Drop for CudaAsyncMemoryResource {
     fn drop(&mut self) {
         if self.owns_pool {
             // Outstanding allocations keep the pool's memory until they are freed (the
-            // driver's rule); a failure at process exit has nobody to report to.
-            let _ = self.backend.pool_destroy(self.device, self.pool);
+            // driver's rule); a failure at process exit has nobody to report to: it is
+            // recorded.
+            let (device, pool) = (self.device, self.pool);
+            crate::error::record_if_failed(
+                || format!("destroying the memory pool {pool:#x} of device {device}"),
+                self.backend.pool_destroy(device, pool),
+            );
         }
     }
 }

@@ -24,6 +24,11 @@ pub trait PlainKind: Send + Sync + 'static {
 
 /// A resource that calls the driver for every allocation and free. Use it through its
 /// aliases: [`CudaMemoryResource`], [`ManagedMemoryResource`], [`PinnedHostMemoryResource`].
+///
+/// Sizes are not checked on free: the driver's frees (`cuMemFree`, `cuMemFreeHost`) take
+/// no size and the resource keeps no record per allocation, so a wrong size is accepted
+/// and the whole allocation freed. Wrap it in a [`TrackingAdaptor`](crate::TrackingAdaptor)
+/// to have wrong sizes refused.
 pub struct PlainMemoryResource<K: PlainKind> {
     backend: BackendRef,
     device: i32,

@@ -154,6 +154,8 @@ pub struct PoolStats {
 /// are ever held at once.
 pub struct ShardedPoolMemoryResource {
     upstream: ResourceRef,
+    /// This resource and the chain below it (`MemoryResource::depth`).
+    depth: usize,
     /// The upstream's, kept here: every call asks for them (no dynamic call each time).
     backend: BackendRef,
     device: i32,
@@ -235,12 +237,14 @@ impl ShardedPoolMemoryResource {
         if options.events_every == 0 {
             return Err(Error::invalid("events_every must be at least 1"));
         }
+        let depth = crate::resource::check_depth("ShardedPoolMemoryResource", [&upstream])?;
         if let Some(h) = options.headroom {
             if !(h.is_finite() && h >= 0.0) {
                 return Err(Error::invalid(format!("headroom must be a finite fraction >= 0 (got {h})")));
             }
         }
         let pool = ShardedPoolMemoryResource {
+            depth,
             backend: upstream.backend().clone(),
             device: upstream.device(),
             upstream,
@@ -544,6 +548,9 @@ impl MemoryResource for ShardedPoolMemoryResource {
     fn memory_kind(&self) -> MemoryKind {
         self.upstream.memory_kind()
     }
+    fn depth(&self) -> usize {
+        self.depth
+    }
 
     // The four entry points try the same-stream path first (small answers, in registers)
     // and leave everything else, the checks' errors included, to the full path out of line.
@@ -610,11 +617,19 @@ impl MemoryResource for ShardedPoolMemoryResource {
 impl Drop for ShardedPoolMemoryResource {
     fn drop(&mut self) {
         // Every use of the pool's memory must finish before it goes back; failures (the
-        // driver torn down at exit) have nobody to report to.
-        let _ = self.backend().ctx_synchronize(self.device());
+        // driver torn down at exit) are recorded (`streampool::drop_errors`).
+        let synced = self.backend().ctx_synchronize(self.device());
+        crate::error::record_if_failed(
+            || "ShardedPoolMemoryResource's synchronisation on drop".into(),
+            synced,
+        );
         let table = self.table();
         for c in table.sorted.iter() {
-            let _ = self.upstream.deallocate(c.start, c.size, &Stream::legacy());
+            let freed = self.upstream.deallocate(c.start, c.size, &Stream::legacy());
+            crate::error::record_if_failed(
+                || format!("ShardedPoolMemoryResource's chunk {:#x} on drop", c.start),
+                freed,
+            );
         }
     }
 }

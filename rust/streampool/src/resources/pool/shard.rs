@@ -70,8 +70,8 @@ impl Shard {
         let mut st = self.state.lock();
         st.retired = true;
         if st.unevented > 0 {
-            // DROP_ERROR_HOOK
-            let _ = st.record_event(backend, device, stream, true);
+            let recorded = st.record_event(backend, device, stream, true).map(|_| ());
+            crate::error::record_if_failed(|| "a retiring pool shard's last event".into(), recorded);
         }
     }
 }
