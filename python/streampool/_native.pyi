@@ -650,9 +650,12 @@ class DeviceBuffer:
     resource), ordered on ``stream`` (default: the legacy default stream).
 
     The memory may be used by work enqueued on ``stream`` after the buffer is made, and is
-    freed on that stream when the buffer is collected or closed (a buffer made on the
-    per-thread default stream and collected on another thread waits for the device
-    first). Exports: the CUDA array interface (v3) and DLPack (a 1-D uint8 tensor).
+    freed on that stream when the buffer is collected or closed. A buffer made on the
+    per-thread default stream stays ordered with the stream of the thread that made it:
+    used, exported or collected on another thread (whose handle 2 names its own stream),
+    its work, exports and free are ordered through the legacy default stream, which
+    synchronises with every per-thread default stream. Exports: the CUDA array interface
+    (v3) and DLPack (a 1-D uint8 tensor).
 
     On the simulated device, ``ptr`` is a host address, useless to real GPU libraries.
     """
@@ -684,7 +687,8 @@ class DeviceBuffer:
     def __cuda_array_interface__(self) -> _CudaArrayInterface:
         """The CUDA array interface, version 3: ``size`` uint8 values, with the stream the
         data is ordered on (1: the legacy default stream, 2: the per-thread default stream,
-        else the handle)."""
+        else the handle). A buffer made on the per-thread default stream reports 2 on the
+        thread that made it and 1 on any other."""
     def __dlpack_device__(self) -> tuple[int, int]:
         """``(device_type, device_id)``: kDLCUDA (2) for device memory, kDLCUDAManaged (13)
         for managed memory, kDLCUDAHost (3) for pinned host memory."""

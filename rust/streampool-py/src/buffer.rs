@@ -21,8 +21,10 @@ use crate::streams::{default_stream, to_stream};
 /// ordered on `stream` (default: the legacy default stream).
 ///
 /// The memory may be used by work enqueued on `stream` after the buffer is made; it is
-/// freed on that stream when the buffer is collected or `close()`d. Exports: the CUDA
-/// array interface (v3) and DLPack (a 1-D uint8 tensor).
+/// freed on that stream when the buffer is collected or `close()`d. A buffer made on the
+/// per-thread default stream stays ordered with the stream of the thread that made it:
+/// used, exported or collected on another thread, it is ordered through the legacy default
+/// stream. Exports: the CUDA array interface (v3) and DLPack (a 1-D uint8 tensor).
 #[derive(Debug)]
 #[pyclass(frozen, weakref, module = "streampool", name = "DeviceBuffer")]
 pub struct DeviceBuffer {
@@ -127,10 +129,7 @@ impl DeviceBuffer {
     ) -> PyResult<()> {
         let alloc = self.live()?;
         let resource = alloc.resource().clone();
-        let stream = match stream.filter(|s| !s.is_none()) {
-            Some(s) => to_stream(py, Some(s), || resource.backend())?.into_owned(),
-            None => alloc.stream().clone(),
-        };
+        let stream = Self::work_stream(py, &alloc, stream)?;
         if bytes == 0 {
             return Ok(());
         }
@@ -146,8 +145,22 @@ impl DeviceBuffer {
         })
     }
 
-    fn stream_of(alloc: &Allocation) -> &Stream {
-        alloc.stream()
+    /// The stream a method enqueues its work on `alloc` on: `stream` when given (converted
+    /// as every `stream=` argument is), else the buffer's own. Every method that uses the
+    /// memory on the device goes through here (or through `Allocation::stream`), never
+    /// through the `stream` object as given: the buffer's own stream is kept resolved, so
+    /// that one made on the per-thread default stream stays ordered with the thread that
+    /// made it when it is used from another (see `Stream::resolved`: there it is the
+    /// legacy default stream, ordered after that thread's per-thread stream).
+    fn work_stream(
+        py: Python<'_>,
+        alloc: &Allocation,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Stream> {
+        match stream.filter(|s| !s.is_none()) {
+            Some(s) => Ok(to_stream(py, Some(s), || alloc.resource().backend())?.into_owned()),
+            None => Ok(alloc.stream().clone()),
+        }
     }
 
     /// The live allocation, checked to be managed memory for `what`: ValueError when
@@ -294,11 +307,14 @@ impl DeviceBuffer {
     }
 
     /// The CUDA array interface, version 3: a 1-D array of `size` uint8, with the stream
-    /// its data is ordered on (1: legacy default stream, 2: per-thread default stream).
+    /// its data is ordered on (1: legacy default stream, 2: per-thread default stream). A
+    /// buffer made on the per-thread default stream reports 2 on the thread that made it
+    /// and 1 on others (2 would name the reader's own per-thread stream).
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let alloc = self.live()?;
-        let stream = Self::stream_of(&alloc);
+        // As this thread names it: a per-thread buffer of another thread reports 1.
+        let stream = alloc.stream();
         let stream_value = if stream.is_legacy() { 1 } else { stream.handle() };
         let d = PyDict::new(py);
         d.set_item("shape", (self.size,))?;
@@ -443,12 +459,8 @@ impl DeviceBuffer {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let alloc = self.live_managed(py, "prefetch")?;
-        let resource = alloc.resource().clone();
-        let to = location_arg(device, Location::Device(resource.device()))?;
-        let stream = match stream.filter(|s| !s.is_none()) {
-            Some(s) => to_stream(py, Some(s), || resource.backend())?.into_owned(),
-            None => alloc.stream().clone(),
-        };
+        let to = location_arg(device, Location::Device(alloc.resource().device()))?;
+        let stream = Self::work_stream(py, &alloc, stream)?;
         detached(py, move || alloc.prefetch(Some(to), Some(&stream)))
     }
 

@@ -245,7 +245,10 @@ fn make<'py, M: Managed>(
 
 /// Orders the consumer's `stream` (DLPack's convention: None is the legacy default stream,
 /// -1 asks for no synchronisation, 0 is ambiguous and refused) after the work enqueued on
-/// the buffer's stream: an event recorded there, waited on by the consumer stream.
+/// the buffer's stream: an event recorded there, waited on by the consumer stream. Both
+/// are as the calling thread names them: the buffer's stream is kept resolved, so for a
+/// buffer made on another thread's per-thread default stream the event is recorded on the
+/// legacy default stream, after all of that thread's earlier work (`Stream::resolved`).
 pub(crate) fn order_consumer(
     py: Python<'_>,
     alloc: &Arc<Allocation>,
@@ -270,6 +273,7 @@ pub(crate) fn order_consumer(
             }
         };
     let producer = alloc.stream().clone();
+    // One stream for this thread (handle 2 is this thread's own on both sides).
     if producer.handle() == consumer.handle() {
         return Ok(());
     }

@@ -19,7 +19,6 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::thread::ThreadId;
 
 use crate::device::{BackendRef, DevPtr};
 use crate::error::{record_if_failed, Error, Result, CUDA_ERROR_INVALID_VALUE};
@@ -209,32 +208,25 @@ pub type ResourceRef = Arc<dyn MemoryResource>;
 
 /// Memory from a resource, freed on its stream when dropped (or by [`Allocation::free`]).
 ///
-/// An allocation made on the per-thread default stream and dropped on another thread
-/// cannot name the allocating thread's stream; it waits for the whole device first
-/// (`cuCtxSynchronize`), which orders the free after every use, then frees on the
-/// legacy default stream.
+/// The allocation keeps its stream [resolved](Stream::resolved): one made on the
+/// per-thread default stream keeps the allocating thread's, and every later use through
+/// [`Allocation::stream`] is ordered with that stream from any thread. On the allocating
+/// thread that is the per-thread stream itself; on another thread (which cannot name it)
+/// the legacy default stream, whose work is ordered after all earlier work on every
+/// blocking stream, per-thread ones included. So dropped on another thread, such an
+/// allocation is freed on the legacy default stream, with no wait.
 pub struct Allocation {
     mr: ResourceRef,
     ptr: DevPtr,
     bytes: usize,
     stream: Stream,
-    /// The allocating thread, kept only for the per-thread default stream (looking it up
-    /// costs two atomic operations on every allocation otherwise).
-    thread: Option<ThreadId>,
-}
-
-/// The calling thread, when `stream` is the per-thread default stream (whose identity
-/// depends on it).
-fn owner(stream: &Stream) -> Option<ThreadId> {
-    stream.is_per_thread().then(|| std::thread::current().id())
 }
 
 impl Allocation {
     /// Allocates `bytes` from `mr` on `stream`.
     pub fn new(mr: ResourceRef, bytes: usize, stream: Stream) -> Result<Self> {
         let ptr = mr.allocate(bytes, &stream)?;
-        let thread = owner(&stream);
-        Ok(Allocation { mr, ptr, bytes, stream, thread })
+        Ok(Allocation { mr, ptr, bytes, stream: stream.resolved() })
     }
 
     /// [`Allocation::new`] without waiting for anything (see
@@ -244,7 +236,7 @@ impl Allocation {
             Ok(ptr) => ptr,
             Err(e) => return Some(Err(e)),
         };
-        Some(Ok(Allocation { mr: mr.clone(), ptr, bytes, stream: stream.clone(), thread: owner(stream) }))
+        Some(Ok(Allocation { mr: mr.clone(), ptr, bytes, stream: stream.clone().resolved() }))
     }
 
     /// Frees now without waiting for anything, where the resource can: `Some(result)`
@@ -253,9 +245,6 @@ impl Allocation {
     pub fn try_release(&mut self) -> Option<Result<()>> {
         if self.ptr == 0 {
             return Some(Ok(()));
-        }
-        if self.thread.is_some() && owner(&self.stream) != self.thread {
-            return None;
         }
         let result = self.mr.try_deallocate(self.ptr, self.bytes, &self.stream)?;
         self.ptr = 0;
@@ -272,7 +261,9 @@ impl Allocation {
         self.bytes
     }
 
-    /// The stream the memory is ordered on.
+    /// The stream the memory is ordered on, resolved (see [`Stream::resolved`]): work
+    /// that the calling thread enqueues on it, or orders after it through an event recorded
+    /// on it, is ordered with every earlier use of the memory, whichever thread made it.
     pub fn stream(&self) -> &Stream {
         &self.stream
     }
@@ -293,11 +284,6 @@ impl Allocation {
         let ptr = std::mem::take(&mut self.ptr);
         if ptr == 0 {
             return Ok(());
-        }
-        if self.thread.is_some() && owner(&self.stream) != self.thread {
-            let (backend, device) = (self.mr.backend(), self.mr.device());
-            backend.ctx_synchronize(device)?;
-            return self.mr.deallocate(ptr, self.bytes, &Stream::legacy());
         }
         self.mr.deallocate(ptr, self.bytes, &self.stream)
     }

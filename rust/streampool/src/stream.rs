@@ -5,6 +5,9 @@
 //!   stream and is normalised to 0) or the per-thread default stream (handle 2: a
 //!   different stream on every host thread). These exist on every backend and device,
 //!   so they are not bound to one;
+//! * one thread's per-thread default stream, remembered ([`Stream::resolved`]): what memory
+//!   made on the per-thread default stream keeps, so that a use from another thread is
+//!   ordered with the thread that made it, not with the user's own;
 //! * a stream this crate created and owns (non-blocking unless asked), destroyed when the
 //!   last clone is dropped;
 //! * a borrowed handle that someone else owns (PyTorch's, CuPy's), checked to be a live
@@ -14,6 +17,7 @@ use std::cell::RefCell;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::thread::ThreadId;
 
 use crate::device::{BackendRef, RawEvent, RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM};
 use crate::error::{record_if_failed, Error, Result};
@@ -28,8 +32,14 @@ pub struct Stream {
 #[derive(Clone)]
 enum Origin {
     Default,
+    /// The per-thread default stream of this thread, resolved (`handle` is 2).
+    PerThreadOf(ThreadId),
     Owned(Arc<OwnedStream>),
-    Borrowed { backend: BackendRef, device: i32, key: u64 },
+    Borrowed {
+        backend: BackendRef,
+        device: i32,
+        key: u64,
+    },
 }
 
 struct OwnedStream {
@@ -56,6 +66,16 @@ fn stream_key(backend: &BackendRef, device: i32, handle: RawStream) -> u64 {
 thread_local! {
     /// This thread's keys of the default streams: (backend id, device, handle) -> key.
     static DEFAULT_KEYS: RefCell<Vec<(u64, i32, RawStream, u64)>> = const { RefCell::new(Vec::new()) };
+    /// This thread's id, looked up once (`thread::current` clones a handle each time).
+    static THREAD: ThreadId = std::thread::current().id();
+}
+
+/// True on `owner` itself. False where this thread's storage is already torn down (a
+/// value dropped by a thread-local destructor): the legacy stream, which the answer then
+/// leads to, is ordered with the owner's per-thread stream from its own thread too.
+#[inline]
+fn on_thread(owner: ThreadId) -> bool {
+    THREAD.try_with(|me| *me == owner).unwrap_or(false)
 }
 
 impl Drop for OwnedStream {
@@ -142,19 +162,65 @@ impl Stream {
         }
     }
 
-    /// The handle value to pass to the driver (0 for the legacy default stream).
+    /// This stream made independent of the thread that uses it: the per-thread default
+    /// stream becomes the calling thread's own, remembered; any other stream is itself.
+    ///
+    /// Handle 2 always names the calling thread's per-thread default stream: no other
+    /// thread can enqueue work onto a thread's per-thread stream or record an event there.
+    /// What another thread can do is use the legacy default stream, which synchronises
+    /// with every blocking stream, per-thread default streams included: its work is
+    /// ordered after all the work enqueued before on the owner's per-thread stream, and
+    /// before all the work enqueued there after. So a resolved per-thread stream is that
+    /// stream on its own thread and the legacy default stream on every other thread:
+    /// [`Stream::handle`], [`Stream::key`], [`Stream::is_legacy`] and
+    /// [`Stream::is_per_thread`] answer for the calling thread, and so does everything
+    /// built on them (copies, events, waits, frees, a pool's shards). Whatever keeps a
+    /// stream to order later work on (an [`Allocation`](crate::Allocation)) keeps it
+    /// resolved.
+    pub fn resolved(self) -> Stream {
+        if self.is_per_thread() {
+            let me = THREAD.try_with(|me| *me).unwrap_or_else(|_| std::thread::current().id());
+            return Stream { handle: PER_THREAD_STREAM, origin: Origin::PerThreadOf(me) };
+        }
+        self
+    }
+
+    /// The handle value to pass to the driver (0 for the legacy default stream). For
+    /// another thread's resolved per-thread stream, the legacy default stream's (see
+    /// [`Stream::resolved`]).
+    #[inline]
     pub fn handle(&self) -> RawStream {
-        self.handle
+        match self.origin {
+            Origin::PerThreadOf(owner) if !on_thread(owner) => LEGACY_STREAM,
+            _ => self.handle,
+        }
     }
 
-    /// True for the legacy default stream.
+    /// True for the legacy default stream (and, on another thread, for a resolved
+    /// per-thread stream, which stands for it there).
     pub fn is_legacy(&self) -> bool {
-        self.handle == LEGACY_STREAM && matches!(self.origin, Origin::Default)
+        match self.origin {
+            Origin::Default => self.handle == LEGACY_STREAM,
+            Origin::PerThreadOf(owner) => !on_thread(owner),
+            _ => false,
+        }
     }
 
-    /// True for the per-thread default stream.
+    /// True for the per-thread default stream (a resolved one: on its own thread only).
     pub fn is_per_thread(&self) -> bool {
-        self.handle == PER_THREAD_STREAM && matches!(self.origin, Origin::Default)
+        match self.origin {
+            Origin::Default => self.handle == PER_THREAD_STREAM,
+            Origin::PerThreadOf(owner) => on_thread(owner),
+            _ => false,
+        }
+    }
+
+    /// The thread whose per-thread default stream this is, for a resolved one.
+    pub fn owner_thread(&self) -> Option<ThreadId> {
+        match self.origin {
+            Origin::PerThreadOf(owner) => Some(owner),
+            _ => None,
+        }
     }
 
     /// True when this stream was created by streampool and is destroyed with its last clone.
@@ -166,7 +232,7 @@ impl Stream {
     /// which exist everywhere.
     pub fn binding(&self) -> Option<(&BackendRef, i32)> {
         match &self.origin {
-            Origin::Default => None,
+            Origin::Default | Origin::PerThreadOf(_) => None,
             Origin::Owned(o) => Some((&o.backend, o.device)),
             Origin::Borrowed { backend, device, .. } => Some((backend, *device)),
         }
@@ -211,41 +277,52 @@ impl Stream {
     /// Waits on the host until all work enqueued on this stream has completed.
     pub fn synchronize(&self, backend: &BackendRef, device: i32) -> Result<()> {
         self.check(backend, device)?;
-        backend.stream_synchronize(device, self.handle)
+        if self.owner_thread().is_some() && self.is_legacy() {
+            // Another thread's per-thread stream. Synchronising the legacy stream waits for
+            // its own work, which need not cover the owner's: an event recorded there does
+            // (it is ordered after all earlier work of the blocking streams).
+            let event = Event::new(backend, device)?;
+            event.record(self)?;
+            return event.synchronize();
+        }
+        backend.stream_synchronize(device, self.handle())
     }
 
     /// A key that names this stream and no other, ever, for as long as the process lives
     /// (the driver's `cuStreamGetId`, looked up once: handle values are reused once a
     /// stream is destroyed, keys are not). For the per-thread default stream, the calling
-    /// thread's. Pools key their per-stream state by it.
+    /// thread's; for a resolved one, its owner's on the owner's thread and the legacy
+    /// stream's elsewhere (as [`Stream::handle`]). Pools key their per-stream state by it.
     #[inline]
     pub fn key(&self, backend: &BackendRef, device: i32) -> u64 {
         match &self.origin {
             Origin::Owned(o) => o.key,
             Origin::Borrowed { key, .. } => *key,
-            Origin::Default => self.default_key(backend, device),
+            Origin::Default => default_key(backend, device, self.handle),
+            Origin::PerThreadOf(_) => default_key(backend, device, self.handle()),
         }
-    }
-
-    /// The key of a default stream: the legacy one's, or this thread's per-thread one.
-    fn default_key(&self, backend: &BackendRef, device: i32) -> u64 {
-        DEFAULT_KEYS.with(|keys| {
-            let id = backend.id();
-            let mut keys = keys.borrow_mut();
-            if let Some(&(.., key)) = keys.iter().find(|k| (k.0, k.1, k.2) == (id, device, self.handle)) {
-                return key;
-            }
-            let key = stream_key(backend, device, self.handle);
-            keys.push((id, device, self.handle, key));
-            key
-        })
     }
 
     /// Makes all later work on this stream wait for `event`'s recorded work.
     pub fn wait(&self, event: &Event) -> Result<()> {
         self.check(&event.backend, event.device)?;
-        event.backend.stream_wait_event(event.device, self.handle, event.raw)
+        event.backend.stream_wait_event(event.device, self.handle(), event.raw)
     }
+}
+
+/// The calling thread's key of the default stream `handle`: the legacy one's, or its own
+/// per-thread one.
+fn default_key(backend: &BackendRef, device: i32, handle: RawStream) -> u64 {
+    DEFAULT_KEYS.with(|keys| {
+        let id = backend.id();
+        let mut keys = keys.borrow_mut();
+        if let Some(&(.., key)) = keys.iter().find(|k| (k.0, k.1, k.2) == (id, device, handle)) {
+            return key;
+        }
+        let key = stream_key(backend, device, handle);
+        keys.push((id, device, handle, key));
+        key
+    })
 }
 
 impl Default for Stream {
@@ -259,6 +336,9 @@ impl fmt::Debug for Stream {
         let kind = match (&self.origin, self.handle) {
             (Origin::Default, PER_THREAD_STREAM) => "per-thread default",
             (Origin::Default, _) => "legacy default",
+            (Origin::PerThreadOf(owner), _) => {
+                return write!(f, "Stream({:#x}, per-thread default of {owner:?})", self.handle)
+            }
             (Origin::Owned(_), _) => "owned",
             (Origin::Borrowed { .. }, _) => "borrowed",
         };

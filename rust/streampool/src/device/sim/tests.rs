@@ -489,6 +489,45 @@ fn reuse_after_the_free_completed_needs_no_wait() {
 }
 
 #[test]
+fn the_legacy_stream_orders_with_other_threads_per_thread_streams() {
+    // Another thread cannot name a thread's per-thread stream (handle 2 is its own), but
+    // the legacy stream synchronises with it as with any blocking stream, both ways.
+    let sim = sim();
+    let p = sim.mem_alloc(0, 4096).unwrap();
+    let on_worker = |f: fn(&SimDevice, DevPtr)| {
+        let sim = sim.clone();
+        std::thread::spawn(move || f(&sim, p)).join().unwrap()
+    };
+    let non_blocking = stream(&sim, false);
+    let event = sim.event_create(0).unwrap();
+
+    // The worker's write, then the legacy stream's read and an event recorded there.
+    on_worker(|sim, p| sim.write_labeled(PER_THREAD_STREAM, p, 4096, "worker's write").unwrap());
+    sim.read_labeled(LEGACY_STREAM, p, 4096, "legacy read").unwrap();
+    sim.event_record(0, event, LEGACY_STREAM).unwrap();
+    sim.stream_wait_event(0, non_blocking, event).unwrap();
+    sim.read_labeled(non_blocking, p, 4096, "waiter's read").unwrap();
+    // Nothing of the worker's has run: the legacy read cannot run first.
+    assert!(!sim.step(LEGACY_STREAM).unwrap());
+    // A host wait on an event recorded on the legacy stream waits for the worker's write.
+    sim.event_synchronize(0, event).unwrap();
+    assert_eq!(sim.queued(LEGACY_STREAM).unwrap(), 0);
+    sim.run();
+
+    // The other way: a legacy write, then a write on another thread's per-thread stream.
+    sim.write_labeled(LEGACY_STREAM, p, 4096, "legacy write").unwrap();
+    on_worker(|sim, p| sim.write_labeled(PER_THREAD_STREAM, p, 4096, "worker's later write").unwrap());
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+
+    // A third thread's per-thread stream is not ordered after the worker's.
+    on_worker(|sim, p| sim.write_labeled(PER_THREAD_STREAM, p, 4096, "worker's write").unwrap());
+    sim.read_labeled(PER_THREAD_STREAM, p, 4096, "main's per-thread read").unwrap();
+    sim.run();
+    assert_eq!(sim.take_races().len(), 1);
+}
+
+#[test]
 fn a_free_on_the_legacy_stream_is_ordered_after_blocking_streams() {
     // An allocation made on one thread's per-thread stream, freed on the legacy stream
     // by another thread, reused on a non-blocking stream.
