@@ -159,3 +159,25 @@ def test_destroyed_and_bogus_pointers() -> None:
     with pytest.raises(streampool.InvalidStreamError, match="destroyed"):
         resource.allocate(256, handle)
     assert resource.allocate(0) == 0
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_rmm_buffer_api_moves_real_data(name: str) -> None:
+    resource = FACTORIES[name]()
+    s = streampool.Stream()
+    payload = bytes(range(256)) * 4096
+    src = streampool.DeviceBuffer.to_device(payload, stream=s, mr=resource)
+    made = streampool.DeviceBuffer(ptr=src.ptr, size=src.size, stream=s, mr=resource)
+    assert made.tobytes() == payload
+    dup = src.copy()
+    dst = streampool.DeviceBuffer(size=len(payload) + 16, stream=streampool.Stream(), mr=resource)
+    dst.copy_from_device(dup)
+    assert dst.tobytes()[: len(payload)] == payload
+    dst.resize(4 * len(payload))
+    dst.reserve(8 * len(payload))
+    assert dst.capacity() == 8 * len(payload) and dst.tobytes()[: len(payload)] == payload
+    buf = streampool.DeviceBuffer(size=4096, mr=resource)
+    buf.prefetch()  # managed memory moves; other memory has nothing to move
+    with pytest.raises(streampool.InvalidPointerError):
+        resource.deallocate(buf.ptr, buf.size)
+    assert bytes(buf.copy_to_host()) == buf.tobytes()

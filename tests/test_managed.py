@@ -160,8 +160,6 @@ def test_bad_arguments_are_clear_errors() -> None:
 def test_memory_that_is_not_managed_is_refused_naming_its_resource(factory: object, words: str) -> None:
     buf = streampool.DeviceBuffer(size=4096, mr=factory())  # type: ignore[operator]
     origin = re.escape(f"this buffer's memory comes from {words}")
-    with pytest.raises(streampool.InvalidArgumentError, match=f"prefetch needs managed memory; {origin}"):
-        buf.prefetch()
     with pytest.raises(ValueError, match=f"advice needs managed memory; {origin}"):
         buf.advise("read_mostly")
     with pytest.raises(ValueError, match="needs managed memory"):

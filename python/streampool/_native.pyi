@@ -7,6 +7,7 @@ device wait, a resource's lock) releases the GIL.
 """
 
 import os
+import pickle
 from collections.abc import Callable
 from types import TracebackType
 from typing import (
@@ -21,6 +22,7 @@ from typing import (
     TypedDict,
     TypeVar,
     final,
+    overload,
     type_check_only,
 )
 
@@ -170,7 +172,8 @@ class MemoryResource:
     def deallocate(self, ptr: int, nbytes: _Size, stream: _StreamLike = None) -> None:
         """Frees ``ptr`` (of ``nbytes`` bytes, as allocated) for reuse by work ordered
         after what is enqueued on ``stream`` now. InvalidPointerError where the resource
-        can tell the pointer or size is wrong."""
+        can tell the pointer or size is wrong, and for the address of an open DeviceBuffer
+        that Python code has read (the buffer frees its memory itself)."""
     @property
     def device(self) -> int:
         """The device ordinal the resource is bound to."""
@@ -657,21 +660,53 @@ class DeviceBuffer:
     synchronises with every per-thread default stream. Exports: the CUDA array interface
     (v3) and DLPack (a 1-D uint8 tensor).
 
+    A drop-in for ``rmm.DeviceBuffer`` (RMM's methods and argument names), except that
+    ``stream=None`` means the legacy default stream when a buffer is made, and the
+    buffer's own stream in its methods (RMM's methods default to its default stream).
+
+    Freeing a buffer's memory by hand (``mr.deallocate(buf.ptr, buf.size)``) is refused
+    with InvalidPointerError while the buffer is open and its address has been read from
+    Python (``ptr``, ``__cuda_array_interface__`` or ``__dlpack__``, the ways Python code
+    comes by it); the buffer stays usable. A hand free the binding cannot see (an address
+    taken from ``repr``, or freed from C, or through another library) makes the buffer's own
+    free a double free: where the resource tracks its allocations (the sharded pool, the
+    tracking adaptor, the plain ``cuMemFree`` resource and the simulated device) it is
+    refused, and ``close()`` raises it as InvalidPointerError while collection reports it
+    through ``sys.unraisablehook`` (as Python reports an exception in ``__del__``), naming
+    the pointer. Where the resource does not track (the driver's stream-ordered pool on a
+    real GPU) it is not detected, and memory handed out after the hand free may alias the
+    buffer's until then: never free a buffer's pointer by hand.
+
     On the simulated device, ``ptr`` is a host address, useless to real GPU libraries.
     """
 
     def __new__(
-        cls, size: _Size = 0, stream: _StreamLike = None, mr: MemoryResource | None = None
-    ) -> DeviceBuffer: ...
+        cls,
+        size: _Size = 0,
+        stream: _StreamLike = None,
+        mr: MemoryResource | None = None,
+        *,
+        ptr: int | None = None,
+    ) -> DeviceBuffer:
+        """With ``ptr``, the new buffer holds a copy of the ``size`` bytes at ``ptr`` (device,
+        managed or pinned memory), enqueued on ``stream``; on the legacy default stream the
+        copy is also waited for (as RMM does), on any other it is not, and the caller orders
+        the source's writers before it and keeps the source alive until it has run.
+        ValueError for ``ptr=0`` with ``size > 0`` or a negative ``ptr``; TypeError for a
+        ``ptr`` that is not an int."""
     @property
     def ptr(self) -> int:
-        """The device address (0 for an empty buffer). ValueError once closed."""
+        """The device address (0 for an empty buffer). ValueError once closed. It changes
+        when ``resize`` or ``reserve`` moves the contents."""
     @property
     def size(self) -> int:
         """The size in bytes."""
     @property
     def nbytes(self) -> int:
         """The size in bytes (same as ``size``)."""
+    def capacity(self) -> int:
+        """The bytes allocated: at least ``size`` (``reserve`` and a shrinking ``resize``
+        leave room). ValueError once closed."""
     @property
     def stream(self) -> Any:
         """The stream the buffer was made on, as given (DEFAULT_STREAM when none was); the
@@ -683,6 +718,10 @@ class DeviceBuffer:
     def closed(self) -> bool:
         """True once ``close()`` has been called."""
     def __len__(self) -> int: ...
+    def __sizeof__(self) -> int:
+        """``size``, as RMM reports it (the device memory, not the host object)."""
+    def __bytes__(self) -> bytes:
+        """``tobytes()``."""
     @property
     def __cuda_array_interface__(self) -> _CudaArrayInterface:
         """The CUDA array interface, version 3: ``size`` uint8 values, with the stream the
@@ -700,37 +739,71 @@ class DeviceBuffer:
         dl_device: tuple[int, int] | None = None,
         copy: bool | None = None,
     ) -> CapsuleType:
-        """A DLPack capsule of the buffer as a 1-D uint8 tensor: ``"dltensor_versioned"``
-        (DLPack 1.1) when ``max_version >= (1, 0)``, a legacy ``"dltensor"`` otherwise. The
-        tensor keeps the buffer (and its memory) alive until the consumer deletes it.
+        """A DLPack capsule of the buffer (its ``size`` bytes) as a 1-D uint8 tensor:
+        ``"dltensor_versioned"`` (DLPack 1.1) when ``max_version >= (1, 0)``, a legacy
+        ``"dltensor"`` otherwise. The tensor keeps the buffer's current memory alive until
+        the consumer deletes it (also across a ``resize`` that moves the buffer).
 
         ``stream`` is the consumer's: None means the legacy default stream, -1 no
         synchronisation, 0 is refused (ambiguous); otherwise the consumer stream is made to
         wait for the buffer's stream. Raises BufferError for another ``dl_device`` or
         ``copy=True``."""
-    def copy_to_host(self, out: _B | None = None, stream: _StreamLike = None) -> bytearray | _B:
+    @overload
+    def copy_to_host(self, ary: None = None, stream: _StreamLike = None) -> Any:
         """Copies the buffer to the host and waits for the copy (GIL released). Without
-        ``out``, returns a new bytearray; with ``out`` (a writable, C-contiguous buffer of
-        at least ``size`` bytes), fills and returns it. ``stream``: where the copy is
-        ordered (default: the buffer's own stream)."""
-    def copy_from_host(self, obj: Buffer, stream: _StreamLike = None) -> None:
+        ``ary``, returns a new numpy uint8 array (a bytearray when numpy is not installed);
+        with ``ary`` (a writable, C-contiguous buffer of at least ``size`` bytes), fills and
+        returns it. ``stream``: where the copy is ordered (default: the buffer's own
+        stream)."""
+    @overload
+    def copy_to_host(self, ary: _B, stream: _StreamLike = None) -> _B: ...
+    def copy_from_host(self, ary: Buffer, stream: _StreamLike = None) -> None:
         """Copies a host buffer of at most ``size`` bytes to the start of the buffer and
         waits for the copy (GIL released). ``stream`` defaults to the buffer's own."""
-    def tobytes(self) -> bytes:
-        """The contents as bytes (a host copy ordered on the buffer's stream)."""
+    def copy_from_device(self, cuda_ary: Any, stream: _StreamLike = None) -> None:
+        """Copies device memory to the start of the buffer, enqueued on ``stream`` (default:
+        the buffer's own) and not waited for. ``cuda_ary`` is another DeviceBuffer or any
+        object with a C-contiguous ``__cuda_array_interface__`` of at most ``size`` bytes
+        (TypeError for anything else, ValueError for a larger, strided, masked or null
+        source). When the source names a stream (a buffer's own, or the interface's v3
+        ``stream``) other than the copy's, the copy waits for the work enqueued there and
+        that stream waits for the copy, so the source's owner may reuse it in its own
+        stream order."""
+    def tobytes(self, stream: _StreamLike = None) -> bytes:
+        """The contents as bytes (a host copy, waited for), ordered on ``stream`` (default:
+        the buffer's own)."""
     @staticmethod
-    def to_device(
-        host_bytes: Buffer, stream: _StreamLike = None, mr: MemoryResource | None = None
-    ) -> DeviceBuffer:
-        """A new buffer holding a copy of ``host_bytes``."""
+    def to_device(b: Buffer, stream: _StreamLike = None, mr: MemoryResource | None = None) -> DeviceBuffer:
+        """A new buffer holding a copy of ``b``."""
+    def copy(self) -> DeviceBuffer:
+        """A deep copy: a new buffer of ``size`` bytes from the same resource, on the same
+        stream, filled by a copy enqueued on that stream (not waited for)."""
+    def __copy__(self) -> DeviceBuffer:
+        """``copy()``."""
+    def __deepcopy__(self, memo: Any) -> DeviceBuffer:
+        """``copy()``."""
+    def resize(self, new_size: _Size, stream: _StreamLike = None) -> None:
+        """Sets the size. Within ``capacity()`` nothing moves (growing exposes bytes of
+        unspecified value); beyond it the contents move to a new allocation of
+        ``new_size`` bytes on the buffer's stream, copied on ``stream`` (default: the
+        buffer's own; another stream waits for the buffer's, and the buffer's for the
+        copy), the old memory is freed on the buffer's stream, and ``ptr`` changes
+        (addresses read before are stale). The buffer keeps its stream, unlike RMM's."""
+    def reserve(self, new_capacity: _Size, stream: _StreamLike = None) -> None:
+        """Makes ``capacity()`` at least ``new_capacity``, keeping the size and contents;
+        when it grows, the contents move as in ``resize``."""
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
         """Pickles through a host copy; unpickling allocates from the current resource."""
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, tuple[bytes | pickle.PickleBuffer]]:
+        """As ``__reduce__``; with protocol 5 or later the host copy is a
+        ``pickle.PickleBuffer``, which ``pickle.dumps(..., buffer_callback=...)`` can take
+        out of band."""
     def prefetch(self, device: int | Literal["host"] | None = None, stream: _StreamLike = None) -> None:
-        """Prefetches the memory (managed memory only) to ``device`` (a device ordinal,
-        ``"host"``, or None for the device of the buffer's resource), in order on
-        ``stream`` (default: the buffer's own stream). Returns at once (GIL released).
-        ValueError once closed; InvalidArgumentError (a ValueError) naming the resource
-        when the memory is not managed."""
+        """Prefetches managed memory to ``device`` (a device ordinal, ``"host"``, or None
+        for the device of the buffer's resource), in order on ``stream`` (default: the
+        buffer's own stream). Returns at once (GIL released). Memory that is not managed
+        has nothing to move: the arguments are checked and nothing else happens (as RMM's).
+        ValueError once closed."""
     def advise(self, advice: _Advice, device: int | Literal["host"] | None = None) -> None:
         """Advises the driver how the memory (managed memory only) will be used, for
         ``device`` (a device ordinal, ``"host"``, or None for the buffer's device; ignored

@@ -1,21 +1,24 @@
 //! `streampool.DeviceBuffer`: memory from a resource, ordered on a stream, exported through
 //! the CUDA array interface and DLPack, freed on its stream when collected or closed.
 
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyCapsule, PyDict, PyInt, PyString, PyTuple};
-use streampool::device::{Advice, DevPtr, Location};
-use streampool::{managed, Allocation, Stream};
+use streampool::device::{Advice, BackendRef, DevPtr, Location};
+use streampool::{managed, Allocation, Error, Event, Stream};
 
 use crate::dlpack;
-use crate::errors::{buffer_error, detached, OrRaise};
+use crate::errors::{buffer_error, detached, to_pyerr, OrRaise};
 use crate::gil::fast_path_settled;
 use crate::resources::{get_current_device_resource, PyMemoryResource};
-use crate::size_arg;
 use crate::streams::{default_stream, to_stream};
+use crate::{ptr_arg, size_arg};
 
 /// Untyped memory of `size` bytes from `mr` (default: the current device's resource),
 /// ordered on `stream` (default: the legacy default stream).
@@ -28,9 +31,12 @@ use crate::streams::{default_stream, to_stream};
 #[derive(Debug)]
 #[pyclass(frozen, weakref, module = "streampool", name = "DeviceBuffer")]
 pub struct DeviceBuffer {
-    // The lock is held only to look at, share or take the memory.
+    // The lock is held only to look at, share, take or replace the memory.
     memory: Mutex<Memory>,
-    size: usize,
+    // At most the allocation's size (`capacity()`); changed only with the lock held.
+    size: AtomicUsize,
+    // True once Python code has been shown the current memory's address (see `EXPOSED`).
+    exposed: AtomicBool,
     mr: Py<PyMemoryResource>,
     // The stream object as given (a torch or cupy stream stays alive with the buffer).
     stream: Py<PyAny>,
@@ -56,18 +62,103 @@ impl Memory {
             Memory::Closed => None,
         }
     }
+
+    /// Gives up this hold on the memory, freeing it when it was the last (see [`release`]).
+    fn let_go(self) {
+        match self {
+            Memory::Own(alloc) => release(alloc),
+            // Exactly one holder gets the allocation back, however many let go at once; the
+            // others only drop a reference, which never waits.
+            Memory::Shared(shared) => {
+                if let Some(alloc) = Arc::into_inner(shared) {
+                    release(alloc);
+                }
+            }
+            Memory::Closed => {}
+        }
+    }
 }
 
-/// Drops `value` with the GIL released (freeing can wait for the device: `cuMemFree`),
-/// unless the interpreter is shutting down, when dropping it with the GIL held is the only
-/// option.
-fn drop_detached<T: Send>(value: T) {
-    let mut value = Some(value);
+/// Frees `alloc` now: without waiting where the resource can (keeping the GIL, as the fast
+/// path does), else with the GIL released (freeing can wait for the device: `cuMemFree`),
+/// or with it held when the interpreter is shutting down and that is the only option. A
+/// free its resource refuses as a double or unknown free is reported (see
+/// [`report_refused_free`]); other failures (a driver torn down at exit) are not.
+pub(crate) fn release(mut alloc: Allocation) {
+    let (ptr, bytes) = (alloc.ptr(), alloc.bytes());
+    // `try_release` leaves a null pointer whenever it settles the free: dropping `alloc`
+    // afterwards frees nothing again.
+    let result = match alloc.try_release() {
+        Some(result) => result,
+        None => {
+            let mut alloc = Some(alloc);
+            let result = Python::try_attach(|py| {
+                let alloc = alloc.take();
+                py.detach(move || alloc.map_or(Ok(()), Allocation::free))
+            });
+            match alloc {
+                Some(alloc) => alloc.free(),
+                None => result.unwrap_or(Ok(())),
+            }
+        }
+    };
+    if let Err(e) = result {
+        report_refused_free(ptr, bytes, e);
+    }
+}
+
+/// Reports, through `sys.unraisablehook` (as Python reports an exception in `__del__`),
+/// that freeing a buffer's memory was refused as a double or unknown free: its pointer was
+/// most likely freed by hand (`mr.deallocate(buf.ptr, ...)`), and memory handed out since
+/// may alias what the buffer was still using. Never panics; nothing is reported when the
+/// interpreter is gone.
+fn report_refused_free(ptr: DevPtr, bytes: usize, e: Error) {
+    if !matches!(e, Error::InvalidPointer(_)) {
+        return;
+    }
     let _ = Python::try_attach(|py| {
-        let value = value.take();
-        py.detach(move || drop(value));
+        let e = Error::InvalidPointer(format!(
+            "freeing a DeviceBuffer's memory ({bytes} bytes at {ptr:#x}) failed: was its pointer freed \
+             by hand? ({e})"
+        ));
+        to_pyerr(py, e).write_unraisable(py, None);
     });
-    drop(value);
+}
+
+// ---------------------------------------------------------------------------------------
+// Pointers of live buffers that Python code has seen.
+//
+// `MemoryResource.deallocate(buf.ptr, buf.size)` frees a buffer's memory behind its back:
+// the buffer's own free later is then a double free, and memory handed out in between can
+// alias memory still in use. The binding refuses such a free when the pointer is in this
+// set: the addresses of open buffers that Python code has been shown (`ptr`, the CUDA array
+// interface, DLPack), which is how Python code comes by a buffer's pointer. Making a buffer
+// costs nothing for this (the set is filled when an address is first read, and a buffer
+// that was never read never touches it); a raw `deallocate` costs one relaxed load while
+// the set is empty, and one uncontended lock and look-up otherwise.
+
+static EXPOSED: Mutex<BTreeSet<DevPtr>> = Mutex::new(BTreeSet::new());
+/// The set's size, read without the lock: the common case (no buffer's address shown)
+/// skips it. Written with the lock held.
+static EXPOSED_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+fn exposed_set() -> MutexGuard<'static, BTreeSet<DevPtr>> {
+    EXPOSED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// InvalidPointerError when `ptr` is the address of an open DeviceBuffer whose address
+/// Python code has seen: freeing it by hand would make the buffer's own free a double free.
+pub(crate) fn refuse_buffer_pointer(py: Python<'_>, ptr: DevPtr) -> PyResult<()> {
+    if EXPOSED_COUNT.load(Ordering::Relaxed) == 0 || !exposed_set().contains(&ptr) {
+        return Ok(());
+    }
+    Err(to_pyerr(
+        py,
+        Error::InvalidPointer(format!(
+            "{ptr:#x} is the memory of an open DeviceBuffer, which frees it itself; close the buffer \
+             (or let it be collected) instead of deallocating its pointer"
+        )),
+    ))
 }
 
 impl DeviceBuffer {
@@ -97,23 +188,91 @@ impl DeviceBuffer {
             Some(s) => s.clone().unbind(),
             None => default_stream(py)?.clone_ref(py).into_any(),
         };
-        Ok(DeviceBuffer { memory: Mutex::new(Memory::Own(alloc)), size, mr, stream })
+        Ok(DeviceBuffer {
+            memory: Mutex::new(Memory::Own(alloc)),
+            size: AtomicUsize::new(size),
+            exposed: AtomicBool::new(false),
+            mr,
+            stream,
+        })
     }
 
     fn slot(&self) -> MutexGuard<'_, Memory> {
         self.memory.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn len(&self) -> usize {
+        self.size.load(Ordering::Relaxed)
+    }
+
     /// The allocation, shared from now on; ValueError once closed.
     fn live(&self) -> PyResult<Arc<Allocation>> {
+        self.share(false)
+    }
+
+    /// [`DeviceBuffer::live`], for handing the address to Python code or a consumer: the
+    /// address is recorded in `EXPOSED` (with the lock held, so that a concurrent `resize`
+    /// cannot leave a stale entry).
+    fn live_exposed(&self) -> PyResult<Arc<Allocation>> {
+        self.share(true)
+    }
+
+    fn share(&self, expose: bool) -> PyResult<Arc<Allocation>> {
         let mut slot = self.slot();
         let shared = match std::mem::take(&mut *slot) {
             Memory::Own(alloc) => Arc::new(alloc),
             Memory::Shared(alloc) => alloc,
             Memory::Closed => return Err(closed()),
         };
+        if expose {
+            self.expose(shared.ptr());
+        }
         *slot = Memory::Shared(shared.clone());
         Ok(shared)
+    }
+
+    /// Records `ptr`, the current memory's address, as seen by Python code. The caller
+    /// holds the memory's lock.
+    fn expose(&self, ptr: DevPtr) {
+        if ptr != 0 && !self.exposed.swap(true, Ordering::Relaxed) {
+            let mut set = exposed_set();
+            set.insert(ptr);
+            EXPOSED_COUNT.store(set.len(), Ordering::Relaxed);
+        }
+    }
+
+    /// Forgets `ptr`, the current memory's address, before the buffer gives the memory up.
+    /// The caller holds the memory's lock (or `&mut self`).
+    fn unexpose(&self, ptr: DevPtr) {
+        if self.exposed.swap(false, Ordering::Relaxed) {
+            let mut set = exposed_set();
+            set.remove(&ptr);
+            EXPOSED_COUNT.store(set.len(), Ordering::Relaxed);
+        }
+    }
+
+    /// Takes the memory out (the buffer is closed from then on), forgetting its address.
+    fn take(&self) -> Memory {
+        let mut slot = self.slot();
+        if let Some(alloc) = slot.get() {
+            self.unexpose(alloc.ptr());
+        }
+        std::mem::take(&mut *slot)
+    }
+
+    /// The stream an operation is ordered on: `stream` when given, else the buffer's own.
+    ///
+    /// Every method that uses the memory on the device goes through here (or through
+    /// `Allocation::stream`), never through the `stream` object as given: the buffer's own
+    /// stream is kept resolved, so that one made on the per-thread default stream stays
+    /// ordered with the thread that made it when it is used from another (see
+    /// `Stream::resolved`: there it is the legacy default stream, ordered after that
+    /// thread's per-thread stream).
+    fn op_stream(py: Python<'_>, alloc: &Allocation, stream: Option<&Bound<'_, PyAny>>) -> PyResult<Stream> {
+        match stream.filter(|s| !s.is_none()) {
+            Some(s) => Ok(to_stream(py, Some(s), || alloc.resource().backend())?.into_owned()),
+            None => Ok(alloc.stream().clone()),
+        }
     }
 
     /// Copies `bytes` between the buffer's start and host memory at `host`, on `stream`
@@ -128,12 +287,12 @@ impl DeviceBuffer {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let alloc = self.live()?;
-        let resource = alloc.resource().clone();
-        let stream = Self::work_stream(py, &alloc, stream)?;
+        let stream = Self::op_stream(py, &alloc, stream)?;
         if bytes == 0 {
             return Ok(());
         }
         detached(py, move || {
+            let resource = alloc.resource();
             let (backend, device) = (resource.backend(), resource.device());
             stream.check(backend, device)?;
             let (dst, src) = if to_host { (host, alloc.ptr()) } else { (alloc.ptr(), host) };
@@ -145,22 +304,100 @@ impl DeviceBuffer {
         })
     }
 
-    /// The stream a method enqueues its work on `alloc` on: `stream` when given (converted
-    /// as every `stream=` argument is), else the buffer's own. Every method that uses the
-    /// memory on the device goes through here (or through `Allocation::stream`), never
-    /// through the `stream` object as given: the buffer's own stream is kept resolved, so
-    /// that one made on the per-thread default stream stays ordered with the thread that
-    /// made it when it is used from another (see `Stream::resolved`: there it is the
-    /// legacy default stream, ordered after that thread's per-thread stream).
-    fn work_stream(
+    /// Enqueues a copy of `bytes` from device address `src` to the buffer's start, on
+    /// `stream` (the buffer's own when None), with the GIL released; returns once it is
+    /// enqueued. When the source's data is ordered on `source` (another buffer's stream, or
+    /// the stream a CUDA array interface names) and that is another stream, the copy is
+    /// ordered after the work enqueued there, and that stream after the copy, so that the
+    /// source's owner may free or overwrite it in its own stream order. `keep` is held until
+    /// the copy is enqueued and ordered.
+    fn copy_in(
+        &self,
         py: Python<'_>,
-        alloc: &Allocation,
+        src: DevPtr,
+        bytes: usize,
         stream: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Stream> {
-        match stream.filter(|s| !s.is_none()) {
-            Some(s) => Ok(to_stream(py, Some(s), || alloc.resource().backend())?.into_owned()),
-            None => Ok(alloc.stream().clone()),
+        source: Option<Stream>,
+        keep: Option<Arc<Allocation>>,
+    ) -> PyResult<()> {
+        let alloc = self.live()?;
+        let stream = Self::op_stream(py, &alloc, stream)?;
+        if bytes == 0 {
+            return Ok(());
         }
+        detached(py, move || {
+            let resource = alloc.resource();
+            let (backend, device) = (resource.backend(), resource.device());
+            stream.check(backend, device)?;
+            let source = source.filter(|s| s.handle() != stream.handle());
+            if let Some(source) = &source {
+                order(backend, device, &stream, source)?;
+            }
+            // SAFETY: the destination is this live allocation, at least `bytes` long (checked
+            // by the callers); the source is device memory that the caller says holds
+            // `bytes`, ordered as above, and kept alive by `keep` or its owner.
+            unsafe { backend.memcpy_async(device, alloc.ptr(), src, bytes, stream.handle())? };
+            if let Some(source) = &source {
+                order(backend, device, source, &stream)?;
+            }
+            drop(keep);
+            Ok(())
+        })
+    }
+
+    /// Moves the contents to a new allocation of `capacity` bytes (on the buffer's own
+    /// stream) and sets the size to `new_size`: the first `min(size, new_size)` bytes are
+    /// copied on `stream` (the buffer's own when None; another stream is ordered after the
+    /// buffer's, and the buffer's after the copy), and the old memory is freed on the
+    /// buffer's stream.
+    fn reallocate(
+        &self,
+        py: Python<'_>,
+        capacity: usize,
+        new_size: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let old = self.live()?;
+        let copy_on = Self::op_stream(py, &old, stream)?;
+        let bytes = self.len().min(new_size);
+        let new = detached(py, move || {
+            let resource = old.resource();
+            let (backend, device) = (resource.backend(), resource.device());
+            copy_on.check(backend, device)?;
+            let home = old.stream();
+            let new = Allocation::new(resource.clone(), capacity, home.clone())?;
+            if bytes > 0 {
+                let other = copy_on.handle() != home.handle();
+                if other {
+                    order(backend, device, &copy_on, home)?;
+                }
+                // SAFETY: both sides are live allocations (`old` is held here) of at least
+                // `bytes` bytes, ordered on `copy_on` as above.
+                unsafe { backend.memcpy_async(device, new.ptr(), old.ptr(), bytes, copy_on.handle())? };
+                if other {
+                    order(backend, device, home, &copy_on)?;
+                }
+            }
+            Ok(new)
+        })?;
+        let previous = {
+            let mut slot = self.slot();
+            let Some(current) = slot.get() else {
+                drop(slot);
+                release(new);
+                return Err(closed());
+            };
+            self.unexpose(current.ptr());
+            self.size.store(new_size, Ordering::Relaxed);
+            std::mem::replace(&mut *slot, Memory::Own(new))
+        };
+        // Outside the lock: freeing can wait.
+        previous.let_go();
+        Ok(())
+    }
+
+    fn stream_of(alloc: &Allocation) -> &Stream {
+        alloc.stream()
     }
 
     /// The live allocation, checked to be managed memory for `what`: ValueError when
@@ -170,6 +407,100 @@ impl DeviceBuffer {
         managed::require_managed(alloc.resource().as_ref(), what, "this buffer's").or_raise(py)?;
         Ok(alloc)
     }
+}
+
+/// Orders `waiter` after the work enqueued on `on` so far: an event recorded on `on`,
+/// waited on by `waiter`.
+fn order(backend: &BackendRef, device: i32, waiter: &Stream, on: &Stream) -> streampool::Result<()> {
+    let event = Event::new(backend, device)?;
+    event.record(on)?;
+    waiter.wait(&event)
+}
+
+/// A CUDA array interface as a source of bytes: `(address, bytes, stream)`, checked to be
+/// C-contiguous, unmasked, and not a null pointer with bytes to copy.
+fn cai_source(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    backend: &BackendRef,
+) -> PyResult<(DevPtr, usize, Option<Stream>)> {
+    let Some(cai) = obj.getattr_opt("__cuda_array_interface__")? else {
+        let ty = obj.get_type().fully_qualified_name()?;
+        return Err(PyTypeError::new_err(format!(
+            "cuda_ary must be a DeviceBuffer or have __cuda_array_interface__, not {ty}"
+        )));
+    };
+    let cai = cai
+        .cast_into::<PyDict>()
+        .map_err(|_| PyTypeError::new_err("cuda_ary's __cuda_array_interface__ must be a dict"))?;
+    let item = |key: &str| -> PyResult<Bound<'_, PyAny>> {
+        cai.get_item(key)?.ok_or_else(|| {
+            PyValueError::new_err(format!("cuda_ary's __cuda_array_interface__ has no '{key}'"))
+        })
+    };
+    let bad = |what: &str| PyValueError::new_err(format!("cuda_ary's __cuda_array_interface__: {what}"));
+    let shape: Vec<usize> =
+        item("shape")?.extract().map_err(|_| bad("shape must be a tuple of ints >= 0"))?;
+    let typestr: String = item("typestr")?.extract().map_err(|_| bad("typestr must be a string"))?;
+    let itemsize = typestr
+        .get(2..)
+        .map(|rest| rest.chars().take_while(char::is_ascii_digit).collect::<String>())
+        .and_then(|digits| digits.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .ok_or_else(|| bad(&format!("cannot read an item size from typestr {typestr:?}")))?;
+    let (ptr, _readonly): (Bound<'_, PyAny>, bool) =
+        item("data")?.extract().map_err(|_| bad("data must be a (pointer, read_only) tuple"))?;
+    let ptr = ptr_arg(&ptr)?;
+    if cai.get_item("mask")?.is_some_and(|m| !m.is_none()) {
+        return Err(bad("masked arrays cannot be copied"));
+    }
+    let bytes = shape
+        .iter()
+        .try_fold(itemsize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| bad(&format!("shape {shape:?} is too large")))?;
+    if let Some(strides) = cai.get_item("strides")?.filter(|s| !s.is_none()) {
+        let strides: Vec<isize> =
+            strides.extract().map_err(|_| bad("strides must be None or a tuple of ints"))?;
+        // C-contiguous: each stride is the bytes of one step along its axis (axes of
+        // length 1 may have any stride; an empty array is contiguous).
+        let mut expected = itemsize;
+        let contiguous = bytes == 0
+            || strides.len() == shape.len()
+                && shape.iter().zip(&strides).rev().all(|(&d, &s)| {
+                    let ok = d == 1 || usize::try_from(s).is_ok_and(|s| s == expected);
+                    expected *= d;
+                    ok
+                });
+        if !contiguous {
+            return Err(PyValueError::new_err(format!(
+                "cuda_ary must be C-contiguous; its strides are {strides:?} for shape {shape:?}"
+            )));
+        }
+    }
+    if ptr == 0 && bytes > 0 {
+        return Err(bad(&format!("null data pointer for {bytes} bytes")));
+    }
+    // Version 3's stream: None means no synchronisation; 0 is disallowed (ambiguous); 1 is
+    // the legacy default stream and 2 the per-thread default stream.
+    let stream = match cai.get_item("stream")?.filter(|s| !s.is_none()) {
+        None => None,
+        Some(s) => {
+            if s.extract::<i64>().is_ok_and(|h| h == 0) {
+                return Err(bad("stream 0 is disallowed (use 1 for the legacy default stream)"));
+            }
+            Some(to_stream(py, Some(&s), || backend)?.into_owned())
+        }
+    };
+    Ok((ptr, bytes, stream))
+}
+
+/// The `numpy.empty` function, or None when numpy is not installed.
+fn numpy_empty(py: Python<'_>) -> Option<&Bound<'_, PyAny>> {
+    static EMPTY: PyOnceLock<Option<Py<PyAny>>> = PyOnceLock::new();
+    EMPTY
+        .get_or_init(py, || py.import("numpy").and_then(|np| np.getattr("empty")).ok().map(Bound::unbind))
+        .as_ref()
+        .map(|f| f.bind(py))
 }
 
 /// The advice names `DeviceBuffer.advise` takes, and what they mean to the driver.
@@ -252,36 +583,51 @@ fn host_buffer(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<P
 #[pymethods]
 impl DeviceBuffer {
     #[new]
-    #[pyo3(signature = (size=None, stream=None, mr=None), text_signature = "(size=0, stream=None, mr=None)")]
+    #[pyo3(
+        signature = (size=None, stream=None, mr=None, *, ptr=None),
+        text_signature = "(size=0, stream=None, mr=None, *, ptr=None)"
+    )]
     fn new(
         py: Python<'_>,
         size: Option<&Bound<'_, PyAny>>,
         stream: Option<&Bound<'_, PyAny>>,
         mr: Option<Bound<'_, PyMemoryResource>>,
+        ptr: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let size = match size.filter(|s| !s.is_none()) {
             Some(s) => size_arg(s, "size")?,
             None => 0,
         };
-        Self::make(py, size, stream, mr)
+        match ptr.filter(|p| !p.is_none()) {
+            None => Self::make(py, size, stream, mr),
+            Some(src) => Self::make_copy(py, ptr_arg(src)?, size, stream, mr),
+        }
     }
 
     /// The device address (0 for an empty buffer).
     #[getter]
     fn ptr(&self) -> PyResult<DevPtr> {
-        self.slot().get().map(Allocation::ptr).ok_or_else(closed)
+        let slot = self.slot();
+        let ptr = slot.get().map(Allocation::ptr).ok_or_else(closed)?;
+        self.expose(ptr);
+        Ok(ptr)
     }
 
     /// The size in bytes.
     #[getter]
     fn size(&self) -> usize {
-        self.size
+        self.len()
     }
 
     /// The size in bytes (same as `size`).
     #[getter]
     fn nbytes(&self) -> usize {
-        self.size
+        self.len()
+    }
+
+    /// The bytes allocated (at least `size`; `reserve` and a shrinking `resize` leave room).
+    fn capacity(&self) -> PyResult<usize> {
+        self.slot().get().map(Allocation::bytes).ok_or_else(closed)
     }
 
     /// The stream the buffer was made on, as given (DEFAULT_STREAM when none was).
@@ -303,7 +649,12 @@ impl DeviceBuffer {
     }
 
     fn __len__(&self) -> usize {
-        self.size
+        self.len()
+    }
+
+    /// The size in bytes, as RMM reports it (the device memory, not the host object).
+    fn __sizeof__(&self) -> usize {
+        self.len()
     }
 
     /// The CUDA array interface, version 3: a 1-D array of `size` uint8, with the stream
@@ -312,12 +663,12 @@ impl DeviceBuffer {
     /// and 1 on others (2 would name the reader's own per-thread stream).
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let alloc = self.live()?;
         // As this thread names it: a per-thread buffer of another thread reports 1.
-        let stream = alloc.stream();
+        let alloc = self.live_exposed()?;
+        let stream = Self::stream_of(&alloc);
         let stream_value = if stream.is_legacy() { 1 } else { stream.handle() };
         let d = PyDict::new(py);
-        d.set_item("shape", (self.size,))?;
+        d.set_item("shape", (self.len(),))?;
         d.set_item("typestr", "|u1")?;
         d.set_item("data", (alloc.ptr(), false))?;
         d.set_item("version", 3)?;
@@ -345,7 +696,7 @@ impl DeviceBuffer {
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyCapsule>> {
         let this = slf.get();
-        let alloc = this.live()?;
+        let alloc = this.live_exposed()?;
         let ours = this.__dlpack_device__();
         if let Some(asked) = dl_device.filter(|d| *d != ours) {
             return Err(buffer_error(format!(
@@ -357,100 +708,218 @@ impl DeviceBuffer {
         }
         dlpack::order_consumer(slf.py(), &alloc, stream)?;
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
-        dlpack::export(slf, alloc, ours, versioned)
+        dlpack::export(slf, alloc, this.len(), ours, versioned)
     }
 
     /// Copies the buffer to host memory and waits for the copy (GIL released). Without
-    /// `out`, returns a new bytearray; with `out` (any writable, C-contiguous buffer of at
-    /// least `size` bytes), fills and returns it. `stream`: where the copy is ordered
-    /// (default: the buffer's own stream).
-    #[pyo3(signature = (out=None, stream=None))]
+    /// `ary`, returns a new numpy uint8 array (a bytearray when numpy is not installed);
+    /// with `ary` (any writable, C-contiguous buffer of at least `size` bytes), fills and
+    /// returns it. `stream`: where the copy is ordered (default: the buffer's own stream).
+    #[pyo3(signature = (ary=None, stream=None))]
     fn copy_to_host<'py>(
         &self,
         py: Python<'py>,
-        out: Option<&Bound<'py, PyAny>>,
+        ary: Option<&Bound<'py, PyAny>>,
         stream: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         self.live()?;
-        match out.filter(|o| !o.is_none()) {
-            None => {
-                let bytes = PyByteArray::new_with(py, self.size, |host| {
-                    self.transfer(py, host.as_mut_ptr() as u64, self.size, true, stream)
-                })?;
-                Ok(bytes.into_any())
-            }
-            Some(out) => {
-                let buf = host_buffer(out, true, "out")?;
-                if buf.len_bytes() < self.size {
-                    return Err(PyValueError::new_err(format!(
-                        "out has {} bytes; the buffer needs {}",
-                        buf.len_bytes(),
-                        self.size
-                    )));
-                }
-                self.transfer(py, buf.buf_ptr() as u64, self.size, true, stream)?;
-                drop(buf);
-                Ok(out.clone())
-            }
+        let size = self.len();
+        if let Some(ary) = ary.filter(|a| !a.is_none()) {
+            self.fill(py, ary, size, stream, "ary")?;
+            return Ok(ary.clone());
         }
+        if let Some(empty) = numpy_empty(py) {
+            let kwargs = PyDict::new(py);
+            kwargs.set_item("dtype", "u1")?;
+            let array = empty.call((size,), Some(&kwargs))?;
+            self.fill(py, &array, size, stream, "the array")?;
+            return Ok(array);
+        }
+        let bytes = PyByteArray::new_with(py, size, |host| {
+            self.transfer(py, host.as_mut_ptr() as u64, size, true, stream)
+        })?;
+        Ok(bytes.into_any())
     }
 
     /// Copies a host buffer (any buffer-protocol object of at most `size` bytes) to the
     /// start of the buffer and waits for the copy (GIL released). `stream`: where the copy
     /// is ordered (default: the buffer's own stream).
-    #[pyo3(signature = (obj, stream=None))]
+    #[pyo3(signature = (ary, stream=None))]
     fn copy_from_host(
         &self,
         py: Python<'_>,
-        obj: &Bound<'_, PyAny>,
+        ary: &Bound<'_, PyAny>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         self.live()?;
-        let buf = host_buffer(obj, false, "the host object")?;
-        if buf.len_bytes() > self.size {
+        let buf = host_buffer(ary, false, "ary")?;
+        if buf.len_bytes() > self.len() {
             return Err(PyValueError::new_err(format!(
-                "the host object has {} bytes; the buffer holds only {}",
+                "ary has {} bytes; the buffer holds only {}",
                 buf.len_bytes(),
-                self.size
+                self.len()
             )));
         }
         self.transfer(py, buf.buf_ptr() as u64, buf.len_bytes(), false, stream)
     }
 
-    /// The contents as bytes (a copy to the host, ordered on the buffer's stream).
-    fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+    /// Copies device memory to the start of the buffer, on `stream` (default: the buffer's
+    /// own), without waiting for the copy. `cuda_ary` is another DeviceBuffer or any object
+    /// with a C-contiguous `__cuda_array_interface__` of at most `size` bytes. When the
+    /// source names a stream (its own stream, or the interface's v3 `stream`) other than
+    /// the copy's, the copy is ordered after the work enqueued there, and that stream after
+    /// the copy.
+    #[pyo3(signature = (cuda_ary, stream=None))]
+    fn copy_from_device(
+        &self,
+        py: Python<'_>,
+        cuda_ary: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         self.live()?;
-        PyBytes::new_with(py, self.size, |host| {
-            self.transfer(py, host.as_mut_ptr() as u64, self.size, true, None)
-        })
+        let (ptr, bytes, source, keep) = match cuda_ary.cast::<DeviceBuffer>() {
+            Ok(other) => {
+                let other = other.get();
+                let alloc = other.live()?;
+                (alloc.ptr(), other.len(), Some(alloc.stream().clone()), Some(alloc))
+            }
+            Err(_) => {
+                let (ptr, bytes, source) = cai_source(py, cuda_ary, self.mr.get().inner.backend())?;
+                (ptr, bytes, source, None)
+            }
+        };
+        if bytes > self.len() {
+            return Err(PyValueError::new_err(format!(
+                "cuda_ary has {bytes} bytes; the buffer holds only {}",
+                self.len()
+            )));
+        }
+        self.copy_in(py, ptr, bytes, stream, source, keep)
     }
 
-    /// A new buffer holding a copy of `host_bytes` (any buffer-protocol object).
+    /// The contents as bytes (a copy to the host, waited for), ordered on `stream`
+    /// (default: the buffer's own stream).
+    #[pyo3(signature = (stream=None))]
+    fn tobytes<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        self.live()?;
+        let size = self.len();
+        PyBytes::new_with(py, size, |host| self.transfer(py, host.as_mut_ptr() as u64, size, true, stream))
+    }
+
+    /// `tobytes()`.
+    fn __bytes__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        self.tobytes(py, None)
+    }
+
+    /// A new buffer holding a copy of `b` (any buffer-protocol object).
     #[staticmethod]
-    #[pyo3(signature = (host_bytes, stream=None, mr=None))]
+    #[pyo3(signature = (b, stream=None, mr=None))]
     fn to_device(
         py: Python<'_>,
-        host_bytes: &Bound<'_, PyAny>,
+        b: &Bound<'_, PyAny>,
         stream: Option<&Bound<'_, PyAny>>,
         mr: Option<Bound<'_, PyMemoryResource>>,
     ) -> PyResult<Self> {
-        let buf = host_buffer(host_bytes, false, "host_bytes")?;
+        let buf = host_buffer(b, false, "b")?;
         let made = Self::make(py, buf.len_bytes(), stream, mr)?;
         made.transfer(py, buf.buf_ptr() as u64, buf.len_bytes(), false, None)?;
         Ok(made)
     }
 
+    /// A deep copy: a new buffer of `size` bytes from the same resource, on the same
+    /// stream, filled by a copy enqueued on that stream (not waited for).
+    fn copy(&self, py: Python<'_>) -> PyResult<Self> {
+        let alloc = self.live()?;
+        let size = self.len();
+        let made = Self::make(py, size, Some(self.stream.bind(py)), Some(self.mr.bind(py).clone()))?;
+        let source = alloc.stream().clone();
+        made.copy_in(py, alloc.ptr(), size, None, Some(source), Some(alloc))?;
+        Ok(made)
+    }
+
+    /// `copy()`.
+    fn __copy__(&self, py: Python<'_>) -> PyResult<Self> {
+        self.copy(py)
+    }
+
+    /// `copy()` (the memory is all a buffer holds that a deep copy could duplicate).
+    fn __deepcopy__(&self, py: Python<'_>, memo: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let _ = memo;
+        self.copy(py)
+    }
+
+    /// Sets the size to `new_size`. Within `capacity()` nothing moves (growing exposes
+    /// bytes of unspecified value); beyond it the contents move to a new allocation of
+    /// `new_size` bytes on the buffer's stream, copied on `stream` (default: the buffer's
+    /// own; another stream is ordered after the buffer's and the buffer's after the copy),
+    /// and the old memory is freed on the buffer's stream. `ptr` changes then: addresses
+    /// read before are stale (memory exported through DLPack stays valid for its consumer).
+    #[pyo3(signature = (new_size, stream=None))]
+    fn resize(
+        &self,
+        py: Python<'_>,
+        new_size: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let new_size = size_arg(new_size, "new_size")?;
+        self.check_stream(py, stream)?;
+        {
+            let slot = self.slot();
+            let capacity = slot.get().map(Allocation::bytes).ok_or_else(closed)?;
+            if new_size <= capacity {
+                self.size.store(new_size, Ordering::Relaxed);
+                return Ok(());
+            }
+        }
+        self.reallocate(py, new_size, new_size, stream)
+    }
+
+    /// Makes `capacity()` at least `new_capacity` bytes, keeping the size and contents:
+    /// when it grows, the contents move as in `resize` (and `ptr` changes).
+    #[pyo3(signature = (new_capacity, stream=None))]
+    fn reserve(
+        &self,
+        py: Python<'_>,
+        new_capacity: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let new_capacity = size_arg(new_capacity, "new_capacity")?;
+        self.check_stream(py, stream)?;
+        if new_capacity <= self.capacity()? {
+            return Ok(());
+        }
+        self.reallocate(py, new_capacity, self.len(), stream)
+    }
+
     /// Pickles through a host copy; unpickling allocates from the current resource.
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        self.__reduce_ex__(py, 4)
+    }
+
+    /// As `__reduce__`; with protocol 5 or later the host copy is a `pickle.PickleBuffer`,
+    /// which a `buffer_callback` can take out of band.
+    fn __reduce_ex__<'py>(
+        &self,
+        py: Python<'py>,
+        protocol: i64,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
         let rebuild = py.import("streampool._native")?.getattr("_rebuild_device_buffer")?;
-        let data = self.tobytes(py)?;
+        let mut data = self.tobytes(py, None)?.into_any();
+        if protocol >= 5 {
+            data = py.import("pickle")?.getattr("PickleBuffer")?.call1((data,))?;
+        }
         Ok((rebuild, PyTuple::new(py, [data])?))
     }
 
-    /// Prefetches the memory (managed memory only) to `device`: a device ordinal, "host", or
-    /// None for the device of the buffer's resource, in order on `stream` (default: the
-    /// buffer's own stream), so that work enqueued there afterwards finds its pages in
-    /// place. Returns at once (GIL released); the pages move as the stream runs.
+    /// Prefetches the memory to `device`: a device ordinal, "host", or None for the device
+    /// of the buffer's resource, in order on `stream` (default: the buffer's own stream), so
+    /// that work enqueued there afterwards finds its pages in place. Returns at once (GIL
+    /// released); the pages move as the stream runs. Memory that is not managed has
+    /// nothing to move: the call checks its arguments and does nothing (as RMM's).
     #[pyo3(signature = (device=None, stream=None))]
     fn prefetch(
         &self,
@@ -458,9 +927,13 @@ impl DeviceBuffer {
         device: Option<&Bound<'_, PyAny>>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let alloc = self.live_managed(py, "prefetch")?;
-        let to = location_arg(device, Location::Device(alloc.resource().device()))?;
-        let stream = Self::work_stream(py, &alloc, stream)?;
+        let alloc = self.live()?;
+        let resource = alloc.resource().clone();
+        let to = location_arg(device, Location::Device(resource.device()))?;
+        let stream = Self::op_stream(py, &alloc, stream)?;
+        if managed::require_managed(resource.as_ref(), "prefetch", "this buffer's").is_err() {
+            return Ok(());
+        }
         detached(py, move || alloc.prefetch(Some(to), Some(&stream)))
     }
 
@@ -491,15 +964,13 @@ impl DeviceBuffer {
     /// nothing). Memory still used by a DLPack consumer is freed when that consumer is done.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         // Taken in a statement of its own: the lock is released before the GIL is.
-        let memory = std::mem::take(&mut *self.slot());
+        let memory = self.take();
         let alloc = match memory {
             Memory::Own(alloc) => alloc,
-            Memory::Shared(shared) => match Arc::try_unwrap(shared) {
-                Ok(alloc) => alloc,
-                Err(shared) => {
-                    py.detach(move || drop(shared));
-                    return Ok(());
-                }
+            // The last holder frees; the others only drop a reference.
+            Memory::Shared(shared) => match Arc::into_inner(shared) {
+                Some(alloc) => alloc,
+                None => return Ok(()),
             },
             Memory::Closed => return Ok(()),
         };
@@ -527,30 +998,88 @@ impl DeviceBuffer {
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let mr = self.mr.bind(py).repr()?;
         let stream = self.stream.bind(py).repr()?;
+        let size = self.len();
         Ok(match self.slot().get() {
-            Some(a) => {
-                format!("<DeviceBuffer size={} ptr={:#x} stream={stream} mr={mr}>", self.size, a.ptr())
-            }
-            None => format!("<DeviceBuffer size={} closed mr={mr}>", self.size),
+            Some(a) => format!("<DeviceBuffer size={size} ptr={:#x} stream={stream} mr={mr}>", a.ptr()),
+            None => format!("<DeviceBuffer size={size} closed mr={mr}>"),
         })
+    }
+}
+
+impl DeviceBuffer {
+    /// `DeviceBuffer(ptr=src, size=size, ...)`: a new buffer filled by a copy of `size`
+    /// bytes at `src`, enqueued on the buffer's stream and, when that is the legacy default
+    /// stream, waited for (as RMM does).
+    fn make_copy(
+        py: Python<'_>,
+        src: DevPtr,
+        size: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+        mr: Option<Bound<'_, PyMemoryResource>>,
+    ) -> PyResult<Self> {
+        if src == 0 && size > 0 {
+            return Err(PyValueError::new_err(format!(
+                "ptr=0 is a null pointer and cannot be copied from; pass a device address holding {size} \
+                 bytes, or leave ptr out to allocate without copying"
+            )));
+        }
+        let made = Self::make(py, size, stream, mr)?;
+        if size > 0 {
+            made.copy_in(py, src, size, None, None, None)?;
+            let alloc = made.live()?;
+            if alloc.stream().is_legacy() {
+                detached(py, move || {
+                    let resource = alloc.resource();
+                    alloc.stream().synchronize(resource.backend(), resource.device())
+                })?;
+            }
+        }
+        Ok(made)
+    }
+
+    /// Fills `out` (a writable, C-contiguous host buffer of at least `size` bytes; `what`
+    /// names it in errors) with the buffer's contents.
+    fn fill(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        size: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+        what: &str,
+    ) -> PyResult<()> {
+        let buf = host_buffer(out, true, what)?;
+        if buf.len_bytes() < size {
+            return Err(PyValueError::new_err(format!(
+                "{what} has {} bytes; the buffer needs {size}",
+                buf.len_bytes()
+            )));
+        }
+        self.transfer(py, buf.buf_ptr() as u64, size, true, stream)
+    }
+
+    /// TypeError (or the stream's own error) for a `stream` argument that is not a stream
+    /// of the buffer's backend; nothing for None.
+    fn check_stream(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        if let Some(s) = stream.filter(|s| !s.is_none()) {
+            let resource = &self.mr.get().inner;
+            let s = to_stream(py, Some(s), || resource.backend())?;
+            s.check(resource.backend(), resource.device()).or_raise(py)?;
+        }
+        Ok(())
     }
 }
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         // No lock to take: `&mut self` means nobody else holds a reference.
-        let mut alloc = match std::mem::take(self.memory.get_mut().unwrap_or_else(|e| e.into_inner())) {
-            Memory::Own(alloc) => alloc,
-            Memory::Shared(shared) => match Arc::try_unwrap(shared) {
-                Ok(alloc) => alloc,
-                Err(shared) => return drop_detached(shared),
-            },
-            Memory::Closed => return,
-        };
-        // A pool's fast path frees without waiting: keep the GIL for it.
-        if alloc.try_release().is_none() {
-            drop_detached(alloc);
+        let memory = std::mem::take(self.memory.get_mut().unwrap_or_else(|e| e.into_inner()));
+        if *self.exposed.get_mut() {
+            if let Some(alloc) = memory.get() {
+                self.unexpose(alloc.ptr());
+            }
         }
+        // A pool's fast path frees without waiting: `release` keeps the GIL for it.
+        memory.let_go();
     }
 }
 

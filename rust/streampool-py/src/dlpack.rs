@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyInt};
 use streampool::{Allocation, Event, MemoryKind, Stream};
 
-use crate::buffer::DeviceBuffer;
+use crate::buffer::{self, DeviceBuffer};
 use crate::errors::{buffer_error, detached};
 use crate::streams::to_stream;
 
@@ -166,7 +166,10 @@ unsafe extern "C" fn delete<M: Managed>(managed: *mut M) {
     // deleter once, so the box is reclaimed once.
     let export = unsafe { Box::from_raw((*managed).ctx().cast::<Export<M>>()) };
     let Keep { owner, alloc } = export.keep;
-    drop(alloc);
+    // The last holder frees the memory, reporting a refused (double) free.
+    if let Some(alloc) = Arc::into_inner(alloc) {
+        buffer::release(alloc);
+    }
     let mut owner = Some(owner);
     // Dropping a Python reference needs the interpreter; at shutdown it may be gone, and a
     // leaked reference is the only safe outcome then.
@@ -191,27 +194,30 @@ unsafe extern "C" fn destroy_capsule<M: Managed>(capsule: *mut ffi::PyObject) {
     }
 }
 
-/// The capsule for `__dlpack__`: versioned when `versioned`, legacy otherwise.
+/// The capsule for `__dlpack__` of the first `len` bytes of `alloc`: versioned when
+/// `versioned`, legacy otherwise.
 pub(crate) fn export<'py>(
     owner: &Bound<'py, DeviceBuffer>,
     alloc: Arc<Allocation>,
+    len: usize,
     device: (i32, i32),
     versioned: bool,
 ) -> PyResult<Bound<'py, PyCapsule>> {
     if versioned {
-        make::<DLManagedTensorVersioned>(owner, alloc, device)
+        make::<DLManagedTensorVersioned>(owner, alloc, len, device)
     } else {
-        make::<DLManagedTensor>(owner, alloc, device)
+        make::<DLManagedTensor>(owner, alloc, len, device)
     }
 }
 
 fn make<'py, M: Managed>(
     owner: &Bound<'py, DeviceBuffer>,
     alloc: Arc<Allocation>,
+    len: usize,
     (device_type, device_id): (i32, i32),
 ) -> PyResult<Bound<'py, PyCapsule>> {
     let py = owner.py();
-    let len = i64::try_from(alloc.bytes()).map_err(|_| buffer_error("buffer too large for DLPack"))?;
+    let len = i64::try_from(len).map_err(|_| buffer_error("buffer too large for DLPack"))?;
     let tensor = DLTensor {
         data: alloc.ptr() as *mut c_void,
         device: DLDevice { device_type, device_id },

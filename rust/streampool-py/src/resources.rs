@@ -14,6 +14,7 @@ use streampool::device::{self, BackendRef, DevPtr};
 use streampool::resources::{check_device, ManagedMemoryResource, PinnedHostMemoryResource};
 use streampool::{AsyncPoolOptions, CudaAsyncMemoryResource, CudaMemoryResource, MemoryKind, ResourceRef};
 
+use crate::buffer::refuse_buffer_pointer;
 use crate::errors::{detached, OrRaise};
 use crate::gil::fast_path_settled;
 use crate::streams::to_stream;
@@ -70,7 +71,8 @@ impl PyMemoryResource {
     }
 
     /// Frees `ptr` (of `nbytes` bytes, as allocated) for reuse by work ordered after what
-    /// is enqueued on `stream` now (default: the legacy default stream).
+    /// is enqueued on `stream` now (default: the legacy default stream). The address of an
+    /// open DeviceBuffer that Python code has read is refused: the buffer frees it itself.
     #[pyo3(signature = (ptr, nbytes, stream=None))]
     fn deallocate(
         &self,
@@ -81,6 +83,7 @@ impl PyMemoryResource {
     ) -> PyResult<()> {
         let ptr = ptr_arg(ptr)?;
         let bytes = size_arg(nbytes, "nbytes")?;
+        refuse_buffer_pointer(py, ptr)?;
         let stream = to_stream(py, stream, || self.inner.backend())?;
         if let Some(settled) = self.inner.try_deallocate(ptr, bytes, &stream) {
             fast_path_settled(py);
