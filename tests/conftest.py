@@ -70,6 +70,11 @@ def _binning() -> mr.MemoryResource:
     return binning
 
 
+def _callback() -> mr.MemoryResource:
+    base = mr.CudaAsyncMemoryResource()
+    return mr.CallbackMemoryResource(base.allocate, base.deallocate)
+
+
 RESOURCES = {
     "async_current": lambda: mr.CudaAsyncMemoryResource(),
     "async_own": lambda: mr.CudaAsyncMemoryResource(initial_pool_size="8MiB", release_threshold="64MiB"),
@@ -97,6 +102,8 @@ RESOURCES = {
         mr.CudaAsyncMemoryResource(), maximum_pool_size="200MiB", release_threshold="8MiB", events_every=4
     ),
     "adaptor_stack": _adaptor_stack,
+    "arena": lambda: mr.ArenaMemoryResource(mr.CudaAsyncMemoryResource(), arena_size="160MiB"),
+    "callback": _callback,
 }
 
 

@@ -303,7 +303,7 @@ def test_tracking_records_and_report() -> None:
     tracked.deallocate(a, 1000, s)
     tracked.deallocate(b, MiB)
     assert tracked.outstanding() == [] and tracked.get_allocated_bytes() == 0
-    assert "0 outstanding allocations" in tracked.get_outstanding_allocations_str()
+    assert tracked.get_outstanding_allocations_str() == ""  # nothing outstanding: empty, as RMM's
 
 
 def allocate_here_for_the_stack(resource: mr.MemoryResource) -> int:
@@ -759,12 +759,8 @@ def test_binning_bad_exponents(exponents: tuple[int | None, int | None]) -> None
         mr.BinningMemoryResource(mr.CudaAsyncMemoryResource(), *exponents)
 
 
-def test_binning_refuses_overlapping_and_late_bins() -> None:
+def test_binning_refuses_late_bins() -> None:
     binning = mr.BinningMemoryResource(mr.CudaAsyncMemoryResource(), 10, 12)
-    with pytest.raises(ValueError, match="overlapping bins"):
-        binning.add_bin(2048)
-    with pytest.raises(ValueError, match="overlapping bins"):
-        binning.add_bin("4KiB", mr.CudaAsyncMemoryResource())
     with pytest.raises(ValueError, match="allocation_size"):
         binning.add_bin(0)
     with pytest.raises(ValueError, match="allocation_size"):
@@ -774,6 +770,8 @@ def test_binning_refuses_overlapping_and_late_bins() -> None:
         binning.add_bin(3072)  # would take 3000-byte frees away from the 4 KiB bin
     binning.add_bin(1 << 20)  # takes sizes from the upstream, which has nothing outstanding
     assert [size for size, _ in binning.bins] == [1024, 2048, 4096, 1 << 20]
+    with pytest.raises(ValueError, match="replace bins before allocating"):
+        binning.add_bin("4KiB", mr.CudaAsyncMemoryResource())  # its bin has `held` outstanding
     assert binning.bin_mrs == []  # the refused resource was not kept
     binning.deallocate(held, 3000)
 

@@ -43,7 +43,15 @@ from ._native import (
     set_per_device_resource,
     using_simulated_device,
 )
-from ._setup import setup
+from ._setup import (
+    is_initialized,
+    register_reinitialize_hook,
+    reinitialize,
+    setup,
+    unregister_reinitialize_hook,
+)
+from ._types import CudaStreamFlags
+from .mr import disable_logging, enable_logging, get_log_filenames
 
 __all__ = [
     "DEFAULT_STREAM",
@@ -51,6 +59,7 @@ __all__ = [
     "PER_THREAD_DEFAULT_STREAM",
     "CudaDriverNotFoundError",
     "CudaError",
+    "CudaStreamFlags",
     "DeviceBuffer",
     "InvalidArgumentError",
     "InvalidPointerError",
@@ -64,18 +73,25 @@ __all__ = [
     "backend_description",
     "device_count",
     "device_info",
+    "disable_logging",
     "driver_version",
     "drop_errors",
+    "enable_logging",
     "get_current_device",
     "get_current_device_resource",
+    "get_log_filenames",
     "get_per_device_resource",
+    "is_initialized",
     "logs",
     "mr",
     "parse_size",
+    "register_reinitialize_hook",
+    "reinitialize",
     "set_current_device_resource",
     "set_per_device_resource",
     "setup",
     "sim",
     "statistics",
+    "unregister_reinitialize_hook",
     "using_simulated_device",
 ]

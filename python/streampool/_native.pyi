@@ -28,6 +28,7 @@ from typing import (
 
 from typing_extensions import Buffer, CapsuleType, disjoint_base
 
+from streampool._types import CudaStreamFlags, PoolHandle
 from streampool.statistics import Statistics
 
 __all__ = [
@@ -37,7 +38,9 @@ __all__ = [
     "MAX_RESOURCE_DEPTH",
     "PER_THREAD_DEFAULT_STREAM",
     "AllocationRecord",
+    "ArenaMemoryResource",
     "BinningMemoryResource",
+    "CallbackMemoryResource",
     "CudaAsyncManagedMemoryResource",
     "CudaAsyncMemoryResource",
     "CudaAsyncViewMemoryResource",
@@ -62,6 +65,8 @@ __all__ = [
     "_fast_path_calls",
     "_parse_log",
     "_rebuild_device_buffer",
+    "_reset_device_resources",
+    "available_device_memory",
     "backend_description",
     "device_count",
     "device_info",
@@ -118,14 +123,35 @@ class Stream:
 
     ``Stream(device=None, blocking=False)`` creates a stream on ``device`` (the current
     device when None) of the current backend (the CUDA driver, or the active simulated
-    device). It is non-blocking unless ``blocking``: it does not synchronise with the
-    legacy default stream. It is destroyed when the last reference to it goes away
-    (buffers made on it keep it alive).
+    device). It is non-blocking unless ``blocking`` (or, as RMM's stream pool takes it,
+    ``flags=CudaStreamFlags.SYNC_DEFAULT``; ``blocking`` and ``flags`` must agree when both
+    are given, ValueError otherwise): it does not synchronise with the legacy default
+    stream. It is destroyed when the last reference to it goes away (buffers made on it
+    keep it alive).
+
+    ``Stream(obj)``, as RMM's: a wrapper of another library's stream (an object with
+    ``__cuda_stream__`` of protocol version 0, a ``torch.cuda.Stream``, a
+    ``cupy.cuda.Stream``, a Numba stream, or another ``Stream``) that keeps ``obj`` alive.
+    An int is refused (TypeError): pass ``device=`` for a new stream, or give a raw handle
+    straight to any ``stream=`` argument.
 
     Streams compare equal when they are the same stream of the same backend.
+
+    Example::
+
+        s = streampool.Stream()                                       # new, non-blocking
+        b = streampool.Stream(flags=mr.CudaStreamFlags.SYNC_DEFAULT)  # new, blocking
+        t = streampool.Stream(torch.cuda.current_stream())            # torch's, wrapped
     """
 
-    def __new__(cls, device: int | None = None, blocking: bool = False) -> Stream: ...
+    def __new__(
+        cls,
+        obj: Stream | _CudaStreamProtocol | _TorchStream | _CupyStream | _NumbaStream | None = None,
+        *,
+        device: int | None = None,
+        blocking: bool | None = None,
+        flags: CudaStreamFlags | int | None = None,
+    ) -> Stream: ...
     @property
     def handle(self) -> int:
         """The driver's handle as an int: 0 for the legacy default stream, 2 for the
@@ -136,6 +162,8 @@ class Stream:
         every device."""
     def synchronize(self) -> None:
         """Waits until all work enqueued on the stream has completed (GIL released)."""
+    def is_default(self) -> bool:
+        """True for the legacy and the per-thread default streams (RMM's ``is_default()``)."""
     def __cuda_stream__(self) -> tuple[int, int]:
         """cuda.core's stream protocol: ``(0, handle)``."""
     def __int__(self) -> int: ...
@@ -208,8 +236,9 @@ class CudaAsyncMemoryResource(MemoryResource):
         device: int | None = None,
     ) -> CudaAsyncMemoryResource: ...
     @property
-    def pool_handle(self) -> int:
-        """The driver pool handle (``CUmemoryPool`` as an int)."""
+    def pool_handle(self) -> PoolHandle:
+        """The driver pool handle (``CUmemoryPool`` as an int); callable too, for RMM's
+        ``pool_handle()``: ``mr.pool_handle == mr.pool_handle()``."""
     @property
     def owns_pool(self) -> bool:
         """True when this resource created its pool (and destroys it when collected)."""
@@ -250,8 +279,9 @@ class CudaAsyncManagedMemoryResource(MemoryResource):
         device: int | None = None,
     ) -> CudaAsyncManagedMemoryResource: ...
     @property
-    def pool_handle(self) -> int:
-        """The driver pool handle (``CUmemoryPool`` as an int)."""
+    def pool_handle(self) -> PoolHandle:
+        """The driver pool handle (``CUmemoryPool`` as an int); callable too, for RMM's
+        ``pool_handle()``: ``mr.pool_handle == mr.pool_handle()``."""
     @property
     def owns_pool(self) -> bool:
         """True when this resource created its pool (and destroys it when collected)."""
@@ -275,8 +305,9 @@ class CudaAsyncViewMemoryResource(MemoryResource):
 
     def __new__(cls, pool_handle: int, device: int | None = None) -> CudaAsyncViewMemoryResource: ...
     @property
-    def pool_handle(self) -> int:
-        """The driver pool handle this resource allocates from."""
+    def pool_handle(self) -> PoolHandle:
+        """The driver pool handle this resource allocates from; callable too, for RMM's
+        ``pool_handle()``."""
     @property
     def owns_pool(self) -> Literal[False]:
         """Always False: a view never destroys the pool."""
@@ -320,6 +351,20 @@ def set_per_device_resource(device: int, mr: MemoryResource) -> MemoryResource |
 
 def get_current_device() -> int:
     """The current device of the current backend."""
+
+def available_device_memory(device: int | None = None) -> tuple[int, int]:
+    """``(free, total)`` bytes of ``device``'s memory (the current device when None), as
+    the driver reports them (``cuMemGetInfo``): RMM's ``available_device_memory()``.
+    ValueError for a device that does not exist.
+
+    Example::
+
+        free, total = mr.available_device_memory()
+    """
+
+def _reset_device_resources() -> None:
+    """Forgets the resource of every device of the current backend (each goes back to its
+    initial resource); used by ``streampool.reinitialize``."""
 
 # --- adaptors -----------------------------------------------------------------------
 # Python callbacks (failure callbacks, logging callbacks, stack capture) run on the thread
@@ -402,7 +447,8 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
         """Bytes allocated through it and not yet freed."""
     def get_outstanding_allocations_str(self) -> str:
         """The leak report: a summary line, then one line per outstanding allocation
-        (address, size, stream, thread), each followed by its stack when captured."""
+        (address, size, stream, thread), each followed by its stack when captured; ``""``
+        when nothing is outstanding, as RMM's."""
     def log_outstanding_allocations(self) -> None:
         """Logs the leak report to the ``streampool`` logger (Python ``logging``) at WARNING
         level when anything is outstanding; does nothing otherwise."""
@@ -541,12 +587,21 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
         max_size_exponent: int | None = None,
     ) -> BinningMemoryResource: ...
     def add_bin(self, allocation_size: _Size, bin_resource: MemoryResource | None = None) -> None:
-        """Adds a bin for allocations up to ``allocation_size`` bytes, served by
-        ``bin_resource`` (kept alive), or by a new FixedSizeMemoryResource of that block
-        size. ValueError for a size that already has a bin, while the bin that would give
-        up sizes to it has allocations outstanding, or for a ``bin_resource`` that would
-        make this resource deeper than it was when a resource was built over it (add bins
-        before wrapping it; a bin that calls back into this resource is always refused)."""
+        """Adds a bin for allocations up to ``allocation_size`` bytes (rounded up to 256, as
+        RMM), served by ``bin_resource`` (kept alive), or by a new FixedSizeMemoryResource
+        of that block size. For a size that has a bin already: None changes nothing (as
+        RMM); a resource replaces the bin's resource (RMM ignores it silently), refused
+        with ValueError while that bin has allocations outstanding. ValueError too while
+        the bin that would give up sizes to a new one has allocations outstanding, or for
+        a ``bin_resource`` that would make this resource deeper than it was when a
+        resource was built over it (add bins before wrapping it; a bin that calls back
+        into this resource is always refused).
+
+        Example::
+
+            binning = mr.BinningMemoryResource(mr.CudaAsyncMemoryResource(), 10, 20)
+            binning.add_bin(1 << 15, mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource()))
+        """
     @property
     def bin_mrs(self) -> list[MemoryResource]:
         """The resources given to ``add_bin``, in order (RMM's ``bin_mrs``)."""
@@ -626,6 +681,71 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
             pool.release()
             pool.upstream.trim_to(0)   # and the device's pool gives it to the system
         """
+
+@final
+class ArenaMemoryResource(ShardedPoolMemoryResource):
+    """RMM's ``ArenaMemoryResource`` (its arguments and shape), built on the sharded pool:
+    one global reservation of ``arena_size`` bytes taken from ``upstream_mr`` up front (RMM's
+    global arena) and free blocks kept per stream, the per-thread default stream per thread
+    (RMM's per-thread and per-stream arenas).
+
+    It is a ShardedPoolMemoryResource with ``initial_pool_size = maximum_pool_size =
+    arena_size`` that keeps what it frees, not RMM's superblock algorithm; like the pool, it
+    may give a wholly free reservation back and take it again when an allocation fails.
+    ``arena_size=None``: half the device's free memory, as RMM; rounded down to 256 bytes
+    (ValueError below 256). ``dump_log_on_failure=True``: a failed allocation writes the
+    arena's state to the ``streampool`` logger (Python ``logging``, level ERROR) before
+    OutOfMemoryError is raised.
+
+    Example::
+
+        arena = mr.ArenaMemoryResource(mr.CudaAsyncMemoryResource(), arena_size="4GiB")
+        streampool.set_current_device_resource(arena)
+    """
+
+    def __new__(
+        cls, upstream_mr: MemoryResource, arena_size: _Size | None = None, dump_log_on_failure: bool = False
+    ) -> ArenaMemoryResource: ...
+    @property
+    def arena_size(self) -> int:
+        """The bytes of the global arena."""
+    @property
+    def dump_log_on_failure(self) -> bool:
+        """Whether a failed allocation logs the arena's state."""
+
+# --- Python functions as a resource -----------------------------------------------------
+
+@final
+class CallbackMemoryResource(MemoryResource):
+    """Allocates and frees through two Python functions, as RMM's:
+    ``allocate_func(size, stream) -> ptr`` and ``deallocate_func(ptr, size, stream)``, where
+    ``stream`` is a :class:`Stream` (``DEFAULT_STREAM`` for the legacy default stream).
+    Bound to ``device`` (the current device when None). For debugging and experiments:
+    every call takes the GIL.
+
+    The functions run on the calling thread with no lock of any resource held. An
+    exception they raise reaches the caller of allocate/deallocate unchanged; an allocate
+    result that is not an int raises TypeError there, one outside ``0..2**64`` ValueError,
+    and 0 for a non-empty request OutOfMemoryError. TypeError when either is not callable.
+
+    Example::
+
+        base = mr.CudaAsyncMemoryResource()
+        def allocate(size, stream):
+            print(f"allocating {size} bytes")
+            return base.allocate(size, stream)
+        def deallocate(ptr, size, stream):
+            base.deallocate(ptr, size, stream)
+        streampool.set_current_device_resource(mr.CallbackMemoryResource(allocate, deallocate))
+    """
+
+    def __new__(
+        cls,
+        allocate_func: Callable[[int, Stream], int],
+        deallocate_func: Callable[[int, int, Stream], object],
+        *,
+        device: int | None = None,
+    ) -> CallbackMemoryResource: ...
 
 # --- buffers ------------------------------------------------------------------------
 

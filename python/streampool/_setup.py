@@ -1,17 +1,45 @@
-"""The one-call setup: the recommended resource for a device, made its current resource."""
+"""The one-call setup (:func:`setup`: the recommended resource for a device, made its
+current resource), and RMM's (:func:`reinitialize` and the functions around it), so that
+RMM code runs unchanged."""
 
 from __future__ import annotations
 
-from ._native import device_info, set_current_device_resource, set_per_device_resource
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from ._errors import CudaDriverNotFoundError
+from ._native import (
+    _reset_device_resources,
+    backend_description,
+    device_count,
+    device_info,
+    get_current_device,
+    get_per_device_resource,
+    parse_size,
+    set_current_device_resource,
+    set_per_device_resource,
+)
 from .mr import (
     CudaAsyncManagedMemoryResource,
     CudaAsyncMemoryResource,
+    LoggingResourceAdaptor,
     ManagedMemoryResource,
     MemoryResource,
+    PoolMemoryResource,
     PrefetchResourceAdaptor,
 )
 
-__all__ = ["setup"]
+__all__ = [
+    "disable_logging",
+    "enable_logging",
+    "get_log_filenames",
+    "is_initialized",
+    "register_reinitialize_hook",
+    "reinitialize",
+    "setup",
+    "unregister_reinitialize_hook",
+]
 
 
 def setup(larger_than_memory: bool = False, device: int | None = None) -> MemoryResource:
@@ -46,3 +74,219 @@ def setup(larger_than_memory: bool = False, device: int | None = None) -> Memory
     else:
         set_per_device_resource(device, mr)
     return mr
+
+
+# ---------------------------------------------------------------------------------------
+# RMM's initialisation API.
+
+_F = TypeVar("_F", bound=Callable[..., object])
+_reinitialize_hooks: list[tuple[Callable[..., object], tuple[Any, ...], dict[str, Any]]] = []
+# The devices the last reinitialize() configured; None before the first (then the
+# logging functions look at the current device).
+_configured_devices: list[int] | None = None
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, not {type(value).__name__} {value!r}")
+    return value
+
+
+def _size(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{name}: {e}") from None
+
+
+def _devices(devices: object) -> list[int]:
+    """RMM's ``devices``: an int, a list of ints, or None (device 0); each must exist."""
+    if devices is None:
+        wanted: list[object] = [0]
+    elif isinstance(devices, int) and not isinstance(devices, bool):
+        wanted = [devices]
+    elif isinstance(devices, Iterable) and not isinstance(devices, (str, bytes)):
+        wanted = list(devices)
+    else:
+        raise TypeError(f"devices must be a device ordinal or a list of them, not {type(devices).__name__}")
+    if not wanted:
+        raise ValueError("devices is empty: name at least one device")
+    count = device_count()
+    out: list[int] = []
+    for d in wanted:
+        if not isinstance(d, int) or isinstance(d, bool):
+            raise TypeError(f"devices: {d!r} is not a device ordinal (an int)")
+        if not 0 <= d < count:
+            raise ValueError(f"devices: device {d} does not exist ({count} device(s): 0..{count - 1})")
+        if d not in out:
+            out.append(d)
+    return out
+
+
+def _log_file_base(log_file_name: object) -> str:
+    """The log file name before RMM's ``.dev<N>`` suffix: the argument, else
+    ``STREAMPOOL_LOG_FILE``, else ``RMM_LOG_FILE``."""
+    if log_file_name is None:
+        log_file_name = os.environ.get("STREAMPOOL_LOG_FILE") or os.environ.get("RMM_LOG_FILE")
+        if not log_file_name:
+            raise ValueError(
+                "logging needs a file: pass log_file_name= or set STREAMPOOL_LOG_FILE (or RMM_LOG_FILE)"
+            )
+    if not isinstance(log_file_name, (str, os.PathLike)):
+        raise TypeError(f"log_file_name must be a str or a path, not {type(log_file_name).__name__}")
+    return os.fspath(log_file_name)
+
+
+def _device_log_file(base: str, device: int) -> str:
+    """RMM's per-device name: ``.dev<N>`` before the extension (``rmm.log`` ->
+    ``rmm.dev0.log``)."""
+    stem, ext = os.path.splitext(base)
+    return f"{stem}.dev{device}{ext}"
+
+
+def reinitialize(
+    pool_allocator: bool = False,
+    managed_memory: bool = False,
+    initial_pool_size: int | str | None = None,
+    maximum_pool_size: int | str | None = None,
+    devices: int | Iterable[int] | None = 0,
+    logging: bool = False,
+    log_file_name: str | os.PathLike[str] | None = None,
+) -> None:
+    """Sets the resource of each of ``devices`` afresh, as RMM's ``rmm.reinitialize``;
+    every other device goes back to its initial resource.
+
+    For each device: :class:`~streampool.mr.CudaAsyncMemoryResource` (where RMM uses
+    ``CudaMemoryResource``: the driver's pool is the better default), or with
+    ``managed_memory`` :class:`~streampool.mr.ManagedMemoryResource`; with
+    ``pool_allocator`` a :class:`~streampool.mr.PoolMemoryResource` over it (the sharded
+    pool; ``initial_pool_size=None`` reserves nothing up front, where RMM reserves half the
+    free memory; both sizes are ignored without ``pool_allocator``, as in RMM); with
+    ``logging`` a :class:`~streampool.mr.LoggingResourceAdaptor` on top, writing to
+    ``log_file_name`` (else ``STREAMPOOL_LOG_FILE``, else ``RMM_LOG_FILE``) with RMM's
+    ``.dev<N>`` suffix before the extension.
+
+    Registered hooks (:func:`register_reinitialize_hook`) run first, latest first. The
+    arguments are checked before anything changes, and every resource is made before any
+    is set: a bad argument (TypeError/ValueError naming it) or a failure leaves the device
+    resources as they were. Memory from earlier resources stays valid while it is held.
+
+    Example::
+
+        >>> streampool.reinitialize(pool_allocator=True, maximum_pool_size="8GiB", devices=[0, 1])
+        >>> type(streampool.mr.get_per_device_resource(1)).__name__
+        'PoolMemoryResource'
+    """
+    pool_allocator = _flag("pool_allocator", pool_allocator)
+    managed_memory = _flag("managed_memory", managed_memory)
+    logging = _flag("logging", logging)
+    initial = _size("initial_pool_size", initial_pool_size)
+    maximum = _size("maximum_pool_size", maximum_pool_size)
+    if initial is not None and maximum is not None and initial > maximum:
+        raise ValueError(f"initial_pool_size ({initial}) is larger than maximum_pool_size ({maximum})")
+    wanted = _devices(devices)
+    base = _log_file_base(log_file_name) if logging else None
+
+    for func, args, kwargs in reversed(_reinitialize_hooks):
+        func(*args, **kwargs)
+
+    made: dict[int, MemoryResource] = {}
+    for d in wanted:
+        mr: MemoryResource = (
+            ManagedMemoryResource(device=d) if managed_memory else CudaAsyncMemoryResource(device=d)
+        )
+        if pool_allocator:
+            mr = PoolMemoryResource(mr, initial_pool_size=initial, maximum_pool_size=maximum)
+        if base is not None:
+            mr = LoggingResourceAdaptor(mr, log_file_name=_device_log_file(base, d))
+        made[d] = mr
+    _reset_device_resources()
+    for d, mr in made.items():
+        set_per_device_resource(d, mr)
+    global _configured_devices
+    _configured_devices = wanted
+
+
+def is_initialized() -> bool:
+    """True when device resources can be made and used: a CUDA driver was found or a
+    simulated device is in use (RMM's ``is_initialized``, which is true whenever RMM could
+    be imported; every device has a resource from the start here too)::
+
+        >>> streampool.is_initialized()
+        True
+    """
+    try:
+        backend_description()
+    except CudaDriverNotFoundError:
+        return False
+    return True
+
+
+def register_reinitialize_hook(func: _F, *args: Any, **kwargs: Any) -> _F:
+    """Has :func:`reinitialize` call ``func(*args, **kwargs)`` before it changes anything
+    (hooks run latest first), as RMM's; returns ``func``. TypeError when it is not
+    callable::
+
+        >>> streampool.register_reinitialize_hook(cache.clear)
+    """
+    if not callable(func):
+        raise TypeError(f"func must be callable, not {type(func).__name__}")
+    _reinitialize_hooks.append((func, args, kwargs))
+    return func
+
+
+def unregister_reinitialize_hook(func: Callable[..., object]) -> None:
+    """Removes every registration of ``func`` (nothing when it has none)::
+
+    >>> streampool.unregister_reinitialize_hook(cache.clear)
+    """
+    _reinitialize_hooks[:] = [h for h in _reinitialize_hooks if h[0] != func]
+
+
+def _logging_devices() -> list[int]:
+    return list(_configured_devices) if _configured_devices is not None else [get_current_device()]
+
+
+def enable_logging(log_file_name: str | os.PathLike[str] | None = None) -> None:
+    """Wraps the resource of every device that :func:`reinitialize` configured (the current
+    device before any) in a :class:`~streampool.mr.LoggingResourceAdaptor`, unless it is one
+    already; the file gets RMM's ``.dev<N>`` suffix. ValueError when no file is named
+    (argument, ``STREAMPOOL_LOG_FILE`` or ``RMM_LOG_FILE``)::
+
+        >>> streampool.mr.enable_logging("alloc.csv")  # alloc.dev0.csv
+    """
+    base = _log_file_base(log_file_name)
+    for d in _logging_devices():
+        current = get_per_device_resource(d)
+        if not isinstance(current, LoggingResourceAdaptor):
+            set_per_device_resource(
+                d, LoggingResourceAdaptor(current, log_file_name=_device_log_file(base, d))
+            )
+
+
+def disable_logging() -> None:
+    """Unwraps the logging adaptor that :func:`enable_logging` or ``reinitialize(logging=True)``
+    put on each configured device::
+
+        >>> streampool.mr.disable_logging()
+    """
+    for d in _logging_devices():
+        current = get_per_device_resource(d)
+        if isinstance(current, LoggingResourceAdaptor):
+            set_per_device_resource(d, current.get_upstream())
+
+
+def get_log_filenames() -> dict[int, str | None]:
+    """The log file of each configured device (None where it does not log), as RMM's::
+
+    >>> streampool.reinitialize(devices=[0], logging=True, log_file_name="rmm.log")
+    >>> streampool.mr.get_log_filenames()
+    {0: '/home/me/rmm.dev0.log'}
+    """
+    out: dict[int, str | None] = {}
+    for d in _logging_devices():
+        current = get_per_device_resource(d)
+        out[d] = current.get_file_name() if isinstance(current, LoggingResourceAdaptor) else None
+    return out

@@ -23,6 +23,11 @@ byte cap (:class:`LimitingResourceAdaptor`), a callback on out-of-memory
 (:class:`FailureCallbackResourceAdaptor`), prefetching of managed memory
 (:class:`PrefetchResourceAdaptor`), size classes (:class:`BinningMemoryResource`, with
 :class:`FixedSizeMemoryResource` bins). They stack, and keep their upstream alive.
+
+Also RMM's :class:`ArenaMemoryResource` (over the sharded pool),
+:class:`CallbackMemoryResource` (Python functions as a resource),
+:func:`available_device_memory` and the logging switches of :func:`streampool.reinitialize`.
+See the RMM migration guide (``docs/rmm-migration.md``) for every RMM name and ours.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from __future__ import annotations
 from ._native import (
     MAX_RESOURCE_DEPTH,
     AllocationRecord,
+    ArenaMemoryResource,
     BinningMemoryResource,
+    CallbackMemoryResource,
     CudaAsyncManagedMemoryResource,
     CudaAsyncMemoryResource,
     CudaAsyncViewMemoryResource,
@@ -47,20 +54,26 @@ from ._native import (
     StatisticsResourceAdaptor,
     TrackingResourceAdaptor,
     UpstreamResourceAdaptor,
+    available_device_memory,
     get_current_device_resource,
     get_per_device_resource,
     set_current_device_resource,
     set_per_device_resource,
 )
+from ._types import CudaStreamFlags, PoolHandle
 
 __all__ = [
     "MAX_RESOURCE_DEPTH",
     "AllocationRecord",
+    "ArenaMemoryResource",
     "BinningMemoryResource",
+    "CallbackMemoryResource",
     "CudaAsyncManagedMemoryResource",
     "CudaAsyncMemoryResource",
     "CudaAsyncViewMemoryResource",
     "CudaMemoryResource",
+    "CudaStreamFlags",
+    "DeviceMemoryResource",
     "FailureCallbackResourceAdaptor",
     "FixedSizeMemoryResource",
     "LimitingResourceAdaptor",
@@ -68,20 +81,53 @@ __all__ = [
     "ManagedMemoryResource",
     "MemoryResource",
     "PinnedHostMemoryResource",
+    "PoolHandle",
     "PoolMemoryResource",
     "PrefetchResourceAdaptor",
     "ShardedPoolMemoryResource",
     "StatisticsResourceAdaptor",
     "TrackingResourceAdaptor",
     "UpstreamResourceAdaptor",
+    "available_device_memory",
+    "disable_logging",
+    "enable_logging",
     "get_current_device_resource",
+    "get_current_device_resource_type",
+    "get_log_filenames",
     "get_per_device_resource",
+    "get_per_device_resource_type",
+    "is_initialized",
     "set_current_device_resource",
     "set_per_device_resource",
 ]
+
+DeviceMemoryResource = MemoryResource
+"""RMM's name for the base class of every resource (:class:`MemoryResource`)."""
 
 
 class PoolMemoryResource(ShardedPoolMemoryResource):
     """RMM's name for :class:`ShardedPoolMemoryResource`, with RMM's arguments
     (``upstream_mr, initial_pool_size=None, maximum_pool_size=None``). Unlike RMM's pool,
     ``initial_pool_size=None`` reserves nothing up front: the pool grows on demand."""
+
+
+def get_current_device_resource_type() -> type[MemoryResource]:
+    """The type of the current device's resource (RMM's name)::
+
+    >>> streampool.mr.get_current_device_resource_type()
+    <class 'streampool.mr.CudaAsyncMemoryResource'>
+    """
+    return type(get_current_device_resource())
+
+
+def get_per_device_resource_type(device: int) -> type[MemoryResource]:
+    """The type of ``device``'s resource (RMM's name); ValueError when it does not exist::
+
+    >>> streampool.mr.get_per_device_resource_type(0)
+    <class 'streampool.mr.CudaAsyncMemoryResource'>
+    """
+    return type(get_per_device_resource(device))
+
+
+# Last, because _setup builds on the classes above (PoolMemoryResource among them).
+from ._setup import disable_logging, enable_logging, get_log_filenames, is_initialized  # noqa: E402

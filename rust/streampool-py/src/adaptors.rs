@@ -31,12 +31,13 @@ use streampool::adaptors::{
     LimitingAdaptor, LogAction, LogSink, LoggingAdaptor, PrefetchAdaptor, StackCapture, Statistics,
     StatisticsAdaptor, TrackingAdaptor,
 };
-use streampool::device::{DevPtr, RawStream};
-use streampool::ResourceRef;
+use streampool::device::{BackendRef, DevPtr, RawStream};
+use streampool::{MemoryKind, MemoryResource, ResourceRef, Stream};
 
 use crate::errors::{callback_error, detached, OrRaise};
 use crate::resources::PyMemoryResource;
 use crate::size_arg;
+use crate::streams::{default_stream, per_thread_stream, PyStream};
 
 /// Locks a mutex of this module. Each is held only to clone, push or take a Python
 /// reference, with the GIL held and without running Python code, so it is never
@@ -572,6 +573,150 @@ impl PyPrefetchResourceAdaptor {
 }
 
 // ---------------------------------------------------------------------------------------
+// Callbacks as a resource.
+
+/// The core resource behind `CallbackMemoryResource`: every allocation and free is a call
+/// of a Python function, with the GIL re-taken and no lock held across the call (the
+/// slots' locks are held only to clone the function).
+struct CallbackResource {
+    backend: BackendRef,
+    device: i32,
+    allocate: Arc<CallbackSlot>,
+    deallocate: Arc<CallbackSlot>,
+}
+
+impl std::fmt::Debug for CallbackResource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallbackMemoryResource").field("device", &self.device).finish()
+    }
+}
+
+/// The stream as the Python object a callback receives: the default-stream constants for
+/// the default streams, otherwise a `Stream` over the same handle.
+fn stream_object(py: Python<'_>, stream: &Stream) -> PyResult<Py<PyStream>> {
+    if stream.is_legacy() {
+        Ok(default_stream(py)?.clone_ref(py))
+    } else if stream.is_per_thread() {
+        Ok(per_thread_stream(py)?.clone_ref(py))
+    } else {
+        Py::new(py, PyStream::from(stream.clone()))
+    }
+}
+
+/// The address an allocate function returned: an int in `0..2**64`, else TypeError or
+/// ValueError, naming what came back.
+fn returned_ptr(answer: &Bound<'_, PyAny>) -> PyResult<DevPtr> {
+    if !answer.is_instance_of::<PyInt>() || answer.is_instance_of::<PyBool>() {
+        let ty = answer.get_type().fully_qualified_name()?;
+        return Err(PyTypeError::new_err(format!(
+            "the allocate function of a CallbackMemoryResource must return the address as an int, not {ty}"
+        )));
+    }
+    answer.extract::<DevPtr>().map_err(|_| {
+        PyValueError::new_err(format!(
+            "the allocate function of a CallbackMemoryResource returned {answer}, which is not an address \
+             (must be in 0..2**64)"
+        ))
+    })
+}
+
+/// The interpreter is needed to call a Python function; at shutdown there is none.
+fn no_interpreter(what: &str) -> streampool::Error {
+    streampool::Error::Unsupported(format!("{what}: the Python interpreter is not available (shutting down)"))
+}
+
+impl MemoryResource for CallbackResource {
+    fn backend(&self) -> &BackendRef {
+        &self.backend
+    }
+    fn device(&self) -> i32 {
+        self.device
+    }
+    fn name(&self) -> &str {
+        "CallbackMemoryResource"
+    }
+    fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::Device
+    }
+
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> streampool::Result<DevPtr> {
+        const WHAT: &str = "allocate function";
+        Python::try_attach(|py| {
+            let Some(f) = self.allocate.get(py) else { return Err(no_interpreter(WHAT)) };
+            let call = || -> PyResult<DevPtr> {
+                let answer = f.bind(py).call1((bytes, stream_object(py, stream)?))?;
+                returned_ptr(&answer)
+            };
+            match call() {
+                // A null pointer for a real request: the function had no memory to give.
+                Ok(0) => Err(streampool::Error::OutOfMemory {
+                    requested: bytes,
+                    available: None,
+                    resource: "CallbackMemoryResource (its allocate function returned 0)".into(),
+                }),
+                Ok(ptr) => Ok(ptr),
+                Err(e) => Err(callback_error(py, WHAT, e)),
+            }
+        })
+        .unwrap_or_else(|| Err(no_interpreter(WHAT)))
+    }
+
+    fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> streampool::Result<()> {
+        const WHAT: &str = "deallocate function";
+        Python::try_attach(|py| {
+            let Some(f) = self.deallocate.get(py) else { return Err(no_interpreter(WHAT)) };
+            let call = || -> PyResult<()> {
+                f.bind(py).call1((ptr, bytes, stream_object(py, stream)?))?;
+                Ok(())
+            };
+            call().map_err(|e| callback_error(py, WHAT, e))
+        })
+        .unwrap_or_else(|| Err(no_interpreter(WHAT)))
+    }
+}
+
+/// Allocates and frees through two Python functions, RMM's `CallbackMemoryResource`:
+/// `allocate_func(size, stream) -> ptr` and `deallocate_func(ptr, size, stream)`, where
+/// `stream` is a `streampool.Stream`. For debugging and experiments: every call takes the
+/// GIL. An exception either function raises reaches the caller of allocate/deallocate
+/// unchanged; an allocate result that is not an int raises TypeError there.
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "CallbackMemoryResource")]
+pub struct PyCallbackMemoryResource {
+    allocate: Arc<CallbackSlot>,
+    deallocate: Arc<CallbackSlot>,
+}
+
+#[pymethods]
+impl PyCallbackMemoryResource {
+    #[new]
+    #[pyo3(signature = (allocate_func, deallocate_func, *, device=None))]
+    fn new(
+        py: Python<'_>,
+        allocate_func: &Bound<'_, PyAny>,
+        deallocate_func: &Bound<'_, PyAny>,
+        device: Option<i32>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let allocate = CallbackSlot::new(require_callable(allocate_func, "allocate_func")?);
+        let deallocate = CallbackSlot::new(require_callable(deallocate_func, "deallocate_func")?);
+        let (backend, device) = detached(py, move || streampool::resources::bind(device))?;
+        let inner =
+            CallbackResource { backend, device, allocate: allocate.clone(), deallocate: deallocate.clone() };
+        Ok(PyMemoryResource::base(Arc::new(inner)).add_subclass(Self { allocate, deallocate }))
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        self.allocate.traverse(&visit)?;
+        self.deallocate.traverse(&visit)
+    }
+
+    fn __clear__(&self) {
+        self.allocate.clear();
+        self.deallocate.clear();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Fixed-size blocks and binning.
 
 /// Hands out blocks of one size (`block_size`, default 1 MiB) carved from chunks of
@@ -659,9 +804,11 @@ impl PyBinningMemoryResource {
         Ok(init(inner.clone(), upstream_mr, Self { inner, bin_mrs: Mutex::new(Vec::new()) }))
     }
 
-    /// Adds a bin for allocations up to `allocation_size` bytes (and larger than the next
-    /// smaller bin), served by `bin_resource`, or by a new `FixedSizeMemoryResource` of
-    /// that block size when None. A size that already has a bin raises ValueError.
+    /// Adds a bin for allocations up to `allocation_size` bytes (rounded up to 256; and
+    /// larger than the next smaller bin), served by `bin_resource`, or by a new
+    /// `FixedSizeMemoryResource` of that block size when None. For a size that has a bin
+    /// already: None changes nothing (as RMM), a resource replaces the bin's (ValueError
+    /// while that bin has allocations outstanding).
     #[pyo3(signature = (allocation_size, bin_resource=None))]
     fn add_bin(
         &self,
@@ -672,10 +819,22 @@ impl PyBinningMemoryResource {
         let size = positive_size(allocation_size, "allocation_size")?;
         let resource = bin_resource.map(upstream_ref);
         let mr = self.inner.clone();
-        detached(py, move || mr.add_bin(size, resource))?;
+        let bins = detached(py, move || {
+            mr.add_bin(size, resource)?;
+            Ok(mr.bins())
+        })?;
+        let mut given = lock(&self.bin_mrs);
         if let Some(bin) = bin_resource {
-            lock(&self.bin_mrs).push(bin.clone().unbind());
+            given.push(bin.clone().unbind());
         }
+        // A replaced resource is no longer a bin: it is not kept alive (dropped after the lock).
+        let in_use = |m: &Py<PyMemoryResource>| {
+            bins.iter().any(|(_, r)| std::ptr::addr_eq(Arc::as_ptr(&m.get().inner), Arc::as_ptr(r)))
+        };
+        let (keep, dropped): (Vec<_>, Vec<_>) = std::mem::take(&mut *given).into_iter().partition(in_use);
+        *given = keep;
+        drop(given);
+        drop(dropped);
         Ok(())
     }
 

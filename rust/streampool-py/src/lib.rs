@@ -10,7 +10,9 @@
 //! * [`resources`]: `MemoryResource` and its subclasses, the current resource per device;
 //! * [`buffer`] and [`dlpack`]: `DeviceBuffer` with the CUDA array interface and DLPack;
 //! * [`adaptors`]: the adaptors (statistics, tracking, logging, limiting, failure callback,
-//!   prefetch, binning, fixed-size), and the Python callbacks they call;
+//!   prefetch, binning, fixed-size), `CallbackMemoryResource`, and the Python callbacks
+//!   they call;
+//! * [`pool`]: the sharded pool, and `ArenaMemoryResource` over it;
 //! * [`sim`]: the simulated device, for tests and machines without a GPU.
 //!
 //! Importing the module never touches the driver: a machine without one imports fine and
@@ -202,6 +204,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(resources::get_per_device_resource, m)?)?;
     m.add_function(wrap_pyfunction!(resources::set_per_device_resource, m)?)?;
     m.add_function(wrap_pyfunction!(resources::get_current_device, m)?)?;
+    m.add_function(wrap_pyfunction!(resources::available_device_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(resources::_reset_device_resources, m)?)?;
 
     m.add_class::<adaptors::PyUpstreamResourceAdaptor>()?;
     m.add_class::<adaptors::PyStatisticsResourceAdaptor>()?;
@@ -217,6 +221,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<adaptors::PyFixedSizeMemoryResource>()?;
     m.add_class::<adaptors::PyBinningMemoryResource>()?;
     m.add_class::<pool::PyShardedPool>()?;
+    m.add_class::<pool::PyArenaMemoryResource>()?;
+    m.add_class::<adaptors::PyCallbackMemoryResource>()?;
 
     m.add_class::<buffer::DeviceBuffer>()?;
     m.add_function(wrap_pyfunction!(buffer::_rebuild_device_buffer, m)?)?;

@@ -1,10 +1,12 @@
-//! `streampool.mr.ShardedPoolMemoryResource` (and `PoolMemoryResource`, RMM's name for it).
+//! `streampool.mr.ShardedPoolMemoryResource` (and `PoolMemoryResource`, RMM's name for it),
+//! and `ArenaMemoryResource`, RMM's arena interface over it.
 
 use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use streampool::{PoolOptions, ShardedPoolMemoryResource};
+use streampool::device::{BackendRef, DevPtr};
+use streampool::{MemoryKind, MemoryResource, PoolOptions, ShardedPoolMemoryResource, Stream};
 
 use crate::adaptors::{init, upstream_ref, PyUpstreamResourceAdaptor};
 use crate::errors::detached;
@@ -124,5 +126,137 @@ impl PyShardedPool {
             }
         }
         Ok(released)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The arena.
+
+/// The arena with `dump_log_on_failure`: the pool, and on every failed allocation its
+/// state written to the `streampool` logger (Python `logging`, level ERROR) before the
+/// error goes on. No lock is held while the logger runs.
+#[derive(Debug)]
+struct DumpOnFailure {
+    pool: Arc<ShardedPoolMemoryResource>,
+}
+
+impl DumpOnFailure {
+    fn dump(&self, bytes: usize, e: streampool::Error) -> streampool::Error {
+        if e.is_out_of_memory() {
+            let text = format!(
+                "ArenaMemoryResource: allocating {bytes} bytes failed ({e}); the arena: {:?}",
+                self.pool.stats()
+            );
+            // At interpreter shutdown there is no logger to write to: the error still goes on.
+            let _ = Python::try_attach(|py| -> PyResult<()> {
+                let logger = py.import("logging")?.call_method1("getLogger", ("streampool",))?;
+                logger.call_method1("error", ("%s", text))?;
+                Ok(())
+            });
+        }
+        e
+    }
+}
+
+impl MemoryResource for DumpOnFailure {
+    fn backend(&self) -> &BackendRef {
+        self.pool.backend()
+    }
+    fn device(&self) -> i32 {
+        self.pool.device()
+    }
+    fn name(&self) -> &str {
+        "ArenaMemoryResource"
+    }
+    fn memory_kind(&self) -> MemoryKind {
+        self.pool.memory_kind()
+    }
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> streampool::Result<DevPtr> {
+        self.pool.allocate(bytes, stream).map_err(|e| self.dump(bytes, e))
+    }
+    fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> streampool::Result<()> {
+        self.pool.deallocate(ptr, bytes, stream)
+    }
+    fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<streampool::Result<DevPtr>> {
+        self.pool.try_allocate(bytes, stream).map(|r| r.map_err(|e| self.dump(bytes, e)))
+    }
+    fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<streampool::Result<()>> {
+        self.pool.try_deallocate(ptr, bytes, stream)
+    }
+}
+
+/// RMM's `ArenaMemoryResource` (its arguments and its shape), built on the sharded pool:
+/// one global reservation of `arena_size` bytes taken from `upstream_mr` up front and
+/// never grown nor returned (RMM's global arena), and free blocks kept per stream, the
+/// per-thread default stream per thread (RMM's per-thread and per-stream arenas).
+///
+/// It is a `ShardedPoolMemoryResource` with `initial_pool_size = maximum_pool_size =
+/// arena_size` and no release: not RMM's superblock algorithm. `arena_size=None`: half of
+/// the device's free memory, as RMM. `dump_log_on_failure=True`: a failed allocation
+/// writes the arena's state to the `streampool` logger (level ERROR) before raising.
+///
+/// Example::
+///
+///     arena = mr.ArenaMemoryResource(mr.CudaAsyncMemoryResource(), arena_size="4GiB")
+///     streampool.set_current_device_resource(arena)
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyShardedPool, module = "streampool.mr", name = "ArenaMemoryResource")]
+pub struct PyArenaMemoryResource {
+    arena_size: usize,
+    dump_log_on_failure: bool,
+}
+
+#[pymethods]
+impl PyArenaMemoryResource {
+    #[new]
+    #[pyo3(signature = (upstream_mr, arena_size=None, dump_log_on_failure=false))]
+    fn new(
+        upstream_mr: &Bound<'_, PyMemoryResource>,
+        arena_size: Option<&Bound<'_, PyAny>>,
+        dump_log_on_failure: bool,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let py = upstream_mr.py();
+        let asked = optional_size(arena_size, "arena_size")?;
+        let upstream = upstream_ref(upstream_mr);
+        let pool = detached(py, move || {
+            let bytes = match asked {
+                Some(bytes) => bytes,
+                None => upstream.backend().mem_get_info(upstream.device())?.0 / 2,
+            };
+            // Whole 256-byte units, so that the reservation and the cap agree.
+            let bytes = bytes / streampool::ALIGNMENT * streampool::ALIGNMENT;
+            if bytes == 0 {
+                return Err(streampool::Error::InvalidArgument(format!(
+                    "arena_size must be at least {} bytes, got {}",
+                    streampool::ALIGNMENT,
+                    asked
+                        .map_or_else(|| "half of the device's free memory: 0".to_string(), |a| a.to_string())
+                )));
+            }
+            let options = PoolOptions {
+                initial_pool_size: Some(bytes),
+                maximum_pool_size: Some(bytes),
+                release_threshold: None,
+                ..PoolOptions::default()
+            };
+            Ok((Arc::new(ShardedPoolMemoryResource::new(upstream, options)?), bytes))
+        })?;
+        let (pool, arena_size) = pool;
+        let resource: streampool::ResourceRef =
+            if dump_log_on_failure { Arc::new(DumpOnFailure { pool: pool.clone() }) } else { pool.clone() };
+        Ok(init(resource, upstream_mr, PyShardedPool { inner: pool })
+            .add_subclass(Self { arena_size, dump_log_on_failure }))
+    }
+
+    /// The bytes of the global arena (as asked, rounded down to 256).
+    #[getter]
+    fn arena_size(&self) -> usize {
+        self.arena_size
+    }
+
+    /// Whether a failed allocation logs the arena's state.
+    #[getter]
+    fn dump_log_on_failure(&self) -> bool {
+        self.dump_log_on_failure
     }
 }

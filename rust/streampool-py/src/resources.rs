@@ -9,6 +9,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
 use pyo3::PyClass;
 use streampool::device::{self, BackendRef, DevPtr};
 use streampool::resources::{check_device, ManagedMemoryResource, PinnedHostMemoryResource};
@@ -140,10 +142,11 @@ macro_rules! async_pool_class {
         impl $ty {
             $($new)*
 
-            /// The driver pool handle (`CUmemoryPool` as an int).
+            /// The driver pool handle (`CUmemoryPool` as an int). A `PoolHandle`: an int that
+            /// can also be called, for RMM's `pool_handle()`.
             #[getter]
-            fn pool_handle(&self) -> u64 {
-                self.inner.pool_handle()
+            fn pool_handle(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+                pool_handle_object(py, self.inner.pool_handle())
             }
 
             /// True when this resource created its pool (and destroys it when collected).
@@ -178,6 +181,15 @@ macro_rules! async_pool_class {
             }
         }
     };
+}
+
+static POOL_HANDLE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// `streampool._types.PoolHandle(handle)`: an int that is also callable, so that both
+/// streampool's `pool_handle` (a property) and RMM's `pool_handle()` (a method) work.
+fn pool_handle_object(py: Python<'_>, handle: u64) -> PyResult<Py<PyAny>> {
+    let cls = POOL_HANDLE.import(py, "streampool._types", "PoolHandle")?;
+    Ok(cls.call1((handle,))?.unbind())
 }
 
 /// The options of a pool of its own, from Python arguments (None: not given).
@@ -272,10 +284,11 @@ impl PyCudaAsyncViewMemoryResource {
         Ok(PyMemoryResource::base(Arc::new(mr)).add_subclass(Self { pool }))
     }
 
-    /// The driver pool handle this resource allocates from.
+    /// The driver pool handle this resource allocates from (a `PoolHandle`: an int that
+    /// can also be called, for RMM's `pool_handle()`).
     #[getter]
-    fn pool_handle(&self) -> u64 {
-        self.pool
+    fn pool_handle(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        pool_handle_object(py, self.pool)
     }
 
     /// Always False: a view never destroys the pool.
@@ -463,6 +476,28 @@ pub(crate) fn set_per_device_resource(
     mr: &Bound<'_, PyMemoryResource>,
 ) -> PyResult<Option<Py<PyMemoryResource>>> {
     set_resource(py, Some(device), mr)
+}
+
+/// Forgets the resource of every device of the current backend, so that each goes back
+/// to its initial resource (what `reinitialize` does first, as RMM's). The resources are
+/// dropped after the lock is released.
+#[pyfunction]
+pub(crate) fn _reset_device_resources(py: Python<'_>) -> PyResult<()> {
+    let backend = detached(py, device::backend)?;
+    forget_backend(backend.id());
+    Ok(())
+}
+
+/// `(free, total)` bytes of `device`'s memory (the current device when None), as the
+/// driver reports them (`cuMemGetInfo`): RMM's `available_device_memory()`.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+pub(crate) fn available_device_memory(py: Python<'_>, device: Option<i32>) -> PyResult<(usize, usize)> {
+    detached(py, move || {
+        let backend = device::backend()?;
+        let device = check_device(&backend, device)?;
+        backend.mem_get_info(device)
+    })
 }
 
 /// The current device of the current backend.

@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyNotImplementedError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyInt, PyTuple};
@@ -19,13 +19,19 @@ use crate::errors::{detached, OrRaise};
 ///
 /// `Stream(device=None, blocking=False)` creates a stream on `device` (the current device
 /// when None) of the current backend (the CUDA driver, or the active simulated device).
-/// It is non-blocking unless `blocking`: it does not synchronise with the legacy default
-/// stream. It is destroyed when the last reference to it (including buffers made on it)
-/// goes away.
+/// It is non-blocking unless `blocking` (or `flags=CudaStreamFlags.SYNC_DEFAULT`): it does
+/// not synchronise with the legacy default stream. It is destroyed when the last reference
+/// to it (including buffers made on it) goes away.
+///
+/// `Stream(obj)`, as RMM's: wraps another library's stream (an object with
+/// `__cuda_stream__`, a `torch.cuda.Stream`, a `cupy.cuda.Stream`, a Numba stream, or a
+/// `streampool.Stream`), keeping `obj` alive.
 #[derive(Debug)]
 #[pyclass(frozen, module = "streampool", name = "Stream")]
 pub struct PyStream {
     pub(crate) inner: Stream,
+    /// The object a wrapped stream came from (`Stream(obj)`), kept alive with it.
+    owner: Option<Py<PyAny>>,
 }
 
 static DEFAULT_STREAM: PyOnceLock<Py<PyStream>> = PyOnceLock::new();
@@ -34,12 +40,52 @@ static PER_THREAD_DEFAULT_STREAM: PyOnceLock<Py<PyStream>> = PyOnceLock::new();
 /// `streampool.DEFAULT_STREAM` (also `LEGACY_DEFAULT_STREAM`: handles 0 and 1 are one
 /// stream), one object for the whole process.
 pub(crate) fn default_stream(py: Python<'_>) -> PyResult<&Py<PyStream>> {
-    DEFAULT_STREAM.get_or_try_init(py, || Py::new(py, PyStream { inner: Stream::legacy() }))
+    DEFAULT_STREAM.get_or_try_init(py, || Py::new(py, PyStream::from(Stream::legacy())))
 }
 
 /// `streampool.PER_THREAD_DEFAULT_STREAM`.
 pub(crate) fn per_thread_stream(py: Python<'_>) -> PyResult<&Py<PyStream>> {
-    PER_THREAD_DEFAULT_STREAM.get_or_try_init(py, || Py::new(py, PyStream { inner: Stream::per_thread() }))
+    PER_THREAD_DEFAULT_STREAM.get_or_try_init(py, || Py::new(py, PyStream::from(Stream::per_thread())))
+}
+
+impl From<Stream> for PyStream {
+    fn from(inner: Stream) -> Self {
+        PyStream { inner, owner: None }
+    }
+}
+
+/// `CudaStreamFlags` values (RMM's, which are the driver's `CU_STREAM_DEFAULT` and
+/// `CU_STREAM_NON_BLOCKING`).
+const SYNC_DEFAULT: i64 = 0;
+const NON_BLOCKING: i64 = 1;
+
+/// Whether a new stream blocks, from `blocking=` and `flags=` (a `CudaStreamFlags` or its
+/// int value), which must agree when both are given.
+fn blocking_from(blocking: Option<bool>, flags: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+    let Some(flags) = flags.filter(|f| !f.is_none()) else { return Ok(blocking.unwrap_or(false)) };
+    let value = if flags.is_instance_of::<PyInt>() && !flags.is_instance_of::<PyBool>() {
+        flags.extract::<i64>().ok()
+    } else {
+        None
+    };
+    let from_flags = match value {
+        Some(SYNC_DEFAULT) => true,
+        Some(NON_BLOCKING) => false,
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "flags must be CudaStreamFlags.SYNC_DEFAULT (0) or CudaStreamFlags.NON_BLOCKING (1), got {}",
+                flags.repr()?
+            )))
+        }
+    };
+    match blocking {
+        Some(b) if b != from_flags => Err(PyValueError::new_err(format!(
+            "blocking={} contradicts flags={}; give one of them",
+            if b { "True" } else { "False" },
+            flags.repr()?
+        ))),
+        _ => Ok(from_flags),
+    }
 }
 
 impl PyStream {
@@ -59,18 +105,74 @@ impl PyStream {
     fn key(&self) -> (Option<u64>, RawStream) {
         (self.inner.binding().map(|(b, _)| b.id()), self.inner.handle())
     }
+
+    /// `Stream(obj)`: another library's stream (or one of ours), kept alive with the
+    /// wrapper. Options that only make sense for a new stream are refused.
+    fn wrap(
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        device: Option<i32>,
+        blocking: Option<bool>,
+        flags: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        if device.is_some() || blocking.is_some() || flags.is_some_and(|f| !f.is_none()) {
+            return Err(PyTypeError::new_err(
+                "Stream(obj) wraps an existing stream: device=, blocking= and flags= only apply to a new \
+                 stream (Stream(device=..., blocking=...))",
+            ));
+        }
+        if obj.is_instance_of::<PyInt>() {
+            // RMM's Stream(obj) refuses ints too; here an int could be read as a device or as
+            // a handle, so neither guess is made.
+            let ty = obj.get_type().fully_qualified_name()?;
+            return Err(PyTypeError::new_err(format!(
+                "Stream(obj) takes a stream object, not {ty} {}: use Stream(device={}) for a new stream on a \
+                 device, or pass a raw handle directly as any stream= argument",
+                obj.repr()?,
+                obj.repr()?
+            )));
+        }
+        if let Ok(ours) = obj.cast::<PyStream>() {
+            let ours = ours.get();
+            let owner = ours.owner.as_ref().map(|o| o.clone_ref(py)).unwrap_or_else(|| obj.clone().unbind());
+            return Ok(PyStream { inner: ours.inner.clone(), owner: Some(owner) });
+        }
+        if let Some(proto) = obj.getattr_opt("__cuda_stream__")? {
+            let pair = proto.call0()?;
+            let version = pair.get_item(0).ok().and_then(|v| v.extract::<i64>().ok());
+            if version != Some(0) {
+                return Err(PyNotImplementedError::new_err(format!(
+                    "__cuda_stream__ protocol version {} is not supported (only version 0)",
+                    pair.repr()?
+                )));
+            }
+        }
+        let backend = detached(py, device::backend)?;
+        let inner = foreign_stream(py, obj, &backend)?;
+        Ok(PyStream { inner, owner: Some(obj.clone().unbind()) })
+    }
 }
 
 #[pymethods]
 impl PyStream {
     #[new]
-    #[pyo3(signature = (device=None, blocking=false))]
-    fn new(py: Python<'_>, device: Option<i32>, blocking: bool) -> PyResult<Self> {
+    #[pyo3(signature = (obj=None, *, device=None, blocking=None, flags=None))]
+    fn new(
+        py: Python<'_>,
+        obj: Option<&Bound<'_, PyAny>>,
+        device: Option<i32>,
+        blocking: Option<bool>,
+        flags: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        if let Some(obj) = obj.filter(|o| !o.is_none()) {
+            return Self::wrap(py, obj, device, blocking, flags);
+        }
+        let blocking = blocking_from(blocking, flags)?;
         let inner = detached(py, move || {
             let (backend, device) = streampool::resources::bind(device)?;
             Stream::create(&backend, device, blocking)
         })?;
-        Ok(PyStream { inner })
+        Ok(PyStream::from(inner))
     }
 
     /// The driver's handle as an integer: 0 for the legacy default stream, 2 for the
@@ -111,6 +213,11 @@ impl PyStream {
         let mut h = DefaultHasher::new();
         self.key().hash(&mut h);
         h.finish()
+    }
+
+    /// True for the default streams (legacy and per-thread), as RMM's `is_default()`.
+    fn is_default(&self) -> bool {
+        self.inner.is_legacy() || self.inner.is_per_thread()
     }
 
     fn __repr__(&self) -> String {

@@ -24,6 +24,11 @@ const AUTO_CHUNK_BYTES: usize = 2 << 20;
 /// the upstream when it is larger than every bin. A free is routed by its size with the
 /// same rule, as RMM's is, so it reaches the resource that allocated it.
 ///
+/// Bin sizes are rounded up to 256 bytes, as RMM's. Adding a bin of a size that has one
+/// already does nothing when no resource is given (as RMM), and with a resource replaces
+/// that bin's resource (RMM keeps the old one silently; here the resource asked for is
+/// used, rather than ignored).
+///
 /// Invariant: that a free reaches the resource that allocated it. So every allocation's
 /// size is recorded, and a free of an address that is not outstanding (a double free, or
 /// memory allocated elsewhere) or with another size than it was allocated with is refused
@@ -31,11 +36,12 @@ const AUTO_CHUNK_BYTES: usize = 2 << 20;
 /// wrong size would route the free to another bin or to the upstream, which would take
 /// back memory that is part of a bin's chunk. And a new bin is refused while the resource
 /// it would take sizes from (the next larger bin, or the upstream) has allocations
-/// outstanding: add bins before allocating. Bins of one size twice, a size of 0, a
-/// resource of another backend or device, or one that would make this resource deeper
-/// than it was when a resource was built over it (see [`depth`](MemoryResource::depth);
-/// this also refuses a bin that calls back into this resource) are refused too, with an
-/// [`Error::InvalidArgument`] that leaves the bins as they were.
+/// outstanding, and a bin is not replaced while it has allocations outstanding: add bins
+/// before allocating. A size of 0, a resource of another backend or device, or one that
+/// would make this resource deeper than it was when a resource was built over it (see
+/// [`depth`](MemoryResource::depth); this also refuses a bin that calls back into this
+/// resource) are refused too, with an [`Error::InvalidArgument`] that leaves the bins as
+/// they were.
 ///
 /// The bins live behind a read-write lock, taken shared on every allocation and free
 /// (never across the call into a bin) and exclusively by [`add_bin`](Self::add_bin).
@@ -133,6 +139,10 @@ impl BinningMemoryResource {
         if allocation_size == 0 {
             return refuse("a bin of 0 bytes would serve nothing".into());
         }
+        let allocation_size = allocation_size.next_multiple_of(crate::ALIGNMENT);
+        if resource.is_none() && read(&self.bins).iter().any(|b| b.bytes == allocation_size) {
+            return Ok(()); // as RMM: a bin of that size exists already, so nothing changes
+        }
         let mr = match resource {
             Some(mr) => {
                 let (b, d) = (self.upstream.backend(), self.upstream.device());
@@ -167,8 +177,18 @@ impl BinningMemoryResource {
             ));
         }
         let at = bins.partition_point(|b| b.bytes < allocation_size);
-        if bins.get(at).is_some_and(|b| b.bytes == allocation_size) {
-            return refuse(format!("overlapping bins: there is already a bin of {allocation_size} bytes"));
+        if let Some(bin) = bins.get_mut(at).filter(|b| b.bytes == allocation_size) {
+            // Replacing the bin's resource: only while nothing it handed out is outstanding,
+            // since those frees would then reach the new resource.
+            let n = bin.outstanding.load(Ordering::Relaxed);
+            if n > 0 {
+                return refuse(format!(
+                    "the bin of {allocation_size} bytes has {n} allocation(s) outstanding whose frees would \
+                     then go to the wrong resource; replace bins before allocating"
+                ));
+            }
+            bin.mr = mr;
+            return Ok(());
         }
         let (donor, outstanding) = match bins.get(at) {
             Some(b) => (format!("the bin of {} bytes", b.bytes), &b.outstanding),

@@ -103,9 +103,13 @@ impl TrackingAdaptor {
 
     /// A readable leak report: how many allocations are outstanding and their bytes, then
     /// one line per allocation (address, size, stream, thread), each followed by its
-    /// stack when stacks are captured.
+    /// stack when stacks are captured. Empty when nothing is outstanding, as RMM's
+    /// `get_outstanding_allocations_str()`.
     pub fn outstanding_report(&self) -> String {
         let records = self.outstanding();
+        if records.is_empty() {
+            return String::new();
+        }
         let bytes: usize = records.iter().map(|r| r.bytes).sum();
         let plural = if records.len() == 1 { "" } else { "s" };
         let mut out = format!(

@@ -1,0 +1,458 @@
+"""The RMM names that make "switch from RMM by changing an import" hold: reinitialize and
+its companions, CallbackMemoryResource, ArenaMemoryResource, CudaStreamFlags, Stream(obj),
+available_device_memory, pool_handle(), add_bin, and the statistics and tracking output."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import streampool
+from streampool import mr
+from streampool.sim import SimulatedDevice
+
+from .conftest import SIM_CAPACITY
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def two_devices() -> Iterator[SimulatedDevice]:
+    with SimulatedDevice(capacity_bytes=SIM_CAPACITY, devices=2) as dev:
+        yield dev
+
+
+@pytest.fixture(autouse=True)
+def _no_hooks() -> Iterator[None]:
+    yield
+    streampool._setup._reinitialize_hooks.clear()
+    streampool._setup._configured_devices = None
+
+
+def _roundtrip(resource: mr.MemoryResource) -> None:
+    ptr = resource.allocate(1000)
+    assert ptr != 0
+    resource.deallocate(ptr, 1000)
+
+
+# --- reinitialize ----------------------------------------------------------------------
+
+
+def test_reinitialize_defaults_to_the_drivers_pool() -> None:
+    mr.set_current_device_resource(mr.CudaMemoryResource())
+    streampool.reinitialize()
+    assert type(mr.get_current_device_resource()) is mr.CudaAsyncMemoryResource
+    assert streampool.is_initialized() and mr.is_initialized()
+
+
+@pytest.mark.nosim
+def test_reinitialize_pool_managed_and_every_listed_device(two_devices: SimulatedDevice) -> None:
+    streampool.reinitialize(
+        pool_allocator=True, managed_memory=True, maximum_pool_size="64MiB", devices=[0, 1]
+    )
+    for d in (0, 1):
+        pool = mr.get_per_device_resource(d)
+        assert (
+            type(pool) is mr.PoolMemoryResource
+            and mr.get_per_device_resource_type(d) is mr.PoolMemoryResource
+        )
+        assert type(pool.upstream) is mr.ManagedMemoryResource and pool.device == d
+        assert pool.stats["reserved_bytes"] == 0  # no initial size: nothing up front
+        _roundtrip(pool)
+        with pytest.raises(streampool.OutOfMemoryError):
+            pool.allocate(65 * MiB)
+    # Device 1 is not listed the next time: it goes back to its initial resource.
+    streampool.reinitialize(devices=0)
+    assert type(mr.get_per_device_resource(1)) is mr.CudaAsyncMemoryResource
+
+
+@pytest.mark.nosim
+def test_reinitialize_logs_per_device_with_rmms_file_names(
+    two_devices: SimulatedDevice, tmp_path: Path
+) -> None:
+    streampool.reinitialize(devices=[0, 1], logging=True, log_file_name=tmp_path / "alloc.csv")
+    names = mr.get_log_filenames()
+    assert names == {0: str(tmp_path / "alloc.dev0.csv"), 1: str(tmp_path / "alloc.dev1.csv")}
+    for d in (0, 1):
+        logged = mr.get_per_device_resource(d)
+        assert isinstance(logged, mr.LoggingResourceAdaptor)
+        _roundtrip(logged)
+        logged.flush()
+        lines = Path(names[d] or "").read_text().splitlines()
+        assert lines[0] == streampool.logs.LOG_HEADER and len(lines) == 3
+    streampool.disable_logging()
+    assert mr.get_log_filenames() == {0: None, 1: None}
+    streampool.enable_logging(tmp_path / "again.log")
+    assert mr.get_log_filenames()[1] == str(tmp_path / "again.dev1.log")
+
+
+def test_reinitialize_log_file_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STREAMPOOL_LOG_FILE", raising=False)
+    monkeypatch.setenv("RMM_LOG_FILE", str(tmp_path / "rmm.log"))
+    streampool.reinitialize(logging=True)
+    assert mr.get_log_filenames() == {0: str(tmp_path / "rmm.dev0.log")}
+    monkeypatch.delenv("RMM_LOG_FILE")
+    before = mr.get_current_device_resource()
+    with pytest.raises(ValueError, match="log_file_name"):
+        streampool.reinitialize(logging=True)
+    assert mr.get_current_device_resource() is before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"pool_allocator": "yes"}, TypeError, "pool_allocator must be True or False"),
+        ({"managed_memory": 1}, TypeError, "managed_memory"),
+        ({"logging": None}, TypeError, "logging"),
+        ({"initial_pool_size": "lots"}, ValueError, "initial_pool_size"),
+        ({"maximum_pool_size": -1}, ValueError, "maximum_pool_size"),
+        (
+            {"pool_allocator": True, "initial_pool_size": "2MiB", "maximum_pool_size": "1MiB"},
+            ValueError,
+            "larger",
+        ),
+        ({"devices": 5}, ValueError, "device 5 does not exist"),
+        ({"devices": [0, -1]}, ValueError, "device -1"),
+        ({"devices": []}, ValueError, "empty"),
+        ({"devices": True}, TypeError, "devices"),
+        ({"devices": ["0"]}, TypeError, "not a device ordinal"),
+        ({"logging": True, "log_file_name": 3}, TypeError, "log_file_name"),
+    ],
+)
+def test_reinitialize_bad_arguments_change_nothing(
+    kwargs: dict[str, object], error: type, match: str
+) -> None:
+    hook_calls: list[int] = []
+    streampool.register_reinitialize_hook(hook_calls.append, 1)
+    before = mr.get_current_device_resource()
+    with pytest.raises(error, match=match):
+        streampool.reinitialize(**kwargs)  # type: ignore[arg-type]
+    assert mr.get_current_device_resource() is before and hook_calls == []
+    _roundtrip(before)
+
+
+def test_reinitialize_hooks_run_first_latest_first() -> None:
+    order: list[str] = []
+    seen: list[type] = []
+    streampool.register_reinitialize_hook(order.append, "first")
+    assert streampool.register_reinitialize_hook(lambda: seen.append(type(mr.get_current_device_resource())))
+    streampool.register_reinitialize_hook(order.append, "last")
+    mr.set_current_device_resource(mr.CudaMemoryResource())
+    streampool.reinitialize()
+    assert order == ["last", "first"] and seen == [mr.CudaMemoryResource]  # before the change
+    streampool.unregister_reinitialize_hook(order.append)
+    streampool.reinitialize()
+    assert order == ["last", "first"]
+    with pytest.raises(TypeError, match="callable"):
+        streampool.register_reinitialize_hook(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.nosim
+def test_is_initialized_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_driver() -> str:
+        raise streampool.CudaDriverNotFoundError("no driver")
+
+    monkeypatch.setattr(streampool._setup, "backend_description", no_driver)
+    assert streampool.is_initialized() is False
+
+
+# --- CallbackMemoryResource ------------------------------------------------------------
+
+
+def test_callback_resource_calls_rmms_signatures() -> None:
+    base = mr.CudaAsyncMemoryResource()
+    calls: list[tuple[object, ...]] = []
+
+    def allocate(size: int, stream: streampool.Stream) -> int:
+        calls.append(("allocate", size, stream))
+        return base.allocate(size, stream)
+
+    def deallocate(ptr: int, size: int, stream: streampool.Stream) -> None:
+        calls.append(("deallocate", ptr, size, stream))
+        base.deallocate(ptr, size, stream)
+
+    cb = mr.CallbackMemoryResource(allocate, deallocate)
+    s = streampool.Stream()
+    ptr = cb.allocate(1000, s)
+    cb.deallocate(ptr, 1000, s)
+    assert calls == [("allocate", 1000, s), ("deallocate", ptr, 1000, s)]
+    calls.clear()
+    with streampool.DeviceBuffer(size=10, mr=cb):
+        pass
+    assert [c[0] for c in calls] == ["allocate", "deallocate"]
+    assert calls[0][2] is streampool.DEFAULT_STREAM
+    assert cb.allocate(0) == 0 and len(calls) == 2  # zero bytes never reach the functions
+
+
+def test_callback_resource_holds_no_lock_across_the_call() -> None:
+    """The allocate function frees, through the same resource, from another thread and
+    waits for it: a lock held across the call would deadlock."""
+    base = mr.CudaAsyncMemoryResource()
+    held: list[int] = []
+
+    def allocate(size: int, stream: streampool.Stream) -> int:
+        if held:
+            t = threading.Thread(target=cb.deallocate, args=(held.pop(), 64))
+            t.start()
+            t.join(timeout=10)
+            assert not t.is_alive()
+        return base.allocate(size, stream)
+
+    cb = mr.CallbackMemoryResource(allocate, base.deallocate)
+    held.append(cb.allocate(64))
+    _roundtrip(cb)
+    assert held == []
+
+
+def test_callback_resource_bad_functions_and_results() -> None:
+    base = mr.CudaAsyncMemoryResource()
+    with pytest.raises(TypeError, match="allocate_func must be callable"):
+        mr.CallbackMemoryResource(3, base.deallocate)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="deallocate_func must be callable"):
+        mr.CallbackMemoryResource(base.allocate, None)  # type: ignore[arg-type]
+
+    answers: list[object] = []
+
+    def allocate(size: int, stream: streampool.Stream) -> object:
+        answer = answers.pop()
+        if isinstance(answer, Exception):
+            raise answer
+        return base.allocate(size, stream) if answer is None else answer
+
+    def deallocate(ptr: int, size: int, stream: streampool.Stream) -> None:
+        if ptr == 0xBAD00:
+            raise KeyError("not mine")
+        base.deallocate(ptr, size, stream)
+
+    cb = mr.CallbackMemoryResource(allocate, deallocate)  # type: ignore[arg-type]
+    boom = RuntimeError("boom")
+    for answer, error, match in [
+        (boom, RuntimeError, "boom"),
+        ("0x10", TypeError, "must return the address as an int, not str"),
+        (True, TypeError, "not bool"),
+        (-1, ValueError, "not an address"),
+        (0, streampool.OutOfMemoryError, "returned 0"),
+    ]:
+        answers.append(answer)
+        with pytest.raises(error, match=match) as info:
+            cb.allocate(100)
+        if answer is boom:
+            assert info.value is boom  # the very exception
+    with pytest.raises(KeyError, match="not mine"):
+        cb.deallocate(0xBAD00, 100)
+    answers.append(None)
+    _roundtrip_ptr = cb.allocate(100)  # still usable
+    cb.deallocate(_roundtrip_ptr, 100)
+
+
+# --- ArenaMemoryResource ---------------------------------------------------------------
+
+
+def test_arena_reserves_its_size_up_front_and_never_grows() -> None:
+    up = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    arena = mr.ArenaMemoryResource(up, arena_size="8MiB")
+    assert isinstance(arena, mr.ShardedPoolMemoryResource)
+    assert (arena.arena_size, arena.pool_size(), arena.dump_log_on_failure) == (8 * MiB, 8 * MiB, False)
+    assert up.allocation_counts.current_bytes == 8 * MiB
+    s1, s2 = streampool.Stream(), streampool.Stream()
+    a, b = arena.allocate(MiB, s1), arena.allocate(MiB, s2)
+    with pytest.raises(streampool.OutOfMemoryError):
+        arena.allocate(7 * MiB, s1)
+    arena.deallocate(a, MiB, s1)
+    arena.deallocate(b, MiB, s2)
+    assert up.allocation_counts.peak_bytes == 8 * MiB  # never more than the arena
+    _roundtrip(arena)
+
+
+def test_arena_default_size_is_half_the_free_memory() -> None:
+    free, _ = mr.available_device_memory()
+    arena = mr.ArenaMemoryResource(mr.CudaAsyncMemoryResource())
+    assert arena.arena_size == free // 2 // 256 * 256
+
+
+def test_arena_bad_sizes() -> None:
+    up = mr.CudaAsyncMemoryResource()
+    for size, error in [
+        (100, ValueError),
+        (0, ValueError),
+        (-1, ValueError),
+        ("big", ValueError),
+        (1.5, TypeError),
+    ]:
+        with pytest.raises(error, match="size"):
+            mr.ArenaMemoryResource(up, arena_size=size)  # type: ignore[arg-type]
+    with pytest.raises(streampool.OutOfMemoryError):
+        mr.ArenaMemoryResource(up, arena_size=2 * SIM_CAPACITY)
+    _roundtrip(mr.ArenaMemoryResource(up, arena_size="1MiB"))
+
+
+def test_arena_dumps_its_state_on_failure(caplog: pytest.LogCaptureFixture) -> None:
+    arena = mr.ArenaMemoryResource(mr.CudaAsyncMemoryResource(), arena_size="4MiB", dump_log_on_failure=True)
+    with caplog.at_level(logging.ERROR, logger="streampool"), pytest.raises(streampool.OutOfMemoryError):
+        arena.allocate(5 * MiB)
+    [record] = caplog.records
+    assert "allocating 5242880 bytes failed" in record.getMessage() and "PoolStats" in record.getMessage()
+    _roundtrip(arena)
+    quiet = mr.ArenaMemoryResource(mr.CudaAsyncMemoryResource(), arena_size="4MiB")
+    caplog.clear()
+    with pytest.raises(streampool.OutOfMemoryError):
+        quiet.allocate(5 * MiB)
+    assert caplog.records == []
+
+
+# --- streams ---------------------------------------------------------------------------
+
+
+def test_stream_flags_as_rmms() -> None:
+    assert (int(mr.CudaStreamFlags.SYNC_DEFAULT), int(mr.CudaStreamFlags.NON_BLOCKING)) == (0, 1)
+    assert streampool.CudaStreamFlags is mr.CudaStreamFlags
+    for flags in (mr.CudaStreamFlags.SYNC_DEFAULT, mr.CudaStreamFlags.NON_BLOCKING, 0, 1):
+        s = streampool.Stream(flags=flags)
+        _roundtrip_on(s)
+    streampool.Stream(blocking=True, flags=mr.CudaStreamFlags.SYNC_DEFAULT)
+    for bad in (2, -1, "0", True, 0.0):
+        with pytest.raises(ValueError, match="flags must be"):
+            streampool.Stream(flags=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="contradicts"):
+        streampool.Stream(blocking=True, flags=mr.CudaStreamFlags.NON_BLOCKING)
+
+
+def _roundtrip_on(s: streampool.Stream) -> None:
+    resource = mr.CudaAsyncMemoryResource()
+    resource.deallocate(resource.allocate(100, s), 100, s)
+
+
+def test_stream_wraps_another_librarys_stream_and_keeps_it_alive() -> None:
+    ours = streampool.Stream()
+
+    class Foreign:
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (0, ours.handle)
+
+    foreign = Foreign()
+    alive = weakref.ref(foreign)
+    wrapped = streampool.Stream(foreign)
+    del foreign
+    gc.collect()
+    assert alive() is not None  # the wrapper keeps it
+    assert wrapped == ours and wrapped.__cuda_stream__() == (0, ours.handle)
+    _roundtrip_on(wrapped)
+    assert streampool.Stream(ours) == ours and streampool.Stream(streampool.DEFAULT_STREAM).is_default()
+    assert not ours.is_default() and streampool.PER_THREAD_DEFAULT_STREAM.is_default()
+
+    class CupyLike:
+        ptr = ours.handle
+
+    assert streampool.Stream(CupyLike()) == ours
+    del wrapped
+    gc.collect()
+    assert alive() is None
+
+
+def test_stream_of_bad_objects() -> None:
+    class V1:
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (1, 2)
+
+    with pytest.raises(NotImplementedError, match="version"):
+        streampool.Stream(V1())
+    with pytest.raises(TypeError, match=r"Stream\(device=1\)"):
+        streampool.Stream(1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cannot use a"):
+        streampool.Stream(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="only apply to a new stream"):
+        streampool.Stream(streampool.DEFAULT_STREAM, blocking=True)
+
+    class Dead:
+        ptr = 0xDEAD000
+
+    with pytest.raises(streampool.InvalidStreamError):
+        streampool.Stream(Dead())
+    _roundtrip_on(streampool.Stream())
+
+
+# --- small names -----------------------------------------------------------------------
+
+
+def test_available_device_memory() -> None:
+    free, total = mr.available_device_memory()
+    assert total == SIM_CAPACITY and 0 < free <= total
+    assert mr.available_device_memory(0) == (free, total)
+    with pytest.raises(ValueError, match="device"):
+        mr.available_device_memory(7)
+
+
+def test_pool_handle_is_a_property_and_a_method() -> None:
+    owner = mr.CudaAsyncMemoryResource(release_threshold=0)
+    view = mr.CudaAsyncViewMemoryResource(owner.pool_handle())
+    for resource in (owner, view, mr.CudaAsyncManagedMemoryResource()):
+        handle = resource.pool_handle
+        assert isinstance(handle, int) and handle != 0
+        assert resource.pool_handle() == handle and type(resource.pool_handle()) is int
+    assert view.pool_handle == owner.pool_handle
+
+
+def test_binning_add_bin_as_rmm() -> None:
+    up = mr.CudaAsyncMemoryResource()
+    binning = mr.BinningMemoryResource(up, 10, 12)
+    binning.add_bin(2048)  # exists: nothing changes, as RMM
+    binning.add_bin(1000)  # rounded up to 1024: exists
+    binning.add_bin(300)  # rounded up to 512: new
+    assert [size for size, _ in binning.bins] == [512, 1024, 2048, 4096]
+    tracked = mr.TrackingResourceAdaptor(up)
+    binning.add_bin(2048, tracked)  # replaces the automatic bin
+    assert binning.bins[2][1] is tracked and binning.bin_mrs == [tracked]
+    ptr = binning.allocate(1500)
+    assert [r.ptr for r in tracked.outstanding()] == [ptr]
+    with pytest.raises(ValueError, match="replace bins before allocating"):
+        binning.add_bin(2048, mr.CudaAsyncMemoryResource())
+    assert binning.bins[2][1] is tracked and binning.bin_mrs == [tracked]
+    binning.deallocate(ptr, 1500)
+    other = mr.TrackingResourceAdaptor(up)
+    binning.add_bin(2048, other)  # nothing outstanding now: replaced, the old one let go
+    assert binning.bin_mrs == [other]
+
+
+def test_statistics_fields_are_rmms() -> None:
+    import dataclasses
+
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    ptr = stats.allocate(1000)
+    counts = stats.allocation_counts
+    assert [f.name for f in dataclasses.fields(counts)] == [
+        "current_bytes",
+        "current_count",
+        "peak_bytes",
+        "peak_count",
+        "total_bytes",
+        "total_count",
+    ]
+    assert dataclasses.astuple(counts) == (1000, 1, 1000, 1, 1000, 1)
+    stats.deallocate(ptr, 1000)
+
+
+def test_rmm_aliases() -> None:
+    assert mr.DeviceMemoryResource is mr.MemoryResource
+    assert mr.get_current_device_resource_type() is type(mr.get_current_device_resource())
+    assert os.fspath  # the module imports what its docs name
+    for name in (
+        "reinitialize",
+        "is_initialized",
+        "register_reinitialize_hook",
+        "unregister_reinitialize_hook",
+    ):
+        assert name in streampool.__all__
+    for name in (
+        "ArenaMemoryResource",
+        "CallbackMemoryResource",
+        "CudaStreamFlags",
+        "available_device_memory",
+    ):
+        assert name in mr.__all__
