@@ -14,6 +14,10 @@ use crate::sync::{lock, AtomicUsize, Mutex, Ordering};
 /// Captures the caller's stack as text (e.g. a Python traceback from the binding).
 pub type StackCapture = Arc<dyn Fn() -> String + Send + Sync>;
 
+/// Names the calling thread for [`AllocationRecord::thread`] (e.g. the Python thread's
+/// name and ident, from the binding).
+pub type ThreadLabel = Arc<dyn Fn() -> String + Send + Sync>;
+
 /// One outstanding allocation of a [`TrackingAdaptor`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AllocationRecord {
@@ -23,7 +27,8 @@ pub struct AllocationRecord {
     pub bytes: usize,
     /// The stream it was allocated on (its handle).
     pub stream: RawStream,
-    /// The allocating thread: its name if it has one, and its id.
+    /// The allocating thread: its name if it has one, and its id (or what the adaptor's
+    /// [`ThreadLabel`] says).
     pub thread: String,
     /// The allocating stack, when the adaptor captures stacks.
     pub stack: Option<String>,
@@ -68,6 +73,7 @@ const SHARDS: usize = 16;
 pub struct TrackingAdaptor {
     upstream: ResourceRef,
     capture: Option<StackCapture>,
+    label: Option<ThreadLabel>,
     shards: [Mutex<HashMap<DevPtr, AllocationRecord>>; SHARDS],
     allocated_bytes: AtomicUsize,
 }
@@ -79,9 +85,17 @@ impl TrackingAdaptor {
         TrackingAdaptor {
             upstream,
             capture,
+            label: None,
             shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
             allocated_bytes: AtomicUsize::new(0),
         }
+    }
+
+    /// Names the allocating thread with `label` (called, with no lock held, on every
+    /// allocation) instead of the Rust thread's name and id.
+    pub fn with_thread_label(mut self, label: ThreadLabel) -> Self {
+        self.label = Some(label);
+        self
     }
 
     /// Tracks with Rust stack traces (`std::backtrace`, captured whatever
@@ -154,8 +168,9 @@ impl MemoryResource for TrackingAdaptor {
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let stack = self.capture.as_ref().map(|c| c());
+        let thread = self.label.as_ref().map_or_else(thread_label, |label| label());
         let ptr = self.upstream.allocate(bytes, stream).map_err(|e| as_own_oom(e, bytes, self))?;
-        let record = AllocationRecord { ptr, bytes, stream: stream.handle(), thread: thread_label(), stack };
+        let record = AllocationRecord { ptr, bytes, stream: stream.handle(), thread, stack };
         lock(self.shard(ptr)).insert(ptr, record);
         self.allocated_bytes.fetch_add(bytes, Ordering::Relaxed);
         Ok(ptr)
@@ -201,6 +216,7 @@ impl fmt::Debug for TrackingAdaptor {
             .field("outstanding", &self.shards.iter().map(|s| lock(s).len()).sum::<usize>())
             .field("allocated_bytes", &self.allocated_bytes())
             .field("stacks", &self.capture.is_some())
+            .field("thread_label", &self.label.is_some())
             .field("upstream", &self.upstream)
             .finish()
     }
