@@ -312,11 +312,14 @@ def get_current_device() -> int:
 @disjoint_base
 class UpstreamResourceAdaptor(MemoryResource):
     """Base class of the resources that wrap another one (not constructible itself). Keeps
-    the upstream alive."""
+    the upstream alive, and shows it to the garbage collector: a reference cycle through
+    an upstream (a callback that refers to a resource over its adaptor) is collected."""
 
     @property
     def upstream(self) -> MemoryResource:
-        """The resource this one wraps, as it was given."""
+        """The resource this one wraps, as it was given. ValueError once the garbage
+        collector has cleared it (only code that runs while a cycle is collected, such
+        as a finaliser, can see that)."""
     def get_upstream(self) -> MemoryResource:
         """The resource this one wraps (RMM's name; same as ``upstream``)."""
 
@@ -352,7 +355,8 @@ class AllocationRecord:
         """The handle of the stream it was allocated on."""
     @property
     def thread(self) -> str:
-        """The allocating thread (its name, if any, and its id)."""
+        """The allocating Python thread: its name and ident, e.g. ``"MainThread (ident
+        140230...)"`` (``threading.current_thread()``)."""
     @property
     def stack(self) -> str | None:
         """The Python stack at the allocation, when the adaptor captures stacks."""
@@ -364,7 +368,8 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
     """Tracks every outstanding allocation (address, size, stream, thread and, with
     ``capture_stacks``, the Python stack: slow, for finding leaks). A free of a pointer it
     did not hand out, a double free or a size that does not match raises
-    InvalidPointerError, and the upstream is not called."""
+    InvalidPointerError, and the upstream is not called. Each allocation records the
+    Python thread's name and ident (a call into Python per allocation)."""
 
     def __new__(
         cls, upstream_mr: MemoryResource, capture_stacks: bool = False
@@ -420,7 +425,9 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
     With neither ``log_file_name`` nor ``callback``, the file is ``STREAMPOOL_LOG_FILE``,
     else ``RMM_LOG_FILE``; ValueError when neither is set. Unlike RMM, no ``.dev<N>``
     suffix is added to the name. An exception raised by ``callback`` reaches the caller
-    of allocate/deallocate; the adaptor stays usable."""
+    of allocate/deallocate; the adaptor stays usable. A log file that cannot be created
+    raises OSError (FileNotFoundError, PermissionError, ...) naming it, at construction;
+    one that cannot be written later raises it from allocate/deallocate."""
 
     def __new__(
         cls,
@@ -470,10 +477,14 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
     """Blocks of one size (``block_size``, default 1 MiB, rounded up to 256) carved from
     chunks of ``blocks_to_preallocate`` blocks taken from the upstream as needed. Not a
     general resource: a larger allocation raises InvalidArgumentError (a ValueError). The
-    bins of BinningMemoryResource are made of these."""
+    bins of BinningMemoryResource are made of these. ``blocks_to_preallocate`` below 1 (or
+    beyond 2**64) raises ValueError naming it."""
 
     def __new__(
-        cls, upstream_mr: MemoryResource, block_size: _Size | None = None, blocks_to_preallocate: int = 128
+        cls,
+        upstream_mr: MemoryResource,
+        block_size: _Size | None = None,
+        blocks_to_preallocate: SupportsIndex = 128,
     ) -> FixedSizeMemoryResource: ...
     @property
     def block_size(self) -> int:
@@ -487,13 +498,15 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
     """Routes each allocation to the bin of the smallest size class that fits it, and
     larger ones to the upstream. With both exponents, starts with a
     FixedSizeMemoryResource bin for every power of two in
-    ``[2**min_size_exponent, 2**max_size_exponent]`` (None, or RMM's -1: none)."""
+    ``[2**min_size_exponent, 2**max_size_exponent]`` (None, or RMM's -1: none). Exponents
+    are in 0..=40 (bins of 1 byte to 1 TiB), the first at most the second; anything else
+    raises InvalidArgumentError (a ValueError) naming the argument and the value."""
 
     def __new__(
         cls,
         upstream_mr: MemoryResource,
-        min_size_exponent: int | None = None,
-        max_size_exponent: int | None = None,
+        min_size_exponent: SupportsIndex | None = None,
+        max_size_exponent: SupportsIndex | None = None,
     ) -> BinningMemoryResource: ...
     def add_bin(self, allocation_size: _Size, bin_resource: MemoryResource | None = None) -> None:
         """Adds a bin for allocations up to ``allocation_size`` bytes, served by
@@ -536,7 +549,9 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     streams can reuse what it freed (the interval doubles after each event, up to 64
     times, while no stream is short of memory). A free must pass the size it allocated, as
     in RMM: a double free, an address the pool never handed out, or a size that does not
-    round to the allocation's is always refused, and changes nothing.
+    round to the allocation's is always refused, and changes nothing. ValueError naming
+    the argument for a ``maximum_pool_size`` below 256 bytes (it would round to 0) and an
+    ``events_every`` below 1.
 
     Example::
 
@@ -550,7 +565,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
         initial_pool_size: _Size | None = None,
         maximum_pool_size: _Size | None = None,
         release_threshold: _Size | None = None,
-        events_every: int = 64,
+        events_every: SupportsIndex = 64,
     ) -> Self: ...
     def pool_size(self) -> int:
         """Bytes the pool holds from its upstream (RMM's ``pool_size()``)."""
@@ -615,7 +630,8 @@ class DeviceBuffer:
         """The resource the memory came from."""
     @property
     def closed(self) -> bool:
-        """True once ``close()`` has been called."""
+        """True once ``close()`` has been called, or once the simulated device the buffer
+        was made on has been exited (the buffer can no longer be used)."""
     def __len__(self) -> int: ...
     @property
     def __cuda_array_interface__(self) -> _CudaArrayInterface:
@@ -699,7 +715,10 @@ class _SimDevice:
     happens-before race detector. Its pointers are host addresses, useless to real GPU
     libraries."""
 
-    def __new__(cls, capacity_bytes: _Size, devices: int = 1) -> _SimDevice: ...
+    def __new__(cls, capacity_bytes: _Size | None = None, devices: SupportsIndex = 1) -> _SimDevice:
+        """``capacity_bytes``: device memory of each device (None: what the host can give
+        this process now, at most 16 GiB); ``devices``: how many, 1 to 1024 (ValueError
+        naming the value otherwise)."""
     def activate(self) -> None:
         """Makes this device what new objects run on. SimulatedDeviceActiveError when a
         simulated device is already active; ValueError when this one is closed."""
@@ -759,8 +778,14 @@ class _DeviceInfo(TypedDict):
     posix_fd_ipc: bool
 
 def parse_size(size: _Size) -> int:
-    """Parses a byte size: ``"4096"``, ``"512MiB"``, ``"1.5 GiB"`` (binary units), ``"1GB"``
-    (decimal); an int is returned as it is. ValueError for a negative or unparsable size."""
+    """Parses a byte size: ``"4096"``, ``"512MiB"``, ``"1.5 GiB"``.
+
+    Binary units (powers of 1024): KiB, MiB, GiB, TiB, PiB, EiB, and the bare letters K, M,
+    G, T, P, E, which mean the same: ``"1G"`` and ``"1GiB"`` are both 2**30 bytes. Decimal
+    units (powers of 1000): kB, MB, GB, TB, PB, EB: ``"1GB"`` is 10**9 bytes. Units are
+    case-insensitive. A fraction of a byte is dropped (``"1.5"`` is 1), as RMM's
+    ``parse_bytes`` does. An int is returned as it is. ValueError for a negative,
+    unparsable or too large size."""
 
 def backend_description() -> str:
     """What new objects run on, e.g. ``"CUDA driver 13.0"``. CudaDriverNotFoundError when
