@@ -138,8 +138,24 @@ def test_log_file_from_the_environment(tmp_path: pathlib.Path, monkeypatch: pyte
 
 
 def test_unwritable_log_file(tmp_path: pathlib.Path) -> None:
-    with pytest.raises(streampool.StreampoolError, match="missing-dir"):
-        mr.LoggingResourceAdaptor(mr.CudaAsyncMemoryResource(), tmp_path / "missing-dir" / "log.csv")
+    upstream = mr.CudaAsyncMemoryResource()
+    missing = tmp_path / "missing-dir" / "log.csv"
+    with pytest.raises(FileNotFoundError, match="cannot create the log file") as info:
+        mr.LoggingResourceAdaptor(upstream, missing)
+    assert info.value.filename == str(missing) and str(missing) in str(info.value)
+    with pytest.raises(IsADirectoryError) as info:
+        mr.LoggingResourceAdaptor(upstream, str(tmp_path))
+    assert info.value.filename == str(tmp_path)
+    if os.geteuid() != 0:  # root may write anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(PermissionError) as info:
+            mr.LoggingResourceAdaptor(upstream, locked / "log.csv")
+        assert info.value.filename == str(locked / "log.csv")
+    # Nothing was broken: the upstream still allocates, and a good path works.
+    logged = mr.LoggingResourceAdaptor(upstream, tmp_path / "ok.csv")
+    logged.deallocate(logged.allocate(1024), 1024)
+    assert len((tmp_path / "ok.csv").read_text().splitlines()) == 3
 
 
 def test_callback_sink_gets_every_line(tmp_path: pathlib.Path) -> None:

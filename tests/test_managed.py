@@ -118,13 +118,28 @@ def test_prefetch_records_where_the_memory_was_sent(name: str, sim: SimulatedDev
     assert buf.last_prefetch_location == 0
 
 
-@pytest.mark.parametrize("name", sorted(MANAGED))
-def test_every_advice_is_accepted_on_managed_memory(name: str) -> None:
-    buf = streampool.DeviceBuffer(size=8192, mr=MANAGED[name]())
+def test_every_advice_is_accepted_on_managed_memory() -> None:
+    buf = streampool.DeviceBuffer(size=8192, mr=MANAGED["managed"]())
     for advice in ADVICE:
         buf.advise(advice)
         buf.advise(advice, device=0)
         buf.advise(advice, device="host")
+
+
+@pytest.mark.parametrize("name", ["async_managed", "async_managed_own"])
+def test_managed_pool_memory_refuses_advice_as_the_driver_does(name: str) -> None:
+    # The driver (580, on an H200) answers CUDA_ERROR_NOT_SUPPORTED; the simulator too.
+    buf = streampool.DeviceBuffer(size=8192, mr=MANAGED[name]())
+    for advice in ADVICE:
+        with pytest.raises(
+            streampool.UnsupportedError,
+            match=r"does not take \w+ advice on memory from CudaAsyncManagedMemoryResource \(CUDA_ERROR_NOT_SUPPORTED\)",
+        ):
+            buf.advise(advice, device=0)
+    buf.prefetch("host")  # still usable: prefetches are taken
+    assert buf.last_prefetch_location == "host"
+    buf.copy_from_host(b"still usable")
+    assert buf.tobytes()[:12] == b"still usable"
 
 
 def test_bad_arguments_are_clear_errors() -> None:
@@ -193,7 +208,8 @@ def test_through_an_adaptor_the_memory_is_still_managed() -> None:
     buf = streampool.DeviceBuffer(size=1 << 20, mr=stack)
     assert buf.last_prefetch_location == 0, "the adaptor prefetched it to the device"
     buf.prefetch("host")
-    buf.advise("preferred_location", device="host")
+    with pytest.raises(streampool.UnsupportedError, match=r"PrefetchResourceAdaptor.*NOT_SUPPORTED"):
+        buf.advise("preferred_location", device="host")  # the pool's memory, as the driver says
     assert buf.last_prefetch_location == "host"
 
 

@@ -32,7 +32,10 @@ class OutOfMemoryError(StreampoolError, MemoryError):
 
     Attributes:
         requested: bytes asked for.
-        available: bytes the resource (or device) had free, or ``None`` where unknown.
+        available: bytes the resource that refused had free (what limited the request: a
+            limit's room, a pool's room under its maximum, the device's free memory), or
+            ``None`` where that is unknown (pinned host memory, the host refusing memory
+            to the simulated device). The message names the limiting resource.
     """
 
     requested: int | None

@@ -380,11 +380,14 @@ a deeper one could overflow the thread's stack."""
 @disjoint_base
 class UpstreamResourceAdaptor(MemoryResource):
     """Base class of the resources that wrap another one (not constructible itself). Keeps
-    the upstream alive."""
+    the upstream alive, and shows it to the garbage collector: a reference cycle through
+    an upstream (a callback that refers to a resource over its adaptor) is collected."""
 
     @property
     def upstream(self) -> MemoryResource:
-        """The resource this one wraps, as it was given."""
+        """The resource this one wraps, as it was given. ValueError once the garbage
+        collector has cleared it (only code that runs while a cycle is collected, such
+        as a finaliser, can see that)."""
     def get_upstream(self) -> MemoryResource:
         """The resource this one wraps (RMM's name; same as ``upstream``)."""
 
@@ -425,7 +428,8 @@ class AllocationRecord:
         """The handle of the stream it was allocated on."""
     @property
     def thread(self) -> str:
-        """The allocating thread (its name, if any, and its id)."""
+        """The allocating Python thread: its name and ident, e.g. ``"MainThread (ident
+        140230...)"`` (``threading.current_thread()``)."""
     @property
     def stack(self) -> str | None:
         """The Python stack at the allocation, when the adaptor captures stacks."""
@@ -438,7 +442,8 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
     ``capture_stacks``, the Python stack: slow, for finding leaks). A free of a pointer it
     did not hand out, a double free or a size that does not match raises
     InvalidPointerError, and the upstream is not called. Without ``capture_stacks``, takes
-    the upstream's fast path (the GIL kept) where the upstream has one."""
+    the upstream's fast path (the GIL kept) where the upstream has one. Each allocation
+    records the Python thread's name and ident (a call into Python per allocation)."""
 
     def __new__(
         cls, upstream_mr: MemoryResource, capture_stacks: bool = False
@@ -497,7 +502,10 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
     suffix is added to the name. An exception raised by ``callback`` reaches the caller
     of allocate/deallocate; the adaptor stays usable. Frees are logged and passed on with
     the size given (the upstream checks it where it can). Every call releases the GIL (no
-    fast path): a file write may block, and a free is logged before it happens."""
+    fast path): a file write may block, and a free is logged before it happens. A log
+    file that cannot be created raises OSError (FileNotFoundError, PermissionError, ...)
+    naming it, at construction; one that cannot be written later raises it from
+    allocate/deallocate."""
 
     def __new__(
         cls,
@@ -557,10 +565,14 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
     general resource: a larger allocation raises InvalidArgumentError (a ValueError). The
     bins of BinningMemoryResource are made of these. A free of a block that is not
     outstanding, or with more bytes than a block, raises InvalidPointerError (it records
-    blocks, not sizes: a smaller size frees the same block)."""
+    blocks, not sizes: a smaller size frees the same block). ``blocks_to_preallocate``
+    below 1 (or beyond 2**64) raises ValueError naming it."""
 
     def __new__(
-        cls, upstream_mr: MemoryResource, block_size: _Size | None = None, blocks_to_preallocate: int = 128
+        cls,
+        upstream_mr: MemoryResource,
+        block_size: _Size | None = None,
+        blocks_to_preallocate: SupportsIndex = 128,
     ) -> FixedSizeMemoryResource: ...
     @property
     def block_size(self) -> int:
@@ -578,13 +590,15 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
 
     It records every allocation's size: a free of a pointer it did not hand out, a double
     free, or a size other than the one allocated (which would send the free to another
-    bin, or to the upstream) raises InvalidPointerError, and nothing changes."""
+    bin, or to the upstream) raises InvalidPointerError, and nothing changes. Exponents
+    are in 0..=40 (bins of 1 byte to 1 TiB), the first at most the second; anything else
+    raises InvalidArgumentError (a ValueError) naming the argument and the value."""
 
     def __new__(
         cls,
         upstream_mr: MemoryResource,
-        min_size_exponent: int | None = None,
-        max_size_exponent: int | None = None,
+        min_size_exponent: SupportsIndex | None = None,
+        max_size_exponent: SupportsIndex | None = None,
     ) -> BinningMemoryResource: ...
     def add_bin(self, allocation_size: _Size, bin_resource: MemoryResource | None = None) -> None:
         """Adds a bin for allocations up to ``allocation_size`` bytes (rounded up to 256, as
@@ -645,7 +659,9 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     (``None``: grow whenever no completed block fits). Shards of streams streampool made
     are retired when those streams are destroyed. A free must pass the size it allocated, as
     in RMM: a double free, an address the pool never handed out, or a size that does not
-    round to the allocation's is always refused, and changes nothing.
+    round to the allocation's is always refused, and changes nothing. ValueError naming
+    the argument for a ``maximum_pool_size`` below 256 bytes (it would round to 0) and an
+    ``events_every`` below 1.
 
     Example::
 
@@ -659,7 +675,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
         initial_pool_size: _Size | None = None,
         maximum_pool_size: _Size | None = None,
         release_threshold: _Size | None = None,
-        events_every: int = 64,
+        events_every: SupportsIndex = 64,
         headroom: float | None = 0.15,
     ) -> Self: ...
     def pool_size(self) -> int:
@@ -836,7 +852,8 @@ class DeviceBuffer:
         """The resource the memory came from."""
     @property
     def closed(self) -> bool:
-        """True once ``close()`` has been called."""
+        """True once ``close()`` has been called, or once the simulated device the buffer
+        was made on has been exited (the buffer can no longer be used)."""
     def __len__(self) -> int: ...
     def __sizeof__(self) -> int:
         """``size``, as RMM reports it (the device memory, not the host object)."""
@@ -959,7 +976,10 @@ class _SimDevice:
     happens-before race detector. Its pointers are host addresses, useless to real GPU
     libraries."""
 
-    def __new__(cls, capacity_bytes: _Size, devices: int = 1) -> _SimDevice: ...
+    def __new__(cls, capacity_bytes: _Size | None = None, devices: SupportsIndex = 1) -> _SimDevice:
+        """``capacity_bytes``: device memory of each device (None: what the host can give
+        this process now, at most 16 GiB); ``devices``: how many, 1 to 1024 (ValueError
+        naming the value otherwise)."""
     def activate(self) -> None:
         """Makes this device what new objects run on. SimulatedDeviceActiveError when a
         simulated device is already active; ValueError when this one is closed."""
@@ -1019,8 +1039,14 @@ class _DeviceInfo(TypedDict):
     posix_fd_ipc: bool
 
 def parse_size(size: _Size) -> int:
-    """Parses a byte size: ``"4096"``, ``"512MiB"``, ``"1.5 GiB"`` (binary units), ``"1GB"``
-    (decimal); an int is returned as it is. ValueError for a negative or unparsable size."""
+    """Parses a byte size: ``"4096"``, ``"512MiB"``, ``"1.5 GiB"``.
+
+    Binary units (powers of 1024): KiB, MiB, GiB, TiB, PiB, EiB, and the bare letters K, M,
+    G, T, P, E, which mean the same: ``"1G"`` and ``"1GiB"`` are both 2**30 bytes. Decimal
+    units (powers of 1000): kB, MB, GB, TB, PB, EB: ``"1GB"`` is 10**9 bytes. Units are
+    case-insensitive. A fraction of a byte is dropped (``"1.5"`` is 1), as RMM's
+    ``parse_bytes`` does. An int is returned as it is. ValueError for a negative,
+    unparsable or too large size."""
 
 def backend_description() -> str:
     """What new objects run on, e.g. ``"CUDA driver 13.0"``. CudaDriverNotFoundError when

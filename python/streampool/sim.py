@@ -1,7 +1,7 @@
 """The simulated device: run streampool without a GPU, and find stream-ordering races.
 
 Host memory stands in for device memory, with a fixed capacity (so out-of-memory paths
-are testable). Streams are queues whose work runs only when told (:meth:`step`,
+are testable; by default what the host can give, at most 16 GiB). Streams are queues whose work runs only when told (:meth:`step`,
 :meth:`run`) or when the host waits for it (``Stream.synchronize()``, blocking copies),
 as on a GPU, where work runs later than it is enqueued. A happens-before race detector
 reports every access to memory that is not ordered after the previous conflicting
@@ -103,11 +103,16 @@ class SimulatedDevice:
     is entered once.
 
     Args:
-        capacity_bytes: device memory, as an int or a string such as ``"1GiB"``.
-        devices: how many devices (ordinals ``0..devices``), each of ``capacity_bytes``.
+        capacity_bytes: device memory, as an int or a string such as ``"1GiB"``. By default,
+            what the host can give this process now (its available memory, and what
+            ``ulimit -v`` leaves), at most 16 GiB: simulated memory is host memory, taken as
+            it is allocated. A capacity beyond what the host gives is allowed; an allocation
+            the host then refuses raises :class:`streampool.OutOfMemoryError` saying so.
+        devices: how many devices (ordinals ``0..devices``, 1 to 1024), each of
+            ``capacity_bytes``. ValueError naming the value otherwise.
     """
 
-    def __init__(self, capacity_bytes: int | str = "16GiB", devices: int = 1) -> None:
+    def __init__(self, capacity_bytes: int | str | None = None, devices: int = 1) -> None:
         self._dev = _SimDevice(capacity_bytes, devices)
 
     def __enter__(self) -> Self:

@@ -36,8 +36,8 @@ use streampool::{MemoryKind, MemoryResource, ResourceRef, Stream};
 
 use crate::errors::{callback_error, detached, OrRaise};
 use crate::resources::PyMemoryResource;
-use crate::size_arg;
 use crate::streams::{default_stream, per_thread_stream, PyStream};
+use crate::{count_arg, size_arg};
 
 /// Locks a mutex of this module. Each is held only to clone, push or take a Python
 /// reference, with the GIL held and without running Python code, so it is never
@@ -47,18 +47,20 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The initializer of an adaptor: the base `MemoryResource` holding the core adaptor, the
-/// `UpstreamResourceAdaptor` holding the Python upstream, then the class itself.
+/// `UpstreamResourceAdaptor` holding the Python upstream, then the class itself, made by
+/// `sub` from the upstream's [`Upstream`] slot (which the class keeps and traverses).
 pub(crate) fn init<S>(
     inner: ResourceRef,
     upstream: &Bound<'_, PyMemoryResource>,
-    sub: S,
+    sub: impl FnOnce(Upstream) -> S,
 ) -> PyClassInitializer<S>
 where
     S: PyClass<BaseType = PyUpstreamResourceAdaptor>,
 {
+    let slot = Upstream(Slot::new(upstream.clone().unbind()));
     PyMemoryResource::base(inner)
-        .add_subclass(PyUpstreamResourceAdaptor { upstream: upstream.clone().unbind() })
-        .add_subclass(sub)
+        .add_subclass(PyUpstreamResourceAdaptor { upstream: slot.clone() })
+        .add_subclass(sub(slot))
 }
 
 pub(crate) fn upstream_ref(upstream: &Bound<'_, PyMemoryResource>) -> ResourceRef {
@@ -79,34 +81,63 @@ fn positive_size(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 // ---------------------------------------------------------------------------------------
 // Python callbacks.
 
-/// A Python callable that the core calls through a closure. The slot can be emptied by
-/// the garbage collector (`__clear__`) to break a cycle through the callable (a failure
-/// callback that frees into its own adaptor); an empty slot acts as "do nothing".
-#[derive(Debug, Default)]
-struct CallbackSlot(Mutex<Option<Py<PyAny>>>);
+/// A Python object that an adaptor holds and shows to the garbage collector: the slot can
+/// be emptied by the collector (`__clear__`) to break a reference cycle through it (a
+/// failure callback that frees into its own adaptor, an upstream whose callback refers to
+/// the adaptor over it). `__traverse__` must not call into Python, nor wait: it visits the
+/// object under a `try_lock`, which only ever competes with the short holds below.
+pub(crate) struct Slot<T>(Mutex<Option<Py<T>>>);
 
-impl CallbackSlot {
-    fn new(f: Py<PyAny>) -> Arc<Self> {
-        Arc::new(CallbackSlot(Mutex::new(Some(f))))
+impl<T> std::fmt::Debug for Slot<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let filled = self.0.try_lock().map(|s| if s.is_some() { "filled" } else { "cleared" });
+        f.debug_tuple("Slot").field(&filled.unwrap_or("busy")).finish()
+    }
+}
+
+impl<T> Slot<T> {
+    fn new(obj: Py<T>) -> Arc<Self> {
+        Arc::new(Slot(Mutex::new(Some(obj))))
     }
 
-    fn get(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+    /// The object; `None` once the collector has cleared the slot.
+    fn get(&self, py: Python<'_>) -> Option<Py<T>> {
         lock(&self.0).as_ref().map(|f| f.clone_ref(py))
     }
 
     fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
         // Skipping a reference under contention only makes the collector keep more alive.
         if let Ok(slot) = self.0.try_lock() {
-            if let Some(f) = slot.as_ref() {
-                visit.call(f)?;
+            if let Some(obj) = slot.as_ref() {
+                visit.call(obj)?;
             }
         }
         Ok(())
     }
 
     fn clear(&self) {
-        let f = lock(&self.0).take();
-        drop(f); // after the lock: dropping may run Python code
+        let obj = lock(&self.0).take();
+        drop(obj); // after the lock: dropping may run Python code
+    }
+}
+
+/// A Python callable that the core calls through a closure; an empty slot acts as "do
+/// nothing".
+type CallbackSlot = Slot<PyAny>;
+
+/// The upstream of an adaptor as given from Python: shared by `UpstreamResourceAdaptor`,
+/// which returns it, and the adaptor's own class, whose `__traverse__` and `__clear__`
+/// let the collector find and break cycles through it.
+#[derive(Debug, Clone)]
+pub(crate) struct Upstream(Arc<Slot<PyMemoryResource>>);
+
+impl Upstream {
+    pub(crate) fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
+        self.0.traverse(visit)
+    }
+
+    pub(crate) fn clear(&self) {
+        self.0.clear();
     }
 }
 
@@ -149,6 +180,26 @@ fn log_callback(slot: Arc<CallbackSlot>) -> LogSink {
     }))
 }
 
+static CURRENT_THREAD: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// The allocating thread as Python knows it, "name (ident N)"
+/// (`threading.current_thread()`); the Rust thread's name and id when the interpreter
+/// is not available.
+fn python_thread() -> String {
+    let label = Python::try_attach(|py| -> PyResult<String> {
+        let thread = CURRENT_THREAD.import(py, "threading", "current_thread")?.call0()?;
+        let name: String = thread.getattr("name")?.extract()?;
+        Ok(format!("{name} (ident {})", thread.getattr("ident")?))
+    });
+    match label {
+        Some(Ok(text)) => text,
+        _ => {
+            let t = std::thread::current();
+            format!("{} ({:?})", t.name().unwrap_or("unnamed thread"), t.id())
+        }
+    }
+}
+
 /// The Python stack of the thread that is allocating (`traceback.format_stack()`).
 fn python_stack() -> String {
     let stack = Python::try_attach(|py| -> PyResult<String> {
@@ -170,28 +221,45 @@ fn python_stack() -> String {
 #[derive(Debug)]
 #[pyclass(frozen, subclass, extends = PyMemoryResource, module = "streampool.mr", name = "UpstreamResourceAdaptor")]
 pub struct PyUpstreamResourceAdaptor {
-    /// The resource this one wraps, as it was given.
-    #[pyo3(get)]
-    upstream: Py<PyMemoryResource>,
+    upstream: Upstream,
+}
+
+impl PyUpstreamResourceAdaptor {
+    fn upstream_object(&self, py: Python<'_>) -> PyResult<Py<PyMemoryResource>> {
+        self.upstream.0.get(py).ok_or_else(|| {
+            PyValueError::new_err(
+                "the upstream is gone: the garbage collector cleared it, breaking a reference cycle this adaptor was part of",
+            )
+        })
+    }
 }
 
 #[pymethods]
 impl PyUpstreamResourceAdaptor {
+    /// The resource this one wraps, as it was given.
+    #[getter(upstream)]
+    fn upstream_property(&self, py: Python<'_>) -> PyResult<Py<PyMemoryResource>> {
+        self.upstream_object(py)
+    }
+
     /// The resource this one wraps (RMM's name; same as `upstream`).
-    fn get_upstream(&self, py: Python<'_>) -> Py<PyMemoryResource> {
-        self.upstream.clone_ref(py)
+    fn get_upstream(&self, py: Python<'_>) -> PyResult<Py<PyMemoryResource>> {
+        self.upstream_object(py)
     }
 
     fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
         let name = slf.get_type().name()?;
-        let upstream = slf.get().upstream.bind(slf.py()).repr()?;
+        let upstream = match slf.get().upstream.0.get(slf.py()) {
+            Some(up) => up.bind(slf.py()).repr()?.to_string(),
+            None => "(cleared)".into(),
+        };
         Ok(format!("<{name} over {upstream}>"))
     }
-    // No `__traverse__` here, only in leaf classes: pyo3 0.30 finds a base's traverse by
-    // comparing function addresses, and the identical no-op traverses of the classes above
-    // and below this one may share an address, which sends a traverse defined here into
-    // endless recursion. Not visiting `upstream` only makes the collector keep more alive
-    // (a cycle through an upstream is not collected).
+    // No `__traverse__` here: each adaptor's own class traverses (and clears) the upstream,
+    // which it shares through `Upstream`. pyo3 0.30 finds a base's traverse by comparing
+    // function addresses, and the identical no-op traverses of the classes above and below
+    // this one may share an address, which would send a traverse defined here into endless
+    // recursion.
 }
 
 // ---------------------------------------------------------------------------------------
@@ -214,6 +282,7 @@ fn statistics_object(py: Python<'_>, s: Statistics) -> PyResult<Py<PyAny>> {
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "StatisticsResourceAdaptor")]
 pub struct PyStatisticsResourceAdaptor {
     inner: Arc<StatisticsAdaptor>,
+    upstream: Upstream,
 }
 
 #[pymethods]
@@ -221,7 +290,15 @@ impl PyStatisticsResourceAdaptor {
     #[new]
     fn new(upstream_mr: &Bound<'_, PyMemoryResource>) -> PyResult<PyClassInitializer<Self>> {
         let inner = Arc::new(StatisticsAdaptor::new(upstream_ref(upstream_mr)).or_raise(upstream_mr.py())?);
-        Ok(init(inner.clone(), upstream_mr, Self { inner }))
+        Ok(init(inner.clone(), upstream_mr, |upstream| Self { inner, upstream }))
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        self.upstream.traverse(&visit)
+    }
+
+    fn __clear__(&self) {
+        self.upstream.clear();
     }
 
     /// The counters on top of the stack, as a `Statistics`.
@@ -264,7 +341,7 @@ pub struct PyAllocationRecord {
     /// The handle of the stream it was allocated on.
     #[pyo3(get)]
     stream: RawStream,
-    /// The name (or id) of the allocating thread.
+    /// The allocating Python thread: its name and ident, e.g. "MainThread (ident 1403...)".
     #[pyo3(get)]
     thread: String,
     /// The Python stack at the allocation, when the adaptor captures stacks.
@@ -289,6 +366,7 @@ impl PyAllocationRecord {
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "TrackingResourceAdaptor")]
 pub struct PyTrackingResourceAdaptor {
     inner: Arc<TrackingAdaptor>,
+    upstream: Upstream,
 }
 
 #[pymethods]
@@ -300,9 +378,19 @@ impl PyTrackingResourceAdaptor {
         capture_stacks: bool,
     ) -> PyResult<PyClassInitializer<Self>> {
         let capture: Option<StackCapture> = capture_stacks.then(|| Arc::new(python_stack) as StackCapture);
-        let inner =
-            Arc::new(TrackingAdaptor::new(upstream_ref(upstream_mr), capture).or_raise(upstream_mr.py())?);
-        Ok(init(inner.clone(), upstream_mr, Self { inner }))
+        let inner = TrackingAdaptor::new(upstream_ref(upstream_mr), capture)
+            .or_raise(upstream_mr.py())?
+            .with_thread_label(Arc::new(python_thread));
+        let inner = Arc::new(inner);
+        Ok(init(inner.clone(), upstream_mr, |upstream| Self { inner, upstream }))
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        self.upstream.traverse(&visit)
+    }
+
+    fn __clear__(&self) {
+        self.upstream.clear();
     }
 
     /// Bytes allocated and not yet freed.
@@ -417,6 +505,7 @@ pub(crate) fn _parse_log(py: Python<'_>, text: String) -> PyResult<Vec<PyLogEven
 pub struct PyLoggingResourceAdaptor {
     inner: Arc<LoggingAdaptor>,
     callback: Option<Arc<CallbackSlot>>,
+    upstream: Upstream,
 }
 
 /// Where the log goes when no file and no callback is given: `STREAMPOOL_LOG_FILE`, then
@@ -455,7 +544,7 @@ impl PyLoggingResourceAdaptor {
         sinks.extend(callback.iter().map(|slot| log_callback(slot.clone())));
         let upstream = upstream_ref(upstream_mr);
         let inner = Arc::new(detached(py, move || LoggingAdaptor::new(upstream, sinks))?);
-        Ok(init(inner.clone(), upstream_mr, Self { inner, callback }))
+        Ok(init(inner.clone(), upstream_mr, |upstream| Self { inner, callback, upstream }))
     }
 
     /// Writes out whatever the file sink buffers (every line is already flushed as it is
@@ -472,16 +561,17 @@ impl PyLoggingResourceAdaptor {
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        match &self.callback {
-            Some(slot) => slot.traverse(&visit),
-            None => Ok(()),
+        if let Some(slot) = &self.callback {
+            slot.traverse(&visit)?;
         }
+        self.upstream.traverse(&visit)
     }
 
     fn __clear__(&self) {
         if let Some(slot) = &self.callback {
             slot.clear();
         }
+        self.upstream.clear();
     }
 }
 
@@ -496,6 +586,7 @@ impl PyLoggingResourceAdaptor {
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "LimitingResourceAdaptor")]
 pub struct PyLimitingResourceAdaptor {
     inner: Arc<LimitingAdaptor>,
+    upstream: Upstream,
 }
 
 #[pymethods]
@@ -508,7 +599,15 @@ impl PyLimitingResourceAdaptor {
         let limit = positive_size(allocation_limit, "allocation_limit")?;
         let inner =
             Arc::new(LimitingAdaptor::new(upstream_ref(upstream_mr), limit).or_raise(upstream_mr.py())?);
-        Ok(init(inner.clone(), upstream_mr, Self { inner }))
+        Ok(init(inner.clone(), upstream_mr, |upstream| Self { inner, upstream }))
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        self.upstream.traverse(&visit)
+    }
+
+    fn __clear__(&self) {
+        self.upstream.clear();
     }
 
     /// Bytes allocated through this adaptor and not yet freed.
@@ -531,6 +630,7 @@ impl PyLimitingResourceAdaptor {
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "FailureCallbackResourceAdaptor")]
 pub struct PyFailureCallbackResourceAdaptor {
     callback: Arc<CallbackSlot>,
+    upstream: Upstream,
 }
 
 #[pymethods]
@@ -544,15 +644,17 @@ impl PyFailureCallbackResourceAdaptor {
         let inner =
             FailureCallbackAdaptor::new(upstream_ref(upstream_mr), failure_callback(callback.clone()))
                 .or_raise(upstream_mr.py())?;
-        Ok(init(Arc::new(inner), upstream_mr, Self { callback }))
+        Ok(init(Arc::new(inner), upstream_mr, |upstream| Self { callback, upstream }))
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        self.callback.traverse(&visit)
+        self.callback.traverse(&visit)?;
+        self.upstream.traverse(&visit)
     }
 
     fn __clear__(&self) {
         self.callback.clear();
+        self.upstream.clear();
     }
 }
 
@@ -561,14 +663,24 @@ impl PyFailureCallbackResourceAdaptor {
 /// Frees are passed on as given.
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "PrefetchResourceAdaptor")]
-pub struct PyPrefetchResourceAdaptor;
+pub struct PyPrefetchResourceAdaptor {
+    upstream: Upstream,
+}
 
 #[pymethods]
 impl PyPrefetchResourceAdaptor {
     #[new]
     fn new(upstream_mr: &Bound<'_, PyMemoryResource>) -> PyResult<PyClassInitializer<Self>> {
         let inner = PrefetchAdaptor::new(upstream_ref(upstream_mr)).or_raise(upstream_mr.py())?;
-        Ok(init(Arc::new(inner), upstream_mr, Self))
+        Ok(init(Arc::new(inner), upstream_mr, |upstream| Self { upstream }))
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        self.upstream.traverse(&visit)
+    }
+
+    fn __clear__(&self) {
+        self.upstream.clear();
     }
 }
 
@@ -728,27 +840,32 @@ impl PyCallbackMemoryResource {
 pub struct PyFixedSizeMemoryResource {
     inner: Arc<FixedSizeMemoryResource>,
     blocks_to_preallocate: usize,
+    upstream: Upstream,
 }
 
 #[pymethods]
 impl PyFixedSizeMemoryResource {
     #[new]
-    #[pyo3(signature = (upstream_mr, block_size=None, blocks_to_preallocate=128))]
+    #[pyo3(
+        signature = (upstream_mr, block_size=None, blocks_to_preallocate=None),
+        text_signature = "(upstream_mr, block_size=None, blocks_to_preallocate=128)"
+    )]
     fn new(
         py: Python<'_>,
         upstream_mr: &Bound<'_, PyMemoryResource>,
         block_size: Option<&Bound<'_, PyAny>>,
-        blocks_to_preallocate: usize,
+        blocks_to_preallocate: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let block_size = block_size.map(|b| positive_size(b, "block_size")).transpose()?.unwrap_or(1 << 20);
-        if blocks_to_preallocate == 0 {
-            return Err(PyValueError::new_err("blocks_to_preallocate must be > 0, got 0"));
-        }
+        let blocks_to_preallocate = match blocks_to_preallocate {
+            Some(n) => count_arg(n, "blocks_to_preallocate", 1, usize::MAX as u64)? as usize,
+            None => 128,
+        };
         let upstream = upstream_ref(upstream_mr);
         let inner =
             detached(py, move || FixedSizeMemoryResource::new(upstream, block_size, blocks_to_preallocate))?;
         let inner = Arc::new(inner);
-        Ok(init(inner.clone(), upstream_mr, Self { inner, blocks_to_preallocate }))
+        Ok(init(inner.clone(), upstream_mr, |upstream| Self { inner, blocks_to_preallocate, upstream }))
     }
 
     /// The size of every block, in bytes (as asked, rounded up to 256).
@@ -761,6 +878,14 @@ impl PyFixedSizeMemoryResource {
     #[getter]
     fn blocks_to_preallocate(&self) -> usize {
         self.blocks_to_preallocate
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        self.upstream.traverse(&visit)
+    }
+
+    fn __clear__(&self) {
+        self.upstream.clear();
     }
 }
 
@@ -776,14 +901,18 @@ pub struct PyBinningMemoryResource {
     inner: Arc<BinningMemoryResource>,
     // The bin resources given from Python, kept alive with this one.
     bin_mrs: Mutex<Vec<Py<PyMemoryResource>>>,
+    upstream: Upstream,
 }
 
-fn exponent_arg(value: Option<i64>, what: &str) -> PyResult<Option<u32>> {
-    match value {
-        // -1 is RMM's "none".
-        None | Some(-1) => Ok(None),
-        Some(e @ 0..=63) => Ok(Some(e as u32)),
-        Some(e) => Err(PyValueError::new_err(format!("{what} must be in 0..=63 (or None), got {e}"))),
+/// A size exponent: None or -1 (RMM's "none"), else an int in `0..=MAX_SIZE_EXPONENT`,
+/// refused with the core's own message.
+fn exponent_arg(value: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u32>> {
+    let Some(value) = value.filter(|v| !v.is_none()) else { return Ok(None) };
+    match count_arg(value, what, 0, u64::from(adaptors::MAX_SIZE_EXPONENT)) {
+        Ok(e) => Ok(Some(e as u32)),
+        Err(e) if e.is_instance_of::<PyTypeError>(value.py()) => Err(e),
+        Err(_) if value.eq(-1)? => Ok(None),
+        Err(_) => Err(adaptors::size_exponent_error(what, value)).or_raise(value.py()),
     }
 }
 
@@ -794,14 +923,18 @@ impl PyBinningMemoryResource {
     fn new(
         py: Python<'_>,
         upstream_mr: &Bound<'_, PyMemoryResource>,
-        min_size_exponent: Option<i64>,
-        max_size_exponent: Option<i64>,
+        min_size_exponent: Option<&Bound<'_, PyAny>>,
+        max_size_exponent: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let min = exponent_arg(min_size_exponent, "min_size_exponent")?;
         let max = exponent_arg(max_size_exponent, "max_size_exponent")?;
         let upstream = upstream_ref(upstream_mr);
         let inner = Arc::new(detached(py, move || BinningMemoryResource::new(upstream, min, max))?);
-        Ok(init(inner.clone(), upstream_mr, Self { inner, bin_mrs: Mutex::new(Vec::new()) }))
+        Ok(init(inner.clone(), upstream_mr, |upstream| Self {
+            inner,
+            bin_mrs: Mutex::new(Vec::new()),
+            upstream,
+        }))
     }
 
     /// Adds a bin for allocations up to `allocation_size` bytes (rounded up to 256; and
@@ -871,6 +1004,12 @@ impl PyBinningMemoryResource {
                 visit.call(bin)?;
             }
         }
-        Ok(())
+        self.upstream.traverse(&visit)
+    }
+
+    fn __clear__(&self) {
+        let bins = std::mem::take(&mut *lock(&self.bin_mrs));
+        drop(bins); // after the lock: dropping may run Python code
+        self.upstream.clear();
     }
 }

@@ -642,10 +642,11 @@ impl DeviceBuffer {
         self.mr.clone_ref(py)
     }
 
-    /// True once `close()` has been called.
+    /// True once `close()` has been called, or once the simulated device the buffer was
+    /// made on has been exited (the buffer can no longer be used).
     #[getter]
     fn closed(&self) -> bool {
-        self.slot().get().is_none()
+        self.slot().get().is_none() || self.mr.get().inner.backend().check_open().is_err()
     }
 
     fn __len__(&self) -> usize {

@@ -8,7 +8,7 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use pyo3::call::PyCallArgs;
-use pyo3::exceptions::{PyBufferError, PyRuntimeError};
+use pyo3::exceptions::{PyBufferError, PyOSError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
@@ -35,6 +35,7 @@ pub(crate) fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
     }
     match e {
         Error::OutOfMemory { requested, available, resource: _ } => {
+            let available = streampool::error::plausible_available(available);
             raise(py, &OUT_OF_MEMORY, "OutOfMemoryError", (msg, requested, available))
         }
         Error::Driver { call, code, name, context: _ } => {
@@ -45,6 +46,12 @@ pub(crate) fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
         Error::InvalidArgument(_) => raise(py, &INVALID_ARGUMENT, "InvalidArgumentError", (msg,)),
         Error::InvalidPointer(_) => raise(py, &INVALID_POINTER, "InvalidPointerError", (msg,)),
         Error::InvalidStream(_) => raise(py, &INVALID_STREAM, "InvalidStreamError", (msg,)),
+        // OSError(errno, strerror, filename) becomes the errno's subclass (FileNotFoundError,
+        // PermissionError, ...), whose text names the file.
+        Error::Io { what, path, errno: Some(errno), message } => {
+            PyOSError::new_err((errno, format!("{what}: {message}"), path.into_os_string()))
+        }
+        Error::Io { .. } => PyOSError::new_err(msg),
         // A Python callback raised: its own exception, unchanged, when this thread stashed it.
         Error::Callback(what) => match take_callback_error(&what) {
             Some(original) => original,

@@ -58,6 +58,22 @@ fn any_size(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     int.extract::<usize>().map_err(|_| PyValueError::new_err(format!("{what} = {int} is too large")))
 }
 
+/// A whole number from Python that counts something (devices, blocks, frees): an int (or
+/// any object with `__index__`, but not a bool) in `min..=max`. TypeError for anything
+/// else, ValueError naming `what` and the value when out of range (where pyo3's own
+/// conversion would raise OverflowError for a negative or huge int). The one conversion
+/// behind every count argument of the binding; sizes in bytes take [`size_arg`].
+pub(crate) fn count_arg(obj: &Bound<'_, PyAny>, what: &str, min: u64, max: u64) -> PyResult<u64> {
+    let int = index(obj, what, "an int")?;
+    if int.lt(min)? {
+        return Err(PyValueError::new_err(format!("{what} must be >= {min}, got {int}")));
+    }
+    if int.gt(max)? {
+        return Err(PyValueError::new_err(format!("{what} must be <= {max}, got {int}")));
+    }
+    int.extract::<u64>()
+}
+
 /// An address from Python: an int in `0..2**64` (a plain int inlined, as in [`size_arg`]).
 #[inline]
 pub(crate) fn ptr_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevPtr> {
@@ -107,8 +123,11 @@ fn index<'py>(obj: &Bound<'py, PyAny>, what: &str, expected: &str) -> PyResult<B
     Err(PyTypeError::new_err(format!("{what} must be {expected}, not {ty}")))
 }
 
-/// Parses a byte size: "4096", "512MiB", "1.5 GiB" (binary units), "1GB" (decimal); an int
-/// is returned as it is (after checking it is >= 0).
+/// Parses a byte size: "4096", "512MiB", "1.5 GiB". Binary units (powers of 1024): KiB,
+/// MiB, GiB, TiB, PiB, EiB, and the bare K, M, G, T, P, E ("1G" is "1GiB", 2**30). Decimal
+/// units (powers of 1000): kB, MB, GB, TB, PB, EB ("1GB" is 10**9). Case-insensitive; a
+/// fraction of a byte is dropped ("1.5" is 1), as RMM's `parse_bytes` does. An int is
+/// returned as it is (after checking it is >= 0).
 #[pyfunction]
 fn parse_size(size: &Bound<'_, PyAny>) -> PyResult<usize> {
     size_arg(size, "size")

@@ -3,15 +3,22 @@
 
 use std::sync::Arc;
 
+use pyo3::exceptions::PyValueError;
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use pyo3::PyTraverseError;
 use streampool::device::{BackendRef, DevPtr};
 use streampool::{MemoryKind, MemoryResource, PoolOptions, ShardedPoolMemoryResource, Stream};
 
-use crate::adaptors::{init, upstream_ref, PyUpstreamResourceAdaptor};
+use crate::adaptors::{init, upstream_ref, PyUpstreamResourceAdaptor, Upstream};
 use crate::errors::detached;
 use crate::resources::{PyCudaAsyncMemoryResource, PyMemoryResource};
-use crate::size_arg;
+use crate::{count_arg, size_arg};
+
+/// The smallest `maximum_pool_size`: the pool rounds it down to its 256-byte granularity,
+/// which would make anything smaller 0.
+const MIN_MAXIMUM_POOL_SIZE: usize = streampool::ALIGNMENT;
 
 /// The lock-sharded stream-ordered pool: suballocates memory from `upstream_mr` with one
 /// shard of free blocks per stream, so that threads on different streams do not wait for
@@ -35,6 +42,7 @@ use crate::size_arg;
 #[pyclass(frozen, subclass, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "ShardedPoolMemoryResource")]
 pub struct PyShardedPool {
     inner: Arc<ShardedPoolMemoryResource>,
+    upstream: Upstream,
 }
 
 fn optional_size(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<usize>> {
@@ -44,26 +52,47 @@ fn optional_size(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<
 #[pymethods]
 impl PyShardedPool {
     #[new]
-    #[pyo3(signature = (upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=64, headroom=PoolOptions::default().headroom))]
+    #[pyo3(
+        signature = (upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=None, headroom=PoolOptions::default().headroom),
+        text_signature = "(upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=64, headroom=0.15)"
+    )]
     fn new(
         upstream_mr: &Bound<'_, PyMemoryResource>,
         initial_pool_size: Option<&Bound<'_, PyAny>>,
         maximum_pool_size: Option<&Bound<'_, PyAny>>,
         release_threshold: Option<&Bound<'_, PyAny>>,
-        events_every: usize,
+        events_every: Option<&Bound<'_, PyAny>>,
         headroom: Option<f64>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let maximum_pool_size = optional_size(maximum_pool_size, "maximum_pool_size")?;
+        if let Some(max) = maximum_pool_size.filter(|&m| m < MIN_MAXIMUM_POOL_SIZE) {
+            return Err(PyValueError::new_err(format!(
+                "maximum_pool_size must be at least {MIN_MAXIMUM_POOL_SIZE} bytes (the pool's granularity; \
+                 it is rounded down to a multiple of it), got {max}"
+            )));
+        }
         let options = PoolOptions {
             initial_pool_size: optional_size(initial_pool_size, "initial_pool_size")?,
-            maximum_pool_size: optional_size(maximum_pool_size, "maximum_pool_size")?,
+            maximum_pool_size,
             release_threshold: optional_size(release_threshold, "release_threshold")?,
-            events_every,
+            events_every: match events_every {
+                Some(n) => count_arg(n, "events_every", 1, usize::MAX as u64)? as usize,
+                None => PoolOptions::default().events_every,
+            },
             headroom,
         };
         let upstream = upstream_ref(upstream_mr);
         let inner =
             Arc::new(detached(upstream_mr.py(), move || ShardedPoolMemoryResource::new(upstream, options))?);
-        Ok(init(inner.clone(), upstream_mr, Self { inner }))
+        Ok(init(inner.clone(), upstream_mr, |upstream| Self { inner, upstream }))
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        self.upstream.traverse(&visit)
+    }
+
+    fn __clear__(&self) {
+        self.upstream.clear();
     }
 
     /// Bytes the pool holds from its upstream (RMM's `pool_size()`).
@@ -244,7 +273,7 @@ impl PyArenaMemoryResource {
         let (pool, arena_size) = pool;
         let resource: streampool::ResourceRef =
             if dump_log_on_failure { Arc::new(DumpOnFailure { pool: pool.clone() }) } else { pool.clone() };
-        Ok(init(resource, upstream_mr, PyShardedPool { inner: pool })
+        Ok(init(resource, upstream_mr, |upstream| PyShardedPool { inner: pool, upstream })
             .add_subclass(Self { arena_size, dump_log_on_failure }))
     }
 

@@ -60,6 +60,9 @@ impl PyMemoryResource {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<DevPtr> {
         let bytes = size_arg(nbytes, "nbytes")?;
+        // Made under a simulated device that was exited: refused, even where the resource
+        // could serve the request from memory it holds (a pool's free lists).
+        self.inner.backend().check_open().or_raise(py)?;
         let stream = to_stream(py, stream, || self.inner.backend())?;
         // The fast path keeps the GIL: releasing and retaking it costs more than the
         // allocation and makes threads convoy. Only what can wait releases it (and

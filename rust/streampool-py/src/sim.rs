@@ -4,13 +4,13 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::prelude::*;
-use streampool::device::sim::{SimDevice, SimGuard};
+use streampool::device::sim::{self, SimDevice, SimGuard};
 use streampool::device::{self, Backend, BackendRef, DevPtr, RawStream};
 
 use crate::errors::{detached, sim_active_error, OrRaise};
 use crate::resources::forget_backend;
 use crate::streams::to_stream;
-use crate::{ptr_arg, size_arg};
+use crate::{count_arg, ptr_arg, size_arg};
 
 /// A simulated device: host memory standing in for device memory, streams as queues that
 /// run only when told, and a happens-before race detector. Pointers it hands out are host
@@ -60,10 +60,19 @@ impl PySimDevice {
 
 #[pymethods]
 impl PySimDevice {
+    /// `capacity_bytes`: device memory of each device (None: sized from the host's
+    /// available memory, at most 16 GiB); `devices`: how many, 1 to 1024.
     #[new]
-    #[pyo3(signature = (capacity_bytes, devices=1))]
-    fn new(capacity_bytes: &Bound<'_, PyAny>, devices: i32) -> PyResult<Self> {
-        let capacity = size_arg(capacity_bytes, "capacity_bytes")?;
+    #[pyo3(signature = (capacity_bytes=None, devices=None), text_signature = "(capacity_bytes=None, devices=1)")]
+    fn new(capacity_bytes: Option<&Bound<'_, PyAny>>, devices: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let capacity = match capacity_bytes.filter(|c| !c.is_none()) {
+            Some(c) => size_arg(c, "capacity_bytes")?,
+            None => sim::default_capacity(),
+        };
+        let devices = match devices {
+            Some(d) => count_arg(d, "devices", 1, sim::MAX_DEVICES as u64)? as i32,
+            None => 1,
+        };
         Ok(PySimDevice { sim: SimDevice::with_devices(capacity, devices), guard: Mutex::new(None) })
     }
 

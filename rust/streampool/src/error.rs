@@ -46,6 +46,20 @@ pub enum Error {
     /// A stream (or event) that is destroyed, unknown, of another device or of another backend.
     #[error("invalid stream: {0}")]
     InvalidStream(String),
+    /// A file could not be created or written (a log file), with the operating system's
+    /// error: bindings raise their language's own (Python: `OSError` of the errno's class,
+    /// such as `FileNotFoundError`, with `filename` set).
+    #[error("{what} {}: {message}", path.display())]
+    Io {
+        /// What streampool was doing, e.g. "LoggingResourceAdaptor: cannot create the log file".
+        what: String,
+        /// The file.
+        path: std::path::PathBuf,
+        /// The operating system's error number, where there is one (`ENOENT`, `EACCES`).
+        errno: Option<i32>,
+        /// The operating system's words, e.g. "No such file or directory (os error 2)".
+        message: String,
+    },
     /// A user callback (a failure callback, a logging sink) failed. Bindings that call into
     /// another language keep the original exception and raise it instead.
     #[error("callback failed: {0}")]
@@ -53,10 +67,17 @@ pub enum Error {
 }
 
 fn fmt_available(available: Option<usize>) -> String {
-    match available {
+    match plausible_available(available) {
         Some(a) => format!(" ({a} bytes available)"),
         None => String::new(),
     }
+}
+
+/// `available` where it can be a real figure: no memory holds more than `isize::MAX`
+/// bytes, so a larger one is a "no limit" sentinel leaking through (`usize::MAX` less
+/// something) and means "unknown".
+pub fn plausible_available(available: Option<usize>) -> Option<usize> {
+    available.filter(|&a| a <= isize::MAX as usize)
 }
 
 fn fmt_context(context: &str) -> String {
@@ -68,6 +89,16 @@ fn fmt_context(context: &str) -> String {
 }
 
 impl Error {
+    /// [`Error::Io`] from a failed operation on `path`.
+    pub fn io(what: impl Into<String>, path: &std::path::Path, e: &std::io::Error) -> Self {
+        Error::Io {
+            what: what.into(),
+            path: path.to_owned(),
+            errno: e.raw_os_error(),
+            message: e.to_string(),
+        }
+    }
+
     /// A plain invalid-argument error.
     pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(msg.into())

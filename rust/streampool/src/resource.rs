@@ -223,8 +223,11 @@ pub struct Allocation {
 }
 
 impl Allocation {
-    /// Allocates `bytes` from `mr` on `stream`.
+    /// Allocates `bytes` from `mr` on `stream`. A resource whose backend is closed (made
+    /// under a simulated device that was exited) is refused with the backend's error, even
+    /// where the resource could serve the request from memory it holds.
     pub fn new(mr: ResourceRef, bytes: usize, stream: Stream) -> Result<Self> {
+        mr.backend().check_open()?;
         let ptr = mr.allocate(bytes, &stream)?;
         Ok(Allocation { mr, ptr, bytes, stream: stream.resolved() })
     }
@@ -232,6 +235,9 @@ impl Allocation {
     /// [`Allocation::new`] without waiting for anything (see
     /// [`MemoryResource::try_allocate`]); `None` when the caller must use `new`.
     pub fn try_new(mr: &ResourceRef, bytes: usize, stream: &Stream) -> Option<Result<Self>> {
+        if let Err(closed) = mr.backend().check_open() {
+            return Some(Err(closed));
+        }
         let ptr = match mr.try_allocate(bytes, stream)? {
             Ok(ptr) => ptr,
             Err(e) => return Some(Err(e)),
@@ -314,11 +320,22 @@ impl fmt::Debug for Allocation {
 }
 
 /// Turns the driver's out-of-memory error into [`Error::OutOfMemory`], naming the size
-/// asked and what the device had free; other errors pass through.
+/// asked and what the device had free (for device and managed memory: pinned host memory
+/// is not limited by the device, so there `available` is unknown); other errors pass
+/// through. An [`Error::OutOfMemory`] from the backend itself (the simulated device's
+/// host refusing memory) already names what limited the request, and keeps it.
 pub(crate) fn out_of_memory(e: Error, requested: usize, mr: &dyn MemoryResource) -> Error {
+    if matches!(e, Error::OutOfMemory { .. }) {
+        return crate::adaptors::as_own_oom(e, requested, mr);
+    }
     if !e.is_out_of_memory() {
         return e;
     }
-    let available = mr.backend().mem_get_info(mr.device()).ok().map(|(free, _)| free);
+    let available = match mr.memory_kind() {
+        MemoryKind::Device | MemoryKind::Managed => {
+            mr.backend().mem_get_info(mr.device()).ok().map(|(free, _)| free)
+        }
+        MemoryKind::PinnedHost => None,
+    };
     Error::OutOfMemory { requested, available, resource: mr.name().to_string() }
 }

@@ -25,11 +25,22 @@ fn activation_is_process_wide_and_objects_stay_on_their_device() {
     let mr = Arc::new(CudaAsyncMemoryResource::new(None, Default::default()).unwrap());
     let stream = Stream::create(&backend().unwrap(), 0, false).unwrap();
     let live = Allocation::new(mr.clone(), 1 << 20, stream.clone()).unwrap();
+    let pool: streampool::ResourceRef =
+        Arc::new(streampool::FixedSizeMemoryResource::new(mr.clone(), 4096, 4).unwrap());
+    Allocation::new(pool.clone(), 100, Stream::legacy()).unwrap().free().unwrap(); // a free block kept
     drop(guard);
 
     // Outside it, its objects are refused with a clear error, and freeing is silent.
     let err = mr.allocate(256, &Stream::legacy()).unwrap_err();
     assert!(err.to_string().contains("closed"), "{err}");
+    // Also where the resource could serve the request without the device (a pool's own
+    // free list): an allocation checks the backend first.
+    assert!(matches!(Allocation::new(pool.clone(), 100, Stream::legacy()), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        Allocation::try_new(&pool, 100, &Stream::legacy()),
+        Some(Err(Error::InvalidArgument(_)))
+    ));
+    assert!(streampool::device::Backend::check_open(&*first).is_err());
     drop(live);
 
     // The next one is independent of the first, and refuses the first one's streams.

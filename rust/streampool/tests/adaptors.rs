@@ -683,8 +683,63 @@ fn a_failing_sink_frees_the_allocation_and_returns_its_error() {
 fn an_unwritable_log_file_is_a_clear_error() {
     let (_sim, b) = sim(64 << 20);
     let path = std::env::temp_dir().join("streampool-no-such-dir").join("x").join("log.csv");
-    let err = LoggingAdaptor::new(async_mr(&b), vec![LogSink::File(path)]).unwrap_err();
+    let err = LoggingAdaptor::new(async_mr(&b), vec![LogSink::File(path.clone())]).unwrap_err();
     assert!(err.to_string().contains("streampool-no-such-dir"), "{err}");
+    // The operating system's error, as data: a binding raises its own (Python: FileNotFoundError).
+    match err {
+        Error::Io { path: p, errno, what, .. } => {
+            assert_eq!((p, errno), (path, Some(2)));
+            assert!(what.contains("cannot create the log file"), "{what}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn an_out_of_memory_behind_a_chunk_names_the_chunk_and_the_limit() {
+    let (_sim, b) = sim(256 << 20);
+    let limited: ResourceRef = Arc::new(LimitingAdaptor::new(async_mr(&b), 100 << 20).unwrap());
+    let fixed = FixedSizeMemoryResource::new(limited.clone(), 1 << 20, 200).unwrap();
+    let err = fixed.allocate(1000, &Stream::legacy()).unwrap_err();
+    let Error::OutOfMemory { requested: 1000, available: Some(available), resource } = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(*available, 100 << 20, "measured against the chunk's request, which it names");
+    assert!(
+        resource.contains("limit 104857600 bytes") && resource.contains("asked for 209715200 bytes"),
+        "{err}"
+    );
+    // Still usable with chunks that fit.
+    let small = FixedSizeMemoryResource::new(limited, 1 << 20, 10).unwrap();
+    let p = small.allocate(1000, &Stream::legacy()).unwrap();
+    small.deallocate(p, 1000, &Stream::legacy()).unwrap();
+}
+
+#[test]
+fn pinned_host_memory_does_not_report_the_devices_free_memory() {
+    // The device's free memory says nothing of what limited a host allocation; the
+    // simulated device does not count pinned memory, so the host refuses a huge request.
+    let (_sim, b) = sim(64 << 20);
+    let pinned = streampool::PinnedHostMemoryResource::on(b, 0);
+    let err = pinned.allocate(1 << 62, &Stream::legacy()).unwrap_err();
+    assert!(matches!(&err, Error::OutOfMemory { available: None, .. }), "{err:?}");
+    assert!(err.to_string().contains("host"), "{err}");
+    let p = pinned.allocate(4096, &Stream::legacy()).unwrap();
+    pinned.deallocate(p, 4096, &Stream::legacy()).unwrap();
+}
+
+#[test]
+fn tracking_names_threads_with_the_label_it_is_given() {
+    let (_sim, b) = sim(64 << 20);
+    let plain = TrackingAdaptor::new(async_mr(&b), None);
+    let labelled = TrackingAdaptor::new(async_mr(&b), None).with_thread_label(Arc::new(|| "worker 7".into()));
+    let s = Stream::legacy();
+    let (p, q) = (plain.allocate(256, &s).unwrap(), labelled.allocate(256, &s).unwrap());
+    assert!(plain.outstanding()[0].thread.contains("ThreadId("), "{:?}", plain.outstanding());
+    assert_eq!(labelled.outstanding()[0].thread, "worker 7");
+    assert!(labelled.outstanding_report().contains("thread worker 7"));
+    plain.deallocate(p, 256, &s).unwrap();
+    labelled.deallocate(q, 256, &s).unwrap();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -762,8 +817,15 @@ fn binning_bad_input_is_refused_and_changes_nothing() {
         let err = r.unwrap_err();
         assert!(matches!(&err, Error::InvalidArgument(m) if m.contains(why)), "{err}");
     };
-    bad(BinningMemoryResource::new(async_mr(&b), Some(10), Some(8)), "min <= max");
-    bad(BinningMemoryResource::new(async_mr(&b), Some(8), Some(41)), "<= 40");
+    bad(
+        BinningMemoryResource::new(async_mr(&b), Some(10), Some(8)),
+        "min_size_exponent (10) must be <= max_size_exponent (8)",
+    );
+    bad(
+        BinningMemoryResource::new(async_mr(&b), Some(8), Some(41)),
+        "max_size_exponent must be in 0..=40 (bins of 1 byte to 1 TiB) or None, got 41",
+    );
+    bad(BinningMemoryResource::new(async_mr(&b), Some(64), Some(70)), "min_size_exponent must be in 0..=40");
     bad(BinningMemoryResource::new(async_mr(&b), Some(8), None), "both");
     let mr = BinningMemoryResource::new(async_mr(&b), Some(8), Some(12)).unwrap();
     let sizes = |mr: &BinningMemoryResource| mr.bins().iter().map(|b| b.0).collect::<Vec<_>>();

@@ -63,10 +63,19 @@ fn options_make_an_owned_managed_pool_primed_and_kept() {
     assert!(mr.reserved_bytes().unwrap() >= 16 << 20, "primed");
     b.ctx_synchronize(0).unwrap();
     assert!(mr.reserved_bytes().unwrap() >= 16 << 20, "kept across a synchronisation");
-    // Its memory is managed: prefetch and advice are accepted.
+    // Its memory is managed: prefetches are accepted; advice is refused, as the driver
+    // refuses it on a managed pool's memory (CUDA_ERROR_NOT_SUPPORTED), naming both.
     let mr: ResourceRef = Arc::new(mr);
     let a = Allocation::new(mr.clone(), 4096, Stream::legacy()).unwrap();
-    a.advise(Advice::SetPreferredLocation, Location::Device(0)).unwrap();
+    match a.advise(Advice::SetPreferredLocation, Location::Device(0)) {
+        Err(Error::Unsupported(m)) => {
+            assert!(
+                m.contains("CudaAsyncManagedMemoryResource") && m.contains("CUDA_ERROR_NOT_SUPPORTED"),
+                "{m}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
     a.prefetch(None, None).unwrap();
     assert_eq!(a.last_prefetch_location().unwrap(), Some(Location::Device(0)));
     a.free().unwrap();

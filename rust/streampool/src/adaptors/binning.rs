@@ -10,8 +10,16 @@ use crate::resource::{check_depth, settle_allocate, settle_deallocate, MemoryRes
 use crate::stream::Stream;
 use crate::sync::{lock, read, write, AtomicUsize, Mutex, Ordering, RwLock};
 
-/// The largest `max_size_exponent`: bins up to 1 TiB.
-const MAX_EXPONENT: u32 = 40;
+/// The largest size exponent: bins up to 1 TiB.
+pub const MAX_SIZE_EXPONENT: u32 = 40;
+
+/// The one refusal of a size exponent out of range (the Python binding gives it too, for
+/// values that are not even integers of Rust's size).
+pub fn size_exponent_error(what: &str, value: impl fmt::Display) -> Error {
+    Error::invalid(format!(
+        "BinningMemoryResource: {what} must be in 0..={MAX_SIZE_EXPONENT} (bins of 1 byte to 1 TiB) or None, got {value}"
+    ))
+}
 /// Automatic bins grow in chunks of about this many bytes (at most 128 blocks, RMM's
 /// default, and at least one): small bins get RMM's chunks, large ones do not reserve
 /// 128 blocks each per stream.
@@ -112,15 +120,20 @@ impl BinningMemoryResource {
         };
         match (min_size_exponent, max_size_exponent) {
             (None, None) => {}
-            (Some(min), Some(max)) if min <= max && max <= MAX_EXPONENT => {
+            (Some(min), Some(max)) => {
+                for (what, e) in [("min_size_exponent", min), ("max_size_exponent", max)] {
+                    if e > MAX_SIZE_EXPONENT {
+                        return Err(size_exponent_error(what, e));
+                    }
+                }
+                if min > max {
+                    return Err(Error::invalid(format!(
+                        "BinningMemoryResource: min_size_exponent ({min}) must be <= max_size_exponent ({max})"
+                    )));
+                }
                 for e in min..=max {
                     mr.add_bin(1 << e, None)?;
                 }
-            }
-            (Some(min), Some(max)) => {
-                return Err(Error::invalid(format!(
-                    "BinningMemoryResource: size exponents {min}..={max}: need min <= max <= {MAX_EXPONENT}"
-                )))
             }
             _ => {
                 return Err(Error::invalid(

@@ -151,8 +151,11 @@ impl LoggingAdaptor {
                     )))
                 }
                 LogSink::File(path) => {
-                    std::fs::write(&path, format!("{LOG_HEADER}\n")).map_err(|e| io_error(&path, e))?;
-                    let f = OpenOptions::new().append(true).open(&path).map_err(|e| io_error(&path, e))?;
+                    let cannot_create = |e: std::io::Error| {
+                        Error::io("LoggingResourceAdaptor: cannot create the log file", &path, &e)
+                    };
+                    std::fs::write(&path, format!("{LOG_HEADER}\n")).map_err(cannot_create)?;
+                    let f = OpenOptions::new().append(true).open(&path).map_err(cannot_create)?;
                     file = Some((path, f));
                 }
                 LogSink::Callback(cb) => {
@@ -255,7 +258,7 @@ impl fmt::Debug for LoggingAdaptor {
 }
 
 fn io_error(path: &Path, e: std::io::Error) -> Error {
-    Error::Callback(format!("LoggingResourceAdaptor: writing {}: {e}", path.display()))
+    Error::io("LoggingResourceAdaptor: cannot write the log file", path, &e)
 }
 
 /// A line as RMM writes it: `%p` gives `(nil)` for null, and a null stream prints as `0`.

@@ -16,8 +16,10 @@
 //! lock across a call into its upstream or into a callback.
 //!
 //! An out-of-memory error that passes through an adaptor is reported as the adaptor's
-//! own ([`Error::OutOfMemory`] with `resource` = the adaptor's name, `requested` and
-//! `available` kept): the caller asked the adaptor, so the error names what they called.
+//! own ([`Error::OutOfMemory`] with `resource` = the adaptor's name, then, in brackets,
+//! the words of the resource that refused, which name what limited the request: a limit,
+//! a pool's maximum, the device; `requested` is the caller's and `available` is kept):
+//! the caller asked the adaptor, so the error names what they called.
 
 mod binning;
 mod failure_callback;
@@ -28,14 +30,14 @@ mod prefetch;
 mod statistics;
 mod tracking;
 
-pub use binning::BinningMemoryResource;
+pub use binning::{size_exponent_error, BinningMemoryResource, MAX_SIZE_EXPONENT};
 pub use failure_callback::{FailureCallback, FailureCallbackAdaptor};
 pub use fixed_size::FixedSizeMemoryResource;
 pub use limiting::LimitingAdaptor;
 pub use logging::{parse_log, LogAction, LogCallback, LogEvent, LogSink, LoggingAdaptor, LOG_HEADER};
 pub use prefetch::PrefetchAdaptor;
 pub use statistics::{Statistics, StatisticsAdaptor};
-pub use tracking::{AllocationRecord, StackCapture, TrackingAdaptor};
+pub use tracking::{AllocationRecord, StackCapture, ThreadLabel, TrackingAdaptor};
 
 use std::collections::HashMap;
 
@@ -107,10 +109,13 @@ impl<V> PtrMap<V> {
 /// other errors pass through unchanged.
 pub(crate) fn as_own_oom(e: Error, requested: usize, mr: &dyn MemoryResource) -> Error {
     match e {
-        // The size this caller asked for: an upstream may have been asked for more (a chunk).
-        // and the refusing resource's own words stay, after this one's name.
-        Error::OutOfMemory { available, resource, .. } => {
-            Error::OutOfMemory { requested, available, resource: format!("{} (from {resource})", mr.name()) }
+        // The size this caller asked for; the refusing resource's own words stay, after
+        // this one's name, with what it was asked for when that was more (a chunk): its
+        // `available` is measured against that request, not this one.
+        Error::OutOfMemory { requested: asked, available, resource } => {
+            let from =
+                if asked == requested { resource } else { format!("{resource}, asked for {asked} bytes") };
+            Error::OutOfMemory { requested, available, resource: format!("{} (from {from})", mr.name()) }
         }
         e => out_of_memory(e, requested, mr),
     }

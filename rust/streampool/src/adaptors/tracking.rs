@@ -13,6 +13,10 @@ use crate::sync::{AtomicUsize, Ordering};
 /// Captures the caller's stack as text (e.g. a Python traceback from the binding).
 pub type StackCapture = Arc<dyn Fn() -> String + Send + Sync>;
 
+/// Names the calling thread for [`AllocationRecord::thread`] (e.g. the Python thread's
+/// name and ident, from the binding).
+pub type ThreadLabel = Arc<dyn Fn() -> String + Send + Sync>;
+
 /// One outstanding allocation of a [`TrackingAdaptor`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AllocationRecord {
@@ -22,7 +26,8 @@ pub struct AllocationRecord {
     pub bytes: usize,
     /// The stream it was allocated on (its handle).
     pub stream: RawStream,
-    /// The allocating thread: its name if it has one, and its id.
+    /// The allocating thread: its name if it has one, and its id (or what the adaptor's
+    /// [`ThreadLabel`] says).
     pub thread: String,
     /// The allocating stack, when the adaptor captures stacks.
     pub stack: Option<String>,
@@ -63,6 +68,7 @@ pub struct AllocationRecord {
 pub struct TrackingAdaptor {
     upstream: ResourceRef,
     capture: Option<StackCapture>,
+    label: Option<ThreadLabel>,
     records: PtrMap<AllocationRecord>,
     allocated_bytes: AtomicUsize,
 }
@@ -77,8 +83,16 @@ impl TrackingAdaptor {
             upstream,
             capture,
             records: PtrMap::new(),
+            label: None,
             allocated_bytes: AtomicUsize::new(0),
         })
+    }
+
+    /// Names the allocating thread with `label` (called, with no lock held, on every
+    /// allocation) instead of the Rust thread's name and id.
+    pub fn with_thread_label(mut self, label: ThreadLabel) -> Self {
+        self.label = Some(label);
+        self
     }
 
     /// Tracks with Rust stack traces (`std::backtrace`, captured whatever
@@ -150,8 +164,9 @@ impl MemoryResource for TrackingAdaptor {
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let stack = self.capture.as_ref().map(|c| c());
+        let thread = self.thread_name();
         let ptr = self.upstream.allocate(bytes, stream).map_err(|e| as_own_oom(e, bytes, self))?;
-        self.record(ptr, bytes, stream, stack);
+        self.record(ptr, bytes, stream, stack, thread);
         Ok(ptr)
     }
 
@@ -173,7 +188,7 @@ impl MemoryResource for TrackingAdaptor {
             Ok(ptr) => ptr,
             Err(e) => return Some(Err(e)),
         };
-        self.record(ptr, bytes, stream, None);
+        self.record(ptr, bytes, stream, None, self.thread_name());
         Some(Ok(ptr))
     }
 
@@ -196,8 +211,13 @@ impl MemoryResource for TrackingAdaptor {
 }
 
 impl TrackingAdaptor {
-    fn record(&self, ptr: DevPtr, bytes: usize, stream: &Stream, stack: Option<String>) {
-        let record = AllocationRecord { ptr, bytes, stream: stream.handle(), thread: thread_label(), stack };
+    /// The allocating thread's name: the label's, or Rust's.
+    fn thread_name(&self) -> String {
+        self.label.as_ref().map_or_else(thread_label, |label| label())
+    }
+
+    fn record(&self, ptr: DevPtr, bytes: usize, stream: &Stream, stack: Option<String>, thread: String) {
+        let record = AllocationRecord { ptr, bytes, stream: stream.handle(), thread, stack };
         self.records.insert(ptr, record);
         self.allocated_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
@@ -229,6 +249,7 @@ impl fmt::Debug for TrackingAdaptor {
             .field("outstanding", &self.records.shards().map(|s| s.len()).sum::<usize>())
             .field("allocated_bytes", &self.allocated_bytes())
             .field("stacks", &self.capture.is_some())
+            .field("thread_label", &self.label.is_some())
             .field("upstream", &self.upstream)
             .finish()
     }

@@ -15,7 +15,8 @@
 //!
 //! Which backend new objects use is decided by [`backend()`]: the simulated device that
 //! is active in this process (see [`sim::SimDevice::activate`]), else a process-wide
-//! simulated device when `STREAMPOOL_DEVICE=sim`, else the CUDA driver. Every object
+//! simulated device when `STREAMPOOL_DEVICE=sim` (its capacity `STREAMPOOL_SIM_CAPACITY`,
+//! else [`sim::default_capacity`]), else the CUDA driver. Every object
 //! remembers the backend it was made on; mixing objects of two backends is refused.
 
 use std::fmt;
@@ -143,6 +144,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn id(&self) -> u64;
     /// Human-readable name, e.g. "CUDA driver 13.0" or "simulated device #3 (16 GiB)".
     fn describe(&self) -> String;
+    /// The error every call on a backend that is gone gives (a simulated device that was
+    /// exited); `Ok` while it is usable. The CUDA driver never closes. Cheap: for checks
+    /// on paths that may not reach the backend otherwise (a pool's own free lists).
+    fn check_open(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// `cuDriverGetVersion`, e.g. 13000.
     fn driver_version(&self) -> Result<i32>;
@@ -278,11 +285,9 @@ pub type BackendRef = Arc<dyn Backend>;
 static ACTIVE_SIM: Mutex<Option<Arc<sim::SimDevice>>> = Mutex::new(None);
 static ENV_SIM: OnceLock<Option<Arc<sim::SimDevice>>> = OnceLock::new();
 
-/// Default capacity of the process-wide simulated device that `STREAMPOOL_DEVICE=sim`
-/// selects; `STREAMPOOL_SIM_CAPACITY` (e.g. "4GiB") overrides it.
-pub const DEFAULT_SIM_CAPACITY: usize = 16 << 30;
-
-/// The backend that new objects use now (see the module docs for the order).
+/// The backend that new objects use now (see the module docs for the order). A value of
+/// `STREAMPOOL_DEVICE` that names no backend is an [`Error::InvalidArgument`] here, at the
+/// first use, naming the variable, its value and the accepted values.
 pub fn backend() -> Result<BackendRef> {
     if let Some(sim) = active_sim() {
         return Ok(sim);
@@ -299,12 +304,31 @@ pub fn active_sim() -> Option<Arc<sim::SimDevice>> {
 }
 
 /// True when `STREAMPOOL_DEVICE=sim` selects the simulated device for the whole process
-/// (read once, at the first use: reading the environment takes a lock and a copy).
+/// (read once, at the first use: reading the environment takes a lock and a copy). False
+/// for any other value, including one that names no backend ([`backend`] refuses that).
 pub fn env_selects_sim() -> bool {
-    static SELECTS: OnceLock<bool> = OnceLock::new();
-    *SELECTS.get_or_init(|| {
-        std::env::var("STREAMPOOL_DEVICE").map(|v| v.eq_ignore_ascii_case("sim")).unwrap_or(false)
+    matches!(env_device(), Ok(true))
+}
+
+/// What `STREAMPOOL_DEVICE` says (case-insensitive), read once: `Ok(true)` for the simulated device,
+/// `Ok(false)` for the CUDA driver (`cuda`, empty or unset), the error for anything else.
+fn env_device() -> &'static Result<bool> {
+    static SELECTS: OnceLock<Result<bool>> = OnceLock::new();
+    SELECTS.get_or_init(|| match std::env::var("STREAMPOOL_DEVICE") {
+        Err(std::env::VarError::NotPresent) => Ok(false),
+        Ok(v) if v.trim().is_empty() || v.trim().eq_ignore_ascii_case("cuda") => Ok(false),
+        Ok(v) if v.trim().eq_ignore_ascii_case("sim") => Ok(true),
+        Ok(v) => Err(bad_device_env(&format!("{v:?}"))),
+        Err(std::env::VarError::NotUnicode(v)) => Err(bad_device_env(&format!("{v:?}"))),
     })
+}
+
+fn bad_device_env(value: &str) -> Error {
+    Error::invalid(format!(
+        "the environment variable STREAMPOOL_DEVICE is {value}, which names no backend; accepted \
+         values: \"sim\" (a simulated device for the whole process), \"cuda\" (the CUDA driver, \
+         as when it is unset)"
+    ))
 }
 
 /// What [`backend`] gives, when that needs neither the driver's probe nor a new simulated
@@ -314,20 +338,21 @@ pub fn backend_ready() -> Option<BackendRef> {
     if let Some(sim) = active_sim() {
         return Some(sim);
     }
-    if env_selects_sim() {
-        return ENV_SIM.get()?.clone().map(|sim| sim as BackendRef);
+    match env_device() {
+        Ok(true) => ENV_SIM.get()?.clone().map(|sim| sim as BackendRef),
+        Ok(false) => cuda::CudaBackend::ready().map(|cuda| cuda as BackendRef),
+        Err(_) => None,
     }
-    cuda::CudaBackend::ready().map(|cuda| cuda as BackendRef)
 }
 
 fn env_sim() -> Result<Option<Arc<sim::SimDevice>>> {
-    if !env_selects_sim() {
+    if !env_device().clone()? {
         return Ok(None);
     }
     let capacity = match std::env::var("STREAMPOOL_SIM_CAPACITY") {
         Ok(s) => crate::size::parse_size(&s)
             .map_err(|e| Error::invalid(format!("STREAMPOOL_SIM_CAPACITY: {e}")))?,
-        Err(_) => DEFAULT_SIM_CAPACITY,
+        Err(_) => sim::default_capacity(),
     };
     Ok(ENV_SIM.get_or_init(|| Some(sim::SimDevice::new(capacity))).clone())
 }

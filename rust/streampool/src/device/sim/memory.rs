@@ -3,7 +3,7 @@
 
 use std::alloc::Layout;
 
-use super::{oom, State};
+use super::{host_refused, oom, State};
 use crate::device::{DevPtr, Location, RawPool};
 use crate::error::{Error, Result, CUDA_ERROR_INVALID_VALUE};
 
@@ -153,7 +153,7 @@ impl State {
         if counted && size > self.free_bytes(dev) {
             return Err(oom(call));
         }
-        let block = HostBlock::new(size).ok_or_else(|| oom(call))?;
+        let block = HostBlock::new(size).ok_or_else(|| host_refused(self, size))?;
         let addr = block.addr();
         if counted {
             self.devices[dev as usize].allocated += size;

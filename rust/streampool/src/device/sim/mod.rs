@@ -28,8 +28,9 @@
 //! * **Pools.** The driver's stream-ordered pools with its default reuse policy,
 //!   release threshold, trimming and attributes (module `pool`).
 //! * **Managed memory.** `cuMemAllocManaged` memory and managed pools' memory accept
-//!   prefetches and advice; other live memory is refused as the driver refuses it
-//!   (`CUDA_ERROR_INVALID_VALUE`). A prefetch is an operation on its stream, and the range's
+//!   prefetches, and `cuMemAllocManaged` memory advice; other live memory is refused as
+//!   the driver refuses it (`CUDA_ERROR_INVALID_VALUE`; advice on a managed pool's memory,
+//!   `CUDA_ERROR_NOT_SUPPORTED`). A prefetch is an operation on its stream, and the range's
 //!   last prefetch location is recorded when it is *enqueued*, as the driver's
 //!   `CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION` reports the last location asked for,
 //!   not one reached. The device reports a CUDA 13.0 driver and concurrent managed access;
@@ -54,7 +55,7 @@ use crate::device::{
     Advice, Backend, BackendKind, DevPtr, DeviceInfo, Location, PoolAttr, PoolProps, RawEvent, RawPool,
     RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM,
 };
-use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};
+use crate::error::{Error, Result, CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_OUT_OF_MEMORY};
 
 mod clock;
 mod detector;
@@ -72,6 +73,37 @@ use pool::Pool;
 
 /// The driver version the simulated device reports (CUDA 13.0).
 pub const SIM_DRIVER_VERSION: i32 = 13000;
+
+/// The most devices one simulated backend has ([`SimDevice::with_devices`]).
+pub const MAX_DEVICES: i32 = 1024;
+
+/// The largest capacity [`default_capacity`] gives: 16 GiB.
+pub const MAX_DEFAULT_CAPACITY: usize = 16 << 30;
+
+/// The capacity of a simulated device made without one: what this process may take of the
+/// host's memory now (`MemAvailable` in `/proc/meminfo`, and what the address-space limit
+/// of `ulimit -v` leaves), rounded down to a whole MiB, at most [`MAX_DEFAULT_CAPACITY`]
+/// and at least 1 MiB. Simulated memory is host memory: a capacity beyond what the host can give
+/// would turn out-of-memory into a host failure (or the kernel's OOM killer) instead of
+/// the device's clean [`Error::OutOfMemory`]. Where neither figure can be read, 16 GiB.
+pub fn default_capacity() -> usize {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let available = meminfo.as_deref().and_then(|m| proc_field(m, "MemAvailable:")).map(|kib| kib << 10);
+    let limits = std::fs::read_to_string("/proc/self/limits").ok();
+    let status = std::fs::read_to_string("/proc/self/status").ok();
+    let in_use = status.as_deref().and_then(|s| proc_field(s, "VmSize:")).map_or(0, |kib| kib << 10);
+    let address_space =
+        limits.as_deref().and_then(|l| proc_field(l, "Max address space")).map(|l| l.saturating_sub(in_use));
+    let capacity = [available, address_space].into_iter().flatten().fold(MAX_DEFAULT_CAPACITY, usize::min);
+    (capacity >> 20).max(1) << 20
+}
+
+/// The first number after `key` at the start of a line of a `/proc` file (`None` for
+/// "unlimited" or no such line).
+fn proc_field(text: &str, key: &str) -> Option<usize> {
+    let line = text.lines().find(|l| l.starts_with(key))?;
+    line[key.len()..].split_whitespace().next()?.parse().ok()
+}
 
 /// The first handle of a created stream; later ones count up by `STREAM_HANDLE_STEP`.
 const FIRST_STREAM_HANDLE: RawStream = 0x1000;
@@ -237,6 +269,22 @@ fn oom(call: &'static str) -> Error {
     }
 }
 
+/// The host's allocator refusing to back `bytes` of simulated memory (`ulimit -v`, a
+/// machine with less memory than the capacity): [`Error::OutOfMemory`] naming the host as
+/// what limited the request, since the device may have had room.
+fn host_refused(st: &State, bytes: usize) -> Error {
+    Error::OutOfMemory {
+        requested: bytes,
+        available: None,
+        resource: format!(
+            "the host memory behind {} (the host refused; the device's {} capacity is more than \
+             this process can get: give it a smaller capacity_bytes, or STREAMPOOL_SIM_CAPACITY)",
+            st.name,
+            human_bytes(st.capacity)
+        ),
+    }
+}
+
 /// "16 GiB", "64 MiB", "1000 bytes".
 fn human_bytes(n: usize) -> String {
     for (unit, name) in [(1usize << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")] {
@@ -356,10 +404,11 @@ impl SimDevice {
         Self::with_devices(capacity_bytes, 1)
     }
 
-    /// `devices` simulated devices (ordinals `0..devices`, at least one) of
-    /// `capacity_bytes` each, behind one backend.
+    /// `devices` simulated devices (ordinals `0..devices`) of `capacity_bytes` each, behind
+    /// one backend. `devices` is clamped to `1..=`[`MAX_DEVICES`] (the Python binding
+    /// refuses other values with a ValueError).
     pub fn with_devices(capacity_bytes: usize, devices: i32) -> Arc<SimDevice> {
-        let devices = devices.max(1);
+        let devices = devices.clamp(1, MAX_DEVICES);
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         Arc::new(SimDevice {
             id,
@@ -588,6 +637,10 @@ impl Backend for SimDevice {
 
     fn id(&self) -> u64 {
         self.id
+    }
+
+    fn check_open(&self) -> Result<()> {
+        SimDevice::check_open(self)
     }
 
     fn describe(&self) -> String {
@@ -938,7 +991,17 @@ impl Backend for SimDevice {
             }
             // Advice changes where pages live and how they are mapped, never their contents:
             // validated, and otherwise nothing to simulate.
-            st.check_managed_range(ptr, bytes, "cuMemAdvise")?;
+            let start = st.check_managed_range(ptr, bytes, "cuMemAdvise")?;
+            if matches!(st.allocs[&start].kind, AllocKind::Pool(_)) {
+                // As the driver does (seen with driver 580 on an H200): memory from a
+                // managed memory pool takes no advice, which plain managed memory takes.
+                return Err(Error::Driver {
+                    call: "cuMemAdvise",
+                    code: CUDA_ERROR_NOT_SUPPORTED,
+                    name: "CUDA_ERROR_NOT_SUPPORTED".into(),
+                    context: String::new(),
+                });
+            }
             Ok(())
         })
     }

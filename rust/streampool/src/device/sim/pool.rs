@@ -25,7 +25,7 @@ use std::collections::BTreeMap;
 use super::clock::VClock;
 use super::detector::OpKind;
 use super::memory::{round_up, Alloc, AllocKind, HostBlock, ALIGN};
-use super::{oom, State, StreamState};
+use super::{host_refused, oom, State, StreamState};
 use crate::device::{DevPtr, PoolAttr, RawPool};
 use crate::error::{Error, Result};
 
@@ -238,7 +238,7 @@ impl State {
                 return Err(oom(CALL));
             }
         }
-        let block = HostBlock::new(len).ok_or_else(|| oom(CALL))?;
+        let block = HostBlock::new(len).ok_or_else(|| host_refused(self, len))?;
         let base = block.addr();
         self.chunks.insert(base, (len, handle));
         self.devices[dev as usize].reserved += len;

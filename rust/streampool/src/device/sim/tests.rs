@@ -2,7 +2,7 @@ use std::sync::Arc;
 
 use super::pool::CHUNK;
 use super::*;
-use crate::error::{CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY};
+use crate::error::{CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_OUT_OF_MEMORY};
 
 const MIB: usize = 1 << 20;
 
@@ -914,6 +914,50 @@ fn prefetch_advice_and_queries_refuse_memory_that_is_not_managed() {
         Err(Error::InvalidPointer(_))
     ));
     assert!(matches!(sim.prefetch_async(0, m, 16, Location::Host, s), Err(Error::InvalidPointer(_))));
+}
+
+#[test]
+fn managed_pool_memory_takes_prefetches_but_no_advice() {
+    // As the driver (580, on an H200) does: CUDA_ERROR_NOT_SUPPORTED from cuMemAdvise.
+    let sim = SimDevice::new(64 * MIB);
+    let s = sim.stream_create(0, false).unwrap();
+    for pool in [
+        sim.pool_default(0, true).unwrap(),
+        sim.pool_create(0, &PoolProps { posix_fd_ipc: false, managed: true }).unwrap(),
+    ] {
+        let p = sim.pool_alloc_async(0, pool, 4096, s).unwrap();
+        for advice in [Advice::SetReadMostly, Advice::SetPreferredLocation, Advice::UnsetAccessedBy] {
+            match sim.mem_advise(0, p, 4096, advice, Location::Device(0)) {
+                Err(Error::Driver { call: "cuMemAdvise", code: CUDA_ERROR_NOT_SUPPORTED, .. }) => {}
+                other => panic!("{advice:?}: {other:?}"),
+            }
+        }
+        sim.prefetch_async(0, p, 4096, Location::Host, s).unwrap();
+        assert_eq!(sim.mem_range_last_prefetch_location(0, p, 4096).unwrap(), Some(Location::Host));
+        sim.free_async(0, p, s).unwrap();
+    }
+}
+
+#[test]
+fn the_default_capacity_fits_the_host() {
+    let capacity = default_capacity();
+    assert!((MIB..=MAX_DEFAULT_CAPACITY).contains(&capacity), "{capacity}");
+    assert_eq!(capacity % MIB, 0);
+    if let Some(available) =
+        std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| proc_field(&m, "MemAvailable:"))
+    {
+        // What was available a moment ago, give or take what other processes did since.
+        assert!(capacity <= (available << 10) * 2, "{capacity} vs {available} KiB available");
+    }
+    assert_eq!(proc_field("Max address space  unlimited  unlimited  bytes\n", "Max address space"), None);
+    assert_eq!(proc_field("VmSize:\t  1024 kB\n", "VmSize:"), Some(1024));
+}
+
+#[test]
+fn device_counts_are_clamped() {
+    assert_eq!(SimDevice::with_devices(MIB, 0).device_count().unwrap(), 1);
+    assert_eq!(SimDevice::with_devices(MIB, -3).device_count().unwrap(), 1);
+    assert_eq!(SimDevice::with_devices(MIB, i32::MAX).device_count().unwrap(), MAX_DEVICES);
 }
 
 #[test]
