@@ -33,13 +33,13 @@ bench: ## the window and fixed workloads here (on the simulated device without a
 lint: ## rustfmt, clippy, ruff (check and format) and stubtest
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --quiet -- -D warnings
-	$(PYTHON) -m ruff check python tests benchmarks
-	$(PYTHON) -m ruff format --check python tests benchmarks
+	$(PYTHON) -m ruff check python tests benchmarks scripts
+	$(PYTHON) -m ruff format --check python tests benchmarks scripts
 	$(PYTHON) -m mypy.stubtest streampool._native --allowlist python/stubtest-allowlist.txt
 
 fmt: ## format Rust and Python
 	$(CARGO) fmt --all
-	$(PYTHON) -m ruff format python tests benchmarks
+	$(PYTHON) -m ruff format python tests benchmarks scripts
 
 gpu-build: ## build what the GPU machine runs into .gpu/ (wheel + Rust test binaries)
 	bash scripts/gpu-build.sh
