@@ -442,7 +442,9 @@ def _finish(result: dict[str, Any]) -> int:
 def _check(ret: Any) -> Any:
     """A cuda.bindings return tuple: raises on an error status, returns the value(s)."""
     err, *vals = ret if isinstance(ret, tuple) else (ret,)
-    if int(getattr(err, "value", err)) != 0:
+    status: Any = getattr(err, "value", err)
+    code = int(status)
+    if code != 0:
         raise RuntimeError(f"CUDA error {err!r}")
     return vals[0] if len(vals) == 1 else tuple(vals) if vals else None
 
@@ -526,13 +528,15 @@ def _child(v: Variant, iters: int) -> int:
         from cuda.bindings import driver, runtime
     except ImportError as e:
         return _finish({"skip": f"cuda.bindings missing: {e}"})
-    cupy = torch = None
-    uses_cupy = v.kernel.startswith("cupy") or v.main_sync == "cupy"
+    import importlib
+
+    cupy: Any = None
+    torch: Any = None
     try:
-        if uses_cupy:
-            import cupy
+        if v.kernel.startswith("cupy") or v.main_sync == "cupy":
+            cupy = importlib.import_module("cupy")
         if v.kernel == "torch":
-            import torch
+            torch = importlib.import_module("torch")
     except ImportError as e:
         return _finish({"skip": f"{e.name} missing"})
     note = ""
