@@ -40,13 +40,13 @@ install-lint: ## install what lint uses: ruff, mypy, rustfmt and clippy; the pac
 lint: install-lint ## rustfmt, clippy, ruff (check and format) and stubtest (run `make install` first to check a changed binding)
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --quiet -- -D warnings
-	$(PYTHON) -m ruff check python tests benchmarks
-	$(PYTHON) -m ruff format --check python tests benchmarks
+	$(PYTHON) -m ruff check python tests benchmarks scripts
+	$(PYTHON) -m ruff format --check python tests benchmarks scripts
 	$(PYTHON) -m mypy.stubtest streampool._native --allowlist python/stubtest-allowlist.txt
 
 fmt: install-lint ## format Rust and Python
 	$(CARGO) fmt --all
-	$(PYTHON) -m ruff format python tests benchmarks
+	$(PYTHON) -m ruff format python tests benchmarks scripts
 
 profile-build: ## the window bench and a wheel with line tables (the `profiling` profile), for perf and callgrind
 	$(CARGO) bench -p streampool --bench window --profile profiling --no-run

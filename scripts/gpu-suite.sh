@@ -3,7 +3,9 @@
 # scripts/gpu-build.sh made (see DEVELOPERS.md):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/sp .gpu/wheels/*.whl \
 #     && export PYTHONPATH=/tmp/sp && bash scripts/gpu-suite.sh
-# Full logs go to $SUITE_LOGS (default /tmp/streampool-gpu); a short summary is printed last.
+# Full logs go to $SUITE_LOGS (default /tmp/streampool-gpu); a short summary is printed last,
+# then the table of the per-thread default stream hang probe (scripts/gpu_hang_probe.py
+# --quick: each case in its own process, killed after 20 s, so a hang cannot stop the suite).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${SUITE_LOGS:-/tmp/streampool-gpu}
@@ -24,8 +26,12 @@ cat "$OUT/report.txt"
 for bin in .gpu/bin/*; do
   step "rust $(basename "$bin")" "rust-$(basename "$bin").txt" "$bin" --include-ignored --test-threads=4
 done
+step "hang probe (--quick)" hang-probe.txt timeout -k 10 480 \
+  python3 scripts/gpu_hang_probe.py --quick --no-native-stacks --logs "$OUT/hang-probe"
 step "pytest (gpu + simulated)" pytest.txt python3 -m pytest -q -p no:cacheprovider -rs tests
 grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -n 3
 for bin in .gpu/bin/*; do grep -E "^test result|FAILED|panicked" "$OUT/rust-$(basename "$bin").txt" | tail -n 5; done
 echo "== summary =="
 printf '%s\n' "${summary[@]}"
+echo "== hang probe: per-thread default stream, threads exit, then the device is synchronised =="
+tail -n +2 "$OUT/hang-probe.txt"

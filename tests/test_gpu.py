@@ -3,6 +3,13 @@ where possible through other libraries (cuda.bindings, CuPy, PyTorch)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
 import pytest
 
 import streampool
@@ -17,6 +24,8 @@ FACTORIES = {
     "cuda": lambda: mr.CudaMemoryResource(),
     "managed": lambda: mr.ManagedMemoryResource(),
     "pinned": lambda: mr.PinnedHostMemoryResource(),
+    "pool_async": lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()),
+    "pool_cuda": lambda: mr.ShardedPoolMemoryResource(mr.CudaMemoryResource()),
 }
 
 
@@ -181,3 +190,141 @@ def test_rmm_buffer_api_moves_real_data(name: str) -> None:
     with pytest.raises(streampool.InvalidPointerError):
         resource.deallocate(buf.ptr, buf.size)
     assert bytes(buf.copy_to_host()) == buf.tobytes()
+
+
+# --- the sharded pool: a block reused on another stream holds the right data ------------
+
+BLOCK = 64 << 20
+POOLS = {
+    # Bounded to one block: every reallocation on the other stream must reuse the block
+    # just freed: after the first stream's event (events_every=1: one at every free), or,
+    # with the default interval, through a device synchronisation first and then the
+    # events the pool asks every stream for once it is short.
+    "async_events_every_1": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), initial_pool_size=BLOCK, maximum_pool_size=BLOCK, events_every=1
+    ),
+    "async_bounded": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), initial_pool_size=BLOCK, maximum_pool_size=BLOCK
+    ),
+    "cuda_events_every_1": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaMemoryResource(), initial_pool_size=BLOCK, maximum_pool_size=BLOCK, events_every=1
+    ),
+    "cuda_bounded": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaMemoryResource(), initial_pool_size=BLOCK, maximum_pool_size=BLOCK
+    ),
+    # Unbounded, as most users make it: it may grow instead of reusing; the data must be
+    # right either way.
+    "async_unbounded": lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()),
+}
+
+
+def _ok(ret: tuple[Any, ...]) -> Any:
+    from cuda.bindings import driver
+
+    assert ret[0] == driver.CUresult.CUDA_SUCCESS, ret
+    return ret[1] if len(ret) > 1 else None
+
+
+def _read_back(ptr: int, host: Any, stream: streampool.Stream) -> None:
+    from cuda.bindings import driver
+
+    s = driver.CUstream(stream.handle)
+    _ok(driver.cuMemcpyDtoHAsync(host.ctypes.data, ptr, BLOCK, s))
+    _ok(driver.cuStreamSynchronize(s))
+
+
+@pytest.mark.parametrize("name", sorted(POOLS))
+def test_pool_reuse_on_another_stream_reads_back_right(name: str) -> None:
+    """Stream A writes a pattern into a block (16 memsets, still running when A frees
+    it); stream B reallocates it, must read A's pattern (ordered after A's writes), then
+    writes its own and must read that back (none of A's writes lands late)."""
+    pytest.importorskip("cuda.bindings")
+    np = pytest.importorskip("numpy")
+    from cuda.bindings import driver
+
+    pool = POOLS[name]()
+    bounded = name != "async_unbounded"
+    a, b = streampool.Stream(), streampool.Stream()
+    host = np.empty(BLOCK, dtype=np.uint8)
+    for round_ in range(8):
+        pattern = 0xA0 + round_
+        p = pool.allocate(BLOCK, a)
+        for _ in range(16):
+            _ok(driver.cuMemsetD8Async(p, pattern, BLOCK, driver.CUstream(a.handle)))
+        pool.deallocate(p, BLOCK, a)
+        q = pool.allocate(BLOCK, b)
+        if bounded:
+            assert q == p, f"{name}: the only block was not reused (round {round_})"
+            _read_back(q, host, b)
+            missed = int(np.count_nonzero(host != pattern))
+            assert missed == 0, f"{name}: {missed} bytes of A's writes not seen on B (round {round_})"
+        _ok(driver.cuMemsetD8Async(q, 0x11, BLOCK, driver.CUstream(b.handle)))
+        _read_back(q, host, b)
+        bad = int(np.count_nonzero(host != 0x11))
+        assert bad == 0, f"{name}: {bad} bytes overwritten after reuse (round {round_})"
+        pool.deallocate(q, BLOCK, b)
+    stats = pool.stats
+    if bounded:
+        handovers = stats["completed_steals"] + stats["cross_stream_waits"] + stats["synchronizations"]
+        assert handovers >= 8, stats
+    assert stats["used_bytes"] == 0, stats
+
+
+# --- the per-thread default stream: worker threads that exit with work still queued ----
+#
+# Four threads allocate on PER_THREAD_DEFAULT_STREAM, run CuPy kernels on it, free on it
+# and exit; then the main thread synchronises the device. scripts/gpu_hang_probe.py runs
+# each case in its own process and kills it after a time-out, so a hang fails (or xfails)
+# the test instead of hanging the suite; `python3 scripts/gpu_hang_probe.py` isolates the
+# cause. Choose here what must pass once the cause is fixed or the rule documented:
+# "thread_sync": each thread synchronises its per-thread stream before it exits;
+# "bare": threads exit at once.
+PTDS_HANG_REASON = "TODO: per-thread default stream hang at thread exit, cause and fix not yet recorded"
+PTDS_ENDINGS: dict[str, tuple[pytest.MarkDecorator, ...]] = {
+    "thread_sync": (),
+    "bare": (pytest.mark.xfail(reason=PTDS_HANG_REASON, strict=False),),
+}
+# (resource, ending) -> the probe's variant. CudaMemoryResource is the control: it never
+# hung, so it must pass with either ending.
+PTDS_VARIANTS = {
+    ("async", "bare"): "d",
+    ("pool", "bare"): "e",
+    ("stats", "bare"): "f",
+    ("cuda", "bare"): "g",
+    ("async", "thread_sync"): "h-d",
+    ("pool", "thread_sync"): "h-e",
+    ("stats", "thread_sync"): "h-f",
+    ("cuda", "thread_sync"): "h-g",
+}
+PTDS_TIMEOUT_S = 20.0
+_PROBE = Path(__file__).resolve().parents[1] / "scripts" / "gpu_hang_probe.py"
+
+
+@functools.cache
+def _hang_probe() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_hang_probe", _PROBE)
+    assert spec and spec.loader, _PROBE
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param(
+            variant, id=f"{resource}-{ending}", marks=() if resource == "cuda" else PTDS_ENDINGS[ending]
+        )
+        for (resource, ending), variant in PTDS_VARIANTS.items()
+    ],
+)
+def test_per_thread_stream_threads_exit_then_device_sync(variant: str, tmp_path: Path) -> None:
+    """The scenario above, in a child process killed after PTDS_TIMEOUT_S: the device
+    synchronisation returns, and nothing failed on the way."""
+    result = _hang_probe().run_variant(
+        variant, timeout=PTDS_TIMEOUT_S, iters=20, logs=tmp_path, native_stacks=False
+    )
+    if result.status == "SKIP":
+        pytest.skip(result.detail)
+    assert result.status == "PASS", result.describe()

@@ -731,8 +731,9 @@ fn pinned_host_memory_does_not_report_the_devices_free_memory() {
 #[test]
 fn tracking_names_threads_with_the_label_it_is_given() {
     let (_sim, b) = sim(64 << 20);
-    let plain = TrackingAdaptor::new(async_mr(&b), None);
-    let labelled = TrackingAdaptor::new(async_mr(&b), None).with_thread_label(Arc::new(|| "worker 7".into()));
+    let plain = TrackingAdaptor::new(async_mr(&b), None).unwrap();
+    let labelled =
+        TrackingAdaptor::new(async_mr(&b), None).unwrap().with_thread_label(Arc::new(|| "worker 7".into()));
     let s = Stream::legacy();
     let (p, q) = (plain.allocate(256, &s).unwrap(), labelled.allocate(256, &s).unwrap());
     assert!(plain.outstanding()[0].thread.contains("ThreadId("), "{:?}", plain.outstanding());

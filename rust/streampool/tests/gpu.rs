@@ -4,7 +4,9 @@
 //! The reuse test keeps stream A busy writing one pattern into a block, frees the block
 //! on A while that work is still running, reallocates on stream B and writes another
 //! pattern there: if a resource handed A's block to B without ordering, A's late writes
-//! would land over B's and the read-back would show them.
+//! would land over B's and the read-back would show them. The sharded pool gets the same
+//! test bounded to one block, so that every reallocation on B must reuse the block A just
+//! freed; there B also reads A's pattern first (it must be ordered after A's writes).
 
 use std::sync::Arc;
 
@@ -13,7 +15,7 @@ use streampool::device::BackendRef;
 use streampool::resource::ResourceRef;
 use streampool::{
     AsyncPoolOptions, CudaAsyncMemoryResource, CudaMemoryResource, Error, ManagedMemoryResource,
-    MemoryResource, PinnedHostMemoryResource, Stream,
+    MemoryResource, PinnedHostMemoryResource, PoolOptions, ShardedPoolMemoryResource, Stream,
 };
 
 const MIB: usize = 1 << 20;
@@ -65,6 +67,64 @@ fn memset_on_one_stream_then_reuse_on_another_reads_back_correctly() {
             assert_eq!(bad, 0, "{}: {bad} bytes overwritten after reuse (round {round})", mr.name());
             mr.deallocate(q, bytes, &other).unwrap();
         }
+        b.ctx_synchronize(0).unwrap();
+    }
+}
+
+/// Sharded pools holding exactly one block of `bytes`, over the driver's pool and over
+/// `cuMemAlloc`: with an event at every free (B waits on A's event, or takes the block
+/// once that event completed) and with the default interval (the first handover goes
+/// through a device synchronisation, the last resort; later ones through the events the
+/// pool, short of memory, asks every stream for).
+fn bounded_pools(b: &BackendRef, bytes: usize) -> Vec<(String, ShardedPoolMemoryResource)> {
+    let upstreams: [(&str, ResourceRef); 2] = [
+        ("async", Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap())),
+        ("cuda", Arc::new(CudaMemoryResource::on(b.clone(), 0))),
+    ];
+    let mut pools = Vec::new();
+    for (name, upstream) in upstreams {
+        for events_every in [1, 64] {
+            let options = PoolOptions {
+                initial_pool_size: Some(bytes),
+                maximum_pool_size: Some(bytes),
+                events_every,
+                ..Default::default()
+            };
+            let pool = ShardedPoolMemoryResource::new(upstream.clone(), options).unwrap();
+            pools.push((format!("pool over {name}, events_every {events_every}"), pool));
+        }
+    }
+    pools
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
+fn sharded_pool_reuse_on_another_stream_reads_back_correctly() {
+    let Some(b) = gpu() else { return };
+    let bytes = 64 * MIB;
+    for (name, pool) in bounded_pools(&b, bytes) {
+        let (a, other) = (Stream::create(&b, 0, false).unwrap(), Stream::create(&b, 0, false).unwrap());
+        for round in 0..8u8 {
+            let pattern = 0xA0 + round;
+            let p = pool.allocate(bytes, &a).unwrap();
+            for _ in 0..16 {
+                b.memset_d8_async(0, p, pattern, bytes, a.handle()).unwrap();
+            }
+            pool.deallocate(p, bytes, &a).unwrap();
+            let q = pool.allocate(bytes, &other).unwrap();
+            assert_eq!(q, p, "{name}: the only block was not reused (round {round})");
+            let host = read_back(&b, q, bytes, &other);
+            let missed = host.iter().filter(|&&x| x != pattern).count();
+            assert_eq!(missed, 0, "{name}: {missed} bytes of A's writes not seen on B (round {round})");
+            b.memset_d8_async(0, q, 0x11, bytes, other.handle()).unwrap();
+            let host = read_back(&b, q, bytes, &other);
+            let bad = host.iter().filter(|&&x| x != 0x11).count();
+            assert_eq!(bad, 0, "{name}: {bad} bytes overwritten after reuse (round {round})");
+            pool.deallocate(q, bytes, &other).unwrap();
+        }
+        let stats = pool.stats();
+        let handovers = stats.completed_steals + stats.cross_stream_waits + stats.synchronizations;
+        assert!(handovers >= 8, "{name}: {stats:?}");
         b.ctx_synchronize(0).unwrap();
     }
 }
