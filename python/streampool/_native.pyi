@@ -699,7 +699,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
         """
 
 @final
-class ArenaMemoryResource(ShardedPoolMemoryResource):
+class ArenaMemoryResource(UpstreamResourceAdaptor):
     """RMM's ``ArenaMemoryResource`` (its arguments and shape), built on the sharded pool:
     one global reservation of ``arena_size`` bytes taken from ``upstream_mr`` up front (RMM's
     global arena) and free blocks kept per stream, the per-thread default stream per thread
@@ -722,6 +722,8 @@ class ArenaMemoryResource(ShardedPoolMemoryResource):
     def __new__(
         cls, upstream_mr: MemoryResource, arena_size: _Size | None = None, dump_log_on_failure: bool = False
     ) -> ArenaMemoryResource: ...
+    def pool_size(self) -> int:
+        """Bytes the arena holds from its upstream."""
     @property
     def arena_size(self) -> int:
         """The bytes of the global arena."""

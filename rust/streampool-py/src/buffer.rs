@@ -83,37 +83,45 @@ impl Memory {
 /// path does), else with the GIL released (freeing can wait for the device: `cuMemFree`),
 /// or with it held when the interpreter is shutting down and that is the only option. A
 /// free its resource refuses as a double or unknown free is reported (see
-/// [`report_refused_free`]); other failures (a driver torn down at exit) are not.
+/// [`report_refused_free`]); other failures (a driver torn down at exit) are recorded.
 pub(crate) fn release(mut alloc: Allocation) {
     let (ptr, bytes) = (alloc.ptr(), alloc.bytes());
+    // The resource's name, for a failure's record: read off the fast path only.
+    let name = |alloc: &Allocation| alloc.resource().name().to_string();
     // `try_release` leaves a null pointer whenever it settles the free: dropping `alloc`
     // afterwards frees nothing again.
-    let result = match alloc.try_release() {
-        Some(result) => result,
+    let (result, resource) = match alloc.try_release() {
+        Some(Ok(())) => return,
+        Some(Err(e)) => (Err(e), name(&alloc)),
         None => {
+            let resource = name(&alloc);
             let mut alloc = Some(alloc);
             let result = Python::try_attach(|py| {
                 let alloc = alloc.take();
                 py.detach(move || alloc.map_or(Ok(()), Allocation::free))
             });
-            match alloc {
+            let result = match alloc {
                 Some(alloc) => alloc.free(),
                 None => result.unwrap_or(Ok(())),
-            }
+            };
+            (result, resource)
         }
     };
     if let Err(e) = result {
-        report_refused_free(ptr, bytes, e);
+        report_refused_free(ptr, bytes, &resource, e);
     }
 }
 
-/// Reports, through `sys.unraisablehook` (as Python reports an exception in `__del__`),
-/// that freeing a buffer's memory was refused as a double or unknown free: its pointer was
-/// most likely freed by hand (`mr.deallocate(buf.ptr, ...)`), and memory handed out since
-/// may alias what the buffer was still using. Never panics; nothing is reported when the
-/// interpreter is gone.
-fn report_refused_free(ptr: DevPtr, bytes: usize, e: Error) {
+/// Reports a free refused when a buffer let go of its memory: an invalid pointer (freed by
+/// hand before?) to `sys.unraisablehook`, anything else to `streampool.drop_errors()`.
+fn report_refused_free(ptr: DevPtr, bytes: usize, resource: &str, e: Error) {
     if !matches!(e, Error::InvalidPointer(_)) {
+        // Nobody to raise to (a driver torn down at exit, a failing logging sink): recorded,
+        // as the core's `Allocation` records its own (`streampool.drop_errors()`).
+        streampool::record_drop_error(
+            &format!("dropping an Allocation of {bytes} bytes at {ptr:#x} from {resource}"),
+            &e,
+        );
         return;
     }
     let _ = Python::try_attach(|py| {

@@ -212,6 +212,9 @@ impl MemoryResource for DumpOnFailure {
     fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<streampool::Result<()>> {
         self.pool.try_deallocate(ptr, bytes, stream)
     }
+    fn depth(&self) -> usize {
+        self.pool.depth()
+    }
 }
 
 /// RMM's `ArenaMemoryResource` (its arguments and its shape), built on the sharded pool:
@@ -220,7 +223,10 @@ impl MemoryResource for DumpOnFailure {
 /// per-thread default stream per thread (RMM's per-thread and per-stream arenas).
 ///
 /// It is a `ShardedPoolMemoryResource` with `initial_pool_size = maximum_pool_size =
-/// arena_size` and no release: not RMM's superblock algorithm. `arena_size=None`: half of
+/// arena_size` and no release: not RMM's superblock algorithm. (Not a Python subclass of
+/// `ShardedPoolMemoryResource`: a pyo3 class whose base shows the garbage collector its
+/// references recursed without end in pyo3 0.30's traversal, so each class that holds
+/// its upstream is a leaf.) `arena_size=None`: half of
 /// the device's free memory, as RMM. `dump_log_on_failure=True`: a failed allocation
 /// writes the arena's state to the `streampool` logger (level ERROR) before raising.
 ///
@@ -229,8 +235,10 @@ impl MemoryResource for DumpOnFailure {
 ///     arena = mr.ArenaMemoryResource(mr.CudaAsyncMemoryResource(), arena_size="4GiB")
 ///     streampool.set_current_device_resource(arena)
 #[derive(Debug)]
-#[pyclass(frozen, extends = PyShardedPool, module = "streampool.mr", name = "ArenaMemoryResource")]
+#[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "ArenaMemoryResource")]
 pub struct PyArenaMemoryResource {
+    pool: Arc<ShardedPoolMemoryResource>,
+    upstream: Upstream,
     arena_size: usize,
     dump_log_on_failure: bool,
 }
@@ -273,8 +281,20 @@ impl PyArenaMemoryResource {
         let (pool, arena_size) = pool;
         let resource: streampool::ResourceRef =
             if dump_log_on_failure { Arc::new(DumpOnFailure { pool: pool.clone() }) } else { pool.clone() };
-        Ok(init(resource, upstream_mr, |upstream| PyShardedPool { inner: pool, upstream })
-            .add_subclass(Self { arena_size, dump_log_on_failure }))
+        Ok(init(resource, upstream_mr, |upstream| Self { pool, upstream, arena_size, dump_log_on_failure }))
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        self.upstream.traverse(&visit)
+    }
+
+    fn __clear__(&self) {
+        self.upstream.clear();
+    }
+
+    /// Bytes the arena holds from its upstream (RMM's pool's `pool_size()`).
+    fn pool_size(&self) -> usize {
+        self.pool.stats().reserved_bytes
     }
 
     /// The bytes of the global arena (as asked, rounded down to 256).
