@@ -58,12 +58,25 @@ impl ShardedPoolMemoryResource {
     /// made before the upstream call and rolled back if it fails, so concurrent growths
     /// never pass the maximum.
     pub(super) fn grow(&self, size: usize, want: usize, stream: &Stream) -> Result<Chunk> {
+        match self.grow_under(size, want, self.maximum, stream)? {
+            Some(chunk) => Ok(chunk),
+            None => Err(self.out_of_memory(size.next_multiple_of(ALIGNMENT), None)),
+        }
+    }
+
+    /// [`grow`](Self::grow), keeping the reserved bytes at or under `cap` (the maximum, or
+    /// the footprint budget's allowance): `None` when not even `size` fits under it. The
+    /// cap is applied in the reservation itself, so that threads growing at once stay
+    /// within it together (checked apart from the reservation, 16 threads each took the
+    /// whole allowance, and the pool held 6 times its live bytes).
+    pub(super) fn grow_under(&self, size: usize, want: usize, cap: usize, stream: &Stream) -> Result<Option<Chunk>> {
         let size = size.next_multiple_of(ALIGNMENT);
+        let cap = cap.min(self.maximum);
         let mut want = want.max(size);
         loop {
-            let chunk = self.reserve(size, want)?;
+            let Some(chunk) = self.reserve(size, want, cap) else { return Ok(None) };
             match self.upstream.allocate(chunk, stream) {
-                Ok(start) => return Ok(self.add_chunk(start, chunk)),
+                Ok(start) => return Ok(Some(self.add_chunk(start, chunk))),
                 Err(e) => {
                     self.reserved.fetch_sub(chunk, Ordering::AcqRel);
                     if !(e.is_out_of_memory() && chunk > size) {
@@ -75,24 +88,21 @@ impl ShardedPoolMemoryResource {
         }
     }
 
-    /// Reserves up to `want` bytes (at least `size`) under the maximum; returns how many.
-    fn reserve(&self, size: usize, want: usize) -> Result<usize> {
+    /// Reserves up to `want` bytes (at least `size`) under `cap`; returns how many, or
+    /// `None` when `size` does not fit.
+    fn reserve(&self, size: usize, want: usize, cap: usize) -> Option<usize> {
         let mut reserved = self.reserved.load(Ordering::Relaxed);
         loop {
-            let room = self.maximum.saturating_sub(reserved);
+            let room = cap.saturating_sub(reserved);
             if size > room {
-                return Err(self.out_of_memory(size, None));
+                return None;
             }
             let chunk = want.min(room / ALIGNMENT * ALIGNMENT).max(size);
-            match self.reserved.compare_exchange_weak(
-                reserved,
-                reserved + chunk,
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            ) {
+            match self.reserved.compare_exchange_weak(reserved, reserved + chunk, Ordering::AcqRel, Ordering::Relaxed)
+            {
                 Ok(_) => {
                     self.counters.peak_reserved.fetch_max(reserved + chunk, Ordering::Relaxed);
-                    return Ok(chunk);
+                    return Some(chunk);
                 }
                 Err(now) => reserved = now,
             }

@@ -9,7 +9,7 @@ use super::shard::Shard;
 use super::{wrong_size, ShardedPoolMemoryResource};
 use crate::device::DevPtr;
 use crate::error::{Error, Result};
-use crate::resource::{MemoryResource, ALIGNMENT};
+use crate::resource::MemoryResource;
 use crate::stream::Stream;
 use crate::sync::{lock, write, Ordering};
 
@@ -35,12 +35,12 @@ impl ShardedPoolMemoryResource {
             return Ok(ptr);
         }
         // 4. grow on this stream, within the footprint budget
-        if let Some(want) = self.growth(size, true) {
-            match self.grow(size, want, stream) {
-                Ok(chunk) => return found((self.place_chunk(&chunk, size, stream, key), chunk.id)),
-                Err(e) if e.is_out_of_memory() => {}
-                Err(e) => return Err(e),
-            }
+        let (want, allowed) = self.growth(size);
+        match self.grow_under(size, want, allowed, stream) {
+            Ok(Some(chunk)) => return found((self.place_chunk(&chunk, size, stream, key), chunk.id)),
+            Ok(None) => {}
+            Err(e) if e.is_out_of_memory() => {}
+            Err(e) => return Err(e),
         }
         // Memory is short: ask every stream to record an event at its next free, so that
         // what it frees from now on can be taken by others.
@@ -49,18 +49,30 @@ impl ShardedPoolMemoryResource {
         if let Some(taken) = self.take_covered(size, stream, &others)? {
             return found(taken);
         }
-        // 6. synchronise, gather, coalesce, release, retry (past the budget, not the maximum)
-        self.synchronize_and_gather()?;
-        if !lock(&self.common).fits(size) {
-            // Whole free chunks cannot serve the request: give them back first.
-            self.trim(0)?;
+        // 6. synchronise, gather, coalesce, release, retry (past the budget, not the
+        // maximum). Other threads may take what was gathered in the meantime (into their
+        // shards, as completed blocks): at the maximum, look again a few times before
+        // saying out of memory.
+        const ATTEMPTS: usize = 3;
+        for attempt in 1..=ATTEMPTS {
+            self.synchronize_and_gather()?;
+            if attempt == 1 && !lock(&self.common).fits(size) {
+                // Whole free chunks cannot serve the request: give them back first.
+                self.trim(0)?;
+            }
+            if let Some(ptr) = self.import_common(size, stream, key) {
+                return Ok(ptr);
+            }
+            if let Some(taken) = self.take_completed(size, &self.other_shards(key)) {
+                return found(taken);
+            }
+            match self.grow(size, want, stream) {
+                Ok(chunk) => return found((self.place_chunk(&chunk, size, stream, key), chunk.id)),
+                Err(e) if e.is_out_of_memory() && attempt < ATTEMPTS => {}
+                Err(e) => return Err(e),
+            }
         }
-        if let Some(ptr) = self.import_common(size, stream, key) {
-            return Ok(ptr);
-        }
-        let want = self.growth(size, false).unwrap_or(size);
-        let chunk = self.grow(size, want, stream)?;
-        found((self.place_chunk(&chunk, size, stream, key), chunk.id))
+        unreachable!("the last attempt returns")
     }
 
     /// Step 2: moves every block of the common list (all complete, so usable by this
@@ -171,12 +183,12 @@ impl ShardedPoolMemoryResource {
         Ok(None)
     }
 
-    /// How much to grow by for a request of `size` bytes: the request, or a step of a
-    /// eighth of the peak live bytes (between [`MIN_CHUNK`] and [`MAX_GROWTH_STEP`]) when that is
-    /// more, rounded to [`MIN_CHUNK`]. With `budgeted` and a headroom, no more than keeps
-    /// the pool within the live bytes plus the headroom; `None` when even the request would
-    /// not fit that budget.
-    fn growth(&self, size: usize, budgeted: bool) -> Option<usize> {
+    /// How much to grow by for a request of `size` bytes, and the most the pool may then
+    /// hold (the footprint budget's allowance, or the maximum without a headroom): the
+    /// request, or a step of an eighth of the peak live bytes (between [`MIN_CHUNK`] and
+    /// [`MAX_GROWTH_STEP`]) when that is more, rounded to [`MIN_CHUNK`]. The allowance is
+    /// the peak live bytes plus the headroom of them, at least [`MIN_CHUNK`].
+    fn growth(&self, size: usize) -> (usize, usize) {
         // The budget follows the most ever live (as seen here, on growth), not what is live
         // now: the target is peak reserved against peak live, and a pool sized for its
         // peak needs no growth when the peak comes back.
@@ -184,12 +196,11 @@ impl ShardedPoolMemoryResource {
         let live = self.peak_live.fetch_max(now, Ordering::Relaxed).max(now);
         let step = (live / 8).clamp(MIN_CHUNK, MAX_GROWTH_STEP);
         let want = size.max(step).next_multiple_of(MIN_CHUNK);
-        let Some(headroom) = self.options.headroom.filter(|_| budgeted) else {
-            return Some(want);
+        let allowed = match self.options.headroom {
+            Some(headroom) => live.saturating_add(((live as f64 * headroom) as usize).max(MIN_CHUNK)),
+            None => usize::MAX,
         };
-        let allowed = live.saturating_add(((live as f64 * headroom) as usize).max(MIN_CHUNK));
-        let room = allowed.saturating_sub(self.reserved.load(Ordering::Relaxed)) / ALIGNMENT * ALIGNMENT;
-        (room >= size).then(|| want.min(room).max(size))
+        (want, allowed)
     }
 
     /// The bytes handed out now (rounded), summed over the shards (off the hot path: on
