@@ -279,7 +279,12 @@ def test_pool_reuse_on_another_stream_reads_back_right(name: str) -> None:
 # cause. Choose here what must pass once the cause is fixed or the rule documented:
 # "thread_sync": each thread synchronises its per-thread stream before it exits;
 # "bare": threads exit at once.
-PTDS_HANG_REASON = "TODO: per-thread default stream hang at thread exit, cause and fix not yet recorded"
+PTDS_HANG_REASON = (
+    "driver 580 (CUDA 13.0): threads that exit with CuPy kernels pending on their per-thread default "
+    "stream can make the main thread's device synchronisation never return; reproduced without streampool "
+    "(scripts/gpu_hang_probe.py, variant a: cuMemAllocAsync/cuMemFreeAsync and a CuPy kernel on the "
+    "per-thread stream). Workaround: synchronise the per-thread stream before the thread exits"
+)
 PTDS_ENDINGS: dict[str, tuple[pytest.MarkDecorator, ...]] = {
     "thread_sync": (),
     "bare": (pytest.mark.xfail(reason=PTDS_HANG_REASON, strict=False),),

@@ -160,17 +160,27 @@ fn on_a_gpu_another_thread_reads_and_reuses_per_thread_memory_in_order() {
     let Some(b) = gpu() else { return };
     let mr: ResourceRef = Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
     // The maker keeps its per-thread stream busy with memsets, the last of `value`, and
-    // returns with them still running.
-    let made = |value: u8| {
+    // hands the allocation over with them still running. It stays alive until the round is
+    // done: a thread that exits with work pending on its per-thread stream can make a later
+    // synchronisation of the device never return on driver 580 (reproduced without
+    // streampool: scripts/gpu_hang_probe.py, variant a), which is not what this test is about.
+    let made = |value: u8, keep: std::sync::mpsc::Receiver<()>| {
         let (b, mr) = (b.clone(), mr.clone());
-        on_maker(move || {
-            let alloc = Allocation::new(mr, BYTES, Stream::per_thread()).unwrap();
-            for i in 0..32 {
-                b.memset_d8_async(0, alloc.ptr(), i, BYTES, PER_THREAD_STREAM).unwrap();
-            }
-            b.memset_d8_async(0, alloc.ptr(), value, BYTES, PER_THREAD_STREAM).unwrap();
-            alloc
-        })
+        let (tx, rx) = std::sync::mpsc::channel();
+        let maker = std::thread::Builder::new()
+            .name("maker".into())
+            .spawn(move || {
+                let alloc = Allocation::new(mr, BYTES, Stream::per_thread()).unwrap();
+                for i in 0..32 {
+                    b.memset_d8_async(0, alloc.ptr(), i, BYTES, PER_THREAD_STREAM).unwrap();
+                }
+                b.memset_d8_async(0, alloc.ptr(), value, BYTES, PER_THREAD_STREAM).unwrap();
+                tx.send(alloc).unwrap();
+                let _ = keep.recv();
+                b.stream_synchronize(0, PER_THREAD_STREAM).unwrap();
+            })
+            .unwrap();
+        (rx.recv().unwrap(), maker)
     };
     let read_back = |ptr: u64, stream: &Stream| {
         let mut host = vec![0u8; BYTES];
@@ -182,17 +192,24 @@ fn on_a_gpu_another_thread_reads_and_reuses_per_thread_memory_in_order() {
     let other = Stream::create(&b, 0, false).unwrap();
     for round in 0..4u8 {
         // Read here, on the allocation's stream as this thread names it.
-        let alloc = made(0xC0 + round);
+        let (done, keep) = std::sync::mpsc::channel();
+        let (alloc, maker) = made(0xC0 + round, keep);
         let host = read_back(alloc.ptr(), alloc.stream());
         assert!(host.iter().all(|&x| x == 0xC0 + round), "round {round}: read before the maker's memsets");
         drop(alloc);
         // Dropped here with the maker's memsets running, then reused on another stream:
         // none of them may land over the new contents.
-        drop(made(0xD0 + round));
+        let (done2, keep2) = std::sync::mpsc::channel();
+        let (alloc, maker2) = made(0xD0 + round, keep2);
+        drop(alloc);
         let again = mr.allocate(BYTES, &other).unwrap();
         b.memset_d8_async(0, again, 0x11, BYTES, other.handle()).unwrap();
         let host = read_back(again, &other);
         assert!(host.iter().all(|&x| x == 0x11), "round {round}: the maker's memsets landed after the reuse");
         mr.deallocate(again, BYTES, &other).unwrap();
+        for (d, m) in [(done, maker), (done2, maker2)] {
+            d.send(()).unwrap();
+            m.join().unwrap();
+        }
     }
 }
