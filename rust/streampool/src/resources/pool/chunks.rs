@@ -69,7 +69,13 @@ impl ShardedPoolMemoryResource {
     /// cap is applied in the reservation itself, so that threads growing at once stay
     /// within it together (checked apart from the reservation, 16 threads each took the
     /// whole allowance, and the pool held 6 times its live bytes).
-    pub(super) fn grow_under(&self, size: usize, want: usize, cap: usize, stream: &Stream) -> Result<Option<Chunk>> {
+    pub(super) fn grow_under(
+        &self,
+        size: usize,
+        want: usize,
+        cap: usize,
+        stream: &Stream,
+    ) -> Result<Option<Chunk>> {
         let size = size.next_multiple_of(ALIGNMENT);
         let cap = cap.min(self.maximum);
         let mut want = want.max(size);
@@ -98,8 +104,12 @@ impl ShardedPoolMemoryResource {
                 return None;
             }
             let chunk = want.min(room / ALIGNMENT * ALIGNMENT).max(size);
-            match self.reserved.compare_exchange_weak(reserved, reserved + chunk, Ordering::AcqRel, Ordering::Relaxed)
-            {
+            match self.reserved.compare_exchange_weak(
+                reserved,
+                reserved + chunk,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
                 Ok(_) => {
                     self.counters.peak_reserved.fetch_max(reserved + chunk, Ordering::Relaxed);
                     return Some(chunk);
