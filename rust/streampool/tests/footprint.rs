@@ -7,6 +7,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Barrier};
 
+mod common;
+use common::XorShift;
+
 use streampool::device::sim::SimDevice;
 use streampool::device::{BackendRef, DevPtr};
 use streampool::resource::ResourceRef;
@@ -21,7 +24,7 @@ const MIB: usize = 1 << 20;
 const RATIO: f64 = 1.25;
 /// The same on the window and hand-off workloads, where blocks of many sizes fragment the
 /// pool's chunks and shards. The pool's aim is 1.25; on the simulated device it measured
-/// 1.3-2.1 (debug builds, two cores). This bound catches hoarding: the pool that grew by
+/// 1.2-1.6 (debug builds, two cores). This bound catches hoarding: the pool that grew by
 /// a quarter of itself per stream reserved 15 and more times the live bytes here.
 const MIXED_RATIO: f64 = 3.0;
 
@@ -79,25 +82,6 @@ fn assert_ratio(p: &ShardedPoolMemoryResource, peak_live: usize, what: &str) {
         peak_live as f64 / MIB as f64
     );
     eprintln!("{what}: peak reserved / peak live = {ratio:.3} ({st:?})");
-}
-
-struct XorShift(u64);
-
-impl XorShift {
-    fn new(seed: u64) -> Self {
-        XorShift(0x9e3779b97f4a7c15 ^ seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Log-uniform in [1 KiB, 4 MiB], as the window workload of `benches/window.rs`.
-    fn size(&mut self) -> usize {
-        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        (1024.0 * 4096f64.powf(u)) as usize
-    }
 }
 
 /// `s = Stream(); p = pool.allocate(256, s); pool.deallocate(p, 256, s)` in a loop: each

@@ -3,6 +3,9 @@
 
 use std::sync::{Arc, Barrier};
 
+mod common;
+use common::XorShift;
+
 use proptest::prelude::*;
 use streampool::device::sim::SimDevice;
 use streampool::device::{BackendRef, DevPtr};
@@ -31,21 +34,6 @@ fn stream(b: &BackendRef) -> Stream {
 }
 
 /// reserved = used + free, and grown = reserved + released.
-/// The stress tests' sizes: xorshift, the same sequence per seed.
-struct XorShift(u64);
-
-impl XorShift {
-    fn new(seed: u64) -> Self {
-        XorShift(0x9e3779b97f4a7c15 ^ seed)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
 
 fn assert_accounting(s: &PoolStats) {
     assert_eq!(s.reserved_bytes, s.used_bytes + s.free_bytes, "{s:?}");
