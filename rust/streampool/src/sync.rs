@@ -46,17 +46,6 @@ pub(crate) fn model(f: impl Fn() + Sync + Send + 'static) {
     builder.check(f);
 }
 
-/// Takes a mutex only if it is free now (recovering a poisoned one, as [`lock`] does);
-/// `None` when another thread holds it.
-#[cfg(loom)]
-pub(crate) fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
-    match m.try_lock() {
-        Ok(g) => Some(g),
-        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
-        Err(std::sync::TryLockError::WouldBlock) => None,
-    }
-}
-
 /// The lock of a stream's shard: state that one thread uses almost always, for tens of
 /// nanoseconds at a time. Taking it is one atomic exchange and releasing it a plain store,
 /// where std's mutex needs an atomic read-modify-write for each (on the H200 machine's

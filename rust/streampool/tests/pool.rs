@@ -34,7 +34,6 @@ fn stream(b: &BackendRef) -> Stream {
 }
 
 /// reserved = used + free, and grown = reserved + released.
-
 fn assert_accounting(s: &PoolStats) {
     assert_eq!(s.reserved_bytes, s.used_bytes + s.free_bytes, "{s:?}");
     assert_eq!(s.grown_bytes, (s.reserved_bytes as u64) + s.released_bytes, "{s:?}");
