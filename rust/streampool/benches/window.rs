@@ -204,6 +204,9 @@ struct MtResult {
     /// Peak live bytes (sampled) and peak reserved bytes, warm-up included.
     peak_live: usize,
     peak_reserved: usize,
+    /// A pool's counts over the whole run, warm-up included: growths, completed steals,
+    /// waits, synchronisations (where the footprint comes from).
+    whole_run: Option<[u64; 4]>,
 }
 
 /// A thread's operation count, on a cache line of its own (as `bench_rmm.cpp`'s
@@ -380,6 +383,10 @@ fn run_mt(
         }),
         peak_live,
         peak_reserved,
+        whole_run: pool.as_ref().map(|p| {
+            let s = p.stats();
+            [s.upstream_growths, s.completed_steals, s.cross_stream_waits, s.synchronizations]
+        }),
     }
 }
 
@@ -464,10 +471,16 @@ fn main() {
             let (live, reserved) = (worst.peak_live, worst.peak_reserved);
             let ratio = if reserved == 0 { f64::NAN } else { reserved as f64 / live.max(1) as f64 };
             let workload = if a.handoff { "handoff" } else { "window" };
+            let whole = match worst.whole_run {
+                Some([g, st, w, sy]) => {
+                    format!("; whole run of that round: {g} growths, {st} completed steals, {w} waits, {sy} syncs")
+                }
+                None => String::new(),
+            };
             println!(
                 "{workload} {name:<8} T={t:<2}  {:8.3} M allocs/s  {ns:8.1} ns/op/thread  slowest {share:.2}  \
                  reserved/live {ratio:.2} ({:.0}/{:.0} MiB, worst round)  \
-                 (least on CPU {on_cpu:.2} of the window; per CPU-second, slowest {per_cpu:.2}{counts})",
+                 (least on CPU {on_cpu:.2} of the window; per CPU-second, slowest {per_cpu:.2}{counts}{whole})",
                 rate / 1e6,
                 reserved as f64 / (1 << 20) as f64,
                 live as f64 / (1 << 20) as f64,
