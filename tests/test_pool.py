@@ -4,6 +4,7 @@ threads (no deadlock with Python callbacks in the stack)."""
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -55,9 +56,11 @@ def test_stats_and_release(sim: SimulatedDevice) -> None:
     assert s["reserved_bytes"] == s["used_bytes"] + s["free_bytes"]
     pool.deallocate(q, 1 << 20, b)
     sim.run()
-    assert pool.release() >= 0
+    with pytest.warns(UserWarning, match="default pool"):  # over the device's default pool
+        assert pool.release() >= 1 << 20
     s = pool.stats
     assert s["grown_bytes"] == s["reserved_bytes"] + s["released_bytes"]
+    assert s["reserved_bytes"] == 0
 
 
 @pytest.mark.parametrize(
@@ -67,6 +70,8 @@ def test_stats_and_release(sim: SimulatedDevice) -> None:
         ({"initial_pool_size": -1}, "initial_pool_size"),
         ({"maximum_pool_size": "lots"}, "lots"),
         ({"events_every": 0}, "events_every"),
+        ({"headroom": -0.5}, "headroom"),
+        ({"headroom": float("nan")}, "headroom"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
@@ -74,6 +79,26 @@ def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
         mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), **kwargs)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         mr.ShardedPoolMemoryResource("not a resource")  # type: ignore[arg-type]
+
+
+def test_release_says_what_the_devices_default_pool_still_holds() -> None:
+    upstream = mr.CudaAsyncMemoryResource()  # the device's default pool: it keeps what it gets
+    pool = mr.ShardedPoolMemoryResource(upstream)
+    s = streampool.Stream()
+    pool.deallocate(pool.allocate(3 << 20, s), 3 << 20, s)
+    with pytest.warns(UserWarning, match=r"trim_to\(0\)"):
+        assert pool.release() >= 3 << 20
+    assert pool.stats["reserved_bytes"] == 0
+    upstream.trim_to(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pool.release() == 0  # nothing held anywhere: nothing to say
+    # A pool of its own (not the device's default pool): nothing to warn about.
+    own = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(initial_pool_size="2MiB"))
+    own.deallocate(own.allocate(1 << 20, s), 1 << 20, s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        own.release()
 
 
 def test_bad_frees_leave_the_pool_usable() -> None:
