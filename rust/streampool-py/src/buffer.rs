@@ -294,6 +294,26 @@ impl DeviceBuffer {
         to_host: bool,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        self.on_device(py, bytes, stream, move |alloc, backend, device, stream| {
+            let (dst, src) = if to_host { (host, alloc.ptr()) } else { (alloc.ptr(), host) };
+            // SAFETY: the host side is valid for `bytes` (checked by the callers) and stays
+            // so until this function returns, after the synchronisation below; the device
+            // side is this live allocation, at least `bytes` long.
+            unsafe { backend.memcpy_async(device, dst, src, bytes, stream.handle())? };
+            backend.stream_synchronize(device, stream.handle())
+        })
+    }
+
+    /// Runs `work` on the live allocation with the GIL released, on the stream an
+    /// operation is ordered on ([`Self::op_stream`], checked to be of the buffer's device),
+    /// with the allocation's backend and device; nothing to do for 0 bytes.
+    fn on_device(
+        &self,
+        py: Python<'_>,
+        bytes: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+        work: impl FnOnce(&Allocation, &BackendRef, i32, &Stream) -> streampool::Result<()> + Send,
+    ) -> PyResult<()> {
         let alloc = self.live()?;
         let stream = Self::op_stream(py, &alloc, stream)?;
         if bytes == 0 {
@@ -303,12 +323,7 @@ impl DeviceBuffer {
             let resource = alloc.resource();
             let (backend, device) = (resource.backend(), resource.device());
             stream.check(backend, device)?;
-            let (dst, src) = if to_host { (host, alloc.ptr()) } else { (alloc.ptr(), host) };
-            // SAFETY: the host side is valid for `bytes` (checked by the callers) and stays
-            // so until this function returns, after the synchronisation below; the device
-            // side is this live allocation, at least `bytes` long.
-            unsafe { backend.memcpy_async(device, dst, src, bytes, stream.handle())? };
-            backend.stream_synchronize(device, stream.handle())
+            work(&alloc, backend, device, &stream)
         })
     }
 
@@ -328,25 +343,17 @@ impl DeviceBuffer {
         source: Option<Stream>,
         keep: Option<Arc<Allocation>>,
     ) -> PyResult<()> {
-        let alloc = self.live()?;
-        let stream = Self::op_stream(py, &alloc, stream)?;
-        if bytes == 0 {
-            return Ok(());
-        }
-        detached(py, move || {
-            let resource = alloc.resource();
-            let (backend, device) = (resource.backend(), resource.device());
-            stream.check(backend, device)?;
+        self.on_device(py, bytes, stream, move |alloc, backend, device, stream| {
             let source = source.filter(|s| s.handle() != stream.handle());
             if let Some(source) = &source {
-                order(backend, device, &stream, source)?;
+                order(backend, device, stream, source)?;
             }
             // SAFETY: the destination is this live allocation, at least `bytes` long (checked
             // by the callers); the source is device memory that the caller says holds
             // `bytes`, ordered as above, and kept alive by `keep` or its owner.
             unsafe { backend.memcpy_async(device, alloc.ptr(), src, bytes, stream.handle())? };
             if let Some(source) = &source {
-                order(backend, device, source, &stream)?;
+                order(backend, device, source, stream)?;
             }
             drop(keep);
             Ok(())

@@ -8,14 +8,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Barrier};
 
 mod common;
-use common::XorShift;
+use common::{assert_accounting, assert_no_races, stream, XorShift};
 
 use streampool::device::sim::SimDevice;
 use streampool::device::{BackendRef, DevPtr};
 use streampool::resource::ResourceRef;
 use streampool::{
-    CudaAsyncMemoryResource, Error, Event, MemoryResource, PoolOptions, PoolStats, ShardedPoolMemoryResource,
-    Stream,
+    CudaAsyncMemoryResource, Error, Event, MemoryResource, PoolOptions, ShardedPoolMemoryResource, Stream,
 };
 
 const MIB: usize = 1 << 20;
@@ -35,21 +34,6 @@ fn setup(capacity: usize) -> (Arc<SimDevice>, BackendRef, Arc<ShardedPoolMemoryR
         Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
     let pool = Arc::new(ShardedPoolMemoryResource::new(upstream, PoolOptions::default()).unwrap());
     (sim, b, pool)
-}
-
-fn stream(b: &BackendRef) -> Stream {
-    Stream::create(b, 0, false).unwrap()
-}
-
-fn assert_accounting(s: &PoolStats) {
-    assert_eq!(s.reserved_bytes, s.used_bytes + s.free_bytes, "{s:?}");
-    assert_eq!(s.grown_bytes, (s.reserved_bytes as u64) + s.released_bytes, "{s:?}");
-}
-
-fn assert_no_races(sim: &SimDevice) {
-    sim.run();
-    let races = sim.races();
-    assert!(races.is_empty(), "{} races, first: {}", races.len(), races[0]);
 }
 
 /// Live bytes as the program sees them (sizes asked for), and their peak.

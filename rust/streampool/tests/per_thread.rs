@@ -12,7 +12,7 @@ use streampool::{
 };
 
 mod common;
-use common::sim;
+use common::{assert_no_races, sim};
 
 const SIZE: usize = 4096;
 
@@ -33,11 +33,6 @@ fn made_elsewhere(sim: &Arc<SimDevice>, mr: &ResourceRef, bytes: usize) -> Alloc
     });
     assert_eq!(check.pending(), 1, "the maker's write is in flight");
     alloc
-}
-
-fn assert_no_races(sim: &SimDevice) {
-    sim.run();
-    assert!(sim.races().is_empty(), "{:?}", sim.races());
 }
 
 #[test]

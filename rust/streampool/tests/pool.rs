@@ -4,14 +4,14 @@
 use std::sync::{Arc, Barrier};
 
 mod common;
-use common::XorShift;
+use common::{assert_accounting, assert_no_races, stream, XorShift};
 
 use proptest::prelude::*;
 use streampool::device::sim::SimDevice;
 use streampool::device::{BackendRef, DevPtr};
 use streampool::resource::ResourceRef;
 use streampool::{
-    CudaAsyncMemoryResource, CudaMemoryResource, Error, MemoryResource, PoolOptions, PoolStats,
+    CudaAsyncMemoryResource, CudaMemoryResource, Error, MemoryResource, PoolOptions,
     ShardedPoolMemoryResource, Stream,
 };
 
@@ -27,22 +27,6 @@ fn pool(b: &BackendRef, options: PoolOptions) -> ShardedPoolMemoryResource {
     let upstream: ResourceRef =
         Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
     ShardedPoolMemoryResource::new(upstream, options).unwrap()
-}
-
-fn stream(b: &BackendRef) -> Stream {
-    Stream::create(b, 0, false).unwrap()
-}
-
-/// reserved = used + free, and grown = reserved + released.
-fn assert_accounting(s: &PoolStats) {
-    assert_eq!(s.reserved_bytes, s.used_bytes + s.free_bytes, "{s:?}");
-    assert_eq!(s.grown_bytes, (s.reserved_bytes as u64) + s.released_bytes, "{s:?}");
-}
-
-fn assert_no_races(sim: &SimDevice) {
-    sim.run();
-    let races = sim.races();
-    assert!(races.is_empty(), "{} races, first: {}", races.len(), races[0]);
 }
 
 #[test]

@@ -134,6 +134,26 @@ pub(crate) fn try_upstream_allocate(
     Some(upstream.try_allocate(bytes, stream)?.map_err(|e| as_own_oom(e, bytes, mr)))
 }
 
+/// The fast path of a free for an adaptor that keeps counts: `check` refuses a free it can
+/// tell is wrong (before the upstream sees it), the upstream's fast path frees, and
+/// `settle` updates the counts once that free has succeeded. `None` (the full path's to do)
+/// when the upstream has no fast path for it.
+pub(crate) fn try_counted_deallocate(
+    mr: &dyn MemoryResource,
+    upstream: &ResourceRef,
+    (ptr, bytes, stream): (DevPtr, usize, &Stream),
+    check: impl FnOnce() -> Result<()>,
+    settle: impl FnOnce(),
+) -> Option<Result<()>> {
+    if ptr == 0 || bytes == 0 {
+        return crate::resource::settle_deallocate(mr, ptr, bytes, stream);
+    }
+    if let Err(e) = check() {
+        return Some(Err(e));
+    }
+    Some(upstream.try_deallocate(ptr, bytes, stream)?.map(|()| settle()))
+}
+
 /// The `MemoryResource` methods that every adaptor forwards to `self.upstream`, and its
 /// RMM name; with `depth`, also its depth (one more than its upstream's: the constructor
 /// checked it with [`check_depth`](crate::resource::check_depth)).

@@ -2,10 +2,10 @@
 
 use std::fmt;
 
-use super::{as_own_oom, try_upstream_allocate, upstream_properties};
+use super::{as_own_oom, try_counted_deallocate, try_upstream_allocate, upstream_properties};
 use crate::device::DevPtr;
 use crate::error::{Error, Result};
-use crate::resource::{check_depth, settle_deallocate, MemoryResource, ResourceRef};
+use crate::resource::{check_depth, MemoryResource, ResourceRef};
 use crate::stream::Stream;
 use crate::sync::{read, write, AtomicI64, Ordering, RwLock};
 
@@ -153,14 +153,8 @@ impl MemoryResource for StatisticsAdaptor {
     }
 
     fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
-        if ptr == 0 || bytes == 0 {
-            return settle_deallocate(self, ptr, bytes, stream);
-        }
-        if let Err(e) = self.check_free(ptr, bytes) {
-            return Some(Err(e));
-        }
-        let freed = self.upstream.try_deallocate(ptr, bytes, stream)?;
-        Some(freed.map(|()| self.unrecord(bytes)))
+        let check = || self.check_free(ptr, bytes);
+        try_counted_deallocate(self, &self.upstream, (ptr, bytes, stream), check, || self.unrecord(bytes))
     }
 }
 

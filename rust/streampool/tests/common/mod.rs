@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use streampool::device::sim::SimDevice;
 use streampool::device::BackendRef;
+use streampool::{PoolStats, Stream};
 
 /// A simulated device of 256 MiB, and the same as a backend.
 pub fn sim() -> (Arc<SimDevice>, BackendRef) {
@@ -35,4 +36,22 @@ impl XorShift {
         let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
         (1024.0 * 4096f64.powf(u)) as usize
     }
+}
+
+/// A new non-blocking stream of `b`, device 0.
+pub fn stream(b: &BackendRef) -> Stream {
+    Stream::create(b, 0, false).unwrap()
+}
+
+/// A pool's accounting: reserved = used + free, and grown = reserved + released.
+pub fn assert_accounting(s: &PoolStats) {
+    assert_eq!(s.reserved_bytes, s.used_bytes + s.free_bytes, "{s:?}");
+    assert_eq!(s.grown_bytes, (s.reserved_bytes as u64) + s.released_bytes, "{s:?}");
+}
+
+/// Runs everything queued on the simulated device, then checks the detector saw no race.
+pub fn assert_no_races(sim: &SimDevice) {
+    sim.run();
+    let races = sim.races();
+    assert!(races.is_empty(), "{} races, first: {}", races.len(), races[0]);
 }
