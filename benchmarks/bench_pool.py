@@ -9,7 +9,10 @@
 - window: T threads, each on its own stream, each keeping a FIFO of 16 live allocations of
   log-uniform size in [1 KiB, 4 MiB] (pre-generated), freeing the oldest before each new
   one; aggregate allocations/s in one common window, ns per operation per thread, and the
-  slowest thread's share of the mean.
+  slowest thread's share of the mean; beside them, memory: the peak of the bytes the
+  resource reserved (the pool's ``peak_reserved_bytes``, or the driver pool's reserved
+  bytes, sampled) over the peak of the live bytes (summed over threads, sampled every
+  millisecond, so a short peak can be missed and the ratio reads high).
 
 Usage: python benchmarks/bench_pool.py [--secs 0.5] [--reps 3] [--threads 1,2,4,8,16]
        [--json FILE]. Without a CUDA driver it runs on the simulated device and says so
@@ -133,9 +136,27 @@ def sizes(seed: int, m: int = 4096) -> list[int]:
     return [int(1024 * math.exp(rng.random() * math.log(4096))) for _ in range(m)]
 
 
+def reserved_now(resource: mr.MemoryResource) -> int:
+    """The peak bytes a pool reserved, or the driver pool's reserved bytes now; 0 when the
+    resource does not tell (looks through adaptors to the resource they wrap)."""
+    while True:
+        stats = getattr(resource, "stats", None)
+        if isinstance(stats, dict) and "peak_reserved_bytes" in stats:  # the pool, the arena
+            return int(stats["peak_reserved_bytes"])
+        if isinstance(resource, mr.CudaAsyncMemoryResource):
+            return resource.reserved_bytes
+        get_upstream = getattr(resource, "get_upstream", None)
+        if get_upstream is None:
+            return 0
+        resource = get_upstream()
+
+
 def window(make: Callable[[], mr.MemoryResource], threads: int, secs: float) -> dict[str, float]:
     resource = make()
+    if isinstance(resource, mr.CudaAsyncMemoryResource):
+        resource.trim_to(0)  # the device's pool: start from what it holds now
     counts = [0] * threads
+    live_bytes = [0] * threads
     stop = threading.Event()
     ready = threading.Barrier(threads + 1)
 
@@ -150,8 +171,10 @@ def window(make: Callable[[], mr.MemoryResource], threads: int, secs: float) -> 
             if len(live) == WINDOW:
                 p, n = live.popleft()
                 d(p, n, s)
+                live_bytes[t] -= n
             n = sz[i & 4095]
             live.append((a(n, s), n))
+            live_bytes[t] += n
             i += 1
             counts[t] = i
         for p, n in live:
@@ -159,6 +182,15 @@ def window(make: Callable[[], mr.MemoryResource], threads: int, secs: float) -> 
         s.synchronize()
 
     pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    peak = {"live": 0, "reserved": 0}
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak["live"] = max(peak["live"], sum(live_bytes))
+            peak["reserved"] = max(peak["reserved"], reserved_now(resource))
+            time.sleep(0.001)
+
+    pool.append(threading.Thread(target=sample))
     for th in pool:
         th.start()
     ready.wait()
@@ -173,7 +205,10 @@ def window(make: Callable[[], mr.MemoryResource], threads: int, secs: float) -> 
         th.join()
     per = [e - s for s, e in zip(start, end)]
     mean = sum(per) / threads
+    reserved = max(peak["reserved"], reserved_now(resource))
     return {
+        "peak_live_bytes": peak["live"],
+        "peak_reserved_bytes": reserved,
         "allocs_per_sec": sum(per) / elapsed,
         "ns_per_op_per_thread": elapsed * 1e9 / mean if mean else math.inf,
         "slowest_share": min(per) / mean if mean else 0.0,
@@ -222,9 +257,22 @@ def main() -> None:
         for t in (int(x) for x in args.threads.split(",")):
             runs = [window(make, t, args.secs) for _ in range(args.reps)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            # Memory: the worst round's reserved/live, and its figures.
+            worst = max(runs, key=lambda r: r["peak_reserved_bytes"] / max(r["peak_live_bytes"], 1))
+            med["peak_live_bytes"], med["peak_reserved_bytes"] = (
+                worst["peak_live_bytes"],
+                worst["peak_reserved_bytes"],
+            )
+            mib = 1 << 20
+            memory = (
+                f"reserved/live {worst['peak_reserved_bytes'] / max(worst['peak_live_bytes'], 1):.2f} "
+                f"({worst['peak_reserved_bytes'] / mib:.0f}/{worst['peak_live_bytes'] / mib:.0f} MiB, worst round)"
+                if worst["peak_reserved_bytes"]
+                else "reserved/live n/a (the resource does not report its reserved bytes)"
+            )
             print(
                 f"window {name:<20} T={t:<2} {med['allocs_per_sec'] / 1e6:8.3f} M allocs/s "
-                f"{med['ns_per_op_per_thread']:8.1f} ns/op/thread  slowest {med['slowest_share']:.2f}"
+                f"{med['ns_per_op_per_thread']:8.1f} ns/op/thread  slowest {med['slowest_share']:.2f}  {memory}"
             )
             results.append({"workload": "window", "resource": name, "threads": t, **med})
     if args.json:

@@ -87,6 +87,7 @@ RESOURCES = {
     # Adaptors, over the driver's pool (FixedSizeMemoryResource is not a general resource:
     # it refuses sizes above its block; it runs here as the bins of "binning").
     "adaptor_statistics": lambda: mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource()),
+    "adaptor_latency": lambda: mr.LatencyHistogramAdaptor(mr.CudaAsyncMemoryResource()),
     "adaptor_tracking": lambda: mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource(), capture_stacks=True),
     "adaptor_logging": lambda: mr.LoggingResourceAdaptor(mr.CudaAsyncMemoryResource(), callback=[].append),
     "adaptor_limiting": lambda: mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), "200MiB"),

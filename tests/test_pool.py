@@ -72,6 +72,8 @@ def test_stats_and_release(sim: SimulatedDevice) -> None:
         ({"events_every": 0}, "events_every"),
         ({"headroom": -0.5}, "headroom"),
         ({"headroom": float("nan")}, "headroom"),
+        ({"gather_interval": -1e-3}, "gather_interval"),
+        ({"gather_interval": float("inf")}, "gather_interval"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
@@ -79,6 +81,30 @@ def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
         mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), **kwargs)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         mr.ShardedPoolMemoryResource("not a resource")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("gather_interval", [0.0, 3600.0])
+def test_gather_interval_trades_synchronisations_for_memory(gather_interval: float) -> None:
+    # Each round a new stream takes a 4 MiB block at the budget, while the last round's is
+    # not known complete and no event covers it (freed after the event the pool asked for).
+    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), gather_interval=gather_interval)
+    # Raw handles (borrowed streams): the pool cannot see their end, so it records no event
+    # on them outside their calls; on streams it owns it would cover the last free with an
+    # event and a wait instead of gathering.
+    rounds, owned = 6, [streampool.Stream() for _ in range(6)]
+    for s in (o.handle for o in owned):
+        p, q = pool.allocate(4 << 20, s), pool.allocate(256, s)
+        pool.deallocate(q, 256, s)
+        pool.deallocate(p, 4 << 20, s)
+    stats = pool.stats
+    if gather_interval == 0:  # a gathering every round, one block reused
+        assert stats["synchronizations"] >= rounds - 1 and stats["peak_reserved_bytes"] == 6 << 20, stats
+    else:  # growth past the budget between gatherings, up to twice the budget (4 MiB + 2 MiB)
+        assert 1 <= stats["synchronizations"] < rounds - 1, stats
+        assert 6 << 20 < stats["peak_reserved_bytes"] <= 2 * ((6 << 20) + 256), stats
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what the device's default pool keeps is not the point here
+        pool.release()
 
 
 def test_release_says_what_the_devices_default_pool_still_holds() -> None:

@@ -1,6 +1,7 @@
-"""The README's Python examples, run verbatim, each in a fresh interpreter.
+"""The Python examples of README.md, docs/frameworks.md and docs/ipc.md, run verbatim, each
+in a fresh interpreter.
 
-Every ```python block in README.md is preceded by a marker comment saying where it runs:
+Every ```python block in those pages is preceded by a marker comment saying where it runs:
 
 * ``<!-- readme-test: sim -->``: on the simulated device (``STREAMPOOL_DEVICE=sim``);
 * ``<!-- readme-test: anywhere -->``: with ``STREAMPOOL_DEVICE`` unset (the block enters a
@@ -23,40 +24,43 @@ from typing import NamedTuple
 import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+PAGES = ["README.md", "docs/frameworks.md", "docs/ipc.md"]
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 MARKER = re.compile(r"<!-- readme-test: (\w+)((?: [\w.]+)*) -->\n\n?\Z")
 MODES = ("sim", "anywhere", "gpu")
 
 
 class Example(NamedTuple):
+    page: str
     line: int
     mode: str
     modules: tuple[str, ...]
     code: str
 
 
-def examples(text: str) -> list[Example]:
-    """The python blocks of ``text`` with their markers; a block without one raises."""
+def examples(text: str, page: str = "README.md") -> list[Example]:
+    """The python blocks of ``text`` (of ``page``) with their markers; a block without one
+    raises."""
     found = []
     for fence in FENCE.finditer(text):
         line = text.count("\n", 0, fence.start()) + 1
         marker = MARKER.search(text, 0, fence.start())
         if marker is None or marker.group(1) not in MODES:
             raise ValueError(
-                f"README.md line {line}: a python block needs a marker such as <!-- readme-test: sim -->"
+                f"{page} line {line}: a python block needs a marker such as <!-- readme-test: sim -->"
             )
-        found.append(Example(line, marker.group(1), tuple(marker.group(2).split()), fence.group(1)))
+        found.append(Example(page, line, marker.group(1), tuple(marker.group(2).split()), fence.group(1)))
     return found
 
 
-EXAMPLES = examples(README.read_text(encoding="utf-8"))
+EXAMPLES = [ex for page in PAGES for ex in examples((README.parent / page).read_text(encoding="utf-8"), page)]
 
 
 def _params() -> list[object]:
     params: list[object] = []
     for ex in EXAMPLES:
         marks = [pytest.mark.gpu] if ex.mode == "gpu" else []
-        params.append(pytest.param(ex, id=f"line{ex.line}-{ex.mode}", marks=marks))
+        params.append(pytest.param(ex, id=f"{Path(ex.page).stem}-line{ex.line}-{ex.mode}", marks=marks))
     return params
 
 
@@ -82,7 +86,7 @@ def test_readme_example_runs(example: Example, tmp_path: Path) -> None:
         text=True,
         timeout=120,
     )
-    assert out.returncode == 0, f"README.md line {example.line} failed:\n{out.stderr}"
+    assert out.returncode == 0, f"{example.page} line {example.line} failed:\n{out.stderr}"
 
 
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)")
@@ -94,7 +98,7 @@ def _anchor(heading: str) -> str:
 
 
 @pytest.mark.nosim
-@pytest.mark.parametrize("page", ["docs/README.md", "docs/choosing-a-resource.md"])
+@pytest.mark.parametrize("page", ["docs/README.md", "docs/choosing-a-resource.md", "docs/multi-gpu.md"])
 def test_documentation_links_point_at_files_and_headings_that_exist(page: str) -> None:
     root = README.parent
     source = root / page

@@ -8,7 +8,6 @@ CUDA driver it says so and reports on the simulated device instead; so does
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -21,6 +20,7 @@ from ._errors import CudaDriverNotFoundError, StreampoolError
 from ._native import (
     Stream,
     backend_description,
+    device_can_access_peer,
     device_count,
     device_info,
     driver_version,
@@ -108,7 +108,12 @@ def report(out: Callable[[str], None] = print) -> None:
         simulated = using_simulated_device()
         modelled = ", as the simulated device reports it" if simulated else ""
         out(f"Driver:        CUDA {version // 1000}.{version % 1000 // 10} ({version}{modelled})")
-        out(f"Devices:       {device_count()}")
+        count = device_count()
+        out(f"Devices:       {count}")
+        if count > 1:
+            pairs = [(a, b) for a in range(count) for b in range(count) if a != b]
+            missing = [f"{a}->{b}" for a, b in pairs if not device_can_access_peer(a, b)]
+            out(f"Peer access:   {'between every pair' if not missing else 'none for ' + ', '.join(missing)}")
         current = get_current_device()
         info = device_info(current)
         out(f"GPU {current}:         {info['name']}, {_human(info['total_bytes'])}")
@@ -136,19 +141,19 @@ def report(out: Callable[[str], None] = print) -> None:
                 "Recommended:   CudaMemoryResource: this device has no memory pools, so "
                 f"{RECOMMENDED} (the usual recommendation) cannot run here."
             )
+        out(
+            "For your program: `streampool profile -o app.log -- python app.py`, then "
+            "`streampool recommend app.log` measures the candidates on its own allocations."
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``streampool`` command."""
-    parser = argparse.ArgumentParser(
-        prog="streampool",
-        description="Stream-ordered GPU memory: the environment report. Without a CUDA driver "
-        "(or with STREAMPOOL_DEVICE=sim) it reports on the simulated device, and says so.",
-    )
-    parser.add_argument("--version", action="version", version=f"streampool {__version__}")
-    parser.parse_args(argv)
+    """The ``streampool`` command: the environment report (``info``, the default) and the
+    harness's commands (:mod:`streampool.harness.cli`)."""
+    from .harness.cli import main as cli_main
+
     try:
-        report()
+        code = cli_main(argv)
         sys.stdout.flush()
     except BrokenPipeError:
         # `streampool | head -1`: the reader stopped reading because it had what it
@@ -157,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # raising a second time (the recipe of the `signal` module's documentation).
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    return 0
+        code = 0
+    return code
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ Adaptors wrap any resource and add one thing each (RMM's names): statistics
 (:class:`TrackingResourceAdaptor`), a CSV event log (:class:`LoggingResourceAdaptor`), a
 byte cap (:class:`LimitingResourceAdaptor`), a callback on out-of-memory
 (:class:`FailureCallbackResourceAdaptor`), prefetching of managed memory
-(:class:`PrefetchResourceAdaptor`), size classes (:class:`BinningMemoryResource`, with
+(:class:`PrefetchResourceAdaptor`), per-call latency histograms and NVTX ranges
+(:class:`LatencyHistogramResourceAdaptor`), size classes (:class:`BinningMemoryResource`, with
 :class:`FixedSizeMemoryResource` bins). They stack, and keep their upstream alive.
 
 Also RMM's :class:`ArenaMemoryResource` (over the sharded pool),
@@ -44,6 +45,7 @@ from ._native import (
     CudaMemoryResource,
     FailureCallbackResourceAdaptor,
     FixedSizeMemoryResource,
+    LatencyHistogramResourceAdaptor,
     LimitingResourceAdaptor,
     LoggingResourceAdaptor,
     ManagedMemoryResource,
@@ -76,6 +78,8 @@ __all__ = [
     "DeviceMemoryResource",
     "FailureCallbackResourceAdaptor",
     "FixedSizeMemoryResource",
+    "LatencyHistogramAdaptor",
+    "LatencyHistogramResourceAdaptor",
     "LimitingResourceAdaptor",
     "LoggingResourceAdaptor",
     "ManagedMemoryResource",
@@ -103,6 +107,9 @@ __all__ = [
 
 DeviceMemoryResource = MemoryResource
 """RMM's name for the base class of every resource (:class:`MemoryResource`)."""
+
+LatencyHistogramAdaptor = LatencyHistogramResourceAdaptor
+"""The short name of :class:`LatencyHistogramResourceAdaptor` (as in the Rust crate)."""
 
 
 class PoolMemoryResource(ShardedPoolMemoryResource):

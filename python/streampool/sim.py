@@ -109,7 +109,11 @@ class SimulatedDevice:
             it is allocated. A capacity beyond what the host gives is allowed; an allocation
             the host then refuses raises :class:`streampool.OutOfMemoryError` saying so.
         devices: how many devices (ordinals ``0..devices``, 1 to 1024), each of
-            ``capacity_bytes``. ValueError naming the value otherwise.
+            ``capacity_bytes``, with its own memory, pools and streams. Work on one device
+            that touches another's memory needs access, as on GPUs: pool memory through
+            ``peer_access`` on its ``CudaAsyncMemoryResource``, ``cudaMalloc`` memory through
+            :func:`streampool.enable_peer_access`; copies between devices
+            (``DeviceBuffer.copy_to_device``) need none. ValueError naming the value otherwise.
     """
 
     def __init__(self, capacity_bytes: int | str | None = None, devices: int = 1) -> None:
@@ -193,6 +197,12 @@ class SimulatedDevice:
         """Makes the device report (or not) concurrent managed access from now on; without
         it there are no managed pools. It reports it until set."""
         self._dev.set_concurrent_managed_access(enabled)
+
+    def set_peer_capable(self, a: int, b: int, capable: bool) -> None:
+        """Makes devices ``a`` and ``b`` able (or not) to reach each other's memory from now
+        on, as ``cuDeviceCanAccessPeer`` reports it both ways, to test code that meets GPUs
+        without a peer path. Every pair of distinct devices can until told otherwise."""
+        self._dev.set_peer_capable(a, b, capable)
 
     def describe(self) -> str:
         """E.g. ``"simulated device #3 (16 GiB)"``."""

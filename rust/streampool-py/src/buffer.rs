@@ -10,7 +10,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyCapsule, PyDict, PyInt, PyString, PyTuple};
-use streampool::device::{Advice, BackendRef, DevPtr, Location};
+use streampool::device::{self, Advice, BackendRef, DevPtr, Location};
 use streampool::{managed, Allocation, Error, Event, Stream};
 
 use crate::dlpack;
@@ -360,6 +360,41 @@ impl DeviceBuffer {
         })
     }
 
+    /// Enqueues a copy of the first `bytes` of `src`, a live allocation of any device of the
+    /// buffer's backend, to the buffer's start, on `stream` (the buffer's own when None), with
+    /// `cuMemcpyPeerAsync`, which needs no peer access; returns once it is enqueued. The copy
+    /// is ordered after the work enqueued on the source's stream so far, and that stream
+    /// after the copy, so that the source's owner may free or overwrite it in its own order.
+    fn copy_peer_in(
+        &self,
+        py: Python<'_>,
+        src: Arc<Allocation>,
+        bytes: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        self.on_device(py, bytes, stream, move |alloc, backend, device, stream| {
+            let src_dev = src.resource().device();
+            device::check_same_backend(backend, src.resource().backend(), "the source buffer")?;
+            let source = src.stream();
+            stream.wait_for(backend, device, source, src_dev)?;
+            // SAFETY: both sides are live allocations (`src` is held until the copy is
+            // enqueued and its stream ordered after it) of at least `bytes` bytes, ordered
+            // as above on both streams.
+            unsafe {
+                backend.memcpy_peer_async(
+                    device,
+                    alloc.ptr(),
+                    device,
+                    src.ptr(),
+                    src_dev,
+                    bytes,
+                    stream.handle(),
+                )?
+            };
+            source.wait_for(backend, src_dev, stream, device)
+        })
+    }
+
     /// Moves the contents to a new allocation of `capacity` bytes (on the buffer's own
     /// stream) and sets the size to `new_size`: the first `min(size, new_size)` bytes are
     /// copied on `stream` (the buffer's own when None; another stream is ordered after the
@@ -701,8 +736,13 @@ impl DeviceBuffer {
     }
 
     /// A DLPack capsule of the buffer as a 1-D uint8 tensor (versioned when the consumer
-    /// passes `max_version >= (1, 0)`). `stream` is the consumer's stream (None: the legacy
-    /// default stream, -1: no synchronisation); it is made to wait for the buffer's stream.
+    /// passes `max_version >= (1, 0)`). `stream` is the consumer's stream, made to wait for
+    /// the buffer's stream (DLPack's convention: -1 no synchronisation, 1 the legacy default
+    /// stream, 2 the per-thread default stream, else a stream handle or object; None: the
+    /// legacy default stream, and for managed or pinned memory, which the host may read, the
+    /// host waits for the buffer's stream too). `dl_device=(1, 0)` (the CPU) is accepted for
+    /// managed and pinned memory, refused for device memory; a device other than the
+    /// buffer's is refused (DLPack does not copy).
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__<'py>(
         slf: &Bound<'py, Self>,
@@ -714,17 +754,14 @@ impl DeviceBuffer {
         let this = slf.get();
         let alloc = this.live_exposed()?;
         let ours = this.__dlpack_device__();
-        if let Some(asked) = dl_device.filter(|d| *d != ours) {
-            return Err(buffer_error(format!(
-                "DeviceBuffer lives on DLPack device {ours:?}; it cannot be exported to {asked:?} without a copy"
-            )));
-        }
+        let exported = dlpack::exported_device(ours, dl_device)?;
         if copy == Some(true) {
             return Err(buffer_error("DeviceBuffer cannot export a copy; copy=True is not supported"));
         }
-        dlpack::order_consumer(slf.py(), &alloc, stream)?;
+        let host_may_read = exported.0 == dlpack::KDL_CPU || ours.0 != dlpack::KDL_CUDA;
+        dlpack::order_consumer(slf.py(), &alloc, stream, host_may_read)?;
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
-        dlpack::export(slf, alloc, this.len(), ours, versioned)
+        dlpack::export(slf, alloc, this.len(), exported, versioned)
     }
 
     /// Copies the buffer to host memory and waits for the copy (GIL released). Without
@@ -784,7 +821,8 @@ impl DeviceBuffer {
     /// with a C-contiguous `__cuda_array_interface__` of at most `size` bytes. When the
     /// source names a stream (its own stream, or the interface's v3 `stream`) other than
     /// the copy's, the copy is ordered after the work enqueued there, and that stream after
-    /// the copy.
+    /// the copy. A DeviceBuffer of another device is copied between the devices
+    /// (`cuMemcpyPeerAsync`, which needs no peer access).
     #[pyo3(signature = (cuda_ary, stream=None))]
     fn copy_from_device(
         &self,
@@ -809,6 +847,10 @@ impl DeviceBuffer {
                 "cuda_ary has {bytes} bytes; the buffer holds only {}",
                 self.len()
             )));
+        }
+        // A buffer of another device: a copy between the devices.
+        if let Some(other) = keep.as_ref().filter(|a| a.resource().device() != self.device()) {
+            return self.copy_peer_in(py, other.clone(), bytes, stream);
         }
         self.copy_in(py, ptr, bytes, stream, source, keep)
     }
@@ -855,6 +897,50 @@ impl DeviceBuffer {
         let source = alloc.stream().clone();
         made.copy_in(py, alloc.ptr(), size, None, Some(source), Some(alloc))?;
         Ok(made)
+    }
+
+    /// A new buffer on `device` (a device ordinal) holding a copy of this one: allocated from
+    /// `mr` (default: that device's current resource, `get_per_device_resource(device)`) on
+    /// `stream` (a stream of that device; default: its legacy default stream), filled by a
+    /// copy between the devices (`cuMemcpyPeerAsync`, which needs no peer access) enqueued
+    /// there and not waited for. The copy is ordered after this buffer's stream, and this
+    /// buffer's stream after the copy. To the same device, it is `copy()` into `mr`.
+    #[pyo3(signature = (device, stream=None, mr=None))]
+    fn copy_to_device(
+        &self,
+        py: Python<'_>,
+        device: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+        mr: Option<Bound<'_, PyMemoryResource>>,
+    ) -> PyResult<Self> {
+        let target = crate::device_arg(Some(device), "device")?
+            .ok_or_else(|| PyTypeError::new_err("device must be a device ordinal (an int), not None"))?;
+        let alloc = self.live()?;
+        let backend = alloc.resource().backend().clone();
+        detached(py, move || streampool::resources::check_device(&backend, Some(target)).map(drop))?;
+        let mr = match mr {
+            Some(mr) => {
+                let bound = mr.get().inner.device();
+                if bound != target {
+                    return Err(PyValueError::new_err(format!(
+                        "mr is a resource of device {bound}, but copy_to_device({target}) makes the copy on \
+                         device {target}; pass a resource of device {target}, or none for its current resource"
+                    )));
+                }
+                mr
+            }
+            None => crate::resources::get_per_device_resource(py, device)?.into_bound(py),
+        };
+        let size = self.len();
+        let made = Self::make(py, size, stream, Some(mr))?;
+        made.copy_peer_in(py, alloc, size, None)?;
+        Ok(made)
+    }
+
+    /// The device ordinal the memory belongs to (its resource's device).
+    #[getter]
+    fn device(&self) -> i32 {
+        self.mr.get().inner.device()
     }
 
     /// `copy()`.

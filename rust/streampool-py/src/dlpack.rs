@@ -19,12 +19,42 @@ use crate::buffer::{self, DeviceBuffer};
 use crate::errors::{buffer_error, detached};
 use crate::streams::to_stream;
 
+/// `kDLCPU`: host memory.
+pub(crate) const KDL_CPU: i32 = 1;
 /// `kDLCUDA`: device memory.
 pub(crate) const KDL_CUDA: i32 = 2;
 /// `kDLCUDAHost`: page-locked host memory.
 pub(crate) const KDL_CUDA_HOST: i32 = 3;
 /// `kDLCUDAManaged`: managed (unified) memory.
 pub(crate) const KDL_CUDA_MANAGED: i32 = 13;
+
+/// The device a buffer on DLPack device `ours` is exported as, for a consumer that asks
+/// for `asked` (None: its own). Managed and pinned memory may be exported to the CPU (the
+/// host reads it where it is); anything else needs a copy, which DLPack does not make.
+pub(crate) fn exported_device(ours: (i32, i32), asked: Option<(i32, i32)>) -> PyResult<(i32, i32)> {
+    let Some(asked) = asked.filter(|a| *a != ours) else { return Ok(ours) };
+    if asked.0 == KDL_CPU && ours.0 != KDL_CUDA {
+        return Ok((KDL_CPU, 0));
+    }
+    Err(buffer_error(if asked.0 == KDL_CPU {
+        format!(
+            "DeviceBuffer holds device memory (DLPack device {ours:?}), which the host cannot read: \
+             copy it to the host first (buf.copy_to_host()), or allocate it from a \
+             ManagedMemoryResource or PinnedHostMemoryResource"
+        )
+    } else if asked.0 == ours.0 {
+        format!(
+            "DeviceBuffer is on device {} but the consumer is on device {}: DLPack does not copy \
+             between devices; make the buffer on the consumer's device (DeviceBuffer(..., \
+             mr=<a resource of device {}>)) or copy it there",
+            ours.1, asked.1, asked.1
+        )
+    } else {
+        format!(
+            "DeviceBuffer lives on DLPack device {ours:?}; it cannot be exported to {asked:?} without a copy"
+        )
+    }))
+}
 
 /// `(device_type, device_id)` of memory of `kind` on `device`.
 pub(crate) fn dl_device(kind: MemoryKind, device: i32) -> (i32, i32) {
@@ -249,18 +279,24 @@ fn make<'py, M: Managed>(
     })
 }
 
-/// Orders the consumer's `stream` (DLPack's convention: None is the legacy default stream,
-/// -1 asks for no synchronisation, 0 is ambiguous and refused) after the work enqueued on
-/// the buffer's stream: an event recorded there, waited on by the consumer stream. Both
-/// are as the calling thread names them: the buffer's stream is kept resolved, so for a
-/// buffer made on another thread's per-thread default stream the event is recorded on the
-/// legacy default stream, after all of that thread's earlier work (`Stream::resolved`).
+/// Orders the consumer's `stream` (DLPack's convention: -1 asks for no synchronisation, 0
+/// is ambiguous and refused, None is the legacy default stream) after the work enqueued on
+/// the buffer's stream: an event recorded there, waited on by the consumer stream. With
+/// None and `host_may_read` (memory the host can read, whose consumer may be the host, as
+/// numpy's is: it names no stream), the host waits for the event as well. Both streams are
+/// as the calling thread names them: the buffer's stream is kept resolved, so for a buffer
+/// made on another thread's per-thread default stream the event is recorded on the legacy
+/// default stream, after all of that thread's earlier work (`Stream::resolved`). A consumer
+/// stream of another device is refused: DLPack does not copy between devices.
 pub(crate) fn order_consumer(
     py: Python<'_>,
     alloc: &Arc<Allocation>,
     stream: Option<&Bound<'_, PyAny>>,
+    host_may_read: bool,
 ) -> PyResult<()> {
     let backend = alloc.resource().backend().clone();
+    let device = alloc.resource().device();
+    let host_waits = host_may_read && stream.is_none_or(|s| s.is_none());
     let consumer =
         match stream.filter(|s| !s.is_none()) {
             None => Stream::legacy(),
@@ -278,15 +314,23 @@ pub(crate) fn order_consumer(
                 to_stream(py, Some(s), || &backend)?.into_owned()
             }
         };
+    if let Some((_, theirs)) = consumer.binding().filter(|(_, d)| *d != device) {
+        return Err(buffer_error(format!(
+            "the consumer's stream is on device {theirs} but the DeviceBuffer on device {device}: \
+             DLPack does not copy between devices; make the buffer on device {theirs} or copy it there"
+        )));
+    }
     let producer = alloc.stream().clone();
     // One stream for this thread (handle 2 is this thread's own on both sides).
-    if producer.handle() == consumer.handle() {
+    if producer.handle() == consumer.handle() && !host_waits {
         return Ok(());
     }
-    let device = alloc.resource().device();
     detached(py, move || {
         let event = Event::new(&backend, device)?;
         event.record(&producer)?;
+        if host_waits {
+            event.synchronize()?;
+        }
         consumer.wait(&event)
     })
 }

@@ -13,7 +13,11 @@
 //!   prefetch, binning, fixed-size), `CallbackMemoryResource`, and the Python callbacks
 //!   they call;
 //! * [`pool`]: the sharded pool, and `ArenaMemoryResource` over it;
-//! * [`sim`]: the simulated device, for tests and machines without a GPU.
+//! * [`sim`]: the simulated device, for tests and machines without a GPU;
+//! * [`capi`]: the C entry points that other libraries' allocators call (PyTorch's).
+//! * [`ipc`]: sharing a buffer with another process (`streampool.ipc`).
+//! * [`harness`]: the harness's native parts: the fill/check/compute kernels, the log
+//!   replayer and the producer/consumer pipeline.
 //!
 //! Importing the module never touches the driver: a machine without one imports fine and
 //! raises `CudaDriverNotFoundError` at the first use of a GPU resource.
@@ -25,9 +29,12 @@ use streampool::device::{self, DevPtr};
 
 mod adaptors;
 mod buffer;
+mod capi;
 mod dlpack;
 mod errors;
 mod gil;
+mod harness;
+mod ipc;
 mod pool;
 mod resources;
 mod sim;
@@ -72,6 +79,35 @@ pub(crate) fn count_arg(obj: &Bound<'_, PyAny>, what: &str, min: u64, max: u64) 
         return Err(PyValueError::new_err(format!("{what} must be <= {max}, got {int}")));
     }
     int.extract::<u64>()
+}
+
+/// A device ordinal from Python (`what` names the argument): None (the current device),
+/// or an int (or any object with `__index__`, but not a bool) from 0 to `i32::MAX`.
+/// TypeError for anything else; ValueError naming `what`, the value and the valid range
+/// (the backend's devices, where it is known already) when out of range, where pyo3's own
+/// conversion would raise OverflowError. Whether the device exists is checked where the
+/// backend is (an InvalidArgumentError naming the devices there are).
+pub(crate) fn device_arg(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<i32>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else { return Ok(None) };
+    let int = index(obj, what, "a device ordinal (an int) or None")?;
+    match int.extract::<i32>() {
+        Ok(d) if d >= 0 => Ok(Some(d)),
+        _ => {
+            let range = match device::backend_ready().map(|b| (b.device_count(), b.describe())) {
+                Some((Ok(n), name)) => format!("from 0 to {} (the {n} device{} of {name})", n - 1, plural(n)),
+                _ => format!("from 0 to {}", i32::MAX),
+            };
+            Err(PyValueError::new_err(format!("{what} must be a device ordinal {range}, got {int}")))
+        }
+    }
+}
+
+fn plural(n: i32) -> &'static str {
+    if n == 1 {
+        ""
+    } else {
+        "s"
+    }
 }
 
 /// An address from Python: an int in `0..2**64` (a plain int inlined, as in [`size_arg`]).
@@ -156,7 +192,8 @@ fn device_count(py: Python<'_>) -> PyResult<i32> {
 /// concurrent_managed_access, posix_fd_ipc.
 #[pyfunction]
 #[pyo3(signature = (device=None))]
-fn device_info(py: Python<'_>, device: Option<i32>) -> PyResult<Bound<'_, PyDict>> {
+fn device_info<'py>(py: Python<'py>, device: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyDict>> {
+    let device = device_arg(device, "device")?;
     let info = detached(py, move || {
         let backend = device::backend()?;
         let device = streampool::resources::check_device(&backend, device)?;
@@ -179,15 +216,78 @@ fn using_simulated_device() -> bool {
     device::active_sim().is_some() || device::env_selects_sim()
 }
 
-/// The driver pool that `ptr` came from, or None for memory not from a pool.
+/// The driver pool (`CUmemoryPool` as an int) that `ptr` came from, or None for memory not
+/// from a pool (`cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE)`): any library's
+/// pointer may be asked, to see which allocations share one pool.
 #[pyfunction]
 #[pyo3(signature = (ptr, device=None))]
-fn pointer_pool(py: Python<'_>, ptr: &Bound<'_, PyAny>, device: Option<i32>) -> PyResult<Option<u64>> {
+fn pointer_pool(
+    py: Python<'_>,
+    ptr: &Bound<'_, PyAny>,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<u64>> {
     let ptr = ptr_arg(ptr)?;
+    let device = device_arg(device, "device")?;
     detached(py, move || {
         let backend = device::backend()?;
         let device = streampool::resources::check_device(&backend, device)?;
         backend.pointer_pool(device, ptr)
+    })
+}
+
+/// Two device arguments, both required, checked to exist on the current backend.
+fn device_pair(
+    py: Python<'_>,
+    device: &Bound<'_, PyAny>,
+    peer: &Bound<'_, PyAny>,
+) -> PyResult<(device::BackendRef, i32, i32)> {
+    let required = |obj, what: &str| {
+        device_arg(Some(obj), what)?.ok_or_else(|| {
+            PyTypeError::new_err(format!("{what} must be a device ordinal (an int), not None"))
+        })
+    };
+    let (device, peer) = (required(device, "device")?, required(peer, "peer")?);
+    detached(py, move || {
+        let backend = device::backend()?;
+        streampool::resources::check_device(&backend, Some(device))?;
+        streampool::resources::check_device(&backend, Some(peer))?;
+        Ok((backend, device, peer))
+    })
+}
+
+/// Whether work on `device` can access memory of `peer` directly (`cuDeviceCanAccessPeer`;
+/// False for `device == peer`).
+#[pyfunction]
+fn device_can_access_peer(
+    py: Python<'_>,
+    device: &Bound<'_, PyAny>,
+    peer: &Bound<'_, PyAny>,
+) -> PyResult<bool> {
+    let (backend, device, peer) = device_pair(py, device, peer)?;
+    detached(py, move || backend.device_can_access_peer(device, peer))
+}
+
+/// Lets work on `device` access memory that `peer` allocated with `cudaMalloc`
+/// (`CudaMemoryResource`): `cuCtxEnablePeerAccess` between their primary contexts. Pool
+/// memory does not follow it: grant that with `CudaAsyncMemoryResource(peer_access=[...])`
+/// or `set_peer_access`. Enabling it again does nothing; InvalidArgumentError naming both
+/// devices when they cannot reach each other, or are the same device.
+#[pyfunction]
+fn enable_peer_access(py: Python<'_>, device: &Bound<'_, PyAny>, peer: &Bound<'_, PyAny>) -> PyResult<()> {
+    let (backend, device, peer) = device_pair(py, device, peer)?;
+    detached(py, move || {
+        if device == peer {
+            return Err(streampool::Error::invalid(format!(
+                "device {device} and peer {peer} are the same device, which always reaches its own memory"
+            )));
+        }
+        if !backend.device_can_access_peer(device, peer)? {
+            return Err(streampool::Error::invalid(format!(
+                "device {device} cannot access memory of device {peer} (the driver reports no peer path between \
+                 them: cuDeviceCanAccessPeer); copy the data instead (DeviceBuffer.copy_to_device)"
+            )));
+        }
+        backend.ctx_enable_peer_access(device, peer)
     })
 }
 
@@ -228,6 +328,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
     m.add_class::<adaptors::PyUpstreamResourceAdaptor>()?;
     m.add_class::<adaptors::PyStatisticsResourceAdaptor>()?;
+    m.add_class::<adaptors::PyLatencyHistogramResourceAdaptor>()?;
     m.add_class::<adaptors::PyTrackingResourceAdaptor>()?;
     m.add_class::<adaptors::PyAllocationRecord>()?;
     m.add_class::<adaptors::PyLoggingResourceAdaptor>()?;
@@ -248,6 +349,15 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
     m.add_class::<sim::PySimDevice>()?;
 
+    m.add_class::<ipc::PyIpcImportedMemoryResource>()?;
+    m.add_function(wrap_pyfunction!(ipc::_ipc_export, m)?)?;
+    m.add_function(wrap_pyfunction!(harness::_kernel_fill, m)?)?;
+    m.add_function(wrap_pyfunction!(harness::_kernel_check, m)?)?;
+    m.add_function(wrap_pyfunction!(harness::_kernel_compute, m)?)?;
+    m.add_function(wrap_pyfunction!(harness::replay, m)?)?;
+    m.add_function(wrap_pyfunction!(harness::pipeline, m)?)?;
+    m.add_class::<harness::PyNullMemoryResource>()?;
+
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(backend_description, m)?)?;
     m.add_function(wrap_pyfunction!(driver_version, m)?)?;
@@ -255,7 +365,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_info, m)?)?;
     m.add_function(wrap_pyfunction!(using_simulated_device, m)?)?;
     m.add_function(wrap_pyfunction!(pointer_pool, m)?)?;
+    m.add_function(wrap_pyfunction!(device_can_access_peer, m)?)?;
+    m.add_function(wrap_pyfunction!(enable_peer_access, m)?)?;
     m.add_function(wrap_pyfunction!(drop_errors, m)?)?;
+    m.add_function(wrap_pyfunction!(capi::_capi_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(gil::_fast_path_calls, m)?)?;
     m.add("MAX_RESOURCE_DEPTH", streampool::MAX_DEPTH)?;
     Ok(())

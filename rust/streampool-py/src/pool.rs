@@ -32,7 +32,12 @@ const MIN_MAXIMUM_POOL_SIZE: usize = streampool::ALIGNMENT;
 /// can reuse what it freed. `headroom`: the footprint budget, free memory the pool may
 /// hold beyond the peak live bytes as a fraction of them (at least 2 MiB) before it reuses
 /// another stream's memory by waiting rather than growing; `None` grows whenever no
-/// completed block fits. The policy and its reasons: the pool's IMPLEMENTATION.md.
+/// completed block fits. `gather_interval` (seconds, default 100 µs): at the budget the
+/// pool gathers free memory with a device synchronisation, which stops every thread short
+/// of memory meanwhile; within this long of the last gathering it grows instead, up to
+/// twice the budget. 0 keeps
+/// the least memory, larger values the most speed. The policy and its reasons: the
+/// pool's IMPLEMENTATION.md.
 ///
 /// Example::
 ///
@@ -53,9 +58,10 @@ fn optional_size(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<
 impl PyShardedPool {
     #[new]
     #[pyo3(
-        signature = (upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=None, headroom=PoolOptions::default().headroom),
-        text_signature = "(upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=64, headroom=0.15)"
+        signature = (upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=None, headroom=PoolOptions::default().headroom, gather_interval=PoolOptions::default().gather_interval.as_secs_f64()),
+        text_signature = "(upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=64, headroom=0.15, gather_interval=0.0001)"
     )]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         upstream_mr: &Bound<'_, PyMemoryResource>,
         initial_pool_size: Option<&Bound<'_, PyAny>>,
@@ -63,7 +69,14 @@ impl PyShardedPool {
         release_threshold: Option<&Bound<'_, PyAny>>,
         events_every: Option<&Bound<'_, PyAny>>,
         headroom: Option<f64>,
+        gather_interval: f64,
     ) -> PyResult<PyClassInitializer<Self>> {
+        if !(gather_interval.is_finite() && gather_interval >= 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "gather_interval must be a finite number of seconds >= 0 (0: gather at every shortage), \
+                 got {gather_interval}"
+            )));
+        }
         let maximum_pool_size = optional_size(maximum_pool_size, "maximum_pool_size")?;
         if let Some(max) = maximum_pool_size.filter(|&m| m < MIN_MAXIMUM_POOL_SIZE) {
             return Err(PyValueError::new_err(format!(
@@ -80,6 +93,7 @@ impl PyShardedPool {
                 None => PoolOptions::default().events_every,
             },
             headroom,
+            gather_interval: std::time::Duration::from_secs_f64(gather_interval),
         };
         let upstream = upstream_ref(upstream_mr);
         let inner =
@@ -104,7 +118,7 @@ impl PyShardedPool {
     /// peak_reserved_bytes, used_bytes, free_bytes, common_free_bytes, shard_free_bytes
     /// ({stream key: bytes}), retired_shards, grown_bytes, released_bytes,
     /// upstream_growths, completed_steals, cross_stream_waits, synchronizations,
-    /// events_recorded.
+    /// events_recorded, event_queries.
     #[getter]
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
@@ -127,6 +141,7 @@ impl PyShardedPool {
         d.set_item("cross_stream_waits", s.cross_stream_waits)?;
         d.set_item("synchronizations", s.synchronizations)?;
         d.set_item("events_recorded", s.events_recorded)?;
+        d.set_item("event_queries", s.event_queries)?;
         Ok(d)
     }
 

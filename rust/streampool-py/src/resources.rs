@@ -5,9 +5,10 @@
 //! adds only its constructor and its own properties.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
@@ -20,7 +21,7 @@ use crate::buffer::refuse_buffer_pointer;
 use crate::errors::{detached, OrRaise};
 use crate::gil::fast_path_settled;
 use crate::streams::to_stream;
-use crate::{ptr_arg, size_arg};
+use crate::{device_arg, ptr_arg, size_arg};
 
 /// Base class of every memory resource. Not constructible itself.
 ///
@@ -176,6 +177,23 @@ macro_rules! async_pool_class {
                 self.inner.used_bytes().or_raise(py)
             }
 
+            /// The devices other than the pool's own that may read and write its memory
+            /// (`cuMemPoolGetAccess`), in order.
+            #[getter]
+            fn peer_access(&self, py: Python<'_>) -> PyResult<Vec<i32>> {
+                let mr = self.inner.clone();
+                detached(py, move || mr.peer_access())
+            }
+
+            /// Grants (or, with `enabled=False`, withdraws) read-write access to the pool's
+            /// memory, present and future, from work on `device` (`cuMemPoolSetAccess`).
+            #[pyo3(signature = (device, enabled=true))]
+            fn set_peer_access(&self, py: Python<'_>, device: &Bound<'_, PyAny>, enabled: bool) -> PyResult<()> {
+                let peer = required_device(device)?;
+                let mr = self.inner.clone();
+                detached(py, move || mr.set_peer_access(peer, enabled))
+            }
+
             /// Releases free memory to the system until the pool holds at most `nbytes`.
             fn trim_to(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
                 let keep = size_arg(nbytes, "nbytes")?;
@@ -195,6 +213,32 @@ fn pool_handle_object(py: Python<'_>, handle: u64) -> PyResult<Py<PyAny>> {
     Ok(cls.call1((handle,))?.unbind())
 }
 
+/// A `device` argument that must name a device (None is refused: there is no default).
+fn required_device(device: &Bound<'_, PyAny>) -> PyResult<i32> {
+    device_arg(Some(device), "device")?
+        .ok_or_else(|| PyTypeError::new_err("device must be a device ordinal (an int), not None"))
+}
+
+/// `peer_access=`: None, or an iterable of device ordinals (each checked as a `device`).
+fn peer_access_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<i32>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else { return Ok(Vec::new()) };
+    if obj.is_instance_of::<pyo3::types::PyInt>() {
+        return Err(PyTypeError::new_err(format!(
+            "peer_access must be a list of device ordinals, such as [{obj}], not an int"
+        )));
+    }
+    let mut devices = Vec::new();
+    for item in obj.try_iter().map_err(|_| {
+        PyTypeError::new_err(
+            "peer_access must be a list of device ordinals (the devices that may access the pool)",
+        )
+    })? {
+        let d = device_arg(Some(&item?), "each device of peer_access")?;
+        devices.extend(d.filter(|d| !devices.contains(d)));
+    }
+    Ok(devices)
+}
+
 /// The options of a pool of its own, from Python arguments (None: not given).
 fn pool_options(
     initial_pool_size: Option<&Bound<'_, PyAny>>,
@@ -205,6 +249,7 @@ fn pool_options(
         initial_pool_size: initial_pool_size.map(|s| size_arg(s, "initial_pool_size")).transpose()?,
         release_threshold: release_threshold.map(|s| size_arg(s, "release_threshold")).transpose()?,
         enable_ipc,
+        peer_access: Vec::new(),
     })
 }
 
@@ -220,15 +265,18 @@ async_pool_class! {
     /// in a TrackingResourceAdaptor to have wrong sizes refused.
     PyCudaAsyncMemoryResource, "CudaAsyncMemoryResource", {
         #[new]
-        #[pyo3(signature = (initial_pool_size=None, release_threshold=None, enable_ipc=false, device=None))]
+        #[pyo3(signature = (initial_pool_size=None, release_threshold=None, enable_ipc=false, device=None, peer_access=None))]
         fn new(
             py: Python<'_>,
             initial_pool_size: Option<&Bound<'_, PyAny>>,
             release_threshold: Option<&Bound<'_, PyAny>>,
             enable_ipc: bool,
-            device: Option<i32>,
+            device: Option<&Bound<'_, PyAny>>,
+            peer_access: Option<&Bound<'_, PyAny>>,
         ) -> PyResult<PyClassInitializer<Self>> {
-            let options = pool_options(initial_pool_size, release_threshold, enable_ipc)?;
+            let device = device_arg(device, "device")?;
+            let mut options = pool_options(initial_pool_size, release_threshold, enable_ipc)?;
+            options.peer_access = peer_access_arg(peer_access)?;
             let mr = detached(py, move || CudaAsyncMemoryResource::new(device, options))?;
             Ok(Self::init(mr))
         }
@@ -248,8 +296,9 @@ async_pool_class! {
             py: Python<'_>,
             initial_pool_size: Option<&Bound<'_, PyAny>>,
             release_threshold: Option<&Bound<'_, PyAny>>,
-            device: Option<i32>,
+            device: Option<&Bound<'_, PyAny>>,
         ) -> PyResult<PyClassInitializer<Self>> {
+            let device = device_arg(device, "device")?;
             let options = pool_options(initial_pool_size, release_threshold, false)?;
             let mr = detached(py, move || {
                 let (backend, device) = streampool::resources::bind(device)?;
@@ -275,8 +324,9 @@ impl PyCudaAsyncViewMemoryResource {
     fn new(
         py: Python<'_>,
         pool_handle: &Bound<'_, PyAny>,
-        device: Option<i32>,
+        device: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let device = device_arg(device, "device")?;
         let pool = pool_handle.extract::<u64>().map_err(|_| {
             PyValueError::new_err(format!("{pool_handle} is not a memory pool handle (an int in 0..2**64)"))
         })?;
@@ -322,13 +372,14 @@ pub struct PyPinnedHostMemoryResource;
 fn plain<R, S>(
     py: Python<'_>,
     make: fn(Option<i32>) -> streampool::Result<R>,
-    device: Option<i32>,
+    device: Option<&Bound<'_, PyAny>>,
     sub: S,
 ) -> PyResult<PyClassInitializer<S>>
 where
     R: streampool::MemoryResource + 'static,
     S: PyClass<BaseType = PyMemoryResource>,
 {
+    let device = device_arg(device, "device")?;
     let mr = detached(py, move || make(device))?;
     Ok(PyMemoryResource::base(Arc::new(mr)).add_subclass(sub))
 }
@@ -337,7 +388,7 @@ where
 impl PyCudaMemoryResource {
     #[new]
     #[pyo3(signature = (device=None))]
-    fn new(py: Python<'_>, device: Option<i32>) -> PyResult<PyClassInitializer<Self>> {
+    fn new(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<PyClassInitializer<Self>> {
         plain(py, CudaMemoryResource::new, device, Self)
     }
 }
@@ -346,7 +397,7 @@ impl PyCudaMemoryResource {
 impl PyManagedMemoryResource {
     #[new]
     #[pyo3(signature = (device=None))]
-    fn new(py: Python<'_>, device: Option<i32>) -> PyResult<PyClassInitializer<Self>> {
+    fn new(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<PyClassInitializer<Self>> {
         plain(py, ManagedMemoryResource::new, device, Self)
     }
 }
@@ -355,7 +406,7 @@ impl PyManagedMemoryResource {
 impl PyPinnedHostMemoryResource {
     #[new]
     #[pyo3(signature = (device=None))]
-    fn new(py: Python<'_>, device: Option<i32>) -> PyResult<PyClassInitializer<Self>> {
+    fn new(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<PyClassInitializer<Self>> {
         plain(py, PinnedHostMemoryResource::new, device, Self)
     }
 }
@@ -373,6 +424,63 @@ static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
 
 fn registry() -> MutexGuard<'static, Option<Registry>> {
     REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+// The registry as the C entry points (`capi`) see it, with no GIL: the core resource of
+// each (backend id, device), written under the registry's lock (so in the same order as
+// the registry) and read by the C entry points only when `GENERATION` has moved since
+// they last looked (they keep what they read per thread). A device nobody has set or
+// asked for from Python gets, from the C side, an initial resource of its own: the same
+// driver pool as the one Python makes, which replaces it here when Python makes it.
+
+type Snapshot = Vec<((u64, i32), ResourceRef)>;
+static SNAPSHOT: RwLock<Snapshot> = RwLock::new(Vec::new());
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// A number that changes whenever the current resource of some device changes.
+#[inline]
+pub(crate) fn generation() -> u64 {
+    GENERATION.load(Ordering::Acquire)
+}
+
+/// Sets (`Some`) or forgets (`None`) the core resource of `key` in the snapshot; returns
+/// what it replaced, for the caller to drop after its locks.
+fn publish(key: (u64, i32), mr: Option<ResourceRef>) -> Option<ResourceRef> {
+    let mut snap = SNAPSHOT.write().unwrap_or_else(|e| e.into_inner());
+    let at = snap.iter().position(|(k, _)| *k == key);
+    let replaced = match (at, mr) {
+        (Some(i), Some(mr)) => Some(std::mem::replace(&mut snap[i].1, mr)),
+        (Some(i), None) => Some(snap.swap_remove(i).1),
+        (None, Some(mr)) => {
+            snap.push((key, mr));
+            None
+        }
+        (None, None) => None,
+    };
+    GENERATION.fetch_add(1, Ordering::AcqRel);
+    replaced
+}
+
+/// The core resource of `device` of `backend` for the C entry points: the current one, or
+/// the initial one (made here, outside every lock, when Python has not made it yet).
+pub(crate) fn core_resource(backend: &BackendRef, device: i32) -> streampool::Result<ResourceRef> {
+    let key = (backend.id(), device);
+    let find = || {
+        let snap = SNAPSHOT.read().unwrap_or_else(|e| e.into_inner());
+        snap.iter().find(|(k, _)| *k == key).map(|(_, mr)| mr.clone())
+    };
+    if let Some(mr) = find() {
+        return Ok(mr);
+    }
+    let made: ResourceRef =
+        Arc::new(CudaAsyncMemoryResource::on(backend.clone(), device, Default::default())?);
+    // Under the registry's lock, so that a resource Python sets meanwhile is not overwritten.
+    let _reg = registry();
+    if let Some(mr) = find() {
+        return Ok(mr);
+    }
+    publish(key, Some(made.clone()));
+    Ok(made)
 }
 
 fn current_placement(py: Python<'_>, device: Option<i32>) -> PyResult<(BackendRef, i32)> {
@@ -398,9 +506,14 @@ fn resource_for(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyMemoryReso
     }
     // Made outside the lock; if another thread wins the race, its resource is kept.
     let made = initial_resource(py, backend, device)?;
-    let mut reg = registry();
-    let mr = reg.get_or_insert_with(HashMap::new).entry(key).or_insert(made);
-    Ok(mr.clone_ref(py))
+    let (mr, replaced) = {
+        let mut reg = registry();
+        let mr = reg.get_or_insert_with(HashMap::new).entry(key).or_insert(made).clone_ref(py);
+        let replaced = publish(key, Some(mr.get().inner.clone()));
+        (mr, replaced)
+    };
+    drop(replaced); // after the lock: it may be the last reference
+    Ok(mr)
 }
 
 /// The initial resource of every device: the driver's pool.
@@ -426,7 +539,12 @@ fn set_resource(
         )));
     }
     let key = (backend.id(), device);
-    let previous = registry().get_or_insert_with(HashMap::new).insert(key, mr.clone().unbind());
+    let (previous, replaced) = {
+        let mut reg = registry();
+        let previous = reg.get_or_insert_with(HashMap::new).insert(key, mr.clone().unbind());
+        (previous, publish(key, Some(res.clone())))
+    };
+    drop(replaced); // after the lock: it may be the last reference
     match previous {
         Some(p) => Ok(Some(p)),
         // Nobody had asked yet: the previous resource was the initial one, not made yet.
@@ -439,11 +557,16 @@ fn set_resource(
 /// Forgets the resources of a backend that is going away (a simulated device that is
 /// deactivated), so they do not keep it alive.
 pub(crate) fn forget_backend(backend_id: u64) {
-    let removed: Vec<Py<PyMemoryResource>> = {
+    let removed: (Vec<Py<PyMemoryResource>>, Vec<ResourceRef>) = {
         let mut reg = registry();
-        let Some(map) = reg.as_mut() else { return };
+        let snapshot_keys: Vec<_> = {
+            let snap = SNAPSHOT.read().unwrap_or_else(|e| e.into_inner());
+            snap.iter().map(|(k, _)| *k).filter(|(b, _)| *b == backend_id).collect()
+        };
+        let core = snapshot_keys.into_iter().filter_map(|k| publish(k, None)).collect();
+        let map = reg.get_or_insert_with(HashMap::new);
         let keys: Vec<_> = map.keys().filter(|(b, _)| *b == backend_id).copied().collect();
-        keys.into_iter().filter_map(|k| map.remove(&k)).collect()
+        (keys.into_iter().filter_map(|k| map.remove(&k)).collect(), core)
     };
     drop(removed); // after the lock: dropping may run Python code
 }
@@ -466,8 +589,11 @@ pub(crate) fn set_current_device_resource(
 
 /// The resource of `device` (a `CudaAsyncMemoryResource` until one is set).
 #[pyfunction]
-pub(crate) fn get_per_device_resource(py: Python<'_>, device: i32) -> PyResult<Py<PyMemoryResource>> {
-    resource_for(py, Some(device))
+pub(crate) fn get_per_device_resource(
+    py: Python<'_>,
+    device: &Bound<'_, PyAny>,
+) -> PyResult<Py<PyMemoryResource>> {
+    resource_for(py, Some(required_device(device)?))
 }
 
 /// Makes `mr` the resource of `device`; returns the previous one. `mr` must be bound to
@@ -475,10 +601,10 @@ pub(crate) fn get_per_device_resource(py: Python<'_>, device: i32) -> PyResult<P
 #[pyfunction]
 pub(crate) fn set_per_device_resource(
     py: Python<'_>,
-    device: i32,
+    device: &Bound<'_, PyAny>,
     mr: &Bound<'_, PyMemoryResource>,
 ) -> PyResult<Option<Py<PyMemoryResource>>> {
-    set_resource(py, Some(device), mr)
+    set_resource(py, Some(required_device(device)?), mr)
 }
 
 /// Forgets the resource of every device of the current backend, so that each goes back
@@ -495,7 +621,11 @@ pub(crate) fn _reset_device_resources(py: Python<'_>) -> PyResult<()> {
 /// driver reports them (`cuMemGetInfo`): RMM's `available_device_memory()`.
 #[pyfunction]
 #[pyo3(signature = (device=None))]
-pub(crate) fn available_device_memory(py: Python<'_>, device: Option<i32>) -> PyResult<(usize, usize)> {
+pub(crate) fn available_device_memory(
+    py: Python<'_>,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(usize, usize)> {
+    let device = device_arg(device, "device")?;
     detached(py, move || {
         let backend = device::backend()?;
         let device = check_device(&backend, device)?;

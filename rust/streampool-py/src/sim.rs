@@ -231,6 +231,21 @@ impl PySimDevice {
         self.sim.set_concurrent_managed_access(enabled);
     }
 
+    /// Makes devices `a` and `b` able (or not) to reach each other's memory from now on
+    /// (`cuDeviceCanAccessPeer` both ways; every pair can until told otherwise).
+    #[pyo3(signature = (a, b, capable))]
+    fn set_peer_capable(
+        &self,
+        py: Python<'_>,
+        a: &Bound<'_, PyAny>,
+        b: &Bound<'_, PyAny>,
+        capable: bool,
+    ) -> PyResult<()> {
+        let a = count_arg(a, "a", 0, sim::MAX_DEVICES as u64)? as i32;
+        let b = count_arg(b, "b", 0, sim::MAX_DEVICES as u64)? as i32;
+        self.sim.set_peer_capable(a, b, capable).or_raise(py)
+    }
+
     /// E.g. "simulated device #3 (16 GiB)".
     fn describe(&self) -> String {
         self.sim.describe()

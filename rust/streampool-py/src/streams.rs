@@ -111,11 +111,11 @@ impl PyStream {
     fn wrap(
         py: Python<'_>,
         obj: &Bound<'_, PyAny>,
-        device: Option<i32>,
+        device: Option<&Bound<'_, PyAny>>,
         blocking: Option<bool>,
         flags: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        if device.is_some() || blocking.is_some() || flags.is_some_and(|f| !f.is_none()) {
+        if device.is_some_and(|d| !d.is_none()) || blocking.is_some() || flags.is_some_and(|f| !f.is_none()) {
             return Err(PyTypeError::new_err(
                 "Stream(obj) wraps an existing stream: device=, blocking= and flags= only apply to a new \
                  stream (Stream(device=..., blocking=...))",
@@ -160,13 +160,14 @@ impl PyStream {
     fn new(
         py: Python<'_>,
         obj: Option<&Bound<'_, PyAny>>,
-        device: Option<i32>,
+        device: Option<&Bound<'_, PyAny>>,
         blocking: Option<bool>,
         flags: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         if let Some(obj) = obj.filter(|o| !o.is_none()) {
             return Self::wrap(py, obj, device, blocking, flags);
         }
+        let device = crate::device_arg(device, "device")?;
         let blocking = blocking_from(blocking, flags)?;
         let inner = detached(py, move || {
             let (backend, device) = streampool::resources::bind(device)?;

@@ -10,23 +10,31 @@
 //! "fixed" pairs.
 //!
 //! Every window figure comes with memory: the peak of the live bytes (sizes asked for,
-//! summed over the threads, sampled every millisecond) and the peak of what the resource
-//! reserved from the device (the pool's `peak_reserved_bytes`; for `async`, the driver
-//! pool's reserved memory, sampled), and their ratio.
+//! summed over the threads) and the peak of what the resource reserved from the device
+//! (the pool's `peak_reserved_bytes`; for `async`, the driver pool's reserved memory,
+//! sampled), and their ratio. The live bytes are sampled every millisecond, which misses
+//! short peaks (so the ratio reads high: on the simulated device at 4 threads the sampled
+//! peak was 15 % under the exact one); `--exact-live` counts them exactly, in one shared
+//! counter that every operation updates (which costs speed: use it for memory figures).
 //!
 //! `--handoff` makes it the producer/consumer soak: each thread, when it evicts a block,
 //! hands half of them (at random) to the next thread after recording an event on its own
-//! stream; that thread waits on the event and frees the block on its own stream.
+//! stream; that thread waits on the event and frees the block on its own stream. At most 16
+//! blocks are in flight to a thread; beyond that the evicting thread frees the block itself.
 //!
 //! ```text
 //! cargo bench -p streampool --bench window -- [--secs 0.5] [--reps 3]
-//!     [--threads 1,2,4,8,16] [--resources sharded,async,control] [--events-every N] [--json FILE]
-//!     [--sim] [--same-sizes] [--handoff] [--no-fixed] [--headroom F|none]
+//!     [--threads 1,2,4,8,16] [--resources sharded,latency-sharded,async,control] [--events-every N] [--json FILE]
+//!     [--sim] [--sim-eager] [--same-sizes] [--handoff] [--no-fixed] [--headroom F|none] [--exact-live]
+//!     [--every SECS]
 //! ```
 //! Runs on the CUDA driver when there is one (unless `--sim`), else on the simulated device
-//! (and says so: those numbers measure the simulator and the host, not a GPU).
+//! (and says so: those numbers measure the simulator and the host, not a GPU). `--sim-eager`
+//! (implies `--sim`) runs the simulator's work as soon as it is enqueued, as a GPU runs
+//! work with no kernels; without it, work runs only at synchronisations, and events
+//! recorded by the pool complete only then.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -52,6 +60,9 @@ struct Args {
     json: Option<String>,
     events_every: usize,
     sim: bool,
+    /// On the simulated device, run work as soon as it is enqueued (`SimDevice::set_eager`),
+    /// as a GPU runs work with no kernels: events complete at once.
+    sim_eager: bool,
     /// Every thread draws the same sizes (a diagnostic: how much of the spread between
     /// threads comes from their different size sequences).
     same_sizes: bool,
@@ -59,6 +70,11 @@ struct Args {
     fixed: bool,
     /// The pool's footprint budget (`PoolOptions::headroom`).
     headroom: Option<f64>,
+    /// Count the live bytes exactly (a shared counter) rather than by sampling.
+    exact_live: bool,
+    /// Print the peak reserved and live bytes every this many seconds of the window (a
+    /// soak's plateau).
+    every: Option<f64>,
 }
 
 fn args() -> Args {
@@ -70,10 +86,13 @@ fn args() -> Args {
         json: None,
         events_every: PoolOptions::default().events_every,
         sim: false,
+        sim_eager: false,
         same_sizes: false,
         handoff: false,
         fixed: true,
         headroom: PoolOptions::default().headroom,
+        exact_live: false,
+        every: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -86,10 +105,13 @@ fn args() -> Args {
             "--json" => a.json = Some(v()),
             "--events-every" => a.events_every = v().parse().expect("--events-every"),
             "--sim" => a.sim = true,
+            "--sim-eager" => (a.sim, a.sim_eager) = (true, true),
             "--same-sizes" => a.same_sizes = true,
             "--handoff" => a.handoff = true,
             "--no-fixed" => a.fixed = false,
             "--headroom" => a.headroom = v().parse().ok(),
+            "--exact-live" => a.exact_live = true,
+            "--every" => a.every = Some(v().parse().expect("--every")),
             "--bench" => {}
             other => panic!("unknown argument {other}"),
         }
@@ -133,8 +155,20 @@ fn make(name: &str, b: &BackendRef, events_every: usize, headroom: Option<f64>) 
             );
             Made { mr: pool.clone(), pool: Some(pool), driver_pool: None }
         }
+        // The latency histogram adaptor over the sharded pool: its cost beside "sharded".
+        "latency-sharded" => {
+            let pool = Arc::new(
+                ShardedPoolMemoryResource::new(
+                    async_mr,
+                    PoolOptions { events_every, headroom, ..Default::default() },
+                )
+                .unwrap(),
+            );
+            let mr = Arc::new(streampool::adaptors::LatencyHistogramAdaptor::new(pool.clone()).unwrap());
+            Made { mr, pool: Some(pool), driver_pool: None }
+        }
         "control" => Made { mr: Arc::new(Control { backend: b.clone() }), pool: None, driver_pool: None },
-        other => panic!("unknown resource {other} (sharded, async, control)"),
+        other => panic!("unknown resource {other} (sharded, latency-sharded, async, control)"),
     }
 }
 
@@ -201,9 +235,13 @@ struct MtResult {
     /// A pool's events recorded, growths, and steals, waits and synchronisations, in the
     /// window.
     in_window: Option<[u64; 3]>,
-    /// Peak live bytes (sampled) and peak reserved bytes, warm-up included.
+    /// Peak live bytes (sampled, or exact) and peak reserved bytes, warm-up included.
     peak_live: usize,
     peak_reserved: usize,
+    /// The threads' own peaks of live bytes, summed: what a resource needs that serves each
+    /// thread only from memory that thread freed (a floor for memory reused across streams
+    /// only through synchronisation). Meaningless with hand-offs.
+    own_peaks: usize,
     /// A pool's counts over the whole run, warm-up included: growths, completed steals,
     /// waits, synchronisations (where the footprint comes from).
     whole_run: Option<[u64; 4]>,
@@ -218,8 +256,12 @@ struct Counter {
     /// The thread's CPU time (ns), stored every 256 operations: a thread that gets fewer
     /// operations done than others only because the OS ran it less shows here.
     cpu_ns: AtomicU64,
-    /// The thread's live bytes (sizes asked for), stored at every operation.
-    live: AtomicU64,
+    /// The live bytes this thread allocated less those it freed (sizes asked for), stored
+    /// at every operation. With hand-offs a thread frees blocks that others allocated, so
+    /// one thread's figure may be negative; the sum over threads is what is live.
+    live: AtomicI64,
+    /// The most the thread's own count reached (stored when it stops).
+    own_peak: AtomicI64,
 }
 
 /// This thread's CPU time in ns (`CLOCK_THREAD_CPUTIME_ID`).
@@ -235,53 +277,73 @@ fn thread_cpu_ns() -> u64 {
 /// the other thread may use it.
 type Handoff = (u64, usize, streampool::Event);
 
-fn run_mt(
-    made: &Made,
-    b: &BackendRef,
-    threads: usize,
-    secs: f64,
-    same_sizes: bool,
-    handoff: bool,
-) -> MtResult {
+fn run_mt(made: &Made, b: &BackendRef, threads: usize, a: &Args) -> MtResult {
+    let (secs, same_sizes, handoff, exact_live) = (a.secs, a.same_sizes, a.handoff, a.exact_live);
     let (mr, pool) = (&made.mr, &made.pool);
     let counters: Arc<Vec<Counter>> = Arc::new(
         (0..threads)
-            .map(|_| Counter { ops: AtomicU64::new(0), cpu_ns: AtomicU64::new(0), live: AtomicU64::new(0) })
+            .map(|_| Counter {
+                ops: AtomicU64::new(0),
+                cpu_ns: AtomicU64::new(0),
+                live: AtomicI64::new(0),
+                own_peak: AtomicI64::new(0),
+            })
             .collect(),
     );
     let (senders, receivers): (Vec<_>, Vec<_>) =
-        (0..threads).map(|_| std::sync::mpsc::channel::<Handoff>()).unzip();
+        (0..threads).map(|_| std::sync::mpsc::sync_channel::<Handoff>(WINDOW)).unzip();
     let done = Arc::new(Barrier::new(threads));
+    let exact: Arc<Option<(AtomicI64, AtomicI64)>> =
+        Arc::new(exact_live.then(|| (AtomicI64::new(0), AtomicI64::new(0))));
     let stop = Arc::new(AtomicBool::new(false));
     let ready = Arc::new(Barrier::new(threads + 1));
     let handles: Vec<_> = receivers
         .into_iter()
         .enumerate()
         .map(|(t, inbox)| {
-            let (mr, b, counters, stop, ready, done) =
-                (mr.clone(), b.clone(), counters.clone(), stop.clone(), ready.clone(), done.clone());
+            let (mr, b, counters, stop, ready, done, exact) = (
+                mr.clone(),
+                b.clone(),
+                counters.clone(),
+                stop.clone(),
+                ready.clone(),
+                done.clone(),
+                exact.clone(),
+            );
             let next = senders[(t + 1) % threads].clone();
             std::thread::spawn(move || {
                 let stream = Stream::create(&b, 0, false).unwrap();
                 let sizes = sizes(if same_sizes { 1 } else { t as u64 + 1 }, SIZES);
                 let mut coin = t as u64 * 0x9e37_79b9 + 1;
-                let mut live = 0u64;
+                let mut live = 0i64;
+                let mut own_peak = 0i64;
+                // Every allocation and free also goes through `count` (exact peak live).
+                let count = |delta: i64| {
+                    if let Some((now, peak)) = &*exact {
+                        let v = now.fetch_add(delta, Ordering::Relaxed) + delta;
+                        if delta > 0 {
+                            peak.fetch_max(v, Ordering::Relaxed);
+                        }
+                    }
+                };
                 // A ring of WINDOW live allocations, filled before the start.
                 let mut k = 0usize;
                 let mut ring: Vec<(u64, usize)> = (0..WINDOW)
                     .map(|_| {
                         let n = sizes[k % SIZES];
                         k += 1;
-                        live += n as u64;
+                        live += n as i64;
+                        count(n as i64);
                         (mr.allocate(n, &stream).unwrap(), n)
                     })
                     .collect();
                 let (mut head, mut ops) = (0usize, 0u64);
-                let receive = |live: &mut u64| {
+                let receive = |live: &mut i64| {
                     while let Ok((p, n, ev)) = inbox.try_recv() {
                         stream.wait(&ev).unwrap();
                         mr.deallocate(p, n, &stream).unwrap();
-                        *live -= n as u64;
+                        *live -= n as i64;
+                        count(-(n as i64));
                     }
                 };
                 ready.wait();
@@ -290,14 +352,19 @@ fn run_mt(
                     coin ^= coin << 13;
                     coin ^= coin >> 7;
                     coin ^= coin << 17;
-                    if handoff && coin % 2 == 0 {
-                        // The next thread frees it, after this stream's work so far.
+                    // Half the blocks go to the next thread, which frees them after this
+                    // stream's work so far; at most WINDOW are in flight to a thread (a
+                    // thread the OS runs less would otherwise collect blocks without end),
+                    // beyond which this thread frees them itself.
+                    let handed = handoff && coin % 2 == 0 && {
                         let ev = streampool::Event::new(&b, 0).unwrap();
                         ev.record(&stream).unwrap();
-                        next.send((p, n, ev)).unwrap();
-                    } else {
+                        next.try_send((p, n, ev)).is_ok()
+                    };
+                    if !handed {
                         mr.deallocate(p, n, &stream).unwrap();
-                        live -= n as u64;
+                        live -= n as i64;
+                        count(-(n as i64));
                     }
                     if handoff {
                         receive(&mut live);
@@ -305,7 +372,8 @@ fn run_mt(
                     let n = sizes[k % SIZES];
                     k += 1;
                     ring[head] = (mr.allocate(n, &stream).unwrap(), n);
-                    live += n as u64;
+                    live += n as i64;
+                    count(n as i64);
                     head = (head + 1) % WINDOW;
                     ops += 1;
                     if ops % 256 == 0 {
@@ -313,7 +381,9 @@ fn run_mt(
                     }
                     counters[t].ops.store(ops, Ordering::Relaxed);
                     counters[t].live.store(live, Ordering::Relaxed);
+                    own_peak = own_peak.max(live);
                 }
+                counters[t].own_peak.store(own_peak, Ordering::Relaxed);
                 for (p, n) in ring {
                     mr.deallocate(p, n, &stream).unwrap();
                 }
@@ -327,12 +397,12 @@ fn run_mt(
     ready.wait();
     // Peak live: the sum of the threads' live bytes, sampled every millisecond (from the
     // first allocation, warm-up included); it can only miss a peak, so the ratio shown is
-    // if anything too high.
+    // if anything too high. With `--exact-live`, the shared counter's peak instead.
     let sampling = Arc::new(AtomicBool::new(true));
     let sampler = {
         let (counters, sampling) = (counters.clone(), sampling.clone());
         std::thread::spawn(move || {
-            let mut peak = 0u64;
+            let mut peak = 0i64;
             while sampling.load(Ordering::Relaxed) {
                 peak = peak.max(counters.iter().map(|c| c.live.load(Ordering::Relaxed)).sum());
                 std::thread::sleep(Duration::from_millis(1));
@@ -348,13 +418,38 @@ fn run_mt(
     let stats0 = pool.as_ref().map(|p| p.stats());
     let start = snapshot();
     let t0 = Instant::now();
-    std::thread::sleep(Duration::from_secs_f64(secs));
+    match a.every {
+        Some(every) => {
+            // The peak live so far: exact, or the threads' counts now.
+            let live_now = || match &*exact {
+                Some((_, peak)) => peak.load(Ordering::Relaxed).max(0),
+                None => counters.iter().map(|c| c.live.load(Ordering::Relaxed)).sum(),
+            };
+            while t0.elapsed().as_secs_f64() + every <= secs {
+                std::thread::sleep(Duration::from_secs_f64(every));
+                let growths = pool.as_ref().map_or(0, |p| p.stats().upstream_growths);
+                println!(
+                    "  {:6.1} s: peak reserved {:.0} MiB, live {:.0} MiB ({}), {growths} growths",
+                    t0.elapsed().as_secs_f64(),
+                    made.reserved() as f64 / (1 << 20) as f64,
+                    live_now() as f64 / (1 << 20) as f64,
+                    if exact_live { "peak" } else { "now" },
+                );
+            }
+            std::thread::sleep(Duration::from_secs_f64((secs - t0.elapsed().as_secs_f64()).max(0.0)));
+        }
+        None => std::thread::sleep(Duration::from_secs_f64(secs)),
+    }
     let end = snapshot();
     let stats1 = pool.as_ref().map(|p| p.stats());
     let elapsed = t0.elapsed().as_secs_f64();
     peak_reserved = peak_reserved.max(made.reserved());
     sampling.store(false, Ordering::Relaxed);
-    let peak_live = sampler.join().unwrap();
+    let sampled = sampler.join().unwrap();
+    let peak_live = match &*exact {
+        Some((_, peak)) => peak.load(Ordering::Relaxed).max(0) as usize,
+        None => sampled,
+    };
     stop.store(true, Ordering::Relaxed);
     for h in handles {
         h.join().unwrap();
@@ -383,6 +478,7 @@ fn run_mt(
         }),
         peak_live,
         peak_reserved,
+        own_peaks: counters.iter().map(|c| c.own_peak.load(Ordering::Relaxed).max(0) as usize).sum(),
         whole_run: pool.as_ref().map(|p| {
             let s = p.stats();
             [s.upstream_growths, s.completed_steals, s.cross_stream_waits, s.synchronizations]
@@ -426,7 +522,9 @@ fn main() {
             eprintln!(
                 "no CUDA driver ({e}): running on the simulated device; these numbers measure the simulator and the host"
             );
-            let sim: BackendRef = SimDevice::new(64 << 30);
+            let sim = SimDevice::new(64 << 30);
+            sim.set_eager(a.sim_eager);
+            let sim: BackendRef = sim;
             let d = sim.describe();
             (sim, d)
         }
@@ -446,7 +544,7 @@ fn main() {
             let runs: Vec<MtResult> = (0..a.reps)
                 .map(|_| {
                     let made = make(name, &backend, a.events_every, a.headroom);
-                    run_mt(&made, &backend, t, a.secs, a.same_sizes, a.handoff)
+                    run_mt(&made, &backend, t, &a)
                 })
                 .collect();
             let rate = median(runs.iter().map(|r| r.allocs_per_sec).collect());
@@ -469,8 +567,17 @@ fn main() {
                 })
                 .expect("at least one round");
             let (live, reserved) = (worst.peak_live, worst.peak_reserved);
+            let own = if a.handoff || t == 1 {
+                String::new()
+            } else {
+                format!(
+                    "; the threads' own peaks sum to {:.2} times the peak live",
+                    worst.own_peaks as f64 / live.max(1) as f64
+                )
+            };
             let ratio = if reserved == 0 { f64::NAN } else { reserved as f64 / live.max(1) as f64 };
             let workload = if a.handoff { "handoff" } else { "window" };
+            let counted = if a.exact_live { "exact" } else { "sampled" };
             let whole = match worst.whole_run {
                 Some([g, st, w, sy]) => {
                     format!("; whole run of that round: {g} growths, {st} completed steals, {w} waits, {sy} syncs")
@@ -479,14 +586,15 @@ fn main() {
             };
             println!(
                 "{workload} {name:<8} T={t:<2}  {:8.3} M allocs/s  {ns:8.1} ns/op/thread  slowest {share:.2}  \
-                 reserved/live {ratio:.2} ({:.0}/{:.0} MiB, worst round)  \
-                 (least on CPU {on_cpu:.2} of the window; per CPU-second, slowest {per_cpu:.2}{counts}{whole})",
+                 reserved/live {ratio:.2} ({:.0}/{:.0} MiB, worst round, live {counted})  \
+                 (least on CPU {on_cpu:.2} of the window; per CPU-second, slowest {per_cpu:.2}{counts}{whole}{own})",
                 rate / 1e6,
                 reserved as f64 / (1 << 20) as f64,
                 live as f64 / (1 << 20) as f64,
             );
             json.push(format!(
-                r#"{{"workload":"{workload}","resource":"{name}","threads":{t},"allocs_per_sec":{rate:.0},"ns_per_op_per_thread":{ns:.1},"slowest_share":{share:.3},"least_on_cpu":{on_cpu:.3},"slowest_per_cpu_share":{per_cpu:.3},"peak_live_bytes":{live},"peak_reserved_bytes":{reserved}}}"#
+                r#"{{"workload":"{workload}","resource":"{name}","threads":{t},"allocs_per_sec":{rate:.0},"ns_per_op_per_thread":{ns:.1},"slowest_share":{share:.3},"least_on_cpu":{on_cpu:.3},"slowest_per_cpu_share":{per_cpu:.3},"peak_live_bytes":{live},"live_counted":"{counted}","peak_reserved_bytes":{reserved},"threads_own_peaks_bytes":{}}}"#,
+                worst.own_peaks
             ));
         }
     }

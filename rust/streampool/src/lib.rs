@@ -11,6 +11,7 @@
 //! * The resources: [`CudaAsyncMemoryResource`] (the recommended default: the driver's
 //!   pool), [`CudaMemoryResource`], [`ManagedMemoryResource`],
 //!   [`PinnedHostMemoryResource`].
+//! * [`ipc`]: memory of an exportable pool shared with another process.
 //!
 //! ## Quick start (runs on the simulated device; drop the first two lines on a GPU)
 //!
@@ -30,9 +31,14 @@
 //! ```
 
 pub mod adaptors;
+pub(crate) mod clock;
 pub mod device;
 pub mod error;
+pub mod harness;
+pub mod ipc;
+pub mod kernels;
 pub mod managed;
+pub mod nvtx;
 pub mod resource;
 pub mod resources;
 pub mod size;
@@ -45,7 +51,9 @@ pub use adaptors::{
     PrefetchAdaptor, StackCapture, Statistics, StatisticsAdaptor, TrackingAdaptor, LOG_HEADER,
 };
 pub use error::{drop_errors, record_drop_error, DropErrors, Error, Result};
-pub use resource::{check_depth, Allocation, MemoryKind, MemoryResource, ResourceRef, ALIGNMENT, MAX_DEPTH};
+pub use resource::{
+    check_depth, Allocation, Footprint, MemoryKind, MemoryResource, ResourceRef, ALIGNMENT, MAX_DEPTH,
+};
 pub use resources::{
     AsyncPoolOptions, CudaAsyncManagedMemoryResource, CudaAsyncMemoryResource, CudaMemoryResource,
     ManagedMemoryResource, PinnedHostMemoryResource,

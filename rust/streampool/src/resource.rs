@@ -70,6 +70,27 @@ pub enum MemoryKind {
     PinnedHost,
 }
 
+/// What a resource holds from the device, for reports of reserved against live bytes
+/// ([`MemoryResource::footprint`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Footprint {
+    /// Bytes held now.
+    pub reserved_bytes: usize,
+    /// The most bytes held since the resource was made or since
+    /// [`MemoryResource::reset_peak_footprint`].
+    pub peak_reserved_bytes: usize,
+    /// Device synchronisations the resource made so far, where it counts them.
+    pub synchronizations: Option<u64>,
+    /// Waits it inserted into one stream on another's work so far, where it counts them.
+    pub waits: Option<u64>,
+    /// Events it recorded so far (`cuEventRecord`), where it counts them.
+    pub events_recorded: Option<u64>,
+    /// Events it queried so far (`cuEventQuery`), where it counts them.
+    pub event_queries: Option<u64>,
+    /// Times it grew from its upstream so far, where it counts them.
+    pub growths: Option<u64>,
+}
+
 /// A source of stream-ordered memory. See the module docs for the contract.
 ///
 /// Implementations are `Send + Sync`: any thread may allocate, and any thread may free
@@ -94,6 +115,17 @@ pub trait MemoryResource: Send + Sync + fmt::Debug {
     fn depth(&self) -> usize {
         1
     }
+
+    /// What the resource (for an adaptor: the pool beneath it) holds from the device:
+    /// `None` for resources that do not hold memory beyond what they hand out (the plain
+    /// ones) or cannot tell. The sharded pool and the driver's pool report it.
+    fn footprint(&self) -> Option<Footprint> {
+        None
+    }
+
+    /// Starts a new peak for [`Footprint::peak_reserved_bytes`] where the resource can
+    /// (the driver's pool: its reserved high-water mark is reset to what it holds now).
+    fn reset_peak_footprint(&self) {}
 
     /// Allocates `bytes > 0` bytes ordered on `stream` (already checked to belong to this
     /// resource's backend and device).

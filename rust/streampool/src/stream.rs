@@ -308,6 +308,16 @@ impl Stream {
         self.check(&event.backend, event.device)?;
         event.backend.stream_wait_event(event.device, self.handle(), event.raw)
     }
+
+    /// Orders all later work on this stream, a stream of `device`, after the work enqueued
+    /// on `on` (a stream of `on_device`, which may be another device: `cuStreamWaitEvent`
+    /// takes events of other devices) so far.
+    pub fn wait_for(&self, backend: &BackendRef, device: i32, on: &Stream, on_device: i32) -> Result<()> {
+        self.check(backend, device)?;
+        let event = Event::new(backend, on_device)?;
+        event.record(on)?;
+        backend.stream_wait_event(device, self.handle(), event.raw)
+    }
 }
 
 /// The calling thread's key of the default stream `handle`: the legacy one's, or its own

@@ -338,7 +338,10 @@ fn the_limit_is_never_exceeded_under_8_threads() {
                     }
                     assert!(mr.allocated_bytes() <= LIMIT);
                     assert!(metered.in_use.load(Ordering::SeqCst) <= LIMIT);
-                    if held.len() > 3 || (x & 1 == 0 && !held.is_empty()) {
+                    // Up to 12 held, a twelfth of the limit on average: each thread reaches
+                    // the limit by itself (70-150 refusals each, run alone), so the check
+                    // below holds however the threads happen to overlap.
+                    if held.len() >= 12 || (x & 7 == 0 && !held.is_empty()) {
                         let (p, n) = held.swap_remove((x >> 40) as usize % held.len());
                         mr.deallocate(p, n, &s).unwrap();
                     }

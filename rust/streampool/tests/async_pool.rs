@@ -39,8 +39,12 @@ fn a_current_pool_someone_else_set_is_used_and_left_alone() {
 #[test]
 fn options_make_an_owned_pool_primed_and_kept() {
     let (_sim, b) = sim();
-    let opts =
-        AsyncPoolOptions { initial_pool_size: Some(32 << 20), release_threshold: None, enable_ipc: true };
+    let opts = AsyncPoolOptions {
+        initial_pool_size: Some(32 << 20),
+        release_threshold: None,
+        enable_ipc: true,
+        ..Default::default()
+    };
     let mr = CudaAsyncMemoryResource::on(b.clone(), 0, opts).unwrap();
     let pool = mr.pool_handle();
     assert!(mr.owns_pool());

@@ -260,7 +260,7 @@ macro_rules! conformance {
 conformance! {
     cuda_async_current_pool => |b| Arc::new(streampool::CudaAsyncMemoryResource::on(b, 0, Default::default()).unwrap());
     cuda_async_own_pool => |b| Arc::new(streampool::CudaAsyncMemoryResource::on(b, 0, streampool::AsyncPoolOptions {
-        initial_pool_size: Some(8 << 20), release_threshold: None, enable_ipc: true }).unwrap());
+        initial_pool_size: Some(8 << 20), release_threshold: None, enable_ipc: true, ..Default::default() }).unwrap());
     cuda_async_view => |b| {
         let pool = b.pool_create(0, &Default::default()).unwrap();
         Arc::new(streampool::CudaAsyncMemoryResource::view(b, 0, pool).unwrap())
@@ -280,6 +280,7 @@ conformance! {
         Arc::new(streampool::ManagedMemoryResource::on(b, 0)), streampool::PoolOptions {
             maximum_pool_size: Some(200 << 20), release_threshold: Some(8 << 20), ..Default::default() }).unwrap());
     statistics => |b| Arc::new(streampool::StatisticsAdaptor::new(async_mr(b)).unwrap());
+    latency_histogram => |b| Arc::new(streampool::adaptors::LatencyHistogramAdaptor::new(async_mr(b)).unwrap());
     tracking => |b| Arc::new(streampool::TrackingAdaptor::new(async_mr(b), None).unwrap());
     tracking_with_backtraces => |b| Arc::new(streampool::TrackingAdaptor::with_backtraces(async_mr(b)).unwrap());
     logging => |b| logging_over(async_mr(b), Some(streampool::LogSink::Callback(Arc::new(|_| Ok(())))));

@@ -163,6 +163,7 @@ fn an_own_managed_pool_allocates_and_its_memory_reads_back() {
         initial_pool_size: Some(32 * MIB),
         release_threshold: Some(64 * MIB),
         enable_ipc: false,
+        ..Default::default()
     };
     let Some(mr) = managed_pool(&b, opts) else { return };
     assert!(mr.owns_pool());

@@ -11,6 +11,7 @@
 //! | [`PrefetchAdaptor`] | `PrefetchResourceAdaptor` | prefetches managed memory to the device on the allocating stream |
 //! | [`BinningMemoryResource`] | `BinningMemoryResource` | size classes routed to different resources |
 //! | [`FixedSizeMemoryResource`] | `FixedSizeMemoryResource` | fixed-size blocks carved from upstream chunks (the binning resource's default bin) |
+//! | [`LatencyHistogramAdaptor`] | `LatencyHistogramAdaptor` | per-call latency histograms of allocate and deallocate; NVTX ranges with `STREAMPOOL_NVTX=1` |
 //!
 //! Every adaptor reports its upstream's backend, device and memory kind, and holds no
 //! lock across a call into its upstream or into a callback.
@@ -24,6 +25,7 @@
 mod binning;
 mod failure_callback;
 mod fixed_size;
+mod latency;
 mod limiting;
 mod logging;
 mod prefetch;
@@ -33,6 +35,7 @@ mod tracking;
 pub use binning::{size_exponent_error, BinningMemoryResource, MAX_SIZE_EXPONENT};
 pub use failure_callback::{FailureCallback, FailureCallbackAdaptor};
 pub use fixed_size::FixedSizeMemoryResource;
+pub use latency::{Histogram, LatencyHistogramAdaptor, LatencyHistograms};
 pub use limiting::LimitingAdaptor;
 pub use logging::{parse_log, LogAction, LogCallback, LogEvent, LogSink, LoggingAdaptor, LOG_HEADER};
 pub use prefetch::PrefetchAdaptor;
@@ -176,6 +179,12 @@ macro_rules! upstream_properties {
         }
         fn name(&self) -> &str {
             $name
+        }
+        fn footprint(&self) -> Option<crate::resource::Footprint> {
+            self.upstream.footprint()
+        }
+        fn reset_peak_footprint(&self) {
+            self.upstream.reset_peak_footprint()
         }
     };
 }

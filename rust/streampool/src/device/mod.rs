@@ -15,11 +15,15 @@
 //!
 //! Which backend new objects use is decided by [`backend()`]: the simulated device that
 //! is active in this process (see [`sim::SimDevice::activate`]), else a process-wide
-//! simulated device when `STREAMPOOL_DEVICE=sim` (its capacity `STREAMPOOL_SIM_CAPACITY`,
-//! else [`sim::default_capacity`]), else the CUDA driver. Every object
+//! simulated device when `STREAMPOOL_DEVICE=sim` (its capacity per device
+//! `STREAMPOOL_SIM_CAPACITY`, else [`sim::default_capacity`]; its number of devices
+//! `STREAMPOOL_SIM_DEVICES`, else 1), else the CUDA driver. Every object
 //! remembers the backend it was made on; mixing objects of two backends is refused.
 
+use std::ffi::CStr;
 use std::fmt;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{Error, Result};
@@ -35,6 +39,17 @@ pub type RawStream = u64;
 pub type RawEvent = u64;
 /// A memory pool handle (`CUmemoryPool` as an integer).
 pub type RawPool = u64;
+/// A loaded module handle (`CUmodule` as an integer).
+pub type RawModule = u64;
+/// A kernel handle (`CUfunction` as an integer).
+pub type RawFunction = u64;
+
+/// What `cuMemPoolExportPointer` writes (`CUmemPoolPtrExportData`): 64 opaque bytes that
+/// name one allocation of an exported pool, to be given to `cuMemPoolImportPointer` in
+/// another process.
+pub type PtrExportData = [u8; PTR_EXPORT_DATA_BYTES];
+/// The size of [`PtrExportData`].
+pub const PTR_EXPORT_DATA_BYTES: usize = 64;
 
 /// The legacy default stream (`0`, which the driver also names `CU_STREAM_LEGACY` = 1).
 pub const LEGACY_STREAM: RawStream = 0;
@@ -164,7 +179,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// `cuMemAlloc`.
     fn mem_alloc(&self, dev: i32, bytes: usize) -> Result<DevPtr>;
-    /// `cuMemFree` (waits for the whole device).
+    /// `cuMemFree` (waits for the whole device): of `mem_alloc` and `mem_alloc_managed`
+    /// memory, and of a pointer from `pool_import_pointer`.
     fn mem_free(&self, dev: i32, ptr: DevPtr) -> Result<()>;
     /// `cuMemAllocManaged` with `CU_MEM_ATTACH_GLOBAL`.
     fn mem_alloc_managed(&self, dev: i32, bytes: usize) -> Result<DevPtr>;
@@ -277,6 +293,88 @@ pub trait Backend: Send + Sync + fmt::Debug {
     ) -> Result<Option<Location>>;
     /// `cuCtxSynchronize`.
     fn ctx_synchronize(&self, dev: i32) -> Result<()>;
+
+    // Sharing pool memory between processes (POSIX file descriptors). The rules, as the
+    // driver states them: only a pool created with `PoolProps::posix_fd_ipc` can be
+    // exported; the imported memory must not be used before its allocation has completed
+    // in the exporting process; the importer frees its pointer (`mem_free`, which is
+    // `cuMemFree`) before the exporter frees the allocation, which stays alive until then.
+    // An imported pool allocates nothing; `pool_destroy` releases it.
+
+    /// `cuMemPoolExportToShareableHandle` with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`:
+    /// a new file descriptor naming the pool, which the caller owns (and closes once it
+    /// has been sent). The driver refuses a pool made without `posix_fd_ipc`.
+    fn pool_export_fd(&self, dev: i32, pool: RawPool) -> Result<OwnedFd>;
+    /// `cuMemPoolImportFromShareableHandle`: the pool that `fd` (from another process's
+    /// [`Backend::pool_export_fd`], passed over a Unix socket) names, as a pool handle of
+    /// this process. The descriptor stays the caller's.
+    fn pool_import_fd(&self, dev: i32, fd: BorrowedFd<'_>) -> Result<RawPool>;
+    /// `cuMemPoolExportPointer`: the data that names the allocation starting at `ptr` (of
+    /// an exportable pool) to importers of that pool.
+    fn pool_export_pointer(&self, dev: i32, ptr: DevPtr) -> Result<PtrExportData>;
+    /// `cuMemPoolImportPointer`: the address, in this process, of the allocation that
+    /// `data` names in the imported `pool`. Freed with [`Backend::mem_free`].
+    fn pool_import_pointer(&self, dev: i32, pool: RawPool, data: &PtrExportData) -> Result<DevPtr>;
+
+    /// `cuModuleLoadData`: loads `image` (PTX text, JIT-compiled by the driver) into
+    /// `dev`'s context. Modules are never unloaded (the crate loads each once per device;
+    /// see [`crate::kernels`]). The simulated device accepts PTX whose `.entry` kernels
+    /// it models (streampool's own), and refuses any other.
+    fn module_load_data(&self, dev: i32, image: &CStr) -> Result<RawModule>;
+    /// `cuModuleGetFunction`: the kernel `name` of a loaded module.
+    fn module_get_function(&self, dev: i32, module: RawModule, name: &CStr) -> Result<RawFunction>;
+    /// `cuLaunchKernel` on a 1-D grid of `grid` blocks of `block` threads, no dynamic
+    /// shared memory, each of `params` one 64-bit kernel parameter.
+    ///
+    /// # Safety
+    /// 1. `params` are exactly the kernel's parameters (count and meaning), and every
+    ///    address among them that the kernel touches is memory of the size it assumes, on
+    ///    `dev`, ordered on `stream` (the simulated device checks this and refuses
+    ///    anything else; the driver cannot).
+    unsafe fn launch_kernel(
+        &self,
+        dev: i32,
+        function: RawFunction,
+        grid: u32,
+        block: u32,
+        params: &[u64],
+        stream: RawStream,
+    ) -> Result<()>;
+
+    // Several devices: peer access and copies between devices.
+
+    /// `cuDeviceCanAccessPeer`: whether device `dev` can access memory of device `peer`
+    /// directly (false for `dev == peer`: a device is not its own peer).
+    fn device_can_access_peer(&self, dev: i32, peer: i32) -> Result<bool>;
+    /// `cuCtxEnablePeerAccess` from `dev`'s primary context to `peer`'s: memory `peer`
+    /// allocated with `cuMemAlloc` becomes accessible to work on `dev`. Pool memory does not
+    /// follow it ([`Backend::pool_set_access`] does that). Enabling it again is no error.
+    fn ctx_enable_peer_access(&self, dev: i32, peer: i32) -> Result<()>;
+    /// `cuMemPoolSetAccess` for one device: read-write access (`enabled`) or none, from
+    /// work on device `accessor`, to the memory of `pool` (a pool of device `dev`), current
+    /// and future allocations alike.
+    fn pool_set_access(&self, dev: i32, pool: RawPool, accessor: i32, enabled: bool) -> Result<()>;
+    /// `cuMemPoolGetAccess`: whether work on device `accessor` may read and write the memory
+    /// of `pool` (a pool of device `dev`); always true for `accessor == dev`.
+    fn pool_get_access(&self, dev: i32, pool: RawPool, accessor: i32) -> Result<bool>;
+    /// `cuMemcpyPeerAsync` on `stream` (a stream of device `dev`): `bytes` from `src`, memory
+    /// of device `src_dev`, to `dst`, memory of device `dst_dev`. Needs no peer access: the
+    /// driver stages the copy through the host where the devices cannot reach each other.
+    ///
+    /// # Safety
+    /// 1. `src` is readable and `dst` writable for `bytes` bytes until the copy has
+    ///    completed, and nothing accesses `dst` unordered with the copy.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn memcpy_peer_async(
+        &self,
+        dev: i32,
+        dst: DevPtr,
+        dst_dev: i32,
+        src: DevPtr,
+        src_dev: i32,
+        bytes: usize,
+        stream: RawStream,
+    ) -> Result<()>;
 }
 
 /// A shared handle to a backend.
@@ -284,6 +382,17 @@ pub type BackendRef = Arc<dyn Backend>;
 
 static ACTIVE_SIM: Mutex<Option<Arc<sim::SimDevice>>> = Mutex::new(None);
 static ENV_SIM: OnceLock<Option<Arc<sim::SimDevice>>> = OnceLock::new();
+/// Counts the changes of the active simulated device (see [`backend_epoch`]).
+static BACKEND_EPOCH: AtomicU64 = AtomicU64::new(0);
+
+/// A number that changes whenever what [`backend`] gives may have changed (a simulated
+/// device entered or exited): callers that keep the backend (the C entry points, which
+/// cannot afford [`backend`]'s lock on every call) read it with one load and look the
+/// backend up again when it differs.
+#[inline]
+pub fn backend_epoch() -> u64 {
+    BACKEND_EPOCH.load(Ordering::Acquire)
+}
 
 /// The backend that new objects use now (see the module docs for the order). A value of
 /// `STREAMPOOL_DEVICE` that names no backend is an [`Error::InvalidArgument`] here, at the
@@ -354,7 +463,19 @@ fn env_sim() -> Result<Option<Arc<sim::SimDevice>>> {
             .map_err(|e| Error::invalid(format!("STREAMPOOL_SIM_CAPACITY: {e}")))?,
         Err(_) => sim::default_capacity(),
     };
-    Ok(ENV_SIM.get_or_init(|| Some(sim::SimDevice::new(capacity))).clone())
+    let devices = match std::env::var("STREAMPOOL_SIM_DEVICES") {
+        Ok(s) => {
+            s.trim().parse::<i32>().ok().filter(|n| (1..=sim::MAX_DEVICES).contains(n)).ok_or_else(|| {
+                Error::invalid(format!(
+                "the environment variable STREAMPOOL_SIM_DEVICES is {s:?}; it must be a number of devices \
+                 from 1 to {}",
+                sim::MAX_DEVICES
+            ))
+            })?
+        }
+        Err(_) => 1,
+    };
+    Ok(ENV_SIM.get_or_init(|| Some(sim::SimDevice::with_devices(capacity, devices))).clone())
 }
 
 pub(crate) fn set_active_sim(sim: Option<Arc<sim::SimDevice>>) -> Result<()> {
@@ -366,6 +487,7 @@ pub(crate) fn set_active_sim(sim: Option<Arc<sim::SimDevice>>) -> Result<()> {
         )));
     }
     *slot = sim;
+    BACKEND_EPOCH.fetch_add(1, Ordering::AcqRel);
     Ok(())
 }
 

@@ -7,7 +7,7 @@ use std::ops::Deref;
 
 use crate::device::{BackendRef, DevPtr, DeviceInfo, PoolAttr, PoolProps, RawPool};
 use crate::error::{Error, Result};
-use crate::resource::{out_of_memory, MemoryKind, MemoryResource};
+use crate::resource::{out_of_memory, Footprint, MemoryKind, MemoryResource};
 use crate::stream::Stream;
 
 /// Options that make [`CudaAsyncMemoryResource`] (or [`CudaAsyncManagedMemoryResource`])
@@ -21,6 +21,9 @@ pub struct AsyncPoolOptions {
     /// Allow exporting the pool's memory to other processes (POSIX file descriptors). Not
     /// for managed pools.
     pub enable_ipc: bool,
+    /// Other devices whose work may read and write the pool's memory
+    /// ([`CudaAsyncMemoryResource::set_peer_access`]).
+    pub peer_access: Vec<i32>,
 }
 
 impl AsyncPoolOptions {
@@ -122,6 +125,9 @@ impl CudaAsyncMemoryResource {
         let mr = Self { backend, device, pool, owns_pool: true, managed, name };
         let threshold = options.release_threshold.map_or(u64::MAX, |t| t as u64);
         mr.backend.pool_set_attr(device, pool, PoolAttr::ReleaseThreshold, threshold)?;
+        for &peer in &options.peer_access {
+            mr.set_peer_access(peer, true)?;
+        }
         if let Some(init) = options.initial_pool_size.filter(|&n| n > 0) {
             let stream = Stream::legacy();
             let ptr = mr.allocate(init, &stream)?;
@@ -183,6 +189,49 @@ impl CudaAsyncMemoryResource {
         self.backend.pool_trim_to(self.device, self.pool, keep_bytes)
     }
 
+    /// Grants (or withdraws) read-write access to the pool's memory, present and future, from
+    /// work on device `peer` (`cuMemPoolSetAccess`), so that kernels and copies there may use
+    /// it. Pool memory does not follow the context-wide `cuCtxEnablePeerAccess`: this is the
+    /// switch. `peer` must exist, differ from the pool's own device (which always has access)
+    /// and, to be granted, be able to reach it (`cuDeviceCanAccessPeer`); otherwise
+    /// [`Error::InvalidArgument`] naming both devices.
+    pub fn set_peer_access(&self, peer: i32, enabled: bool) -> Result<()> {
+        let count = self.backend.device_count()?;
+        let device = self.device;
+        if !(0..count).contains(&peer) {
+            return Err(Error::invalid(format!(
+                "peer device {peer} does not exist on {} ({count} device{}); the pool is on device {device}",
+                self.backend.describe(),
+                if count == 1 { "" } else { "s" }
+            )));
+        }
+        if peer == device {
+            return Err(Error::invalid(format!(
+                "device {peer} is the pool's own device, which always has access; peer access names other devices"
+            )));
+        }
+        if enabled && !self.backend.device_can_access_peer(peer, device)? {
+            return Err(Error::invalid(format!(
+                "device {peer} cannot access memory of device {device} (the driver reports no peer path \
+                 between them: cuDeviceCanAccessPeer); copy the data to device {peer} instead \
+                 (DeviceBuffer.copy_to_device)"
+            )));
+        }
+        self.backend.pool_set_access(device, self.pool, peer, enabled)
+    }
+
+    /// The devices other than the pool's own that may read and write its memory
+    /// (`cuMemPoolGetAccess`), in order.
+    pub fn peer_access(&self) -> Result<Vec<i32>> {
+        let mut peers = Vec::new();
+        for peer in (0..self.backend.device_count()?).filter(|&d| d != self.device) {
+            if self.backend.pool_get_access(self.device, self.pool, peer)? {
+                peers.push(peer);
+            }
+        }
+        Ok(peers)
+    }
+
     fn attr(&self, attr: PoolAttr) -> Result<usize> {
         let v = self.backend.pool_get_attr(self.device, self.pool, attr)?;
         Ok(usize::try_from(v).unwrap_or(usize::MAX))
@@ -230,6 +279,21 @@ impl MemoryResource for CudaAsyncMemoryResource {
 
     fn do_deallocate(&self, ptr: DevPtr, _bytes: usize, stream: &Stream) -> Result<()> {
         self.backend.free_async(self.device, ptr, stream.handle())
+    }
+
+    /// The pool's reserved bytes and their high-water mark (the driver counts neither
+    /// synchronisations nor waits; for a shared pool, other users' memory is included).
+    fn footprint(&self) -> Option<Footprint> {
+        Some(Footprint {
+            reserved_bytes: self.attr(PoolAttr::ReservedMemCurrent).ok()?,
+            peak_reserved_bytes: self.attr(PoolAttr::ReservedMemHigh).ok()?,
+            ..Default::default()
+        })
+    }
+
+    fn reset_peak_footprint(&self) {
+        // Setting the high-water mark to 0 resets it to the current value (the driver's rule).
+        let _ = self.backend.pool_set_attr(self.device, self.pool, PoolAttr::ReservedMemHigh, 0);
     }
 }
 
@@ -374,6 +438,12 @@ impl MemoryResource for CudaAsyncManagedMemoryResource {
     }
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
         self.inner.do_deallocate(ptr, bytes, stream)
+    }
+    fn footprint(&self) -> Option<Footprint> {
+        self.inner.footprint()
+    }
+    fn reset_peak_footprint(&self) {
+        self.inner.reset_peak_footprint()
     }
 }
 

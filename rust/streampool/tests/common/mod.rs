@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use streampool::device::sim::SimDevice;
 use streampool::device::BackendRef;
-use streampool::{PoolStats, Stream};
+use streampool::{MemoryResource, PoolStats, Stream};
 
 /// A simulated device of 256 MiB, and the same as a backend.
 pub fn sim() -> (Arc<SimDevice>, BackendRef) {
@@ -54,4 +54,16 @@ pub fn assert_no_races(sim: &SimDevice) {
     sim.run();
     let races = sim.races();
     assert!(races.is_empty(), "{} races, first: {}", races.len(), races[0]);
+}
+
+/// One round of the gathering tests on `s`: 4 MiB written on `s` and 256 bytes, freed in
+/// that order on `s` (the first free records the event the pool asked for; the second is
+/// covered by none).
+pub fn write_and_free_two(sim: &SimDevice, pool: &dyn MemoryResource, s: &Stream) {
+    const MIB: usize = 1 << 20;
+    let p = pool.allocate(4 * MIB, s).unwrap();
+    let q = pool.allocate(256, s).unwrap();
+    sim.write(s.handle(), p, 4 * MIB).unwrap();
+    pool.deallocate(q, 256, s).unwrap();
+    pool.deallocate(p, 4 * MIB, s).unwrap();
 }

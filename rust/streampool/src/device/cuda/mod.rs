@@ -24,10 +24,13 @@
 //! crash. Every call that needs a context makes the device's primary context current on
 //! the calling thread if another one is current, and restores the caller's afterwards (a
 //! guard, as RMM's PyTorch hook does), so callers that manage their own contexts find
-//! theirs unchanged. A thread with no current context keeps the primary one, as the
-//! runtime API (and so PyTorch, CuPy and Numba) would give it. When the primary context
-//! is current this costs one `cuCtxGetCurrent`. Calls that need no context (device
-//! queries, pool attributes, `stream_device`) do not touch the current context.
+//! theirs unchanged. A thread with no current context keeps device 0's primary one, as
+//! the runtime API (and so PyTorch, CuPy and Numba) would give it; after work on another
+//! device it has none again, so that allocating on device 1 never changes which device a
+//! thread calls current. Any thread may so use any device without managing contexts.
+//! When the primary context is current this costs one `cuCtxGetCurrent`. Calls that need
+//! no context (device queries, pool attributes, `stream_device`) do not touch the current
+//! context.
 //!
 //! # Handles
 //!
@@ -49,7 +52,8 @@
 mod raw;
 
 use std::collections::HashSet;
-use std::ffi::c_void;
+use std::ffi::{c_void, CStr};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::panic::catch_unwind;
 use std::ptr;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -57,8 +61,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys;
 
 use super::{
-    Advice, Backend, BackendKind, DevPtr, DeviceInfo, Location, PoolAttr, PoolProps, RawEvent, RawPool,
-    RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM,
+    Advice, Backend, BackendKind, DevPtr, DeviceInfo, Location, PoolAttr, PoolProps, PtrExportData, RawEvent,
+    RawFunction, RawModule, RawPool, RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM,
 };
 use crate::error::{Error, Result};
 
@@ -102,6 +106,10 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemPoolTrimTo",
     "cuMemAllocFromPoolAsync",
     "cuMemFreeAsync",
+    "cuMemPoolExportToShareableHandle",
+    "cuMemPoolImportFromShareableHandle",
+    "cuMemPoolExportPointer",
+    "cuMemPoolImportPointer",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamGetCtx",
@@ -113,6 +121,15 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventRecord",
     "cuEventQuery",
     "cuEventSynchronize",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuLaunchKernel",
+    // Several devices.
+    "cuDeviceCanAccessPeer",
+    "cuCtxEnablePeerAccess",
+    "cuMemPoolSetAccess",
+    "cuMemPoolGetAccess",
+    "cuMemcpyPeerAsync",
 ];
 
 /// The first driver version with managed (unified) stream-ordered pools.
@@ -229,9 +246,15 @@ impl CudaBackend {
         }
         // SAFETY: loaded and initialised; `primary` is live (retained, never released).
         unsafe { raw::ctx_set_current(primary) }?;
-        // A thread with no context keeps the primary one, as the runtime API would give it
-        // (so later calls on it cost one `cuCtxGetCurrent`); another context is restored.
-        let restore = (!current.is_null()).then_some(current);
+        // A thread with no context keeps device 0's primary one, as the runtime API would
+        // give it (so later calls on it cost one `cuCtxGetCurrent`); another context is
+        // restored, and so is "none" after work on another device: allocating on device 1
+        // must not make device 1 the thread's current device (what `current_device`, and
+        // so the current resource, go by).
+        let restore = match (current.is_null(), device.info.ordinal) {
+            (true, 0) => None,
+            _ => Some(current),
+        };
         Ok(CtxGuard { restore })
     }
 
@@ -274,7 +297,8 @@ impl CudaBackend {
 /// `Sync`: it is dropped on the thread that made it.
 #[must_use = "the context is restored when the guard drops; bind it to a variable"]
 struct CtxGuard {
-    /// `Some(previous)` when the primary context replaced another context for the call.
+    /// `Some(previous)` when the primary context replaced another context (or none, which
+    /// is null) for the call.
     restore: Option<sys::CUcontext>,
 }
 
@@ -877,6 +901,129 @@ impl Backend for CudaBackend {
         let _ctx = self.enter(dev)?;
         // SAFETY: `dev`'s context is current.
         unsafe { raw::ctx_synchronize() }
+    }
+
+    fn pool_export_fd(&self, dev: i32, pool: RawPool) -> Result<OwnedFd> {
+        let _ctx = self.enter(dev)?;
+        // SAFETY: the pool is the caller's (the seam's contract); the driver refuses one
+        // without POSIX file-descriptor handles.
+        let fd = unsafe { raw::mem_pool_export_to_posix_fd(cu_pool(pool)) }?;
+        if fd < 0 {
+            return Err(Error::Driver {
+                call: "cuMemPoolExportToShareableHandle",
+                code: crate::error::CUDA_ERROR_INVALID_VALUE,
+                name: "CUDA_ERROR_INVALID_VALUE".into(),
+                context: format!("the driver reported success but returned file descriptor {fd}"),
+            });
+        }
+        // SAFETY: on success the driver returns a new descriptor that the caller owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    fn pool_import_fd(&self, dev: i32, fd: BorrowedFd<'_>) -> Result<RawPool> {
+        let _ctx = self.enter(dev)?;
+        // SAFETY: `dev`'s context is current; a `BorrowedFd` is open for the call.
+        let pool = unsafe { raw::mem_pool_import_from_posix_fd(fd.as_raw_fd()) }?;
+        Ok(handle_of(pool))
+    }
+
+    fn pool_export_pointer(&self, dev: i32, ptr: DevPtr) -> Result<PtrExportData> {
+        let _ctx = self.enter(dev)?;
+        // SAFETY: `dev`'s context is current; the driver reports pointers that are not
+        // the start of an exportable pool's allocation.
+        unsafe { raw::mem_pool_export_pointer(ptr) }
+    }
+
+    fn pool_import_pointer(&self, dev: i32, pool: RawPool, data: &PtrExportData) -> Result<DevPtr> {
+        let _ctx = self.enter(dev)?;
+        // SAFETY: `dev`'s context is current; the pool is an imported one and the exporter
+        // keeps the allocation alive (the seam's contract with its caller, `crate::ipc`).
+        unsafe { raw::mem_pool_import_pointer(cu_pool(pool), data) }
+    }
+
+    fn module_load_data(&self, dev: i32, image: &CStr) -> Result<RawModule> {
+        let _ctx = self.enter(dev)?;
+        // SAFETY: `dev`'s (primary) context is current, so the module belongs to it; the
+        // image is NUL-terminated.
+        let module = unsafe { raw::module_load_data(image) }?;
+        Ok(handle_of(module))
+    }
+
+    fn module_get_function(&self, dev: i32, module: RawModule, name: &CStr) -> Result<RawFunction> {
+        let _ctx = self.enter(dev)?;
+        // SAFETY: `module` came from `module_load_data` (the seam's contract: handles are
+        // the caller's), and modules are never unloaded.
+        let function = unsafe { raw::module_get_function(module as usize as sys::CUmodule, name) }?;
+        Ok(handle_of(function))
+    }
+
+    unsafe fn launch_kernel(
+        &self,
+        dev: i32,
+        function: RawFunction,
+        grid: u32,
+        block: u32,
+        params: &[u64],
+        stream: RawStream,
+    ) -> Result<()> {
+        let _ctx = self.enter(dev)?;
+        // SAFETY: `dev`'s context, where the function's module was loaded, is current;
+        // the parameters and memory are the caller's contract (this method's precondition).
+        unsafe {
+            raw::launch_kernel(function as usize as sys::CUfunction, grid, block, params, cu_stream(stream))
+        }
+    }
+
+    // Several devices: peer access and copies between devices.
+
+    fn device_can_access_peer(&self, dev: i32, peer: i32) -> Result<bool> {
+        let (device, other) = (self.device(dev)?, self.device(peer)?);
+        if dev == peer {
+            // Not asked: a device is not its own peer, whatever a driver would answer.
+            return Ok(false);
+        }
+        // SAFETY: both handles came from `cuDeviceGet`; no context needed.
+        unsafe { raw::device_can_access_peer(device.handle, other.handle) }
+    }
+
+    fn ctx_enable_peer_access(&self, dev: i32, peer: i32) -> Result<()> {
+        let peer_ctx = self.primary_ctx(self.device(peer)?)?;
+        let _ctx = self.enter(dev)?;
+        // SAFETY: `dev`'s primary context is current; `peer_ctx` is retained, never released.
+        unsafe { raw::ctx_enable_peer_access(peer_ctx) }
+    }
+
+    fn pool_set_access(&self, dev: i32, pool: RawPool, accessor: i32, enabled: bool) -> Result<()> {
+        self.device(accessor)?;
+        let _ctx = self.enter(dev)?;
+        // SAFETY: the pool is the caller's; `accessor` is a device ordinal (checked above).
+        unsafe { raw::mem_pool_set_access(cu_pool(pool), accessor, enabled) }
+    }
+
+    fn pool_get_access(&self, dev: i32, pool: RawPool, accessor: i32) -> Result<bool> {
+        self.device(accessor)?;
+        let _ctx = self.enter(dev)?;
+        // SAFETY: the pool is the caller's; `accessor` is a device ordinal (checked above).
+        unsafe { raw::mem_pool_get_access(cu_pool(pool), accessor) }
+    }
+
+    unsafe fn memcpy_peer_async(
+        &self,
+        dev: i32,
+        dst: DevPtr,
+        dst_dev: i32,
+        src: DevPtr,
+        src_dev: i32,
+        bytes: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        let dst_ctx = self.primary_ctx(self.device(dst_dev)?)?;
+        let src_ctx = self.primary_ctx(self.device(src_dev)?)?;
+        let _ctx = self.enter(dev)?;
+        // SAFETY: `dev`'s context is current, which default stream handles refer to; both
+        // contexts are retained primary ones of the devices named; the memory stays valid
+        // and ordered (this method's precondition 1).
+        unsafe { raw::memcpy_peer_async(dst, dst_ctx, src, src_ctx, bytes, cu_stream(stream)) }
     }
 }
 

@@ -669,6 +669,83 @@ pub(super) unsafe fn mem_free_async(dptr: sys::CUdeviceptr, stream: sys::CUstrea
 }
 
 // ---------------------------------------------------------------------------------------
+// Sharing pools between processes
+// ---------------------------------------------------------------------------------------
+
+/// [`cuMemPoolExportToShareableHandle`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+/// with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` (flags 0): a new file descriptor that
+/// the caller owns and must close.
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `pool` is a live pool (the driver refuses one created without POSIX file-descriptor
+///    handles).
+pub(super) unsafe fn mem_pool_export_to_posix_fd(pool: sys::CUmemoryPool) -> Result<i32> {
+    let mut fd: i32 = -1;
+    let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    // SAFETY: preconditions 1-2; for this handle type the driver writes an `int` through
+    // `handle_out`, which `fd` is.
+    check("cuMemPoolExportToShareableHandle", unsafe {
+        sys::cuMemPoolExportToShareableHandle((&mut fd as *mut i32).cast::<c_void>(), pool, kind, 0)
+    })?;
+    Ok(fd)
+}
+
+/// [`cuMemPoolImportFromShareableHandle`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+/// with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` (flags 0). The driver reads the pool
+/// through the descriptor and does not take it: the caller still closes it.
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (the device the pool lives on).
+/// 2. `fd` is an open file descriptor (the driver refuses one that names no exported pool).
+pub(super) unsafe fn mem_pool_import_from_posix_fd(fd: i32) -> Result<sys::CUmemoryPool> {
+    let mut pool = ptr::null_mut();
+    let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    // For this handle type the descriptor is passed by value, cast to a pointer (as the
+    // CUDA samples do), not through a pointer to it.
+    let handle = fd as isize as *mut c_void;
+    // SAFETY: preconditions 1-2; valid out-pointer; `handle` is never dereferenced.
+    check("cuMemPoolImportFromShareableHandle", unsafe {
+        sys::cuMemPoolImportFromShareableHandle(&mut pool, handle, kind, 0)
+    })?;
+    Ok(pool)
+}
+
+/// [`cuMemPoolExportPointer`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current.
+/// 2. `dptr` is the start of a live allocation of an exportable pool (the driver reports
+///    other pointers).
+pub(super) unsafe fn mem_pool_export_pointer(dptr: sys::CUdeviceptr) -> Result<[u8; 64]> {
+    let mut data = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
+    // SAFETY: preconditions 1-2; `data` is a valid out-pointer of the right type.
+    check("cuMemPoolExportPointer", unsafe { sys::cuMemPoolExportPointer(&mut data, dptr) })?;
+    Ok(data.reserved)
+}
+
+/// [`cuMemPoolImportPointer`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html):
+/// the imported allocation's address in this process, freed with [`mem_free`] before the
+/// exporting process frees the allocation.
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current.
+/// 2. `pool` is a pool imported with [`mem_pool_import_from_posix_fd`]; the driver reports
+///    data that names no allocation of it.
+/// 3. The exporting process keeps the allocation alive until this process has freed the
+///    returned pointer, and work here uses it only after its allocation completed there.
+pub(super) unsafe fn mem_pool_import_pointer(
+    pool: sys::CUmemoryPool,
+    data: &[u8; 64],
+) -> Result<sys::CUdeviceptr> {
+    let mut dptr = 0;
+    let mut share = sys::CUmemPoolPtrExportData { reserved: *data };
+    // SAFETY: preconditions 1-3; valid out-pointer; the driver only reads `share`.
+    check("cuMemPoolImportPointer", unsafe { sys::cuMemPoolImportPointer(&mut dptr, pool, &mut share) })?;
+    Ok(dptr)
+}
+
+// ---------------------------------------------------------------------------------------
 // Streams and events
 // ---------------------------------------------------------------------------------------
 
@@ -831,6 +908,99 @@ pub(super) unsafe fn event_synchronize(event: sys::CUevent) -> Result<()> {
 }
 
 // ---------------------------------------------------------------------------------------
+// Several devices: peer access and copies between devices
+// ---------------------------------------------------------------------------------------
+
+/// [`cuDeviceCanAccessPeer`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PEER__ACCESS.html).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `device` and `peer` came from [`device_get`].
+pub(super) unsafe fn device_can_access_peer(device: sys::CUdevice, peer: sys::CUdevice) -> Result<bool> {
+    let mut can = 0;
+    // SAFETY: preconditions 1-2; valid out-pointer.
+    check("cuDeviceCanAccessPeer", unsafe { sys::cuDeviceCanAccessPeer(&mut can, device, peer) })?;
+    Ok(can != 0)
+}
+
+/// [`cuCtxEnablePeerAccess`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PEER__ACCESS.html)
+/// from the current context to `peer` (flags 0). `CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`
+/// is success.
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (the one that gains access).
+/// 2. `peer` is a live context of another device.
+pub(super) unsafe fn ctx_enable_peer_access(peer: sys::CUcontext) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    match unsafe { sys::cuCtxEnablePeerAccess(peer, 0) } {
+        sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+        result => check("cuCtxEnablePeerAccess", result),
+    }
+}
+
+/// [`cuMemPoolSetAccess`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+/// for one device: read-write access, or none.
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `pool` is a live pool; `accessor` is a device ordinal.
+pub(super) unsafe fn mem_pool_set_access(
+    pool: sys::CUmemoryPool,
+    accessor: i32,
+    enabled: bool,
+) -> Result<()> {
+    let desc = sys::CUmemAccessDesc {
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: accessor,
+        },
+        flags: if enabled {
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        } else {
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE
+        },
+    };
+    // SAFETY: preconditions 1-2; one valid descriptor.
+    check("cuMemPoolSetAccess", unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1) })
+}
+
+/// [`cuMemPoolGetAccess`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html):
+/// true for read-write access from device `accessor`.
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `pool` is a live pool; `accessor` is a device ordinal.
+pub(super) unsafe fn mem_pool_get_access(pool: sys::CUmemoryPool, accessor: i32) -> Result<bool> {
+    let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+    let mut location =
+        sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: accessor };
+    // SAFETY: preconditions 1-2; valid out- and in-pointers.
+    check("cuMemPoolGetAccess", unsafe { sys::cuMemPoolGetAccess(&mut flags, pool, &mut location) })?;
+    Ok(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+}
+
+/// [`cuMemcpyPeerAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html).
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (for the default stream handles: the
+///    one whose stream is meant).
+/// 2. `dst_ctx` and `src_ctx` are live contexts, of the devices that own `dst` and `src`;
+///    `stream` is a default stream handle or a live stream.
+/// 3. `src` is readable and `dst` writable for `bytes` bytes until the copy has completed,
+///    and nothing accesses `dst` unordered with the copy.
+pub(super) unsafe fn memcpy_peer_async(
+    dst: sys::CUdeviceptr,
+    dst_ctx: sys::CUcontext,
+    src: sys::CUdeviceptr,
+    src_ctx: sys::CUcontext,
+    bytes: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: preconditions 1-3.
+    check("cuMemcpyPeerAsync", unsafe { sys::cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, bytes, stream) })
+}
+
+// ---------------------------------------------------------------------------------------
 // Only for tests
 // ---------------------------------------------------------------------------------------
 
@@ -858,4 +1028,79 @@ pub(super) unsafe fn ctx_create(device: sys::CUdevice) -> Result<sys::CUcontext>
 pub(super) unsafe fn ctx_destroy(ctx: sys::CUcontext) -> Result<()> {
     // SAFETY: preconditions 1-2.
     check("cuCtxDestroy", unsafe { sys::cuCtxDestroy_v2(ctx) })
+}
+
+// ---------------------------------------------------------------------------------------
+// Modules and kernels (the harness's fill, check and compute kernels, PTX through the JIT)
+// ---------------------------------------------------------------------------------------
+
+/// [`cuModuleLoadData`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html):
+/// loads a module image (here PTX text, which the driver JIT-compiles for the device)
+/// into the current context.
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (the module belongs to it).
+/// 2. `image` is NUL-terminated PTX text (the driver reads up to the NUL; a malformed
+///    image is reported, as `CUDA_ERROR_INVALID_PTX` or `CUDA_ERROR_INVALID_IMAGE`).
+pub(super) unsafe fn module_load_data(image: &CStr) -> Result<sys::CUmodule> {
+    let mut module = ptr::null_mut();
+    // SAFETY: preconditions 1-2; `module` is a valid out-pointer.
+    check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) })?;
+    Ok(module)
+}
+
+/// [`cuModuleGetFunction`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html).
+///
+/// # Safety
+/// 1. Loaded and initialised.
+/// 2. `module` came from [`module_load_data`] and was not unloaded. (A name the module
+///    lacks is reported, as `CUDA_ERROR_NOT_FOUND`.)
+pub(super) unsafe fn module_get_function(module: sys::CUmodule, name: &CStr) -> Result<sys::CUfunction> {
+    let mut function = ptr::null_mut();
+    // SAFETY: preconditions 1-2; `function` is a valid out-pointer, `name` NUL-terminated.
+    check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut function, module, name.as_ptr()) })?;
+    Ok(function)
+}
+
+/// [`cuLaunchKernel`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html)
+/// on a 1-D grid of `grid` blocks of `block` threads, no dynamic shared memory, with
+/// `params` as the kernel's parameters, each a 64-bit value.
+///
+/// # Safety
+/// 1. Loaded and initialised; the context `function`'s module was loaded in is current
+///    (for the default stream handles: the one whose stream is meant).
+/// 2. `stream` is a default stream handle or a live stream; `function` came from
+///    [`module_get_function`] of a module still loaded.
+/// 3. The kernel takes exactly `params.len()` parameters, each 8 bytes (`.u64`): the
+///    driver copies 8 bytes from each pointer it is given and cannot check the count.
+/// 4. Every address among `params` that the kernel accesses is device-accessible memory of
+///    the size the kernel assumes, and nothing else accesses it unordered with the kernel
+///    (an illegal address faults the context, which the driver reports afterwards).
+pub(super) unsafe fn launch_kernel(
+    function: sys::CUfunction,
+    grid: u32,
+    block: u32,
+    params: &[u64],
+    stream: sys::CUstream,
+) -> Result<()> {
+    // The driver reads each parameter through its pointer during the call only.
+    let mut values: Vec<u64> = params.to_vec();
+    let mut pointers: Vec<*mut c_void> = values.iter_mut().map(|v| (v as *mut u64).cast()).collect();
+    // SAFETY: preconditions 1-4; `pointers` holds one valid pointer per parameter, alive
+    // for the call; `extra` is null (parameters come through `kernelParams`).
+    check("cuLaunchKernel", unsafe {
+        sys::cuLaunchKernel(
+            function,
+            grid,
+            1,
+            1,
+            block,
+            1,
+            1,
+            0,
+            stream,
+            pointers.as_mut_ptr(),
+            ptr::null_mut(),
+        )
+    })
 }

@@ -331,6 +331,34 @@ fn gpu_own_pool_release_threshold_and_trim() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
+fn gpu_pool_memory_exports_only_from_an_ipc_pool() {
+    let Some(cuda) = gpu() else { return };
+    if !cuda.device_info(0).unwrap().posix_fd_ipc {
+        return;
+    }
+    let ipc = cuda.pool_create(0, &PoolProps { posix_fd_ipc: true, managed: false }).unwrap();
+    let ptr = cuda.pool_alloc_async(0, ipc, MIB, LEGACY_STREAM).unwrap();
+    cuda.stream_synchronize(0, LEGACY_STREAM).unwrap();
+    let fd = cuda.pool_export_fd(0, ipc).unwrap();
+    // A real descriptor of this process.
+    // SAFETY: `fcntl(F_GETFD)` only asks about the descriptor.
+    assert_ne!(unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&fd), libc::F_GETFD) }, -1);
+    let data = cuda.pool_export_pointer(0, ptr).unwrap();
+    assert_ne!(data, [0u8; 64], "export data names the allocation");
+    // The device's default pool has no IPC handles; cuMemAlloc memory is no pool's.
+    let default = cuda.pool_default(0, false).unwrap();
+    assert!(cuda.pool_export_fd(0, default).is_err());
+    let plain = cuda.mem_alloc(0, MIB).unwrap();
+    assert!(cuda.pool_export_pointer(0, plain).is_err());
+    cuda.mem_free(0, plain).unwrap();
+    drop(fd);
+    cuda.free_async(0, ptr, LEGACY_STREAM).unwrap();
+    cuda.stream_synchronize(0, LEGACY_STREAM).unwrap();
+    cuda.pool_destroy(0, ipc).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
 fn gpu_context_guard_restores_the_callers_context() {
     let Some(cuda) = gpu() else { return };
     thread::spawn(move || {
@@ -572,4 +600,92 @@ fn gpu_fallbacks_for_older_drivers() {
     old.free_async(0, ptr, stream).unwrap();
     old.stream_synchronize(0, stream).unwrap();
     cuda.stream_destroy(0, stream).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------
+// Several devices: peer access and copies between devices
+// ---------------------------------------------------------------------------------------
+
+/// `bytes` bytes at `src` (memory device `dev` may read), copied to the host on `dev`'s
+/// legacy stream and waited for.
+fn read_back_on(cuda: &CudaBackend, dev: i32, src: DevPtr, bytes: usize) -> Vec<u8> {
+    let mut host = vec![0u8; bytes];
+    // SAFETY: `host` is valid and writable for `bytes` bytes and outlives the copy: the
+    // stream is synchronised before it is returned.
+    unsafe { cuda.memcpy_async(dev, host.as_mut_ptr() as usize as u64, src, bytes, LEGACY_STREAM) }.unwrap();
+    cuda.stream_synchronize(dev, LEGACY_STREAM).unwrap();
+    host
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
+fn gpu_peer_calls_on_one_device() {
+    let Some(cuda) = gpu() else { return };
+    let count = cuda.device_count().unwrap();
+    assert!(!cuda.device_can_access_peer(0, 0).unwrap(), "a device is not its own peer");
+    assert!(matches!(cuda.device_can_access_peer(0, count), Err(Error::InvalidArgument(_))));
+    let pool = cuda.pool_create(0, &PoolProps::default()).unwrap();
+    assert!(cuda.pool_get_access(0, pool, 0).unwrap(), "the owner has access");
+    // `cuMemcpyPeerAsync` within one device is a plain copy.
+    let src = cuda.pool_alloc_async(0, pool, MIB, LEGACY_STREAM).unwrap();
+    let dst = cuda.mem_alloc(0, MIB).unwrap();
+    cuda.memset_d8_async(0, src, 0x5a, MIB, LEGACY_STREAM).unwrap();
+    // SAFETY: both are live allocations of MIB bytes, ordered on the legacy stream.
+    unsafe { cuda.memcpy_peer_async(0, dst, 0, src, 0, MIB, LEGACY_STREAM) }.unwrap();
+    assert!(read_back_on(&cuda, 0, dst, MIB).iter().all(|&b| b == 0x5a));
+    cuda.free_async(0, src, LEGACY_STREAM).unwrap();
+    cuda.mem_free(0, dst).unwrap();
+    cuda.stream_synchronize(0, LEGACY_STREAM).unwrap();
+    cuda.pool_destroy(0, pool).unwrap();
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
+fn gpu_two_devices_pool_access_and_copies() {
+    let Some(cuda) = gpu() else { return };
+    if cuda.device_count().unwrap() < 2 {
+        eprintln!("skipped: needs two GPUs, found {}", cuda.device_count().unwrap());
+        return;
+    }
+    // Work on device 1 from a thread with no context leaves it with none.
+    {
+        let cuda = cuda.clone();
+        thread::spawn(move || {
+            assert!(current_ctx().is_null());
+            let p = cuda.mem_alloc(1, MIB).unwrap();
+            cuda.mem_free(1, p).unwrap();
+            assert!(current_ctx().is_null(), "device 1's context stayed current");
+            assert_eq!(cuda.current_device().unwrap(), 0);
+        })
+        .join()
+        .unwrap();
+    }
+    // A pool of device 0, its memory written there and copied to device 1 with
+    // `cuMemcpyPeerAsync`, which needs no access.
+    let pool = cuda.pool_create(0, &PoolProps::default()).unwrap();
+    let src = cuda.pool_alloc_async(0, pool, MIB, LEGACY_STREAM).unwrap();
+    cuda.memset_d8_async(0, src, 0x3c, MIB, LEGACY_STREAM).unwrap();
+    cuda.stream_synchronize(0, LEGACY_STREAM).unwrap();
+    let dst = cuda.mem_alloc(1, MIB).unwrap();
+    // SAFETY: both live, MIB bytes; the source was synchronised above.
+    unsafe { cuda.memcpy_peer_async(1, dst, 1, src, 0, MIB, LEGACY_STREAM) }.unwrap();
+    assert!(read_back_on(&cuda, 1, dst, MIB).iter().all(|&b| b == 0x3c));
+    // Granted to device 1, the pool's memory is read by device 1's own copy.
+    if cuda.device_can_access_peer(1, 0).unwrap() {
+        assert!(!cuda.pool_get_access(0, pool, 1).unwrap());
+        cuda.pool_set_access(0, pool, 1, true).unwrap();
+        assert!(cuda.pool_get_access(0, pool, 1).unwrap());
+        assert!(read_back_on(&cuda, 1, src, MIB).iter().all(|&b| b == 0x3c));
+        cuda.pool_set_access(0, pool, 1, false).unwrap();
+        assert!(!cuda.pool_get_access(0, pool, 1).unwrap());
+        // Peer access between contexts, enabled twice (the second is no error).
+        cuda.ctx_enable_peer_access(1, 0).unwrap();
+        cuda.ctx_enable_peer_access(1, 0).unwrap();
+    } else {
+        eprintln!("devices 1 and 0 cannot reach each other: pool access not tested");
+    }
+    cuda.free_async(0, src, LEGACY_STREAM).unwrap();
+    cuda.stream_synchronize(0, LEGACY_STREAM).unwrap();
+    cuda.mem_free(1, dst).unwrap();
+    cuda.pool_destroy(0, pool).unwrap();
 }

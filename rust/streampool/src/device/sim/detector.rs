@@ -36,6 +36,8 @@ pub enum OpKind {
     EventRecord,
     /// A wait on other streams' work: `cuStreamWaitEvent`, or one the pool model inserts.
     Wait,
+    /// `cuLaunchKernel` of one of streampool's kernels (labelled with its name).
+    Kernel,
 }
 
 impl fmt::Display for OpKind {
@@ -48,6 +50,7 @@ impl fmt::Display for OpKind {
             OpKind::Prefetch => "prefetch",
             OpKind::EventRecord => "event record",
             OpKind::Wait => "wait",
+            OpKind::Kernel => "kernel",
         })
     }
 }

@@ -32,6 +32,8 @@ pub(super) enum Work {
     Copy { dst: u64, src: u64, bytes: usize, dst_sim: bool, src_sim: bool },
     /// A kernel that reads simulated memory.
     Read { ptr: u64, bytes: usize },
+    /// One of streampool's kernels (`cuLaunchKernel`), which computes on the memory.
+    Kernel(super::kernel::Launch),
     /// Prefetches, event records and waits touch no memory.
     Nothing,
 }
@@ -53,6 +55,7 @@ impl Work {
                 }
                 v
             }
+            Work::Kernel(ref launch) => launch.accesses(),
             Work::Nothing => Vec::new(),
         }
     }
@@ -217,6 +220,11 @@ impl State {
                             bytes,
                         )
                     }
+                }
+            }
+            Work::Kernel(ref launch) => {
+                if launch.accesses().iter().all(|&(s, e, _)| self.backed(s, (e - s) as usize)) {
+                    launch.run();
                 }
             }
             Work::Read { .. } | Work::Nothing => {}

@@ -2,6 +2,7 @@
 //! memory, and the map of live allocations that every call is validated against.
 
 use std::alloc::Layout;
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 use super::{host_refused, oom, State};
 use crate::device::{DevPtr, Location, RawPool};
@@ -15,7 +16,9 @@ pub(super) fn round_up(bytes: usize, to: usize) -> Option<usize> {
     bytes.checked_add(to - 1).map(|b| b / to * to)
 }
 
-/// A zeroed host allocation aligned to [`ALIGN`], freed on drop.
+/// Host memory standing in for device memory, released on drop: a zeroed heap allocation
+/// aligned to [`ALIGN`], or a shared mapping of a file (an exportable pool's chunk, or
+/// memory imported from another process; see module `ipc`).
 ///
 /// The address is kept as an integer (device pointers are integers on the host); its
 /// provenance is exposed so that the executing operations can turn it back into a
@@ -23,7 +26,18 @@ pub(super) fn round_up(bytes: usize, to: usize) -> Option<usize> {
 #[derive(Debug)]
 pub(super) struct HostBlock {
     addr: u64,
-    layout: Layout,
+    len: usize,
+    backing: Backing,
+}
+
+#[derive(Debug)]
+enum Backing {
+    Heap(Layout),
+    /// `munmap(start, len)` on drop.
+    Mapped {
+        start: u64,
+        len: usize,
+    },
 }
 
 impl HostBlock {
@@ -35,7 +49,40 @@ impl HostBlock {
         if ptr.is_null() {
             return None;
         }
-        Some(HostBlock { addr: ptr.expose_provenance() as u64, layout })
+        Some(HostBlock {
+            addr: ptr.expose_provenance() as u64,
+            len: layout.size(),
+            backing: Backing::Heap(layout),
+        })
+    }
+
+    /// `len` bytes of `fd` from byte `offset`, mapped shared (writes reach every process
+    /// that maps them). The file must hold them: a mapping past its end faults on access.
+    pub(super) fn map(fd: BorrowedFd<'_>, offset: u64, len: usize) -> std::io::Result<Self> {
+        // SAFETY: `sysconf` has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+        let start_offset = offset / page * page;
+        let skip = (offset - start_offset) as usize;
+        let map_len = skip + len.max(1);
+        let file_offset =
+            libc::off_t::try_from(start_offset).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+        // SAFETY: a new mapping chosen by the kernel (no address given) overlaps nothing;
+        // the descriptor is open for the call (`BorrowedFd`).
+        let start = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                file_offset,
+            )
+        };
+        if start == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let start = start.expose_provenance() as u64;
+        Ok(HostBlock { addr: start + skip as u64, len, backing: Backing::Mapped { start, len: map_len } })
     }
 
     pub(super) fn addr(&self) -> u64 {
@@ -43,15 +90,25 @@ impl HostBlock {
     }
 
     pub(super) fn len(&self) -> usize {
-        self.layout.size()
+        self.len
     }
 }
 
 impl Drop for HostBlock {
     fn drop(&mut self) {
-        // SAFETY: `addr` came from `alloc_zeroed` with `layout` (its provenance exposed
-        // there), and a `HostBlock` is dropped once.
-        unsafe { std::alloc::dealloc(std::ptr::with_exposed_provenance_mut(self.addr as usize), self.layout) }
+        match self.backing {
+            // SAFETY: `addr` came from `alloc_zeroed` with `layout` (its provenance exposed
+            // there), and a `HostBlock` is dropped once.
+            Backing::Heap(layout) => unsafe {
+                std::alloc::dealloc(std::ptr::with_exposed_provenance_mut(self.addr as usize), layout)
+            },
+            // SAFETY: `start` and `len` are the mapping `map` made (provenance exposed
+            // there), unmapped once; nothing runs on it after the block is dropped (every
+            // executing operation checks that its memory is still backed).
+            Backing::Mapped { start, len } => unsafe {
+                libc::munmap(std::ptr::with_exposed_provenance_mut::<libc::c_void>(start as usize), len);
+            },
+        }
     }
 }
 
@@ -66,6 +123,9 @@ pub(super) enum AllocKind {
     Pinned,
     /// `cuMemAllocFromPoolAsync` from this pool (inside one of its chunks).
     Pool(RawPool),
+    /// `cuMemPoolImportPointer` from this imported pool: another process's memory, mapped
+    /// here; freed with `cuMemFree`, not counted against this device's capacity.
+    Imported(RawPool),
 }
 
 /// A live allocation.
@@ -143,7 +203,9 @@ impl State {
             AllocKind::Device => "cuMemAlloc",
             AllocKind::Managed => "cuMemAllocManaged",
             AllocKind::Pinned => "cuMemHostAlloc",
-            AllocKind::Pool(_) => unreachable!("pool allocations are made by the pool model"),
+            AllocKind::Pool(_) | AllocKind::Imported(_) => {
+                unreachable!("pool and imported allocations are made by their own models")
+            }
         };
         if bytes == 0 {
             return Err(invalid_value(call));
@@ -176,7 +238,7 @@ impl State {
             )));
         };
         let ok = match a.kind {
-            AllocKind::Device | AllocKind::Managed => !pinned,
+            AllocKind::Device | AllocKind::Managed | AllocKind::Imported(_) => !pinned,
             AllocKind::Pinned => pinned,
             AllocKind::Pool(_) => false,
         };
@@ -188,13 +250,14 @@ impl State {
                     "pinned host memory from cuMemHostAlloc (free it with cuMemFreeHost)".into()
                 }
                 AllocKind::Pool(p) => format!("from memory pool {p:#x} (free it with cuMemFreeAsync)"),
+                AllocKind::Imported(p) => format!("imported from pool {p:#x} (free it with cuMemFree)"),
             };
             return Err(Error::InvalidPointer(format!("{call}({ptr:#x}): the pointer is {what}")));
         }
         // Synchronous: waits for the whole device first (rule 4 of "ordered").
         self.run_all();
         let a = self.allocs.remove(&ptr).expect("checked above");
-        if a.kind != AllocKind::Pinned {
+        if matches!(a.kind, AllocKind::Device | AllocKind::Managed) {
             self.devices[a.dev as usize].allocated -= a.size;
         }
         drop(a.block);
@@ -253,7 +316,7 @@ impl State {
         match a.kind {
             AllocKind::Managed => true,
             AllocKind::Pool(p) => self.pools.get(&p).is_some_and(|p| p.managed),
-            AllocKind::Device | AllocKind::Pinned => false,
+            AllocKind::Device | AllocKind::Pinned | AllocKind::Imported(_) => false,
         }
     }
 

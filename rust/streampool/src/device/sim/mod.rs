@@ -46,21 +46,26 @@
 //! one lock that is never held across a call out of this module.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ffi::CStr;
 use std::fmt;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::ThreadId;
 
 use crate::device::{
-    Advice, Backend, BackendKind, DevPtr, DeviceInfo, Location, PoolAttr, PoolProps, RawEvent, RawPool,
-    RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM,
+    Advice, Backend, BackendKind, DevPtr, DeviceInfo, Location, PoolAttr, PoolProps, PtrExportData, RawEvent,
+    RawFunction, RawModule, RawPool, RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM,
 };
 use crate::error::{Error, Result, CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_OUT_OF_MEMORY};
 
 mod clock;
 mod detector;
 mod exec;
+mod ipc;
+mod kernel;
 mod memory;
+mod peer;
 mod pool;
 #[cfg(test)]
 mod tests;
@@ -126,6 +131,8 @@ pub struct SimDevice {
     /// `CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS` (true unless set).
     concurrent_managed_access: AtomicBool,
     state: Mutex<State>,
+    /// Run work as soon as it may ([`SimDevice::set_eager`]).
+    eager: AtomicBool,
 }
 
 /// Keeps a [`SimDevice`] active (the process's backend) until dropped; dropping it
@@ -190,6 +197,8 @@ struct State {
     /// Pool chunks by address: (length, pool).
     chunks: BTreeMap<u64, (usize, RawPool)>,
     pools: BTreeMap<RawPool, Pool>,
+    /// Pools imported from other processes (module `ipc`).
+    imports: BTreeMap<RawPool, ipc::ImportedPool>,
     next_pool: RawPool,
     /// Operations executed so far (the completion order).
     completions: u64,
@@ -199,8 +208,16 @@ struct State {
     cursor: u64,
     /// Kernel writes enqueued so far (their fill pattern).
     writes: u64,
+    /// Loaded modules: the kernels of each.
+    modules: HashMap<RawModule, Vec<kernel::Kernel>>,
+    next_module: RawModule,
+    /// Kernel handles from `cuModuleGetFunction`.
+    functions: HashMap<RawFunction, kernel::Kernel>,
+    next_function: RawFunction,
     shadow: detector::Shadow,
     races: detector::RaceLog,
+    /// Which device's work may touch which device's memory (module `peer`).
+    peers: peer::Peers,
 }
 
 #[derive(Debug)]
@@ -312,13 +329,19 @@ impl State {
             allocs: BTreeMap::new(),
             chunks: BTreeMap::new(),
             pools: BTreeMap::new(),
+            imports: BTreeMap::new(),
             next_pool: pool::FIRST_POOL,
             completions: 0,
             pending: 0,
             cursor: 0,
             writes: 0,
+            modules: HashMap::new(),
+            next_module: kernel::FIRST_MODULE,
+            functions: HashMap::new(),
+            next_function: kernel::FIRST_FUNCTION,
             shadow: Default::default(),
             races: Default::default(),
+            peers: Default::default(),
         };
         for dev in 0..devices {
             let legacy = st.new_stream(LEGACY_STREAM, dev, true, true);
@@ -418,6 +441,7 @@ impl SimDevice {
             driver_version: AtomicI32::new(SIM_DRIVER_VERSION),
             concurrent_managed_access: AtomicBool::new(true),
             state: Mutex::new(State::new(id, capacity_bytes, devices)),
+            eager: AtomicBool::new(false),
         })
     }
 
@@ -460,6 +484,19 @@ impl SimDevice {
     /// there are no managed pools, as on the CUDA backend.
     pub fn set_concurrent_managed_access(&self, yes: bool) {
         self.concurrent_managed_access.store(yes, Ordering::SeqCst);
+    }
+
+    /// Makes devices `a` and `b` able (or not) to reach each other's memory from now on
+    /// (`cuDeviceCanAccessPeer` both ways; every pair of distinct devices can until told
+    /// otherwise), to test code that meets GPUs without a peer link. Taking it away also
+    /// disables context peer access between them; pools' grants stay.
+    pub fn set_peer_capable(&self, a: i32, b: i32, yes: bool) -> Result<()> {
+        self.check_dev(a)?;
+        self.check_dev(b)?;
+        self.with(None, |st| {
+            st.peers.set_capable(a, b, yes);
+            Ok(())
+        })
     }
 
     fn managed_pools(&self) -> bool {
@@ -521,13 +558,20 @@ impl SimDevice {
             if bytes == 0 {
                 return Ok(());
             }
+            let dev = st.streams[&sid].dev;
+            st.check_range(ptr, bytes, if writes { "write" } else { "read" })?;
+            st.check_access(
+                dev,
+                ptr,
+                bytes,
+                if writes { "a kernel writing" } else { "a kernel reading" },
+                false,
+            )?;
             if writes {
-                st.check_range(ptr, bytes, "write")?;
                 st.writes += 1;
                 let value = (st.writes % 255) as u8 + 1;
                 st.enqueue(sid, Work::Fill { ptr, bytes, value }, OpKind::Write, label, None);
             } else {
-                st.check_range(ptr, bytes, "read")?;
                 st.enqueue(sid, Work::Read { ptr, bytes }, OpKind::Read, label, None);
             }
             Ok(())
@@ -551,6 +595,20 @@ impl SimDevice {
     /// remaining work included); false when there is none (or the device is closed).
     pub fn step_any(&self) -> bool {
         self.with(None, |st| Ok(st.step_any())).unwrap_or(false)
+    }
+
+    /// Eager execution (off by default): from now on, every call runs all work that may
+    /// run before it returns, so work completes as soon as what it waits on has, as on a
+    /// GPU running work with no kernels (events recorded on an idle stream complete at
+    /// once). Off, work runs only when stepped or synchronised. Work that has run before
+    /// other work is enqueued is ordered before it (as always here), so an eager device
+    /// finds no races: use it to model a GPU's timing (footprints, completions), and a
+    /// device that runs work when told to check orderings.
+    pub fn set_eager(&self, yes: bool) {
+        self.eager.store(yes, Ordering::Relaxed);
+        if yes {
+            self.run();
+        }
     }
 
     /// Runs everything queued, streams in turn, until no stream has work.
@@ -618,7 +676,12 @@ impl SimDevice {
         if let Some(d) = dev {
             self.check_dev(d)?;
         }
-        f(&mut self.lock())
+        let mut st = self.lock();
+        let result = f(&mut st);
+        if st.pending > 0 && self.eager.load(Ordering::Relaxed) {
+            while st.step_any() {}
+        }
+        result
     }
 
     /// [`Self::with`] for the destroy and free family: silent success once closed.
@@ -742,7 +805,24 @@ impl Backend for SimDevice {
         if props.managed {
             self.require_managed_pools(dev)?;
         }
-        self.with(Some(dev), |st| Ok(st.new_pool(dev, props.managed, false)))
+        if props.managed && props.posix_fd_ipc {
+            // As the driver: managed pools have no IPC handle types.
+            return Err(invalid_value("cuMemPoolCreate").context("managed memory pools cannot be exported"));
+        }
+        self.with(Some(dev), |st| {
+            // An exportable pool's chunks live in a shared-memory file (module `ipc`).
+            let arena = match props.posix_fd_ipc {
+                true => Some(ipc::Arena::new(dev).map_err(|e| {
+                    Error::Unsupported(format!(
+                        "a shared-memory file for an exportable pool could not be made: {e}"
+                    ))
+                })?),
+                false => None,
+            };
+            let pool = st.new_pool(dev, props.managed, false);
+            st.pools.get_mut(&pool).expect("just made").arena = arena;
+            Ok(pool)
+        })
     }
 
     fn pool_destroy(&self, dev: i32, pool: RawPool) -> Result<()> {
@@ -781,7 +861,7 @@ impl Backend for SimDevice {
     fn pointer_pool(&self, dev: i32, ptr: DevPtr) -> Result<Option<RawPool>> {
         self.with(Some(dev), |st| match st.alloc_containing(ptr, 1) {
             Some((_, a)) => Ok(match a.kind {
-                AllocKind::Pool(p) => Some(p),
+                AllocKind::Pool(p) | AllocKind::Imported(p) => Some(p),
                 _ => None,
             }),
             None => {
@@ -924,6 +1004,7 @@ impl Backend for SimDevice {
                 return Ok(());
             }
             st.check_range(ptr, bytes, "cuMemsetD8Async")?;
+            st.check_access(dev, ptr, bytes, "cuMemsetD8Async", false)?;
             st.enqueue(sid, Work::Fill { ptr, bytes, value }, OpKind::Memset, "", None);
             Ok(())
         })
@@ -944,6 +1025,12 @@ impl Backend for SimDevice {
             }
             let dst_sim = st.classify_copy_side(dst, bytes, "cuMemcpyAsync destination")?;
             let src_sim = st.classify_copy_side(src, bytes, "cuMemcpyAsync source")?;
+            if dst_sim {
+                st.check_access(dev, dst, bytes, "cuMemcpyAsync (destination)", true)?;
+            }
+            if src_sim {
+                st.check_access(dev, src, bytes, "cuMemcpyAsync (source)", true)?;
+            }
             st.enqueue(sid, Work::Copy { dst, src, bytes, dst_sim, src_sim }, OpKind::Memcpy, "", None);
             Ok(())
         })
@@ -1025,6 +1112,98 @@ impl Backend for SimDevice {
         self.with(Some(dev), |st| {
             st.run_all();
             st.apply_thresholds();
+            Ok(())
+        })
+    }
+
+    fn pool_export_fd(&self, dev: i32, pool: RawPool) -> Result<OwnedFd> {
+        self.with(Some(dev), |st| st.pool_export_fd(pool))
+    }
+
+    fn pool_import_fd(&self, dev: i32, fd: BorrowedFd<'_>) -> Result<RawPool> {
+        self.with(Some(dev), |st| st.pool_import_fd(dev, fd))
+    }
+
+    fn pool_export_pointer(&self, dev: i32, ptr: DevPtr) -> Result<PtrExportData> {
+        self.with(Some(dev), |st| st.pool_export_pointer(ptr))
+    }
+
+    fn pool_import_pointer(&self, dev: i32, pool: RawPool, data: &PtrExportData) -> Result<DevPtr> {
+        self.with(Some(dev), |st| st.pool_import_pointer(dev, pool, data))
+    }
+
+    fn module_load_data(&self, dev: i32, image: &CStr) -> Result<RawModule> {
+        self.with(Some(dev), |st| st.module_load(image.to_bytes()))
+    }
+
+    fn module_get_function(&self, dev: i32, module: RawModule, name: &CStr) -> Result<RawFunction> {
+        let name = name.to_str().map_err(|_| Error::invalid("cuModuleGetFunction: the name is not UTF-8"))?;
+        self.with(Some(dev), |st| st.module_function(module, name))
+    }
+
+    unsafe fn launch_kernel(
+        &self,
+        dev: i32,
+        function: RawFunction,
+        grid: u32,
+        block: u32,
+        params: &[u64],
+        stream: RawStream,
+    ) -> Result<()> {
+        self.with(Some(dev), |st| {
+            let sid = st.resolve(Some(dev), stream)?;
+            let work = st.kernel_work(function, grid, block, params)?;
+            let label = match &work {
+                Work::Kernel(launch) => launch.kernel.name(),
+                _ => unreachable!("kernel_work gives kernels"),
+            };
+            st.enqueue(sid, work, OpKind::Kernel, label, None);
+            Ok(())
+        })
+    }
+
+    // Several devices: peer access and copies between devices (module `peer`).
+
+    fn device_can_access_peer(&self, dev: i32, peer: i32) -> Result<bool> {
+        self.check_dev(peer)?;
+        self.with(Some(dev), |st| Ok(st.peers.can_access(dev, peer)))
+    }
+
+    fn ctx_enable_peer_access(&self, dev: i32, peer: i32) -> Result<()> {
+        self.check_dev(peer)?;
+        self.with(Some(dev), |st| st.enable_peer_access(dev, peer))
+    }
+
+    fn pool_set_access(&self, dev: i32, pool: RawPool, accessor: i32, enabled: bool) -> Result<()> {
+        self.check_dev(accessor)?;
+        self.with(Some(dev), |st| st.set_pool_access(pool, accessor, enabled))
+    }
+
+    fn pool_get_access(&self, dev: i32, pool: RawPool, accessor: i32) -> Result<bool> {
+        self.check_dev(accessor)?;
+        self.with(Some(dev), |st| st.pool_access(pool, accessor))
+    }
+
+    unsafe fn memcpy_peer_async(
+        &self,
+        dev: i32,
+        dst: DevPtr,
+        dst_dev: i32,
+        src: DevPtr,
+        src_dev: i32,
+        bytes: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.check_dev(dst_dev)?;
+        self.check_dev(src_dev)?;
+        self.with(Some(dev), |st| {
+            let sid = st.resolve(Some(dev), stream)?;
+            if bytes == 0 {
+                return Ok(());
+            }
+            let dst_sim = st.check_peer_side(dst, dst_dev, bytes, "cuMemcpyPeerAsync destination")?;
+            let src_sim = st.check_peer_side(src, src_dev, bytes, "cuMemcpyPeerAsync source")?;
+            st.enqueue(sid, Work::Copy { dst, src, bytes, dst_sim, src_sim }, OpKind::Memcpy, "", None);
             Ok(())
         })
     }

@@ -20,7 +20,7 @@
 //! does the same down to a given size. An idle chunk is one with no allocation, whose
 //! frees have completed, and that no queued operation still touches.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::clock::VClock;
 use super::detector::OpKind;
@@ -42,6 +42,10 @@ pub(super) struct Pool {
     pub(super) is_default: bool,
     /// Destroyed by the program; released once its last allocation is freed.
     pub(super) destroyed: bool,
+    /// The shared file its chunks live in, for a pool created with `posix_fd_ipc`.
+    pub(super) arena: Option<super::ipc::Arena>,
+    /// Other devices granted access to its memory (`cuMemPoolSetAccess`).
+    pub(super) access: BTreeSet<i32>,
     threshold: u64,
     chunks: BTreeMap<u64, Chunk>,
     free: BTreeMap<u64, FreeBlock>,
@@ -54,6 +58,8 @@ pub(super) struct Pool {
 #[derive(Debug)]
 struct Chunk {
     block: HostBlock,
+    /// Its offset in the pool's [`super::ipc::Arena`], for an exportable pool.
+    offset: Option<u64>,
     /// Bytes of it handed out.
     used: usize,
 }
@@ -102,6 +108,8 @@ impl Pool {
             managed,
             is_default,
             destroyed: false,
+            arena: None,
+            access: BTreeSet::new(),
             threshold: 0,
             chunks: BTreeMap::new(),
             free: BTreeMap::new(),
@@ -110,6 +118,12 @@ impl Pool {
             used: 0,
             used_high: 0,
         }
+    }
+
+    /// The base of the chunk holding `addr` and the chunk's offset in the pool's file.
+    pub(super) fn chunk_offset(&self, addr: u64) -> Option<(u64, u64)> {
+        let (&base, chunk) = self.chunks.range(..=addr).next_back()?;
+        Some((base, chunk.offset?))
     }
 
     fn chunk_of(&mut self, addr: u64) -> (u64, &mut Chunk) {
@@ -238,12 +252,23 @@ impl State {
                 return Err(oom(CALL));
             }
         }
-        let block = HostBlock::new(len).ok_or_else(|| host_refused(self, len))?;
+        let mapped = self
+            .pools
+            .get_mut(&handle)
+            .expect("checked by the caller")
+            .arena
+            .as_mut()
+            .map(|a| a.map_chunk(len));
+        let (block, offset) = match mapped {
+            Some(Ok((block, offset))) => (block, Some(offset)),
+            Some(Err(_)) => return Err(host_refused(self, len)),
+            None => (HostBlock::new(len).ok_or_else(|| host_refused(self, len))?, None),
+        };
         let base = block.addr();
         self.chunks.insert(base, (len, handle));
         self.devices[dev as usize].reserved += len;
         let pool = self.pools.get_mut(&handle).expect("checked by the caller");
-        pool.chunks.insert(base, Chunk { block, used: 0 });
+        pool.chunks.insert(base, Chunk { block, offset, used: 0 });
         pool.free.insert(base, FreeBlock { size: len, point: None });
         pool.reserved += len;
         pool.reserved_high = pool.reserved_high.max(pool.reserved);
@@ -313,7 +338,11 @@ impl State {
                 break;
             }
             pool.free.remove(&base);
-            pool.chunks.remove(&base);
+            if let Some(Chunk { offset: Some(offset), .. }) = pool.chunks.remove(&base) {
+                if let Some(arena) = &pool.arena {
+                    arena.punch(offset, len);
+                }
+            }
             pool.reserved -= len;
             self.chunks.remove(&base);
             self.devices[pool.dev as usize].reserved -= len;
@@ -352,6 +381,9 @@ impl State {
 
     /// `cuMemPoolDestroy`.
     pub(super) fn pool_destroy(&mut self, handle: RawPool) -> Result<()> {
+        if self.destroy_imported_pool(handle) {
+            return Ok(());
+        }
         let pool = self.pool(handle)?;
         if pool.is_default {
             return Err(Error::InvalidArgument(format!(

@@ -991,3 +991,155 @@ fn an_older_driver_or_a_gpu_without_concurrent_managed_access_has_no_managed_poo
     sim.set_concurrent_managed_access(true);
     sim.pool_default(0, true).unwrap();
 }
+
+#[test]
+fn work_on_one_device_needs_access_to_anothers_memory() {
+    let sim = SimDevice::with_devices(16 * MIB, 2);
+    let s1 = sim.stream_create(1, false).unwrap();
+    let plain = sim.mem_alloc(0, 4096).unwrap();
+    let pool = sim.pool_create(0, &PoolProps::default()).unwrap();
+    let pooled = sim.pool_alloc_async(0, pool, 4096, LEGACY_STREAM).unwrap();
+    let managed = sim.mem_alloc_managed(0, 4096).unwrap();
+    let pinned = sim.mem_host_alloc(0, 4096).unwrap();
+    let mine = sim.mem_alloc(1, 4096).unwrap();
+    let refused = |r: Result<()>, what: &str| match r {
+        Err(Error::InvalidPointer(m)) => {
+            assert!(m.contains("memory of device 0") && m.contains("device 1 cannot access"), "{m}");
+            assert!(m.contains(what), "{m} lacks {what}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    // Without access: kernels, memsets and plain copies are refused, naming the grant.
+    refused(sim.read(s1, plain, 4096), "cuCtxEnablePeerAccess");
+    refused(sim.write(s1, pooled, 4096), "cuMemPoolSetAccess");
+    refused(sim.memset_d8_async(1, pooled, 1, 4096, s1), "cuMemPoolSetAccess");
+    // SAFETY: simulated memory on both sides (refused before anything is enqueued).
+    refused(unsafe { sim.memcpy_async(1, mine, pooled, 4096, s1) }, "cuMemPoolSetAccess");
+    assert_eq!(sim.queued(s1).unwrap(), 0, "nothing was enqueued");
+    // A plain copy of `cuMemAlloc` memory is a peer copy under unified addressing.
+    // SAFETY: simulated memory on both sides.
+    unsafe { sim.memcpy_async(1, mine, plain, 4096, s1) }.unwrap();
+    sim.stream_synchronize(1, s1).unwrap();
+    // Managed and pinned memory are everyone's; a device's own memory is its own.
+    sim.read(s1, managed, 4096).unwrap();
+    sim.read(s1, pinned, 4096).unwrap();
+    sim.write(s1, mine, 4096).unwrap();
+    // A pool grant covers pool memory only; a context grant covers `cuMemAlloc` memory only.
+    assert!(!sim.pool_get_access(0, pool, 1).unwrap());
+    assert!(sim.pool_get_access(0, pool, 0).unwrap(), "the owner always has access");
+    sim.pool_set_access(0, pool, 1, true).unwrap();
+    assert!(sim.pool_get_access(0, pool, 1).unwrap());
+    sim.read(s1, pooled, 4096).unwrap();
+    refused(sim.read(s1, plain, 4096), "cuCtxEnablePeerAccess");
+    sim.ctx_enable_peer_access(1, 0).unwrap();
+    sim.ctx_enable_peer_access(1, 0).unwrap();
+    sim.read(s1, plain, 4096).unwrap();
+    // Withdrawn, the pool's memory is refused again; the other pool of device 0 never had it.
+    sim.pool_set_access(0, pool, 1, false).unwrap();
+    refused(sim.read(s1, pooled, 4096), "cuMemPoolSetAccess");
+    let default = sim.pool_default(0, false).unwrap();
+    let other = sim.pool_alloc_async(0, default, 4096, LEGACY_STREAM).unwrap();
+    refused(sim.read(s1, other, 4096), "cuMemPoolSetAccess");
+    // The owner's access cannot be withdrawn.
+    assert!(is_invalid_value(sim.pool_set_access(0, pool, 0, false), "cuMemPoolSetAccess"));
+    sim.pool_set_access(0, pool, 0, true).unwrap();
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+    for p in [pooled, other] {
+        sim.free_async(0, p, LEGACY_STREAM).unwrap();
+    }
+    for p in [plain, managed, mine] {
+        sim.mem_free(if p == mine { 1 } else { 0 }, p).unwrap();
+    }
+    sim.mem_free_host(0, pinned).unwrap();
+}
+
+#[test]
+fn devices_without_a_peer_path_refuse_grants() {
+    let sim = SimDevice::with_devices(16 * MIB, 3);
+    assert!(sim.device_can_access_peer(0, 1).unwrap());
+    assert!(!sim.device_can_access_peer(1, 1).unwrap(), "not its own peer");
+    assert!(matches!(sim.device_can_access_peer(0, 3), Err(Error::InvalidArgument(_))));
+    sim.set_peer_capable(0, 2, false).unwrap();
+    assert!(!sim.device_can_access_peer(2, 0).unwrap() && !sim.device_can_access_peer(0, 2).unwrap());
+    assert!(sim.device_can_access_peer(1, 2).unwrap());
+    let pool = sim.pool_create(0, &PoolProps::default()).unwrap();
+    let code = |r: Result<()>| match r {
+        Err(Error::Driver { code, .. }) => code,
+        other => panic!("expected a driver error, got {other:?}"),
+    };
+    assert_eq!(code(sim.pool_set_access(0, pool, 2, true)), 101, "CUDA_ERROR_INVALID_DEVICE");
+    assert_eq!(code(sim.ctx_enable_peer_access(2, 0)), 217, "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED");
+    assert_eq!(code(sim.ctx_enable_peer_access(1, 1)), 101);
+    assert!(matches!(sim.set_peer_capable(0, 3, true), Err(Error::InvalidArgument(_))));
+    // Copies need no peer path.
+    let s2 = sim.stream_create(2, false).unwrap();
+    let src = sim.pool_alloc_async(0, pool, 4096, LEGACY_STREAM).unwrap();
+    sim.memset_d8_async(0, src, 9, 4096, LEGACY_STREAM).unwrap();
+    sim.stream_synchronize(0, LEGACY_STREAM).unwrap();
+    let dst = sim.mem_alloc(2, 4096).unwrap();
+    // SAFETY: simulated memory on both sides.
+    unsafe { sim.memcpy_peer_async(2, dst, 2, src, 0, 4096, s2) }.unwrap();
+    sim.ctx_synchronize(2).unwrap();
+    let mut host = vec![0u8; 4096];
+    // SAFETY: `host` outlives the copy, which completes in the synchronisation below.
+    unsafe { sim.memcpy_async(2, host.as_mut_ptr() as u64, dst, 4096, s2) }.unwrap();
+    sim.stream_synchronize(2, s2).unwrap();
+    assert!(host.iter().all(|&b| b == 9));
+    // The sides must be the devices named.
+    // SAFETY: refused before anything is enqueued.
+    let wrong = unsafe { sim.memcpy_peer_async(2, dst, 1, src, 0, 4096, s2) };
+    assert!(
+        matches!(wrong, Err(Error::InvalidPointer(m)) if m.contains("memory of device 2, not of device 1"))
+    );
+    sim.free_async(0, src, LEGACY_STREAM).unwrap();
+    sim.mem_free(2, dst).unwrap();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
+
+#[test]
+fn a_copy_between_devices_is_ordered_by_events_across_them() {
+    let sim = SimDevice::with_devices(16 * MIB, 2);
+    let (s0, s1) = (sim.stream_create(0, false).unwrap(), sim.stream_create(1, false).unwrap());
+    let src = sim.mem_alloc(0, 4096).unwrap();
+    let dst = sim.mem_alloc(1, 4096).unwrap();
+    sim.write_labeled(s0, src, 4096, "producer on device 0").unwrap();
+    // Unordered: the copy on device 1 races with the write on device 0.
+    // SAFETY: simulated memory on both sides.
+    unsafe { sim.memcpy_peer_async(1, dst, 1, src, 0, 4096, s1) }.unwrap();
+    sim.run();
+    assert_eq!(sim.take_races().len(), 1);
+    // Ordered through an event of device 0 that device 1's stream waits on.
+    sim.write(s0, src, 4096).unwrap();
+    let event = sim.event_create(0).unwrap();
+    sim.event_record(0, event, s0).unwrap();
+    sim.stream_wait_event(1, s1, event).unwrap();
+    // SAFETY: as above.
+    unsafe { sim.memcpy_peer_async(1, dst, 1, src, 0, 4096, s1) }.unwrap();
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
+
+/// Eager execution: work runs as it is enqueued once what it waits on has run, so events
+/// complete at once.
+#[test]
+fn an_eager_device_runs_work_as_it_is_enqueued() {
+    let sim = sim();
+    let (a, b) = (stream(&sim, false), stream(&sim, false));
+    let p = sim.mem_alloc(0, 4096).unwrap();
+    sim.write(a, p, 4096).unwrap();
+    sim.set_eager(true);
+    assert_eq!(sim.pending(), 0, "queued work runs when eager execution starts");
+    let e = sim.event_create(0).unwrap();
+    sim.write(a, p, 4096).unwrap();
+    sim.event_record(0, e, a).unwrap();
+    assert_eq!(sim.pending(), 0);
+    assert!(sim.event_query(0, e).unwrap());
+    sim.stream_wait_event(0, b, e).unwrap();
+    sim.write(b, p, 4096).unwrap();
+    assert_eq!(sim.pending(), 0);
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+    sim.set_eager(false);
+    sim.write(a, p, 64).unwrap();
+    assert_eq!(sim.pending(), 1);
+}

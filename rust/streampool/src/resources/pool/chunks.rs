@@ -119,15 +119,17 @@ impl ShardedPoolMemoryResource {
         }
     }
 
+    /// Replaces the chunk table by a copy that `change` edited (kept sorted by start).
+    fn replace_table(&self, change: impl FnOnce(&mut Vec<Chunk>)) {
+        let mut table = write(&self.chunks);
+        let mut next = table.sorted.clone();
+        change(&mut next);
+        *table = Arc::new(ChunkTable { sorted: next });
+    }
+
     fn add_chunk(&self, start: DevPtr, size: usize) -> Chunk {
         let c = Chunk { start, size, id: self.next_chunk.fetch_add(1, Ordering::Relaxed) };
-        {
-            let mut table = write(&self.chunks);
-            let mut next: Vec<Chunk> = table.sorted.clone();
-            let at = next.partition_point(|x| x.start < start);
-            next.insert(at, c.clone());
-            *table = Arc::new(ChunkTable { sorted: next });
-        }
+        self.replace_table(|sorted| sorted.insert(sorted.partition_point(|x| x.start < start), c.clone()));
         self.counters.growths.fetch_add(1, Ordering::Relaxed);
         self.counters.grown_bytes.fetch_add(size as u64, Ordering::Relaxed);
         c
@@ -144,7 +146,8 @@ impl ShardedPoolMemoryResource {
             let mut common = lock(&self.common);
             let free_now = common.bytes();
             let mut candidates = common.take_whole_chunks(is_whole);
-            // Keep the largest chunks when only some must go.
+            // Largest first: the fewest upstream calls for the excess (a chunk larger than
+            // what is left of the excess stays).
             candidates.sort_by_key(|(_, b)| std::cmp::Reverse(b.size));
             let mut excess = free_now.saturating_sub(keep);
             let mut release = Vec::new();
@@ -158,14 +161,22 @@ impl ShardedPoolMemoryResource {
             }
             release
         };
+        // Out of the table (by id) before the upstream has them back: once it has, it may
+        // hand the same addresses to other threads' growth at once, and those chunks (same
+        // start, other ids) stay.
+        self.replace_table(|sorted| sorted.retain(|c| !whole.iter().any(|(_, b)| b.chunk == c.id)));
         let mut released = 0;
-        for (ptr, b) in whole {
+        for (i, &(ptr, b)) in whole.iter().enumerate() {
             // Complete, so any stream orders the free; the legacy one always exists.
-            self.upstream.deallocate(ptr, b.size, &Stream::legacy())?;
-            {
-                let mut table = write(&self.chunks);
-                let next: Vec<Chunk> = table.sorted.iter().filter(|c| c.start != ptr).cloned().collect();
-                *table = Arc::new(ChunkTable { sorted: next });
+            if let Err(e) = self.upstream.deallocate(ptr, b.size, &Stream::legacy()) {
+                // The pool still holds this chunk and the rest: free again, as they were.
+                let rest = &whole[i..];
+                self.replace_table(|sorted| {
+                    sorted.extend(rest.iter().map(|&(start, b)| Chunk { start, size: b.size, id: b.chunk }));
+                    sorted.sort_by_key(|c| c.start);
+                });
+                lock(&self.common).insert_all(rest.iter().copied(), 0);
+                return Err(e);
             }
             self.reserved.fetch_sub(b.size, Ordering::AcqRel);
             self.counters.released_bytes.fetch_add(b.size as u64, Ordering::Relaxed);

@@ -189,6 +189,12 @@ impl FreeList {
         Some((ptr, FreeBlock { size, chunk, epoch }))
     }
 
+    /// Whether [`take`](Self::take) would find a block (changes only how the free blocks
+    /// are merged).
+    pub fn fits(&mut self, size: usize, ok: impl Fn(u64) -> bool) -> bool {
+        self.find(size, &ok).is_some()
+    }
+
     /// Frees the live block at `ptr` of `size` bytes into epoch `epoch`, merging it with
     /// the free blocks it links to. Refused, changing nothing, when no live block of this
     /// list starts at `ptr` or it has another size.
@@ -228,10 +234,15 @@ impl FreeList {
         self.link(i);
     }
 
-    /// Whether a free block of at least `size` bytes is here (merging loose blocks first
-    /// if none is as they are).
-    pub fn fits(&mut self, size: usize) -> bool {
-        self.find(size, &|_| true).is_some()
+    /// Adds free blocks from elsewhere, each tagged `epoch` (0: known complete); returns
+    /// how many.
+    pub fn insert_all(&mut self, blocks: impl IntoIterator<Item = (u64, FreeBlock)>, epoch: u64) -> usize {
+        let mut n = 0;
+        for (ptr, b) in blocks {
+            self.insert(ptr, FreeBlock { epoch, ..b });
+            n += 1;
+        }
+        n
     }
 
     /// Removes and returns every free block whose epoch satisfies `pred`.

@@ -4,14 +4,19 @@
 use std::sync::Arc;
 
 use super::chunks::{Chunk, MAX_GROWTH_STEP, MIN_CHUNK};
-use super::freelist::{FreeBlock, NotFreed};
-use super::shard::Shard;
+use super::freelist::{FreeBlock, FreeList, NotFreed};
+use super::shard::{Shard, ShardState};
 use super::{wrong_size, ShardedPoolMemoryResource};
 use crate::device::DevPtr;
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
 use crate::stream::Stream;
-use crate::sync::{lock, write, Ordering};
+use crate::sync::{lock, write, MutexGuard, Ordering};
+
+/// Growth past the footprint budget within `gather_interval` of a gathering stops at this
+/// many times the budget's allowance (`IMPLEMENTATION.md`, step 6): without a ceiling the
+/// chunks grown so piled up, and the peak reserved on the hand-off soak kept rising.
+const CEILING: usize = 2;
 
 impl ShardedPoolMemoryResource {
     /// Steps 2 to 7 of the policy; returns the address, recorded live in the shard of
@@ -28,7 +33,7 @@ impl ShardedPoolMemoryResource {
         // 3. completed blocks of other streams; retired shards give all theirs to the
         // common list
         let others = self.other_shards(key);
-        if let Some(taken) = self.take_completed(size, &others) {
+        if let Some(taken) = self.take_completed(size, stream, key, &others) {
             return found(taken);
         }
         if let Some(ptr) = self.import_common(size, stream, key) {
@@ -46,24 +51,48 @@ impl ShardedPoolMemoryResource {
         // what it frees from now on can be taken by others.
         self.demand.fetch_add(1, Ordering::Relaxed);
         // 5. wait on another stream's recorded event
-        if let Some(taken) = self.take_covered(size, stream, &others)? {
+        if let Some(taken) = self.take_covered(size, stream, key, &others)? {
             return found(taken);
         }
         // 6. synchronise, gather, coalesce, release, retry (past the budget, not the
-        // maximum). Other threads may take what was gathered in the meantime (into their
-        // shards, as completed blocks): at the maximum, look again a few times before
-        // saying out of memory.
+        // maximum). At the maximum, other threads may have taken what was freed in the
+        // meantime: look again a few times before saying out of memory.
         const ATTEMPTS: usize = 3;
+        // Past the budget, growth is the request rounded up to the driver's 2 MiB pages:
+        // a step there is memory that no stream asked for, and a chunk of the request's
+        // exact size serves later requests only when wholly free (chunks of the largest
+        // requests' size held 1.8 times the peak live bytes on the hand-off soak, still
+        // growing; rounded, 1.45-1.7, level).
+        let mut want = if self.options.headroom.is_some() { size.next_multiple_of(MIN_CHUNK) } else { want };
+        // A gathering stops every thread that needs memory meanwhile (a device
+        // synchronisation, one gatherer at a time). Within `gather_interval` of the last
+        // one, growth past the budget comes first (`PoolOptions::gather_interval` has the
+        // measured trade). At the maximum the gathering still happens.
+        let interval = self.options.gather_interval.as_nanos().min(u64::MAX as u128) as u64;
+        // And only up to a ceiling: beyond `CEILING` times the budget's allowance, a thread
+        // short of memory gathers, however recent the last gathering.
+        if self.options.headroom.is_some() && self.gathered_within(interval) {
+            match self.grow_under(size, want, allowed.saturating_mul(CEILING), stream) {
+                Ok(Some(chunk)) => return found((self.place_chunk(&chunk, size, stream, key), chunk.id)),
+                Ok(None) => {}
+                Err(e) if e.is_out_of_memory() => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let mut seen = *lock(&self.counters.gathers);
         for attempt in 1..=ATTEMPTS {
-            self.synchronize_and_gather()?;
-            if attempt == 1 && !lock(&self.common).fits(size) {
-                // Whole free chunks cannot serve the request: give them back first.
-                self.trim(0)?;
+            if let Some(ptr) = self.gather_for(size, stream, key, &mut seen)? {
+                return Ok(ptr);
+            }
+            if attempt == 1 {
+                // Whole free chunks cannot serve the request: give them back, and grow one
+                // chunk as large as they were together (fewer, larger chunks fragment less).
+                want = want.max(self.trim(0)?);
             }
             if let Some(ptr) = self.import_common(size, stream, key) {
                 return Ok(ptr);
             }
-            if let Some(taken) = self.take_completed(size, &self.other_shards(key)) {
+            if let Some(taken) = self.take_completed(size, stream, key, &self.other_shards(key)) {
                 return found(taken);
             }
             match self.grow(size, want, stream) {
@@ -82,50 +111,107 @@ impl ShardedPoolMemoryResource {
     /// it split, one stream alone needed 1.75 times its peak live bytes on the window
     /// workload).
     fn import_common(&self, size: usize, stream: &Stream, key: u64) -> Option<DevPtr> {
-        let blocks = {
-            let mut common = lock(&self.common);
-            if common.bytes() < size {
-                return None;
-            }
-            common.drain(|_| true)
-        };
         let shard = self.shard_slow(key, stream);
-        let mut st = shard.state.lock();
-        for (ptr, b) in blocks {
-            st.free.insert(ptr, FreeBlock { epoch: 0, ..b });
+        // The common list stays locked until its blocks are in the shard: a gathering
+        // (which locks it to harvest the shards) never misses blocks in transit.
+        let mut common = lock(&self.common);
+        if common.bytes() < size {
+            return None;
         }
+        let mut st = shard.state.lock();
+        st.free.insert_all(common.drain(|_| true), 0);
+        drop(common);
         let ptr = st.free.allocate(size)?;
         st.used += size as i64;
         Some(ptr)
     }
 
-    /// Step 3: a block of another shard whose free has completed. Retired shards (their
-    /// stream is gone) give every completed block to the common list on the way, and leave
-    /// the pool once empty.
-    fn take_completed(&self, size: usize, others: &[Arc<Shard>]) -> Option<(DevPtr, u64)> {
+    /// Step 3: a block of another shard whose free has completed, for `stream` (key `key`).
+    /// Retired shards (their stream is gone) give every completed block to the common list
+    /// on the way, and leave the pool once empty. A shard that holds no live block of its
+    /// own (a consumer's stream, which frees what others allocate and never reuses it) gives
+    /// every completed block to this stream's shard at once (complete, epoch 0): one look,
+    /// with its event queries, then serves the next allocations from the own shard.
+    /// Two passes: blocks known complete first (no driver call), then one query per shard.
+    fn take_completed(
+        &self,
+        size: usize,
+        stream: &Stream,
+        key: u64,
+        others: &[Arc<Shard>],
+    ) -> Option<(DevPtr, u64)> {
+        self.take_completed_pass(size, stream, key, others, false)
+            .or_else(|| self.take_completed_pass(size, stream, key, others, true))
+    }
+
+    fn take_completed_pass(
+        &self,
+        size: usize,
+        stream: &Stream,
+        key: u64,
+        others: &[Arc<Shard>],
+        query: bool,
+    ) -> Option<(DevPtr, u64)> {
         for shard in others {
-            let (taken, retired_blocks, empty) = {
+            // Blocks may move from a retired shard (in the querying pass) or one that gives
+            // all.
+            let mut common = self.lock_common_if(shard, |st| {
+                st.free.bytes() > 0 && if st.retired { query } else { st.gives_all() }
+            });
+            let (taken, moved, empty) = {
                 let mut st = shard.state.lock();
                 if st.free.bytes() == 0 {
-                    (None, Vec::new(), st.retired && st.used == 0)
+                    (None, Vec::new(), st.is_spent())
                 } else {
-                    st.refresh();
-                    let done = st.completed;
-                    if st.retired {
-                        let blocks = st.free.drain(|e| e < done);
-                        (None, blocks, st.free.bytes() == 0 && st.used == 0)
-                    } else {
-                        // This stream's memory is wanted: it records an event at its next
-                        // free (its interval may have grown long), so that what it frees
-                        // can be taken next time rather than memory grown anew.
-                        st.wanted = true;
-                        (st.free.take(size, |e| e < done), Vec::new(), false)
+                    match (st.retired, common.as_mut()) {
+                        (true, Some(common)) if query => {
+                            self.count_queries(st.refresh());
+                            let done = st.completed;
+                            common.insert_all(st.free.drain(|e| e < done), 0);
+                            (None, Vec::new(), st.is_spent())
+                        }
+                        (true, _) => (None, Vec::new(), false),
+                        _ => {
+                            // Known-complete blocks first (no driver call); in the second
+                            // pass, events are queried oldest first until a block fits.
+                            let taken = if query {
+                                let (taken, queries) = st.take_completed(size);
+                                self.count_queries(queries);
+                                taken
+                            } else {
+                                let done = st.completed;
+                                st.free.take(size, |e| e < done)
+                            };
+                            let done = st.completed;
+                            let bulk = taken.is_some() && st.gives_all() && common.is_some();
+                            let moved = if bulk { st.free.drain(|e| e < done) } else { Vec::new() };
+                            if bulk {
+                                // This stream's memory is wanted again once the blocks taken
+                                // now are used up: it records an event at its n-th free from
+                                // now, n the blocks taken, so that the event covers about as
+                                // many blocks for the next look (one record and one query per
+                                // n chunks in a steady pipeline).
+                                let n = 1 + moved.len();
+                                st.interval = st.interval.min(st.unevented + n);
+                                st.wanted = false;
+                                st.drawn = true;
+                            } else if query || taken.is_some() {
+                                // Wanted: it records an event at its next free (its interval
+                                // may have grown long), so that what it frees can be taken next
+                                // time rather than memory grown anew. (Not asked by the first
+                                // pass's look that found nothing: the second pass asks.)
+                                st.wanted = true;
+                            }
+                            (taken, moved, false)
+                        }
                     }
                 }
             };
-            if !retired_blocks.is_empty() {
-                self.to_common(retired_blocks);
+            if !moved.is_empty() {
+                let own = self.shard_slow(key, stream);
+                own.state.lock().free.insert_all(moved, 0);
             }
+            drop(common);
             if empty {
                 self.forget(shard);
             }
@@ -138,7 +224,13 @@ impl ShardedPoolMemoryResource {
     }
 
     /// Step 5: a block of another shard that a recorded event covers; `stream` waits on
-    /// that event (unless the block is known complete).
+    /// that event (unless the block is known complete). A shard that holds no live block
+    /// of its own (a consumer's), whose stream streampool owns and that has blocks no event
+    /// covers yet (freed since its last event), gets an event recorded on its stream now,
+    /// under its lock (the stream is alive while the shard is not retired): one record and
+    /// one wait in place of a device synchronisation (step 6), which would stall this
+    /// thread on every stream's work; and it gives every block the event covers to this
+    /// stream's shard, as in step 3.
     /// Retired shards come first, the emptiest first: taking their last blocks lets them
     /// leave the pool (on a device that has not finished their work yet, such shards
     /// would otherwise pile up, one per stream that came and went).
@@ -146,6 +238,7 @@ impl ShardedPoolMemoryResource {
         &self,
         size: usize,
         stream: &Stream,
+        key: u64,
         others: &[Arc<Shard>],
     ) -> Result<Option<(DevPtr, u64)>> {
         let mut order: Vec<(bool, usize, &Arc<Shard>)> = others
@@ -158,27 +251,57 @@ impl ShardedPoolMemoryResource {
             .collect();
         order.sort_by_key(|(live, bytes, _)| (*live, *bytes));
         for (_, _, shard) in order {
-            let taken = {
+            // Blocks may move from a shard that gives all (the wait on the way is enqueued,
+            // not waited for).
+            let common = self.lock_common_if(shard, ShardState::gives_all);
+            let (taken, moved, event) = {
                 let mut st = shard.state.lock();
-                st.refresh();
+                // No queries: step 3 has just made them, and waiting on an event that has
+                // completed costs the device nothing.
                 // Only blocks an event covers (or known complete): blocks of an epoch that
                 // a concurrent synchronisation closed without an event are neither.
-                let covered = st.covered();
-                st.free.take(size, |e| e < covered).map(|(ptr, b)| (ptr, b.chunk, st.covering(b.epoch)))
-            };
-            if let Some((ptr, chunk, event)) = taken {
-                self.forget_if_done(shard);
-                if let Some(event) = event {
-                    if let Err(e) = stream.wait(&event) {
-                        // Not handed out: put it back where it was (its shard's epoch
-                        // ordering still holds for it).
-                        self.return_block(ptr, size, chunk);
-                        return Err(e);
+                let mut covered = st.covered();
+                let mut taken = st.free.take(size, |e| e < covered);
+                if taken.is_none() && st.gives_all() && st.unevented > 0 {
+                    if let Some(owner) = shard.owner {
+                        if let Ok(true) = st.record_event(self.backend(), self.device(), owner, false) {
+                            self.counters.events.fetch_add(1, Ordering::Relaxed);
+                            covered = st.covered();
+                            taken = st.free.take(size, |e| e < covered);
+                        }
                     }
-                    self.counters.waits.fetch_add(1, Ordering::Relaxed);
                 }
-                return Ok(Some((ptr, chunk)));
+                let moved = if taken.is_some() && st.gives_all() && common.is_some() {
+                    st.free.drain(|e| e < covered)
+                } else {
+                    Vec::new()
+                };
+                let newest = taken.iter().chain(&moved).map(|(_, b)| b.epoch).max();
+                (taken, moved, newest.and_then(|e| st.covering(e)))
+            };
+            let Some((ptr, b)) = taken else { continue };
+            if let Some(event) = event {
+                if let Err(e) = stream.wait(&event) {
+                    // Not handed out: after a device synchronisation every block is
+                    // complete, so they go to the common list.
+                    let _ = self.backend().ctx_synchronize(self.device());
+                    let mut common = common.unwrap_or_else(|| lock(&self.common));
+                    common.insert_all(moved.into_iter().chain([(ptr, b)]), 0);
+                    return Err(e);
+                }
+                self.counters.waits.fetch_add(1, Ordering::Relaxed);
             }
+            if !moved.is_empty() {
+                // Ordered for this stream now (after the wait): as if freed on it.
+                let own = self.shard_slow(key, stream);
+                let mut st = own.state.lock();
+                let epoch = st.epoch;
+                let n = st.free.insert_all(moved, epoch);
+                st.unevented += n;
+            }
+            drop(common);
+            self.forget_if_done(shard);
+            return Ok(Some((ptr, b.chunk)));
         }
         Ok(None)
     }
@@ -225,13 +348,6 @@ impl ShardedPoolMemoryResource {
             st.unevented += 1;
         }
         chunk.start
-    }
-
-    /// A block taken but not handed out (its wait failed: rare) goes to the common list
-    /// after a device synchronisation, which completes its free.
-    fn return_block(&self, ptr: DevPtr, size: usize, chunk: u64) {
-        let _ = self.backend().ctx_synchronize(self.device());
-        lock(&self.common).insert(ptr, FreeBlock { size, chunk, epoch: 0 });
     }
 
     /// Records an allocation of the slow path (steps 2 to 6) as live in its stream's shard.
@@ -281,14 +397,6 @@ impl ShardedPoolMemoryResource {
         Ok(())
     }
 
-    /// Adds blocks known complete to the common list.
-    fn to_common(&self, blocks: Vec<(DevPtr, FreeBlock)>) {
-        let mut common = lock(&self.common);
-        for (ptr, b) in blocks {
-            common.insert(ptr, FreeBlock { epoch: 0, ..b });
-        }
-    }
-
     /// Drops a retired shard that holds nothing (threads may still hold it in their
     /// caches: its key is never used again, so they never look at it).
     fn forget(&self, shard: &Arc<Shard>) {
@@ -299,36 +407,54 @@ impl ShardedPoolMemoryResource {
     }
 
     fn forget_if_done(&self, shard: &Arc<Shard>) {
-        let done = {
-            let st = shard.state.lock();
-            st.retired && st.free.bytes() == 0 && st.used == 0
-        };
-        if done {
+        let spent = shard.state.lock().is_spent();
+        if spent {
             self.forget(shard);
         }
     }
 
-    /// Moves every block known complete from every shard to the common list, and drops
-    /// retired shards left empty.
-    fn harvest_completed(&self) {
+    /// The common list, locked when blocks of `shard` may move out of it (`may_move`, asked
+    /// under the shard's lock): moved blocks stay under the common list's lock until they
+    /// are in their new shard, as in `import_common`, so that a gathering never misses them.
+    /// Taken before the shard's lock is taken again (the locks' order).
+    fn lock_common_if(
+        &self,
+        shard: &Shard,
+        may_move: impl FnOnce(&ShardState) -> bool,
+    ) -> Option<MutexGuard<'_, FreeList>> {
+        let moves = may_move(&shard.state.lock());
+        moves.then(|| lock(&self.common))
+    }
+
+    /// Moves every block known complete from every shard to the common list (locked by the
+    /// caller, so that no thread takes the common list's blocks into its shard behind the
+    /// harvest), and drops retired shards left empty.
+    fn harvest_completed(&self, common: &mut FreeList) {
         for shard in self.other_shards(u64::MAX) {
-            let (blocks, empty) = {
+            let empty = {
                 let mut st = shard.state.lock();
-                st.refresh();
+                self.count_queries(st.refresh());
                 let done = st.completed;
-                let blocks = st.free.drain(|e| e < done);
-                (blocks, st.retired && st.free.bytes() == 0 && st.used == 0)
+                common.insert_all(st.free.drain(|e| e < done), 0);
+                st.is_spent()
             };
-            self.to_common(blocks);
             if empty {
                 self.forget(&shard);
             }
         }
     }
 
+    /// Whether a gathering started less than `interval` ns ago.
+    fn gathered_within(&self, interval: u64) -> bool {
+        let last = self.counters.last_gather_ns.load(Ordering::Relaxed);
+        last != 0 && crate::clock::monotonic_ns().saturating_sub(last) < interval
+    }
+
     /// Closes every shard's open epoch, synchronises the device, and gathers every free
-    /// block in the common list (then keeps under the release threshold).
-    pub(super) fn synchronize_and_gather(&self) -> Result<()> {
+    /// block in the common list (all complete now, but those freed meanwhile); returns the
+    /// common list, still locked.
+    fn synchronize_and_harvest(&self) -> Result<MutexGuard<'_, FreeList>> {
+        self.counters.last_gather_ns.store(crate::clock::monotonic_ns(), Ordering::Relaxed);
         // Close every shard's open epoch first: blocks freed before the synchronisation
         // starts are complete after it; blocks freed meanwhile get the next epoch.
         let shards = self.other_shards(u64::MAX);
@@ -347,7 +473,49 @@ impl ShardedPoolMemoryResource {
         for (shard, e) in shards.iter().zip(closed) {
             shard.state.lock().complete_through(e);
         }
-        self.harvest_completed();
+        let mut common = lock(&self.common);
+        self.harvest_completed(&mut common);
+        Ok(common)
+    }
+
+    /// Step 6's gathering, one thread at a time: synchronises, gathers every free block in
+    /// the common list, and takes a block of `size` bytes from it for the caller in the same
+    /// critical section, before any other thread can take the gathered blocks into its
+    /// shard (where its frees would merge with them into blocks of its open epoch, which
+    /// no other stream may take). Concurrent gatherers would find each other's blocks in
+    /// transit and grow; so a thread that waited for another's gathering (`seen`, the count
+    /// of gatherings it last saw, moved) first looks in what that one gathered.
+    fn gather_for(&self, size: usize, stream: &Stream, key: u64, seen: &mut u64) -> Result<Option<DevPtr>> {
+        let mine = {
+            let mut gathers = lock(&self.counters.gathers);
+            let mut mine = None;
+            if *gathers != *seen {
+                *seen = *gathers;
+                if let Some(ptr) = self.import_common(size, stream, key) {
+                    return Ok(Some(ptr));
+                }
+                // Another thread may have taken the gathered blocks into its shard.
+                mine = self.take_completed(size, stream, key, &self.other_shards(key));
+            }
+            if mine.is_none() {
+                let mut common = self.synchronize_and_harvest()?;
+                *gathers += 1;
+                *seen = *gathers;
+                mine = common.take(size, |_| true).map(|(ptr, b)| (ptr, b.chunk));
+            }
+            mine
+        };
+        self.keep_under_threshold()?;
+        Ok(mine.map(|(ptr, chunk)| {
+            self.record_live(ptr, size, chunk, stream, key);
+            ptr
+        }))
+    }
+
+    /// Synchronises, gathers every free block in the common list (then keeps under the
+    /// release threshold).
+    pub(super) fn synchronize_and_gather(&self) -> Result<()> {
+        drop(self.synchronize_and_harvest()?);
         self.keep_under_threshold()
     }
 

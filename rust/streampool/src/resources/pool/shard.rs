@@ -3,8 +3,8 @@
 
 use std::collections::VecDeque;
 
-use super::freelist::FreeList;
-use crate::device::BackendRef;
+use super::freelist::{FreeBlock, FreeList};
+use crate::device::{BackendRef, RawStream};
 use crate::error::Result;
 use crate::stream::{Event, Stream};
 use crate::sync::ShardLock;
@@ -22,6 +22,12 @@ pub(super) const MAX_EVENT_BACKOFF: usize = 64;
 #[repr(align(128))]
 pub(super) struct Shard {
     pub key: u64,
+    /// The stream's handle when streampool owns the stream: it is then alive for as long
+    /// as this shard's lock is held and the shard is not retired (its destroy hook retires
+    /// the shard, under that lock, before the stream goes), so another stream's call may
+    /// record an event on it (policy step 5). None for the default streams and borrowed
+    /// handles, whose end the pool cannot see.
+    pub owner: Option<RawStream>,
     pub state: ShardLock<ShardState>,
 }
 
@@ -41,8 +47,12 @@ pub(super) struct ShardState {
     /// Another stream looked for completed blocks here and found none: record an event at
     /// the next free.
     pub wanted: bool,
+    /// A look took this shard's completed blocks and shortened `interval` to when it will
+    /// want more: the event then starts the interval again from `events_every`.
+    pub drawn: bool,
     /// Frees between events now: `events_every`, doubled after each event recorded while
-    /// nobody was short of memory (up to `MAX_EVENT_BACKOFF` times), reset on demand.
+    /// nobody was short of memory (up to `MAX_EVENT_BACKOFF` times), reset on demand;
+    /// shortened by a look that took the shard's blocks (`drawn`).
     pub interval: usize,
     pub spare_events: Vec<Arc<Event>>,
     /// Bytes of the live blocks whose records this shard holds (allocated on this stream,
@@ -57,9 +67,9 @@ pub(super) struct ShardState {
 impl Shard {
     /// Epochs start at 1: epoch 0 tags blocks known complete everywhere (from the common
     /// list), which every shard's `completed` is past.
-    pub fn new(key: u64, events_every: usize) -> Self {
+    pub fn new(key: u64, events_every: usize, owner: Option<RawStream>) -> Self {
         let state = ShardState { interval: events_every, epoch: 1, completed: 1, ..Default::default() };
-        Shard { key, state: ShardLock::new(state) }
+        Shard { key, owner, state: ShardLock::new(state) }
     }
 
     /// Called as `stream` (this shard's, still alive) is destroyed: covers every free block
@@ -70,7 +80,7 @@ impl Shard {
         let mut st = self.state.lock();
         st.retired = true;
         if st.unevented > 0 {
-            let recorded = st.record_event(backend, device, stream, true).map(|_| ());
+            let recorded = st.record_event(backend, device, stream.handle(), true).map(|_| ());
             crate::error::record_if_failed(|| "a retiring pool shard's last event".into(), recorded);
         }
     }
@@ -90,6 +100,17 @@ impl ShardState {
         self.asked(demand) || self.unevented + 1 >= self.interval
     }
 
+    /// Retired and holding nothing: the shard may leave the pool.
+    pub fn is_spent(&self) -> bool {
+        self.retired && self.free.bytes() == 0 && self.used == 0
+    }
+
+    /// Its stream alive, and no live block of its own recorded here (a consumer's stream,
+    /// which frees what others allocated): its free blocks may all move to another shard.
+    pub fn gives_all(&self) -> bool {
+        !self.retired && self.used == 0
+    }
+
     /// The bytes of live blocks recorded here. A block allocated on this stream and freed
     /// on another leaves this shard's records, so each shard's figure is exact; it is
     /// signed only so that a bookkeeping slip would show as a negative sum, never wrap.
@@ -97,9 +118,12 @@ impl ShardState {
         self.used
     }
 
-    /// Advances `completed` past every recorded event that has finished.
-    pub fn refresh(&mut self) {
+    /// Advances `completed` past every recorded event that has finished; returns the
+    /// queries it made (the pool counts them).
+    pub fn refresh(&mut self) -> u64 {
+        let mut queries = 0;
         while let Some((e, ev)) = self.events.front() {
+            queries += 1;
             if !ev.query().unwrap_or(false) {
                 break;
             }
@@ -107,6 +131,30 @@ impl ShardState {
             let (_, ev) = self.events.pop_front().expect("checked");
             self.spare(ev);
         }
+        queries
+    }
+
+    /// Takes `size` bytes of a block whose free has completed, with at most one query: of
+    /// the oldest event that covers a fitting block (events of one stream complete in
+    /// order, so that answer settles every older one too). None when it is still running
+    /// (the block stays here). Returns the block and the queries made.
+    pub fn take_completed(&mut self, size: usize) -> (Option<(u64, FreeBlock)>, u64) {
+        let done = self.completed;
+        if let Some(taken) = self.free.take(size, |e| e < done) {
+            return (Some(taken), 0);
+        }
+        for i in 0..self.events.len() {
+            let e = self.events[i].0;
+            if !self.free.fits(size, |x| x <= e) {
+                continue;
+            }
+            if !self.events[i].1.query().unwrap_or(false) {
+                return (None, 1);
+            }
+            self.complete_through(e);
+            return (self.free.take(size, |x| x <= e), 1);
+        }
+        (None, 0)
     }
 
     /// Every block of an epoch below this is covered by a recorded event or known complete.
@@ -139,16 +187,15 @@ impl ShardState {
     }
 
     /// Records an event on `stream` covering the open epoch, and opens the next; false
-    /// when `MAX_EVENTS` are in flight and `!force` (more would not make blocks takeable
-    /// sooner: the open epoch stays open, and the next record covers it).
+    /// when `MAX_EVENTS` are in flight (as last refreshed) and `!force` (more would not make
+    /// blocks takeable sooner: the open epoch stays open, and the next record covers it).
     pub fn record_event(
         &mut self,
         backend: &BackendRef,
         device: i32,
-        stream: &Stream,
+        stream: RawStream,
         force: bool,
     ) -> Result<bool> {
-        self.refresh();
         if self.events.len() >= MAX_EVENTS && !force {
             self.unevented = 0;
             return Ok(false);
@@ -157,7 +204,7 @@ impl ShardState {
             Some(e) => e,
             None => Arc::new(Event::new(backend, device)?),
         };
-        event.record(stream)?;
+        backend.event_record(device, event.raw(), stream)?;
         self.events.push_back((self.epoch, event));
         self.epoch += 1;
         self.unevented = 0;

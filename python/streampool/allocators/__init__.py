@@ -1,0 +1,98 @@
+"""Allocators for other libraries: PyTorch, CuPy and Numba allocate through streampool.
+
+Each library has a module with RAPIDS RMM's names next to ours (``rmm.allocators.*``), so
+moving from RMM is a change of import:
+
+* :mod:`streampool.allocators.torch`: ``use()``, ``mem_pool()``,
+  ``streampool_torch_allocator`` (RMM: ``rmm_torch_allocator``);
+* :mod:`streampool.allocators.cupy`: ``use()``, ``streampool_cupy_allocator``
+  (RMM: ``rmm_cupy_allocator``);
+* :mod:`streampool.allocators.numba`: ``StreampoolNumbaManager`` (RMM:
+  ``RMMNumbaManager``), also through ``NUMBA_CUDA_MEMORY_MANAGER=streampool.allocators.numba``.
+
+:func:`use_everywhere` configures every one of them that is installed, in one call.
+Every allocation goes through the current resource of its device
+(:func:`streampool.set_current_device_resource`), so pools, adaptors and statistics
+apply to the libraries' memory. Set the resource first: memory is freed through the
+resource that is current when it is freed.
+
+PyTorch calls C functions exported by streampool's extension module (no GIL, no Python
+object on that path): ``void* streampool_alloc(size_t size, int device, cudaStream_t
+stream)`` and ``void streampool_free(void* ptr, size_t size, int device, cudaStream_t
+stream)``, in the file :func:`library_path` names. They return NULL (and free nothing) on
+failure; :func:`last_error` says why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+from .. import _native
+
+__all__ = [
+    "ALLOC_FUNCTION",
+    "FREE_FUNCTION",
+    "failure_count",
+    "last_error",
+    "library_path",
+    "use_everywhere",
+]
+
+#: The name of the exported allocation function in :func:`library_path`.
+ALLOC_FUNCTION = "streampool_alloc"
+#: The name of the exported free function in :func:`library_path`.
+FREE_FUNCTION = "streampool_free"
+
+
+def library_path() -> str:
+    """The file of streampool's extension module, which exports ``streampool_alloc`` and
+    ``streampool_free`` (for ``torch.cuda.memory.CUDAPluggableAllocator`` or ``ctypes``)."""
+    path = _native.__file__
+    assert path is not None  # an extension module always has a file
+    return path
+
+
+def last_error() -> str | None:
+    """The most recent failure of the exported C functions (from any thread), naming the
+    call and the reason, or None when none has failed since the process started."""
+    return _native._capi_last_error()[1]
+
+
+def failure_count() -> int:
+    """How many calls of the exported C functions have failed since the process started."""
+    return _native._capi_last_error()[0]
+
+
+_LIBRARIES = ("torch", "cupy", "numba")
+
+
+def use_everywhere(*, verbose: bool = False) -> dict[str, str]:
+    """Makes every installed library among PyTorch, CuPy and Numba allocate through
+    streampool (each library's ``use()``), in one call, before any of them allocates.
+
+    Returns ``{library: what was done}`` for each of the three (a library that is not
+    installed, cannot be imported, or sees no GPU is listed as skipped, with the reason);
+    prints it when ``verbose``. A library that is installed but cannot be configured any more
+    (PyTorch after its first CUDA tensor) raises, naming the fix.
+    """
+    done: dict[str, str] = {}
+    for name in _LIBRARIES:
+        probe = "numba.cuda" if name == "numba" else name
+        try:
+            found = importlib.util.find_spec(probe) is not None
+        except ImportError:  # numba without numba.cuda
+            found = False
+        if not found:
+            done[name] = f"skipped: {probe} is not installed"
+            continue
+        try:
+            module = importlib.import_module(f"{__name__}.{name}")
+        except Exception as e:  # installed, but not usable here (numba-cuda without CUDA)
+            done[name] = f"skipped: {probe} cannot be imported ({type(e).__name__}: {e})"
+            continue
+        done[name] = module.use()
+    if verbose:
+        for name, what in done.items():
+            print(f"streampool.allocators: {name}: {what}")
+    return done

@@ -1,0 +1,130 @@
+"""Numba allocates through streampool: an External Memory Management (EMM) plugin.
+
+Either set it in the environment before Numba makes its CUDA context::
+
+    NUMBA_CUDA_MEMORY_MANAGER=streampool.allocators.numba python program.py
+
+or in the program, before the first CUDA array::
+
+    from streampool.allocators import numba as sp_numba
+    sp_numba.use()       # numba.cuda.set_memory_manager(StreampoolNumbaManager)
+
+Device arrays are then allocated through the current resource of the current device, on
+the legacy default stream, and freed there when Numba lets go of them. (An unknown
+``NUMBA_CUDA_MEMORY_MANAGER`` is Numba's error: "Failed to use memory manager from
+...", raised at the first CUDA use; the value must name an importable module with a
+``_numba_memory_manager`` attribute, as this one has.)
+
+RMM's name: ``RMMNumbaManager`` (``rmm.allocators.numba``) is
+:class:`StreampoolNumbaManager` here, and both names work. IPC handles of this memory are
+not available yet; for memory that another process can import, use a
+``CudaAsyncMemoryResource(enable_ipc=True)``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+try:
+    from numba import cuda
+    from numba.cuda import HostOnlyCUDAMemoryManager, MemoryPointer
+    from numba.cuda.cudadrv.driver import MemoryInfo
+except ImportError as e:  # pragma: no cover - depends on what is installed
+    raise ImportError("streampool.allocators.numba needs Numba's CUDA target: pip install numba-cuda") from e
+
+from .. import _native
+
+__all__ = ["RMMNumbaManager", "StreampoolNumbaManager", "use"]
+
+
+def _device_pointer(ptr: int) -> Any:
+    """The pointer type Numba's driver binding takes: the NVIDIA binding's ``CUdeviceptr``
+    where Numba uses it (the default of numba-cuda), a ctypes integer otherwise."""
+    try:
+        from numba.cuda.cudadrv.driver import USE_NV_BINDING
+    except ImportError:
+        USE_NV_BINDING = True  # numba-cuda releases that dropped the ctypes binding
+    if USE_NV_BINDING:
+        from cuda.bindings.driver import CUdeviceptr
+
+        return CUdeviceptr(ptr)
+    return ctypes.c_uint64(ptr)
+
+
+class StreampoolNumbaManager(HostOnlyCUDAMemoryManager):  # type: ignore[misc]
+    """Numba's EMM plugin over streampool: device memory from the current resource of the
+    current device; host and pinned memory as Numba makes them itself."""
+
+    def initialize(self) -> None:
+        """Nothing to set up: the resource is looked up at each allocation."""
+
+    def memalloc(self, size: int) -> Any:
+        """Allocates ``size`` bytes on the legacy default stream through streampool's current
+        resource, freed there when Numba releases the returned ``MemoryPointer``."""
+        mr = _native.get_current_device_resource()
+        ptr = mr.allocate(size)
+        if ptr == 0:  # 0 bytes: the null pointer, nothing to free
+            return MemoryPointer(self.context, _device_pointer(0), size)
+        allocations = self.allocations
+        allocations[ptr] = (mr, size)
+
+        def finalizer() -> None:
+            # Numba clears `allocations` when its context is reset (and at exit): what was
+            # there then is no longer streampool's to free through this record.
+            record = allocations.pop(ptr, None) if allocations else None
+            if record is not None:
+                record[0].deallocate(ptr, record[1])
+
+        return MemoryPointer(self.context, _device_pointer(ptr), size, finalizer=finalizer)
+
+    def get_memory_info(self) -> Any:
+        """``(free, total)`` bytes of the device, as the driver reports them (the current
+        resource may hold free memory of its own on top of ``free``)."""
+        free, total = _native.available_device_memory(_native.get_current_device())
+        return MemoryInfo(free=free, total=total)
+
+    def get_ipc_handle(self, memory: Any) -> Any:
+        """Not available for this plugin's memory: raises RuntimeError naming the way to
+        share memory between processes."""
+        raise RuntimeError(
+            "streampool's Numba plugin cannot export IPC handles of its memory: allocate memory "
+            "that other processes can import from a CudaAsyncMemoryResource(enable_ipc=True)"
+        )
+
+    @property
+    def interface_version(self) -> int:
+        """The EMM interface version this plugin implements (1)."""
+        return 1
+
+
+RMMNumbaManager = StreampoolNumbaManager
+
+#: What ``NUMBA_CUDA_MEMORY_MANAGER=streampool.allocators.numba`` makes Numba use.
+_numba_memory_manager = StreampoolNumbaManager
+
+
+def _context_made() -> bool:
+    """True when Numba has made a CUDA context already (it then keeps its memory manager)."""
+    try:
+        from numba.cuda.cudadrv.driver import driver
+
+        devices = driver.__dict__.get("devices") or {}
+        return any(getattr(d, "primary_context", None) is not None for d in devices.values())
+    except Exception:
+        return False
+
+
+def use() -> str:
+    """Makes :class:`StreampoolNumbaManager` Numba's memory manager
+    (``numba.cuda.set_memory_manager``). Call it before Numba's first CUDA use: a context
+    made before keeps its manager, and this raises RuntimeError saying so. Returns what it
+    did."""
+    if _context_made():
+        raise RuntimeError(
+            "streampool.allocators.numba.use() came too late: Numba has already made its CUDA "
+            "context, which keeps its memory manager. Call use() before Numba's first CUDA use, "
+            "or set NUMBA_CUDA_MEMORY_MANAGER=streampool.allocators.numba in the environment."
+        )
+    cuda.set_memory_manager(StreampoolNumbaManager)
+    return "numba.cuda.set_memory_manager(streampool.allocators.numba.StreampoolNumbaManager)"

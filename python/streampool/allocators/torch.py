@@ -1,0 +1,108 @@
+"""PyTorch allocates through streampool: ``use()`` before the first CUDA tensor.
+
+PyTorch's ``CUDAPluggableAllocator`` calls the C functions that streampool's extension
+module exports (no GIL, no Python object on that path), which allocate through the
+current resource of the tensor's device. A failed allocation returns NULL, says why on
+stderr and in :func:`streampool.allocators.last_error`; PyTorch's pluggable allocator does
+not check for NULL (it raises no ``torch.OutOfMemoryError``), so the tensor's first kernel
+is what fails.
+
+Example (GPU only)::
+
+    import streampool
+    from streampool.allocators import torch as sp_torch
+
+    stats = streampool.mr.StatisticsResourceAdaptor(streampool.get_current_device_resource())
+    streampool.set_current_device_resource(stats)
+    sp_torch.use()                      # before the first CUDA tensor
+    import torch
+    x = torch.ones(1 << 20, device="cuda")
+    print(stats.allocation_counts.current_bytes)   # >= 4 MiB: the tensor's memory
+
+RMM's name: ``rmm_torch_allocator`` (``rmm.allocators.torch``) is
+:data:`streampool_torch_allocator` here, and both names work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import torch
+    import torch.cuda.memory as _torch_memory
+except ImportError as e:  # pragma: no cover - depends on what is installed
+    raise ImportError("streampool.allocators.torch needs PyTorch with CUDA support: pip install torch") from e
+
+from . import ALLOC_FUNCTION, FREE_FUNCTION, library_path
+
+# Also `streampool_torch_allocator` and `rmm_torch_allocator`, made on first use (`__getattr__`).
+__all__ = ["allocator", "mem_pool", "use"]
+
+_ALLOCATOR: Any = None
+_IN_USE = False
+
+
+def allocator() -> Any:
+    """The ``torch.cuda.memory.CUDAPluggableAllocator`` over streampool's exported
+    functions (made once). Raises RuntimeError where this PyTorch has no CUDA support."""
+    global _ALLOCATOR
+    if _ALLOCATOR is None:
+        if not hasattr(_torch_memory, "CUDAPluggableAllocator") or not torch.backends.cuda.is_built():
+            raise RuntimeError(
+                f"this PyTorch ({torch.__version__}) is built without CUDA, so it cannot take a CUDA "
+                "allocator: install a CUDA build of PyTorch (pip install torch)"
+            )
+        _ALLOCATOR = _torch_memory.CUDAPluggableAllocator(library_path(), ALLOC_FUNCTION, FREE_FUNCTION)
+    return _ALLOCATOR
+
+
+def use() -> str:
+    """Makes streampool PyTorch's CUDA allocator for the rest of the process
+    (``torch.cuda.memory.change_current_allocator``). Call it before the first CUDA tensor:
+    PyTorch cannot swap an allocator it has used, and this raises RuntimeError saying so.
+    Calling it again is harmless. Returns what it did."""
+    global _IN_USE
+    if _IN_USE:
+        return "already allocating through streampool"
+    if not torch.cuda.is_available():
+        return "skipped: PyTorch sees no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        _torch_memory.change_current_allocator(allocator())
+    except RuntimeError as e:
+        if "initialized" not in str(e):
+            raise
+        raise RuntimeError(
+            "streampool.allocators.torch.use() came too late: PyTorch has already initialised its "
+            "CUDA allocator (a CUDA tensor was made, or torch.cuda memory was queried), and it cannot "
+            "be swapped afterwards. Call use() before the first CUDA tensor, e.g. at the top of the "
+            "program, or use mem_pool() to route one region's allocations through streampool."
+        ) from e
+    _IN_USE = True
+    return f"torch.cuda allocator: CUDAPluggableAllocator({library_path()!r}, {ALLOC_FUNCTION!r}, {FREE_FUNCTION!r})"
+
+
+def mem_pool() -> Any:
+    """A ``torch.cuda.MemPool`` whose memory comes from streampool, for a region of the
+    program (PyTorch 2.5 or later, with its native caching allocator)::
+
+        pool = streampool.allocators.torch.mem_pool()
+        with torch.cuda.use_mem_pool(pool):
+            x = torch.empty(1 << 20, device="cuda")   # allocated through streampool
+
+    Raises RuntimeError naming what is missing where PyTorch has no ``MemPool``."""
+    pool_type = getattr(torch.cuda, "MemPool", None)
+    if pool_type is None or not hasattr(torch.cuda, "use_mem_pool"):
+        raise RuntimeError(
+            f"torch.cuda.MemPool needs PyTorch 2.5 or later (this is {torch.__version__}): upgrade "
+            "PyTorch (pip install -U torch), or make streampool the allocator of the whole process "
+            "with streampool.allocators.torch.use()"
+        )
+    return pool_type(allocator=allocator().allocator())
+
+
+def __getattr__(name: str) -> Any:
+    # RMM's module attribute, made on first use: making it needs a CUDA build of PyTorch,
+    # and importing this module must not.
+    if name in ("streampool_torch_allocator", "rmm_torch_allocator"):
+        return allocator()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,289 @@
+"""Scale out with Dask: a streampool resource on every ``dask.distributed`` worker.
+
+Run one worker process per GPU (as ``dask-cuda``'s ``LocalCUDACluster`` does, or a
+``LocalCluster`` with one worker per GPU) and register :class:`StreampoolPlugin`: at each
+worker's start-up it makes the chosen resource on the worker's device and sets it as that
+device's resource, so that every ``DeviceBuffer`` (and every library hooked to streampool)
+in the worker's tasks allocates from it. :func:`statistics` gathers what each worker's
+resource has allocated. It is the counterpart of ``dask-cuda``'s ``RMMSetup`` plugin.
+
+Example (needs one GPU per worker; ``STREAMPOOL_DEVICE=sim`` in the workers' environment
+runs it on simulated devices instead)::
+
+    from distributed import Client, LocalCluster
+    import streampool
+    import streampool.dask
+
+    with LocalCluster(n_workers=2, threads_per_worker=4) as cluster, Client(cluster) as client:
+        streampool.dask.register(client, "pool")  # one sharded pool per worker's GPU
+
+        def work(nbytes):
+            buf = streampool.DeviceBuffer(size=nbytes, mr=streampool.dask.worker_resource())
+            return buf.device
+
+        print(client.gather(client.map(work, [1 << 20] * 8)))
+        print(streampool.dask.statistics(client))
+
+Needs ``distributed`` (``pip install 'streampool[dask]'``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+try:
+    from distributed import Client, WorkerPlugin, get_worker
+except ImportError as error:  # pragma: no cover - exercised only without distributed
+    raise ImportError(
+        "streampool.dask needs Dask's distributed scheduler: pip install 'streampool[dask]'"
+    ) from error
+
+import streampool
+
+from . import mr
+
+__all__ = [
+    "RESOURCE_NAMES",
+    "ResourceFactory",
+    "StreampoolPlugin",
+    "register",
+    "statistics",
+    "worker_device",
+    "worker_resource",
+]
+
+#: A function that makes a worker's resource, given the worker's device ordinal. It is
+#: pickled and sent to the workers: a module-level function or a ``functools.partial``.
+ResourceFactory = Callable[[int], mr.MemoryResource]
+
+
+def _async(device: int) -> mr.MemoryResource:
+    return mr.CudaAsyncMemoryResource(device=device)
+
+
+def _pool(device: int) -> mr.MemoryResource:
+    return mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(device=device))
+
+
+def _cuda(device: int) -> mr.MemoryResource:
+    return mr.CudaMemoryResource(device=device)
+
+
+def _managed(device: int) -> mr.MemoryResource:
+    return mr.ManagedMemoryResource(device=device)
+
+
+def _async_managed(device: int) -> mr.MemoryResource:
+    return mr.CudaAsyncManagedMemoryResource(device=device)
+
+
+#: The resource names :class:`StreampoolPlugin` knows, and what each makes on a device.
+RESOURCE_NAMES: dict[str, ResourceFactory] = {
+    "async": _async,
+    "pool": _pool,
+    "pool(async)": _pool,
+    "cuda": _cuda,
+    "managed": _managed,
+    "async-managed": _async_managed,
+}
+
+
+def _resolve(resource: str | ResourceFactory) -> ResourceFactory:
+    """The factory behind a resource argument: a callable as it is, a name of
+    :data:`RESOURCE_NAMES`, a ``"module:function"`` import path, or a resource spec of
+    the harness (``"stats(pool(async))"``: docs/harness.md), made on the worker's current
+    device."""
+    if callable(resource):
+        return resource
+    if not isinstance(resource, str):
+        raise TypeError(
+            f"resource must be a resource name, a spec string or a function (device) -> MemoryResource, "
+            f"not {type(resource).__name__}"
+        )
+    spec = resource.strip()
+    if spec in RESOURCE_NAMES:
+        return RESOURCE_NAMES[spec]
+    if ":" in spec and "(" not in spec:
+        module, _, name = spec.partition(":")
+        factory = getattr(importlib.import_module(module), name, None)
+        if not callable(factory):
+            raise ValueError(f"resource {resource!r}: {module} has no function {name!r}")
+        return factory
+    from streampool import harness
+
+    try:
+        harness.check_spec(spec)  # here, in the client: a bad spec fails before any worker
+    except harness.SpecError as e:
+        names = ", ".join(repr(n) for n in RESOURCE_NAMES)
+        raise ValueError(
+            f'unknown resource {resource!r}; expected one of {names}, a "module:function" path, '
+            f"a function (device) -> MemoryResource, or a resource spec ({e})"
+        ) from None
+    return lambda device: harness.resource_from_spec(spec, device=device)
+
+
+def _worker_index(name: object) -> int | None:
+    if isinstance(name, int) and not isinstance(name, bool):
+        return name
+    if isinstance(name, str) and name.isdigit():
+        return int(name)
+    return None
+
+
+def _visible_devices() -> list[str] | None:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    return [v for v in (part.strip() for part in visible.split(",")) if v]
+
+
+class StreampoolPlugin(WorkerPlugin):
+    """A ``dask.distributed`` worker plugin that installs a streampool resource on each
+    worker at start-up (and on workers that join later).
+
+    Args:
+        resource: what to install: a name (``"async"``: the driver's pool, the default;
+            ``"pool"`` or ``"pool(async)"``: a sharded pool over it; ``"cuda"``,
+            ``"managed"``, ``"async-managed"``), a ``"module:function"`` path, or a function
+            ``(device) -> MemoryResource`` (pickled to the workers: a module-level function
+            or a ``functools.partial``).
+        device: the device ordinal every worker uses; by default each worker picks its own:
+            device 0 when ``CUDA_VISIBLE_DEVICES`` shows it one GPU (``dask-cuda``'s
+            workers), else its worker name's index modulo the device count (a
+            ``LocalCluster``'s workers are named 0, 1, ...), else device 0.
+        statistics: wrap the resource in a ``StatisticsResourceAdaptor`` (unless it is one),
+            so that :func:`statistics` can report what each worker allocated.
+
+    The resource becomes the worker's device's resource (``set_per_device_resource``), so
+    code that allocates on that device without naming a resource uses it; tasks can also
+    ask for it with :func:`worker_resource`. On teardown the previous resource is restored.
+    """
+
+    name = "streampool"
+
+    def __init__(
+        self,
+        resource: str | ResourceFactory = "async",
+        *,
+        device: int | None = None,
+        statistics: bool = True,
+    ) -> None:
+        _resolve(resource)  # refuse a bad argument here, on the client, not on every worker
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+            raise ValueError(f"device must be a device ordinal (an int >= 0) or None, got {device!r}")
+        self.resource = resource
+        self.device = device
+        self.statistics = statistics
+        self._installed: tuple[int, mr.MemoryResource] | None = None
+        self._previous: mr.MemoryResource | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What a worker needs; resources installed here never travel.
+        return {"resource": self.resource, "device": self.device, "statistics": self.statistics}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.resource, self.device, self.statistics = state["resource"], state["device"], state["statistics"]
+        self._installed = self._previous = None
+
+    def pick_device(self, worker: Any) -> int:
+        """The device this plugin gives ``worker`` (see the class docs)."""
+        if self.device is not None:
+            return self.device
+        visible = _visible_devices()
+        if visible is not None and len(visible) == 1:
+            return 0
+        index = _worker_index(getattr(worker, "name", None))
+        return 0 if index is None else index % streampool.device_count()
+
+    def setup(self, worker: Any) -> None:
+        device = self.pick_device(worker)
+        count = streampool.device_count()
+        if device >= count:
+            raise ValueError(
+                f"worker {worker.name!r} was given device {device}, but this process sees {count} "
+                f"device{'s' if count != 1 else ''} ({streampool.backend_description()})"
+            )
+        made = _resolve(self.resource)(device)
+        if not isinstance(made, mr.MemoryResource):
+            raise TypeError(f"the resource factory returned {type(made).__name__}, not a MemoryResource")
+        if made.device != device:
+            raise ValueError(
+                f"the resource factory made a resource of device {made.device} for worker {worker.name!r}, "
+                f"whose device is {device}"
+            )
+        if self.statistics and not isinstance(made, mr.StatisticsResourceAdaptor):
+            made = mr.StatisticsResourceAdaptor(made)
+        self._previous = streampool.set_per_device_resource(device, made)
+        self._installed = (device, made)
+
+    def teardown(self, worker: Any) -> None:
+        if self._installed is None:
+            return
+        device, _ = self._installed
+        if self._previous is not None:
+            streampool.set_per_device_resource(device, self._previous)
+        self._installed = self._previous = None
+
+
+def _installed(worker: Any = None) -> tuple[int, mr.MemoryResource]:
+    if worker is None:
+        try:
+            worker = get_worker()
+        except ValueError:
+            raise RuntimeError(
+                "streampool.dask.worker_resource() is for tasks running on a Dask worker"
+            ) from None
+    plugin = worker.plugins.get(StreampoolPlugin.name)
+    if not isinstance(plugin, StreampoolPlugin) or plugin._installed is None:
+        raise RuntimeError(
+            f"worker {worker.name!r} has no streampool resource: register the plugin first "
+            "(streampool.dask.register(client, ...))"
+        )
+    return plugin._installed
+
+
+def worker_resource() -> mr.MemoryResource:
+    """The resource :class:`StreampoolPlugin` installed on the worker running this task."""
+    return _installed()[1]
+
+
+def worker_device() -> int:
+    """The device ordinal of the worker running this task."""
+    return _installed()[0]
+
+
+def register(
+    client: Client,
+    resource: str | ResourceFactory = "async",
+    *,
+    device: int | None = None,
+    statistics: bool = True,
+) -> StreampoolPlugin:
+    """Registers a :class:`StreampoolPlugin` with ``client``'s cluster: the workers there now
+    and those that join later install the resource. Returns the plugin."""
+    plugin = StreampoolPlugin(resource, device=device, statistics=statistics)
+    client.register_plugin(plugin)
+    return plugin
+
+
+def _worker_statistics(dask_worker: Any) -> dict[str, Any]:
+    device, resource = _installed(dask_worker)
+    report: dict[str, Any] = {
+        "device": device,
+        "resource": repr(resource),
+        "backend": streampool.backend_description(),
+    }
+    if isinstance(resource, mr.StatisticsResourceAdaptor):
+        report.update(dict(resource.allocation_counts))
+    return report
+
+
+def statistics(client: Client) -> dict[str, dict[str, Any]]:
+    """Each worker's device, resource, backend and (with the plugin's ``statistics=True``)
+    allocation counters (``current_bytes``, ``peak_bytes``, ``total_bytes`` and the counts),
+    by worker address. RuntimeError from a worker without the plugin."""
+    result: dict[str, dict[str, Any]] = client.run(_worker_statistics)
+    return result

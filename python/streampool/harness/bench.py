@@ -1,0 +1,153 @@
+"""Side-by-side measurement: every resource on a workload, interleaved and repeated.
+
+The machines are noisy, so no single figure is reported: each (resource, thread count)
+runs ``repeats`` times, the resources taking turns within each repeat (in a rotating
+order), and the summary gives min/median/max of the throughput, of the allocator's share
+of the host time, and of the ratio to the first resource *in the same repeat*. Example::
+
+    from streampool.harness import bench
+    runs, summary = bench.measure("window", ["async", "pool(async)"], threads=[1, 4])
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from . import workloads
+from .specs import make_resource
+
+__all__ = ["measure", "spread", "summarise"]
+
+#: Below this relative difference two medians are within noise when the repeats do not
+#: tell them apart better (see ``within_noise``).
+NOISE_FLOOR = 0.05
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def one_run(workload: str, spec: str, threads: int, streams: int, params: dict[str, Any]) -> dict[str, Any]:
+    """Runs ``workload`` once on a fresh resource made from ``spec``."""
+    candidate = make_resource(spec)
+    result = workloads.run(workload, candidate, threads=threads, streams=streams or threads, **params)
+    if result.get("peak_reserved_bytes") is None and candidate.reserves_live:
+        result["peak_reserved_bytes"] = result.get("peak_live_bytes")
+    del candidate
+    gc.collect()
+    return result
+
+
+def measure(
+    workload: str,
+    specs: Sequence[str],
+    threads: Iterable[int] = (1,),
+    streams: int = 0,
+    repeats: int = 3,
+    params: dict[str, Any] | None = None,
+    progress: Callable[[Iterable[Any], int, str], Iterable[Any]] | None = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Runs ``workload`` on every spec, for every thread count, ``repeats`` times; returns
+    the runs (one dict per run: resource, threads, streams, repeat and the workload's
+    metrics, without raw latencies) and their summary (see :func:`summarise`)."""
+    params = params or {}
+    plan = [
+        (t, rep, specs[(i + rep) % len(specs)])
+        for t in threads
+        for rep in range(repeats)
+        for i in range(len(specs))
+    ]
+    runs: list[dict[str, Any]] = []
+    items: Iterable[Any] = plan if progress is None else progress(plan, len(plan), f"{workload}")
+    for t, rep, spec in items:
+        result = one_run(workload, spec, t, streams, params)
+        latencies = result.pop("latencies_ns", None)
+        runs.append(
+            {
+                **result,
+                "resource": spec,
+                "threads": t,
+                "streams": streams or t,
+                "repeat": rep,
+                "_latencies": latencies,
+            }
+        )
+    return runs, summarise(runs, list(specs))
+
+
+def summarise(runs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, Any]]:
+    """Per (resource, threads): min/median/max of throughput, of the allocator's share of
+    host time (:func:`alloc_share`), of the ratio to the first
+    resource's throughput in the same repeat; the median run's latency percentiles; the
+    largest peaks of live and reserved bytes, out-of-memory events, data mismatches, and the
+    most synchronisations and waits the resource made in one run (None where it does not
+    report them), and min/median/max of the resource's own driver calls per chunk (the
+    native pipeline; None elsewhere)."""
+    out = []
+    baseline = specs[0]
+    for t in sorted({r["threads"] for r in runs}):
+        base = {r["repeat"]: r["throughput"] for r in runs if r["threads"] == t and r["resource"] == baseline}
+        for spec in specs:
+            mine = [r for r in runs if r["threads"] == t and r["resource"] == spec]
+            if not mine:
+                continue
+            tp = [r["throughput"] for r in mine]
+            median_run = sorted(mine, key=lambda r: r["throughput"])[len(mine) // 2]
+            shares = [alloc_share(r) for r in mine]
+            ratios = [r["throughput"] / base[r["repeat"]] for r in mine if base.get(r["repeat"])]
+            reserved = [r["peak_reserved_bytes"] for r in mine if r.get("peak_reserved_bytes") is not None]
+            out.append(
+                {
+                    "resource": spec,
+                    "threads": t,
+                    "streams": mine[0]["streams"],
+                    "repeats": len(mine),
+                    "unit": mine[0]["unit"],
+                    "throughput": spread(tp),
+                    "ratio_to_first": spread(ratios) if ratios else None,
+                    "alloc_share": spread(shares),
+                    "allocate": median_run["allocate"],
+                    "free": median_run["free"],
+                    "longest_call_ns": max(max(r["allocate"]["max"], r["free"]["max"]) for r in mine),
+                    "peak_live_bytes": max(r["peak_live_bytes"] for r in mine),
+                    "peak_reserved_bytes": max(reserved) if reserved else None,
+                    "oom_events": sum(r["oom_events"] for r in mine),
+                    "mismatches": sum(r.get("mismatches", 0) for r in mine),
+                    "synchronizations": _most(mine, "synchronizations"),
+                    "waits": _most(mine, "waits"),
+                    "driver_calls_per_chunk": _spread_of(mine, "driver_calls_per_chunk"),
+                }
+            )
+    return out
+
+
+def _most(runs: list[dict[str, Any]], key: str) -> int | None:
+    """The largest ``key`` over the runs that report it; None when none does."""
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return max(values) if values else None
+
+
+def _spread_of(runs: list[dict[str, Any]], key: str) -> dict[str, float] | None:
+    """min/median/max of ``key`` over the runs that report it; None when none does."""
+    values = [float(r[key]) for r in runs if r.get(key) is not None]
+    return spread(values) if values else None
+
+
+def alloc_share(run: dict[str, Any]) -> float:
+    """The share of host time inside allocator calls: the run's own figure where it gives
+    one (the native pipeline), else ``alloc_seconds / (seconds * host threads)``."""
+    if "alloc_share" in run:
+        return float(run["alloc_share"])
+    threads = run.get("host_threads", run["threads"])
+    return run["alloc_seconds"] / (run["seconds"] * max(1, threads)) if run["seconds"] else 0.0
+
+
+def within_noise(a: dict[str, float], b: dict[str, float]) -> bool:
+    """Whether two throughput spreads cannot be told apart: their ranges overlap, or their
+    medians differ by less than NOISE_FLOOR."""
+    overlap = a["min"] <= b["max"] and b["min"] <= a["max"]
+    close = abs(a["median"] - b["median"]) <= NOISE_FLOOR * max(a["median"], b["median"])
+    return overlap or close

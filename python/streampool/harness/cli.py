@@ -1,0 +1,528 @@
+"""The ``streampool`` command line: ``info`` (the default), ``bench``, ``stress``,
+``profile``, ``replay``, ``recommend``, ``plot``. See docs/harness.md for the reference.
+
+Exit codes: 0 success; 1 a check failed (``stress`` found corruption, an overlap, a race
+or an error); 2 bad usage (unknown command, workload, resource spec or option); 3 bad input
+(a malformed or unreadable log); 4 cannot run here (a peer or an extra not installed, a
+workload larger than the device, a resource that failed); 130 interrupted. ``profile`` (and
+``recommend -- CMD`` when the program fails) exits with the program's own status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from .. import __version__
+from .._errors import StreampoolError
+from . import bench, plots, profile, recommend, stress, trace, workloads
+from .device import SIMULATED_NOTE, Device, device
+from .output import HARNESS_EXTRA, Output, document, human_bytes, human_ns, human_rate
+from .specs import PeerMissingError, SpecError, make_resource, split_specs
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_BAD_INPUT, EXIT_CANNOT_RUN, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+DEFAULT_RESOURCES = "async,pool(async),binning(async)"
+
+
+class _Fail(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, e.g. 1,4,16, not {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers of at least 1, not {text!r}")
+    return values
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, not {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, not {text!r}")
+    return value
+
+
+def _param(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    for convert in (int, float):
+        try:
+            return key, convert(value)
+        except ValueError:
+            pass
+    return key, value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="streampool",
+        description="Stream-ordered GPU memory: the environment report (the default command) and the harness "
+        "that measures resources on your workload. Without a CUDA driver (or with STREAMPOOL_DEVICE=sim) "
+        "everything runs on the simulated device, and says so.",
+        epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 bad input, 4 cannot run here, "
+        "130 interrupted; profile exits with the program's status.",
+    )
+    p.add_argument("--version", action="version", version=f"streampool {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("info", help="the environment report (the default)")
+
+    def measured(q: argparse.ArgumentParser, resources: str = DEFAULT_RESOURCES) -> None:
+        q.add_argument(
+            "--resources",
+            default=resources,
+            help=f"comma-separated resource specs (default {resources}); see docs/harness.md",
+        )
+        q.add_argument("--repeats", type=_count, help="runs of each resource, interleaved (default 3)")
+        q.add_argument(
+            "--json", action="store_true", help="print the JSON document (schema streampool.harness/1)"
+        )
+        q.add_argument("--plot", metavar="DIR", help="write PNG plots to DIR (needs the harness extra)")
+        q.add_argument("--quick", action="store_true", help="small sizes and 2 repeats (a smoke test)")
+
+    b = sub.add_parser("bench", help="run a workload on resources side by side")
+    b.add_argument("workload", help=f"one of: {', '.join(workloads.WORKLOADS)}")
+    measured(b)
+    b.add_argument("--threads", type=_int_list, default=[1], help="thread counts, e.g. 1,4,16 (default 1)")
+    b.add_argument("--streams", type=_count, default=0, help="streams (default: one per thread)")
+    b.add_argument(
+        "--param",
+        type=_param,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a workload parameter, e.g. allocations=100000 (repeatable)",
+    )
+    b.add_argument("--log", help="the log, for the replay workload")
+
+    s = sub.add_parser("stress", help="a randomised run with data verification")
+    s.add_argument("--resources", default="pool(async)", help="resource specs (default pool(async))")
+    s.add_argument("--seconds", type=_seconds, default=10.0, help="how long, per resource (default 10)")
+    s.add_argument("--threads", type=_count, default=4)
+    s.add_argument("--streams", type=_count, default=2, help="streams per thread (default 2)")
+    s.add_argument("--max-size", default="1MiB", help="the largest allocation (default 1MiB)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--quick", action="store_true", help="2 seconds")
+    s.add_argument("--json", action="store_true")
+
+    pr = sub.add_parser(
+        "profile",
+        help="run a program with every allocation logged",
+        usage="streampool profile [-o LOG] -- python prog.py ARGS",
+    )
+    pr.add_argument("-o", "--output", default="streampool-profile.log", help="the log (default %(default)s)")
+
+    r = sub.add_parser("replay", help="replay a log (streampool's or RMM's CSV) on resources")
+    r.add_argument("log")
+    measured(r)
+    r.add_argument(
+        "--gap-scale",
+        type=float,
+        default=0.0,
+        help="recorded gaps times this (default 0: as fast as possible; 1: as recorded)",
+    )
+    r.add_argument("--skip-malformed", action="store_true", help="replay the good lines of a malformed log")
+
+    rc = sub.add_parser("recommend", help="which resource suits a log (or a program, profiled first)")
+    rc.add_argument("log", nargs="?", help="the log; or, instead, `-- python prog.py ARGS` to profile first")
+    rc.add_argument("--repeats", type=_count, help="runs of each candidate (default 3)")
+    rc.add_argument("--json", action="store_true")
+    rc.add_argument("--quick", action="store_true", help="2 repeats")
+    rc.add_argument("--skip-malformed", action="store_true")
+    rc.add_argument(
+        "-o", "--output", help="with `-- prog`: where to keep the log (default: a temporary file)"
+    )
+
+    pl = sub.add_parser("plot", help="PNG of live and reserved bytes over time, and latencies, from a log")
+    pl.add_argument("log")
+    pl.add_argument("-o", "--output", help="the PNG (default LOG.png)")
+    pl.add_argument(
+        "--resource", default="async", help="replay on this spec for reserved bytes (default async)"
+    )
+    pl.add_argument("--skip-malformed", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    program: list[str] = []
+    if "--" in argv:  # everything after the first `--` is the program to profile
+        cut = argv.index("--")
+        argv, program = argv[:cut], argv[cut + 1 :]
+    args = _parser().parse_args(argv)
+    args.program = program
+    command = args.command or "info"
+    if program and command not in ("profile", "recommend"):
+        print(f"streampool {command}: takes no program after `--`", file=sys.stderr)
+        return EXIT_USAGE
+    if command == "info":
+        from ..__main__ import report
+
+        report()
+        return EXIT_OK
+    try:
+        with device() as dev:
+            return int(globals()[f"_cmd_{command}"](args, dev))
+    except _Fail as e:
+        print(f"streampool {command}: {e}", file=sys.stderr)
+        return e.code
+    except (SpecError, ValueError) as e:
+        code = EXIT_BAD_INPUT if isinstance(e, trace.LogFormatError) else EXIT_USAGE
+        print(f"streampool {command}: {e}", file=sys.stderr)
+        return code
+    except BrokenPipeError:
+        raise  # `streampool ... | head`: handled (quietly, status 0) by __main__
+    except OSError as e:
+        print(f"streampool {command}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except TypeError as e:  # a --param the workload does not take
+        print(f"streampool {command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (
+        PeerMissingError,
+        workloads.WorkloadError,
+        plots.PlotsUnavailableError,
+        StreampoolError,
+        MemoryError,
+    ) as e:
+        print(f"streampool {command}: {e}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    except KeyboardInterrupt:
+        print(f"streampool {command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _specs(text: str) -> list[str]:
+    specs = split_specs(text)
+    for s in specs:  # every spec is checked (and peers found) before anything runs
+        make_resource(s)
+    return specs
+
+
+def _announce(out: Output, dev: Device) -> None:
+    if dev.simulated:
+        out.line(f"Device: {dev.description} ({dev.reason}). {SIMULATED_NOTE}.")
+    else:
+        out.line(f"Device: {dev.description}")
+
+
+def _range(s: dict[str, float], fmt: Any = human_rate) -> str:
+    return f"{fmt(s['median'])} [{fmt(s['min'])}-{fmt(s['max'])}]"
+
+
+def _results_table(out: Output, title: str, summary: list[dict[str, Any]]) -> None:
+    rows = []
+    for r in summary:
+        ratio = r["ratio_to_first"]
+        rows.append(
+            [
+                r["resource"],
+                str(r["threads"]),
+                _range(r["throughput"]),
+                _range(ratio, lambda x: f"{x:.2f}") if ratio else "-",
+                f"{100 * r['alloc_share']['median']:.1f}%",
+                f"{human_ns(r['allocate']['p50'])} / {human_ns(r['allocate']['p99'])}",
+                human_ns(r["longest_call_ns"]),
+                f"{human_bytes(r['peak_live_bytes'])} / {human_bytes(r['peak_reserved_bytes'])}",
+                str(r["oom_events"]),
+                "-" if r["synchronizations"] is None else f"{r['synchronizations']}/{r['waits'] or 0}",
+            ]
+        )
+    columns = [
+        "resource",
+        "threads",
+        f"{summary[0]['unit'] if summary else ''} median [min-max]",
+        "ratio to first",
+        "alloc share",
+        "alloc p50 / p99",
+        "longest call",
+        "peak live / reserved",
+        "OOM",
+        "syncs/waits",
+    ]
+    # The resource's own driver calls per chunk: the native pipeline reports them.
+    if any(r.get("driver_calls_per_chunk") for r in summary):
+        columns.append("driver calls/chunk")
+        for row, r in zip(rows, summary):
+            calls = r.get("driver_calls_per_chunk")
+            row.append(_range(calls, lambda x: f"{x:.2f}") if calls else "-")
+    out.table(title, columns, rows)
+
+
+def _strip(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs]
+
+
+def _measure_and_report(
+    args: argparse.Namespace,
+    dev: Device,
+    workload: str,
+    specs: list[str],
+    threads: list[int],
+    streams: int,
+    params: dict[str, Any],
+    title: str,
+    extra: dict[str, Any],
+) -> int:
+    if args.plot:
+        plots._plt()  # before any work: a clear message when matplotlib is missing
+    out = Output(args.json)
+    repeats = args.repeats or (2 if args.quick else 3)
+    _announce(out, dev)
+    runs, summary = bench.measure(workload, specs, threads, streams, repeats, params, out.progress)
+    _results_table(
+        out,
+        f"{title} ({repeats} runs each, interleaved; ratio to {specs[0]} in the same run)"
+        + (" [simulated device]" if dev.simulated else ""),
+        summary,
+    )
+    files = plots.bench_plots(workload, summary, runs, args.plot, dev.simulated) if args.plot else []
+    for f in files:
+        out.line(f"wrote {f}")
+    if args.json:
+        shown = {
+            k: (getattr(args, "log", None) if isinstance(v, trace.Trace) else v) for k, v in params.items()
+        }
+        out.emit_json(
+            document(
+                args.command,
+                dev,
+                workload=workload,
+                params=shown,
+                repeats=repeats,
+                runs=_strip(runs),
+                summary=summary,
+                plots=files,
+                **extra,
+            )
+        )
+    bad = [r for r in summary if r["mismatches"]]
+    for r in bad:
+        print(
+            f"streampool {args.command}: DATA CORRUPTION: {r['mismatches']} chunk(s) with wrong data on "
+            f"{r['resource']} at {r['threads']} thread(s)",
+            file=sys.stderr,
+        )
+    return EXIT_CHECK_FAILED if bad else EXIT_OK
+
+
+def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
+    if args.workload not in workloads.WORKLOADS:
+        raise _Fail(
+            EXIT_USAGE,
+            f"unknown workload {args.workload!r}; valid workloads: {', '.join(workloads.WORKLOADS)}",
+        )
+    params = dict(workloads.WORKLOADS[args.workload].quick) if args.quick else {}
+    params.update(dict(args.param))
+    extra: dict[str, Any] = {}
+    threads = args.threads
+    if args.workload == "replay":
+        if not args.log:
+            raise _Fail(EXIT_USAGE, "the replay workload needs --log LOG")
+        t = trace.read_log(args.log)
+        params["log"] = t
+        threads = [t.threads]
+    specs = _specs(args.resources)
+    code = _measure_and_report(
+        args, dev, args.workload, specs, threads, args.streams, params, f"bench {args.workload}", extra
+    )
+    return code
+
+
+def _cmd_replay(args: argparse.Namespace, dev: Device) -> int:
+    t = trace.read_log(args.log, skip_malformed=args.skip_malformed)
+    specs = _specs(args.resources)
+    log_info = {
+        "path": args.log,
+        "events": t.events,
+        "threads": t.threads,
+        "streams": t.streams,
+        "recorded_failures": t.recorded_failures,
+        "unmatched_frees": t.unmatched_frees,
+        "closing_frees": t.closing_frees,
+        "malformed_lines": getattr(t, "malformed", 0),
+    }
+    params = {"log": t, "gap_scale": args.gap_scale}
+    code = _measure_and_report(
+        args,
+        dev,
+        "replay",
+        specs,
+        [t.threads],
+        t.streams,
+        params,
+        f"replay {os.path.basename(args.log)}: {t.events} events",
+        {"log": log_info},
+    )
+    return code
+
+
+def _profile_into(program: list[str], log: str, dev: Device) -> int:
+    if not program:
+        raise _Fail(EXIT_USAGE, "nothing to run: give the program after --, e.g. -- python prog.py ARGS")
+    simulated = dev.simulated
+    if simulated:
+        print(
+            f"streampool profile: {dev.reason}: the program runs on the simulated device "
+            "(STREAMPOOL_DEVICE=sim)",
+            file=sys.stderr,
+        )
+    status = profile.run(program, log, simulated)
+    events = profile.logged_events(log)
+    if status != 0:
+        print(
+            f"streampool profile: the program exited with status {status}; the log keeps the "
+            f"{events} event(s) recorded until then: {log}",
+            file=sys.stderr,
+        )
+    else:
+        print(f"streampool profile: {events} event(s) logged to {log}", file=sys.stderr)
+    return status
+
+
+def _cmd_profile(args: argparse.Namespace, dev: Device) -> int:
+    return _profile_into(args.program, args.output, dev)
+
+
+def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
+    if args.program:
+        if args.log is not None:
+            raise _Fail(EXIT_USAGE, "give a log or `-- python prog.py ARGS`, not both")
+        log = args.output or os.path.join(tempfile.mkdtemp(prefix="streampool-"), "profile.log")
+        status = _profile_into(args.program, log, dev)
+        if status != 0:
+            return status
+    elif args.log is None:
+        raise _Fail(EXIT_USAGE, "give a log, or `-- python prog.py ARGS` to profile a program first")
+    else:
+        log = args.log
+    t = trace.read_log(log, skip_malformed=args.skip_malformed)
+    if not t.events:
+        raise _Fail(EXIT_BAD_INPUT, f"{log}: no allocations to replay")
+    out = Output(args.json)
+    repeats = args.repeats or (2 if args.quick else 3)
+    _announce(out, dev)
+    prof = recommend.analyse(t)
+    runs, summary = bench.measure(
+        "replay", prof.candidates, [t.threads], t.streams, repeats, {"log": t, "gap_scale": 0.0}, out.progress
+    )
+    _results_table(
+        out,
+        f"recommend: {t.events} events replayed on each candidate, {repeats} runs"
+        + (" [simulated device]" if dev.simulated else ""),
+        summary,
+    )
+    choice = recommend.choose(prof, summary)
+    margin = choice["margin"]
+    if margin is None:
+        out.line(f"Recommended: {choice['choice']} (the only candidate that fits)")
+    elif choice["fastest"] != choice["choice"]:
+        out.line(
+            f"Recommended: {choice['choice']} (within noise of the fastest, {choice['fastest']}; "
+            "see why below)"
+        )
+    elif choice["within_noise"]:
+        out.line(
+            f"Recommended: {choice['choice']} ({100 * margin:+.1f}% over {choice['runner_up']} at the "
+            "median, within noise)"
+        )
+    else:
+        out.line(
+            f"Recommended: {choice['choice']} ({100 * margin:+.1f}% over {choice['runner_up']}, "
+            f"median of {repeats} runs)"
+        )
+    if dev.simulated:
+        out.line(f"  ({SIMULATED_NOTE})")
+    out.line("Why:")
+    for reason in choice["reasons"]:
+        out.line(f"  - {reason}")
+    out.line("Apply it (before your program allocates):")
+    for code_line in choice["code"].splitlines():
+        out.line(f"    {code_line}")
+    if args.json:
+        out.emit_json(
+            document(
+                "recommend",
+                dev,
+                workload="replay",
+                params={"log": log, "gap_scale": 0.0},
+                repeats=repeats,
+                runs=_strip(runs),
+                summary=summary,
+                plots=[],
+                profile=prof.as_json(),
+                recommendation=choice,
+            )
+        )
+    return EXIT_OK
+
+
+def _cmd_stress(args: argparse.Namespace, dev: Device) -> int:
+    specs = _specs(args.resources)
+    seconds = 2.0 if args.quick else args.seconds
+    out = Output(args.json)
+    reports = []
+    _announce(out, dev)
+    for spec in specs:
+        out.line(f"stress {spec}: {seconds:g} s, {args.threads} threads x {args.streams} streams ...")
+        report = stress.run(
+            make_resource(spec),
+            seconds=seconds,
+            threads=args.threads,
+            streams=args.streams,
+            max_size=args.max_size,
+            seed=args.seed,
+            sim=dev.sim,
+        )
+        reports.append({"resource": spec, **report})
+        verdict = "OK" if report["ok"] else "FAILED"
+        out.line(
+            f"  {verdict}: {report['operations']} operations, {report['allocations']} allocations, "
+            f"{human_bytes(report['verified_bytes'])} verified by kernels; race detector "
+            + ("on" if report["race_detector"] else "off (a real GPU)")
+        )
+        for kind in ("corruptions", "overlaps", "races", "errors"):
+            for text in report[kind]:
+                out.line(f"  {kind[:-1]}: {text}")
+    if args.json:
+        out.emit_json(document("stress", dev, stress=reports))
+    return EXIT_OK if all(r["ok"] for r in reports) else EXIT_CHECK_FAILED
+
+
+def _cmd_plot(args: argparse.Namespace, dev: Device) -> int:
+    t = trace.read_log(args.log, skip_malformed=args.skip_malformed)
+    target = args.output or f"{args.log}.png"
+    plots._plt()  # before any work: a clear message when matplotlib is missing
+    candidate = make_resource(args.resource)
+    replayed = trace.sequential_replay(candidate.resource, t, candidate.reserved)
+    plots.log_plot(t, replayed, candidate.spec, target, dev.simulated)
+    note = " (simulated device)" if dev.simulated else ""
+    print(f"wrote {target}{note}")
+    return EXIT_OK
+
+
+__all__ = ["HARNESS_EXTRA", "main"]

@@ -1,0 +1,55 @@
+"""The device the harness runs on: the CUDA driver, else (said plainly) a simulated device."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import CudaDriverNotFoundError, StreampoolError
+from .._native import backend_description, driver_version, using_simulated_device
+from ..sim import SimulatedDevice
+
+SIMULATED_NOTE = (
+    "simulated device: these figures measure the simulator on the host, not a GPU; "
+    "run on a machine with a CUDA GPU for real ones"
+)
+
+
+@dataclass
+class Device:
+    """``description`` of the device; ``simulated`` (True on the simulated device, whose
+    ``sim`` gives its race detector); ``reason`` why no GPU is used, if none is."""
+
+    description: str
+    simulated: bool
+    sim: SimulatedDevice | None = None
+    reason: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "description": self.description,
+            "simulated": self.simulated,
+            "driver_version": driver_version(),
+            "note": SIMULATED_NOTE if self.simulated else None,
+        }
+
+
+@contextlib.contextmanager
+def device(capacity_bytes: int | str | None = None) -> Iterator[Device]:
+    """The CUDA device when the driver works and ``STREAMPOOL_DEVICE=sim`` is not set;
+    otherwise a fresh simulated device (of ``capacity_bytes``) with its race detector."""
+    reason = "selected by STREAMPOOL_DEVICE=sim"
+    if not using_simulated_device():
+        try:
+            description = backend_description()
+        except CudaDriverNotFoundError as e:
+            reason = str(e).split(". ")[0]
+        except StreampoolError as e:
+            reason = f"the CUDA driver is unusable: {e}"
+        else:
+            yield Device(description, simulated=False)
+            return
+    with SimulatedDevice(capacity_bytes) as sim:
+        yield Device(sim.describe(), simulated=True, sim=sim, reason=reason)

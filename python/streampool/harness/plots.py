@@ -1,0 +1,140 @@
+"""PNG plots (matplotlib, from the ``streampool[harness]`` extra): throughput against
+threads and latency distributions from ``bench``; live and reserved bytes over time per
+stream and per thread, and latency histograms, from a log (``plot``). Every plot made on
+the simulated device says so in its title."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .output import HARNESS_EXTRA
+from .trace import ALLOCATE, Trace
+
+__all__ = ["PlotsUnavailableError", "bench_plots", "log_plot"]
+
+
+class PlotsUnavailableError(RuntimeError):
+    """matplotlib is not installed (the message names the extra to install)."""
+
+
+def _plt() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotsUnavailableError(f"plots need matplotlib: {HARNESS_EXTRA}") from None
+    return plt
+
+
+def _log_bins(samples: list[int], n: int = 60) -> list[float]:
+    lo, hi = max(1, min(samples)), max(2, max(samples))
+    return [lo * (hi / lo) ** (i / n) for i in range(n + 1)]
+
+
+def _title(text: str, simulated: bool) -> str:
+    return f"{text}\n(simulated device: not GPU figures)" if simulated else text
+
+
+def _save(plt: Any, fig: Any, path: str, dpi: int = 120) -> str:
+    """Writes ``fig`` to ``path`` (laid out) and closes it; returns the path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def bench_plots(
+    workload: str, summary: list[dict[str, Any]], runs: list[dict[str, Any]], out_dir: str, simulated: bool
+) -> list[str]:
+    """Throughput (median, min-max bars) against threads per resource, and the allocate
+    latency distribution per resource at the largest thread count; returns the files."""
+    plt = _plt()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    files = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for spec in dict.fromkeys(r["resource"] for r in summary):
+        rows = [r for r in summary if r["resource"] == spec]
+        xs = [r["threads"] for r in rows]
+        med = [r["throughput"]["median"] for r in rows]
+        lo = [m - r["throughput"]["min"] for m, r in zip(med, rows)]
+        hi = [r["throughput"]["max"] - m for m, r in zip(med, rows)]
+        ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=spec)
+    ax.set_xlabel("producer/consumer pairs" if workload == "pipeline" else "threads")
+    ax.set_ylabel(summary[0]["unit"] if summary else "")
+    ax.set_xscale("log", base=2)
+    ticks = sorted({r["threads"] for r in summary})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.legend(fontsize="small")
+    ax.set_title(_title(f"{workload}: throughput (median, min-max)", simulated))
+    files.append(_save(plt, fig, str(Path(out_dir) / f"{workload}-throughput.png")))
+
+    top = max((r["threads"] for r in runs), default=1)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for spec in dict.fromkeys(r["resource"] for r in runs):
+        samples = [
+            x
+            for r in runs
+            if r["resource"] == spec and r["threads"] == top
+            for x in ((r.get("_latencies") or {}).get("allocate") or [])
+        ]
+        if samples:
+            ax.hist(samples, bins=_log_bins(samples), histtype="step", label=spec, log=True)
+    ax.set_xscale("log")
+    ax.set_xlabel("allocate latency (ns)")
+    ax.set_ylabel("calls")
+    ax.legend(fontsize="small")
+    ax.set_title(_title(f"{workload}: allocate latency at {top} thread(s)", simulated))
+    files.append(_save(plt, fig, str(Path(out_dir) / f"{workload}-latency.png")))
+    return files
+
+
+def _steps(trace: Trace, key: int) -> dict[int, tuple[list[float], list[int]]]:
+    series: dict[int, tuple[list[float], list[int]]] = {}
+    level: dict[int, int] = {}
+    for r in trace.records:
+        k = r[key]
+        level[k] = level.get(k, 0) + (r[1] if r[5] == ALLOCATE else -r[1])
+        xs, ys = series.setdefault(k, ([], []))
+        xs.append(r[0] / 1e9)
+        ys.append(level[k])
+    return series
+
+
+def log_plot(trace: Trace, replayed: dict[str, Any], spec: str, out: str, simulated: bool) -> str:
+    """One PNG: live bytes over time per stream and per thread, total live against the
+    bytes ``spec`` reserved when the log was replayed on it in recorded order
+    (``replayed``: times_s, live, reserved, latencies_ns), and its latency histograms."""
+    plt = _plt()
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, key, name in ((axes[0][0], 4, "stream"), (axes[0][1], 3, "thread")):
+        handles = trace.stream_handles if key == 4 else trace.thread_ids
+        for k, (xs, ys) in sorted(_steps(trace, key).items())[:16]:
+            label = f"{name} {handles[k]:#x}" if key == 4 and k < len(handles) else f"{name} {k}"
+            ax.step(xs, [y / 2**20 for y in ys], where="post", label=label)
+        ax.set_title(f"live MiB per {name} (recorded times)")
+        ax.set_xlabel("s")
+        ax.legend(fontsize="x-small")
+    ax = axes[1][0]
+    ax.step(range(len(replayed["live"])), [y / 2**20 for y in replayed["live"]], where="post", label="live")
+    if any(v is not None for v in replayed["reserved"]):
+        ax.step(
+            range(len(replayed["reserved"])),
+            [(y or 0) / 2**20 for y in replayed["reserved"]],
+            where="post",
+            label=f"reserved ({spec})",
+        )
+    ax.set_title(f"live and reserved MiB, replayed on {spec}")
+    ax.set_xlabel("event")
+    ax.legend(fontsize="small")
+    ax = axes[1][1]
+    for name, samples in replayed["latencies_ns"].items():
+        if samples:
+            ax.hist(samples, bins=_log_bins(samples), histtype="step", log=True, label=name)
+    ax.set_xscale("log")
+    ax.set_title(f"latency on {spec} (ns)")
+    ax.legend(fontsize="small")
+    fig.suptitle(_title(f"allocation log: {trace.events} events", simulated))
+    return _save(plt, fig, out, dpi=110)

@@ -1,0 +1,196 @@
+"""``recommend``: which resource suits a recorded program, by rules and by measurement.
+
+The rules read the log (threads, streams, sizes, cross-stream frees, peak live bytes
+against the device's free memory) and choose the candidates that fit and the one to
+expect; the measurement replays the log on every candidate, interleaved and repeated, and
+picks the fastest. When the fastest is within noise of a simpler one (the rules' choice,
+or the default), the simpler one is recommended, and the report says so. Example::
+
+    from streampool.harness import recommend, trace
+    t = trace.read_log("app.log")
+    profile = recommend.analyse(t)
+    print(profile.preferred, profile.reasons)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._native import available_device_memory, using_simulated_device
+from . import bench
+from .output import human_bytes
+from .specs import make_resource
+from .trace import ALLOCATE, FREE, Trace, quantile
+
+__all__ = ["SIMPLER_FIRST", "Profile", "analyse", "choose"]
+
+#: Candidates from the simplest (the default) to the most specialised: within noise, the
+#: earlier one is recommended.
+SIMPLER_FIRST = ["async", "prefetch(managed)", "managed", "pool(async)", "binning(async)", "cuda"]
+#: The plain resource: measured as a baseline, never recommended.
+BASELINE = "cuda"
+SMALL = 1 << 20  # "small" allocations: at most 1 MiB at the median
+MANY = 4  # "many" threads and streams
+
+
+@dataclass
+class Profile:
+    """What the rules read from a trace, the candidates that fit, the one they expect."""
+
+    threads: int
+    streams: int
+    allocations: int
+    size_p50: int
+    size_p99: int
+    cross_stream_frees: int
+    cross_thread_frees: int
+    peak_live_bytes: int
+    free_device_bytes: int
+    preferred: str
+    candidates: list[str]
+    reasons: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _peers() -> list[str]:
+    if using_simulated_device():
+        return []
+    found = []
+    if importlib.util.find_spec("rmm") is not None:
+        found += ["rmm:async", "rmm:pool(async)", "rmm:arena", "rmm:binning"]
+    if importlib.util.find_spec("cupy") is not None:
+        found += ["cupy:pool", "cupy:async"]
+    if importlib.util.find_spec("torch") is not None:
+        found += ["torch:native"]
+    return found
+
+
+def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = True) -> Profile:
+    """The rules: reads ``trace`` and returns its :class:`Profile` (``free_device_bytes``
+    defaults to what the device has free now)."""
+    if free_device_bytes is None:
+        free_device_bytes = available_device_memory()[0]
+    sizes = sorted(r[1] for r in trace.records if r[5] == ALLOCATE)
+    alloc_at = {r[2]: r for r in trace.records if r[5] == ALLOCATE}
+    live = peak = cross_stream = cross_thread = 0
+    threads_used, streams_used = set(), set()
+    for r in trace.records:
+        threads_used.add(r[3])
+        streams_used.add(r[4])
+        if r[5] == ALLOCATE:
+            live += r[1]
+            peak = max(peak, live)
+        elif r[5] == FREE:
+            live -= r[1]
+            a = alloc_at[r[2]]
+            cross_stream += a[4] != r[4]
+            cross_thread += a[3] != r[3]
+    p50, p99 = quantile(sizes, 0.5), quantile(sizes, 0.99)
+    threads, streams = len(threads_used), len(streams_used)
+    reasons = [
+        f"{threads} thread(s) and {streams} stream(s) allocate; {len(sizes)} allocations, "
+        f"sizes {human_bytes(p50)} at the median and {human_bytes(p99)} at the 99th percentile",
+        f"{cross_stream} free(s) on another stream than the allocation's, {cross_thread} on another thread",
+        f"peak live {human_bytes(peak)} against {human_bytes(free_device_bytes)} free on the device",
+    ]
+    if peak > free_device_bytes:
+        preferred = "prefetch(managed)"
+        candidates = ["prefetch(managed)", "managed"]
+        reasons.append(
+            "the peak is larger than the device's free memory: only managed memory fits, and "
+            "prefetching moves its pages to the GPU before the kernels need them"
+        )
+    else:
+        candidates = ["async", "pool(async)", "binning(async)", BASELINE] + (_peers() if peers else [])
+        if threads >= MANY and streams >= MANY and p50 <= SMALL:
+            preferred = "pool(async)"
+            reasons.append(
+                "many threads and streams with small allocations: the sharded pool gives each stream "
+                "its own shard, so they do not wait on one lock (the driver's pool serialises them)"
+            )
+        elif streams <= 1:
+            preferred = "async"
+            reasons.append(
+                "one stream: the driver's pool (the default) reuses memory on that stream at no cost, "
+                "and shares it with PyTorch's and CuPy's async allocators"
+            )
+        else:
+            preferred = "async"
+            reasons.append(
+                "no pattern that calls for a special resource: the default, unless measured faster"
+            )
+        if cross_stream:
+            reasons.append(
+                "cross-stream frees: every candidate orders the reuse (the sharded pool prefers growing "
+                "to making one stream wait on another)"
+            )
+    reasons.append(
+        "if your program shares the GPU with PyTorch or CuPy, `async` shares one driver pool with "
+        "their async allocators instead of splitting memory"
+    )
+    return Profile(
+        threads,
+        streams,
+        len(sizes),
+        p50,
+        p99,
+        cross_stream,
+        cross_thread,
+        peak,
+        free_device_bytes,
+        preferred,
+        candidates,
+        reasons,
+    )
+
+
+def choose(profile: Profile, summary: list[dict[str, Any]]) -> dict[str, Any]:
+    """The recommendation from measured ``summary`` rows (one per candidate): the fastest
+    by median throughput, unless a simpler candidate (the rules' choice first, then
+    SIMPLER_FIRST order) is within noise of it. Returns choice, runner_up, margin (the
+    choice's median over the runner-up's, minus 1), within_noise and the reasoning."""
+    rows = {r["resource"]: r for r in summary if r["resource"] != BASELINE and not r["oom_events"]}
+    if not rows:
+        rows = {r["resource"]: r for r in summary if r["resource"] != BASELINE}
+    ranked = sorted(rows.values(), key=lambda r: r["throughput"]["median"], reverse=True)
+    fastest = ranked[0]
+    order = [profile.preferred] + [s for s in SIMPLER_FIRST if s != profile.preferred]
+    simpler = [
+        rows[s]
+        for s in order
+        if s in rows and bench.within_noise(rows[s]["throughput"], fastest["throughput"])
+    ]
+    pick = simpler[0] if simpler else fastest
+    others = [r for r in ranked if r is not pick]
+    runner = others[0] if others else None
+    margin = pick["throughput"]["median"] / runner["throughput"]["median"] - 1 if runner else None
+    noise = runner is not None and bench.within_noise(pick["throughput"], runner["throughput"])
+    why = list(profile.reasons)
+    if pick is not fastest:
+        which = "the rules' choice" if pick["resource"] == profile.preferred else "the simpler choice"
+        gain = fastest["throughput"]["median"] / pick["throughput"]["median"] - 1
+        why.append(
+            f"measured: {fastest['resource']} was fastest ({100 * gain:+.1f}% at the median), but within noise "
+            f"of {pick['resource']}, {which}, which is recommended"
+        )
+    elif noise and runner is not None:
+        why.append(f"measured: {pick['resource']} and {runner['resource']} are within noise of each other")
+    else:
+        why.append(f"measured: {pick['resource']} was the fastest of {len(ranked)} candidate(s)")
+    if pick["resource"] != profile.preferred and profile.preferred in rows and pick is fastest:
+        why.append(f"the rules expected {profile.preferred}; the measurement overrules them")
+    return {
+        "choice": pick["resource"],
+        "runner_up": runner["resource"] if runner else None,
+        "margin": margin,
+        "within_noise": noise,
+        "code": make_resource(pick["resource"]).code,
+        "reasons": why,
+        "throughput_median": pick["throughput"]["median"],
+        "unit": pick["unit"],
+        "fastest": fastest["resource"],
+    }

@@ -1,0 +1,471 @@
+"""Resources by spec string: ``async``, ``pool(async)``, ``pool(async, initial=8GiB)``,
+``stats(pool(async))``, ``rmm:pool(cuda)``, ``cupy:pool``, ...
+
+A spec is a name with optional arguments in parentheses: adaptors and pools take their
+upstream as the first argument, then ``key=value`` options (sizes as ``"8GiB"``, see
+:func:`streampool.parse_size`). Peers (RMM, CuPy, PyTorch) are wrapped behind
+streampool's resource interface (a :class:`~streampool.mr.CallbackMemoryResource`), so
+that every workload runs on them in the same process. Example::
+
+    from streampool.harness import make_resource
+    candidate = make_resource("pool(async, initial=1GiB)")
+    ptr = candidate.resource.allocate(1 << 20)
+    candidate.resource.deallocate(ptr, 1 << 20)
+    print(candidate.code)   # the Python lines that make the same resource
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import mr
+from .._native import Stream, parse_size, using_simulated_device
+
+__all__ = [
+    "VALID_SPECS",
+    "Candidate",
+    "PeerMissingError",
+    "SpecError",
+    "make_resource",
+    "parse_spec",
+    "split_specs",
+]
+
+
+class SpecError(ValueError):
+    """A spec string that does not name a resource (the message lists the valid ones)."""
+
+
+class PeerMissingError(RuntimeError):
+    """A spec names a peer library that is not installed (the message names the package)."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A parsed spec: ``name(args..., key=value...)``."""
+
+    name: str
+    args: tuple[Spec, ...] = ()
+    options: tuple[tuple[str, str], ...] = ()
+
+    def __str__(self) -> str:
+        inner = [str(a) for a in self.args] + [f"{k}={v}" for k, v in self.options]
+        return f"{self.name}({', '.join(inner)})" if inner else self.name
+
+
+_TOKEN = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_.:]*(?:\s*=\s*[^,()\s]+)?|[(),])")
+
+
+def _tokens(text: str) -> list[str]:
+    out, pos = [], 0
+    while pos < len(text):
+        if text[pos:].strip() == "":
+            break
+        m = _TOKEN.match(text, pos)
+        if not m:
+            raise SpecError(f"resource spec {text!r}: cannot read {text[pos:].strip()!r}. {_valid()}")
+        out.append(m.group(1).replace(" ", ""))
+        pos = m.end()
+    return out
+
+
+def parse_spec(text: str) -> Spec:
+    """Parses one spec string (no resource is made); SpecError when it does not parse."""
+    tokens = _tokens(text)
+
+    def parse(i: int) -> tuple[Spec, int]:
+        if i >= len(tokens) or tokens[i] in "(),":
+            raise SpecError(f"resource spec {text!r}: expected a resource name. {_valid()}")
+        name = tokens[i]
+        if "=" in name:
+            raise SpecError(f"resource spec {text!r}: an option ({name}) where a resource was expected")
+        i += 1
+        args: list[Spec] = []
+        options: list[tuple[str, str]] = []
+        if i < len(tokens) and tokens[i] == "(":
+            i += 1
+            while i < len(tokens) and tokens[i] != ")":
+                if "=" in tokens[i]:
+                    key, value = tokens[i].split("=", 1)
+                    options.append((key, value))
+                    i += 1
+                else:
+                    arg, i = parse(i)
+                    args.append(arg)
+                if i < len(tokens) and tokens[i] == ",":
+                    i += 1
+            if i >= len(tokens):
+                raise SpecError(f"resource spec {text!r}: missing ')'")
+            i += 1
+        return Spec(name, tuple(args), tuple(options)), i
+
+    spec, end = parse(0)
+    if end != len(tokens):
+        raise SpecError(f"resource spec {text!r}: unexpected {' '.join(tokens[end:])!r} after {spec}")
+    return spec
+
+
+def split_specs(text: str) -> list[str]:
+    """Splits ``--resources`` at top-level commas: ``"async,pool(async, initial=1GiB)"``
+    is two specs."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:].strip())
+    if any(not p for p in parts):
+        raise SpecError(f"--resources {text!r}: an empty spec (two commas, or one at an end)")
+    return parts
+
+
+@dataclass
+class Candidate:
+    """A resource made from a spec: ``resource`` (a streampool MemoryResource, peers
+    wrapped), ``spec`` (canonical), ``code`` (the Python lines that make it), ``peer``
+    (``None`` or the library's name), ``reserved`` (a function giving the bytes the resource
+    holds from the device now, None when it cannot say), ``reserves_live`` (True when
+    the resource holds nothing beyond what is live: no pool anywhere in the stack)."""
+
+    spec: str
+    resource: mr.MemoryResource
+    code: str
+    peer: str | None = None
+    reserved: Callable[[], int | None] = lambda: None
+    reserves_live: bool = False
+    keep: list[Any] = field(default_factory=list)
+
+
+# --- streampool's own resources ----------------------------------------------------------
+
+_SIZE_OPTIONS = {"initial", "maximum", "release", "size", "limit"}
+
+
+def _options(spec: Spec, allowed: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in spec.options:
+        if key not in allowed:
+            known = ", ".join(allowed) or "none"
+            raise SpecError(f"resource spec {spec}: {spec.name} has no option {key!r} (options: {known})")
+        try:
+            if key in _SIZE_OPTIONS:
+                out[allowed[key]] = parse_size(value)
+            elif key in ("min", "max", "events_every"):
+                out[allowed[key]] = int(value)
+            else:
+                out[allowed[key]] = None if value == "none" else float(value)
+        except ValueError as e:
+            raise SpecError(f"resource spec {spec}: option {key}={value}: {e}") from None
+    return out
+
+
+def _arity(spec: Spec, n: int) -> None:
+    if len(spec.args) != n:
+        what = "no upstream" if n == 0 else "one upstream, e.g. pool(async)"
+        raise SpecError(f"resource spec {spec}: {spec.name} takes {what}, got {len(spec.args)}")
+
+
+def _reserved(resource: mr.MemoryResource) -> int | None:
+    """Bytes ``resource`` holds from the device: a pool's size, the driver pool's reserved
+    bytes; through an adaptor, its upstream's."""
+    if isinstance(resource, mr.ShardedPoolMemoryResource | mr.ArenaMemoryResource):
+        return resource.pool_size()
+    if isinstance(resource, mr.CudaAsyncMemoryResource | mr.CudaAsyncManagedMemoryResource):
+        return resource.reserved_bytes
+    if isinstance(resource, mr.UpstreamResourceAdaptor):
+        return _reserved(resource.upstream)
+    return None
+
+
+# name -> (number of upstreams, options {spec key: keyword}, maker, code template)
+_OURS: dict[str, tuple[int, dict[str, str], Callable[..., mr.MemoryResource], str]] = {
+    "async": (
+        0,
+        {"initial": "initial_pool_size", "release": "release_threshold"},
+        mr.CudaAsyncMemoryResource,
+        "mr.CudaAsyncMemoryResource({opts})",
+    ),
+    "cuda": (0, {}, mr.CudaMemoryResource, "mr.CudaMemoryResource()"),
+    "managed": (0, {}, mr.ManagedMemoryResource, "mr.ManagedMemoryResource()"),
+    "async_managed": (
+        0,
+        {"initial": "initial_pool_size", "release": "release_threshold"},
+        mr.CudaAsyncManagedMemoryResource,
+        "mr.CudaAsyncManagedMemoryResource({opts})",
+    ),
+    "pool": (
+        1,
+        {
+            "initial": "initial_pool_size",
+            "maximum": "maximum_pool_size",
+            "release": "release_threshold",
+            "headroom": "headroom",
+            "events_every": "events_every",
+        },
+        mr.ShardedPoolMemoryResource,
+        "mr.ShardedPoolMemoryResource({up}{opts})",
+    ),
+    "arena": (1, {"size": "arena_size"}, mr.ArenaMemoryResource, "mr.ArenaMemoryResource({up}{opts})"),
+    "binning": (
+        1,
+        {"min": "min_size_exponent", "max": "max_size_exponent"},
+        mr.BinningMemoryResource,
+        "mr.BinningMemoryResource({up}{opts})",
+    ),
+    "prefetch": (1, {}, mr.PrefetchResourceAdaptor, "mr.PrefetchResourceAdaptor({up})"),
+    "stats": (1, {}, mr.StatisticsResourceAdaptor, "mr.StatisticsResourceAdaptor({up})"),
+    "tracking": (1, {}, mr.TrackingResourceAdaptor, "mr.TrackingResourceAdaptor({up})"),
+    "limit": (
+        1,
+        {"limit": "allocation_limit"},
+        mr.LimitingResourceAdaptor,
+        "mr.LimitingResourceAdaptor({up}{opts})",
+    ),
+}
+#: Binning's default size classes, 1 KiB to 1 MiB (RMM's ``binning`` bench uses a range
+#: like this); the same for ``rmm:binning``.
+BINNING_DEFAULT = {"min_size_exponent": 10, "max_size_exponent": 20}
+
+
+def _latency_adaptor() -> Any:
+    return getattr(mr, "LatencyHistogramAdaptor", None)
+
+
+def _ours(spec: Spec) -> tuple[mr.MemoryResource, str]:
+    if spec.name == "latency":
+        adaptor = _latency_adaptor()
+        if adaptor is None:
+            raise SpecError(
+                "resource spec latency(...): this build of streampool has no LatencyHistogramAdaptor"
+            )
+        _arity(spec, 1)
+        _options(spec, {})
+        upstream, code = _ours(spec.args[0])
+        return adaptor(upstream), f"mr.LatencyHistogramAdaptor({code})"
+    if spec.name not in _OURS:
+        raise SpecError(f"unknown resource {spec.name!r} in spec {str(spec)!r}. {_valid()}")
+    n, allowed, make, template = _OURS[spec.name]
+    _arity(spec, n)
+    kwargs = _options(spec, allowed)
+    if spec.name == "binning":
+        kwargs = {**BINNING_DEFAULT, **kwargs}
+    opts = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    if n == 0:
+        return make(**kwargs), template.format(opts=opts)
+    upstream, up_code = _ours(spec.args[0])
+    return make(upstream, **kwargs), template.format(up=up_code, opts=f", {opts}" if opts else "")
+
+
+# --- peers ------------------------------------------------------------------------------
+
+_PEER_PACKAGES = {"rmm": "rmm-cu12 (or rmm-cu13)", "cupy": "cupy-cuda12x (or cupy-cuda13x)", "torch": "torch"}
+PEER_SPECS = [
+    "rmm:async",
+    "rmm:pool(cuda)",
+    "rmm:pool(async)",
+    "rmm:arena",
+    "rmm:binning",
+    "cupy:pool",
+    "cupy:async",
+    "torch:native",
+]
+
+
+def _import_peer(lib: str) -> Any:
+    try:
+        return importlib.import_module(lib)
+    except ImportError as e:
+        raise PeerMissingError(
+            f"resource spec {lib}:...: {lib} is not installed ({e}). Install it with "
+            f"`pip install {_PEER_PACKAGES[lib]}`, or leave the spec out."
+        ) from None
+
+
+def _peer(spec: Spec) -> Candidate:
+    lib, _, name = spec.name.partition(":")
+    if lib not in _PEER_PACKAGES:
+        raise SpecError(f"unknown peer library {lib!r} in spec {str(spec)!r}. {_valid()}")
+    inner = Spec(name, spec.args, spec.options)
+    if str(inner) not in {p.split(":", 1)[1] for p in PEER_SPECS if p.startswith(lib + ":")}:
+        raise SpecError(f"unknown peer resource {str(spec)!r}. {_valid()}")
+    if using_simulated_device():
+        raise PeerMissingError(
+            f"resource spec {spec}: peers allocate real GPU memory and cannot run on the simulated device"
+        )
+    module = _import_peer(lib)
+    maker = {"rmm": _rmm, "cupy": _cupy, "torch": _torch}[lib]
+    allocate, deallocate, reserved, keep, code = maker(module, str(inner))
+    resource = mr.CallbackMemoryResource(allocate, deallocate)
+    return Candidate(str(spec), resource, code, peer=lib, reserved=reserved, keep=keep)
+
+
+def _rmm(rmm: Any, name: str) -> tuple[Any, ...]:
+    rmr = importlib.import_module("rmm.mr")
+    from rmm.pylibrmm.stream import Stream as RmmStream  # type: ignore[import-not-found]
+
+    makers = {
+        "async": lambda: rmr.CudaAsyncMemoryResource(),
+        "pool(cuda)": lambda: rmr.PoolMemoryResource(rmr.CudaMemoryResource()),
+        "pool(async)": lambda: rmr.PoolMemoryResource(rmr.CudaAsyncMemoryResource()),
+        "arena": lambda: rmr.ArenaMemoryResource(rmr.CudaMemoryResource()),
+        "binning": lambda: rmr.BinningMemoryResource(
+            rmr.CudaAsyncMemoryResource(),
+            BINNING_DEFAULT["min_size_exponent"],
+            BINNING_DEFAULT["max_size_exponent"],
+        ),
+    }
+    res = makers[name]()
+    streams: dict[int, Any] = {}
+
+    def rs(stream: Stream) -> Any:
+        s = streams.get(stream.handle)
+        if s is None:
+            s = streams[stream.handle] = RmmStream(stream)
+        return s
+
+    def reserved() -> int | None:
+        pool = getattr(res, "pool_size", None)
+        return int(pool()) if pool else None
+
+    return (
+        lambda size, stream: res.allocate(size, rs(stream)),
+        lambda ptr, size, stream: res.deallocate(ptr, size, rs(stream)),
+        reserved,
+        [res, streams],
+        f"import rmm\nrmm.mr.set_current_device_resource(<rmm:{name}>)",
+    )
+
+
+def _cupy(cupy: Any, name: str) -> tuple[Any, ...]:
+    pool = cupy.cuda.MemoryPool() if name == "pool" else cupy.cuda.MemoryAsyncPool()
+    live: dict[int, Any] = {}
+    streams: dict[int, Any] = {}
+
+    def cs(stream: Stream) -> Any:
+        s = streams.get(stream.handle)
+        if s is None:
+            s = streams[stream.handle] = cupy.cuda.ExternalStream(stream.handle)
+        return s
+
+    def allocate(size: int, stream: Stream) -> int:
+        with cs(stream):
+            memory = pool.malloc(size)
+        live[memory.ptr] = memory
+        return int(memory.ptr)
+
+    def deallocate(ptr: int, size: int, stream: Stream) -> None:
+        with cs(stream):  # CuPy records the free on the current stream
+            del live[ptr]
+
+    kind = "MemoryPool" if name == "pool" else "MemoryAsyncPool"
+    total = getattr(pool, "total_bytes", None)  # what the pool holds from the device
+
+    def reserved() -> int | None:
+        return int(total()) if total is not None else None
+
+    code = f"import cupy\ncupy.cuda.set_allocator(cupy.cuda.{kind}().malloc)"
+    return allocate, deallocate, reserved, [pool, live, streams], code
+
+
+def _torch(torch: Any, name: str) -> tuple[Any, ...]:
+    device = torch.cuda.current_device()
+    return (
+        lambda size, stream: int(torch.cuda.caching_allocator_alloc(size, device, stream.handle)),
+        lambda ptr, size, stream: torch.cuda.caching_allocator_delete(ptr),
+        lambda: int(torch.cuda.memory_reserved(device)),
+        [],
+        "import torch\n# PyTorch's caching allocator is its default: nothing to set",
+    )
+
+
+# --- the entry point --------------------------------------------------------------------
+
+VALID_SPECS = [
+    "async",
+    "async(initial=1GiB, release=1GiB)",
+    "cuda",
+    "managed",
+    "async_managed",
+    "pool(async)",
+    "pool(async, initial=8GiB, maximum=16GiB, headroom=0.15)",
+    "arena(async, size=4GiB)",
+    "binning(async, min=10, max=20)",
+    "prefetch(managed)",
+    "stats(X)",
+    "tracking(X)",
+    "limit(X, limit=2GiB)",
+    "latency(X)",
+    *PEER_SPECS,
+]
+
+
+def _valid() -> str:
+    return "Valid specs: " + ", ".join(VALID_SPECS) + " (X: any spec)."
+
+
+_SETUP = "from streampool import mr, set_current_device_resource\n"
+
+
+def make_resource(text: str) -> Candidate:
+    """Makes the resource a spec string names. SpecError (a ValueError) for a spec that
+    does not parse or names no resource, listing the valid ones; PeerMissingError naming
+    the package to install for a peer that is not installed."""
+    spec = parse_spec(text)
+    if ":" in spec.name:
+        return _peer(spec)
+    resource, code = _ours(spec)
+    return Candidate(
+        str(spec),
+        resource,
+        f"{_SETUP}set_current_device_resource({code})",
+        reserved=lambda: _reserved(resource),
+        reserves_live=not _names(spec) & _CACHING,
+    )
+
+
+def check_spec(text: str) -> None:
+    """Checks a spec string without making anything: SpecError (a ValueError) naming what
+    does not parse or names no resource, listing the valid ones."""
+
+    def walk(spec: Spec) -> None:
+        if ":" in spec.name:
+            lib, _, name = spec.name.partition(":")
+            inner = str(Spec(name, spec.args, spec.options))
+            if f"{lib}:{inner}" not in PEER_SPECS:
+                raise SpecError(f"unknown peer resource {str(spec)!r}. {_valid()}")
+            return
+        if spec.name not in _OURS and spec.name != "latency":
+            raise SpecError(f"unknown resource {spec.name!r} in spec {str(spec)!r}. {_valid()}")
+        for arg in spec.args:
+            walk(arg)
+
+    walk(parse_spec(text))
+
+
+def resource_from_spec(text: str, device: int | None = None) -> mr.MemoryResource:
+    """The resource a spec string names (see :func:`make_resource`), for ``device``: spec
+    strings make their resources on the current device, so another device is refused
+    (ValueError naming it: pass a function ``(device) -> MemoryResource`` instead). Used
+    by ``streampool.dask`` for spec strings."""
+    import streampool
+
+    current = streampool.get_current_device()
+    if device is not None and device != current:
+        raise ValueError(
+            f"resource spec {text!r}: spec strings make resources on the current device ({current}), "
+            f"not device {device}; pass a function (device) -> MemoryResource for other devices"
+        )
+    return make_resource(text).resource
+
+
+_CACHING = {"async", "async_managed", "pool", "arena", "binning"}
+
+
+def _names(spec: Spec) -> set[str]:
+    return {spec.name}.union(*(_names(a) for a in spec.args))

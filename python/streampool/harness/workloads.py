@@ -1,0 +1,475 @@
+"""The harness's workloads: named, documented, parameterised, usable from Python.
+
+Each workload is ``run(resource, **params) -> dict`` over a streampool resource (peers
+come wrapped, see :mod:`streampool.harness.specs`) and returns the same metrics:
+``throughput`` (in ``unit``), ``events``, ``seconds``, ``alloc_seconds`` (time inside the
+allocator's calls, summed over threads), ``allocate``/``free`` latency percentiles in ns,
+``peak_live_bytes``, ``peak_reserved_bytes``, ``oom_events``. Example::
+
+    from streampool.harness import make_resource, workloads
+    pool = make_resource("pool(async)")
+    print(workloads.run("window", pool, threads=4, streams=4))
+
+The trace workloads (random, window) generate a :class:`~streampool.harness.trace.Trace`
+and replay it (natively when this build has the native replayer); multistream, pipeline
+and larger-than-memory launch kernels (:mod:`streampool.kernels`) between allocations.
+"""
+
+from __future__ import annotations
+
+import queue
+import random as _random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _native
+from .._native import Stream, available_device_memory, parse_size, using_simulated_device
+from . import trace as _trace
+from .specs import Candidate
+
+__all__ = ["WORKLOADS", "Workload", "WorkloadError", "random_trace", "run", "window_trace"]
+
+
+class WorkloadError(RuntimeError):
+    """A workload that cannot run here (too large for the device, kernels missing)."""
+
+
+def _kernels() -> Any:
+    try:
+        from .. import kernels
+    except ImportError as e:
+        raise WorkloadError(
+            f"this build of streampool has no kernels module (streampool.kernels): {e}"
+        ) from None
+    return kernels
+
+
+# --- trace workloads --------------------------------------------------------------------
+
+
+def random_trace(
+    allocations: int = 10_000,
+    max_size: int | str = "4MiB",
+    threads: int = 1,
+    streams: int = 1,
+    seed: int = 0,
+) -> _trace.Trace:
+    """RMM's ``random_allocations`` bench: each thread makes ``allocations`` allocations of
+    uniformly random sizes in ``[1, max_size]``; at each step it allocates or (half the
+    time, when it holds any) frees a random one of its live allocations; what is left is
+    freed at the end. Thread ``t`` works on stream ``t % streams``."""
+    rng = _random.Random(seed)
+    top = parse_size(max_size)
+    records: list[tuple[int, int, int, int, int, int]] = []
+    next_id = 0
+    for t in range(threads):
+        s = t % streams
+        live: list[tuple[int, int]] = []
+        made = 0
+        while made < allocations or live:
+            if made < allocations and (not live or rng.random() < 0.5):
+                size = rng.randint(1, top)
+                records.append((0, size, next_id, t, s, _trace.ALLOCATE))
+                live.append((next_id, size))
+                next_id += 1
+                made += 1
+            else:
+                alloc_id, size = live.pop(rng.randrange(len(live)))
+                records.append((0, size, alloc_id, t, s, _trace.FREE))
+    return _trace.Trace(records)
+
+
+def window_trace(
+    allocations: int = 10_000,
+    window: int = 16,
+    sizes: tuple[int | str, ...] = ("256", "64KiB", "1MiB"),
+    threads: int = 1,
+    streams: int = 1,
+    seed: int = 0,
+) -> _trace.Trace:
+    """Each thread keeps a ring of ``window`` live allocations: it allocates one (a size
+    drawn from ``sizes``) and, once the ring is full, frees the oldest, ``allocations``
+    times; then frees the rest. Thread ``t`` works on stream ``t % streams``."""
+    rng = _random.Random(seed)
+    choices = [parse_size(s) for s in sizes]
+    records: list[tuple[int, int, int, int, int, int]] = []
+    next_id = 0
+    for t in range(threads):
+        s = t % streams
+        ring: list[tuple[int, int]] = []
+        for _ in range(allocations):
+            size = rng.choice(choices)
+            records.append((0, size, next_id, t, s, _trace.ALLOCATE))
+            ring.append((next_id, size))
+            next_id += 1
+            if len(ring) > window:
+                alloc_id, old = ring.pop(0)
+                records.append((0, old, alloc_id, t, s, _trace.FREE))
+        records.extend((0, size, alloc_id, t, s, _trace.FREE) for alloc_id, size in ring)
+    return _trace.Trace(records)
+
+
+def _replay_result(candidate: Candidate, t: _trace.Trace, gap_scale: float) -> dict[str, Any]:
+    out = _trace.replay(candidate.resource, t, gap_scale=gap_scale, reserved=candidate.reserved)
+    out["throughput"] = out["events"] / out["seconds"] if out["seconds"] else 0.0
+    out["unit"] = "events/s"
+    return out
+
+
+def random(
+    candidate: Candidate,
+    *,
+    threads: int = 1,
+    streams: int = 1,
+    allocations: int = 10_000,
+    max_size: int | str = "4MiB",
+    seed: int = 0,
+) -> dict[str, Any]:
+    """RMM's random_allocations bench, replayed (see :func:`random_trace`)."""
+    return _replay_result(candidate, random_trace(allocations, max_size, threads, streams, seed), 0.0)
+
+
+def window(
+    candidate: Candidate,
+    *,
+    threads: int = 1,
+    streams: int = 1,
+    allocations: int = 10_000,
+    window: int = 16,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Per-thread rings of live allocations, replayed (see :func:`window_trace`)."""
+    return _replay_result(
+        candidate, window_trace(allocations, window, threads=threads, streams=streams, seed=seed), 0.0
+    )
+
+
+def replay(
+    candidate: Candidate,
+    *,
+    log: str | _trace.Trace,
+    gap_scale: float = 0.0,
+    threads: int = 0,
+    streams: int = 0,
+) -> dict[str, Any]:
+    """Replays a log (a path, or a Trace): each recorded thread and stream in recorded
+    order, the gaps scaled by ``gap_scale`` (0: as fast as possible). ``threads`` and
+    ``streams`` are ignored (the log's own are replayed)."""
+    t = _trace.read_log(log) if isinstance(log, str) else log
+    return _replay_result(candidate, t, gap_scale)
+
+
+# --- kernel workloads -------------------------------------------------------------------
+
+
+class _Meter:
+    """Per-call latencies, allocator time and live/reserved peaks, shared by threads."""
+
+    def __init__(self, candidate: Candidate) -> None:
+        self.candidate = candidate
+        self.lock = threading.Lock()
+        self.lat: tuple[list[int], list[int]] = ([], [])
+        self.live = self.peak_live = self.peak_reserved = 0
+        self.oom = 0
+
+    def allocate(self, size: int, stream: Stream, mine: list[int]) -> int | None:
+        c = time.perf_counter_ns()
+        try:
+            ptr = self.candidate.resource.allocate(size, stream)
+        except MemoryError:
+            with self.lock:
+                self.oom += 1
+            return None
+        mine.append(time.perf_counter_ns() - c)
+        with self.lock:
+            self.live += size
+            self.peak_live = max(self.peak_live, self.live)
+        return ptr
+
+    def free(self, ptr: int, size: int, stream: Stream, mine: list[int]) -> None:
+        c = time.perf_counter_ns()
+        self.candidate.resource.deallocate(ptr, size, stream)
+        mine.append(time.perf_counter_ns() - c)
+        with self.lock:
+            self.live -= size
+
+    def sample(self) -> None:
+        value = self.candidate.reserved()
+        if value is not None:
+            with self.lock:
+                self.peak_reserved = max(self.peak_reserved, value)
+
+    def merge(self, a: list[int], f: list[int]) -> None:
+        with self.lock:
+            self.lat[0].extend(a)
+            self.lat[1].extend(f)
+
+    def result(self, seconds: float, events: int, done: int, unit: str) -> dict[str, Any]:
+        self.sample()
+        reserved = self.peak_reserved if self.candidate.reserved() is not None else None
+        return {
+            "events": events,
+            "seconds": seconds,
+            "throughput": done / seconds if seconds else 0.0,
+            "unit": unit,
+            "alloc_seconds": (sum(self.lat[0]) + sum(self.lat[1])) / 1e9,
+            "longest_call_ns": max(self.lat[0] + self.lat[1], default=0),
+            "allocate": _trace.percentiles(self.lat[0]),
+            "free": _trace.percentiles(self.lat[1]),
+            "peak_live_bytes": self.peak_live,
+            "peak_reserved_bytes": reserved,
+            "oom_events": self.oom,
+            "latencies_ns": {"allocate": self.lat[0], "free": self.lat[1]},
+        }
+
+
+def _threads(n: int, target: Callable[[int], None]) -> float:
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n + 1)
+
+    def body(i: int) -> None:
+        try:
+            barrier.wait()
+            target(i)
+        except BaseException as e:
+            errors.append(e)
+
+    pool = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in pool:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in pool:
+        t.join()
+    seconds = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return seconds
+
+
+def multistream(
+    candidate: Candidate,
+    *,
+    threads: int = 1,
+    streams: int = 8,
+    iterations: int = 200,
+    size: int | str = "1MiB",
+    kernel_iterations: int = 1,
+) -> dict[str, Any]:
+    """Allocations between kernels on many streams: ``threads`` threads share ``streams``
+    streams round-robin; each iteration allocates ``size`` bytes on its stream, fills it and
+    computes on it there (kernels), and frees it on the same stream."""
+    kernels = _kernels()
+    nbytes = parse_size(size)
+    pool = [Stream() for _ in range(streams)]
+    meter = _Meter(candidate)
+
+    def body(i: int) -> None:
+        a: list[int] = []
+        f: list[int] = []
+        for n in range(iterations):
+            stream = pool[(i + n * threads) % streams]
+            ptr = meter.allocate(nbytes, stream, a)
+            if ptr is None:
+                continue
+            kernels.fill(ptr, nbytes, n, stream)
+            kernels.compute(ptr, nbytes, stream, iterations=kernel_iterations)
+            meter.free(ptr, nbytes, stream, f)
+            if n % 64 == 0:
+                meter.sample()
+        meter.merge(a, f)
+
+    seconds = _threads(threads, body)
+    for s in pool:
+        s.synchronize()
+    return meter.result(seconds, 2 * threads * iterations, threads * iterations, "iterations/s")
+
+
+def _calibrate(kernels: Any, ptr: int, nbytes: int, stream: Stream, kernel_us: float) -> int:
+    """Compute-kernel iterations that take about ``kernel_us`` on this device."""
+    if kernel_us <= 0:
+        return 0
+    kernels.compute(ptr, nbytes, stream, iterations=1)  # warm-up (the JIT, the first launch)
+    stream.synchronize()
+    start = time.perf_counter()
+    kernels.compute(ptr, nbytes, stream, iterations=8)
+    stream.synchronize()
+    per_iteration_us = (time.perf_counter() - start) * 1e6 / 8
+    return max(1, round(kernel_us / per_iteration_us)) if per_iteration_us > 0 else 1
+
+
+def pipeline(
+    candidate: Candidate,
+    *,
+    threads: int = 1,
+    streams: int = 0,
+    chunks: int = 1000,
+    chunk_size: int | str = "1MiB",
+    kernel_us: float = 20.0,
+    driver: str = "auto",
+) -> dict[str, Any]:
+    """The producer/consumer pipeline (the workload of RMM's async-default discussion):
+    ``threads`` producer/consumer pairs; each producer allocates ``chunks`` chunks on its
+    stream, fills them there and hands them over; its consumer computes on each chunk on
+    its own stream (about ``kernel_us`` of kernel time), checks it and frees it there.
+    Reports chunks/s, the allocator's stall time (``alloc_seconds``, its share of host
+    time) and the longest single call; ``mismatches`` counts chunks whose data was wrong.
+
+    ``driver="native"`` runs it from Rust threads (``streampool._native.pipeline``; the
+    hand-off is an event the consumer's stream waits on), ``"python"`` from Python threads
+    launching the kernels (the producer's stream is synchronised before the hand-off),
+    ``"auto"`` the native one when this build has it. ``streams`` is ignored (two per pair)."""
+    nbytes = parse_size(chunk_size)
+    if driver not in ("auto", "native", "python"):
+        raise ValueError(f"pipeline: driver must be auto, native or python, not {driver!r}")
+    native = getattr(_native, "pipeline", None)
+    if driver == "native" and native is None:
+        raise WorkloadError("pipeline driver=native: this build of streampool has no native pipeline")
+    if native is not None and driver != "python":
+        out = _trace.native_report(
+            native(
+                candidate.resource,
+                pairs=threads,
+                chunk_bytes=nbytes,
+                chunks_per_pair=chunks,
+                kernel_us=kernel_us,
+            )
+        )
+        out["throughput"] = out["chunks_per_second"]
+        out["unit"] = "chunks/s"
+        out["events"] = 2 * out["chunks"]
+        out["driver"] = "native"
+        return out
+    kernels = _kernels()
+    meter = _Meter(candidate)
+    probe_stream = Stream()
+    probe = candidate.resource.allocate(nbytes, probe_stream)
+    iterations = _calibrate(kernels, probe, nbytes, probe_stream, kernel_us)
+    candidate.resource.deallocate(probe, nbytes, probe_stream)
+    probe_stream.synchronize()
+    mismatches = [0]
+
+    def pair(i: int) -> None:
+        handoff: queue.Queue[tuple[int, int] | None] = queue.Queue(maxsize=4)
+        produce, consume = Stream(), Stream()
+        a: list[int] = []
+        f: list[int] = []
+
+        def producer() -> None:
+            try:
+                for n in range(chunks):
+                    ptr = meter.allocate(nbytes, produce, a)
+                    if ptr is None:
+                        continue
+                    kernels.fill(ptr, nbytes, i * chunks + n, produce)
+                    produce.synchronize()  # the consumer's stream may use it once this is done
+                    handoff.put((ptr, i * chunks + n))
+                    if n % 64 == 0:
+                        meter.sample()
+            finally:
+                handoff.put(None)
+
+        t = threading.Thread(target=producer)
+        t.start()
+        while (item := handoff.get()) is not None:
+            ptr, seed = item
+            if iterations:
+                kernels.compute(ptr, nbytes, consume, iterations=iterations)
+            if kernels.check(ptr, nbytes, seed, consume):  # synchronises the consumer's stream
+                mismatches[0] += 1
+            meter.free(ptr, nbytes, consume, f)
+        t.join()
+        consume.synchronize()
+        meter.merge(a, f)
+
+    seconds = _threads(threads, pair)
+    out = meter.result(seconds, 2 * threads * chunks, threads * chunks, "chunks/s")
+    out["driver"] = "python"
+    out["host_threads"] = 2 * threads  # a producer and a consumer per pair
+    out["mismatches"] = mismatches[0]
+    out["compute_iterations"] = iterations
+    return out
+
+
+def larger_than_memory(
+    candidate: Candidate,
+    *,
+    threads: int = 1,
+    streams: int = 1,
+    total: int | str = 0,
+    chunk_size: int | str = "64MiB",
+    passes: int = 2,
+) -> dict[str, Any]:
+    """Work on a data set larger than what is resident: ``total`` bytes (default: half the
+    device's free memory) in chunks of ``chunk_size``, all allocated, then ``passes``
+    passes that fill and compute on each chunk in turn on one stream, then freed. Meant for
+    ``managed`` against ``prefetch(managed)`` (prefetching migrates the pages before the
+    kernels need them). On a real GPU, a ``total`` above the device's free memory is refused
+    (the harness never oversubscribes a shared GPU)."""
+    kernels = _kernels()
+    free, _ = available_device_memory()
+    nbytes = parse_size(total) if total else free // 2
+    chunk = min(parse_size(chunk_size), nbytes)
+    if nbytes > free and not using_simulated_device():
+        raise WorkloadError(
+            f"larger-than-memory: total={nbytes} bytes is above the device's free memory ({free} bytes); "
+            "choose a smaller --total"
+        )
+    stream = Stream()
+    meter = _Meter(candidate)
+    a: list[int] = []
+    f: list[int] = []
+    start = time.perf_counter()
+    ptrs = [meter.allocate(chunk, stream, a) for _ in range(max(1, nbytes // chunk))]
+    held = [p for p in ptrs if p is not None]
+    meter.sample()
+    for p in range(passes):
+        for i, ptr in enumerate(held):
+            kernels.fill(ptr, chunk, p * len(held) + i, stream)
+            kernels.compute(ptr, chunk, stream)
+    stream.synchronize()
+    for ptr in held:
+        meter.free(ptr, chunk, stream, f)
+    stream.synchronize()
+    seconds = time.perf_counter() - start
+    meter.merge(a, f)
+    out = meter.result(seconds, 2 * len(held), passes * len(held) * chunk, "bytes/s")
+    return out
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named workload: ``run(candidate, **params)``, its default and ``--quick`` params."""
+
+    name: str
+    run: Callable[..., dict[str, Any]]
+    quick: dict[str, Any]
+
+    @property
+    def doc(self) -> str:
+        return (self.run.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload("random", random, {"allocations": 500}),
+        Workload("window", window, {"allocations": 1000}),
+        Workload("multistream", multistream, {"iterations": 20, "size": "64KiB"}),
+        Workload("pipeline", pipeline, {"chunks": 20, "chunk_size": "256KiB", "kernel_us": 5}),
+        Workload(
+            "larger-than-memory", larger_than_memory, {"total": "16MiB", "chunk_size": "4MiB", "passes": 1}
+        ),
+        Workload("replay", replay, {}),
+    )
+}
+
+
+def run(name: str, candidate: Candidate, **params: Any) -> dict[str, Any]:
+    """Runs workload ``name`` on ``candidate``; ValueError naming the valid workloads."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; valid workloads: {', '.join(WORKLOADS)}")
+    return WORKLOADS[name].run(candidate, **params)

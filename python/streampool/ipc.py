@@ -1,0 +1,221 @@
+"""Sharing a buffer with another process (IPC), through the driver's memory pools.
+
+The exporting process allocates from a pool made for sharing,
+``CudaAsyncMemoryResource(enable_ipc=True)`` (RMM's ``CudaAsyncMemoryResource`` has the same
+argument), and exports a buffer: :func:`export` gives an :class:`IpcHandle`, which holds the
+pool's POSIX file descriptor, 64 bytes that name the allocation in the pool, and the size.
+The descriptor can only travel between processes over a Unix socket (``SCM_RIGHTS``):
+:func:`send_handle` and :func:`recv_handle` do that, and a handle also pickles through
+:mod:`multiprocessing` (its pipes, queues and process arguments pass descriptors the same
+way). The other process calls :func:`import_buffer` and gets a :class:`~streampool.DeviceBuffer`
+over the same memory, at its own address.
+
+The driver's rules, and what this module does about them:
+
+* Only memory allocated directly from ``CudaAsyncMemoryResource(enable_ipc=True)`` can be
+  shared; :func:`export` refuses anything else (another resource's memory, a suballocation
+  of a pool) with an ``InvalidArgumentError`` naming that fix.
+* The importer must not use the memory before it is ready: :func:`export` synchronises the
+  buffer's stream, so the allocation and every write enqueued before the export are done.
+* The importer frees its buffer before the exporter frees the memory: close the imported
+  buffer (``cuMemFree``, which waits for the work on it), tell the exporter (over the same
+  socket, say), and only then let the exporter drop its buffer. An import whose exporting
+  process has exited is refused.
+* A handle is imported in another process, never in the one that exported it.
+
+On the simulated device (``STREAMPOOL_DEVICE=sim``, or ``streampool.sim.SimulatedDevice``)
+the same code runs between two processes, each with its own simulated device: an
+exportable pool keeps its memory in shared memory that the importer maps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+from types import TracebackType
+from typing import TYPE_CHECKING, Self
+
+from . import _native
+from ._native import DeviceBuffer, IpcImportedMemoryResource
+
+if TYPE_CHECKING:
+    from ._native import _StreamLike
+
+__all__ = [
+    "IpcHandle",
+    "IpcImportedMemoryResource",
+    "export",
+    "import_buffer",
+    "recv_handle",
+    "send_handle",
+]
+
+#: The size of the pointer export data (``CUmemPoolPtrExportData``).
+EXPORT_DATA_BYTES = 64
+
+
+class IpcHandle:
+    """A buffer exported for another process (:func:`export`, :func:`recv_handle`).
+
+    It owns its file descriptor (``fd``) and closes it on :meth:`close`, at the end of a
+    ``with`` block, or when collected; the other fields are plain data. Importing does not
+    consume the handle: close it once the descriptor is sent, or once imported.
+    """
+
+    __slots__ = ("__weakref__", "_fd", "device", "export_data", "nbytes", "pid")
+
+    def __init__(self, fd: int, export_data: bytes, nbytes: int, device: int, pid: int) -> None:
+        self._fd = fd
+        #: The 64 bytes of ``CUmemPoolPtrExportData`` that name the allocation in its pool.
+        self.export_data = bytes(export_data)
+        #: Bytes shared.
+        self.nbytes = nbytes
+        #: The device ordinal in the exporting process.
+        self.device = device
+        #: The exporting process.
+        self.pid = pid
+
+    @property
+    def fd(self) -> int:
+        """The pool's file descriptor (owned by the handle). ValueError once closed."""
+        if self._fd < 0:
+            raise ValueError("this IpcHandle is closed: its file descriptor was closed")
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has closed the descriptor."""
+        return self._fd < 0
+
+    def close(self) -> None:
+        """Closes the file descriptor (memory already imported stays imported)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError):  # closed behind the handle's back
+            self.close()
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # Through multiprocessing, the descriptor travels as multiprocessing sends its own
+        # (SCM_RIGHTS); the receiving handle owns a duplicate.
+        from multiprocessing.reduction import DupFd
+
+        return (_rebuild, (DupFd(self.fd), self.export_data, self.nbytes, self.device, self.pid))
+
+    def __repr__(self) -> str:
+        fd = "closed" if self.closed else f"fd={self._fd}"
+        return f"<IpcHandle {self.nbytes} bytes on device {self.device} from pid {self.pid}, {fd}>"
+
+
+def _rebuild(dup: object, export_data: bytes, nbytes: int, device: int, pid: int) -> IpcHandle:
+    return IpcHandle(dup.detach(), export_data, nbytes, device, pid)  # type: ignore[attr-defined]
+
+
+def export(buffer: DeviceBuffer) -> IpcHandle:
+    """Exports ``buffer`` for another process: a new :class:`IpcHandle` (close it once sent).
+
+    Synchronises the buffer's stream first, so that the importer sees every write enqueued
+    before the call. The buffer must come straight from
+    ``CudaAsyncMemoryResource(enable_ipc=True)`` (or an adaptor over it that does not
+    suballocate, such as the statistics adaptor); anything else raises InvalidArgumentError
+    naming that fix. Keep the buffer alive until every importer has closed its import.
+    """
+    if not isinstance(buffer, DeviceBuffer):
+        raise TypeError(f"buffer must be a streampool.DeviceBuffer, not {type(buffer).__qualname__}")
+    fd, data, nbytes, device, pid = _native._ipc_export(buffer.mr, buffer.ptr, buffer.size, buffer.stream)
+    return IpcHandle(fd, data, nbytes, device, pid)
+
+
+def import_buffer(
+    handle: IpcHandle, stream: _StreamLike = None, *, device: int | None = None
+) -> DeviceBuffer:
+    """The memory ``handle`` names (exported by another process) as a DeviceBuffer here.
+
+    The buffer's ``mr`` is an :class:`IpcImportedMemoryResource`, which allocates nothing
+    else; closing or collecting the buffer frees the import (``cuMemFree``). ``stream`` is
+    the buffer's stream (default: the legacy default stream); ``device`` the device ordinal
+    in this process (default: the exporter's, ``handle.device``: give it when the two
+    processes number their devices differently, as with different CUDA_VISIBLE_DEVICES).
+    The handle stays open: close it when done.
+    """
+    if not isinstance(handle, IpcHandle):
+        raise TypeError(f"handle must be a streampool.ipc.IpcHandle, not {type(handle).__qualname__}")
+    mr = IpcImportedMemoryResource(
+        handle.fd, handle.export_data, handle.nbytes, handle.pid, handle.device if device is None else device
+    )
+    return DeviceBuffer(size=handle.nbytes, stream=stream, mr=mr)
+
+
+# The message send_handle sends with the descriptor: a tag, then nbytes, device, pid, the
+# export data's length and the export data.
+_TAG = b"streampool-ipc/1"
+_HEADER = struct.Struct(f"!{len(_TAG)}sQiIH")
+_MESSAGE_BYTES = _HEADER.size + EXPORT_DATA_BYTES
+
+
+def _check_unix_socket(sock: socket.socket) -> None:
+    if not isinstance(sock, socket.socket) or sock.family != socket.AF_UNIX:
+        raise TypeError(
+            "sock must be a connected Unix socket (socket.AF_UNIX, e.g. from socket.socketpair()): "
+            f"file descriptors travel only over those, got {sock!r}"
+        )
+
+
+def send_handle(sock: socket.socket, handle: IpcHandle) -> None:
+    """Sends ``handle`` (its descriptor by ``SCM_RIGHTS``) over a connected Unix socket.
+
+    The handle keeps its own descriptor: close it afterwards. The peer calls :func:`recv_handle`.
+    """
+    _check_unix_socket(sock)
+    if not isinstance(handle, IpcHandle):
+        raise TypeError(f"handle must be a streampool.ipc.IpcHandle, not {type(handle).__qualname__}")
+    header = _HEADER.pack(_TAG, handle.nbytes, handle.device, handle.pid, len(handle.export_data))
+    message = header + handle.export_data.ljust(EXPORT_DATA_BYTES, b"\0")[:EXPORT_DATA_BYTES]
+    socket.send_fds(sock, [message], [handle.fd])
+
+
+def recv_handle(sock: socket.socket) -> IpcHandle:
+    """Receives a handle that :func:`send_handle` sent on a connected Unix socket.
+
+    The new handle owns the descriptor that came with it. Raises ConnectionError when the
+    peer closed the socket first, and ValueError for a message that is not a handle.
+    """
+    _check_unix_socket(sock)
+    message, fds, _flags, _addr = socket.recv_fds(sock, _MESSAGE_BYTES, 4)
+    try:
+        # A stream socket may split the message after its first bytes (the descriptor comes
+        # with those); without a descriptor it is not a handle, whatever follows.
+        while fds and len(message) < _MESSAGE_BYTES:
+            more = sock.recv(_MESSAGE_BYTES - len(message))
+            if not more:
+                break
+            message += more
+        if not message:
+            raise ConnectionError("the peer closed the socket before sending a handle")
+        if len(fds) != 1 or len(message) != _MESSAGE_BYTES or not message.startswith(_TAG):
+            raise ValueError(
+                f"the message received is not a streampool IPC handle ({len(message)} bytes, "
+                f"{len(fds)} file descriptors): send handles with streampool.ipc.send_handle"
+            )
+        _tag, nbytes, device, pid, length = _HEADER.unpack_from(message)
+        data = message[_HEADER.size : _HEADER.size + min(length, EXPORT_DATA_BYTES)]
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return IpcHandle(fds[0], data, nbytes, device, pid)

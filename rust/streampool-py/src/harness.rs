@@ -1,0 +1,242 @@
+//! The harness's native parts: the fill, check and compute kernels
+//! (`streampool.kernels`), the log replayer and the producer/consumer pipeline.
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use streampool::device::{self, BackendKind, BackendRef, DevPtr};
+use streampool::harness::pipeline::PipelineOptions;
+use streampool::harness::{self as core, Percentiles};
+use streampool::resource::ResourceRef;
+use streampool::{kernels, Stream};
+
+use crate::errors::{detached, OrRaise};
+use crate::resources::PyMemoryResource;
+use crate::streams::to_stream;
+use crate::{count_arg, ptr_arg, size_arg};
+
+/// The backend and device that a kernel on `stream` runs on: the stream's own, or for a
+/// default stream the current backend's current device (or `device`).
+fn kernel_target(
+    py: Python<'_>,
+    stream: Option<&Bound<'_, PyAny>>,
+    device: Option<i32>,
+) -> PyResult<(BackendRef, i32, Stream)> {
+    let backend = match device::backend_ready() {
+        Some(b) => b,
+        None => detached(py, device::backend)?,
+    };
+    let stream = to_stream(py, stream, || &backend)?.into_owned();
+    if let Some((b, d)) = stream.binding() {
+        return Ok((b.clone(), d, stream));
+    }
+    let dev = {
+        let b = backend.clone();
+        detached(py, move || streampool::resources::check_device(&b, device))?
+    };
+    Ok((backend, dev, stream))
+}
+
+/// The address, size and seed of a fill or a check, each checked and named when wrong.
+fn pattern_args(
+    ptr: &Bound<'_, PyAny>,
+    size: &Bound<'_, PyAny>,
+    seed: &Bound<'_, PyAny>,
+) -> PyResult<(DevPtr, usize, u64)> {
+    Ok((ptr_arg(ptr)?, size_arg(size, "size")?, count_arg(seed, "seed", 0, u64::MAX)?))
+}
+
+/// Enqueues on `stream` a kernel that fills `size` bytes at `ptr` with the pattern of
+/// `seed` (word i is a hash of (seed, i)). See `streampool.kernels.fill`.
+#[pyfunction]
+#[pyo3(signature = (ptr, size, seed, stream=None, device=None))]
+pub(crate) fn _kernel_fill(
+    py: Python<'_>,
+    ptr: &Bound<'_, PyAny>,
+    size: &Bound<'_, PyAny>,
+    seed: &Bound<'_, PyAny>,
+    stream: Option<&Bound<'_, PyAny>>,
+    device: Option<i32>,
+) -> PyResult<()> {
+    let (ptr, size, seed) = pattern_args(ptr, size, seed)?;
+    let (b, dev, s) = kernel_target(py, stream, device)?;
+    detached(py, move || kernels::fill(&b, dev, ptr, size, seed, &s))
+}
+
+/// Checks `size` bytes at `ptr` against the pattern of `seed` on `stream`, synchronises
+/// the stream, and returns the number of 8-byte words that differ.
+#[pyfunction]
+#[pyo3(signature = (ptr, size, seed, stream=None, device=None))]
+pub(crate) fn _kernel_check(
+    py: Python<'_>,
+    ptr: &Bound<'_, PyAny>,
+    size: &Bound<'_, PyAny>,
+    seed: &Bound<'_, PyAny>,
+    stream: Option<&Bound<'_, PyAny>>,
+    device: Option<i32>,
+) -> PyResult<u64> {
+    let (ptr, size, seed) = pattern_args(ptr, size, seed)?;
+    let (b, dev, s) = kernel_target(py, stream, device)?;
+    detached(py, move || kernels::check(&b, dev, ptr, size, seed, &s))
+}
+
+/// Enqueues on `stream` a read-modify-write kernel of `iterations` passes over `size`
+/// bytes at `ptr` that leaves the data as it was.
+#[pyfunction]
+#[pyo3(signature = (ptr, size, stream=None, iterations=None, device=None))]
+pub(crate) fn _kernel_compute(
+    py: Python<'_>,
+    ptr: &Bound<'_, PyAny>,
+    size: &Bound<'_, PyAny>,
+    stream: Option<&Bound<'_, PyAny>>,
+    iterations: Option<&Bound<'_, PyAny>>,
+    device: Option<i32>,
+) -> PyResult<()> {
+    let (ptr, size): (DevPtr, usize) = (ptr_arg(ptr)?, size_arg(size, "size")?);
+    let iterations = match iterations {
+        Some(i) => count_arg(i, "iterations", 0, u32::MAX as u64)? as u32,
+        None => 1,
+    };
+    let (b, dev, s) = kernel_target(py, stream, device)?;
+    detached(py, move || kernels::compute(&b, dev, ptr, size, &s, iterations))
+}
+
+fn percentiles<'py>(py: Python<'py>, p: &Percentiles) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("count", p.count)?;
+    d.set_item("p50", p.p50)?;
+    d.set_item("p90", p.p90)?;
+    d.set_item("p99", p.p99)?;
+    d.set_item("p999", p.p999)?;
+    d.set_item("max", p.max)?;
+    Ok(d)
+}
+
+/// The keys every harness report shares: the resource's name and the backend's words.
+fn report_base<'py>(py: Python<'py>, mr: &ResourceRef) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("resource", mr.name())?;
+    d.set_item("device", mr.backend().describe())?;
+    d.set_item("simulated", mr.backend().kind() == BackendKind::Simulated)?;
+    Ok(d)
+}
+
+/// Sets the keys that the replayer's and the pipeline's reports share (their fields have
+/// the same names and meanings).
+macro_rules! set_shared {
+    ($d:expr, $py:expr, $r:expr) => {{
+        $d.set_item("seconds", $r.seconds)?;
+        $d.set_item("alloc_seconds", $r.alloc_seconds)?;
+        $d.set_item("allocate_ns", percentiles($py, &$r.allocate)?)?;
+        $d.set_item("free_ns", percentiles($py, &$r.free)?)?;
+        $d.set_item("peak_live_bytes", $r.peak_live_bytes)?;
+        $d.set_item("peak_reserved_bytes", $r.peak_reserved_bytes)?;
+        $d.set_item("synchronizations", $r.synchronizations)?;
+        $d.set_item("waits", $r.waits)?;
+    }};
+}
+
+/// Replays a log of packed 40-byte records (`struct.Struct("<QQQIIB7x")`: t_ns, size,
+/// alloc_id, thread, stream, op with 0 = allocate and 1 = free) on `resource`: one native
+/// thread per recorded thread, one stream per recorded stream, the recorded gaps scaled
+/// by `gap_scale` (0: as fast as possible). Returns the measurements as a dict.
+#[pyfunction]
+#[pyo3(signature = (resource, records, *, gap_scale = 1.0))]
+pub(crate) fn replay<'py>(
+    py: Python<'py>,
+    resource: &Bound<'py, PyMemoryResource>,
+    records: &[u8],
+    gap_scale: f64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let mr = resource.get().inner.clone();
+    let records = core::replay::parse(records).or_raise(py)?;
+    let options = core::replay::ReplayOptions { gap_scale };
+    let r = {
+        let mr = mr.clone();
+        detached(py, move || core::replay::replay(&*mr, &records, options))?
+    };
+    let d = report_base(py, &mr)?;
+    d.set_item("events", r.events)?;
+    d.set_item("threads", r.threads)?;
+    d.set_item("streams", r.streams)?;
+    set_shared!(d, py, r);
+    d.set_item("oom_events", r.oom_events)?;
+    Ok(d)
+}
+
+/// The producer/consumer pipeline across streams, driven from native threads (see
+/// `streampool._native.pipeline` in the stubs). Returns the measurements as a dict.
+#[pyfunction]
+#[pyo3(signature = (resource, *, pairs = 1, chunk_bytes = None, chunks_per_pair = 1000, kernel_us = 20.0, queue_depth = 4, check_every = 1))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pipeline<'py>(
+    py: Python<'py>,
+    resource: &Bound<'py, PyMemoryResource>,
+    pairs: usize,
+    chunk_bytes: Option<&Bound<'py, PyAny>>,
+    chunks_per_pair: usize,
+    kernel_us: f64,
+    queue_depth: usize,
+    check_every: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    let mr = resource.get().inner.clone();
+    let o = PipelineOptions {
+        pairs,
+        chunk_bytes: match chunk_bytes {
+            Some(c) => size_arg(c, "chunk_bytes")?,
+            None => 1 << 20,
+        },
+        chunks_per_pair,
+        kernel_us,
+        queue_depth,
+        check_every,
+    };
+    let r = {
+        let mr = mr.clone();
+        detached(py, move || core::pipeline::pipeline(&*mr, &o))?
+    };
+    let d = report_base(py, &mr)?;
+    d.set_item("pairs", o.pairs)?;
+    d.set_item("chunk_bytes", o.chunk_bytes)?;
+    d.set_item("chunks", r.chunks)?;
+    set_shared!(d, py, r);
+    d.set_item("chunks_per_second", r.chunks_per_second)?;
+    d.set_item("alloc_share", r.alloc_share)?;
+    d.set_item("longest_call_ns", r.longest_call_ns)?;
+    let calls = match r.driver_calls {
+        Some(c) => {
+            let calls = PyDict::new(py);
+            calls.set_item("event_records", c.event_records)?;
+            calls.set_item("event_queries", c.event_queries)?;
+            calls.set_item("stream_waits", c.stream_waits)?;
+            calls.set_item("synchronizations", c.synchronizations)?;
+            calls.set_item("growths", c.growths)?;
+            calls.set_item("total", c.total())?;
+            Some(calls)
+        }
+        None => None,
+    };
+    d.set_item("driver_calls", calls)?;
+    d.set_item("driver_calls_per_chunk", r.driver_calls_per_chunk())?;
+    d.set_item("checked", r.checked)?;
+    d.set_item("mismatches", r.mismatches)?;
+    d.set_item("compute_iterations", r.compute_iterations)?;
+    Ok(d)
+}
+
+/// For benchmarks only: a resource that hands out no memory. Every allocation gets a
+/// distinct address that must never be used (nothing is behind it), and frees do nothing;
+/// it measures what a workload costs around the allocator (the replayer's own time per
+/// event, for one).
+#[derive(Debug)]
+#[pyclass(frozen, extends = PyMemoryResource, module = "streampool._native", name = "_NullMemoryResource")]
+pub struct PyNullMemoryResource;
+
+#[pymethods]
+impl PyNullMemoryResource {
+    #[new]
+    #[pyo3(signature = (device=None))]
+    fn new(py: Python<'_>, device: Option<i32>) -> PyResult<PyClassInitializer<Self>> {
+        let mr = detached(py, move || core::NullMemoryResource::new(device))?;
+        Ok(PyMemoryResource::base(std::sync::Arc::new(mr)).add_subclass(Self))
+    }
+}

@@ -1,0 +1,389 @@
+//! Per-call latency histograms of allocate and deallocate, cheap enough to leave on.
+
+use std::cell::RefCell;
+use std::fmt;
+use std::sync::Arc;
+
+use super::{try_upstream_allocate, upstream_properties};
+use crate::clock;
+use crate::device::DevPtr;
+use crate::error::Result;
+use crate::nvtx;
+use crate::resource::{check_depth, MemoryResource, ResourceRef};
+use crate::stream::Stream;
+use crate::sync::{lock, AtomicU64, Mutex, Ordering};
+
+/// Buckets of a histogram: 4 per power of two of the clock's ticks, up to 2^64.
+pub const BUCKETS: usize = 252;
+
+/// The bucket of a duration of `t` ticks: exact below 4, then 4 per power of two (each
+/// bucket at most 25 % wide).
+#[inline]
+fn bucket(t: u64) -> usize {
+    if t < 4 {
+        return t as usize;
+    }
+    let e = 63 - t.leading_zeros() as usize; // >= 2
+    let sub = ((t >> (e - 2)) & 3) as usize;
+    4 * (e - 1) + sub
+}
+
+/// The first tick count past bucket `i` (its exclusive upper bound).
+fn bucket_end(i: usize) -> u128 {
+    if i < 4 {
+        return i as u128 + 1;
+    }
+    let (e, sub) = (i / 4 + 1, (i % 4) as u128);
+    (5 + sub) << (e - 2)
+}
+
+/// One histogram's counters.
+struct Counters {
+    buckets: Box<[AtomicU64]>,
+    ticks: AtomicU64,
+    max: AtomicU64,
+}
+
+impl Counters {
+    fn new() -> Self {
+        Counters {
+            buckets: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+            ticks: AtomicU64::new(0),
+            max: AtomicU64::new(0),
+        }
+    }
+
+    #[inline]
+    fn record(&self, t: u64) {
+        self.buckets[bucket(t)].fetch_add(1, Ordering::Relaxed);
+        self.ticks.fetch_add(t, Ordering::Relaxed);
+        // A new maximum is rare once calls have been seen: read first, and pay for the
+        // read-modify-write only then.
+        if t > self.max.load(Ordering::Relaxed) {
+            self.max.fetch_max(t, Ordering::Relaxed);
+        }
+    }
+
+    /// [`Self::record`] by the one thread that writes these counters: plain loads and
+    /// stores, no read-modify-write (readers see each counter whole, relaxed).
+    #[inline]
+    fn record_exclusive(&self, t: u64) {
+        let add =
+            |a: &AtomicU64, n: u64| a.store(a.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+        add(&self.buckets[bucket(t)], 1);
+        add(&self.ticks, t);
+        if t > self.max.load(Ordering::Relaxed) {
+            self.max.store(t, Ordering::Relaxed);
+        }
+    }
+
+    fn clear(&self) {
+        self.buckets.iter().for_each(|b| b.store(0, Ordering::Relaxed));
+        self.ticks.store(0, Ordering::Relaxed);
+        self.max.store(0, Ordering::Relaxed);
+    }
+}
+
+/// The counters of one thread's calls through one adaptor (or the adaptor's shared set).
+struct CallCounters {
+    allocate: Counters,
+    deallocate: Counters,
+}
+
+impl CallCounters {
+    fn new() -> Self {
+        CallCounters { allocate: Counters::new(), deallocate: Counters::new() }
+    }
+
+    fn pick(&self, deallocate: bool) -> &Counters {
+        if deallocate {
+            &self.deallocate
+        } else {
+            &self.allocate
+        }
+    }
+}
+
+/// Ids of adaptors, for the threads' lists of their counter sets. (A plain std atomic:
+/// it hands out numbers and guards no data.)
+static NEXT_ADAPTOR: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+thread_local! {
+    /// This thread's counter sets, by adaptor id.
+    static MINE: RefCell<Vec<(u64, Arc<CallCounters>)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The latencies of one kind of call, as [`LatencyHistogramAdaptor::histogram`] reports
+/// them (nanoseconds).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Histogram {
+    /// Non-empty buckets: (upper bound in ns, exclusive; calls).
+    pub buckets: Vec<(f64, u64)>,
+    /// Calls.
+    pub count: u64,
+    /// Sum of their latencies, in ns.
+    pub total_ns: f64,
+    /// The slowest, in ns (exact).
+    pub max_ns: f64,
+    /// Median, 90th, 99th and 99.9th percentiles: the upper bound of the bucket holding
+    /// that rank (so at most 25 % above the true value), capped at `max_ns`.
+    pub p50_ns: f64,
+    /// See `p50_ns`.
+    pub p90_ns: f64,
+    /// See `p50_ns`.
+    pub p99_ns: f64,
+    /// See `p50_ns`.
+    pub p999_ns: f64,
+}
+
+/// Both histograms.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LatencyHistograms {
+    /// Allocate calls (failed ones included).
+    pub allocate: Histogram,
+    /// Deallocate calls (refused ones included).
+    pub deallocate: Histogram,
+}
+
+/// Records how long each allocate and deallocate call takes, in histograms of
+/// log-spaced buckets (4 per power of two), lock-free: each thread writes counters of its
+/// own (made at its first call through the adaptor, the only time a lock is taken), with
+/// plain loads and stores. With `STREAMPOOL_NVTX=1` each call is also an NVTX
+/// range (see [`crate::nvtx`]).
+///
+/// What it measures: the time inside the upstream's call, read from the time-stamp
+/// counter on x86-64 (calibrated against the system clock once), so the adaptor adds two
+/// counter reads, a thread-local look-up and three counter updates to a call, no atomic
+/// read-modify-write (a few nanoseconds; the window bench's `latency-sharded` measures it
+/// beside the bare pool). The fast path (with the GIL held, from Python)
+/// is forwarded and timed like the full one; a request the fast path passes on is timed
+/// on the full path only. What a reader may miss: calls in flight; and the histogram is
+/// read counter by counter while others add to it.
+///
+/// ```
+/// use std::sync::Arc;
+/// use streampool::adaptors::LatencyHistogramAdaptor;
+/// use streampool::device::sim::SimDevice;
+/// use streampool::{CudaAsyncMemoryResource, MemoryResource, Stream};
+///
+/// let sim = SimDevice::new(1 << 30);
+/// let mr = LatencyHistogramAdaptor::new(Arc::new(CudaAsyncMemoryResource::on(sim, 0, Default::default())?))?;
+/// let p = mr.allocate(1 << 20, &Stream::legacy())?;
+/// mr.deallocate(p, 1 << 20, &Stream::legacy())?;
+/// let h = mr.histogram();
+/// assert_eq!((h.allocate.count, h.deallocate.count), (1, 1));
+/// assert!(h.allocate.p50_ns <= h.allocate.max_ns);
+/// # Ok::<(), streampool::Error>(())
+/// ```
+pub struct LatencyHistogramAdaptor {
+    upstream: ResourceRef,
+    id: u64,
+    /// Every thread's counter set (each written by its thread only).
+    threads: Mutex<Vec<Arc<CallCounters>>>,
+    /// For calls on a thread whose thread-locals are gone (calls from their destructors):
+    /// read-modify-writes, as any thread may write it.
+    shared: CallCounters,
+    ns_per_tick: f64,
+}
+
+impl LatencyHistogramAdaptor {
+    /// Times the calls made through it to `upstream`; an error when the chain would be
+    /// deeper than [`MAX_DEPTH`](crate::resource::MAX_DEPTH).
+    pub fn new(upstream: ResourceRef) -> Result<Self> {
+        check_depth("LatencyHistogramAdaptor", [&upstream])?;
+        Ok(LatencyHistogramAdaptor {
+            upstream,
+            id: NEXT_ADAPTOR.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            threads: Mutex::new(Vec::new()),
+            shared: CallCounters::new(),
+            ns_per_tick: clock::ns_per_tick(),
+        })
+    }
+
+    /// The resource this adaptor allocates from.
+    pub fn upstream(&self) -> &ResourceRef {
+        &self.upstream
+    }
+
+    /// The histograms so far.
+    pub fn histogram(&self) -> LatencyHistograms {
+        LatencyHistograms { allocate: self.summarise(false), deallocate: self.summarise(true) }
+    }
+
+    /// Forgets every call recorded so far (a call recorded at the same moment on another
+    /// thread may survive it, in part).
+    pub fn reset(&self) {
+        for c in lock(&self.threads).iter().map(|c| &**c).chain([&self.shared]) {
+            c.allocate.clear();
+            c.deallocate.clear();
+        }
+    }
+
+    fn summarise(&self, deallocate: bool) -> Histogram {
+        let mut counts = vec![0u64; BUCKETS];
+        let (mut ticks, mut max) = (0u64, 0u64);
+        let threads = lock(&self.threads);
+        for s in threads.iter().map(|c| &**c).chain([&self.shared]) {
+            let c = s.pick(deallocate);
+            for (n, b) in counts.iter_mut().zip(c.buckets.iter()) {
+                *n += b.load(Ordering::Relaxed);
+            }
+            ticks = ticks.wrapping_add(c.ticks.load(Ordering::Relaxed));
+            max = max.max(c.max.load(Ordering::Relaxed));
+        }
+        let ns = |t: u128| t as f64 * self.ns_per_tick;
+        let count: u64 = counts.iter().sum();
+        let max_ns = ns(max as u128);
+        let rank = |p: f64| {
+            if count == 0 {
+                return 0.0;
+            }
+            let target = ((p * count as f64).ceil() as u64).clamp(1, count);
+            let mut seen = 0;
+            for (i, &n) in counts.iter().enumerate() {
+                seen += n;
+                if seen >= target {
+                    return ns(bucket_end(i)).min(max_ns);
+                }
+            }
+            max_ns
+        };
+        Histogram {
+            buckets: counts
+                .iter()
+                .enumerate()
+                .filter(|(_, &n)| n > 0)
+                .map(|(i, &n)| (ns(bucket_end(i)), n))
+                .collect(),
+            count,
+            total_ns: ns(ticks as u128),
+            max_ns,
+            p50_ns: rank(0.5),
+            p90_ns: rank(0.9),
+            p99_ns: rank(0.99),
+            p999_ns: rank(0.999),
+        }
+    }
+
+    /// Records a call of `t` ticks in this thread's set (made at its first call here).
+    #[inline]
+    fn record(&self, deallocate: bool, t: u64) {
+        let mine = MINE.try_with(|m| {
+            let Ok(mut sets) = m.try_borrow_mut() else { return false };
+            if let Some((_, c)) = sets.iter().find(|(id, _)| *id == self.id) {
+                c.pick(deallocate).record_exclusive(t);
+                return true;
+            }
+            // This thread's first call here. Sets whose adaptor is gone (only this list
+            // holds them) are dropped now.
+            sets.retain(|(_, c)| Arc::strong_count(c) > 1);
+            let c = Arc::new(CallCounters::new());
+            lock(&self.threads).push(c.clone());
+            c.pick(deallocate).record_exclusive(t);
+            sets.push((self.id, c));
+            true
+        });
+        if mine != Ok(true) {
+            self.shared.pick(deallocate).record(t);
+        }
+    }
+}
+
+const ALLOCATE: &std::ffi::CStr = c"streampool allocate";
+const DEALLOCATE: &std::ffi::CStr = c"streampool deallocate";
+
+impl MemoryResource for LatencyHistogramAdaptor {
+    upstream_properties!("LatencyHistogramAdaptor", depth);
+
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        let _range = nvtx::Range::new(ALLOCATE);
+        let start = clock::now();
+        let r = self.upstream.allocate(bytes, stream).map_err(|e| super::as_own_oom(e, bytes, self));
+        self.record(false, clock::now().wrapping_sub(start));
+        r
+    }
+
+    fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        let _range = nvtx::Range::new(DEALLOCATE);
+        let start = clock::now();
+        let r = self.upstream.deallocate(ptr, bytes, stream);
+        self.record(true, clock::now().wrapping_sub(start));
+        r
+    }
+
+    // Forwarded: the counters are atomics, never a lock.
+    fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<Result<DevPtr>> {
+        let _range = nvtx::Range::new(ALLOCATE);
+        let start = clock::now();
+        let r = try_upstream_allocate(self, &self.upstream, bytes, stream)?;
+        self.record(false, clock::now().wrapping_sub(start));
+        Some(r)
+    }
+
+    fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
+        let _range = nvtx::Range::new(DEALLOCATE);
+        let start = clock::now();
+        let r = self.upstream.try_deallocate(ptr, bytes, stream)?;
+        self.record(true, clock::now().wrapping_sub(start));
+        Some(r)
+    }
+}
+
+impl fmt::Debug for LatencyHistogramAdaptor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let h = self.histogram();
+        f.debug_struct("LatencyHistogramAdaptor")
+            .field("allocate_calls", &h.allocate.count)
+            .field("deallocate_calls", &h.deallocate.count)
+            .field("upstream", &self.upstream)
+            .finish()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_thread_counts_in_its_own_set_and_none_is_lost() {
+        let sim = crate::device::sim::SimDevice::new(1 << 30);
+        let mr = LatencyHistogramAdaptor::new(Arc::new(
+            crate::CudaAsyncMemoryResource::on(sim, 0, Default::default()).unwrap(),
+        ))
+        .unwrap();
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| (0..1000).for_each(|i| mr.record(i % 2 == 0, i)));
+            }
+        });
+        let h = mr.histogram();
+        assert_eq!((h.allocate.count, h.deallocate.count), (4000, 4000));
+        assert_eq!(lock(&mr.threads).len(), 8);
+        // Another adaptor on a thread that used a dropped one: the stale set goes.
+        let id = mr.id;
+        drop(mr);
+        MINE.with(|m| m.borrow_mut().push((id, Arc::new(CallCounters::new()))));
+        let other = LatencyHistogramAdaptor::new(Arc::new(crate::harness::NullMemoryResource::on(
+            crate::device::sim::SimDevice::new(1 << 20),
+            0,
+        )))
+        .unwrap();
+        other.record(false, 5);
+        MINE.with(|m| assert!(m.borrow().iter().all(|(i, _)| *i == other.id)));
+    }
+
+    #[test]
+    fn buckets_are_monotonic_and_hold_their_values() {
+        let mut last = 0;
+        for t in (0..10_000u64).chain([1 << 20, (1 << 40) + 12345, u64::MAX]) {
+            let b = bucket(t);
+            assert!(b >= last || t < 10_000, "{t}");
+            assert!(b < BUCKETS);
+            assert!((t as u128) < bucket_end(b), "{t} in bucket {b} ending at {}", bucket_end(b));
+            if b > 0 {
+                assert!((t as u128) >= bucket_end(b - 1), "{t}");
+            }
+            last = b;
+        }
+    }
+}

@@ -1,0 +1,504 @@
+//! Replays an allocation log on a resource: one thread per recorded thread, one stream
+//! per recorded stream, each thread doing its events in recorded order with the recorded
+//! gaps scaled.
+//!
+//! # The records
+//! A log is packed little-endian records of [`RECORD_BYTES`] bytes (Python's
+//! `struct.Struct("<QQQIIB7x")`): `(t_ns, size, alloc_id, thread, stream, op)`, `op` 0 for
+//! an allocation and 1 for a free, in recorded order. `thread` and `stream` are labels:
+//! each distinct value gets a thread, and a (non-blocking) stream made for the replay. An
+//! id may be allocated again once freed (logs that use addresses as ids do this). A free's
+//! size may be 0 (the allocation's is used) or the allocation's.
+//!
+//! # What a replay does
+//! Each thread waits until `t0 + (t_ns - first t_ns) × gap_scale` before each event
+//! (sleeping, then spinning the last 100 µs), or runs flat out when `gap_scale` is 0. A
+//! free of an allocation made by another thread waits until that allocation exists, and
+//! when it was made on another stream, the freeing stream waits on an event recorded on
+//! the allocating stream just after the allocation, as a real program must order the
+//! hand-off. An allocation that runs out of memory is counted and skipped, and so is its
+//! free. Allocations the log never frees are freed after the run (untimed).
+//!
+//! What is timed: each allocate and deallocate call (two reads of the time-stamp counter
+//! around it). The
+//! replayer's own cost per event, measured against a [`super::NullMemoryResource`], is
+//! what the `replay` bench reports.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use super::{ticks_since, FootprintBaseline, Percentiles};
+use crate::clock;
+use crate::device::DevPtr;
+use crate::error::{Error, Result};
+use crate::resource::MemoryResource;
+use crate::stream::{Event, Stream};
+
+/// Bytes of one record.
+pub const RECORD_BYTES: usize = 40;
+
+/// The most recorded threads a log may have (each is replayed by a native thread).
+pub const MAX_THREADS: usize = 1024;
+
+/// What a record does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// `op` 0.
+    Allocate,
+    /// `op` 1.
+    Free,
+}
+
+/// One record of a log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Record {
+    /// When it happened, in nanoseconds from any origin.
+    pub t_ns: u64,
+    /// Bytes (of a free: 0, or the allocation's).
+    pub size: u64,
+    /// Which allocation.
+    pub alloc_id: u64,
+    /// The recorded thread (a label).
+    pub thread: u32,
+    /// The recorded stream (a label).
+    pub stream: u32,
+    /// Allocate or free.
+    pub op: Op,
+}
+
+impl Record {
+    /// The record's 40 bytes.
+    pub fn to_bytes(&self) -> [u8; RECORD_BYTES] {
+        let mut b = [0u8; RECORD_BYTES];
+        b[0..8].copy_from_slice(&self.t_ns.to_le_bytes());
+        b[8..16].copy_from_slice(&self.size.to_le_bytes());
+        b[16..24].copy_from_slice(&self.alloc_id.to_le_bytes());
+        b[24..28].copy_from_slice(&self.thread.to_le_bytes());
+        b[28..32].copy_from_slice(&self.stream.to_le_bytes());
+        b[32] = match self.op {
+            Op::Allocate => 0,
+            Op::Free => 1,
+        };
+        b
+    }
+}
+
+/// Packs records as [`parse`] reads them.
+pub fn encode(records: &[Record]) -> Vec<u8> {
+    records.iter().flat_map(|r| r.to_bytes()).collect()
+}
+
+/// Reads packed records; an error names the record index of the first bad one.
+pub fn parse(bytes: &[u8]) -> Result<Vec<Record>> {
+    if bytes.len() % RECORD_BYTES != 0 {
+        return Err(Error::invalid(format!(
+            "records: {} bytes is not a multiple of {RECORD_BYTES} (the record size, \
+             struct.Struct(\"<QQQIIB7x\")); the data is truncated or not a replay log",
+            bytes.len()
+        )));
+    }
+    let u64_at = |c: &[u8], i: usize| u64::from_le_bytes(c[i..i + 8].try_into().expect("8 bytes"));
+    let u32_at = |c: &[u8], i: usize| u32::from_le_bytes(c[i..i + 4].try_into().expect("4 bytes"));
+    bytes
+        .chunks_exact(RECORD_BYTES)
+        .enumerate()
+        .map(|(i, c)| {
+            let op = match c[32] {
+                0 => Op::Allocate,
+                1 => Op::Free,
+                other => {
+                    return Err(Error::invalid(format!(
+                        "record {i}: op {other} is neither 0 (allocate) nor 1 (free)"
+                    )))
+                }
+            };
+            Ok(Record {
+                t_ns: u64_at(c, 0),
+                size: u64_at(c, 8),
+                alloc_id: u64_at(c, 16),
+                thread: u32_at(c, 24),
+                stream: u32_at(c, 28),
+                op,
+            })
+        })
+        .collect()
+}
+
+/// How to replay.
+#[derive(Debug, Clone, Copy)]
+pub struct ReplayOptions {
+    /// The recorded gaps are multiplied by this; 0 runs every thread flat out.
+    pub gap_scale: f64,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        ReplayOptions { gap_scale: 1.0 }
+    }
+}
+
+/// What a replay measured.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ReplayReport {
+    /// Records replayed (skipped out-of-memory allocations and their frees included).
+    pub events: u64,
+    /// Recorded threads (replay threads).
+    pub threads: usize,
+    /// Recorded streams (streams made for the replay).
+    pub streams: usize,
+    /// Wall time from the start until every thread had finished.
+    pub seconds: f64,
+    /// Time inside allocate and deallocate calls, summed over the threads.
+    pub alloc_seconds: f64,
+    /// Latency of the allocate calls that succeeded.
+    pub allocate: Percentiles,
+    /// Latency of the deallocate calls.
+    pub free: Percentiles,
+    /// The most bytes live at once, in recorded order (allocations that failed left out).
+    pub peak_live_bytes: u64,
+    /// The resource's peak reserved bytes over the run, where it reports them (see
+    /// [`crate::Footprint`]).
+    pub peak_reserved_bytes: Option<usize>,
+    /// Allocations that ran out of memory (skipped, with their frees).
+    pub oom_events: u64,
+    /// Device synchronisations the resource made during the run, where it counts them.
+    pub synchronizations: Option<u64>,
+    /// Cross-stream waits the resource inserted during the run, where it counts them.
+    pub waits: Option<u64>,
+}
+
+/// A slot's state: not allocated yet, live, out of memory (skipped), freed, or its
+/// allocation failed otherwise (the replay stops).
+const PENDING: u8 = 0;
+const LIVE: u8 = 1;
+const OOM: u8 = 2;
+const FREED: u8 = 3;
+const FAILED: u8 = 4;
+
+/// One allocation of the log.
+struct Slot {
+    size: usize,
+    state: AtomicU8,
+    ptr: AtomicU64,
+    /// Recorded on the allocating stream after the allocation, when the free is on another.
+    event: OnceLock<Event>,
+    /// The free is on another stream than the allocation.
+    cross: bool,
+    alloc_stream: usize,
+}
+
+/// One event of a thread's plan.
+#[derive(Clone, Copy)]
+struct Step {
+    at_ns: u64,
+    slot: u32,
+    stream: u32,
+    free: bool,
+    record: usize,
+}
+
+/// The log checked and split per thread.
+struct Plan {
+    slots: Vec<Slot>,
+    threads: Vec<Vec<Step>>,
+    streams: usize,
+    /// Slot per record, in recorded order (for the peak of live bytes).
+    order: Vec<(u32, bool)>,
+}
+
+fn plan(records: &[Record]) -> Result<Plan> {
+    use std::collections::HashMap;
+    let first = records.first().map_or(0, |r| r.t_ns);
+    let (mut threads, mut streams): (HashMap<u32, usize>, HashMap<u32, usize>) = Default::default();
+    let mut live: HashMap<u64, u32> = HashMap::new();
+    let mut slots: Vec<Slot> = Vec::new();
+    let mut per_thread: Vec<Vec<Step>> = Vec::new();
+    let mut order = Vec::with_capacity(records.len());
+    for (i, r) in records.iter().enumerate() {
+        let n = threads.len();
+        let t = *threads.entry(r.thread).or_insert(n);
+        if t == MAX_THREADS {
+            return Err(Error::invalid(format!(
+                "record {i}: thread {} is the log's {}th thread; at most {MAX_THREADS} are replayed \
+                 (one native thread each)",
+                r.thread,
+                MAX_THREADS + 1
+            )));
+        }
+        if t == per_thread.len() {
+            per_thread.push(Vec::new());
+        }
+        let n = streams.len();
+        let s = *streams.entry(r.stream).or_insert(n);
+        let slot = match r.op {
+            Op::Allocate => {
+                let size = usize::try_from(r.size).map_err(|_| {
+                    Error::invalid(format!("record {i}: size {} is too large for this machine", r.size))
+                })?;
+                let slot = slots.len() as u32;
+                if live.insert(r.alloc_id, slot).is_some() {
+                    return Err(Error::invalid(format!(
+                        "record {i}: allocation id {} is allocated again while still live (double \
+                         allocation; an id may be reused only after its free)",
+                        r.alloc_id
+                    )));
+                }
+                slots.push(Slot {
+                    size,
+                    state: AtomicU8::new(PENDING),
+                    ptr: AtomicU64::new(0),
+                    event: OnceLock::new(),
+                    cross: false,
+                    alloc_stream: s,
+                });
+                slot
+            }
+            Op::Free => {
+                let Some(slot) = live.remove(&r.alloc_id) else {
+                    return Err(Error::invalid(format!(
+                        "record {i}: free of allocation id {}, which is not live (never allocated \
+                         before this record, or already freed)",
+                        r.alloc_id
+                    )));
+                };
+                let sl = &mut slots[slot as usize];
+                if r.size != 0 && r.size != sl.size as u64 {
+                    return Err(Error::invalid(format!(
+                        "record {i}: free of allocation id {} with size {}, but it was allocated with {}",
+                        r.alloc_id, r.size, sl.size
+                    )));
+                }
+                sl.cross = sl.alloc_stream != s;
+                slot
+            }
+        };
+        let free = r.op == Op::Free;
+        order.push((slot, free));
+        per_thread[t].push(Step {
+            at_ns: r.t_ns.saturating_sub(first),
+            slot,
+            stream: s as u32,
+            free,
+            record: i,
+        });
+    }
+    Ok(Plan { slots, threads: per_thread, streams: streams.len(), order })
+}
+
+/// Waits until `deadline`: sleeps while it is far, spins the last 100 µs.
+fn wait_until(deadline: Instant) {
+    const SPIN: Duration = Duration::from_micros(100);
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            return;
+        }
+        let left = deadline - now;
+        if left > SPIN {
+            std::thread::sleep(left - SPIN);
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// What one thread measured.
+#[derive(Default)]
+struct ThreadResult {
+    allocs: Vec<u64>,
+    frees: Vec<u64>,
+    ooms: u64,
+}
+
+/// Replays `records` (see the module docs) on `mr`. Bad records are refused before
+/// anything runs, naming the record; an error from the resource other than out-of-memory
+/// stops the replay (every thread) and is returned, naming the record.
+pub fn replay(mr: &dyn MemoryResource, records: &[Record], options: ReplayOptions) -> Result<ReplayReport> {
+    if !(options.gap_scale >= 0.0 && options.gap_scale.is_finite()) {
+        return Err(Error::invalid(format!(
+            "gap_scale must be a finite number >= 0 (0: as fast as possible), got {}",
+            options.gap_scale
+        )));
+    }
+    let plan = plan(records)?;
+    let (backend, device) = (mr.backend().clone(), mr.device());
+    let streams: Vec<Stream> =
+        (0..plan.streams).map(|_| Stream::create(&backend, device, false)).collect::<Result<_>>()?;
+    let abort = AtomicBool::new(false);
+    let failure: Mutex<Option<Error>> = Mutex::new(None);
+    let fail = |e: Error, record: usize| {
+        let mut f = failure.lock().unwrap_or_else(|p| p.into_inner());
+        if f.is_none() {
+            *f = Some(at_record(e, record));
+        }
+        abort.store(true, Ordering::Release);
+    };
+    let baseline = FootprintBaseline::start(mr);
+    clock::ns_per_tick(); // calibrated before the run, not in it
+    let scale = options.gap_scale;
+    // Every thread counts from the same origin, a little ahead so all have started.
+    let t0 = Instant::now() + Duration::from_millis(1);
+    let results: Vec<ThreadResult> = std::thread::scope(|scope| {
+        let handles: Vec<_> = plan
+            .threads
+            .iter()
+            .enumerate()
+            .map(|(t, steps)| {
+                let (plan, streams, abort, fail, backend) = (&plan, &streams, &abort, &fail, &backend);
+                std::thread::Builder::new()
+                    .name(format!("replay-{t}"))
+                    .spawn_scoped(scope, move || {
+                        let mut out = ThreadResult::default();
+                        let frees = steps.iter().filter(|s| s.free).count();
+                        out.allocs.reserve_exact(steps.len() - frees);
+                        out.frees.reserve_exact(frees);
+                        wait_until(t0);
+                        for step in steps {
+                            if abort.load(Ordering::Relaxed) {
+                                break;
+                            }
+                            if scale > 0.0 {
+                                wait_until(t0 + Duration::from_nanos((step.at_ns as f64 * scale) as u64));
+                            }
+                            let slot = &plan.slots[step.slot as usize];
+                            let stream = &streams[step.stream as usize];
+                            let r = if step.free {
+                                free(mr, slot, stream, abort, &mut out)
+                            } else {
+                                allocate(mr, backend, slot, stream, &mut out)
+                            };
+                            if let Err(e) = r {
+                                fail(e, step.record);
+                                break;
+                            }
+                        }
+                        out
+                    })
+                    .expect("spawn a replay thread")
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+    });
+    let seconds = t0.elapsed().as_secs_f64();
+    // Untimed: free what the log left live (and what an aborted run left).
+    for slot in &plan.slots {
+        if slot.state.load(Ordering::Acquire) == LIVE {
+            let _ = mr.deallocate(slot.ptr.load(Ordering::Relaxed), slot.size, &streams[slot.alloc_stream]);
+            slot.state.store(FREED, Ordering::Relaxed);
+        }
+    }
+    if let Some(e) = failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    let super::RunFootprint { peak_reserved_bytes, synchronizations, waits, .. } = baseline.finish(mr);
+    let mut live: i64 = 0;
+    let mut peak_live: i64 = 0;
+    for &(slot, free) in &plan.order {
+        // Allocations that ran out of memory are left out of the live bytes.
+        if plan.slots[slot as usize].state.load(Ordering::Relaxed) == OOM {
+            continue;
+        }
+        let size = plan.slots[slot as usize].size as i64;
+        live += if free { -size } else { size };
+        peak_live = peak_live.max(live);
+    }
+    let (mut allocs, mut frees, mut ooms) = (Vec::new(), Vec::new(), 0);
+    for r in results {
+        allocs.extend(r.allocs);
+        frees.extend(r.frees);
+        ooms += r.ooms;
+    }
+    let (allocate, free) = (Percentiles::of_ticks(allocs), Percentiles::of_ticks(frees));
+    Ok(ReplayReport {
+        events: records.len() as u64,
+        threads: plan.threads.len(),
+        streams: plan.streams,
+        seconds,
+        alloc_seconds: (allocate.total + free.total) as f64 * 1e-9,
+        allocate,
+        free,
+        peak_live_bytes: peak_live as u64,
+        peak_reserved_bytes,
+        oom_events: ooms,
+        synchronizations,
+        waits,
+    })
+}
+
+/// `e` with the record that caused it named (in the message, or a driver error's context).
+fn at_record(e: Error, record: usize) -> Error {
+    let named = |m: String| format!("record {record}: {m}");
+    match e {
+        Error::InvalidArgument(m) => Error::InvalidArgument(named(m)),
+        Error::InvalidPointer(m) => Error::InvalidPointer(named(m)),
+        Error::InvalidStream(m) => Error::InvalidStream(named(m)),
+        Error::Unsupported(m) => Error::Unsupported(named(m)),
+        e => e.context(format!("replaying record {record}")),
+    }
+}
+
+fn allocate(
+    mr: &dyn MemoryResource,
+    backend: &crate::device::BackendRef,
+    slot: &Slot,
+    stream: &Stream,
+    out: &mut ThreadResult,
+) -> Result<()> {
+    let start = clock::now();
+    let r = mr.allocate(slot.size, stream);
+    let took = ticks_since(start);
+    match r {
+        Ok(ptr) => {
+            out.allocs.push(took);
+            slot.ptr.store(ptr, Ordering::Relaxed);
+            if slot.cross {
+                let event = Event::new(backend, mr.device())?;
+                event.record(stream)?;
+                let _ = slot.event.set(event);
+            }
+            slot.state.store(LIVE, Ordering::Release);
+            Ok(())
+        }
+        Err(e) if e.is_out_of_memory() => {
+            out.ooms += 1;
+            slot.state.store(OOM, Ordering::Release);
+            Ok(())
+        }
+        Err(e) => {
+            // Whoever waits for this allocation must not wait forever.
+            slot.state.store(FAILED, Ordering::Release);
+            Err(e)
+        }
+    }
+}
+
+fn free(
+    mr: &dyn MemoryResource,
+    slot: &Slot,
+    stream: &Stream,
+    abort: &AtomicBool,
+    out: &mut ThreadResult,
+) -> Result<()> {
+    // Another thread's allocation: wait until it exists (or failed).
+    let state = loop {
+        match slot.state.load(Ordering::Acquire) {
+            PENDING if !abort.load(Ordering::Relaxed) => std::thread::yield_now(),
+            s => break s,
+        }
+    };
+    if state != LIVE {
+        return Ok(());
+    }
+    if let Some(event) = slot.event.get() {
+        stream.wait(event)?;
+    }
+    let ptr: DevPtr = slot.ptr.load(Ordering::Relaxed);
+    let start = clock::now();
+    let r = mr.deallocate(ptr, slot.size, stream);
+    let took = ticks_since(start);
+    r?;
+    out.frees.push(took);
+    slot.state.store(FREED, Ordering::Relaxed);
+    Ok(())
+}

@@ -1,0 +1,228 @@
+//! Sharing device memory with another process: RMM's IPC through the driver's pools.
+//!
+//! The exporting process allocates from a pool made for it
+//! ([`CudaAsyncMemoryResource`](crate::CudaAsyncMemoryResource) with
+//! [`AsyncPoolOptions::enable_ipc`](crate::AsyncPoolOptions::enable_ipc)) and calls
+//! [`export`]: the pool's POSIX file descriptor and 64 bytes that name the allocation
+//! (`cuMemPoolExportToShareableHandle`, `cuMemPoolExportPointer`). The descriptor travels
+//! to the other process over a Unix socket (`SCM_RIGHTS`); there
+//! [`IpcImportedMemoryResource::import`] imports the pool and the allocation
+//! (`cuMemPoolImportFromShareableHandle`, `cuMemPoolImportPointer`), at another address.
+//!
+//! The driver's rules, and how this module keeps them:
+//!
+//! * Only memory of a pool created with POSIX file-descriptor handles can be shared, and
+//!   only whole allocations: anything else is refused by [`export`] naming the fix.
+//! * The importer must not touch the memory before its allocation has completed in the
+//!   exporter: [`export`] synchronises the buffer's stream first, so the allocation and
+//!   every write enqueued before the export are complete when the handle exists.
+//! * The importer frees its pointer (`cuMemFree`, which waits for its work on it) before
+//!   the exporter frees the allocation; the exporter keeps the memory alive until the
+//!   importer says it is done (a message over the same socket, in the examples). Imports
+//!   are refused when the exporting process has already exited.
+//! * A pool is imported in another process: importing into the exporting process is
+//!   refused (use the memory directly there).
+
+use std::os::fd::{BorrowedFd, OwnedFd};
+
+use crate::device::{BackendRef, DevPtr, PtrExportData, RawPool, PTR_EXPORT_DATA_BYTES};
+use crate::error::{record_if_failed, Error, Result};
+use crate::resource::{MemoryKind, MemoryResource};
+use crate::stream::Stream;
+use crate::sync::{lock, Mutex, MutexGuard};
+
+/// What the Python API names as the fix for memory that cannot be shared.
+const FIX: &str = "allocate it from CudaAsyncMemoryResource(enable_ipc=True), a pool of its own made for \
+                   sharing (not through a suballocating resource such as a pool or binning resource)";
+
+/// One exported allocation: everything another process needs to import it.
+#[derive(Debug)]
+pub struct IpcExport {
+    /// The pool's descriptor, owned: send it (`SCM_RIGHTS`), then close it.
+    pub fd: OwnedFd,
+    /// `CUmemPoolPtrExportData`: names the allocation within the pool.
+    pub data: PtrExportData,
+    /// Bytes shared (the buffer's size).
+    pub bytes: usize,
+    /// The device ordinal the memory lives on, in the exporting process.
+    pub device: i32,
+    /// The exporting process.
+    pub pid: u32,
+}
+
+fn not_shareable(ptr: DevPtr, why: impl std::fmt::Display) -> Error {
+    Error::invalid(format!("the memory at {ptr:#x} cannot be shared with another process ({why}); {FIX}"))
+}
+
+/// Exports `bytes` bytes at `ptr` (the start of an allocation of an exportable pool on
+/// `device`), after synchronising `stream`, the stream the memory is used on: the
+/// allocation and every write enqueued on it before the call are complete when this
+/// returns, as the importer needs.
+pub fn export(
+    backend: &BackendRef,
+    device: i32,
+    ptr: DevPtr,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<IpcExport> {
+    if ptr == 0 || bytes == 0 {
+        return Err(Error::invalid("an empty buffer (0 bytes) has no memory to share with another process"));
+    }
+    let pool = match backend.pointer_pool(device, ptr) {
+        Ok(Some(pool)) => pool,
+        Ok(None) => return Err(not_shareable(ptr, "it does not come from a memory pool")),
+        Err(e) => return Err(not_shareable(ptr, e)),
+    };
+    backend.stream_synchronize(device, stream.handle())?;
+    let fd = backend.pool_export_fd(device, pool).map_err(|e| not_shareable(ptr, e))?;
+    let data = backend.pool_export_pointer(device, ptr).map_err(|e| not_shareable(ptr, e))?;
+    Ok(IpcExport { fd, data, bytes, device, pid: std::process::id() })
+}
+
+/// Whether process `pid` still exists (a process of another user counts as existing).
+fn process_exists(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
+    // SAFETY: signal 0 sends nothing; it only asks whether the process exists.
+    if unsafe { libc::kill(pid, 0) } == 0 {
+        return true;
+    }
+    std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// The memory another process exported, imported into this one: a resource that hands out
+/// that one allocation (once, to the buffer made over it) and frees it with `cuMemFree`
+/// when the buffer lets go of it, then releases the imported pool when dropped.
+///
+/// Python's `streampool.ipc.import_buffer` makes one and a `DeviceBuffer` over it.
+#[derive(Debug)]
+pub struct IpcImportedMemoryResource {
+    backend: BackendRef,
+    device: i32,
+    pool: RawPool,
+    ptr: DevPtr,
+    bytes: usize,
+    /// (handed out, freed).
+    state: Mutex<(bool, bool)>,
+}
+
+impl IpcImportedMemoryResource {
+    /// Imports the allocation that `data` names in the pool that `fd` names (both from an
+    /// [`IpcExport`] of process `exporter_pid`), `bytes` bytes of it, on `device`.
+    ///
+    /// Refused, naming the cause: data that is not 64 bytes, 0 bytes, a handle of this
+    /// process, an exporter that has exited, and whatever the driver refuses (a descriptor
+    /// that names no exported pool, data of another pool).
+    pub fn import(
+        backend: BackendRef,
+        device: i32,
+        fd: BorrowedFd<'_>,
+        data: &[u8],
+        bytes: usize,
+        exporter_pid: u32,
+    ) -> Result<Self> {
+        let data: &PtrExportData = data.try_into().map_err(|_| {
+            Error::invalid(format!(
+                "export_data must be the {PTR_EXPORT_DATA_BYTES} bytes of CUmemPoolPtrExportData that \
+                 streampool.ipc.export made, got {} bytes",
+                data.len()
+            ))
+        })?;
+        if bytes == 0 {
+            return Err(Error::invalid("nbytes must be at least 1: an exported buffer is never empty"));
+        }
+        if exporter_pid == std::process::id() {
+            return Err(Error::invalid(
+                "this handle was exported by this process, and the driver imports a pool only in another \
+                 process: use the exported buffer itself here",
+            ));
+        }
+        if !process_exists(exporter_pid) {
+            return Err(Error::invalid(format!(
+                "the exporting process (pid {exporter_pid}) has exited, and its memory with it: the exporter \
+                 must keep the buffer alive until every importer has freed its import"
+            )));
+        }
+        let pool = backend.pool_import_fd(device, fd)?;
+        match backend.pool_import_pointer(device, pool, data) {
+            Ok(ptr) => Ok(Self { backend, device, pool, ptr, bytes, state: Mutex::new((false, false)) }),
+            Err(e) => {
+                record_if_failed(
+                    || format!("releasing the imported pool {pool:#x} after a failed import"),
+                    backend.pool_destroy(device, pool),
+                );
+                Err(e)
+            }
+        }
+    }
+
+    /// The imported memory's address in this process.
+    pub fn ptr(&self) -> DevPtr {
+        self.ptr
+    }
+
+    /// Bytes imported.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn state(&self) -> MutexGuard<'_, (bool, bool)> {
+        lock(&self.state)
+    }
+}
+
+impl MemoryResource for IpcImportedMemoryResource {
+    fn backend(&self) -> &BackendRef {
+        &self.backend
+    }
+    fn device(&self) -> i32 {
+        self.device
+    }
+    fn name(&self) -> &str {
+        "IpcImportedMemoryResource"
+    }
+    fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::Device
+    }
+
+    fn do_allocate(&self, bytes: usize, _stream: &Stream) -> Result<DevPtr> {
+        let mut state = self.state();
+        if state.0 || bytes != self.bytes {
+            return Err(Error::invalid(format!(
+                "IpcImportedMemoryResource holds one imported buffer of {} bytes, already handed out: it \
+                 cannot allocate; copy the data into a buffer of another resource instead",
+                self.bytes
+            )));
+        }
+        state.0 = true;
+        Ok(self.ptr)
+    }
+
+    fn do_deallocate(&self, ptr: DevPtr, _bytes: usize, _stream: &Stream) -> Result<()> {
+        let mut state = self.state();
+        if ptr != self.ptr || !state.0 || state.1 {
+            return Err(Error::InvalidPointer(format!(
+                "{ptr:#x} is not the live imported buffer of this IpcImportedMemoryResource"
+            )));
+        }
+        // `cuMemFree` waits for the work on it: when it returns, the exporter may free.
+        self.backend.mem_free(self.device, ptr)?;
+        state.1 = true;
+        Ok(())
+    }
+}
+
+impl Drop for IpcImportedMemoryResource {
+    fn drop(&mut self) {
+        let (device, ptr, pool) = (self.device, self.ptr, self.pool);
+        if !self.state().1 {
+            record_if_failed(
+                || format!("freeing the imported memory at {ptr:#x}"),
+                self.backend.mem_free(device, ptr),
+            );
+        }
+        record_if_failed(
+            || format!("releasing the imported pool {pool:#x} of device {device}"),
+            self.backend.pool_destroy(device, pool),
+        );
+    }
+}

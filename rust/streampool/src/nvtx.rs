@@ -1,0 +1,91 @@
+//! Opt-in NVTX ranges around allocator calls, so that an Nsight Systems timeline shows
+//! allocator time next to kernels.
+//!
+//! With `STREAMPOOL_NVTX=1` in the environment (read once, at the first use), the NVTX
+//! library is loaded at run time: `libnvToolsExt.so.1` (or `libnvToolsExt.so`), else
+//! `libnvtx3interop.so.1` (or `libnvtx3interop.so`), the CUDA toolkit's exports of the
+//! NVTX 3 API. Nothing is linked: without the variable nothing is loaded, and when no
+//! library can be loaded a warning is printed once on stderr and ranges stay off. The
+//! [`LatencyHistogramAdaptor`](crate::adaptors::LatencyHistogramAdaptor) wraps each
+//! allocate and deallocate in a range ("streampool allocate", "streampool deallocate").
+//! Off, a range costs one load of a flag.
+
+use std::ffi::{c_char, c_int, CStr};
+use std::sync::OnceLock;
+
+type Push = unsafe extern "C" fn(*const c_char) -> c_int;
+type Pop = unsafe extern "C" fn() -> c_int;
+
+/// The loaded library's range functions.
+struct Nvtx {
+    push: Push,
+    pop: Pop,
+    /// Keeps the library loaded (the function pointers point into it).
+    _lib: libloading::Library,
+}
+
+const LIBRARIES: &[&str] =
+    &["libnvToolsExt.so.1", "libnvToolsExt.so", "libnvtx3interop.so.1", "libnvtx3interop.so"];
+
+static NVTX: OnceLock<Option<Nvtx>> = OnceLock::new();
+
+fn load() -> Option<Nvtx> {
+    if std::env::var("STREAMPOOL_NVTX").ok().is_none_or(|v| !matches!(v.trim(), "1" | "true" | "yes" | "on"))
+    {
+        return None;
+    }
+    for name in LIBRARIES {
+        // SAFETY: loading an NVTX library runs its initialisers, which is what asking for
+        // NVTX ranges (STREAMPOOL_NVTX=1) means.
+        let Ok(lib) = (unsafe { libloading::Library::new(*name) }) else { continue };
+        // SAFETY: the NVTX API declares these two functions with exactly these C types
+        // (`int nvtxRangePushA(const char*)`, `int nvtxRangePop(void)`).
+        let found = unsafe { (lib.get::<Push>(b"nvtxRangePushA\0"), lib.get::<Pop>(b"nvtxRangePop\0")) };
+        if let (Ok(push), Ok(pop)) = found {
+            let (push, pop) = (*push, *pop);
+            return Some(Nvtx { push, pop, _lib: lib });
+        }
+    }
+    eprintln!(
+        "streampool: STREAMPOOL_NVTX=1, but no NVTX library could be loaded ({}); allocator calls get no \
+         NVTX ranges (install the CUDA toolkit's NVTX, or put its directory on LD_LIBRARY_PATH)",
+        LIBRARIES.join(", ")
+    );
+    None
+}
+
+/// True when ranges are on (the library loaded); loads it at the first call.
+pub fn enabled() -> bool {
+    NVTX.get_or_init(load).is_some()
+}
+
+/// An NVTX range, open until dropped; nothing when ranges are off.
+#[must_use = "the range closes when this is dropped"]
+#[derive(Debug)]
+pub struct Range(bool);
+
+impl Range {
+    /// Opens a range named `name` (when ranges are on).
+    #[inline]
+    pub fn new(name: &CStr) -> Range {
+        match NVTX.get_or_init(load) {
+            Some(n) => {
+                // SAFETY: `push` is the library's `nvtxRangePushA`, which copies the
+                // NUL-terminated name; the library stays loaded for the process.
+                unsafe { (n.push)(name.as_ptr()) };
+                Range(true)
+            }
+            None => Range(false),
+        }
+    }
+}
+
+impl Drop for Range {
+    #[inline]
+    fn drop(&mut self) {
+        if let (true, Some(Some(n))) = (self.0, NVTX.get()) {
+            // SAFETY: `pop` is the library's `nvtxRangePop`, closing the range this opened.
+            unsafe { (n.pop)() };
+        }
+    }
+}

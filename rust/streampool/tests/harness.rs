@@ -1,0 +1,335 @@
+//! The replayer and the pipeline on the simulated device.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use common::{assert_no_races, sim};
+use streampool::device::{BackendRef, DevPtr, RawStream};
+use streampool::harness::pipeline::{pipeline, PipelineOptions};
+use streampool::harness::replay::{encode, parse, replay, Op, Record, ReplayOptions};
+use streampool::harness::NullMemoryResource;
+use streampool::resource::ResourceRef;
+use streampool::{
+    CudaAsyncMemoryResource, Error, LimitingAdaptor, MemoryKind, MemoryResource, PoolOptions,
+    ShardedPoolMemoryResource, Stream,
+};
+
+/// Records every call it passes on: (stream handle, allocate?, size).
+#[derive(Debug)]
+struct Recorder {
+    upstream: ResourceRef,
+    calls: Mutex<Vec<(RawStream, bool, usize)>>,
+}
+
+impl MemoryResource for Recorder {
+    fn backend(&self) -> &BackendRef {
+        self.upstream.backend()
+    }
+    fn device(&self) -> i32 {
+        self.upstream.device()
+    }
+    fn name(&self) -> &str {
+        "Recorder"
+    }
+    fn memory_kind(&self) -> MemoryKind {
+        self.upstream.memory_kind()
+    }
+    fn footprint(&self) -> Option<streampool::Footprint> {
+        self.upstream.footprint()
+    }
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> streampool::Result<DevPtr> {
+        self.calls.lock().unwrap().push((stream.handle(), true, bytes));
+        self.upstream.allocate(bytes, stream)
+    }
+    fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> streampool::Result<()> {
+        self.calls.lock().unwrap().push((stream.handle(), false, bytes));
+        self.upstream.deallocate(ptr, bytes, stream)
+    }
+}
+
+fn rec(t_ns: u64, op: Op, size: u64, alloc_id: u64, thread: u32, stream: u32) -> Record {
+    Record { t_ns, size, alloc_id, thread, stream, op }
+}
+
+/// A log of 3 threads on streams 10, 20, 30 (one each), 200 allocations of distinct sizes,
+/// a third of them freed by the next thread on its stream.
+fn log() -> Vec<Record> {
+    let mut out = Vec::new();
+    let mut t = 0;
+    let mut pending: Vec<(u64, u64, u32)> = Vec::new(); // (id, size, thread to free it)
+    for i in 0..200u64 {
+        let thread = (i % 3) as u32;
+        let size = 256 * (i + 1) + 8 * i;
+        t += 1000;
+        out.push(rec(t, Op::Allocate, size, 0x1000 + i, thread, 10 * (thread + 1)));
+        let freer = if i % 3 == 0 { (thread + 1) % 3 } else { thread };
+        pending.push((0x1000 + i, size, freer));
+        if pending.len() > 5 {
+            let (id, size, freer) = pending.remove(0);
+            t += 500;
+            out.push(rec(t, Op::Free, size, id, freer, 10 * (freer + 1)));
+        }
+    }
+    for (id, _size, freer) in pending {
+        out.push(rec(t, Op::Free, 0, id, freer, 10 * (freer + 1)));
+    }
+    out
+}
+
+/// Per stream, the sequence of (allocate?, size): recorded streams keyed by label, replayed
+/// ones by handle; both then listed by their first size, so they compare as sets of
+/// sequences.
+fn per_stream<K: Ord>(ops: impl Iterator<Item = (K, bool, usize)>) -> Vec<Vec<(bool, usize)>> {
+    let mut by: BTreeMap<K, Vec<(bool, usize)>> = BTreeMap::new();
+    for (k, a, s) in ops {
+        by.entry(k).or_default().push((a, s));
+    }
+    let mut v: Vec<_> = by.into_values().collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn replay_keeps_the_recorded_sequence_of_operations_per_stream() {
+    let (sim, b) = sim();
+    let records = log();
+    let sizes: BTreeMap<u64, u64> =
+        records.iter().filter(|r| r.op == Op::Allocate).map(|r| (r.alloc_id, r.size)).collect();
+    let expected =
+        per_stream(records.iter().map(|r| (r.stream, r.op == Op::Allocate, sizes[&r.alloc_id] as usize)));
+    let pool: ResourceRef = Arc::new(
+        ShardedPoolMemoryResource::new(
+            Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap()),
+            PoolOptions::default(),
+        )
+        .unwrap(),
+    );
+    for gap_scale in [0.0, 1.0] {
+        let mr = Recorder { upstream: pool.clone(), calls: Mutex::new(Vec::new()) };
+        let report = replay(&mr, &parse(&encode(&records)).unwrap(), ReplayOptions { gap_scale }).unwrap();
+        let calls = mr.calls.into_inner().unwrap();
+        assert_eq!(per_stream(calls.into_iter()), expected, "gap_scale {gap_scale}");
+        assert_eq!((report.events, report.threads, report.streams), (400, 3, 3));
+        assert_eq!((report.allocate.count, report.free.count, report.oom_events), (200, 200, 0));
+        // The peak in recorded order: the six largest-id allocations live together at most.
+        let peak = records
+            .iter()
+            .scan(0i64, |live, r| {
+                let s = sizes[&r.alloc_id] as i64;
+                *live += if r.op == Op::Allocate { s } else { -s };
+                Some(*live)
+            })
+            .max()
+            .unwrap();
+        assert_eq!(report.peak_live_bytes, peak as u64);
+        assert!(report.peak_reserved_bytes.unwrap() >= report.peak_live_bytes as usize);
+        assert!(report.allocate.p50 <= report.allocate.p99 && report.allocate.p99 <= report.allocate.max);
+        assert!(report.synchronizations.is_some() && report.waits.is_some());
+    }
+    // The cross-stream frees were ordered by events: no race on reuse.
+    assert_no_races(&sim);
+}
+
+#[test]
+fn replay_refuses_bad_logs_naming_the_record() {
+    let (_sim, b) = sim();
+    let mr = NullMemoryResource::on(b, 0);
+    let e = parse(&[0u8; 41]).unwrap_err();
+    assert!(e.to_string().contains("41 bytes is not a multiple of 40"), "{e}");
+    let mut bytes = encode(&[rec(0, Op::Allocate, 64, 1, 0, 0)]);
+    bytes[32] = 7;
+    let e = parse(&bytes).unwrap_err();
+    assert!(e.to_string().contains("record 0: op 7"), "{e}");
+    let cases = [
+        (
+            vec![rec(0, Op::Allocate, 64, 1, 0, 0), rec(1, Op::Free, 64, 2, 0, 0)],
+            "record 1: free of allocation id 2",
+        ),
+        (
+            vec![rec(0, Op::Allocate, 64, 1, 0, 0), rec(1, Op::Allocate, 64, 1, 0, 0)],
+            "record 1: allocation id 1 is allocated again",
+        ),
+        (
+            vec![
+                rec(0, Op::Allocate, 64, 1, 0, 0),
+                rec(1, Op::Free, 64, 1, 0, 0),
+                rec(2, Op::Free, 64, 1, 0, 0),
+            ],
+            "record 2: free of allocation id 1, which is not live",
+        ),
+        (
+            vec![rec(0, Op::Allocate, 64, 1, 0, 0), rec(1, Op::Free, 32, 1, 0, 0)],
+            "record 1: free of allocation id 1 with size 32",
+        ),
+    ];
+    for (records, words) in cases {
+        let e = replay(&mr, &records, ReplayOptions::default()).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(words), "{e}");
+    }
+    let e = replay(&mr, &[], ReplayOptions { gap_scale: -1.0 }).unwrap_err();
+    assert!(e.to_string().contains("gap_scale"), "{e}");
+    // An id may come back once freed; an empty log replays to nothing.
+    let again = [
+        rec(0, Op::Allocate, 64, 1, 0, 0),
+        rec(1, Op::Free, 0, 1, 0, 0),
+        rec(2, Op::Allocate, 128, 1, 0, 0),
+        rec(3, Op::Free, 128, 1, 0, 0),
+    ];
+    assert_eq!(replay(&mr, &again, ReplayOptions::default()).unwrap().events, 4);
+    assert_eq!(replay(&mr, &[], ReplayOptions::default()).unwrap().events, 0);
+}
+
+#[test]
+fn replay_skips_allocations_that_run_out_of_memory_and_their_frees() {
+    let (_sim, b) = sim();
+    let limited = LimitingAdaptor::new(
+        Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap()),
+        1 << 20,
+    )
+    .unwrap();
+    let records = [
+        rec(0, Op::Allocate, 768 << 10, 1, 0, 0),
+        rec(1, Op::Allocate, 512 << 10, 2, 0, 0), // over the limit: skipped
+        rec(2, Op::Free, 0, 2, 1, 1),             // its free (on another thread): skipped too
+        rec(3, Op::Free, 0, 1, 1, 1),
+        rec(4, Op::Allocate, 128 << 10, 3, 0, 0), // fits before or after that free; never freed
+    ];
+    let r = replay(&limited, &records, ReplayOptions { gap_scale: 0.0 }).unwrap();
+    assert_eq!((r.oom_events, r.allocate.count, r.free.count), (1, 2, 1));
+    assert_eq!(r.peak_live_bytes, 768 << 10);
+    // Everything was given back, the never-freed allocation too.
+    assert_eq!(limited.allocated_bytes(), 0);
+}
+
+#[test]
+fn the_pipeline_moves_every_chunk_intact_across_streams() {
+    let (sim, b) = sim();
+    let pool = ShardedPoolMemoryResource::new(
+        Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap()),
+        PoolOptions::default(),
+    )
+    .unwrap();
+    let o = PipelineOptions {
+        pairs: 3,
+        chunk_bytes: 64 << 10,
+        chunks_per_pair: 40,
+        kernel_us: 5.0,
+        queue_depth: 3,
+        check_every: 1,
+    };
+    let r = pipeline(&pool, &o).unwrap();
+    assert_eq!((r.chunks, r.checked, r.mismatches), (120, 120, 0));
+    assert_eq!((r.allocate.count, r.free.count), (120, 120));
+    assert!(r.compute_iterations >= 1);
+    assert!(r.peak_live_bytes >= 64 << 10 && r.peak_live_bytes <= 3 * 5 * (64 << 10), "{r:?}");
+    assert!(r.peak_reserved_bytes.unwrap() >= r.peak_live_bytes as usize);
+    assert!(r.alloc_share > 0.0 && r.alloc_share < 1.0 && r.longest_call_ns >= r.allocate.p50);
+    assert_eq!(pool.stats().used_bytes, 0);
+    assert_no_races(&sim);
+    // Bad shapes are refused.
+    for bad in [
+        PipelineOptions { pairs: 0, ..o },
+        PipelineOptions { chunk_bytes: 4, ..o },
+        PipelineOptions { kernel_us: f64::NAN, ..o },
+    ] {
+        assert!(matches!(pipeline(&pool, &bad), Err(Error::InvalidArgument(_))));
+    }
+}
+
+#[test]
+fn the_latency_adaptor_counts_every_call_on_both_paths_and_forwards_the_footprint() {
+    use streampool::adaptors::LatencyHistogramAdaptor;
+    let (_sim, b) = sim();
+    let pool: ResourceRef = Arc::new(
+        ShardedPoolMemoryResource::new(
+            Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap()),
+            PoolOptions::default(),
+        )
+        .unwrap(),
+    );
+    let mr = LatencyHistogramAdaptor::new(pool).unwrap();
+    let s = Stream::legacy();
+    let mut ptrs = Vec::new();
+    for i in 0..100 {
+        ptrs.push(mr.allocate(1024 * (i + 1), &s).unwrap());
+    }
+    for (i, p) in ptrs.iter().enumerate() {
+        mr.deallocate(*p, 1024 * (i + 1), &s).unwrap();
+    }
+    // The pool's fast path, forwarded: timed too.
+    for _ in 0..50 {
+        let p = mr.try_allocate(1024, &s).expect("the pool settles a same-stream reuse").unwrap();
+        mr.try_deallocate(p, 1024, &s).expect("and its free").unwrap();
+    }
+    // A refused free is a call too.
+    assert!(mr.deallocate(0x1234_5600, 64, &s).is_err());
+    let h = mr.histogram();
+    assert_eq!((h.allocate.count, h.deallocate.count), (150, 151));
+    assert_eq!(h.allocate.buckets.iter().map(|b| b.1).sum::<u64>(), 150);
+    let a = &h.allocate;
+    assert!(
+        a.p50_ns <= a.p90_ns && a.p90_ns <= a.p99_ns && a.p99_ns <= a.p999_ns && a.p999_ns <= a.max_ns,
+        "{a:?}"
+    );
+    assert!(a.total_ns >= a.max_ns && a.max_ns > 0.0);
+    assert!(mr.footprint().unwrap().peak_reserved_bytes >= 100 * 1024);
+    mr.reset();
+    assert_eq!(mr.histogram(), Default::default());
+}
+
+fn gpu() -> Option<BackendRef> {
+    if std::env::var("STREAMPOOL_GPU_TESTS").as_deref() != Ok("1") {
+        return None;
+    }
+    Some(streampool::device::cuda::CudaBackend::get().expect("STREAMPOOL_GPU_TESTS=1 but no CUDA driver"))
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
+fn replay_and_pipeline_on_a_gpu() {
+    let Some(b) = gpu() else { return };
+    let driver: ResourceRef =
+        Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
+    let sharded: ResourceRef =
+        Arc::new(ShardedPoolMemoryResource::new(driver.clone(), PoolOptions::default()).unwrap());
+    let records = log();
+    for mr in [driver, sharded] {
+        let recorder = Recorder { upstream: mr.clone(), calls: Mutex::new(Vec::new()) };
+        let r = replay(&recorder, &records, ReplayOptions { gap_scale: 0.0 }).unwrap();
+        assert_eq!((r.events, r.oom_events, r.allocate.count, r.free.count), (400, 0, 200, 200));
+        let sizes: BTreeMap<u64, u64> =
+            records.iter().filter(|r| r.op == Op::Allocate).map(|r| (r.alloc_id, r.size)).collect();
+        let expected =
+            per_stream(records.iter().map(|r| (r.stream, r.op == Op::Allocate, sizes[&r.alloc_id] as usize)));
+        assert_eq!(per_stream(recorder.calls.into_inner().unwrap().into_iter()), expected);
+        let o = PipelineOptions {
+            pairs: 4,
+            chunk_bytes: 1 << 20,
+            chunks_per_pair: 300,
+            kernel_us: 20.0,
+            queue_depth: 4,
+            check_every: 1,
+        };
+        let p = pipeline(&*mr, &o).unwrap();
+        assert_eq!((p.chunks, p.checked, p.mismatches), (1200, 1200, 0), "{} {p:?}", mr.name());
+        assert!(p.compute_iterations >= 1);
+        assert!(p.peak_reserved_bytes.unwrap() >= p.peak_live_bytes as usize);
+    }
+}
+
+#[test]
+fn replay_refuses_more_threads_than_it_runs() {
+    use streampool::harness::replay::MAX_THREADS;
+    let (_sim, b) = sim();
+    let mr = NullMemoryResource::on(b, 0);
+    let records: Vec<Record> =
+        (0..=MAX_THREADS as u32).map(|t| rec(t as u64, Op::Allocate, 256, t as u64, t, 0)).collect();
+    let e = replay(&mr, &records, ReplayOptions::default()).unwrap_err();
+    assert!(e.to_string().contains(&format!("record {MAX_THREADS}: thread {MAX_THREADS}")), "{e}");
+    assert_eq!(
+        replay(&mr, &records[..MAX_THREADS], ReplayOptions { gap_scale: 0.0 }).unwrap().threads,
+        MAX_THREADS
+    );
+}

@@ -1,0 +1,255 @@
+"""The allocators of other libraries (streampool.allocators) on the simulated device: the
+exported C entry points called through ctypes, and the interfaces of the PyTorch, CuPy and
+Numba hookups that can be checked without a GPU (tests/test_gpu_frameworks.py runs them
+with the libraries on a GPU)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+import streampool
+from streampool import allocators, mr
+from streampool.sim import SimulatedDevice
+
+LIB = ctypes.CDLL(allocators.library_path())
+ALLOC = getattr(LIB, allocators.ALLOC_FUNCTION)
+ALLOC.restype = ctypes.c_void_p
+ALLOC.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+FREE = getattr(LIB, allocators.FREE_FUNCTION)
+FREE.restype = None
+FREE.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+
+
+def alloc(size: int, device: int = 0, stream: int = 0) -> int:
+    return ALLOC(size, device, stream) or 0
+
+
+def free(ptr: int, size: int, device: int = 0, stream: int = 0) -> None:
+    FREE(ptr, size, device, stream)
+
+
+@pytest.fixture
+def stats() -> Iterator[mr.StatisticsResourceAdaptor]:
+    """Statistics over the device's resource, current for the test."""
+    adaptor = mr.StatisticsResourceAdaptor(streampool.get_current_device_resource())
+    previous = streampool.set_current_device_resource(adaptor)
+    yield adaptor
+    assert previous is not None
+    streampool.set_current_device_resource(previous)
+
+
+def test_a_pair_goes_through_the_current_resource(stats: mr.StatisticsResourceAdaptor) -> None:
+    ptr = alloc(1000)
+    assert ptr != 0 and ptr % 256 == 0
+    assert stats.allocation_counts.current_bytes == 1000
+    free(ptr, 1000)
+    counts = stats.allocation_counts
+    assert (counts.current_bytes, counts.total_count) == (0, 1)
+
+
+def test_the_resource_set_later_is_used(sim: SimulatedDevice) -> None:
+    ptr = alloc(256)  # before any resource is set or asked for from Python
+    assert ptr != 0
+    free(ptr, 256)
+    tracking = mr.TrackingResourceAdaptor(streampool.get_current_device_resource())
+    streampool.set_current_device_resource(tracking)
+    ptr = alloc(512)
+    assert tracking.get_allocated_bytes() == 512
+    free(ptr, 512)
+    assert tracking.get_allocated_bytes() == 0
+
+
+def test_zero_bytes_is_null_and_not_a_failure() -> None:
+    before = allocators.failure_count()
+    assert alloc(0) == 0
+    free(0, 0)
+    assert allocators.failure_count() == before
+
+
+def failed(call: object) -> str:
+    """Runs `call`, checks that it failed once, and returns the message kept for it."""
+    before = allocators.failure_count()
+    assert call() in (None, 0)  # type: ignore[operator]
+    assert allocators.failure_count() == before + 1
+    message = allocators.last_error()
+    assert message is not None
+    return message
+
+
+def test_failures_give_null_and_say_why(stats: mr.StatisticsResourceAdaptor) -> None:
+    message = failed(lambda: alloc(1 << 40))
+    assert "streampool_alloc(size=1099511627776" in message and "out of memory" in message
+    assert "device 7 does not exist" in failed(lambda: alloc(16, device=7))
+    assert "device -1 does not exist" in failed(lambda: alloc(16, device=-1))
+    assert "0x3039" in failed(lambda: alloc(16, stream=0x3039))
+    # The resource is still usable.
+    ptr = alloc(4096)
+    assert ptr != 0
+    free(ptr, 4096)
+    assert stats.allocation_counts.current_bytes == 0
+
+
+def test_a_bad_free_is_recorded_and_leaves_the_resource_usable() -> None:
+    tracking = mr.TrackingResourceAdaptor(streampool.get_current_device_resource())
+    streampool.set_current_device_resource(tracking)
+    ptr = alloc(1024)
+    message = failed(lambda: free(ptr + 256, 1024))
+    assert "streampool_free(ptr=" in message
+    assert "size=0" in failed(lambda: free(ptr, 0))
+    free(ptr, 1024)
+    assert tracking.get_allocated_bytes() == 0
+
+
+def test_streams_are_honoured_and_ordered(sim: SimulatedDevice) -> None:
+    """Memory freed on one stream and reused on another through the sharded pool is
+    ordered (the fixture's race detector checks it), and each stream is its own."""
+    pool = mr.ShardedPoolMemoryResource(streampool.get_current_device_resource())
+    streampool.set_current_device_resource(pool)
+    a, b = streampool.Stream(), streampool.Stream()
+    for _ in range(3):
+        ptr = alloc(1 << 16, stream=a.handle)
+        sim.write(a, ptr, 1 << 16, "written on a")
+        free(ptr, 1 << 16, stream=a.handle)
+        ptr = alloc(1 << 16, stream=b.handle)
+        sim.write(b, ptr, 1 << 16, "written on b")
+        free(ptr, 1 << 16, stream=b.handle)
+    for handle in (1, 2):  # the legacy stream's other name, and the per-thread one
+        ptr = alloc(512, stream=handle)
+        sim.write(handle, ptr, 512)
+        free(ptr, 512, stream=handle)
+    sim.run()
+
+
+def test_threads_without_the_gil(stats: mr.StatisticsResourceAdaptor) -> None:
+    """ctypes.CDLL releases the GIL around each call: the entry points run on threads that
+    do not hold it, each on its own stream, concurrently."""
+    errors: list[BaseException] = []
+
+    def work(_: int) -> None:
+        try:
+            stream = streampool.Stream()
+            held = [alloc(4096 * (i % 7 + 1), stream=stream.handle) for i in range(200)]
+            assert all(held) and len(set(held)) == len(held)
+            for i, ptr in enumerate(held):
+                free(ptr, 4096 * (i % 7 + 1), stream=stream.handle)
+            stream.synchronize()
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in threads) and not errors, errors
+    counts = stats.allocation_counts
+    assert (counts.current_bytes, counts.total_count) == (0, 8 * 200)
+
+
+@pytest.mark.nosim
+def test_the_backend_is_looked_up_again_when_a_simulated_device_is_exited() -> None:
+    with SimulatedDevice(capacity_bytes=1 << 24):
+        ptr = alloc(256)
+        assert ptr != 0
+        free(ptr, 256)
+    with SimulatedDevice(capacity_bytes=1 << 24) as second:
+        stats = mr.StatisticsResourceAdaptor(streampool.get_current_device_resource())
+        streampool.set_current_device_resource(stats)
+        ptr = alloc(256)
+        assert stats.allocation_counts.current_bytes == 256
+        free(ptr, 256)
+        assert second.active
+
+
+def test_use_everywhere_reports_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(allocators.importlib.util, "find_spec", lambda name: None)
+    done = allocators.use_everywhere()
+    assert set(done) == {"torch", "cupy", "numba"}
+    assert all(what.startswith("skipped:") and "not installed" in what for what in done.values())
+
+
+@pytest.mark.parametrize(
+    ("module", "library", "fix"),
+    [
+        ("torch", "torch", "pip install torch"),
+        ("cupy", "cupy", "pip install cupy"),
+        ("numba", "numba", "pip install numba-cuda"),
+    ],
+)
+def test_importing_without_the_library_names_the_fix(
+    monkeypatch: pytest.MonkeyPatch, module: str, library: str, fix: str
+) -> None:
+    monkeypatch.setitem(sys.modules, library, None)  # what an uninstalled library looks like
+    monkeypatch.delitem(sys.modules, f"streampool.allocators.{module}", raising=False)
+    with pytest.raises(ImportError, match=fix):
+        importlib.import_module(f"streampool.allocators.{module}")
+
+
+def numba_plugin():  # type: ignore[no-untyped-def]
+    """streampool.allocators.numba, or a skip where Numba's CUDA target cannot be imported."""
+    try:
+        return importlib.import_module("streampool.allocators.numba")
+    except Exception as e:  # numba-cuda raises more than ImportError without CUDA
+        pytest.skip(f"numba.cuda cannot be imported here: {e}")
+
+
+def test_numba_plugin_allocates_through_the_current_resource(stats: mr.StatisticsResourceAdaptor) -> None:
+    plugin = numba_plugin()
+    assert plugin.RMMNumbaManager is plugin.StreampoolNumbaManager
+    manager = plugin.StreampoolNumbaManager(context=None)
+    assert manager.interface_version == 1
+    pointer = manager.memalloc(1000)
+    assert int(pointer.device_pointer) != 0 and pointer.size == 1000
+    assert stats.allocation_counts.current_bytes == 1000
+    empty = manager.memalloc(0)
+    assert int(empty.device_pointer) == 0
+    del pointer, empty
+    gc.collect()
+    assert stats.allocation_counts.current_bytes == 0
+    free_bytes, total = manager.get_memory_info()
+    assert 0 < free_bytes <= total == mr.available_device_memory()[1]
+    with pytest.raises(RuntimeError, match=r"CudaAsyncMemoryResource\(enable_ipc=True\)"):
+        manager.get_ipc_handle(None)
+
+
+def test_numba_memory_manager_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    plugin = numba_plugin()
+    from numba.cuda.cudadrv import driver
+
+    monkeypatch.setattr(driver, "_memory_manager", None)
+    monkeypatch.setattr(driver.config, "CUDA_MEMORY_MANAGER", "streampool.allocators.numba")
+    driver._ensure_memory_manager()
+    assert driver._memory_manager is plugin.StreampoolNumbaManager
+    # An unknown setting: Numba's own error, naming the value.
+    monkeypatch.setattr(driver, "_memory_manager", None)
+    monkeypatch.setattr(driver.config, "CUDA_MEMORY_MANAGER", "streampool.allocators.nonesuch")
+    with pytest.raises(RuntimeError, match=r"streampool\.allocators\.nonesuch"):
+        driver._ensure_memory_manager()
+    # use(): refused once Numba has made a context (it keeps its manager), done before.
+    monkeypatch.setattr(driver, "_memory_manager", None)
+    monkeypatch.setattr(plugin, "_context_made", lambda: True)
+    with pytest.raises(
+        RuntimeError, match=r"came too late.*NUMBA_CUDA_MEMORY_MANAGER=streampool\.allocators\.numba"
+    ):
+        plugin.use()
+    assert driver._memory_manager is None
+    monkeypatch.setattr(plugin, "_context_made", lambda: False)
+    assert plugin.use().startswith("numba.cuda.set_memory_manager")
+    assert driver._memory_manager is plugin.StreampoolNumbaManager
+
+
+def test_use_everywhere_skips_a_library_that_cannot_be_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        allocators.importlib.util, "find_spec", lambda name: object() if name == "cupy" else None
+    )
+    monkeypatch.setitem(sys.modules, "cupy", None)  # found, but its import fails
+    monkeypatch.delitem(sys.modules, "streampool.allocators.cupy", raising=False)
+    done = allocators.use_everywhere(verbose=True)
+    assert done["cupy"].startswith("skipped: cupy cannot be imported (ImportError")

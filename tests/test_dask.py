@@ -1,0 +1,173 @@
+"""streampool.dask: a resource on every Dask worker, one worker per device, statistics back.
+
+The plugin is tested in this process against a stand-in worker (fast, every branch), then
+on a LocalCluster of worker processes on simulated devices (``STREAMPOOL_DEVICE=sim`` in
+their environment), and, marked ``gpu``, on the GPUs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("distributed")
+
+from distributed import Client, LocalCluster
+
+import streampool
+import streampool.dask
+from streampool import mr
+from streampool.dask import StreampoolPlugin
+from streampool.sim import SimulatedDevice
+
+
+class FakeWorker:
+    """What the plugin reads of a worker: its name and its plugins."""
+
+    def __init__(self, name: object) -> None:
+        self.name = name
+        self.plugins: dict[str, Any] = {}
+
+
+@pytest.fixture
+def two_devices(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatedDevice]:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with SimulatedDevice(capacity_bytes="64MiB", devices=2) as dev:
+        yield dev
+
+
+def pool_of(device: int) -> mr.MemoryResource:
+    return mr.CudaAsyncMemoryResource(device=device, release_threshold="16MiB")
+
+
+@pytest.mark.nosim
+def test_each_worker_gets_its_device_and_resource(two_devices: SimulatedDevice) -> None:
+    for name, device in [(0, 0), (1, 1), ("3", 1), ("tcp://10.0.0.1:4000", 0)]:
+        plugin = StreampoolPlugin("pool")
+        worker = FakeWorker(name)
+        plugin.setup(worker)
+        assert plugin.pick_device(worker) == device
+        installed = streampool.get_per_device_resource(device)
+        assert isinstance(installed, mr.StatisticsResourceAdaptor)
+        assert installed.device == device
+        assert "ShardedPoolMemoryResource" in repr(installed)
+        buf = streampool.DeviceBuffer(size=4096, mr=installed)
+        assert buf.device == device
+        assert installed.allocation_counts.current_bytes == 4096
+        del buf
+        plugin.teardown(worker)
+        assert streampool.get_per_device_resource(device) is not installed, "teardown restores"
+
+
+@pytest.mark.nosim
+def test_a_spec_string_is_made_by_the_harness(two_devices: SimulatedDevice) -> None:
+    plugin = StreampoolPlugin("binning(pool(async))")
+    worker = FakeWorker(0)
+    plugin.setup(worker)
+    installed = streampool.get_per_device_resource(0)
+    assert "BinningMemoryResource" in repr(installed)
+    buf = streampool.DeviceBuffer(size=4096, mr=installed)
+    del buf
+    plugin.teardown(worker)
+    # Spec strings make resources on the current device: another one is refused, naming it.
+    with pytest.raises(ValueError, match="not device 1"):
+        StreampoolPlugin("stats(pool(async))").setup(FakeWorker(1))
+
+
+@pytest.mark.nosim
+def test_device_from_the_argument_and_from_cuda_visible_devices(
+    two_devices: SimulatedDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plugin = StreampoolPlugin(pool_of, device=1, statistics=False)
+    plugin.setup(FakeWorker(0))
+    installed = streampool.get_per_device_resource(1)
+    assert isinstance(installed, mr.CudaAsyncMemoryResource) and installed.release_threshold == 16 << 20
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # dask-cuda: one GPU per worker, device 0
+    assert StreampoolPlugin().pick_device(FakeWorker(1)) == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert StreampoolPlugin().pick_device(FakeWorker(1)) == 1
+
+
+@pytest.mark.nosim
+def test_bad_input_names_the_argument_and_the_devices(two_devices: SimulatedDevice) -> None:
+    with pytest.raises(ValueError, match="unknown resource 'pol'; expected one of 'async', 'pool'"):
+        StreampoolPlugin("pol")
+    with pytest.raises(TypeError, match="resource must be a resource name"):
+        StreampoolPlugin(42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="has no function 'nothing'"):
+        StreampoolPlugin("streampool.mr:nothing")
+    for device in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="device must be a device ordinal"):
+            StreampoolPlugin(device=device)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="given device 2, but this process sees 2 devices"):
+        StreampoolPlugin(device=2).setup(FakeWorker(0))
+    wrong = functools.partial(mr.CudaAsyncMemoryResource, device=0)
+    with pytest.raises(ValueError, match="made a resource of device 0 for worker 1, whose device is 1"):
+        StreampoolPlugin(lambda device: wrong()).setup(FakeWorker(1))
+    with pytest.raises(TypeError, match="returned int, not a MemoryResource"):
+        StreampoolPlugin(lambda device: 7).setup(FakeWorker(0))  # type: ignore[arg-type,return-value]
+    # A resource "module:function" path resolves; the device's resource is usable after all that.
+    StreampoolPlugin("streampool.dask:_async").setup(FakeWorker(0))
+    streampool.DeviceBuffer(size=256, mr=streampool.get_per_device_resource(0))
+
+
+def test_worker_resource_outside_a_worker_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="for tasks running on a Dask worker"):
+        streampool.dask.worker_resource()
+
+
+def fill_and_check(value: int, nbytes: int) -> tuple[int, int, bool]:
+    """A task: allocates from the worker's resource, writes, reads back."""
+    resource = streampool.dask.worker_resource()
+    data = bytes([value % 251]) * nbytes
+    buf = streampool.DeviceBuffer.to_device(data, mr=resource)
+    return streampool.dask.worker_device(), buf.device, bytes(buf) == data
+
+
+def run_on_cluster(n_workers: int, env: dict[str, str], resource: str = "pool") -> None:
+    with (
+        LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=2,
+            processes=True,
+            dashboard_address=None,
+            env=env,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        streampool.dask.register(client, resource)
+        results = client.gather(client.map(fill_and_check, range(4 * n_workers), [1 << 16] * (4 * n_workers)))
+        assert all(ok for _, _, ok in results), results
+        assert all(worker == buffer for worker, buffer, _ in results), results
+        stats = streampool.dask.statistics(client)
+        assert sorted(s["device"] for s in stats.values()) == list(range(n_workers)), stats
+        assert sum(s["total_count"] for s in stats.values()) == 4 * n_workers, stats
+        for s in stats.values():
+            assert s["current_bytes"] == 0 and s["peak_bytes"] >= 1 << 16, s
+            made = {"pool": "ShardedPoolMemoryResource", "async": "CudaAsyncMemoryResource"}[resource]
+            assert s["resource"].startswith(f"<StatisticsResourceAdaptor over <{made}"), s
+        # A device the workers do not have: the workers' error reaches the client.
+        with pytest.raises(ValueError, match="was given device 99, but this process sees"):
+            streampool.dask.register(client, "async", device=99)
+
+
+@pytest.mark.nosim
+def test_a_cluster_of_worker_processes_one_per_simulated_device() -> None:
+    env = {"STREAMPOOL_DEVICE": "sim", "STREAMPOOL_SIM_DEVICES": "2", "STREAMPOOL_SIM_CAPACITY": "64MiB"}
+    run_on_cluster(2, env)
+
+
+@pytest.mark.gpu
+def test_a_cluster_on_the_gpus() -> None:
+    """One worker per GPU, two at most (one on a one-GPU machine)."""
+    run_on_cluster(min(2, streampool.device_count()), {"STREAMPOOL_DEVICE": "cuda"})
+
+
+@pytest.mark.gpu
+def test_a_cluster_on_two_gpus() -> None:
+    if streampool.device_count() < 2:
+        pytest.skip(f"needs two GPUs, found {streampool.device_count()}")
+    run_on_cluster(2, {"STREAMPOOL_DEVICE": "cuda"}, resource="async")

@@ -1,0 +1,91 @@
+"""DLPack consumers on the simulated device: numpy.from_dlpack over memory the host can
+read (managed and pinned: on the simulated device, as on a GPU, the host reads it where
+it is), refused with a clear error for device memory; the consumer's stream ordered after
+the buffer's; the buffer kept alive by the consumer; another device refused.
+
+Device memory on the simulated device is host memory underneath, but it is reported as
+device memory (kDLCUDA, as its CUDA array interface is): a consumer that reads it from
+the host would be relying on what no GPU gives (tests/test_gpu_frameworks.py covers the
+GPU consumers: PyTorch, CuPy, JAX)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+import streampool
+from streampool import mr
+from streampool.sim import SimulatedDevice
+
+np = pytest.importorskip("numpy")
+
+HOST_READABLE = [mr.ManagedMemoryResource, mr.PinnedHostMemoryResource]
+
+
+@pytest.mark.parametrize("resource", HOST_READABLE)
+def test_numpy_reads_host_readable_memory(resource: type[mr.MemoryResource]) -> None:
+    stats = mr.StatisticsResourceAdaptor(resource())
+    data = bytes(range(256)) * 4
+    buf = streampool.DeviceBuffer(size=len(data), mr=stats, stream=streampool.Stream())
+    buf.copy_from_host(data)  # enqueued on the buffer's stream; numpy waits for it
+    array = np.from_dlpack(buf)
+    assert array.dtype == np.uint8 and array.shape == (len(data),)
+    assert array.tobytes() == data
+    cpu = np.from_dlpack(buf, device="cpu")  # asks for dl_device=(kDLCPU, 0)
+    assert cpu.tobytes() == data
+    # The arrays keep the memory alive after the buffer is gone.
+    del buf
+    gc.collect()
+    assert stats.allocation_counts.current_bytes == len(data)
+    assert array[255] == 255 and cpu[1] == 1
+    del array, cpu
+    gc.collect()
+    assert stats.allocation_counts.current_bytes == 0
+
+
+def test_numpy_refuses_device_memory() -> None:
+    buf = streampool.DeviceBuffer(size=64)
+    with pytest.raises(BufferError, match=r"host cannot read: copy it to the host first \(buf\.copy_to_host"):
+        np.from_dlpack(buf, device="cpu")
+    with pytest.raises((BufferError, RuntimeError, TypeError)):
+        np.from_dlpack(buf)  # kDLCUDA: numpy's own refusal
+    assert buf.copy_to_host().size == 64  # the buffer is still usable
+
+
+def test_a_consumer_stream_waits_for_the_buffer(sim: SimulatedDevice) -> None:
+    producer, consumer = streampool.Stream(), streampool.Stream()
+    buf = streampool.DeviceBuffer(size=4096, stream=producer)
+    sim.write(producer, buf.ptr, 4096, "producer writes")
+    capsule = buf.__dlpack__(stream=consumer.handle, max_version=(1, 0))
+    sim.read(consumer, buf.ptr, 4096, "consumer reads")  # ordered: the fixture finds no race
+    sim.run()
+    del capsule
+
+
+@pytest.mark.races_expected
+def test_no_synchronisation_is_asked_with_minus_one(sim: SimulatedDevice) -> None:
+    producer, consumer = streampool.Stream(), streampool.Stream()
+    buf = streampool.DeviceBuffer(size=4096, stream=producer)
+    sim.write(producer, buf.ptr, 4096, "producer writes")
+    buf.__dlpack__(stream=-1, max_version=(1, 0))
+    sim.read(consumer, buf.ptr, 4096, "consumer reads")
+    sim.run()
+    assert sim.races(), "stream=-1 must not order the consumer (the consumer said it orders itself)"
+    sim.clear_races()
+
+
+@pytest.mark.nosim
+def test_a_consumer_on_another_device_is_refused() -> None:
+    with SimulatedDevice(capacity_bytes=1 << 24, devices=2):
+        buf = streampool.DeviceBuffer(size=64, mr=mr.CudaAsyncMemoryResource(device=0))
+        with pytest.raises(BufferError, match="DeviceBuffer is on device 0 but the consumer is on device 1"):
+            buf.__dlpack__(dl_device=(2, 1), stream=1)
+        other = streampool.Stream(device=1)
+        with pytest.raises(
+            BufferError, match="consumer's stream is on device 1 but the DeviceBuffer on device 0"
+        ):
+            buf.__dlpack__(stream=other.handle)
+        with pytest.raises(BufferError, match="consumer's stream is on device 1"):
+            buf.__dlpack__(stream=other)
+        assert buf.__dlpack__(stream=1) is not None  # still usable

@@ -1,0 +1,337 @@
+"""On a real GPU (STREAMPOOL_GPU_TESTS=1): PyTorch, CuPy and Numba allocating through
+streampool, one driver pool shared by the three, and DLPack round trips with data checks.
+
+PyTorch's allocator is fixed once PyTorch has allocated, so every PyTorch allocator test
+runs in a fresh interpreter (the suite's own process has used PyTorch already)."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import streampool
+from streampool import mr
+
+pytestmark = pytest.mark.gpu
+
+
+def run_python(code: str, env: dict[str, str] | None = None) -> str:
+    """Runs `code` in a fresh interpreter; fails with its output unless it exits with 0."""
+    import os
+
+    full_env = dict(os.environ, **(env or {}))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=full_env,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_torch_tensors_come_from_streampool_and_are_right_on_many_streams() -> None:
+    pytest.importorskip("torch")
+    out = run_python(
+        """
+        import threading
+        import streampool
+        from streampool import mr
+        from streampool.allocators import torch as sp_torch
+
+        pool = mr.ShardedPoolMemoryResource(streampool.get_current_device_resource())
+        stats = mr.StatisticsResourceAdaptor(pool)
+        streampool.set_current_device_resource(stats)
+        print(sp_torch.use())
+        assert sp_torch.use() == "already allocating through streampool"
+        import torch
+
+        x = torch.ones(1 << 20, device="cuda")               # 4 MiB through streampool
+        assert stats.allocation_counts.current_bytes >= 4 << 20, stats.allocation_counts
+        assert int(x.sum()) == 1 << 20
+        del x
+        torch.cuda.synchronize()
+
+        wrong = []
+        def work(t):
+            stream = torch.cuda.Stream()
+            other = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for i in range(200):
+                    n = 1024 * (1 + (i * 7 + t) % 2048)
+                    a = torch.full((n,), float(i + t), device="cuda")
+                    b = a * 2 + 1
+                    if i % 5 == 0:                            # handed to another stream
+                        other.wait_stream(stream)
+                        with torch.cuda.stream(other):
+                            c = b + 1
+                        b.record_stream(other)
+                        stream.wait_stream(other)             # the free is ordered after other's use
+                        if float(c[-1]) != 2.0 * (i + t) + 2.0:
+                            wrong.append((t, i, "c"))
+                        del c
+                    if float(b[n // 2]) != 2.0 * (i + t) + 1.0:
+                        wrong.append((t, i, "b"))
+                    del a, b
+            stream.synchronize()
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for th in threads: th.start()
+        for th in threads: th.join()
+        torch.cuda.synchronize()
+        assert not wrong, wrong[:5]
+        counts = stats.allocation_counts
+        assert counts.total_count >= 8 * 200 * 2, counts
+        assert counts.current_bytes == 0, counts
+        assert streampool.allocators.failure_count() == 0, streampool.allocators.last_error()
+        print("OK", counts)
+        """
+    )
+    assert "OK" in out
+
+
+def test_torch_use_after_the_first_tensor_names_the_fix() -> None:
+    pytest.importorskip("torch")
+    out = run_python(
+        """
+        import torch
+        from streampool.allocators import torch as sp_torch
+        torch.ones(1, device="cuda")
+        try:
+            sp_torch.use()
+        except RuntimeError as e:
+            assert "before the first CUDA tensor" in str(e), e
+            print("OK")
+        """
+    )
+    assert "OK" in out
+
+
+def test_torch_mem_pool_routes_a_region() -> None:
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch.cuda, "MemPool"):
+        pytest.skip("this PyTorch has no torch.cuda.MemPool")
+    out = run_python(
+        """
+        import torch, streampool
+        from streampool import mr
+        from streampool.allocators import torch as sp_torch
+        stats = mr.StatisticsResourceAdaptor(streampool.get_current_device_resource())
+        streampool.set_current_device_resource(stats)
+        outside = torch.ones(1 << 20, device="cuda")         # PyTorch's own allocator
+        assert stats.allocation_counts.total_count == 0
+        pool = sp_torch.mem_pool()
+        with torch.cuda.use_mem_pool(pool):
+            inside = torch.ones(1 << 20, device="cuda")
+        assert stats.allocation_counts.total_count >= 1, stats.allocation_counts
+        assert int(inside.sum()) == 1 << 20 and int(outside.sum()) == 1 << 20
+        print("OK")
+        """
+    )
+    assert "OK" in out
+
+
+def test_cupy_arrays_come_from_streampool() -> None:
+    cupy = pytest.importorskip("cupy")
+    from streampool.allocators import cupy as sp_cupy
+
+    stats = mr.StatisticsResourceAdaptor(streampool.get_current_device_resource())
+    previous = streampool.set_current_device_resource(stats)
+    old_allocator = cupy.cuda.get_allocator()
+    try:
+        assert sp_cupy.rmm_cupy_allocator is sp_cupy.streampool_cupy_allocator
+        sp_cupy.use()
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            a = cupy.arange(1 << 20, dtype=cupy.int64)
+            assert stats.allocation_counts.current_bytes >= 8 << 20
+            assert int((a * 2).sum()) == (1 << 20) * ((1 << 20) - 1)
+        stream.synchronize()
+        errors: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                with cupy.cuda.Stream(non_blocking=True) as s:
+                    for i in range(100):
+                        b = cupy.full(1000 + i, i, dtype=cupy.int32)
+                        assert int(b.sum()) == i * (1000 + i)
+                    s.synchronize()
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors[0]
+        del a
+        gc.collect()
+        stream.synchronize()
+        assert stats.allocation_counts.current_bytes == 0
+    finally:
+        cupy.cuda.set_allocator(old_allocator)
+        streampool.set_current_device_resource(previous)
+
+
+def test_numba_kernels_run_on_streampool_memory() -> None:
+    pytest.importorskip("numba")
+    out = run_python(
+        """
+        import numpy as np, streampool
+        from streampool import mr
+        stats = mr.StatisticsResourceAdaptor(streampool.get_current_device_resource())
+        streampool.set_current_device_resource(stats)
+        from numba import cuda
+        from numba.cuda.cudadrv import driver
+
+        # Device arrays and copies between them, no JIT kernel: what is tested is where the
+        # memory comes from (a numba-cuda that cannot compile against the installed NumPy
+        # still allocates).
+        d = cuda.to_device(np.arange(1 << 16, dtype=np.float32))
+        assert driver._memory_manager.__name__ == "StreampoolNumbaManager", driver._memory_manager
+        assert stats.allocation_counts.current_bytes >= 4 << 16, stats.allocation_counts
+        e = cuda.device_array_like(d)
+        assert stats.allocation_counts.current_bytes >= 8 << 16, stats.allocation_counts
+        e.copy_to_device(d)
+        assert (e.copy_to_host() == np.arange(1 << 16, dtype=np.float32)).all()
+        free, total = cuda.current_context().get_memory_info()
+        assert 0 < free <= total
+        del d, e
+        import gc; gc.collect()
+        cuda.synchronize()
+        assert stats.allocation_counts.current_bytes == 0, stats.allocation_counts
+        print("OK")
+        """,
+        env={"NUMBA_CUDA_MEMORY_MANAGER": "streampool.allocators.numba"},
+    )
+    assert "OK" in out
+
+
+def test_an_unknown_numba_memory_manager_is_numbas_clear_error() -> None:
+    pytest.importorskip("numba")
+    out = run_python(
+        """
+        from numba import cuda
+        try:
+            cuda.device_array(10)
+        except Exception as e:
+            assert "streampool.allocators.nonesuch" in str(e), e
+            print("OK")
+        """,
+        env={"NUMBA_CUDA_MEMORY_MANAGER": "streampool.allocators.nonesuch"},
+    )
+    assert "OK" in out
+
+
+def test_use_everywhere_configures_every_installed_library() -> None:
+    pytest.importorskip("torch")
+    out = run_python(
+        """
+        import streampool
+        from streampool import allocators
+        done = allocators.use_everywhere(verbose=True)
+        import torch
+        stats = streampool.mr.StatisticsResourceAdaptor(streampool.get_current_device_resource())
+        streampool.set_current_device_resource(stats)
+        t = torch.ones(1 << 20, device="cuda")
+        assert stats.allocation_counts.current_bytes >= 4 << 20
+        for name, what in done.items():
+            assert not what.startswith("skipped") or "not installed" in what, (name, what)
+        print("OK")
+        """
+    )
+    assert "OK" in out and "streampool.allocators: torch:" in out
+
+
+def test_one_pool_across_libraries() -> None:
+    """streampool's default resource, PyTorch's cudaMallocAsync backend and CuPy's
+    MemoryAsyncPool allocate from the same driver pool: the device's current pool."""
+    pytest.importorskip("torch")
+    pytest.importorskip("cupy")
+    out = run_python(
+        """
+        import streampool, torch, cupy
+        buf = streampool.DeviceBuffer(size=1 << 20)
+        t = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.memory.get_allocator_backend() == "cudaMallocAsync"
+        cupy.cuda.set_allocator(cupy.cuda.MemoryAsyncPool().malloc)
+        a = cupy.empty(1 << 20, dtype=cupy.uint8)
+        ours = streampool.pointer_pool(buf.ptr)
+        theirs = (streampool.pointer_pool(t.data_ptr()), streampool.pointer_pool(a.data.ptr))
+        current = int(streampool.get_current_device_resource().pool_handle)
+        print("pools", hex(ours), [hex(p) for p in theirs], hex(current))
+        assert ours == current and theirs == (ours, ours)
+        plain = streampool.DeviceBuffer(size=256, mr=streampool.mr.CudaMemoryResource())
+        assert streampool.pointer_pool(plain.ptr) is None
+        print("OK")
+        """,
+        env={"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
+    )
+    assert "OK" in out
+
+
+def test_torch_reads_and_writes_through_dlpack() -> None:
+    torch = pytest.importorskip("torch")
+    data = bytes(range(256)) * 16
+    buf = streampool.DeviceBuffer.to_device(data, stream=streampool.Stream())
+    ts = torch.cuda.Stream()
+    with torch.cuda.stream(ts):
+        t = torch.from_dlpack(buf)  # ts waits for the buffer's stream
+        assert t.dtype == torch.uint8 and t.numel() == len(data) and t.device.type == "cuda"
+        assert bytes(t.cpu().numpy()) == data
+        t[:4] = 9
+    ts.synchronize()
+    assert buf.tobytes()[:4] == b"\x09" * 4  # one memory: the write shows in the buffer
+    del buf
+    gc.collect()
+    assert int(t[255]) == 255 and int(t[256]) == 0  # the tensor keeps the memory alive
+
+
+@pytest.mark.parametrize("resource", [mr.CudaAsyncMemoryResource, mr.ManagedMemoryResource])
+def test_cupy_reads_through_dlpack(resource: type[mr.MemoryResource]) -> None:
+    cupy = pytest.importorskip("cupy")
+    data = bytes(range(256)) * 16
+    buf = streampool.DeviceBuffer.to_device(data, stream=streampool.Stream(), mr=resource())
+    with cupy.cuda.Stream(non_blocking=True):
+        c = cupy.from_dlpack(buf)  # CuPy's stream waits for the buffer's stream
+        assert c.dtype == cupy.uint8 and bytes(cupy.asnumpy(c)) == data
+        c[:4] = 9
+        cupy.cuda.get_current_stream().synchronize()
+    assert buf.tobytes()[:4] == b"\x09" * 4
+    del buf
+    gc.collect()
+    assert int(c[255]) == 255 and int(c[256]) == 0  # the array keeps the memory alive
+
+
+def test_a_consumer_on_another_device_is_refused() -> None:
+    if streampool.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    buf = streampool.DeviceBuffer(size=64)
+    with pytest.raises(BufferError, match="consumer is on device 1"):
+        buf.__dlpack__(dl_device=(2, 1), stream=1)
+
+
+def test_numpy_reads_managed_memory_and_refuses_device_memory() -> None:
+    np = pytest.importorskip("numpy")
+    managed = streampool.DeviceBuffer.to_device(
+        b"abc" * 100, mr=mr.ManagedMemoryResource(), stream=streampool.Stream()
+    )
+    assert np.from_dlpack(managed).tobytes() == b"abc" * 100
+    device = streampool.DeviceBuffer.to_device(b"abc")
+    with pytest.raises(BufferError, match="host cannot read"):
+        np.from_dlpack(device, device="cpu")
+
+
+def test_jax_reads_our_buffers() -> None:
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU here")
+    buf = streampool.DeviceBuffer.to_device(bytes(range(100)))
+    array = jax.dlpack.from_dlpack(buf)
+    assert int(array.sum()) == sum(range(100))

@@ -1,0 +1,289 @@
+"""The harness's commands end to end (subprocesses on the simulated device): output, exit
+codes, JSON validated against the schema, profile passing a program through."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streampool.harness.output import SCHEMA_PATH
+
+pytestmark = pytest.mark.nosim
+
+PROGRAM = """\
+import sys, threading, streampool
+streams = [streampool.Stream() for _ in range(3)]
+def work(i):
+    bufs = []
+    for n in range(30):
+        bufs.append(streampool.DeviceBuffer(size=1024 * (1 + n % 5), stream=streams[i]))
+        if len(bufs) > 4:
+            bufs.pop(0)
+threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+for t in threads: t.start()
+for t in threads: t.join()
+print("output of the program", sys.argv[1:])
+print("to stderr", file=sys.stderr)
+if "fail" in sys.argv:
+    sys.exit(7)
+if "crash" in sys.argv:
+    raise RuntimeError("the program crashed")
+"""
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim")
+    return subprocess.run(
+        [sys.executable, "-m", "streampool", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def valid(text: str) -> dict[str, Any]:
+    document = json.loads(text)
+    try:
+        import jsonschema
+    except ImportError:  # the test extra has it; a bare GPU machine may not
+        assert document["schema"] == "streampool.harness/1"
+    else:
+        jsonschema.validate(document, json.loads(SCHEMA_PATH.read_text()))
+    assert document["device"]["simulated"] is True
+    return document
+
+
+@pytest.fixture
+def program(tmp_path: Path) -> Path:
+    path = tmp_path / "prog.py"
+    path.write_text(PROGRAM)
+    return path
+
+
+@pytest.fixture
+def log(tmp_path: Path, program: Path) -> Path:
+    out = run("profile", "-o", str(tmp_path / "app.log"), "--", sys.executable, str(program))
+    assert out.returncode == 0, out.stderr
+    return tmp_path / "app.log"
+
+
+def test_info_stays_the_default_command() -> None:
+    for args in ((), ("info",)):
+        out = run(*args)
+        assert out.returncode == 0 and "environment report" in out.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize("workload", ["random", "window", "multistream", "pipeline", "larger-than-memory"])
+def test_bench_each_workload_json(workload: str) -> None:
+    specs = "managed,prefetch(managed)" if workload == "larger-than-memory" else "async,pool(async)"
+    out = run("bench", workload, "--resources", specs, "--threads", "1,2", "--quick", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = valid(out.stdout)
+    assert doc["command"] == "bench" and doc["workload"] == workload and doc["repeats"] == 2
+    assert len(doc["runs"]) == 2 * 2 * 2 and len(doc["summary"]) == 4
+    assert "simulated device" in out.stderr
+    if workload == "pipeline":
+        # The native pipeline reports the pool's own driver calls per chunk (the driver's
+        # pool does not count them).
+        calls = {r["resource"]: r["driver_calls_per_chunk"] for r in doc["summary"]}
+        assert calls["async"] is None and calls["pool(async)"]["max"] > 0, calls
+
+
+def test_bench_table_is_plain_text_when_piped_and_says_simulated_device() -> None:
+    out = run("bench", "window", "--resources", "async,stats(pool(async))", "--quick")
+    assert out.returncode == 0, out.stderr
+    assert "\x1b[" not in out.stdout
+    assert "simulated device" in out.stdout
+    for column in ("ratio to first", "peak live / reserved", "alloc p50 / p99", "syncs/waits"):
+        assert column in out.stdout
+    assert "stats(pool(async))" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (("bench", "nope"), 2, "unknown workload 'nope'; valid workloads: random, window"),
+        (("bench", "random", "--resources", "async,nosuch"), 2, "Valid specs: async"),
+        (("bench", "random", "--resources", "rmm:async"), 4, "simulated device"),
+        (("bench", "random", "--threads", "0"), 2, "at least 1"),
+        (("bench", "random", "--repeats", "0"), 2, "at least 1"),
+        (("stress", "--seconds", "-1"), 2, "positive number of seconds"),
+        (("bench", "random", "--param", "bogus=1", "--quick"), 2, "bogus"),
+        (("bench", "replay"), 2, "--log"),
+        (("replay", "/nonexistent/app.log"), 3, "No such file"),
+        (("profile",), 2, "nothing to run"),
+        (("bench", "random", "--", "python"), 2, "takes no program"),
+    ],
+)
+def test_bad_input_gets_a_clear_message_and_a_documented_exit_code(
+    args: tuple[str, ...], code: int, message: str
+) -> None:
+    out = run(*args)
+    assert out.returncode == code, (out.stdout, out.stderr)
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_profile_passes_output_and_exit_status_through(tmp_path: Path, program: Path) -> None:
+    path = tmp_path / "fail.log"
+    out = run("profile", "-o", str(path), "--", sys.executable, str(program), "a", "fail")
+    assert out.returncode == 7
+    assert "output of the program ['a', 'fail']" in out.stdout and "to stderr" in out.stderr
+    assert "exited with status 7" in out.stderr
+    lines = path.read_text().splitlines()
+    assert lines[0] == "Thread,Time,Action,Pointer,Size,Stream" and len(lines) == 1 + 2 * 3 * 30
+
+
+def test_profile_of_a_crashing_program_keeps_its_partial_log(tmp_path: Path, program: Path) -> None:
+    path = tmp_path / "crash.log"
+    out = run("profile", "-o", str(path), "--", str(program), "crash")  # prog.py runs under this Python
+    assert out.returncode == 1
+    assert "RuntimeError: the program crashed" in out.stderr
+    assert f"the log keeps the 180 event(s) recorded until then: {path}" in out.stderr
+    assert run("replay", str(path), "--quick").returncode == 0
+
+
+def test_profile_of_a_program_that_cannot_start(tmp_path: Path) -> None:
+    out = run("profile", "-o", str(tmp_path / "x.log"), "--", "/nonexistent/program")
+    assert out.returncode == 127 and "cannot run" in out.stderr
+
+
+def test_replay_json_and_the_log_it_read(log: Path) -> None:
+    out = run("replay", str(log), "--resources", "async,pool(async),cuda", "--quick", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = valid(out.stdout)
+    assert doc["log"]["events"] == 180 and doc["log"]["threads"] == 3 and doc["log"]["streams"] == 3
+    assert {r["resource"] for r in doc["summary"]} == {"async", "pool(async)", "cuda"}
+    for row in doc["summary"]:
+        assert row["peak_live_bytes"] > 0 and row["peak_reserved_bytes"] >= row["peak_live_bytes"]
+
+
+def test_replay_of_a_malformed_log_names_the_lines(tmp_path: Path, log: Path) -> None:
+    lines = log.read_text().splitlines()
+    lines[4] = "not,a,line"
+    bad = tmp_path / "bad.log"
+    bad.write_text("\n".join(lines) + "\n")
+    out = run("replay", str(bad), "--quick")
+    assert out.returncode == 3 and "line 5: expected 6 comma-separated fields" in out.stderr
+    assert run("replay", str(bad), "--quick", "--skip-malformed").returncode == 0
+
+
+def test_recommend_a_log(log: Path) -> None:
+    out = run("recommend", str(log), "--quick", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = valid(out.stdout)
+    rec = doc["recommendation"]
+    assert rec["choice"] in doc["profile"]["candidates"] and rec["choice"] != "cuda"
+    assert "set_current_device_resource(" in rec["code"]
+    text = run("recommend", str(log), "--quick").stdout
+    for part in ("Recommended:", "Why:", "Apply it", "simulated device", "3 thread(s) and 3 stream(s)"):
+        assert part in text
+
+
+def test_recommend_a_program_profiles_it_first(tmp_path: Path, program: Path) -> None:
+    kept = tmp_path / "kept.log"
+    out = run("recommend", "--quick", "-o", str(kept), "--", sys.executable, str(program))
+    assert out.returncode == 0, out.stderr
+    assert "output of the program" in out.stdout and "Recommended:" in out.stdout
+    assert kept.exists()
+    failing = run("recommend", "--quick", "--", sys.executable, str(program), "fail")
+    assert failing.returncode == 7 and "Recommended:" not in failing.stdout
+
+
+def test_plot_a_log(tmp_path: Path, log: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "memory.png"
+    out = run("plot", str(log), "-o", str(png), "--resource", "pool(async)")
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "simulated device" in out.stdout
+
+
+def test_bench_plots(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = run(
+        "bench",
+        "window",
+        "--resources",
+        "async,pool(async)",
+        "--threads",
+        "1,2",
+        "--quick",
+        "--plot",
+        str(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["window-latency.png", "window-throughput.png"]
+
+
+def test_stress_json_and_exit_status() -> None:
+    out = run("stress", "--resources", "pool(async),async", "--seconds", "0.5", "--threads", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = valid(out.stdout)
+    assert [r["resource"] for r in doc["stress"]] == ["pool(async)", "async"]
+    assert all(r["ok"] and r["race_detector"] and r["verified_bytes"] > 0 for r in doc["stress"])
+
+
+def test_console_script_has_the_harness() -> None:
+    exe = Path(sys.executable).with_name("streampool")
+    if not exe.exists():
+        pytest.skip("console script not installed")
+    out = subprocess.run([str(exe), "bench", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--resources" in out.stdout
+
+
+def test_the_schema_is_valid_and_refuses_a_broken_document(log: Path) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads(SCHEMA_PATH.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    out = run("replay", str(log), "--resources", "async", "--repeats", "1", "--json")
+    document = valid(out.stdout)
+    for breakage in (
+        lambda d: d.update(schema="streampool.harness/0"),
+        lambda d: d.pop("summary"),
+        lambda d: d["runs"][0].pop("peak_reserved_bytes"),
+        lambda d: d["summary"][0]["throughput"].pop("median"),
+        lambda d: d["device"].update(simulated="yes"),
+    ):
+        broken = json.loads(out.stdout)
+        breakage(broken)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, schema)
+    assert document["runs"][0]["replayer"] == "native"
+
+
+def test_a_terminal_gets_a_rich_table_and_a_pipe_plain_text() -> None:
+    import io
+
+    from streampool.harness.output import Output
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    rows = [["pool(async)", "4", "1.00M"]]
+    plain = io.StringIO()
+    Output(stream=plain).table("title [simulated device]", ["resource", "threads", "events/s"], rows)
+    assert plain.getvalue().splitlines()[:2] == ["title [simulated device]", "resource     threads  events/s"]
+    pytest.importorskip("rich")
+    terminal = Terminal()
+    Output(stream=terminal).table("title [simulated device]", ["resource", "threads", "events/s"], rows)
+    text = terminal.getvalue()
+    assert "simulated device" in text and "pool(async)" in text and "┃" in text
+
+
+def test_the_guide_script_refuses_an_unknown_part_before_running_anything(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "guide.sh"
+    out = tmp_path / "guide"
+    env = {**os.environ, "PARTS": "window,bogus", "GUIDE_OUT": str(out)}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "unknown part 'bogus' in PARTS" in done.stderr
+    assert not out.exists()  # nothing measured, nothing written

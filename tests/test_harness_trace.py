@@ -1,0 +1,200 @@
+"""Logs (streampool's and RMM's CSV) into traces, and replay fidelity."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+import streampool
+from streampool import mr
+from streampool.harness import trace, workloads
+from streampool.harness.specs import make_resource
+from streampool.harness.trace import ALLOCATE, FREE, LogFormatError, read_log
+
+HEADER = "Thread,Time,Action,Pointer,Size,Stream"
+# RMM's logging_resource_adaptor: times since midnight, hex pointers and streams.
+RMM_LOG = f"""{HEADER}
+2342727,23:59:59.999000,allocate,0x7f0000000000,1048576,0x0
+2342727,23:59:59.999500,allocate,0x7f0000100000,256,0x55d0c0a0b0c0
+2342728,00:00:00.000100,allocate failure,(nil),1099511627776,0x55d0c0a0b0c0
+2342728,00:00:00.000200,free,0x7f0000100000,256,0x55d0c0a0b0c0
+2342727,00:00:00.000300,free,0x7effffff0000,4096,0x0
+2342727,00:00:00.000400,allocate,0x7f0000200000,512,0x1
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "app.log") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_an_rmm_log_becomes_a_trace(tmp_path: Path) -> None:
+    t = read_log(_write(tmp_path, RMM_LOG))
+    ops = [(r[1], r[3], r[4], r[5]) for r in t.records]
+    # the failure and the free of memory allocated before the log began are not replayed;
+    # what the log never frees is freed at its end, on the thread and stream that made it
+    assert ops == [
+        (1048576, 0, 0, ALLOCATE),
+        (256, 0, 1, ALLOCATE),
+        (256, 1, 1, FREE),
+        (512, 0, 0, ALLOCATE),  # stream 0x1 is the legacy default stream, as 0x0
+        (1048576, 0, 0, FREE),
+        (512, 0, 0, FREE),
+    ]
+    assert (t.threads, t.streams) == (2, 2)
+    assert (t.recorded_failures, t.unmatched_frees, t.closing_frees) == (1, 1, 2)
+    times = [r[0] for r in t.records]
+    assert times[:4] == [0, 500_000, 1_200_000, 1_400_000]  # across midnight, in ns
+    assert times == sorted(times)
+    assert t.stream_handles == [0, 0x55D0C0A0B0C0]
+
+
+def test_a_log_whose_threads_wrote_out_of_time_order_replays(tmp_path: Path) -> None:
+    # Threads log concurrently: a later line can carry an earlier time than the first one.
+    text = f"""{HEADER}
+11,0.000500,allocate,0x7f0000000000,256,0x0
+12,0.000100,allocate,0x7f0000100000,512,0x0
+12,0.000200,free,0x7f0000100000,512,0x0
+11,0.000600,free,0x7f0000000000,256,0x0
+"""
+    t = read_log(_write(tmp_path, text))
+    assert [r[0] for r in t.records] == [400_000, 0, 100_000, 500_000]  # from the earliest
+    t.pack()  # every time fits the record (it used to be negative and refused)
+    out = trace.replay(mr.CudaAsyncMemoryResource(), t, gap_scale=0.0)
+    assert out["events"] == 4
+
+
+def test_malformed_lines_are_named_by_number_and_nothing_else_is_lost(tmp_path: Path) -> None:
+    lines = RMM_LOG.splitlines()
+    lines[2] = "2342727,23:59:59.999500,allocate,0xZZ,256,0x0"  # line 3: bad pointer
+    lines.insert(5, "garbage")  # line 6
+    lines.append("1,2,3")  # line 9
+    path = _write(tmp_path, "\n".join(lines) + "\n")
+    with pytest.raises(LogFormatError) as info:
+        read_log(path)
+    assert [n for n, _ in info.value.errors] == [3, 6, 9]
+    text = str(info.value)
+    assert "line 3: bad pointer `0xZZ`" in text and "line 6:" in text and "line 9:" in text
+    assert "--skip-malformed" in text
+    kept = info.value.trace
+    assert (
+        kept is not None and sum(r[5] == ALLOCATE for r in kept.records) == 2
+    )  # the good lines' allocations
+    skipped = read_log(path, skip_malformed=True)
+    assert skipped.records == kept.records and skipped.malformed == 3  # type: ignore[attr-defined]
+
+
+def test_a_log_without_its_header_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(LogFormatError, match="line 1: expected the header"):
+        read_log(_write(tmp_path, "\n".join(RMM_LOG.splitlines()[1:])))
+
+
+def test_an_unreadable_log_raises_oserror(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        read_log(str(tmp_path / "missing.log"))
+
+
+def _per_stream(lines: list[str]) -> list[list[tuple[str, int]]]:
+    """Each stream's sequence of (action, size), streams in order of first appearance."""
+    streams: dict[str, list[tuple[str, int]]] = {}
+    for line in lines:
+        if line.startswith("Thread,"):
+            continue  # a callback gets the header too
+        _thread, _time, action, _ptr, size, stream = line.split(",")
+        streams.setdefault(stream, []).append((action, int(size)))
+    return list(streams.values())
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_replay_repeats_each_streams_operations_in_recorded_order(tmp_path: Path, native: bool) -> None:
+    _fidelity(tmp_path, native)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_replay_fidelity_on_the_gpu(tmp_path: Path, native: bool) -> None:
+    _fidelity(tmp_path, native)
+
+
+def _fidelity(tmp_path: Path, native: bool) -> None:
+    # Record: 3 threads, each on its own stream, a window of allocations; one cross-thread free.
+    path = str(tmp_path / "recorded.log")
+    logger = mr.LoggingResourceAdaptor(mr.CudaAsyncMemoryResource(), path)
+    streams = [streampool.Stream() for _ in range(3)]  # alive throughout: handles are reused
+
+    def work(i: int) -> None:
+        s = streams[i]
+        ring = []
+        for n in range(40):
+            size = 256 * (1 + (n * (i + 3)) % 9)
+            ring.append((logger.allocate(size, s), size))
+            if len(ring) > 5:
+                ptr, old = ring.pop(0)
+                logger.deallocate(ptr, old, s)
+        for ptr, size in ring:
+            logger.deallocate(ptr, size, s)
+        s.synchronize()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    logger.flush()
+    recorded = Path(path).read_text().splitlines()[1:]
+    t = read_log(path)
+    assert t.threads == 3 and t.streams == 3 and t.events == len(recorded)
+
+    replayed: list[str] = []
+    under = mr.LoggingResourceAdaptor(mr.CudaAsyncMemoryResource(), callback=replayed.append)
+    result = trace.replay(under, t, gap_scale=0.0, native=native)
+    assert result["events"] == t.events and result["oom_events"] == 0
+    assert result["peak_live_bytes"] > 0
+    assert sorted(_per_stream(replayed)) == sorted(_per_stream(recorded))
+
+
+def test_replay_with_gaps_and_a_cross_thread_free() -> None:
+    records = [
+        (0, 4096, 0, 0, 0, ALLOCATE),
+        (1_000_000, 4096, 0, 1, 1, FREE),  # freed by another thread, on another stream
+        (2_000_000, 512, 1, 1, 1, ALLOCATE),
+        (2_000_000, 512, 1, 1, 1, FREE),
+    ]
+    seen: list[str] = []
+    under = mr.LoggingResourceAdaptor(mr.CudaAsyncMemoryResource(), callback=seen.append)
+    result = trace.replay(under, trace.Trace(records), gap_scale=1.0, native=False)
+    assert result["seconds"] >= 0.002  # the recorded gaps are kept
+    assert [line.split(",")[2] for line in seen[1:]] == ["allocate", "free", "allocate", "free"]
+
+
+def test_replay_counts_out_of_memory_and_goes_on() -> None:
+    records = [
+        (0, 1 << 40, 0, 0, 0, ALLOCATE),
+        (0, 1 << 40, 0, 0, 0, FREE),
+        (0, 256, 1, 0, 0, ALLOCATE),
+        (0, 256, 1, 0, 0, FREE),
+    ]
+    result = trace.replay(mr.CudaAsyncMemoryResource(), trace.Trace(records), gap_scale=0.0, native=False)
+    assert result["oom_events"] == 1 and result["allocate"]["max"] > 0
+
+
+@pytest.mark.parametrize("name", ["random", "window"])
+def test_generated_traces_free_everything_they_allocate(name: str) -> None:
+    make = workloads.random_trace if name == "random" else workloads.window_trace
+    t = make(200, threads=3, streams=2)
+    allocs = [r for r in t.records if r[5] == ALLOCATE]
+    frees = [r for r in t.records if r[5] == FREE]
+    assert len(allocs) == 600 and sorted(r[2] for r in frees) == sorted(r[2] for r in allocs)
+    assert (t.threads, t.streams) == (3, 2)
+    assert len(t.pack()) == trace.RECORD.size * t.events
+
+
+def test_sequential_replay_samples_live_and_reserved() -> None:
+    candidate = make_resource("pool(async)")
+    t = workloads.window_trace(50, window=4)
+    out = trace.sequential_replay(candidate.resource, t, candidate.reserved)
+    assert len(out["live"]) == t.events and out["live"][-1] == 0
+    assert max(out["live"]) <= max(r for r in out["reserved"] if r is not None)

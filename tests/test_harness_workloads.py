@@ -1,0 +1,179 @@
+"""Each workload end to end at small sizes, side-by-side measurement, stress, and the
+rules of `recommend`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from streampool import mr
+from streampool.harness import bench, recommend, stress, workloads
+from streampool.harness.specs import Candidate, make_resource
+from streampool.harness.trace import ALLOCATE, FREE, Trace
+
+KEYS = {
+    "events",
+    "seconds",
+    "throughput",
+    "unit",
+    "alloc_seconds",
+    "allocate",
+    "free",
+    "peak_live_bytes",
+    "peak_reserved_bytes",
+    "oom_events",
+}
+
+
+@pytest.mark.parametrize("name", [w for w in workloads.WORKLOADS if w != "replay"])
+def test_each_workload_runs_at_small_sizes(name: str) -> None:
+    spec = "prefetch(managed)" if name == "larger-than-memory" else "pool(async)"
+    result = workloads.run(name, make_resource(spec), threads=2, streams=2, **workloads.WORKLOADS[name].quick)
+    assert result.keys() >= KEYS
+    assert result["events"] > 0 and result["throughput"] > 0 and result["oom_events"] == 0
+    assert result["peak_live_bytes"] > 0
+    assert result["allocate"]["p50"] <= result["allocate"]["max"]
+
+
+def test_pipeline_from_python_threads_reports_stalls() -> None:
+    result = workloads.pipeline(
+        make_resource("pool(async)"), threads=2, chunks=10, chunk_size="64KiB", kernel_us=10, driver="python"
+    )
+    assert result["driver"] == "python" and result["unit"] == "chunks/s"
+    assert result["events"] == 2 * 2 * 10 and result["longest_call_ns"] > 0
+    assert result["alloc_seconds"] > 0
+
+
+def test_larger_than_memory_is_measured_with_and_without_prefetch() -> None:
+    for spec in ("managed", "prefetch(managed)"):
+        result = workloads.larger_than_memory(make_resource(spec), total="8MiB", chunk_size="2MiB", passes=1)
+        assert result["events"] == 2 * 4 and result["peak_live_bytes"] == 8 << 20
+
+
+def test_unknown_workloads_and_parameters_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown workload 'nope'; valid workloads: random, window"):
+        workloads.run("nope", make_resource("async"))
+    with pytest.raises(TypeError, match="bogus"):
+        workloads.run("random", make_resource("async"), bogus=1)
+    with pytest.raises(ValueError, match="driver must be"):
+        workloads.pipeline(make_resource("async"), driver="gpu")
+
+
+def test_measure_interleaves_and_gives_ratios_from_the_same_repeat() -> None:
+    order: list[str] = []
+    real = bench.one_run
+
+    def spy(workload: str, spec: str, *args: Any) -> dict[str, Any]:
+        order.append(spec)
+        return real(workload, spec, *args)
+
+    bench.one_run = spy  # type: ignore[assignment]
+    try:
+        runs, summary = bench.measure(
+            "window", ["async", "pool(async)"], threads=[1, 2], repeats=2, params={"allocations": 50}
+        )
+    finally:
+        bench.one_run = real  # type: ignore[assignment]
+    assert order == ["async", "pool(async)", "pool(async)", "async"] * 2  # turns rotate between repeats
+    assert len(runs) == 8 and len(summary) == 4
+    first = summary[0]
+    assert first["resource"] == "async" and first["ratio_to_first"] == {"min": 1.0, "median": 1.0, "max": 1.0}
+    for row in summary:
+        assert row["throughput"]["min"] <= row["throughput"]["median"] <= row["throughput"]["max"]
+        assert row["peak_reserved_bytes"] >= row["peak_live_bytes"] > 0
+
+
+def test_plain_resources_report_reserved_as_live() -> None:
+    _, summary = bench.measure("random", ["cuda"], repeats=1, params={"allocations": 20})
+    assert summary[0]["peak_reserved_bytes"] == summary[0]["peak_live_bytes"] > 0
+
+
+# --- stress -----------------------------------------------------------------------------
+
+
+def test_stress_passes_on_the_sharded_pool(sim: Any) -> None:
+    report = stress.run(
+        make_resource("pool(async)"), seconds=0.3, threads=3, streams=2, max_size="64KiB", sim=sim
+    )
+    assert report["ok"], report
+    assert report["allocations"] > 0 and report["verified_bytes"] > 0 and report["race_detector"]
+
+
+def test_stress_reports_a_resource_that_hands_out_overlapping_memory(sim: Any) -> None:
+    base = mr.CudaAsyncMemoryResource()
+    first: list[int] = []
+
+    def allocate(size: int, stream: Any) -> int:  # every allocation at the same address
+        if not first:
+            first.append(base.allocate(1 << 20, stream))
+        return first[0]
+
+    broken = Candidate("broken", mr.CallbackMemoryResource(allocate, lambda p, n, s: None), "")
+    report = stress.run(broken, seconds=0.2, threads=2, streams=1, max_size="4KiB", sim=sim)
+    assert not report["ok"] and report["overlaps"]
+    assert "is live" in report["overlaps"][0]
+
+
+# --- recommend's rules ------------------------------------------------------------------
+
+
+def _trace(threads: int, streams: int, size: int, count: int = 20) -> Trace:
+    records = []
+    for t in range(threads):
+        for n in range(count):
+            alloc_id = t * count + n
+            records.append((0, size, alloc_id, t, t % streams, ALLOCATE))
+            records.append((0, size, alloc_id, t, t % streams, FREE))
+    return Trace(records)
+
+
+def test_rules_larger_than_memory_means_managed_with_prefetch() -> None:
+    records = [(0, 1 << 30, i, 0, 0, ALLOCATE) for i in range(3)] + [
+        (0, 1 << 30, i, 0, 0, FREE) for i in range(3)
+    ]
+    profile = recommend.analyse(Trace(records), free_device_bytes=2 << 30)
+    assert profile.preferred == "prefetch(managed)"
+    assert profile.candidates == ["prefetch(managed)", "managed"]
+    assert profile.peak_live_bytes == 3 << 30
+    assert any("larger than the device's free memory" in r for r in profile.reasons)
+
+
+def test_rules_one_stream_means_async() -> None:
+    profile = recommend.analyse(_trace(threads=1, streams=1, size=4096), free_device_bytes=1 << 30)
+    assert (
+        profile.preferred == "async" and "pool(async)" in profile.candidates and "cuda" in profile.candidates
+    )
+
+
+def test_rules_many_threads_and_streams_with_small_sizes_mean_the_sharded_pool() -> None:
+    profile = recommend.analyse(_trace(threads=8, streams=8, size=64 << 10), free_device_bytes=1 << 30)
+    assert profile.preferred == "pool(async)"
+    large = recommend.analyse(_trace(threads=8, streams=8, size=64 << 20), free_device_bytes=1 << 40)
+    assert large.preferred == "async"
+
+
+def _row(resource: str, lo: float, mid: float, hi: float) -> dict[str, Any]:
+    return {
+        "resource": resource,
+        "throughput": {"min": lo, "median": mid, "max": hi},
+        "oom_events": 0,
+        "unit": "events/s",
+        "repeats": 3,
+    }
+
+
+def test_choose_takes_the_fastest_and_prefers_the_simpler_within_noise() -> None:
+    profile = recommend.analyse(_trace(threads=1, streams=1, size=4096), free_device_bytes=1 << 30)
+    clear = recommend.choose(
+        profile, [_row("async", 90, 100, 110), _row("pool(async)", 190, 200, 210), _row("cuda", 1, 2, 3)]
+    )
+    assert clear["choice"] == "pool(async)" and clear["runner_up"] == "async"
+    assert clear["margin"] == pytest.approx(1.0) and not clear["within_noise"]
+    assert "ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())" in clear["code"]
+    close = recommend.choose(profile, [_row("async", 95, 100, 105), _row("pool(async)", 98, 102, 106)])
+    assert close["choice"] == "async" and close["fastest"] == "pool(async)"
+    assert any("within noise" in r for r in close["reasons"])
+    # the baseline is measured, never recommended
+    only = recommend.choose(profile, [_row("async", 1, 1, 1), _row("cuda", 9, 9, 9)])
+    assert only["choice"] == "async"

@@ -1,0 +1,280 @@
+"""Sharing a buffer with another process (``streampool.ipc``).
+
+The round trips run two real processes: this one exports, a child imports (on the
+simulated device each process has its own, and the exported pool's memory is shared
+memory; on a GPU, the driver's). The child reads what the parent wrote and writes back; the
+parent reads that after the child has freed its import.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import streampool
+from streampool import DeviceBuffer, InvalidArgumentError, ipc, mr
+from streampool.sim import SimulatedDevice
+
+SIZE = 100_000
+PARENT_BYTES = bytes(i % 251 for i in range(SIZE))
+CHILD_BYTES = bytes((7 * i + 3) % 256 for i in range(SIZE))
+
+# The importing process: receives a handle on the socket inherited as argv[1], checks the
+# parent's bytes, writes its own, frees the import, says "done". With argv[2] == "sim" it
+# runs on a simulated device of its own.
+CHILD = textwrap.dedent(
+    """
+    import contextlib, socket, sys
+    from streampool import ipc
+    from streampool.sim import SimulatedDevice
+
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    parent = bytes(i % 251 for i in range({size}))
+    child = bytes((7 * i + 3) % 256 for i in range({size}))
+    device = SimulatedDevice(capacity_bytes="64MiB") if sys.argv[2] == "sim" else contextlib.nullcontext()
+    with device:
+        with ipc.recv_handle(sock) as handle:
+            buf = ipc.import_buffer(handle)
+        assert buf.size == {size}, buf.size
+        assert type(buf.mr).__name__ == "IpcImportedMemoryResource"
+        assert buf.tobytes() == parent, "the exporter's bytes differ"
+        buf.copy_from_host(child)
+        buf.close()
+        del buf  # and its resource: the imported pool is released
+        import gc, streampool
+        gc.collect()
+        assert streampool.drop_errors()[0] == 0, streampool.drop_errors()
+    sock.sendall(b"done")
+    """
+).format(size=SIZE)
+
+
+def exchange(buf: DeviceBuffer, device: str) -> None:
+    """Exports ``buf`` to a child process, which checks it and writes ``CHILD_BYTES``."""
+    parent_end, child_end = socket.socketpair()
+    parent_end.settimeout(120)  # a guard against a hung child, not a measurement
+    with parent_end, child_end:
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(child_end.fileno()), device],
+            pass_fds=[child_end.fileno()],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            with ipc.export(buf) as handle:
+                ipc.send_handle(parent_end, handle)
+            answer = parent_end.recv(4)
+        finally:
+            _, stderr = child.communicate(timeout=120)
+        assert child.returncode == 0, stderr
+        assert answer == b"done"
+
+
+def test_a_buffer_round_trips_between_two_processes() -> None:
+    exporting = mr.CudaAsyncMemoryResource(enable_ipc=True)
+    buf = DeviceBuffer(size=SIZE, mr=exporting)
+    buf.copy_from_host(PARENT_BYTES)
+    exchange(buf, "sim")
+    assert buf.tobytes() == CHILD_BYTES
+    # The pool is still usable, and exports again.
+    again = DeviceBuffer(size=1000, mr=exporting)
+    ipc.export(again).close()
+
+
+def _child_over_multiprocessing(handle: ipc.IpcHandle, conn: multiprocessing.connection.Connection) -> None:
+    with SimulatedDevice(capacity_bytes="64MiB"), handle:
+        buf = ipc.import_buffer(handle)
+        conn.send(buf.tobytes()[:16])
+        buf.copy_from_host(b"\xee" * 16)
+        buf.close()
+    conn.send("done")
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux", reason="file descriptors through multiprocessing's spawn (Linux)"
+)
+def test_a_handle_pickles_through_multiprocessing() -> None:
+    buf = DeviceBuffer.to_device(bytes(range(64)), mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    with ipc.export(buf) as handle:
+        child = ctx.Process(target=_child_over_multiprocessing, args=(handle, theirs))
+        child.start()
+    assert ours.poll(120)
+    assert ours.recv() == bytes(range(16))
+    assert ours.recv() == "done"
+    child.join(120)
+    assert child.exitcode == 0
+    assert buf.tobytes()[:20] == b"\xee" * 16 + bytes(range(16, 20))
+
+
+def test_a_handle_pickles_in_one_process_with_its_own_descriptor() -> None:
+    buf = DeviceBuffer(size=256, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    with ipc.export(buf) as handle:
+        copy = pickle.loads(pickle.dumps(handle))
+        with copy:
+            assert copy.fd != handle.fd
+            assert (copy.export_data, copy.nbytes, copy.device, copy.pid) == (
+                handle.export_data,
+                handle.nbytes,
+                handle.device,
+                handle.pid,
+            )
+            assert os.fstat(copy.fd).st_ino == os.fstat(handle.fd).st_ino
+
+
+@pytest.mark.parametrize(
+    "resource",
+    [
+        lambda: mr.CudaAsyncMemoryResource(),
+        lambda: mr.CudaAsyncMemoryResource(release_threshold="1MiB"),
+        lambda: mr.CudaMemoryResource(),
+        lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(enable_ipc=True)),
+    ],
+    ids=["current-pool", "own-pool-without-ipc", "cuMemAlloc", "suballocated"],
+)
+def test_memory_that_cannot_be_shared_is_refused_naming_the_fix(resource) -> None:
+    source = resource()
+    buf = DeviceBuffer(size=4096, mr=source)
+    buf2 = DeviceBuffer(size=4096, mr=source)  # the second suballocation is not at a chunk's start
+    with pytest.raises(InvalidArgumentError, match=r"CudaAsyncMemoryResource\(enable_ipc=True\)"):
+        ipc.export(buf2)
+    # The resource stays usable.
+    buf.copy_from_host(b"x" * 4096)
+    assert buf.tobytes() == b"x" * 4096
+
+
+def test_an_adaptor_that_does_not_suballocate_exports() -> None:
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource(enable_ipc=True))
+    buf = DeviceBuffer(size=4096, mr=stats)
+    ipc.export(buf).close()
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(TypeError, match=r"buffer must be a streampool\.DeviceBuffer"):
+        ipc.export(b"bytes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"handle must be a streampool\.ipc\.IpcHandle"):
+        ipc.import_buffer(42)  # type: ignore[arg-type]
+    empty = DeviceBuffer(size=0, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    with pytest.raises(InvalidArgumentError, match="empty buffer"):
+        ipc.export(empty)
+    buf = DeviceBuffer(size=256, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    buf.close()
+    with pytest.raises(ValueError):
+        ipc.export(buf)
+
+
+def _foreign_handle(**changes: object) -> ipc.IpcHandle:
+    """A handle of this process's buffer that claims to come from another process (the
+    parent, which is alive), with ``changes`` applied."""
+    buf = DeviceBuffer(size=4096, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    handle = ipc.export(buf)
+    handle.pid = os.getppid()
+    for name, value in changes.items():
+        setattr(handle, name, value)
+    return handle
+
+
+def test_bad_handles_are_refused_and_the_resource_stays_usable() -> None:
+    buf = DeviceBuffer(size=4096, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    with ipc.export(buf) as handle, pytest.raises(InvalidArgumentError, match="exported by this process"):
+        ipc.import_buffer(handle)
+    with pytest.raises(ValueError, match="IpcHandle is closed"):
+        ipc.import_buffer(handle)
+    with (
+        _foreign_handle(export_data=b"\0" * 63) as wrong,
+        pytest.raises(InvalidArgumentError, match=r"must be the 64 bytes.*got 63"),
+    ):
+        ipc.import_buffer(wrong)
+    wrong = _foreign_handle()
+    os.close(wrong.fd)  # closed behind the handle's back
+    with pytest.raises(InvalidArgumentError, match=f"fd {wrong.fd} is not an open file descriptor"):
+        ipc.import_buffer(wrong)
+    wrong._fd = -1
+    with open(os.devnull, "rb") as devnull, _foreign_handle() as wrong:
+        wrong._fd, devnull_fd = os.dup(devnull.fileno()), wrong.fd
+        os.close(devnull_fd)
+        with pytest.raises(streampool.CudaError, match="does not name a pool"):
+            ipc.import_buffer(wrong)
+    buf.copy_from_host(b"y" * 4096)
+    assert buf.tobytes() == b"y" * 4096
+
+
+def test_an_exporter_that_has_exited_is_named() -> None:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    pid = int(gone.stdout)
+    exited = rf"exporting process \(pid {pid}\) has exited"
+    with _foreign_handle(pid=pid) as handle, pytest.raises(InvalidArgumentError, match=exited):
+        ipc.import_buffer(handle)
+
+
+def test_the_socket_helpers_refuse_what_is_not_a_handle() -> None:
+    with pytest.raises(TypeError, match="connected Unix socket"):
+        ipc.recv_handle(socket.socket(socket.AF_INET))
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(TypeError, match="handle must be"):
+            ipc.send_handle(a, "handle")  # type: ignore[arg-type]
+        a.sendall(b"not a handle")
+        with pytest.raises(ValueError, match="not a streampool IPC handle"):
+            ipc.recv_handle(b)
+        a.close()
+        with pytest.raises(ConnectionError, match="closed the socket"):
+            ipc.recv_handle(b)
+
+
+def test_the_imported_resource_allocates_nothing_else() -> None:
+    # Import in a child so that the resource is a real import; the child reports.
+    code = textwrap.dedent(
+        """
+        import socket, sys
+        from streampool import DeviceBuffer, InvalidArgumentError, ipc
+        from streampool.sim import SimulatedDevice
+        sock = socket.socket(fileno=int(sys.argv[1]))
+        with SimulatedDevice(capacity_bytes="64MiB"), ipc.recv_handle(sock) as handle:
+            buf = ipc.import_buffer(handle)
+            try:
+                DeviceBuffer(size=handle.nbytes, mr=buf.mr)
+            except InvalidArgumentError as e:
+                assert "cannot allocate" in str(e), e
+            else:
+                raise AssertionError("a second buffer from the imported resource")
+            assert buf.tobytes() == b"z" * 512
+            buf.close()
+        sock.sendall(b"done")
+        """
+    )
+    buf = DeviceBuffer.to_device(b"z" * 512, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    a, b = socket.socketpair()
+    a.settimeout(120)
+    with a, b:
+        child = subprocess.Popen([sys.executable, "-c", code, str(b.fileno())], pass_fds=[b.fileno()])
+        with ipc.export(buf) as handle:
+            ipc.send_handle(a, handle)
+        assert a.recv(4) == b"done"
+        assert child.wait(120) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_a_buffer_round_trips_between_two_processes() -> None:
+    if not streampool.device_info()["posix_fd_ipc"]:
+        pytest.skip("this GPU's pools cannot be exported through POSIX file descriptors")
+    exporting = mr.CudaAsyncMemoryResource(enable_ipc=True)
+    stream = streampool.Stream()
+    buf = DeviceBuffer(size=SIZE, stream=stream, mr=exporting)
+    buf.copy_from_host(PARENT_BYTES)
+    exchange(buf, "gpu")
+    assert buf.tobytes() == CHILD_BYTES
+    with pytest.raises(InvalidArgumentError, match=r"CudaAsyncMemoryResource\(enable_ipc=True\)"):
+        ipc.export(DeviceBuffer(size=SIZE, mr=mr.CudaAsyncMemoryResource()))
+    with ipc.export(buf) as handle, pytest.raises(InvalidArgumentError, match="exported by this process"):
+        ipc.import_buffer(handle)

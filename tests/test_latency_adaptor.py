@@ -1,0 +1,82 @@
+"""LatencyHistogramAdaptor: per-call latency histograms, and opt-in NVTX ranges."""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import streampool
+from streampool import mr
+from streampool.sim import SimulatedDevice
+
+
+def test_every_call_is_counted(sim: SimulatedDevice) -> None:
+    hist = mr.LatencyHistogramAdaptor(mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()))
+    assert isinstance(hist, mr.LatencyHistogramResourceAdaptor)
+
+    def work() -> None:
+        s = streampool.Stream()
+        for i in range(200):
+            p = hist.allocate(256 * (1 + i % 7), s)
+            hist.deallocate(p, 256 * (1 + i % 7), s)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with pytest.raises(streampool.InvalidPointerError):
+        hist.deallocate(0x12345600, 64)  # a refused call is counted too
+    h = hist.histogram()
+    a, d = h["allocate"], h["deallocate"]
+    assert (a["count"], d["count"]) == (800, 801)
+    assert sum(n for _, n in a["buckets"]) == 800
+    assert 0 < a["p50_ns"] <= a["p90_ns"] <= a["p99_ns"] <= a["p999_ns"] <= a["max_ns"] <= a["total_ns"]
+    bounds = [b for b, _ in a["buckets"]]
+    assert bounds == sorted(bounds)
+    hist.reset()
+    assert hist.histogram()["allocate"]["count"] == 0
+    assert hist.upstream is not None
+
+
+def test_bad_upstream(sim: SimulatedDevice) -> None:
+    with pytest.raises(TypeError):
+        mr.LatencyHistogramAdaptor(object())  # type: ignore[arg-type]
+
+
+@pytest.mark.nosim
+@pytest.mark.skipif(
+    bool(ctypes.util.find_library("nvToolsExt") or ctypes.util.find_library("nvtx3interop")),
+    reason="an NVTX library is installed here: the warning is for machines without one",
+)
+def test_nvtx_without_the_library_warns_once_and_works() -> None:
+    code = textwrap.dedent(
+        """
+        import streampool
+        from streampool import mr
+        hist = mr.LatencyHistogramAdaptor(mr.CudaAsyncMemoryResource())
+        for _ in range(3):
+            hist.deallocate(hist.allocate(1024), 1024)
+        print(hist.histogram()["allocate"]["count"])
+        """
+    )
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim", STREAMPOOL_NVTX="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "3"
+    assert out.stderr.count("no NVTX library could be loaded") == 1, out.stderr
+
+
+@pytest.mark.gpu
+def test_histogram_on_a_gpu() -> None:
+    hist = mr.LatencyHistogramAdaptor(mr.CudaAsyncMemoryResource())
+    for _ in range(1000):
+        hist.deallocate(hist.allocate(1 << 20), 1 << 20)
+    a = hist.histogram()["allocate"]
+    assert a["count"] == 1000 and 0 < a["p50_ns"] <= a["max_ns"]
