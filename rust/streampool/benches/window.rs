@@ -26,7 +26,7 @@
 //! cargo bench -p streampool --bench window -- [--secs 0.5] [--reps 3]
 //!     [--threads 1,2,4,8,16] [--resources sharded,latency-sharded,async,control] [--events-every N] [--json FILE]
 //!     [--sim] [--sim-eager] [--same-sizes] [--handoff] [--no-fixed] [--headroom F|none] [--exact-live]
-//!     [--every SECS]
+//!     [--every SECS] [--gather-us MICROSECONDS]
 //! ```
 //! Runs on the CUDA driver when there is one (unless `--sim`), else on the simulated device
 //! (and says so: those numbers measure the simulator and the host, not a GPU). `--sim-eager`
@@ -70,11 +70,23 @@ struct Args {
     fixed: bool,
     /// The pool's footprint budget (`PoolOptions::headroom`).
     headroom: Option<f64>,
+    /// The pool's `PoolOptions::gather_interval`, in microseconds.
+    gather_us: Option<u64>,
     /// Count the live bytes exactly (a shared counter) rather than by sampling.
     exact_live: bool,
     /// Print the peak reserved and live bytes every this many seconds of the window (a
     /// soak's plateau).
     every: Option<f64>,
+}
+
+impl Args {
+    fn pool_options(&self) -> PoolOptions {
+        let mut o = PoolOptions { events_every: self.events_every, headroom: self.headroom, ..Default::default() };
+        if let Some(us) = self.gather_us {
+            o.gather_interval = std::time::Duration::from_micros(us);
+        }
+        o
+    }
 }
 
 fn args() -> Args {
@@ -91,6 +103,7 @@ fn args() -> Args {
         handoff: false,
         fixed: true,
         headroom: PoolOptions::default().headroom,
+        gather_us: None,
         exact_live: false,
         every: None,
     };
@@ -110,6 +123,7 @@ fn args() -> Args {
             "--handoff" => a.handoff = true,
             "--no-fixed" => a.fixed = false,
             "--headroom" => a.headroom = v().parse().ok(),
+            "--gather-us" => a.gather_us = Some(v().parse().expect("--gather-us")),
             "--exact-live" => a.exact_live = true,
             "--every" => a.every = Some(v().parse().expect("--every")),
             "--bench" => {}
@@ -138,7 +152,7 @@ impl Made {
     }
 }
 
-fn make(name: &str, b: &BackendRef, events_every: usize, headroom: Option<f64>) -> Made {
+fn make(name: &str, b: &BackendRef, options: &PoolOptions) -> Made {
     let driver = Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
     // The driver's pool is the device's, shared: start from what it holds now.
     let _ = driver.trim_to(0);
@@ -149,7 +163,7 @@ fn make(name: &str, b: &BackendRef, events_every: usize, headroom: Option<f64>) 
             let pool = Arc::new(
                 ShardedPoolMemoryResource::new(
                     async_mr,
-                    PoolOptions { events_every, headroom, ..Default::default() },
+                    options.clone(),
                 )
                 .unwrap(),
             );
@@ -160,7 +174,7 @@ fn make(name: &str, b: &BackendRef, events_every: usize, headroom: Option<f64>) 
             let pool = Arc::new(
                 ShardedPoolMemoryResource::new(
                     async_mr,
-                    PoolOptions { events_every, headroom, ..Default::default() },
+                    options.clone(),
                 )
                 .unwrap(),
             );
@@ -533,7 +547,7 @@ fn main() {
     let mut json = Vec::new();
     for name in &a.resources {
         for &n in if a.fixed { &[256usize, 64 << 10, 4 << 20][..] } else { &[] } {
-            let mr = make(name, &backend, a.events_every, a.headroom).mr;
+            let mr = make(name, &backend, &a.pool_options()).mr;
             let ns = run_fixed(&mr, &backend, n, a.reps);
             println!("fixed  {name:<8} {n:>8} B  {ns:8.1} ns/pair");
             json.push(format!(
@@ -543,7 +557,7 @@ fn main() {
         for &t in &a.threads {
             let runs: Vec<MtResult> = (0..a.reps)
                 .map(|_| {
-                    let made = make(name, &backend, a.events_every, a.headroom);
+                    let made = make(name, &backend, &a.pool_options());
                     run_mt(&made, &backend, t, &a)
                 })
                 .collect();

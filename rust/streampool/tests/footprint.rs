@@ -309,12 +309,12 @@ fn producers_handing_blocks_to_consumers_on_other_streams() {
 /// work with no kernels): 4 threads, each on its own stream, keep 16 blocks of 1 KiB to
 /// 4 MiB; half the evicted blocks go to the next thread after an event (at most 16 in
 /// flight to a thread), which frees them on its own stream. At the end of every one of 24
-/// rounds, the pool's peak reserved bytes stay within 2.5 times the peak live bytes so far:
-/// the pool grows past its budget only up to `CEILING` (2) times the budget's allowance
-/// (1.15 times its peak live bytes) before a thread gathers, plus a page-rounded request
-/// per thread racing the check. That bound, not a plateau, is what the pool promises: how
-/// far it grows towards it depends on how the threads are scheduled (1.4-1.8 measured on
-/// two idle cores, 1.9 once on a loaded CI machine).
+/// rounds, the pool's peak reserved bytes stay within `MIXED_RATIO` (3) times the peak live
+/// bytes so far, as in the other soaks: 1.2-1.7 measured on two idle cores (with growth past
+/// the budget stopped at twice the allowance, 1.4-1.8, and 1.9 once on a loaded CI
+/// machine). How far the pool grows depends on how the threads are scheduled; a plateau
+/// is not what it promises, a bound is (the ceiling alone stops growth past the budget at
+/// 4 times the allowance, 4.6 times the peak live bytes as the pool sees them).
 /// (Gatherings that raced with one another or with a thread taking the common list missed
 /// the blocks in transit and grew without bound: in a release build, the window bench's
 /// hand-off soak on this device held 4.3 times the peak live bytes after 6 s, still
@@ -322,7 +322,7 @@ fn producers_handing_blocks_to_consumers_on_other_streams() {
 /// device finds no races by construction: the stream-ordered contract is checked by the
 /// soak above.
 #[test]
-fn handoff_soak_stays_under_the_growth_ceiling_on_an_eager_device() {
+fn handoff_soak_stays_bounded_on_an_eager_device() {
     const THREADS: usize = 4;
     const ROUNDS: usize = 24;
     const OPS: usize = 1000;
@@ -387,7 +387,7 @@ fn handoff_soak_stays_under_the_growth_ceiling_on_an_eager_device() {
     eprintln!("peak live (MiB) by round: {:?}", peaks.iter().map(|r| r.1 / MIB).collect::<Vec<_>>());
     for (round, &(reserved, live)) in peaks.iter().enumerate() {
         assert!(
-            reserved as f64 <= 2.5 * live as f64,
+            reserved as f64 <= MIXED_RATIO * live as f64,
             "round {round}: peak reserved {} MiB for peak live {} MiB: {:?}",
             reserved / MIB,
             live / MIB,
@@ -407,7 +407,7 @@ fn handoff_soak_stays_under_the_growth_ceiling_on_an_eager_device() {
 /// complete, and freed after the event it recorded). With an interval of zero every round
 /// gathers and the pool holds one block; with a long one the rounds after the first
 /// gathering grow past the budget instead, without synchronising, but only up to the
-/// ceiling, twice the budget's allowance (here 2 x (4 MiB + 2 MiB), with 256 bytes):
+/// ceiling, four times the budget's allowance (here 4 x (4 MiB + 2 MiB), with 256 bytes):
 /// beyond it a round gathers again. Without the ceiling, 16 rounds held 62 MiB and
 /// synchronised once.
 #[test]
@@ -435,7 +435,7 @@ fn the_gathering_interval_trades_synchronisations_for_memory() {
         let st = pool.stats();
         if long {
             assert!(st.peak_reserved_bytes >= 10 * MIB, "grew past the budget: {st:?}");
-            assert!(st.peak_reserved_bytes <= 2 * (6 * MIB + 256), "the ceiling: {st:?}");
+            assert!(st.peak_reserved_bytes <= 4 * (6 * MIB + 256), "the ceiling: {st:?}");
             assert!(st.synchronizations >= 2, "gathered at the ceiling: {st:?}");
             // Half the rounds grow or take back what an earlier one grew (8 measured).
             assert!(

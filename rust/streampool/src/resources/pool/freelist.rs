@@ -189,12 +189,6 @@ impl FreeList {
         Some((ptr, FreeBlock { size, chunk, epoch }))
     }
 
-    /// Whether [`take`](Self::take) would find a block (changes only how the free blocks
-    /// are merged).
-    pub fn fits(&mut self, size: usize, ok: impl Fn(u64) -> bool) -> bool {
-        self.find(size, &ok).is_some()
-    }
-
     /// Frees the live block at `ptr` of `size` bytes into epoch `epoch`, merging it with
     /// the free blocks it links to. Refused, changing nothing, when no live block of this
     /// list starts at `ptr` or it has another size.

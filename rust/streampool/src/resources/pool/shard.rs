@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 
-use super::freelist::{FreeBlock, FreeList};
+use super::freelist::FreeList;
 use crate::device::{BackendRef, RawStream};
 use crate::error::Result;
 use crate::stream::{Event, Stream};
@@ -132,29 +132,6 @@ impl ShardState {
             self.spare(ev);
         }
         queries
-    }
-
-    /// Takes `size` bytes of a block whose free has completed, with at most one query: of
-    /// the oldest event that covers a fitting block (events of one stream complete in
-    /// order, so that answer settles every older one too). None when it is still running
-    /// (the block stays here). Returns the block and the queries made.
-    pub fn take_completed(&mut self, size: usize) -> (Option<(u64, FreeBlock)>, u64) {
-        let done = self.completed;
-        if let Some(taken) = self.free.take(size, |e| e < done) {
-            return (Some(taken), 0);
-        }
-        for i in 0..self.events.len() {
-            let e = self.events[i].0;
-            if !self.free.fits(size, |x| x <= e) {
-                continue;
-            }
-            if !self.events[i].1.query().unwrap_or(false) {
-                return (None, 1);
-            }
-            self.complete_through(e);
-            return (self.free.take(size, |x| x <= e), 1);
-        }
-        (None, 0)
     }
 
     /// Every block of an epoch below this is covered by a recorded event or known complete.
