@@ -99,9 +99,9 @@ def test_gather_interval_trades_synchronisations_for_memory(gather_interval: flo
     stats = pool.stats
     if gather_interval == 0:  # a gathering every round, one block reused
         assert stats["synchronizations"] >= rounds - 1 and stats["peak_reserved_bytes"] == 6 << 20, stats
-    else:  # growth past the budget between gatherings, up to twice the budget (4 MiB + 2 MiB)
+    else:  # growth past the budget between gatherings, up to 4 times the budget (4 MiB + 2 MiB)
         assert 1 <= stats["synchronizations"] < rounds - 1, stats
-        assert 6 << 20 < stats["peak_reserved_bytes"] <= 2 * ((6 << 20) + 256), stats
+        assert 6 << 20 < stats["peak_reserved_bytes"] <= 4 * ((6 << 20) + 256), stats
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # what the device's default pool keeps is not the point here
         pool.release()

@@ -697,10 +697,10 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     (``None``: grow whenever no completed block fits). ``gather_interval`` (seconds,
     default 100 µs): at the budget the pool gathers free memory with a device
     synchronisation, which stops every thread short of memory meanwhile; within this long
-    of the last gathering it grows past the budget instead, up to twice the budget (0:
-    gather at every shortage, the least memory; on the H200 at 16 threads, 1.8 times the
-    peak live bytes at 6 M allocations/s against 3.8 times at 111 M/s with the default,
-    measured before the ceiling of twice the budget). Shards of streams streampool made
+    of the last gathering it grows past the budget instead, up to four times the budget
+    (0: gather at every shortage, the least memory; on the H200 at 16 threads, 1.7 times
+    the peak live bytes at 3.5-5.5 M allocations/s against 3.9 times at 97-107 M/s with
+    the default). Shards of streams streampool made
     are retired when those streams are destroyed. A free must pass the size it allocated, as
     in RMM: a double free, an address the pool never handed out, or a size that does not
     round to the allocation's is always refused, and changes nothing. ValueError naming

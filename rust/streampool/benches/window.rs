@@ -81,7 +81,8 @@ struct Args {
 
 impl Args {
     fn pool_options(&self) -> PoolOptions {
-        let mut o = PoolOptions { events_every: self.events_every, headroom: self.headroom, ..Default::default() };
+        let mut o =
+            PoolOptions { events_every: self.events_every, headroom: self.headroom, ..Default::default() };
         if let Some(us) = self.gather_us {
             o.gather_interval = std::time::Duration::from_micros(us);
         }
@@ -160,24 +161,12 @@ fn make(name: &str, b: &BackendRef, options: &PoolOptions) -> Made {
     match name {
         "async" => Made { mr: async_mr, pool: None, driver_pool: Some(driver) },
         "sharded" => {
-            let pool = Arc::new(
-                ShardedPoolMemoryResource::new(
-                    async_mr,
-                    options.clone(),
-                )
-                .unwrap(),
-            );
+            let pool = Arc::new(ShardedPoolMemoryResource::new(async_mr, options.clone()).unwrap());
             Made { mr: pool.clone(), pool: Some(pool), driver_pool: None }
         }
         // The latency histogram adaptor over the sharded pool: its cost beside "sharded".
         "latency-sharded" => {
-            let pool = Arc::new(
-                ShardedPoolMemoryResource::new(
-                    async_mr,
-                    options.clone(),
-                )
-                .unwrap(),
-            );
+            let pool = Arc::new(ShardedPoolMemoryResource::new(async_mr, options.clone()).unwrap());
             let mr = Arc::new(streampool::adaptors::LatencyHistogramAdaptor::new(pool.clone()).unwrap());
             Made { mr, pool: Some(pool), driver_pool: None }
         }

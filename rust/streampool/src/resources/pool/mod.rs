@@ -68,10 +68,10 @@ pub struct PoolOptions {
     /// At the budget the pool gathers (synchronises the device and collects every free
     /// block), which stops every thread that needs memory meanwhile; within this long of
     /// the last gathering's start a thread short of memory grows past the budget instead,
-    /// up to twice the budget (beyond that, and at the maximum, it still gathers). The trade
-    /// between memory and speed: on the H200, window workload at 16 threads, zero held 1.8
-    /// times the peak live bytes at 6 M allocations/s, the default of 100 µs 3.8 times at
-    /// 111 M/s (measured before growth past the budget stopped at twice the budget).
+    /// up to four times the budget (beyond that, and at the maximum, it still gathers). The
+    /// trade between memory and speed: on the H200, window workload at 16 threads, zero
+    /// held 1.7 times the peak live bytes at 3.5-5.5 M allocations/s, the default of 100 µs
+    /// 3.9 times at 97-107 M/s.
     pub gather_interval: Duration,
 }
 
@@ -146,7 +146,7 @@ pub struct PoolStats {
 ///    list, coalesce and take the block there; else give whole free chunks back to the
 ///    upstream and grow (now past the budget, by the request rounded to 2 MiB, still
 ///    under the maximum) (counted). Within `gather_interval` of the last gathering, a
-///    thread grows past the budget instead, up to twice the budget;
+///    thread grows past the budget instead, up to four times the budget;
 /// 7. `OutOfMemory`.
 ///
 /// # Streams that end
