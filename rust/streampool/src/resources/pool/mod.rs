@@ -498,9 +498,8 @@ impl ShardedPoolMemoryResource {
         st.wanted = false;
         st.drawn = false;
         // The events that have completed make room for this one, and their blocks become
-        // takeable by other streams without a query of theirs (with queries only when the
-        // room was short, the window at 16 threads on the H200 gathered several times as
-        // often: policy.rs, `take_completed`).
+        // takeable by other streams without a query of theirs (measured together with the
+        // queries of each look: policy.rs, `take_completed`).
         let queries = st.refresh();
         self.count_queries(queries);
         // Failing to record only delays reuse by other streams.
