@@ -11,6 +11,7 @@ import importlib
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -253,3 +254,208 @@ def test_use_everywhere_skips_a_library_that_cannot_be_imported(monkeypatch: pyt
     monkeypatch.delitem(sys.modules, "streampool.allocators.cupy", raising=False)
     done = allocators.use_everywhere(verbose=True)
     assert done["cupy"].startswith("skipped: cupy cannot be imported (ImportError")
+
+
+# ---------------------------------------------------------------------------------------
+# CuPy's allocator function, over stand-ins for CuPy's classes and its C stream function
+
+
+class FakeCupy:
+    """What ``streampool.allocators.cupy`` reads of CuPy: ``cuda.UnownedMemory``,
+    ``cuda.MemoryPointer``, ``cuda.get_current_stream`` and the capsule of
+    ``cuda.stream.get_current_stream_ptr`` (a ctypes function returning ``self.stream``)."""
+
+    def __init__(self) -> None:
+        self.stream = 0  # the current stream: of every thread not in `streams`
+        self.streams: dict[int, int] = {}
+        self.allocator: object = None
+        fake = self
+
+        class UnownedMemory:
+            def __init__(self, ptr: int, size: int, owner: object, device_id: int) -> None:
+                self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+        class MemoryPointer:
+            def __init__(self, mem: UnownedMemory, offset: int) -> None:
+                self.mem, self.ptr = mem, mem.ptr + offset
+
+        class CurrentStream:
+            @property
+            def ptr(self) -> int:
+                return fake.current()
+
+        self._function = ctypes.CFUNCTYPE(ctypes.c_ssize_t)(lambda: fake.current())
+        self._name = ctypes.create_string_buffer(b"intptr_t (void)")  # the capsule keeps a pointer
+        new_capsule = ctypes.pythonapi.PyCapsule_New
+        new_capsule.restype = ctypes.py_object
+        new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        capsule = new_capsule(ctypes.cast(self._function, ctypes.c_void_p), self._name, None)
+
+        def set_allocator(allocator: object) -> None:
+            fake.allocator = allocator
+
+        self.cuda: Any = type(
+            "cuda",
+            (),
+            {
+                "UnownedMemory": UnownedMemory,
+                "MemoryPointer": MemoryPointer,
+                "get_current_stream": staticmethod(lambda: CurrentStream()),
+                "set_allocator": staticmethod(set_allocator),
+                "stream": type("stream", (), {"__pyx_capi__": {"get_current_stream_ptr": capsule}}),
+            },
+        )
+
+    def current(self) -> int:
+        return self.streams.get(threading.get_ident(), self.stream)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeCupy, object]]:
+    """A stand-in for CuPy in sys.modules, and streampool.allocators.cupy imported over it."""
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.delitem(sys.modules, "streampool.allocators.cupy", raising=False)
+    module = importlib.import_module("streampool.allocators.cupy")
+    yield fake, module
+    sys.modules.pop("streampool.allocators.cupy", None)
+    gc.collect()
+
+
+def logged(stats: mr.MemoryResource) -> tuple[mr.LoggingResourceAdaptor, list[str]]:
+    """A logging adaptor over `stats`, current for the device, and its lines."""
+    lines: list[str] = []
+    logging = mr.LoggingResourceAdaptor(stats, callback=lines.append)
+    streampool.set_current_device_resource(logging)
+    return logging, lines
+
+
+@pytest.mark.parametrize("lookup", ["native", "python"])
+def test_cupy_allocator_allocates_and_frees_on_cupys_current_stream(
+    fake_cupy: tuple[FakeCupy, object], stats: mr.StatisticsResourceAdaptor, lookup: str
+) -> None:
+    fake, module = fake_cupy
+    allocator = module.streampool_cupy_allocator  # type: ignore[attr-defined]
+    assert module.rmm_cupy_allocator is allocator  # type: ignore[attr-defined]
+    if lookup == "python":  # the way taken where CuPy exports no capsule
+        allocator = streampool._native.CupyAllocator(
+            fake.cuda.UnownedMemory, fake.cuda.MemoryPointer, fake.cuda.get_current_stream
+        )
+    assert allocator.native_stream_lookup == (lookup == "native")
+    _, lines = logged(stats)
+    made, released = streampool.Stream(), streampool.Stream()
+    fake.stream = made.handle
+    pointer = allocator(3000)
+    assert pointer.ptr != 0 and pointer.mem.size == 3000 and pointer.mem.device_id == 0
+    assert stats.allocation_counts.current_bytes == 3000
+    fake.stream = released.handle  # freed on the stream current when CuPy lets go
+    del pointer
+    gc.collect()
+    assert stats.allocation_counts.current_bytes == 0
+    events = streampool.logs.parse_log("\n".join(lines))
+    assert [(e.action, e.size, e.stream) for e in events] == [
+        ("allocate", 3000, made.handle),
+        ("free", 3000, released.handle),
+    ]
+
+
+def test_cupy_memory_is_freed_through_the_resource_that_made_it(
+    fake_cupy: tuple[FakeCupy, object], stats: mr.StatisticsResourceAdaptor
+) -> None:
+    _, module = fake_cupy
+    pointer = module.streampool_cupy_allocator(1 << 20)  # type: ignore[attr-defined]
+    other = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    streampool.set_current_device_resource(other)
+    del pointer
+    assert stats.allocation_counts.current_bytes == 0
+    assert other.allocation_counts.total_count == 0
+
+
+def test_cupy_allocator_zero_bytes_and_out_of_memory(
+    fake_cupy: tuple[FakeCupy, object], stats: mr.StatisticsResourceAdaptor
+) -> None:
+    _, module = fake_cupy
+    allocator = module.streampool_cupy_allocator  # type: ignore[attr-defined]
+    empty = allocator(0)
+    assert (empty.ptr, empty.mem.owner) == (0, None)
+    assert stats.allocation_counts.total_count == 0
+    limited = mr.LimitingResourceAdaptor(stats, 1 << 20)
+    streampool.set_current_device_resource(limited)
+    held = allocator(1 << 19)
+    with pytest.raises(streampool.OutOfMemoryError):
+        allocator(1 << 20)
+    del held
+    again = allocator(1 << 20)  # the resource is still usable
+    assert stats.allocation_counts.current_bytes == 1 << 20
+    del again
+    assert stats.allocation_counts.current_bytes == 0
+
+
+def test_cupy_allocator_bad_input(fake_cupy: tuple[FakeCupy, object]) -> None:
+    fake, module = fake_cupy
+    with pytest.raises(TypeError, match="get_current_stream_ptr capsule"):
+        streampool._native.CupyAllocator(
+            fake.cuda.UnownedMemory, fake.cuda.MemoryPointer, fake.cuda.get_current_stream, object()
+        )
+    fake.stream = 0x3039  # a handle that names no stream
+    with pytest.raises(streampool.InvalidStreamError, match="0x3039"):
+        module.streampool_cupy_allocator(64)  # type: ignore[attr-defined]
+    with pytest.raises(OverflowError):
+        module.streampool_cupy_allocator(-1)  # type: ignore[attr-defined]
+
+
+def test_cupy_use_sets_the_allocator(fake_cupy: tuple[FakeCupy, object]) -> None:
+    fake, module = fake_cupy
+    assert "set_allocator" in module.use()  # type: ignore[attr-defined]
+    assert fake.allocator is module.streampool_cupy_allocator  # type: ignore[attr-defined]
+
+
+def test_cupy_allocator_threads_streams_and_the_gil(
+    fake_cupy: tuple[FakeCupy, object], sim: SimulatedDevice
+) -> None:
+    """Threads, each on a CuPy stream of its own, allocate through the sharded pool and free
+    on another thread's stream: the fast path keeps the GIL, nothing overlaps, and the race
+    detector (the fixture's simulated device) sees every reuse ordered."""
+    fake, module = fake_cupy
+    allocator = module.streampool_cupy_allocator  # type: ignore[attr-defined]
+    pool = mr.ShardedPoolMemoryResource(streampool.get_current_device_resource())
+    stats = mr.StatisticsResourceAdaptor(pool)
+    streampool.set_current_device_resource(stats)
+    streams = [streampool.Stream() for _ in range(4)]
+    handed: list[object] = []
+    lock = threading.Lock()
+    fast_before = streampool._native._fast_path_calls()
+
+    def work(t: int) -> None:
+        fake.streams[threading.get_ident()] = streams[t].handle
+        live = []
+        for i in range(300):
+            pointer = allocator(256 + 64 * ((i * 7 + t) % 50))
+            sim.write(streams[t], pointer.ptr, pointer.mem.size, f"thread {t}")
+            live.append(pointer)
+            if len(live) > 8:
+                first = live.pop(0)
+                if i % 3 == 0:
+                    # Another thread lets go of it, on its own stream: this stream's work on
+                    # it is ordered before (as a CuPy program must, with any of CuPy's pools).
+                    streams[t].synchronize()
+                    with lock:
+                        handed.append(first)
+                else:
+                    del first
+            with lock:
+                if handed and i % 5 == 0:
+                    handed.pop()
+        live.clear()
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    handed.clear()
+    gc.collect()
+    sim.run()
+    assert stats.allocation_counts.current_bytes == 0
+    assert stats.allocation_counts.total_count == 1200
+    assert streampool._native._fast_path_calls() - fast_before >= 600

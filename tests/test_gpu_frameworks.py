@@ -141,15 +141,20 @@ def test_cupy_arrays_come_from_streampool() -> None:
     from streampool.allocators import cupy as sp_cupy
 
     stats = mr.StatisticsResourceAdaptor(streampool.get_current_device_resource())
-    previous = streampool.set_current_device_resource(stats)
+    lines: list[str] = []
+    previous = streampool.set_current_device_resource(mr.LoggingResourceAdaptor(stats, callback=lines.append))
     old_allocator = cupy.cuda.get_allocator()
     try:
         assert sp_cupy.rmm_cupy_allocator is sp_cupy.streampool_cupy_allocator
+        # CuPy's current stream is read through its C function, not through Python.
+        assert sp_cupy.streampool_cupy_allocator.native_stream_lookup
         sp_cupy.use()
         stream = cupy.cuda.Stream(non_blocking=True)
         with stream:
             a = cupy.arange(1 << 20, dtype=cupy.int64)
             assert stats.allocation_counts.current_bytes >= 8 << 20
+            made = [e for e in streampool.logs.parse_log("\n".join(lines)) if e.action == "allocate"]
+            assert any(e.size >= 8 << 20 and e.stream == stream.ptr for e in made), made
             assert int((a * 2).sum()) == (1 << 20) * ((1 << 20) - 1)
         stream.synchronize()
         errors: list[BaseException] = []

@@ -45,6 +45,8 @@ __all__ = [
     "CudaAsyncMemoryResource",
     "CudaAsyncViewMemoryResource",
     "CudaMemoryResource",
+    "CupyAllocator",
+    "CupyMemory",
     "DeviceBuffer",
     "FailureCallbackResourceAdaptor",
     "FixedSizeMemoryResource",
@@ -1180,6 +1182,33 @@ def drop_errors() -> tuple[int, list[str]]:
     stream or event when its last reference went away, a resource giving its memory back,
     clean-up after another error): ``(count since the process started, the most recent
     messages, oldest first)``. Some are expected at interpreter exit."""
+
+@final
+class CupyAllocator:
+    """CuPy's allocator function (``streampool.allocators.cupy.streampool_cupy_allocator``):
+    ``allocator(nbytes)`` allocates on CuPy's current stream through the current resource of
+    the current device and returns a ``cupy.cuda.MemoryPointer`` whose memory is freed, when
+    CuPy lets go of it, through the resource that made it, on CuPy's current stream of the
+    releasing thread. Made from CuPy's ``UnownedMemory``, ``MemoryPointer`` and
+    ``get_current_stream``, and the capsule of ``cupy.cuda.stream.get_current_stream_ptr``
+    (None: the stream is read through ``get_current_stream``). A capsule of another
+    signature raises TypeError."""
+
+    def __new__(
+        cls,
+        unowned_memory: Any,
+        memory_pointer: Any,
+        get_current_stream: Any,
+        stream_capsule: Any = None,
+    ) -> Self: ...
+    @property
+    def native_stream_lookup(self) -> bool:
+        """Whether CuPy's current stream is read through its C function (the fast way)."""
+    def __call__(self, nbytes: int) -> Any: ...
+
+@final
+class CupyMemory:
+    """The owner of one allocation made by a ``CupyAllocator``: frees it when CuPy lets go."""
 
 def _capi_last_error() -> tuple[int, str | None]:
     """``(failures so far, the most recent failure's message)`` of the exported C entry

@@ -35,35 +35,30 @@ from .. import _native
 __all__ = ["rmm_cupy_allocator", "streampool_cupy_allocator", "use"]
 
 
-class _Allocation:
-    """Owns one allocation for CuPy's ``UnownedMemory``: frees it, when CuPy lets go, on
-    CuPy's current stream of the releasing thread, through the resource that made it."""
-
-    __slots__ = ("mr", "ptr", "size")
-
-    def __init__(self, mr: _native.MemoryResource, ptr: int, size: int) -> None:
-        self.mr, self.ptr, self.size = mr, ptr, size
-
-    def __del__(self) -> None:
-        try:
-            stream = cupy.cuda.get_current_stream()
-        except Exception:  # interpreter shutdown: CuPy may be gone; order after everything
-            stream = None
-        self.mr.deallocate(self.ptr, self.size, stream)
+def _stream_capsule(cupy_module: Any) -> Any:
+    """CuPy's C function that reads the current stream (``get_current_stream_ptr``, exported
+    by ``cupy.cuda.stream``), or None where this CuPy does not export it."""
+    stream_module = getattr(cupy_module.cuda, "stream", None)
+    capi = getattr(stream_module, "__pyx_capi__", None) or {}
+    return capi.get("get_current_stream_ptr")
 
 
-def streampool_cupy_allocator(nbytes: int) -> Any:
-    """Allocates ``nbytes`` on CuPy's current stream through streampool's current resource
-    of the current device: the allocator function for ``cupy.cuda.set_allocator``. Returns a
-    ``cupy.cuda.MemoryPointer``; raises ``streampool.OutOfMemoryError`` (a MemoryError)
-    when the resource cannot serve it."""
-    mr = _native.get_current_device_resource()
-    stream = cupy.cuda.get_current_stream()
-    ptr = mr.allocate(nbytes, stream)
-    owner = _Allocation(mr, ptr, nbytes)
-    mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, mr.device)
-    return cupy.cuda.MemoryPointer(mem, 0)
+def _make(cupy_module: Any) -> _native.CupyAllocator:
+    cuda = cupy_module.cuda
+    capsule = _stream_capsule(cupy_module)
+    try:
+        return _native.CupyAllocator(cuda.UnownedMemory, cuda.MemoryPointer, cuda.get_current_stream, capsule)
+    except TypeError:  # a capsule of another signature: read the stream through Python
+        return _native.CupyAllocator(cuda.UnownedMemory, cuda.MemoryPointer, cuda.get_current_stream)
 
+
+#: Allocates ``nbytes`` on CuPy's current stream through streampool's current resource of
+#: the current device: the allocator function for ``cupy.cuda.set_allocator``. Returns a
+#: ``cupy.cuda.MemoryPointer``; raises ``streampool.OutOfMemoryError`` (a MemoryError) when
+#: the resource cannot serve it. A callable object of streampool's extension: no Python code
+#: runs on its path, and the memory is freed, when CuPy lets go of it, through the resource
+#: that made it, on CuPy's current stream of the releasing thread.
+streampool_cupy_allocator = _make(cupy)
 
 rmm_cupy_allocator = streampool_cupy_allocator
 

@@ -66,7 +66,7 @@ pub extern "C" fn streampool_alloc(size: usize, device: c_int, stream: *mut c_vo
         return ptr as *mut c_void;
     }
     let ptr = guarded(what, || {
-        with_current(device, handle, |mr, stream| match mr.try_allocate(size, stream) {
+        with_current(Some(device), handle, |_, mr, stream| match mr.try_allocate(size, stream) {
             Some(settled) => settled,
             None => mr.allocate(size, stream),
         })
@@ -85,7 +85,7 @@ pub extern "C" fn streampool_free(ptr: *mut c_void, size: usize, device: c_int, 
         return;
     }
     guarded(what, || {
-        with_current(device, handle, |mr, stream| match mr.try_deallocate(ptr, size, stream) {
+        with_current(Some(device), handle, |_, mr, stream| match mr.try_deallocate(ptr, size, stream) {
             Some(settled) => settled,
             None => mr.deallocate(ptr, size, stream),
         })
@@ -118,7 +118,7 @@ fn panicked<T>(what: impl FnOnce() -> String, panic: Box<dyn Any + Send>) -> Opt
 /// Records the failure `e` of the call `what` names; gives None.
 #[cold]
 #[inline(never)]
-fn failed<T>(what: impl FnOnce() -> String, e: Error) -> Option<T> {
+pub(crate) fn failed<T>(what: impl FnOnce() -> String, e: Error) -> Option<T> {
     // The driver going away (process exit, a library freeing from a static destructor) is
     // recorded but not said: nothing is printed at shutdown.
     let quiet = matches!(e, Error::Driver { code: CUDA_ERROR_DEINITIALIZED, .. });
@@ -207,11 +207,12 @@ fn fast_path<T: Copy>(
     })
 }
 
-/// Runs `f` with the current resource of `device` and the stream `handle` names.
-fn with_current<T>(
-    device: c_int,
+/// Runs `f` with `device` (the calling thread's current device when `None`), its current
+/// resource and the stream `handle` names, as this thread keeps them.
+pub(crate) fn with_current<T>(
+    device: Option<c_int>,
     handle: RawStream,
-    f: impl FnOnce(&streampool::ResourceRef, &Stream) -> Result<T>,
+    f: impl FnOnce(i32, &streampool::ResourceRef, &Stream) -> Result<T>,
 ) -> Result<T> {
     let mut f = Some(f);
     let kept = CURRENT.try_with(|cell| match cell.try_borrow_mut() {
@@ -231,9 +232,9 @@ fn with_current<T>(
 impl Current {
     fn run<T>(
         &mut self,
-        device: c_int,
+        device: Option<c_int>,
         handle: RawStream,
-        f: impl FnOnce(&streampool::ResourceRef, &Stream) -> Result<T>,
+        f: impl FnOnce(i32, &streampool::ResourceRef, &Stream) -> Result<T>,
     ) -> Result<T> {
         if self.fresh().is_none() {
             // Read before the lookups below: a change made meanwhile shows next time.
@@ -241,6 +242,10 @@ impl Current {
             *self = Current { epoch, generation, backend: Some(device::backend()?), ..Default::default() };
         }
         let backend = self.backend.as_ref().expect("set above");
+        let device = match device {
+            Some(device) => device,
+            None => backend.current_device()?,
+        };
         let at = match self.resources.iter().position(|(d, _)| *d == device) {
             Some(at) => at,
             None => {
@@ -250,7 +255,7 @@ impl Current {
             }
         };
         let stream = stream(&mut self.streams, backend, device, handle)?;
-        f(&self.resources[at].1, stream)
+        f(device, &self.resources[at].1, stream)
     }
 
     /// The backend, when neither it nor the current resources changed since it was read.

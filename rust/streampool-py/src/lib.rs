@@ -14,7 +14,8 @@
 //!   they call;
 //! * [`pool`]: the sharded pool, and `ArenaMemoryResource` over it;
 //! * [`sim`]: the simulated device, for tests and machines without a GPU;
-//! * [`capi`]: the C entry points that other libraries' allocators call (PyTorch's).
+//! * [`capi`]: the C entry points that other libraries' allocators call (PyTorch's);
+//! * [`cupy`]: CuPy's allocator function, on the C entry points' path;
 //! * [`ipc`]: sharing a buffer with another process (`streampool.ipc`).
 //! * [`harness`]: the harness's native parts: the fill/check/compute kernels, the log
 //!   replayer and the producer/consumer pipeline.
@@ -30,6 +31,7 @@ use streampool::device::{self, DevPtr};
 mod adaptors;
 mod buffer;
 mod capi;
+mod cupy;
 mod dlpack;
 mod errors;
 mod gil;
@@ -369,6 +371,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(enable_peer_access, m)?)?;
     m.add_function(wrap_pyfunction!(drop_errors, m)?)?;
     m.add_function(wrap_pyfunction!(capi::_capi_last_error, m)?)?;
+    m.add_class::<cupy::CupyAllocator>()?;
+    m.add_class::<cupy::CupyMemory>()?;
     m.add_function(wrap_pyfunction!(gil::_fast_path_calls, m)?)?;
     m.add("MAX_RESOURCE_DEPTH", streampool::MAX_DEPTH)?;
     Ok(())

@@ -1,0 +1,196 @@
+//! CuPy's allocator function, with no Python code on its path.
+//!
+//! CuPy calls its allocator with the GIL held, once per allocation, and wraps what it
+//! returns in its own objects: so the cost of an allocation through streampool is the
+//! Python work around the call, not the pool. [`CupyAllocator`] is a callable object that
+//! does that work here: it reads CuPy's current stream through the C function that CuPy's
+//! own extension modules use (`cupy.cuda.stream.get_current_stream_ptr`, found in the
+//! module's `__pyx_capi__`; through `cupy.cuda.get_current_stream()` where that is
+//! missing), allocates on the thread's kept resource and stream as the C entry points do
+//! ([`crate::capi::with_current`]), and hands CuPy an `UnownedMemory` whose owner is a
+//! [`CupyMemory`]: when CuPy lets go of the memory, the owner frees it through the resource
+//! that made it, on CuPy's current stream of the releasing thread (as CuPy's
+//! `MemoryAsyncPool` does), with no Python method in between.
+//!
+//! The fast path keeps the GIL (the resource's `try_allocate`); what may wait (growing a
+//! pool, waiting on another stream) releases it.
+
+use std::ffi::{c_void, CStr};
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use streampool::device::{DevPtr, RawStream, LEGACY_STREAM};
+use streampool::ResourceRef;
+
+use crate::capi;
+use crate::errors::{detached, OrRaise};
+use crate::gil::fast_path_settled;
+
+/// `cupy.cuda.stream.get_current_stream_ptr`: `intptr_t (void)`, called with the GIL held.
+type StreamFn = unsafe extern "C" fn() -> isize;
+
+/// How CuPy's current stream is read.
+enum CurrentStream {
+    /// CuPy's C function, from a capsule of `cupy.cuda.stream.__pyx_capi__`.
+    Native(StreamFn),
+    /// `cupy.cuda.get_current_stream`, whose result has the handle in `ptr`.
+    Python(Py<PyAny>),
+}
+
+/// The allocator function for `cupy.cuda.set_allocator`: ``allocator(nbytes)`` allocates
+/// `nbytes` on CuPy's current stream through streampool's current resource of the current
+/// device and returns a `cupy.cuda.MemoryPointer`. Made by `streampool.allocators.cupy`,
+/// which passes CuPy's classes in.
+#[pyclass(module = "streampool._native", name = "CupyAllocator", frozen)]
+pub(crate) struct CupyAllocator {
+    /// `cupy.cuda.UnownedMemory` and `cupy.cuda.MemoryPointer`.
+    unowned: Py<PyAny>,
+    pointer: Py<PyAny>,
+    current: CurrentStream,
+}
+
+#[pymethods]
+impl CupyAllocator {
+    /// `stream_capsule` is `cupy.cuda.stream.__pyx_capi__["get_current_stream_ptr"]`, or
+    /// None to read the stream through `get_current_stream` (slower).
+    #[new]
+    #[pyo3(signature = (unowned_memory, memory_pointer, get_current_stream, stream_capsule=None))]
+    fn new(
+        unowned_memory: Py<PyAny>,
+        memory_pointer: Py<PyAny>,
+        get_current_stream: Py<PyAny>,
+        stream_capsule: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let current = match stream_capsule {
+            Some(capsule) => CurrentStream::Native(stream_function(capsule)?),
+            None => CurrentStream::Python(get_current_stream),
+        };
+        Ok(CupyAllocator { unowned: unowned_memory, pointer: memory_pointer, current })
+    }
+
+    /// Whether CuPy's current stream is read through its C function (the fast way).
+    #[getter]
+    fn native_stream_lookup(&self) -> bool {
+        matches!(self.current, CurrentStream::Native(_))
+    }
+
+    fn __call__(slf: &Bound<'_, Self>, nbytes: usize) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        let this = slf.get();
+        let handle = this.stream_handle(py)?;
+        let (device, mr, fast) = capi::with_current(None, handle, |device, mr, stream| {
+            let fast = mr.try_allocate(nbytes, stream).ok_or_else(|| stream.clone());
+            Ok((device, mr.clone(), fast))
+        })
+        .or_raise(py)?;
+        let ptr = match fast {
+            Ok(settled) => {
+                fast_path_settled(py);
+                settled.or_raise(py)?
+            }
+            Err(stream) => {
+                let mr = mr.clone();
+                detached(py, move || mr.allocate(nbytes, &stream))?
+            }
+        };
+        // Made before CuPy's objects, so that a failure there frees the memory.
+        let owner = match ptr {
+            0 => py.None(),
+            _ => {
+                let allocator = slf.clone().unbind();
+                Py::new(py, CupyMemory { allocator, mr, ptr, size: nbytes, device })?.into_any()
+            }
+        };
+        let memory = this.unowned.call1(py, (ptr, nbytes, owner, device))?;
+        this.pointer.call1(py, (memory, 0))
+    }
+}
+
+impl CupyAllocator {
+    /// CuPy's current stream of the calling thread.
+    fn stream_handle(&self, py: Python<'_>) -> PyResult<RawStream> {
+        match &self.current {
+            CurrentStream::Native(f) => {
+                // SAFETY: the capsule's signature was checked; the GIL is held, as CuPy's
+                // own callers hold it.
+                let handle = unsafe { f() };
+                match (handle, PyErr::take(py)) {
+                    (_, Some(e)) => Err(e),
+                    (handle, None) => Ok(handle as RawStream),
+                }
+            }
+            CurrentStream::Python(f) => f.call0(py)?.getattr(py, "ptr")?.extract(py),
+        }
+    }
+}
+
+/// The C function in a Cython capsule of signature `intptr_t (void)`.
+fn stream_function(capsule: &Bound<'_, PyAny>) -> PyResult<StreamFn> {
+    let wrong = || PyTypeError::new_err(format!("not CuPy's get_current_stream_ptr capsule: {capsule:?}"));
+    let obj = capsule.as_ptr();
+    // SAFETY: a PyCapsule is checked for before its name and pointer are read.
+    unsafe {
+        if ffi::PyCapsule_CheckExact(obj) == 0 {
+            return Err(wrong());
+        }
+        let name = ffi::PyCapsule_GetName(obj);
+        if name.is_null() {
+            ffi::PyErr_Clear();
+            return Err(wrong());
+        }
+        let signature = CStr::from_ptr(name).to_string_lossy();
+        let signature: String = signature.split_whitespace().collect();
+        if !signature.starts_with("intptr_t(void)") {
+            return Err(wrong());
+        }
+        let pointer: *mut c_void = ffi::PyCapsule_GetPointer(obj, name);
+        if pointer.is_null() {
+            ffi::PyErr_Clear();
+            return Err(wrong());
+        }
+        Ok(std::mem::transmute::<*mut c_void, StreamFn>(pointer))
+    }
+}
+
+/// Owns one allocation handed to CuPy (the `owner` of its `UnownedMemory`): frees it
+/// through the resource that made it when CuPy lets go, on CuPy's current stream of the
+/// releasing thread. A failure to free is said on stderr and kept for
+/// `streampool.allocators.last_error()`, as nothing can be raised there.
+#[pyclass(module = "streampool._native", name = "CupyMemory", frozen)]
+pub(crate) struct CupyMemory {
+    allocator: Py<CupyAllocator>,
+    mr: ResourceRef,
+    ptr: DevPtr,
+    size: usize,
+    device: i32,
+}
+
+#[pymethods]
+impl CupyMemory {
+    fn __repr__(&self) -> String {
+        format!("CupyMemory(ptr={:#x}, size={}, device={})", self.ptr, self.size, self.device)
+    }
+}
+
+impl Drop for CupyMemory {
+    fn drop(&mut self) {
+        let (mr, ptr, size, device) = (&self.mr, self.ptr, self.size, self.device);
+        let what = || format!("freeing CuPy's memory (ptr={ptr:#x}, size={size}, device={device})");
+        Python::attach(|py| {
+            // At interpreter shutdown CuPy may be gone: the legacy stream then.
+            let handle = self.allocator.get().stream_handle(py).unwrap_or(LEGACY_STREAM);
+            let fast = capi::with_current(Some(device), handle, |_, _, stream| {
+                Ok(mr.try_deallocate(ptr, size, stream).ok_or_else(|| stream.clone()))
+            });
+            let freed = match fast {
+                Ok(Ok(settled)) => settled,
+                Ok(Err(stream)) => py.detach(|| mr.deallocate(ptr, size, &stream)),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = freed {
+                capi::failed::<()>(what, e);
+            }
+        });
+    }
+}
