@@ -135,3 +135,21 @@ def test_developers_layout_names_every_folder_and_crate_source_file() -> None:
         for entry in sorted((root / crate / "src").iterdir()):
             name = f"src/{entry.name}" + ("/" if entry.is_dir() else "")
             assert name in layout, f"DEVELOPERS.md's layout misses {crate}/{name}"
+
+
+@pytest.mark.nosim
+def test_the_guides_tables_are_read_from_the_committed_json() -> None:
+    """docs/choosing-a-resource.md: every marked table is what scripts/guide_tables.py
+    renders from its JSON document in benchmarks/guide/, and every document is there."""
+    guide = README.parent / "docs" / "choosing-a-resource.md"
+    text = guide.read_text(encoding="utf-8")
+    named = re.findall(r"^<!-- table: ([\w.-]+\.json) -->$", text, re.MULTILINE)
+    assert len(named) >= 6, named
+    for name in named:
+        assert (README.parent / "benchmarks" / "guide" / name).is_file(), name
+    done = subprocess.run(
+        [sys.executable, str(README.parent / "scripts" / "guide_tables.py"), "--check", str(guide)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr

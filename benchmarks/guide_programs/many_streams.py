@@ -11,7 +11,7 @@ streams = [streampool.Stream() for _ in range(THREADS)]
 
 def work(i: int) -> None:
     live = []
-    for n in range(20_000):
+    for n in range(4_000):
         live.append(streampool.DeviceBuffer(size=(1 + (n * (i + 7)) % 31) * 2048, stream=streams[i]))
         if len(live) > 16:
             live.pop(0)

@@ -1,0 +1,134 @@
+"""Renders the tables of docs/choosing-a-resource.md from the harness's JSON documents in
+benchmarks/guide/, so that every figure in the guide is read from a committed file.
+
+    python3 scripts/guide_tables.py benchmarks/guide/window.json       # one table, printed
+    python3 scripts/guide_tables.py --check docs/choosing-a-resource.md  # the doc's tables match
+    python3 scripts/guide_tables.py --write docs/choosing-a-resource.md  # rewrite them
+
+In the doc, a table follows a marker line ``<!-- table: NAME.json -->`` (NAME under
+benchmarks/guide/) and ends at the first line that does not start with ``|``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+GUIDE = ROOT / "benchmarks" / "guide"
+MARKER = re.compile(r"^<!-- table: ([\w.-]+\.json) -->$")
+MIB = 1 << 20
+DASH = "\u2013"  # the en dash of a range, as the guide writes it
+
+
+def number(x: float) -> str:
+    """Three significant figures at most, two decimals below 10."""
+    if x < 10:
+        return f"{x:.2f}"
+    if x < 100:
+        return f"{x:.1f}"
+    return f"{x:.0f}"
+
+
+def duration(ns: float) -> str:
+    if ns < 1_000_000:
+        us = ns / 1000
+        return f"{us:.1f} µs" if us < 10 else f"{us:.0f} µs"
+    ms = ns / 1_000_000
+    return f"{ms:.2f} ms" if ms < 10 else f"{ms:.0f} ms"
+
+
+def rate(stats: dict[str, float], unit: str) -> str:
+    scale, suffix = (1e3, "k") if unit == "chunks/s" else (1e6, "")
+    lo, mid, hi = (stats[k] / scale for k in ("min", "median", "max"))
+    return f"{number(mid)}{suffix} ({number(lo)}{DASH}{number(hi)}{suffix})"
+
+
+def memory(row: dict[str, Any]) -> str | None:
+    reserved, live = row.get("peak_reserved_bytes"), row.get("peak_live_bytes")
+    if reserved is None or not live:
+        return None
+    return f"{reserved / MIB:.0f}/{live / MIB:.0f} MiB"
+
+
+def bench_cell(row: dict[str, Any]) -> str:
+    parts = [rate(row["throughput"], row["unit"])]
+    if row["unit"] == "chunks/s":  # the pipeline: the allocator's share and longest call
+        parts.append(f"{row['alloc_share']['median'] * 100:.0f} %")
+        parts.append(duration(row["longest_call_ns"]))
+    else:
+        parts.append(duration(row["allocate"]["p99"]))
+    mem = memory(row)
+    if mem:
+        parts.append(mem)
+    if row.get("oom_events"):
+        parts.append(f"{row['oom_events']} out of memory")
+    if row.get("mismatches"):
+        parts.append(f"{row['mismatches']} WRONG")
+    return "; ".join(parts)
+
+
+def bench_table(doc: dict[str, Any]) -> list[str]:
+    """Resources down, thread counts (pairs for the pipeline) across."""
+    rows: dict[str, dict[int, dict[str, Any]]] = {}
+    for row in doc["summary"]:
+        rows.setdefault(row["resource"], {})[row["threads"]] = row
+    counts = sorted({t for by in rows.values() for t in by})
+    noun = "pair" if doc["workload"] == "pipeline" else "thread"
+    head = [f"{t} {noun}{'' if t == 1 else 's'}" for t in counts]
+    lines = ["| resource | " + " | ".join(head) + " |", "|---" * (len(counts) + 1) + "|"]
+    for resource, by in rows.items():
+        cells = [bench_cell(by[t]) if t in by else "—" for t in counts]
+        lines.append(f"| `{resource}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+def table(path: Path) -> list[str]:
+    doc = json.loads(path.read_text())
+    if doc.get("command") == "bench":
+        return bench_table(doc)
+    raise SystemExit(f"{path}: no table for a {doc.get('command')!r} document")
+
+
+def rendered(text: str) -> str:
+    """`text` with every marked table rendered again from its JSON file."""
+    out: list[str] = []
+    lines = text.split("\n")
+    i = 0
+    while i < len(lines):
+        out.append(lines[i])
+        m = MARKER.match(lines[i])
+        i += 1
+        if m:
+            while i < len(lines) and lines[i].startswith("|"):
+                i += 1
+            out.extend(table(GUIDE / m.group(1)))
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("path", type=Path, help="a harness JSON document, or the doc with --check/--write")
+    ap.add_argument("--check", action="store_true", help="exit 1 when the doc's tables differ from the JSON")
+    ap.add_argument("--write", action="store_true", help="rewrite the doc's tables from the JSON")
+    args = ap.parse_args()
+    if not (args.check or args.write):
+        print("\n".join(table(args.path)))
+        return 0
+    text = args.path.read_text()
+    new = rendered(text)
+    if args.write:
+        args.path.write_text(new)
+        return 0
+    if new != text:
+        print(f"{args.path}: its tables differ from benchmarks/guide/ (run with --write)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
