@@ -172,7 +172,7 @@ def test_the_backend_is_looked_up_again_when_a_simulated_device_is_exited() -> N
 def test_use_everywhere_reports_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(allocators.importlib.util, "find_spec", lambda name: None)
     done = allocators.use_everywhere()
-    assert set(done) == {"torch", "cupy", "numba"}
+    assert set(done) == {"torch", "cupy", "numba", "rmm"}
     assert all(what.startswith("skipped:") and "not installed" in what for what in done.values())
 
 
@@ -182,6 +182,7 @@ def test_use_everywhere_reports_what_is_missing(monkeypatch: pytest.MonkeyPatch)
         ("torch", "torch", "pip install torch"),
         ("cupy", "cupy", "pip install cupy"),
         ("numba", "numba", "pip install numba-cuda"),
+        ("rmm", "rmm", "pip install rmm-cu13"),
     ],
 )
 def test_importing_without_the_library_names_the_fix(
@@ -252,6 +253,7 @@ def test_use_everywhere_skips_a_library_that_cannot_be_imported(monkeypatch: pyt
     )
     monkeypatch.setitem(sys.modules, "cupy", None)  # found, but its import fails
     monkeypatch.delitem(sys.modules, "streampool.allocators.cupy", raising=False)
+    monkeypatch.setattr(allocators._native, "using_simulated_device", lambda: False)
     done = allocators.use_everywhere(verbose=True)
     assert done["cupy"].startswith("skipped: cupy cannot be imported (ImportError")
 
@@ -459,3 +461,101 @@ def test_cupy_allocator_threads_streams_and_the_gil(
     assert stats.allocation_counts.current_bytes == 0
     assert stats.allocation_counts.total_count == 1200
     assert streampool._native._fast_path_calls() - fast_before >= 600
+
+
+# ---------------------------------------------------------------------------------------
+# RMM (cuDF) sharing streampool's driver pool, over stand-ins for RMM and cuda.bindings
+
+
+@pytest.fixture
+def fake_rmm(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, object]]:
+    """Stand-ins for ``rmm``, ``rmm.mr`` and ``cuda.bindings.driver`` in sys.modules, and
+    streampool.allocators.rmm imported over them."""
+    import types
+
+    mr_module: Any = types.ModuleType("rmm.mr")
+
+    class CudaMemoryResource:
+        pass
+
+    class PoolMemoryResource:
+        pass
+
+    class CudaAsyncViewMemoryResource:
+        def __init__(self, pool_handle: Any) -> None:
+            assert isinstance(pool_handle, CUmemoryPool)  # the handle type RMM requires
+            self.handle = int(pool_handle)
+
+    class CUmemoryPool:
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+        def __int__(self) -> int:
+            return self.value
+
+    resources: dict[int, Any] = {}
+    mr_module.CudaMemoryResource = CudaMemoryResource
+    mr_module.PoolMemoryResource = PoolMemoryResource
+    mr_module.CudaAsyncViewMemoryResource = CudaAsyncViewMemoryResource
+    mr_module.get_per_device_resource = lambda device: resources.setdefault(device, CudaMemoryResource())
+    mr_module.set_per_device_resource = resources.__setitem__
+    rmm_module: Any = types.ModuleType("rmm")
+    rmm_module.mr = mr_module
+    driver: Any = types.ModuleType("cuda.bindings.driver")
+    driver.CUmemoryPool = CUmemoryPool
+    bindings: Any = types.ModuleType("cuda.bindings")
+    bindings.driver = driver
+    cuda: Any = types.ModuleType("cuda")
+    cuda.bindings = bindings
+    for name, module in [
+        ("rmm", rmm_module),
+        ("rmm.mr", mr_module),
+        ("cuda", cuda),
+        ("cuda.bindings", bindings),
+        ("cuda.bindings.driver", driver),
+    ]:
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.delitem(sys.modules, "streampool.allocators.rmm", raising=False)
+    # The simulated device's pools stand in for the GPU's here (RMM is a stand-in too).
+    monkeypatch.setattr(streampool._native, "using_simulated_device", lambda: False)
+    yield mr_module, importlib.import_module("streampool.allocators.rmm")
+    sys.modules.pop("streampool.allocators.rmm", None)
+
+
+def test_rmm_shares_the_default_resources_driver_pool(fake_rmm: tuple[Any, object]) -> None:
+    rmm_mr, module = fake_rmm
+    handle = module.pool_handle()  # type: ignore[attr-defined]
+    assert handle == int(streampool.mr.CudaAsyncMemoryResource().pool_handle) != 0
+    assert handle == int(streampool.get_current_device_resource().pool_handle)  # type: ignore[attr-defined]
+    done = module.use()  # type: ignore[attr-defined]
+    assert done.startswith("rmm.mr.set_per_device_resource(0, CudaAsyncViewMemoryResource(pool ")
+    view = rmm_mr.get_per_device_resource(0)
+    assert isinstance(view, rmm_mr.CudaAsyncViewMemoryResource) and view.handle == handle
+    assert module.use().startswith("left as it is")  # type: ignore[attr-defined]
+
+
+def test_rmm_keeps_a_resource_the_program_set(fake_rmm: tuple[Any, object]) -> None:
+    rmm_mr, module = fake_rmm
+    chosen = rmm_mr.PoolMemoryResource()
+    rmm_mr.set_per_device_resource(0, chosen)
+    done = module.use()  # type: ignore[attr-defined]
+    assert "already PoolMemoryResource" in done and "replace=True" in done
+    assert rmm_mr.get_per_device_resource(0) is chosen
+    module.use(replace=True)  # type: ignore[attr-defined]
+    assert isinstance(rmm_mr.get_per_device_resource(0), rmm_mr.CudaAsyncViewMemoryResource)
+    with pytest.raises(streampool.InvalidArgumentError, match="device 5 does not exist"):
+        module.use(5)  # type: ignore[attr-defined]
+
+
+def test_gpu_libraries_are_left_alone_on_the_simulated_device(
+    monkeypatch: pytest.MonkeyPatch, fake_rmm: tuple[Any, object]
+) -> None:
+    """The simulated device's memory is host memory: no GPU library is pointed at it."""
+    rmm_mr, module = fake_rmm
+    monkeypatch.setattr(streampool._native, "using_simulated_device", lambda: True)
+    assert module.use().startswith("skipped: streampool runs on the simulated device")  # type: ignore[attr-defined]
+    assert type(rmm_mr.get_per_device_resource(0)) is rmm_mr.CudaMemoryResource
+    monkeypatch.setattr(allocators.importlib.util, "find_spec", lambda name: object())
+    done = allocators.use_everywhere()
+    assert set(done) == {"torch", "cupy", "numba", "rmm"}
+    assert all(what.startswith("skipped: streampool runs on the simulated device") for what in done.values())

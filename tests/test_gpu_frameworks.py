@@ -254,6 +254,29 @@ def test_use_everywhere_configures_every_installed_library() -> None:
     assert "OK" in out and "streampool.allocators: torch:" in out
 
 
+def test_rmm_allocates_from_streampools_driver_pool() -> None:
+    """RMM (cuDF's allocator), after streampool.allocators.rmm.use(), allocates from the
+    driver pool of streampool's default resource, and the memory reads back right."""
+    pytest.importorskip("rmm")
+    out = run_python(
+        """
+        import rmm
+        import streampool
+        from streampool.allocators import rmm as sp_rmm
+        print(sp_rmm.use())
+        data = bytes(range(256)) * 4096
+        buf = rmm.DeviceBuffer.to_device(data)
+        ours = streampool.DeviceBuffer(size=1 << 20)
+        pools = {streampool.pointer_pool(p) for p in (buf.ptr, ours.ptr)}
+        assert pools == {sp_rmm.pool_handle()}, pools
+        assert bytes(buf.copy_to_host()) == data
+        assert sp_rmm.use().startswith("left as it is")
+        print("OK")
+        """
+    )
+    assert "OK" in out and "CudaAsyncViewMemoryResource" in out
+
+
 def test_one_pool_across_libraries() -> None:
     """streampool's default resource, PyTorch's cudaMallocAsync backend and CuPy's
     MemoryAsyncPool allocate from the same driver pool: the device's current pool."""

@@ -29,7 +29,7 @@ from ._native import (
 )
 from .sim import SimulatedDevice
 
-RECOMMENDED = "CudaAsyncMemoryResource"
+DEFAULT = "CudaAsyncMemoryResource"
 RESOURCES: dict[str, Callable[[], mr.MemoryResource]] = {
     "CudaAsyncMemoryResource": mr.CudaAsyncMemoryResource,
     "CudaMemoryResource": mr.CudaMemoryResource,
@@ -133,17 +133,19 @@ def report(out: Callable[[str], None] = print) -> None:
         out("")
         if info["memory_pools"]:
             out(
-                f"Recommended:   {RECOMMENDED} (the driver's stream-ordered pool, shared with the async "
-                "allocators of PyTorch and CuPy); it is already the current resource of every device."
+                f"Default:       {DEFAULT} (the driver's stream-ordered pool, shared with the async "
+                "allocators of PyTorch and CuPy), the current resource of every device."
             )
         else:
             out(
-                "Recommended:   CudaMemoryResource: this device has no memory pools, so "
-                f"{RECOMMENDED} (the usual recommendation) cannot run here."
+                "Default:       none that fits: this device has no memory pools, so "
+                f"{DEFAULT} (the usual default) cannot run here; CudaMemoryResource can."
             )
         out(
-            "For your program: `streampool profile -o app.log -- python app.py`, then "
-            "`streampool recommend app.log` measures the candidates on its own allocations."
+            "Which resource suits your program is a measurement, not this report: "
+            "`streampool profile -o app.log -- python app.py`, then `streampool recommend app.log` "
+            "replays its allocations on each candidate and recommends one "
+            "(docs/choosing-a-resource.md has the figures of common workloads)."
         )
 
 

@@ -8,7 +8,9 @@ moving from RMM is a change of import:
 * :mod:`streampool.allocators.cupy`: ``use()``, ``streampool_cupy_allocator``
   (RMM: ``rmm_cupy_allocator``);
 * :mod:`streampool.allocators.numba`: ``StreampoolNumbaManager`` (RMM:
-  ``RMMNumbaManager``), also through ``NUMBA_CUDA_MEMORY_MANAGER=streampool.allocators.numba``.
+  ``RMMNumbaManager``), also through ``NUMBA_CUDA_MEMORY_MANAGER=streampool.allocators.numba``;
+* :mod:`streampool.allocators.rmm`: ``use()`` makes RMM (and so cuDF) allocate from the
+  same driver pool as streampool's default resource, rather than through streampool.
 
 :func:`use_everywhere` configures every one of them that is installed, in one call.
 Every allocation goes through the current resource of its device
@@ -64,19 +66,21 @@ def failure_count() -> int:
     return _native._capi_last_error()[0]
 
 
-_LIBRARIES = ("torch", "cupy", "numba")
+_LIBRARIES = ("torch", "cupy", "numba", "rmm")
 
 
 def use_everywhere(*, verbose: bool = False) -> dict[str, str]:
     """Makes every installed library among PyTorch, CuPy and Numba allocate through
-    streampool (each library's ``use()``), in one call, before any of them allocates.
+    streampool, and RMM (cuDF) share its driver pool (each library's ``use()``), in one
+    call, before any of them allocates.
 
-    Returns ``{library: what was done}`` for each of the three (a library that is not
+    Returns ``{library: what was done}`` for each of the four (a library that is not
     installed, cannot be imported, or sees no GPU is listed as skipped, with the reason);
     prints it when ``verbose``. A library that is installed but cannot be configured any more
     (PyTorch after its first CUDA tensor) raises, naming the fix.
     """
     done: dict[str, str] = {}
+    simulated = _native.using_simulated_device()
     for name in _LIBRARIES:
         probe = "numba.cuda" if name == "numba" else name
         try:
@@ -85,6 +89,11 @@ def use_everywhere(*, verbose: bool = False) -> dict[str, str]:
             found = False
         if not found:
             done[name] = f"skipped: {probe} is not installed"
+            continue
+        if simulated:  # its memory is host memory: a GPU library's kernels cannot use it
+            done[name] = (
+                "skipped: streampool runs on the simulated device (STREAMPOOL_DEVICE=sim or a SimulatedDevice)"
+            )
             continue
         try:
             module = importlib.import_module(f"{__name__}.{name}")
