@@ -115,8 +115,9 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
         elif streams <= 1:
             preferred = "async"
             reasons.append(
-                "one stream: the driver's pool (the default) reuses memory on that stream at no cost, "
-                "and shares it with PyTorch's and CuPy's async allocators"
+                "one stream: no lock is contended, so the driver's pool (the default, the simplest, "
+                "and shared with PyTorch's and CuPy's async allocators) is expected to do; only a "
+                "measured margin beyond noise picks another"
             )
         else:
             preferred = "async"
