@@ -5,8 +5,9 @@ benchmarks/guide/, so that every figure in the guide is read from a committed fi
     python3 scripts/guide_tables.py --check docs/choosing-a-resource.md  # the doc's tables match
     python3 scripts/guide_tables.py --write docs/choosing-a-resource.md  # rewrite them
 
-In the doc, a table follows a marker line ``<!-- table: NAME.json -->`` (NAME under
-benchmarks/guide/) and ends at the first line that does not start with ``|``.
+In the doc, a table follows a marker line ``<!-- table: NAME.json [NAME.json ...] -->``
+(files under benchmarks/guide/; several for a table of `recommend` documents, a row each)
+and ends at the first line that does not start with ``|``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "benchmarks" / "guide"
-MARKER = re.compile(r"^<!-- table: ([\w.-]+\.json) -->$")
+MARKER = re.compile(r"^<!-- table: ((?:[\w.-]+\.json ?)+) -->$")
 MIB = 1 << 20
 DASH = "\u2013"  # the en dash of a range, as the guide writes it
 
@@ -42,8 +43,12 @@ def duration(ns: float) -> str:
     return f"{ms:.2f} ms" if ms < 10 else f"{ms:.0f} ms"
 
 
+def size(n: float) -> str:
+    return f"{n / MIB:.1f} MiB" if n >= MIB else f"{n / 1024:.1f} KiB"
+
+
 def rate(stats: dict[str, float], unit: str) -> str:
-    scale, suffix = (1e3, "k") if unit == "chunks/s" else (1e6, "")
+    scale, suffix = {"chunks/s": (1e3, "k"), "bytes/s": (1e9, "")}.get(unit, (1e6, ""))
     lo, mid, hi = (stats[k] / scale for k in ("min", "median", "max"))
     return f"{number(mid)}{suffix} ({number(lo)}{DASH}{number(hi)}{suffix})"
 
@@ -57,6 +62,8 @@ def memory(row: dict[str, Any]) -> str | None:
 
 def bench_cell(row: dict[str, Any]) -> str:
     parts = [rate(row["throughput"], row["unit"])]
+    if row["unit"] == "bytes/s":  # larger than memory: GB/s and the allocator's share
+        return "; ".join([*parts, f"{row['alloc_share']['median'] * 100:.0f} %"])
     if row["unit"] == "chunks/s":  # the pipeline: the allocator's share and longest call
         parts.append(f"{row['alloc_share']['median'] * 100:.0f} %")
         parts.append(duration(row["longest_call_ns"]))
@@ -87,11 +94,68 @@ def bench_table(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def table(path: Path) -> list[str]:
-    doc = json.loads(path.read_text())
+def bench_table_one_column(doc: dict[str, Any]) -> list[str]:
+    """A workload measured at one thread count: a row per resource."""
+    unit = {"bytes/s": "GB/s"}.get(doc["summary"][0]["unit"], doc["summary"][0]["unit"])
+    lines = [f"| resource | {unit}, median (min{DASH}max); allocator share |", "|---|---|"]
+    lines += [f"| `{row['resource']}` | {bench_cell(row)} |" for row in doc["summary"]]
+    return lines
+
+
+def recommend_table(docs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """A row per profiled program: what it does, the choice, its margin, the figures."""
+    lines = [
+        "| program | what it does | choice | margin over the runner-up | M events/s: choice, `async` |",
+        "|---|---|---|---|---|",
+    ]
+    for name, doc in docs:
+        prof, rec = doc["profile"], doc["recommendation"]
+        rates = {row["resource"]: row["throughput"]["median"] / 1e6 for row in doc["summary"]}
+        what = (
+            f"{prof['threads']} thread{'s' * (prof['threads'] != 1)}, {prof['streams']} "
+            f"stream{'s' * (prof['streams'] != 1)}, {prof['allocations']:,} allocations of "
+            f"{size(prof['size_p50'])} at the median"
+        )
+        margin = f"{1 + rec['margin']:.1f} times `{rec['runner_up']}`" + (
+            " (within noise)" if rec["within_noise"] else ""
+        )
+        program = name.removeprefix("recommend-").removesuffix(".json")
+        lines.append(
+            f"| `{program}.py` | {what} | `{rec['choice']}` | {margin} | "
+            f"{number(rates[rec['choice']])}, {number(rates['async'])} |"
+        )
+    return lines
+
+
+def stress_table(doc: dict[str, Any]) -> list[str]:
+    lines = [
+        "| resource | operations | allocations | checked by kernels | corruptions, overlaps, errors, races |"
+    ]
+    lines.append("|---|---|---|---|---|")
+    for r in doc["stress"]:
+        bad = ", ".join(str(len(r[k])) for k in ("corruptions", "overlaps", "errors", "races"))
+        lines.append(
+            f"| `{r['resource']}` | {r['operations']:,} | {r['allocations']:,} | "
+            f"{r['verified_bytes'] / (1 << 30):.1f} GiB | {bad} |"
+        )
+    return lines
+
+
+def table(names: list[str]) -> list[str]:
+    docs = [(name, json.loads((GUIDE / name).read_text())) for name in names]
+    commands = {doc.get("command") for _, doc in docs}
+    if commands == {"recommend"}:
+        return recommend_table(docs)
+    if len(docs) != 1:
+        raise SystemExit(f"{names}: several files make a table of `recommend` documents only")
+    name, doc = docs[0]
+    if doc.get("command") == "stress" or "stress" in doc:
+        return stress_table(doc)
     if doc.get("command") == "bench":
+        if len({row["threads"] for row in doc["summary"]}) == 1:
+            return bench_table_one_column(doc)
         return bench_table(doc)
-    raise SystemExit(f"{path}: no table for a {doc.get('command')!r} document")
+    raise SystemExit(f"{name}: no table for a {doc.get('command')!r} document")
 
 
 def rendered(text: str) -> str:
@@ -106,7 +170,7 @@ def rendered(text: str) -> str:
         if m:
             while i < len(lines) and lines[i].startswith("|"):
                 i += 1
-            out.extend(table(GUIDE / m.group(1)))
+            out.extend(table(m.group(1).split()))
     return "\n".join(out)
 
 
@@ -117,7 +181,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="rewrite the doc's tables from the JSON")
     args = ap.parse_args()
     if not (args.check or args.write):
-        print("\n".join(table(args.path)))
+        print("\n".join(table([str(args.path.resolve().relative_to(GUIDE))])))
         return 0
     text = args.path.read_text()
     new = rendered(text)
