@@ -149,7 +149,7 @@ def table(names: list[str]) -> list[str]:
     if len(docs) != 1:
         raise SystemExit(f"{names}: several files make a table of `recommend` documents only")
     name, doc = docs[0]
-    if doc.get("command") == "stress" or "stress" in doc:
+    if doc.get("command") == "stress":
         return stress_table(doc)
     if doc.get("command") == "bench":
         if len({row["threads"] for row in doc["summary"]}) == 1:

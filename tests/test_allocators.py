@@ -404,6 +404,8 @@ def test_cupy_allocator_bad_input(fake_cupy: tuple[FakeCupy, object]) -> None:
         module.streampool_cupy_allocator(64)  # type: ignore[attr-defined]
     with pytest.raises(OverflowError):
         module.streampool_cupy_allocator(-1)  # type: ignore[attr-defined]
+    fake.stream = 0
+    assert module.streampool_cupy_allocator(64).ptr != 0  # type: ignore[attr-defined]  # still usable
 
 
 def test_cupy_use_sets_the_allocator(fake_cupy: tuple[FakeCupy, object]) -> None:
@@ -545,6 +547,7 @@ def test_rmm_keeps_a_resource_the_program_set(fake_rmm: tuple[Any, object]) -> N
     assert isinstance(rmm_mr.get_per_device_resource(0), rmm_mr.CudaAsyncViewMemoryResource)
     with pytest.raises(streampool.InvalidArgumentError, match="device 5 does not exist"):
         module.use(5)  # type: ignore[attr-defined]
+    assert module.use(replace=True).startswith("rmm.mr.set_per_device_resource(0, ")  # type: ignore[attr-defined]
 
 
 def test_gpu_libraries_are_left_alone_on_the_simulated_device(

@@ -48,25 +48,20 @@ def pool_handle(device: int | None = None) -> int:
     return int(_native.CudaAsyncMemoryResource(device=device).pool_handle)
 
 
-def _rmm_handle(handle: int) -> Any:
-    """The handle type RMM's ``CudaAsyncViewMemoryResource`` takes (a ``CUmemoryPool`` of
-    NVIDIA's ``cuda.bindings``, which RMM depends on)."""
+def _view(handle: int) -> Any:
+    """RMM's ``CudaAsyncViewMemoryResource`` over the driver pool ``handle``, which RMM takes
+    as a ``CUmemoryPool`` of NVIDIA's ``cuda.bindings`` (an RMM dependency)."""
     try:
         from cuda.bindings import driver
     except ImportError:  # cuda-python before 12.6 named the module cuda.cuda
         from cuda import cuda as driver  # type: ignore[no-redef]
-    return driver.CUmemoryPool(handle)
+    return rmm.mr.CudaAsyncViewMemoryResource(driver.CUmemoryPool(handle))
 
 
 def shared_pool_resource(device: int | None = None) -> Any:
     """RMM's ``CudaAsyncViewMemoryResource`` over :func:`pool_handle` of ``device``: an RMM
     resource that allocates from the same driver pool as streampool's default resource."""
-    return rmm.mr.CudaAsyncViewMemoryResource(_rmm_handle(pool_handle(device)))
-
-
-def _is_default(resource: Any) -> bool:
-    """Whether ``resource`` is what RMM starts with (a plain ``CudaMemoryResource``)."""
-    return type(resource) is rmm.mr.CudaMemoryResource
+    return _view(pool_handle(device))
 
 
 def use(device: int | None = None, *, replace: bool = False) -> str:
@@ -80,10 +75,10 @@ def use(device: int | None = None, *, replace: bool = False) -> str:
     device = _native.get_current_device() if device is None else device
     handle = pool_handle(device)  # first: a device that does not exist is streampool's clear error
     current = rmm.mr.get_per_device_resource(device)
-    if not replace and not _is_default(current):
+    if not replace and type(current) is not rmm.mr.CudaMemoryResource:  # RMM's initial resource
         return (
             f"left as it is: RMM's resource of device {device} is already {type(current).__name__} "
             "(set by the program); use(replace=True) replaces it"
         )
-    rmm.mr.set_per_device_resource(device, rmm.mr.CudaAsyncViewMemoryResource(_rmm_handle(handle)))
+    rmm.mr.set_per_device_resource(device, _view(handle))
     return f"rmm.mr.set_per_device_resource({device}, CudaAsyncViewMemoryResource(pool {handle:#x}))"
