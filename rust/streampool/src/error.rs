@@ -127,6 +127,8 @@ pub const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
 pub const CUDA_ERROR_INVALID_VALUE: i32 = 1;
 /// `CUDA_ERROR_DEINITIALIZED`: the driver is shutting down (interpreter exit).
 pub const CUDA_ERROR_DEINITIALIZED: i32 = 4;
+/// `CUDA_ERROR_INVALID_CONTEXT`: no context current (or a destroyed one).
+pub const CUDA_ERROR_INVALID_CONTEXT: i32 = 201;
 /// `CUDA_ERROR_INVALID_HANDLE`.
 pub const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
 /// `CUDA_ERROR_NOT_SUPPORTED`.

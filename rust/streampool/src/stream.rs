@@ -64,7 +64,7 @@ fn stream_key(backend: &BackendRef, device: i32, handle: RawStream) -> u64 {
 }
 
 thread_local! {
-    /// This thread's keys of the default streams: (backend id, device, handle) -> key.
+    /// This thread's keys of its per-thread default stream: (backend id, device, handle) -> key.
     static DEFAULT_KEYS: RefCell<Vec<(u64, i32, RawStream, u64)>> = const { RefCell::new(Vec::new()) };
     /// This thread's id, looked up once (`thread::current` clones a handle each time).
     static THREAD: ThreadId = std::thread::current().id();
@@ -320,9 +320,23 @@ impl Stream {
     }
 }
 
+/// The legacy default stream's key on every backend and device: it is one stream per
+/// device, named by handle 0 everywhere, so it needs no look-up (and no thread-local
+/// storage, which a call through a shared library pays a `__tls_get_addr` for). Above
+/// every key the driver hands out and every fallback key.
+pub const LEGACY_KEY: u64 = u64::MAX;
+
 /// The calling thread's key of the default stream `handle`: the legacy one's, or its own
 /// per-thread one.
+#[inline]
 fn default_key(backend: &BackendRef, device: i32, handle: RawStream) -> u64 {
+    if handle == LEGACY_STREAM {
+        return LEGACY_KEY;
+    }
+    per_thread_key(backend, device, handle)
+}
+
+fn per_thread_key(backend: &BackendRef, device: i32, handle: RawStream) -> u64 {
     DEFAULT_KEYS.with(|keys| {
         let id = backend.id();
         let mut keys = keys.borrow_mut();

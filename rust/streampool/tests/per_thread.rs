@@ -60,6 +60,10 @@ fn a_resolved_per_thread_stream_is_its_owners_there_and_the_legacy_stream_elsewh
     assert_eq!(key, legacy_key);
     assert_eq!(resolved_again, Some(here), "resolving elsewhere keeps the owner");
     assert_ne!(Stream::per_thread().key(&b, 0), Stream::legacy().key(&b, 0));
+    // The legacy stream's key is one constant (no look-up), apart from every other key.
+    assert_eq!(key, streampool::stream::LEGACY_KEY);
+    let created = Stream::create(&b, 0, false).unwrap();
+    assert!(![mine.key(&b, 0), created.key(&b, 0)].contains(&streampool::stream::LEGACY_KEY));
     // Other streams are themselves.
     let owned = Stream::create(&b, 0, false).unwrap();
     assert_eq!(owned.clone().resolved().handle(), owned.handle());

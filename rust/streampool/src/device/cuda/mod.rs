@@ -64,7 +64,7 @@ use super::{
     Advice, Backend, BackendKind, DevPtr, DeviceInfo, Location, PoolAttr, PoolProps, PtrExportData, RawEvent,
     RawFunction, RawModule, RawPool, RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM,
 };
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, CUDA_ERROR_INVALID_CONTEXT};
 
 /// Symbols this backend calls without asking: all exported by every driver since CUDA
 /// 11.3 (the stream-ordered pools and their IPC attribute are the newest). The probe
@@ -723,6 +723,17 @@ impl Backend for CudaBackend {
     fn stream_id(&self, dev: i32, stream: RawStream) -> Result<u64> {
         if !self.symbols.stream_get_id {
             return Err(self.unsupported("stream identities (cuStreamGetId) need", "12.0"));
+        }
+        if !is_default_stream(stream) {
+            // A stream's handle names its context: no context need be current, and the
+            // C entry points ask this at every call on a stream of its own (making the
+            // context current costs a `cuCtxGetCurrent` more). Should a driver want one,
+            // the call is made again below with the device's context current.
+            // SAFETY: the probe found `cuStreamGetId`; a handle the caller vouches for.
+            match unsafe { raw::stream_get_id(cu_stream(stream)) } {
+                Err(Error::Driver { code: CUDA_ERROR_INVALID_CONTEXT, .. }) => {}
+                done => return done,
+            }
         }
         let _ctx = self.enter(dev)?;
         // SAFETY: the probe found `cuStreamGetId`; `dev`'s context is current, which

@@ -428,6 +428,11 @@ fn gpu_streams_and_events() {
     let there = {
         let cuda = cuda.clone();
         thread::spawn(move || {
+            // A stream's id needs no current context, and none is made current for it
+            // (the C entry points ask it at every call on a stream of their own).
+            assert_eq!(cuda.stream_id(0, a).unwrap(), id_a);
+            // SAFETY: loaded and initialised (a `CudaBackend` exists).
+            assert!(unsafe { raw::ctx_get_current() }.unwrap().is_null(), "a context was made current");
             // Also: `stream_device` works on a thread with no current context.
             assert_eq!(cuda.stream_device(a).unwrap(), 0);
             cuda.stream_id(0, PER_THREAD_STREAM).unwrap()

@@ -408,9 +408,14 @@ impl ShardedPoolMemoryResource {
         shard
     }
 
-    /// Every shard but the one of `key` (`u64::MAX`: every shard).
+    /// Every shard but the one of `key`.
     fn other_shards(&self, key: u64) -> Vec<Arc<Shard>> {
         read(&self.shards).values().filter(|s| s.key != key).cloned().collect()
+    }
+
+    /// Every shard.
+    fn all_shards(&self) -> Vec<Arc<Shard>> {
+        read(&self.shards).values().cloned().collect()
     }
 
     /// Step 1 of the policy. `None` when `!blocking` and the shard's lock is taken.

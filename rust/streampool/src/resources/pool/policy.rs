@@ -312,7 +312,7 @@ impl ShardedPoolMemoryResource {
     /// The bytes handed out now (rounded), summed over the shards (off the hot path: on
     /// growth only).
     fn used_now(&self) -> usize {
-        let used: i64 = self.other_shards(u64::MAX).iter().map(|s| s.state.lock().used_bytes()).sum();
+        let used: i64 = self.all_shards().iter().map(|s| s.state.lock().used_bytes()).sum();
         used.max(0) as usize
     }
 
@@ -413,7 +413,7 @@ impl ShardedPoolMemoryResource {
     /// caller, so that no thread takes the common list's blocks into its shard behind the
     /// harvest), and drops retired shards left empty.
     fn harvest_completed(&self, common: &mut FreeList) {
-        for shard in self.other_shards(u64::MAX) {
+        for shard in self.all_shards() {
             let empty = {
                 let mut st = shard.state.lock();
                 self.count_queries(st.refresh());
@@ -440,7 +440,7 @@ impl ShardedPoolMemoryResource {
         self.counters.last_gather_ns.store(crate::clock::monotonic_ns(), Ordering::Relaxed);
         // Close every shard's open epoch first: blocks freed before the synchronisation
         // starts are complete after it; blocks freed meanwhile get the next epoch.
-        let shards = self.other_shards(u64::MAX);
+        let shards = self.all_shards();
         let closed: Vec<u64> = shards
             .iter()
             .map(|s| {
