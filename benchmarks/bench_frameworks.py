@@ -11,7 +11,9 @@ Three parts, each printed as a table and written as JSON (the last line of the o
     ordered after the second stream's use). Every tensor's first and last element are
     checked against the expected value ("wrong" must be 0). Variants: `streampool`
     (streampool's sharded pool over the driver's pool, through CUDAPluggableAllocator),
-    `native` (PyTorch's caching allocator), `async` (PyTorch's cudaMallocAsync backend).
+    `native` (PyTorch's caching allocator), `async` (PyTorch's cudaMallocAsync backend),
+    and `none`, the ceiling: the same loop with no allocation in it (each tensor a view of
+    a tensor made before), so that no allocator can make this loop faster than `none` is.
     PyTorch's allocator is fixed per process, so every run is a fresh interpreter; the
     variants are interleaved and repeated (--reps), and the median run is reported.
 (b) cupy: 8 threads, each on its own non-blocking CuPy stream, cupy.cuda.alloc of mixed
@@ -99,6 +101,9 @@ def streampool_pool() -> tuple[Any, Any]:
 # (a) PyTorch
 
 
+MAX_TENSOR = 1 << 26  # bytes: the largest size `sizes(..., 12, 26)` gives
+
+
 def torch_worker(variant: str, threads: int, iters: int) -> dict[str, Any]:
     pool = stats = None
     if variant == "streampool":
@@ -116,6 +121,16 @@ def torch_worker(variant: str, threads: int, iters: int) -> dict[str, Any]:
         plan = sizes(1000 + t, iters, 12, 26)
         main, other = torch.cuda.Stream(), torch.cuda.Stream()
         with torch.cuda.stream(main):
+            # `none`: no allocation in the loop. Each tensor is a view of one of window + 1
+            # tensors of the largest size, made before; a slot is used again only after
+            # the window has let go of its last view, on the same stream (and `main` has
+            # waited for `other`), so the values checked are as in the other variants.
+            ring = None
+            if variant == "none":
+                ring = [
+                    torch.empty(MAX_TENSOR // 4, dtype=torch.float32, device=device)
+                    for _ in range(window + 1)
+                ]
             got = torch.zeros((iters, 2), dtype=torch.float32, device=device)
             expected = []
             live: deque[Any] = deque()
@@ -123,7 +138,10 @@ def torch_worker(variant: str, threads: int, iters: int) -> dict[str, Any]:
             start = time.perf_counter()
             for i, nbytes in enumerate(plan):
                 v = float(i % 1024)
-                x = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+                if ring is None:
+                    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+                else:
+                    x = ring[i % len(ring)].narrow(0, 0, nbytes // 4)
                 x.fill_(v)
                 x.add_(1.0)
                 want = v + 1.0
@@ -401,7 +419,7 @@ def main() -> None:
     results: dict[str, Any] = {"threads": args.threads, "iters": args.iters, "reps": args.reps}
     gpu = not args.sim and not streampool.using_simulated_device()
     for part, library, variants, key in (
-        ("torch", "torch", ["streampool", "native", "async"], "tensors_per_s"),
+        ("torch", "torch", ["streampool", "native", "async", "none"], "tensors_per_s"),
         ("cupy", "cupy", ["streampool", "pool", "async"], "allocs_per_s"),
     ):
         if part not in parts:
