@@ -153,6 +153,23 @@ def test_rules_many_threads_and_streams_with_small_sizes_mean_the_sharded_pool()
     assert large.preferred == "async"
 
 
+def test_rules_memory_handed_between_streams_adds_the_pool_with_more_headroom() -> None:
+    # Producers allocate on streams 0-3; consumers free on streams 4-7.
+    records = []
+    for n in range(40):
+        records.append((0, 1 << 20, n, n % 4, n % 4, ALLOCATE))
+        records.append((0, 1 << 20, n, 4 + n % 4, 4 + n % 4, FREE))
+    profile = recommend.analyse(Trace(records), free_device_bytes=1 << 30)
+    assert profile.cross_stream_frees == 40
+    assert recommend.HANDOFF in profile.candidates and profile.candidates[-1] != recommend.HANDOFF
+    assert any("handed from stream to stream (100% of frees)" in r for r in profile.reasons)
+    made = make_resource(recommend.HANDOFF)
+    assert "ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), headroom=1.0)" in made.code
+    # Frees on the allocation's stream: not measured.
+    plain = recommend.analyse(_trace(threads=8, streams=8, size=64 << 10), free_device_bytes=1 << 30)
+    assert recommend.HANDOFF not in plain.candidates
+
+
 def _row(resource: str, lo: float, mid: float, hi: float) -> dict[str, Any]:
     return {
         "resource": resource,

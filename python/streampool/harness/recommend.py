@@ -26,9 +26,14 @@ from .trace import ALLOCATE, FREE, Trace, quantile
 
 __all__ = ["SIMPLER_FIRST", "Profile", "analyse", "choose"]
 
+# Memory handed from stream to stream (a producer/consumer pipeline): the sharded pool with
+# more headroom hands it over in larger batches, each needing an event and a query, for
+# more memory held (docs/choosing-a-resource.md, the pipeline's section, has the trade).
+HANDOFF = "pool(async, headroom=1)"
+HANDOFF_SHARE = 0.1  # "memory handed over": at least this share of frees on another stream
 #: Candidates from the simplest (the default) to the most specialised: within noise, the
 #: earlier one is recommended.
-SIMPLER_FIRST = ["async", "prefetch(managed)", "managed", "pool(async)", "binning(async)", "cuda"]
+SIMPLER_FIRST = ["async", "prefetch(managed)", "managed", "pool(async)", "binning(async)", HANDOFF, "cuda"]
 #: The plain resource: measured as a baseline, never recommended.
 BASELINE = "cuda"
 SMALL = 1 << 20  # "small" allocations: at most 1 MiB at the median
@@ -128,6 +133,14 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
             reasons.append(
                 "cross-stream frees: every candidate orders the reuse (the sharded pool prefers growing "
                 "to making one stream wait on another)"
+            )
+        frees = sum(1 for r in trace.records if r[5] == FREE)
+        if frees and cross_stream >= HANDOFF_SHARE * frees:
+            candidates.insert(candidates.index(BASELINE), HANDOFF)
+            reasons.append(
+                f"memory handed from stream to stream ({100 * cross_stream / frees:.0f}% of frees): "
+                f"also measured, {HANDOFF}, which keeps more freed memory in reserve so that streams "
+                "hand it over in larger batches (fewer driver calls per allocation, more memory held)"
             )
     reasons.append(
         "if your program shares the GPU with PyTorch or CuPy, `async` shares one driver pool with "
