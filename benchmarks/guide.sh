@@ -88,7 +88,8 @@ else
 fi
 
 # profile -> recommend on the guide's programs.
-want recommend && for prog in one_stream many_streams; do
+# PROGRAMS picks some of them (default: all three).
+want recommend && for prog in ${PROGRAMS:-one_stream many_streams handoff}; do
   $SP profile -o "$OUT/$prog.log" -- python3 "benchmarks/guide_programs/$prog.py"
   run "recommend-$prog" recommend "$OUT/$prog.log" --repeats "$REPEATS"
   [ -z "$PLOTS" ] || $SP plot "$OUT/$prog.log" -o "$OUT/plots/$prog-memory.png" --resource "pool(async)"
