@@ -81,7 +81,7 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
         free_device_bytes = available_device_memory()[0]
     sizes = sorted(r[1] for r in trace.records if r[5] == ALLOCATE)
     alloc_at = {r[2]: r for r in trace.records if r[5] == ALLOCATE}
-    live = peak = cross_stream = cross_thread = 0
+    live = peak = frees = cross_stream = cross_thread = 0
     threads_used, streams_used = set(), set()
     for r in trace.records:
         threads_used.add(r[3])
@@ -90,6 +90,7 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
             live += r[1]
             peak = max(peak, live)
         elif r[5] == FREE:
+            frees += 1
             live -= r[1]
             a = alloc_at[r[2]]
             cross_stream += a[4] != r[4]
@@ -134,7 +135,6 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
                 "cross-stream frees: every candidate orders the reuse (the sharded pool prefers growing "
                 "to making one stream wait on another)"
             )
-        frees = sum(1 for r in trace.records if r[5] == FREE)
         if frees and cross_stream >= HANDOFF_SHARE * frees:
             candidates.insert(candidates.index(BASELINE), HANDOFF)
             reasons.append(

@@ -35,8 +35,8 @@ const MIN_MAXIMUM_POOL_SIZE: usize = streampool::ALIGNMENT;
 /// completed block fits. `gather_interval` (seconds, default 100 µs): at the budget the
 /// pool gathers free memory with a device synchronisation, which stops every thread short
 /// of memory meanwhile; within this long of the last gathering it grows instead, up to
-/// four times the budget. 0 keeps the least memory, larger values the most speed. The policy and its reasons: the
-/// pool's IMPLEMENTATION.md.
+/// four times the budget. 0 keeps the least memory, larger values the most speed. The
+/// policy and its reasons: the pool's IMPLEMENTATION.md.
 ///
 /// Example::
 ///
