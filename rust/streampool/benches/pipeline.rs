@@ -15,7 +15,9 @@
 //!     [--resources sharded,async,latency-sharded] [--sim] [--sim-eager]
 //! ```
 //! Resources: `async` (the device's current driver pool), `sharded` (the sharded pool over
-//! it), `latency-sharded` (the latency histogram adaptor over the sharded pool). Runs on the
+//! it), `sharded-bg` (the same with its background thread, `PoolOptions::background`),
+//! `sharded-bg-h1` (and `headroom` 1), `latency-sharded` (the latency histogram adaptor
+//! over the sharded pool). Runs on the
 //! CUDA driver when there is one (unless `--sim`), else on the simulated device, and says
 //! so (those numbers measure the simulator, not a GPU). `--sim-eager` runs the simulated
 //! device's work as soon as it may (a GPU that keeps up). Each line also gives the
@@ -76,14 +78,20 @@ fn make(name: &str, b: &BackendRef) -> ResourceRef {
     let driver = Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
     // The driver's pool is the device's, shared: start from what it holds now.
     let _ = driver.trim_to(0);
-    let sharded = || -> ResourceRef {
-        Arc::new(ShardedPoolMemoryResource::new(driver.clone(), PoolOptions::default()).unwrap())
+    let sharded = |options: PoolOptions| -> ResourceRef {
+        Arc::new(ShardedPoolMemoryResource::new(driver.clone(), options).unwrap())
     };
+    let background = PoolOptions { background: true, ..Default::default() };
     match name {
         "async" => driver,
-        "sharded" => sharded(),
-        "latency-sharded" => Arc::new(LatencyHistogramAdaptor::new(sharded()).unwrap()),
-        other => panic!("unknown resource {other} (async, sharded, latency-sharded)"),
+        "sharded" => sharded(PoolOptions::default()),
+        "sharded-h1" => sharded(PoolOptions { headroom: Some(1.0), ..Default::default() }),
+        "sharded-bg" => sharded(background),
+        "sharded-bg-h1" => sharded(PoolOptions { headroom: Some(1.0), ..background }),
+        "latency-sharded" => Arc::new(LatencyHistogramAdaptor::new(sharded(PoolOptions::default())).unwrap()),
+        other => {
+            panic!("unknown resource {other} (async, sharded, sharded-bg, sharded-bg-h1, latency-sharded)")
+        }
     }
 }
 
