@@ -702,11 +702,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     of the last gathering it grows past the budget instead, up to four times the budget
     (0: gather at every shortage, the least memory; on the H200 at 16 threads, 1.7 times
     the peak live bytes at 3.5-5.5 M allocations/s against 3.9 times at 97-107 M/s with
-    the default). ``background=True``: a thread of the pool's own records and queries the
-    events that hand memory from one stream to another, so that the threads that allocate
-    and free make no driver calls for them (streams streampool created; for
-    producer/consumer pipelines; the thread sleeps while nothing is in flight and ends
-    with the pool). Shards of streams streampool made
+    the default). Shards of streams streampool made
     are retired when those streams are destroyed. A free must pass the size it allocated, as
     in RMM: a double free, an address the pool never handed out, or a size that does not
     round to the allocation's is always refused, and changes nothing. ValueError naming
@@ -728,7 +724,6 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
         events_every: SupportsIndex = 64,
         headroom: float | None = 0.15,
         gather_interval: float = 0.0001,
-        background: bool = False,
     ) -> Self: ...
     def pool_size(self) -> int:
         """Bytes the pool holds from its upstream (RMM's ``pool_size()``)."""

@@ -147,18 +147,6 @@ class Candidate:
 _SIZE_OPTIONS = {"initial", "maximum", "release", "size", "limit"}
 
 
-_BOOL_OPTIONS = ("background",)
-
-
-def _parse_bool(value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected true or false (or 1 or 0), got {value!r}")
-
-
 def _options(spec: Spec, allowed: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in spec.options:
@@ -170,8 +158,6 @@ def _options(spec: Spec, allowed: dict[str, str]) -> dict[str, Any]:
                 out[allowed[key]] = parse_size(value)
             elif key in ("min", "max", "events_every"):
                 out[allowed[key]] = int(value)
-            elif key in _BOOL_OPTIONS:
-                out[allowed[key]] = _parse_bool(value)
             else:
                 out[allowed[key]] = None if value == "none" else float(value)
         except ValueError as e:
@@ -221,7 +207,6 @@ _OURS: dict[str, tuple[int, dict[str, str], Callable[..., mr.MemoryResource], st
             "release": "release_threshold",
             "headroom": "headroom",
             "events_every": "events_every",
-            "background": "background",
         },
         mr.ShardedPoolMemoryResource,
         "mr.ShardedPoolMemoryResource({up}{opts})",

@@ -35,11 +35,8 @@ const MIN_MAXIMUM_POOL_SIZE: usize = streampool::ALIGNMENT;
 /// completed block fits. `gather_interval` (seconds, default 100 µs): at the budget the
 /// pool gathers free memory with a device synchronisation, which stops every thread short
 /// of memory meanwhile; within this long of the last gathering it grows instead, up to
-/// four times the budget. 0 keeps the least memory, larger values the most speed.
-/// `background=True`: a thread of the pool's own records and queries the events that
-/// hand memory from one stream to another, so that the threads that allocate and free do
-/// not call the driver for them (streams streampool created; for producer/consumer
-/// pipelines). The policy and its reasons: the pool's IMPLEMENTATION.md.
+/// four times the budget. 0 keeps the least memory, larger values the most speed. The
+/// policy and its reasons: the pool's IMPLEMENTATION.md.
 ///
 /// Example::
 ///
@@ -60,8 +57,8 @@ fn optional_size(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<
 impl PyShardedPool {
     #[new]
     #[pyo3(
-        signature = (upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=None, headroom=PoolOptions::default().headroom, gather_interval=PoolOptions::default().gather_interval.as_secs_f64(), background=false),
-        text_signature = "(upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=64, headroom=0.15, gather_interval=0.0001, background=False)"
+        signature = (upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=None, headroom=PoolOptions::default().headroom, gather_interval=PoolOptions::default().gather_interval.as_secs_f64()),
+        text_signature = "(upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=64, headroom=0.15, gather_interval=0.0001)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -72,7 +69,6 @@ impl PyShardedPool {
         events_every: Option<&Bound<'_, PyAny>>,
         headroom: Option<f64>,
         gather_interval: f64,
-        background: bool,
     ) -> PyResult<PyClassInitializer<Self>> {
         if !(gather_interval.is_finite() && gather_interval >= 0.0) {
             return Err(PyValueError::new_err(format!(
@@ -97,7 +93,6 @@ impl PyShardedPool {
             },
             headroom,
             gather_interval: std::time::Duration::from_secs_f64(gather_interval),
-            background,
         };
         let upstream = upstream_ref(upstream_mr);
         let inner =

@@ -12,12 +12,11 @@
 //! ```text
 //! cargo bench -p streampool --bench pipeline -- [--pairs 1,4,8] [--chunk 1MiB]
 //!     [--chunks 2000] [--kernel-us 20] [--check-every 16] [--queue 4] [--reps 3]
-//!     [--resources sharded,async,latency-sharded] [--sim] [--sim-eager]
+//!     [--resources sharded,async,sharded-h1,latency-sharded] [--sim] [--sim-eager]
 //! ```
 //! Resources: `async` (the device's current driver pool), `sharded` (the sharded pool over
-//! it), `sharded-bg` (the same with its background thread, `PoolOptions::background`),
-//! `sharded-bg-h1` (and `headroom` 1), `latency-sharded` (the latency histogram adaptor
-//! over the sharded pool). Runs on the
+//! it), `sharded-h1` (the same with `headroom` 1: more memory, fewer driver calls per
+//! chunk), `latency-sharded` (the latency histogram adaptor over the sharded pool). Runs on the
 //! CUDA driver when there is one (unless `--sim`), else on the simulated device, and says
 //! so (those numbers measure the simulator, not a GPU). `--sim-eager` runs the simulated
 //! device's work as soon as it may (a GPU that keeps up). Each line also gives the
@@ -81,17 +80,12 @@ fn make(name: &str, b: &BackendRef) -> ResourceRef {
     let sharded = |options: PoolOptions| -> ResourceRef {
         Arc::new(ShardedPoolMemoryResource::new(driver.clone(), options).unwrap())
     };
-    let background = PoolOptions { background: true, ..Default::default() };
     match name {
         "async" => driver,
         "sharded" => sharded(PoolOptions::default()),
         "sharded-h1" => sharded(PoolOptions { headroom: Some(1.0), ..Default::default() }),
-        "sharded-bg" => sharded(background),
-        "sharded-bg-h1" => sharded(PoolOptions { headroom: Some(1.0), ..background }),
         "latency-sharded" => Arc::new(LatencyHistogramAdaptor::new(sharded(PoolOptions::default())).unwrap()),
-        other => {
-            panic!("unknown resource {other} (async, sharded, sharded-bg, sharded-bg-h1, latency-sharded)")
-        }
+        other => panic!("unknown resource {other} (async, sharded, sharded-h1, latency-sharded)"),
     }
 }
 

@@ -276,9 +276,6 @@ conformance! {
     sharded_pool_over_cuda => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
         Arc::new(streampool::CudaMemoryResource::on(b, 0)), streampool::PoolOptions {
             initial_pool_size: Some(16 << 20), events_every: 4, ..Default::default() }).unwrap());
-    sharded_pool_background => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
-        Arc::new(streampool::CudaAsyncMemoryResource::on(b, 0, Default::default()).unwrap()), streampool::PoolOptions {
-            background: true, events_every: 2, ..Default::default() }).unwrap());
     sharded_pool_bounded => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
         Arc::new(streampool::ManagedMemoryResource::on(b, 0)), streampool::PoolOptions {
             maximum_pool_size: Some(200 << 20), release_threshold: Some(8 << 20), ..Default::default() }).unwrap());

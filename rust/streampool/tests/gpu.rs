@@ -75,8 +75,7 @@ fn memset_on_one_stream_then_reuse_on_another_reads_back_correctly() {
 /// `cuMemAlloc`: with an event at every free (B waits on A's event, or takes the block
 /// once that event completed) and with the default interval (the first handover goes
 /// through a device synchronisation, the last resort; later ones through the events the
-/// pool, short of memory, asks every stream for); each with and without the background
-/// thread that records and queries those events.
+/// pool, short of memory, asks every stream for).
 fn bounded_pools(b: &BackendRef, bytes: usize) -> Vec<(String, ShardedPoolMemoryResource)> {
     let upstreams: [(&str, ResourceRef); 2] = [
         ("async", Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap())),
@@ -84,19 +83,15 @@ fn bounded_pools(b: &BackendRef, bytes: usize) -> Vec<(String, ShardedPoolMemory
     ];
     let mut pools = Vec::new();
     for (name, upstream) in upstreams {
-        for (events_every, background) in [(1, false), (64, false), (1, true), (64, true)] {
+        for events_every in [1, 64] {
             let options = PoolOptions {
                 initial_pool_size: Some(bytes),
                 maximum_pool_size: Some(bytes),
                 events_every,
-                background,
                 ..Default::default()
             };
             let pool = ShardedPoolMemoryResource::new(upstream.clone(), options).unwrap();
-            pools.push((
-                format!("pool over {name}, events_every {events_every}, background {background}"),
-                pool,
-            ));
+            pools.push((format!("pool over {name}, events_every {events_every}"), pool));
         }
     }
     pools

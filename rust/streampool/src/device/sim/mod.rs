@@ -85,21 +85,6 @@ pub const MAX_DEVICES: i32 = 1024;
 /// The largest capacity [`default_capacity`] gives: 16 GiB.
 pub const MAX_DEFAULT_CAPACITY: usize = 16 << 30;
 
-thread_local! {
-    static EVENT_CALLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-fn count_event_call() {
-    EVENT_CALLS.with(|c| c.set(c.get() + 1));
-}
-
-/// Event records and queries this thread has made on any simulated device: a test's way
-/// to tell which thread made the driver calls (the pool's background thread, or the
-/// threads that allocate and free).
-pub fn event_calls_on_this_thread() -> u64 {
-    EVENT_CALLS.with(|c| c.get())
-}
-
 /// The capacity of a simulated device made without one: what this process may take of the
 /// host's memory now (`MemAvailable` in `/proc/meminfo`, and what the address-space limit
 /// of `ulimit -v` leaves), rounded down to a whole MiB, at most [`MAX_DEFAULT_CAPACITY`]
@@ -974,7 +959,6 @@ impl Backend for SimDevice {
     }
 
     fn event_record(&self, dev: i32, event: RawEvent, stream: RawStream) -> Result<()> {
-        count_event_call();
         self.with(Some(dev), |st| {
             let sid = st.resolve(Some(dev), stream)?;
             let ev_dev = st.event(event)?.dev;
@@ -992,7 +976,6 @@ impl Backend for SimDevice {
     }
 
     fn event_query(&self, dev: i32, event: RawEvent) -> Result<bool> {
-        count_event_call();
         self.with(Some(dev), |st| st.event_done(event))
     }
 

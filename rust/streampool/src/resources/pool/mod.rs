@@ -12,8 +12,6 @@ mod addrmap;
 mod chunks;
 mod freelist;
 mod policy;
-#[cfg(not(loom))]
-mod reclaim;
 mod shard;
 
 #[cfg(all(test, loom))]
@@ -75,15 +73,6 @@ pub struct PoolOptions {
     /// held 1.7 times the peak live bytes at 3.5-5.5 M allocations/s, the default of 100 µs
     /// 3.9 times at 97-107 M/s.
     pub gather_interval: Duration,
-    /// A background thread makes the driver calls that hand memory from one stream to
-    /// another (the events that cover frees, and the queries that tell when they
-    /// completed), so that the threads that allocate and free do not: on streams
-    /// streampool created, a free that finds an event due leaves it to the thread, and a
-    /// stream short of memory reads what the thread last learnt instead of querying.
-    /// Streams of other libraries still record in their frees (the pool cannot see them
-    /// end). For producer/consumer pipelines, where those calls are most of the
-    /// allocator's time; the thread sleeps while no event is in flight. Default false.
-    pub background: bool,
 }
 
 impl Default for PoolOptions {
@@ -95,7 +84,6 @@ impl Default for PoolOptions {
             events_every: 64,
             headroom: Some(0.15),
             gather_interval: Duration::from_micros(100),
-            background: false,
         }
     }
 }
@@ -191,7 +179,7 @@ pub struct ShardedPoolMemoryResource {
     uid: u64,
     options: PoolOptions,
     maximum: usize,
-    shards: Arc<RwLock<HashMap<u64, Arc<Shard>>>>,
+    shards: RwLock<HashMap<u64, Arc<Shard>>>,
     common: Mutex<FreeList>,
     chunks: RwLock<Arc<ChunkTable>>,
     next_chunk: AtomicU64,
@@ -202,10 +190,7 @@ pub struct ShardedPoolMemoryResource {
     /// The most bytes seen live (rounded, with the request) when growth was considered:
     /// the footprint budget's base.
     peak_live: AtomicUsize,
-    counters: Arc<Counters>,
-    /// The background thread (`PoolOptions::background`).
-    #[cfg(not(loom))]
-    reclaimer: Option<reclaim::Reclaimer>,
+    counters: Counters,
 }
 
 /// Written off the hot path (an event every batch of frees, steals, growth), read by
@@ -287,29 +272,14 @@ impl ShardedPoolMemoryResource {
             uid: NEXT_POOL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             options,
             maximum,
-            shards: Arc::new(RwLock::new(HashMap::new())),
+            shards: RwLock::new(HashMap::new()),
             common: Mutex::new(FreeList::default()),
             chunks: RwLock::new(Arc::default()),
             next_chunk: AtomicU64::new(1),
             reserved: AtomicUsize::new(0),
             demand: AtomicU64::new(0),
             peak_live: AtomicUsize::new(0),
-            counters: Arc::default(),
-            #[cfg(not(loom))]
-            reclaimer: None,
-        };
-        #[cfg(not(loom))]
-        let pool = {
-            let mut pool = pool;
-            if pool.options.background {
-                pool.reclaimer = reclaim::Reclaimer::start(
-                    pool.shards.clone(),
-                    pool.counters.clone(),
-                    pool.backend.clone(),
-                    pool.device,
-                );
-            }
-            pool
+            counters: Counters::default(),
         };
         if initial > 0 {
             let legacy = Stream::legacy();
@@ -425,7 +395,7 @@ impl ShardedPoolMemoryResource {
                 return s.clone();
             }
             let owner = stream.is_owned().then(|| stream.handle());
-            let shard = Arc::new(Shard::new(key, self.options.events_every, owner, self.has_reclaimer()));
+            let shard = Arc::new(Shard::new(key, self.options.events_every, owner));
             map.insert(key, shard.clone());
             shard
         };
@@ -436,23 +406,6 @@ impl ShardedPoolMemoryResource {
             }
         }));
         shard
-    }
-
-    /// Whether the background thread runs (`PoolOptions::background`).
-    #[inline]
-    fn has_reclaimer(&self) -> bool {
-        #[cfg(not(loom))]
-        return self.reclaimer.is_some();
-        #[cfg(loom)]
-        false
-    }
-
-    /// Wakes the background thread: a shard wants a record.
-    fn wake_reclaimer(&self) {
-        #[cfg(not(loom))]
-        if let Some(r) = &self.reclaimer {
-            r.wake();
-        }
     }
 
     /// Every shard but the one of `key`.
@@ -491,8 +444,7 @@ impl ShardedPoolMemoryResource {
                 shard.state.lock()
             } else {
                 match shard.state.try_lock() {
-                    // A due event is a driver call, unless the background thread makes it.
-                    Some(st) if st.deferred || !st.event_due(demand) => st,
+                    Some(st) if !st.event_due(demand) => st,
                     _ => return OwnFree::Busy,
                 }
             };
@@ -550,12 +502,6 @@ impl ShardedPoolMemoryResource {
         st.seen_demand = demand;
         st.wanted = false;
         st.drawn = false;
-        if st.deferred {
-            // The background thread records it (and queries what is in flight).
-            st.record_wanted = true;
-            self.wake_reclaimer();
-            return;
-        }
         // The events that have completed make room for this one, and their blocks become
         // takeable by other streams without a query of theirs (measured together with the
         // queries of each look: policy.rs, `take_completed`).
@@ -723,9 +669,6 @@ impl MemoryResource for ShardedPoolMemoryResource {
 
 impl Drop for ShardedPoolMemoryResource {
     fn drop(&mut self) {
-        // The background thread first: it stops and is joined.
-        #[cfg(not(loom))]
-        drop(self.reclaimer.take());
         // Every use of the pool's memory must finish before it goes back; failures (the
         // driver torn down at exit) are recorded (`streampool::drop_errors`).
         let synced = self.backend().ctx_synchronize(self.device());

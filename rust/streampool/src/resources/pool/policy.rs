@@ -147,7 +147,6 @@ impl ShardedPoolMemoryResource {
         key: u64,
         others: &[Arc<Shard>],
     ) -> Option<(DevPtr, u64)> {
-        let mut wake = false;
         for shard in others {
             // Blocks may move from a retired shard or one that gives all.
             let mut common =
@@ -180,10 +179,6 @@ impl ShardedPoolMemoryResource {
                                 st.interval = st.interval.min(st.unevented + n);
                                 st.wanted = false;
                                 st.drawn = true;
-                            } else if st.deferred && st.unevented > 0 && !st.retired {
-                                // Wanted: the background thread records it now.
-                                st.record_wanted = true;
-                                wake = true;
                             } else {
                                 // Wanted: it records an event at its next free (its interval
                                 // may have grown long), so that what it frees can be taken next
@@ -200,9 +195,6 @@ impl ShardedPoolMemoryResource {
                 own.state.lock().free.insert_all(moved, 0);
             }
             drop(common);
-            if std::mem::take(&mut wake) {
-                self.wake_reclaimer();
-            }
             if empty {
                 self.forget(shard);
             }
@@ -253,7 +245,7 @@ impl ShardedPoolMemoryResource {
                 // a concurrent synchronisation closed without an event are neither.
                 let mut covered = st.covered();
                 let mut taken = st.free.take(size, |e| e < covered);
-                if taken.is_none() && st.gives_all() && st.unevented > 0 && !st.pending {
+                if taken.is_none() && st.gives_all() && st.unevented > 0 {
                     if let Some(owner) = shard.owner {
                         if let Ok(true) = st.record_event(self.backend(), self.device(), owner, false) {
                             self.counters.events.fetch_add(1, Ordering::Relaxed);

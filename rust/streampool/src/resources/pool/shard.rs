@@ -7,7 +7,7 @@ use super::freelist::FreeList;
 use crate::device::{BackendRef, RawStream};
 use crate::error::Result;
 use crate::stream::{Event, Stream};
-use crate::sync::{lock, Mutex, ShardLock};
+use crate::sync::ShardLock;
 use std::sync::Arc;
 
 /// Events a shard keeps in flight at most.
@@ -29,9 +29,6 @@ pub(super) struct Shard {
     /// handles, whose end the pool cannot see.
     pub owner: Option<RawStream>,
     pub state: ShardLock<ShardState>,
-    /// Held by the pool's background thread across an event it records on `owner`
-    /// (without the shard's lock), and taken by `retire` first: the stream stays alive.
-    pub recorder: Mutex<()>,
 }
 
 #[derive(Debug, Default)]
@@ -53,16 +50,6 @@ pub(super) struct ShardState {
     /// A look took this shard's completed blocks and shortened `interval` to when it will
     /// want more: the event then starts the interval again from `events_every`.
     pub drawn: bool,
-    /// Events of this shard are recorded by the pool's background thread
-    /// (`PoolOptions::background`, a stream streampool owns): a free that finds one due
-    /// sets `record_wanted` and wakes it, rather than calling the driver itself.
-    pub deferred: bool,
-    /// An event is due and left to the background thread.
-    pub record_wanted: bool,
-    /// The background thread has closed an epoch and is recording its event (the shard's
-    /// lock given back meanwhile): nothing else records on this shard until it is in
-    /// `events`, which stay in epoch order.
-    pub pending: bool,
     /// Frees between events now: `events_every`, doubled after each event recorded while
     /// nobody was short of memory (up to `MAX_EVENT_BACKOFF` times), reset on demand;
     /// shortened by a look that took the shard's blocks (`drawn`).
@@ -80,13 +67,9 @@ pub(super) struct ShardState {
 impl Shard {
     /// Epochs start at 1: epoch 0 tags blocks known complete everywhere (from the common
     /// list), which every shard's `completed` is past.
-    /// `background`: the pool has a background thread, which records this shard's events
-    /// when streampool owns its stream (`owner`).
-    pub fn new(key: u64, events_every: usize, owner: Option<RawStream>, background: bool) -> Self {
-        let deferred = background && owner.is_some();
-        let state =
-            ShardState { interval: events_every, epoch: 1, completed: 1, deferred, ..Default::default() };
-        Shard { key, owner, state: ShardLock::new(state), recorder: Mutex::new(()) }
+    pub fn new(key: u64, events_every: usize, owner: Option<RawStream>) -> Self {
+        let state = ShardState { interval: events_every, epoch: 1, completed: 1, ..Default::default() };
+        Shard { key, owner, state: ShardLock::new(state) }
     }
 
     /// Called as `stream` (this shard's, still alive) is destroyed: covers every free block
@@ -94,8 +77,6 @@ impl Shard {
     /// on it), and marks the shard retired. A failure to record (the driver torn down at
     /// exit) leaves the blocks to the next synchronisation.
     pub fn retire(&self, backend: &BackendRef, device: i32, stream: &Stream) {
-        // After any event the background thread is recording on the stream.
-        let _recorder = lock(&self.recorder);
         let mut st = self.state.lock();
         st.retired = true;
         if st.unevented > 0 {
