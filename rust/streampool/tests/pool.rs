@@ -111,6 +111,57 @@ fn a_stream_that_only_frees_what_another_allocates_does_not_make_the_pool_grow()
     assert_eq!(st.synchronizations, 0, "{st:?}");
 }
 
+/// A consumer frees blocks allocated on several producers' streams, in runs from one
+/// producer and then mixed: each free finds its block whichever shard holds it (the shard
+/// where the last such free found one is looked at first), a wrong size or a second free
+/// is refused whether or not that shard is the one looked at first, and the accounting
+/// stays exact.
+#[test]
+fn frees_on_another_stream_find_their_blocks_in_any_shard() {
+    let (sim, b) = setup(256 * MIB);
+    let p = pool(&b, PoolOptions::default());
+    let producers: Vec<Stream> = (0..4).map(|_| stream(&b)).collect();
+    let consumer = stream(&b);
+    let mut rng = XorShift::new(7);
+    for round in 0..50 {
+        let mut blocks = Vec::new();
+        for (i, s) in producers.iter().enumerate() {
+            for _ in 0..3 {
+                let bytes = 4096 * (1 + i) + round;
+                let ptr = p.allocate(bytes, s).unwrap();
+                sim.write(s.handle(), ptr, 256).unwrap();
+                blocks.push((ptr, bytes, s));
+            }
+        }
+        if round % 2 == 1 {
+            // Mixed: the shard looked at first is rarely the one that holds the block.
+            for i in (1..blocks.len()).rev() {
+                blocks.swap(i, rng.next() as usize % (i + 1));
+            }
+        }
+        for (n, &(ptr, bytes, s)) in blocks.iter().enumerate() {
+            let ready = streampool::Event::new(&b, 0).unwrap();
+            ready.record(s).unwrap();
+            consumer.wait(&ready).unwrap();
+            sim.read(consumer.handle(), ptr, 256).unwrap();
+            if n == 0 {
+                let err = p.deallocate(ptr, bytes + (1 << 20), &consumer).unwrap_err();
+                assert!(matches!(err, Error::InvalidPointer(_)), "{err:?}");
+            }
+            p.deallocate(ptr, bytes, &consumer).unwrap();
+            if n == 1 {
+                let err = p.deallocate(ptr, bytes, &consumer).unwrap_err();
+                assert!(matches!(err, Error::InvalidPointer(_)), "{err:?}");
+            }
+        }
+        sim.run();
+    }
+    let st = p.stats();
+    assert_eq!(st.used_bytes, 0, "{st:?}");
+    assert_accounting(&st);
+    assert_no_races(&sim);
+}
+
 #[test]
 fn at_the_maximum_a_stream_waits_on_another_streams_event() {
     let (sim, b) = setup(256 * MIB);

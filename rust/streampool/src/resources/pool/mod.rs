@@ -358,7 +358,7 @@ impl ShardedPoolMemoryResource {
     /// (or made on first use). Under loom, looked up in the pool every time: the model then
     /// sees every shared access.
     #[inline]
-    fn with_shard<T>(&self, key: u64, stream: &Stream, f: impl FnOnce(&Shard) -> T) -> T {
+    fn with_shard<T>(&self, key: u64, stream: &Stream, f: impl FnOnce(&Arc<Shard>) -> T) -> T {
         #[cfg(loom)]
         return f(&self.shard_slow(key, stream));
         #[cfg(not(loom))]

@@ -8,7 +8,7 @@ use crate::device::{BackendRef, RawStream};
 use crate::error::Result;
 use crate::stream::{Event, Stream};
 use crate::sync::ShardLock;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 /// Events a shard keeps in flight at most.
 pub(super) const MAX_EVENTS: usize = 16;
@@ -55,6 +55,10 @@ pub(super) struct ShardState {
     /// shortened by a look that took the shard's blocks (`drawn`).
     pub interval: usize,
     pub spare_events: Vec<Arc<Event>>,
+    /// The shard in which this stream's last free of a block allocated on another stream
+    /// found the block's record: where the next such free looks first (a consumer frees
+    /// what one producer allocated, again and again). Weak: shards that leave the pool go.
+    pub foreign_hint: Option<Weak<Shard>>,
     /// Bytes of the live blocks whose records this shard holds (allocated on this stream,
     /// not yet freed). Signed: see [`ShardState::used_bytes`].
     pub used: i64,
