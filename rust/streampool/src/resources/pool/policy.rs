@@ -35,8 +35,7 @@ impl ShardedPoolMemoryResource {
         }
         // 3. completed blocks of other streams; retired shards give all theirs to the
         // common list
-        let others = self.other_shards(key);
-        if let Some(taken) = self.take_completed(size, stream, key, &others) {
+        if let Some(taken) = self.take_completed(size, stream, key) {
             return found(taken);
         }
         if let Some(ptr) = self.import_common(size, stream, key) {
@@ -54,6 +53,7 @@ impl ShardedPoolMemoryResource {
         // what it frees from now on can be taken by others.
         self.demand.fetch_add(1, Ordering::Relaxed);
         // 5. wait on another stream's recorded event
+        let others = self.other_shards(key);
         if let Some(taken) = self.take_covered(size, stream, key, &others)? {
             return found(taken);
         }
@@ -95,7 +95,7 @@ impl ShardedPoolMemoryResource {
             if let Some(ptr) = self.import_common(size, stream, key) {
                 return Ok(ptr);
             }
-            if let Some(taken) = self.take_completed(size, stream, key, &self.other_shards(key)) {
+            if let Some(taken) = self.take_completed(size, stream, key) {
                 return found(taken);
             }
             match self.grow(size, want, stream) {
@@ -140,70 +140,83 @@ impl ShardedPoolMemoryResource {
     /// own (a consumer's stream, which frees what others allocate and never reuses it) gives
     /// every completed block to this stream's shard at once (complete, epoch 0): one look,
     /// with its event queries, then serves the next allocations from the own shard.
-    fn take_completed(
-        &self,
-        size: usize,
-        stream: &Stream,
-        key: u64,
-        others: &[Arc<Shard>],
-    ) -> Option<(DevPtr, u64)> {
-        for shard in others {
-            // Blocks may move from a retired shard or one that gives all.
-            let mut common =
-                self.lock_common_if(shard, |st| st.free.bytes() > 0 && (st.retired || st.gives_all()));
-            let (taken, moved, empty) = {
-                let mut st = shard.state.lock();
-                if st.free.bytes() == 0 {
-                    (None, Vec::new(), st.is_spent())
-                } else {
-                    self.count_queries(st.refresh());
-                    let done = st.completed;
-                    match (st.retired, common.as_mut()) {
-                        (true, Some(common)) => {
-                            common.insert_all(st.free.drain(|e| e < done), 0);
-                            (None, Vec::new(), st.is_spent())
-                        }
-                        // Its free blocks came after the look without the common list.
-                        (true, None) => (None, Vec::new(), false),
-                        _ => {
-                            let taken = st.free.take(size, |e| e < done);
-                            let bulk = taken.is_some() && st.gives_all() && common.is_some();
-                            let moved = if bulk { st.free.drain(|e| e < done) } else { Vec::new() };
-                            if bulk {
-                                // This stream's memory is wanted again once the blocks taken
-                                // now are used up: it records an event at its n-th free from
-                                // now, n the blocks taken, so that the event covers about as
-                                // many blocks for the next look (one record and one query per
-                                // n chunks in a steady pipeline).
-                                let n = 1 + moved.len();
-                                st.interval = st.interval.min(st.unevented + n);
-                                st.wanted = false;
-                                st.drawn = true;
-                            } else {
-                                // Wanted: it records an event at its next free (its interval
-                                // may have grown long), so that what it frees can be taken next
-                                // time rather than memory grown anew.
-                                st.wanted = true;
-                            }
-                            (taken, moved, false)
-                        }
-                    }
-                }
-            };
-            if !moved.is_empty() {
-                let own = self.shard_slow(key, stream);
-                own.state.lock().free.insert_all(moved, 0);
+    /// The shard that last gave this stream blocks is looked at first (`source_hint`: in a
+    /// pipeline, a producer's memory comes back through its consumer's shard), then the
+    /// others; only when it has none are the others' handles gathered.
+    fn take_completed(&self, size: usize, stream: &Stream, key: u64) -> Option<(DevPtr, u64)> {
+        let own = self.with_shard(key, stream, Arc::clone);
+        let hint = own.state.lock().source_hint.as_ref().and_then(Weak::upgrade).filter(|h| h.key != key);
+        if let Some(shard) = &hint {
+            if let Some(taken) = self.look_completed(size, &own, shard) {
+                return Some(taken);
             }
-            drop(common);
-            if empty {
-                self.forget(shard);
+        }
+        for shard in &self.other_shards(key) {
+            if hint.as_ref().is_some_and(|h| Arc::ptr_eq(h, shard)) {
+                continue;
             }
-            if let Some((ptr, b)) = taken {
-                self.counters.completed_steals.fetch_add(1, Ordering::Relaxed);
-                return Some((ptr, b.chunk));
+            if let Some(taken) = self.look_completed(size, &own, shard) {
+                own.state.lock().source_hint = Some(Arc::downgrade(shard));
+                return Some(taken);
             }
         }
         None
+    }
+
+    /// One shard's part of step 3, for the shard `own` of the looking stream.
+    fn look_completed(&self, size: usize, own: &Shard, shard: &Arc<Shard>) -> Option<(DevPtr, u64)> {
+        // Blocks may move from a retired shard or one that gives all.
+        let mut common =
+            self.lock_common_if(shard, |st| st.free.bytes() > 0 && (st.retired || st.gives_all()));
+        let (taken, moved, empty) = {
+            let mut st = shard.state.lock();
+            if st.free.bytes() == 0 {
+                (None, Vec::new(), st.is_spent())
+            } else {
+                self.count_queries(st.refresh());
+                let done = st.completed;
+                match (st.retired, common.as_mut()) {
+                    (true, Some(common)) => {
+                        common.insert_all(st.free.drain(|e| e < done), 0);
+                        (None, Vec::new(), st.is_spent())
+                    }
+                    // Its free blocks came after the look without the common list.
+                    (true, None) => (None, Vec::new(), false),
+                    _ => {
+                        let taken = st.free.take(size, |e| e < done);
+                        let bulk = taken.is_some() && st.gives_all() && common.is_some();
+                        let moved = if bulk { st.free.drain(|e| e < done) } else { Vec::new() };
+                        if bulk {
+                            // This stream's memory is wanted again once the blocks taken
+                            // now are used up: it records an event at its n-th free from
+                            // now, n the blocks taken, so that the event covers about as
+                            // many blocks for the next look (one record and one query per
+                            // n chunks in a steady pipeline).
+                            let n = 1 + moved.len();
+                            st.interval = st.interval.min(st.unevented + n);
+                            st.wanted = false;
+                            st.drawn = true;
+                        } else {
+                            // Wanted: it records an event at its next free (its interval
+                            // may have grown long), so that what it frees can be taken next
+                            // time rather than memory grown anew.
+                            st.wanted = true;
+                        }
+                        (taken, moved, false)
+                    }
+                }
+            }
+        };
+        if !moved.is_empty() {
+            own.state.lock().free.insert_all(moved, 0);
+        }
+        drop(common);
+        if empty {
+            self.forget(shard);
+        }
+        let (ptr, b) = taken?;
+        self.counters.completed_steals.fetch_add(1, Ordering::Relaxed);
+        Some((ptr, b.chunk))
     }
 
     /// Step 5: a block of another shard that a recorded event covers; `stream` waits on
@@ -500,7 +513,7 @@ impl ShardedPoolMemoryResource {
                     return Ok(Some(ptr));
                 }
                 // Another thread may have taken the gathered blocks into its shard.
-                mine = self.take_completed(size, stream, key, &self.other_shards(key));
+                mine = self.take_completed(size, stream, key);
             }
             if mine.is_none() {
                 let mut common = self.synchronize_and_harvest()?;

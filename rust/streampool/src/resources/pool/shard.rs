@@ -59,6 +59,9 @@ pub(super) struct ShardState {
     /// found the block's record: where the next such free looks first (a consumer frees
     /// what one producer allocated, again and again). Weak: shards that leave the pool go.
     pub foreign_hint: Option<Weak<Shard>>,
+    /// The shard from which this stream last took completed blocks (policy step 3): where
+    /// its next look starts.
+    pub source_hint: Option<Weak<Shard>>,
     /// Bytes of the live blocks whose records this shard holds (allocated on this stream,
     /// not yet freed). Signed: see [`ShardState::used_bytes`].
     pub used: i64,
