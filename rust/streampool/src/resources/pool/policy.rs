@@ -114,7 +114,7 @@ impl ShardedPoolMemoryResource {
     /// it split, one stream alone needed 1.75 times its peak live bytes on the window
     /// workload).
     fn import_common(&self, size: usize, stream: &Stream, key: u64) -> Option<DevPtr> {
-        let shard = self.with_shard(key, stream, Arc::clone);
+        let shard = self.shard_slow(key, stream);
         // The common list stays locked until its blocks are in the shard: a gathering
         // (which locks it to harvest the shards) never misses blocks in transit.
         let mut common = lock(&self.common);
@@ -289,7 +289,7 @@ impl ShardedPoolMemoryResource {
             }
             if !moved.is_empty() {
                 // Ordered for this stream now (after the wait): as if freed on it.
-                let own = self.with_shard(key, stream, Arc::clone);
+                let own = self.shard_slow(key, stream);
                 let mut st = own.state.lock();
                 let epoch = st.epoch;
                 let n = st.free.insert_all(moved, epoch);
@@ -334,7 +334,7 @@ impl ShardedPoolMemoryResource {
     /// the growing stream only, so it is treated as freed there).
     fn place_chunk(&self, chunk: &Chunk, size: usize, stream: &Stream, key: u64) -> DevPtr {
         if chunk.size > size {
-            let shard = self.with_shard(key, stream, Arc::clone);
+            let shard = self.shard_slow(key, stream);
             let mut st = shard.state.lock();
             let epoch = st.epoch;
             st.free.insert(
@@ -348,7 +348,7 @@ impl ShardedPoolMemoryResource {
 
     /// Records an allocation of the slow path (steps 2 to 6) as live in its stream's shard.
     pub(super) fn record_live(&self, ptr: DevPtr, size: usize, chunk: u64, stream: &Stream, key: u64) {
-        let shard = self.with_shard(key, stream, Arc::clone);
+        let shard = self.shard_slow(key, stream);
         let mut st = shard.state.lock();
         st.free.insert_live(ptr, size, chunk);
         st.used += size as i64;
