@@ -67,27 +67,3 @@ fn loom_one_stream_two_threads() {
         check(&p);
     });
 }
-
-/// Two threads free on one stream with an event due at every free (`events_every` 1):
-/// each records with the shard's lock given back, one at a time (`pending`), so the
-/// shard's events stay in epoch order and every free block stays accounted for.
-#[test]
-fn loom_events_recorded_by_two_freeing_threads() {
-    crate::sync::model(|| {
-        let (p, b) =
-            pool(PoolOptions { initial_pool_size: Some(1 << 20), events_every: 1, ..Default::default() });
-        let s = Stream::create(&b, 0, false).unwrap();
-        let other = use_once(&p, &s, 8192);
-        let y = p.allocate(4096, &s).unwrap();
-        p.deallocate(y, 4096, &s).unwrap();
-        other.join().unwrap();
-        check(&p);
-        let key = s.key(&b, 0);
-        let shard = p.shard_slow(key, &s);
-        let st = shard.state.lock();
-        assert!(!st.pending);
-        let epochs: Vec<u64> = st.events.iter().map(|(e, _)| *e).collect();
-        assert!(epochs.windows(2).all(|w| w[0] < w[1]), "events out of order: {epochs:?}");
-        assert!(epochs.iter().all(|&e| e < st.epoch), "{epochs:?} against the open epoch {}", st.epoch);
-    });
-}

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use chunks::ChunkTable;
 use freelist::{class_size, FreeBlock, FreeList, NotFreed};
-use shard::{Shard, ShardState, MAX_EVENTS, MAX_EVENT_BACKOFF};
+use shard::{Shard, ShardState, MAX_EVENT_BACKOFF};
 
 use crate::device::{BackendRef, DevPtr};
 use crate::error::{Error, Result};
@@ -36,7 +36,7 @@ use crate::resource::{
 use std::time::Duration;
 
 use crate::size::align_up;
-use crate::stream::{Event, Stream};
+use crate::stream::Stream;
 use crate::sync::{lock, read, write, AtomicU64, AtomicUsize, Mutex, Ordering, RwLock};
 
 /// How a [`ShardedPoolMemoryResource`] grows, records events and gives memory back.
@@ -452,10 +452,7 @@ impl ShardedPoolMemoryResource {
             match st.free.free(ptr, size, epoch) {
                 Ok(()) => {
                     st.used -= size as i64;
-                    if self.after_free(&mut st, demand) {
-                        drop(st);
-                        self.event_due_now(shard, stream, demand);
-                    }
+                    self.after_free(&mut st, stream, demand);
                     OwnFree::Done
                 }
                 Err(NotFreed::Unknown) => OwnFree::NotHere,
@@ -481,77 +478,37 @@ impl ShardedPoolMemoryResource {
         }
     }
 
-    /// Counts a free into the open epoch; true when an event is due: after `interval`
-    /// frees, or at once when another stream is short of memory. The caller gives the
-    /// shard's lock back and calls [`Self::event_due_now`].
+    /// Counts a free into the open epoch and records an event when one is due: after
+    /// `interval` frees, or at once when another stream is short of memory. While nobody
+    /// needs this stream's memory, each event doubles the interval to the next (a stream
+    /// that frees a lot records rarely); being asked resets it.
     #[inline]
-    fn after_free(&self, st: &mut ShardState, demand: u64) -> bool {
+    fn after_free(&self, st: &mut ShardState, stream: &Stream, demand: u64) {
         let due = st.event_due(demand);
         st.unevented += 1;
-        due
+        if due {
+            self.event_due_now(st, stream, demand);
+        }
     }
 
-    /// Records the event a free on `stream` found due, covering every block of `shard`'s
-    /// open epoch, with the shard's lock given back across the driver calls (the queries
-    /// that make room, and the record): another stream looking into this shard meanwhile
-    /// is not held up by them. While nobody needs this stream's memory, each event doubles
-    /// the interval to the next (a stream that frees a lot records rarely); being asked
-    /// resets it. The record is made by one thread at a time (`pending`), so that the
-    /// shard's events stay in epoch order; a free that finds one in progress leaves its
-    /// block to the next event.
     #[cold]
     #[inline(never)]
-    fn event_due_now(&self, shard: &Shard, stream: &Stream, demand: u64) {
-        let (epoch, spare, in_flight) = {
-            let mut st = shard.state.lock();
-            if st.pending || st.unevented == 0 {
-                return;
-            }
-            st.interval = if st.asked(demand) || st.drawn {
-                self.options.events_every
-            } else {
-                st.interval.saturating_mul(2).min(self.options.events_every * MAX_EVENT_BACKOFF)
-            };
-            st.seen_demand = demand;
-            st.wanted = false;
-            st.drawn = false;
-            st.pending = true;
-            let in_flight: Vec<(u64, Arc<Event>)> =
-                st.events.iter().map(|(e, ev)| (*e, ev.clone())).collect();
-            let epoch = st.epoch;
-            st.epoch += 1;
-            st.unevented = 0;
-            (epoch, st.spare_events.pop(), in_flight)
+    fn event_due_now(&self, st: &mut ShardState, stream: &Stream, demand: u64) {
+        st.interval = if st.asked(demand) || st.drawn {
+            self.options.events_every
+        } else {
+            st.interval.saturating_mul(2).min(self.options.events_every * MAX_EVENT_BACKOFF)
         };
+        st.seen_demand = demand;
+        st.wanted = false;
+        st.drawn = false;
         // The events that have completed make room for this one, and their blocks become
         // takeable by other streams without a query of theirs (measured together with the
-        // queries of each look: policy.rs, `take_completed`); oldest first, up to the
-        // first still running.
-        let done = in_flight.iter().take_while(|(_, ev)| ev.query().unwrap_or(false)).count();
-        self.count_queries((done + usize::from(done < in_flight.len())) as u64);
-        let done_through = done.checked_sub(1).map(|i| in_flight[i].0);
-        let room = in_flight.len() - done < MAX_EVENTS;
-        drop(in_flight);
-        // Failing to record only delays reuse by other streams: the closed epoch's blocks
-        // wait for the next event, which covers every older epoch.
-        let recorded = room.then(|| {
-            match spare {
-                Some(e) => Ok(e),
-                None => Event::new(self.backend(), self.device()).map(Arc::new),
-            }
-            .and_then(|event| {
-                self.backend().event_record(self.device(), event.raw(), stream.handle()).map(|()| event)
-            })
-        });
-        let mut st = shard.state.lock();
-        st.pending = false;
-        if let Some(e) = done_through {
-            st.complete_through(e);
-        }
-        // Without room (its most events in flight) or a record, the next event, after the
-        // interval, covers this epoch too.
-        if let Some(Ok(event)) = recorded {
-            st.events.push_back((epoch, event));
+        // queries of each look: policy.rs, `take_completed`).
+        let queries = st.refresh();
+        self.count_queries(queries);
+        // Failing to record only delays reuse by other streams.
+        if let Ok(true) = st.record_event(self.backend(), self.device(), stream.handle(), false) {
             self.counters.events.fetch_add(1, Ordering::Relaxed);
         }
     }

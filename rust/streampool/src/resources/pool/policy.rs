@@ -258,7 +258,7 @@ impl ShardedPoolMemoryResource {
                 // a concurrent synchronisation closed without an event are neither.
                 let mut covered = st.covered();
                 let mut taken = st.free.take(size, |e| e < covered);
-                if taken.is_none() && st.gives_all() && st.unevented > 0 && !st.pending {
+                if taken.is_none() && st.gives_all() && st.unevented > 0 {
                     if let Some(owner) = shard.owner {
                         if let Ok(true) = st.record_event(self.backend(), self.device(), owner, false) {
                             self.counters.events.fetch_add(1, Ordering::Relaxed);
@@ -397,10 +397,7 @@ impl ShardedPoolMemoryResource {
         }
         let epoch = st.epoch;
         st.free.insert(ptr, FreeBlock { size, chunk, epoch });
-        if self.after_free(&mut st, demand) {
-            drop(st);
-            self.event_due_now(&own, stream, demand);
-        }
+        self.after_free(&mut st, stream, demand);
         Ok(())
     }
 

@@ -62,10 +62,6 @@ pub(super) struct ShardState {
     /// The shard from which this stream last took completed blocks (policy step 3): where
     /// its next look starts.
     pub source_hint: Option<Weak<Shard>>,
-    /// A free is recording this shard's next event with the lock given back (its epoch is
-    /// closed, its event not yet in `events`): nothing else records here meanwhile, so
-    /// that `events` stay in epoch order.
-    pub pending: bool,
     /// Bytes of the live blocks whose records this shard holds (allocated on this stream,
     /// not yet freed). Signed: see [`ShardState::used_bytes`].
     pub used: i64,
