@@ -356,11 +356,10 @@ impl ShardedPoolMemoryResource {
 
     /// A free on one stream of a block allocated on another: the block leaves the shard it
     /// was allocated from and enters this stream's (its memory is now last used here). The
-    /// shard where this stream's last such free found its block is looked at first; the
-    /// others only when it is not there. Before, every such free went through every shard
-    /// (a lock each, and each shard's handle cloned), which in a pipeline of 8 pairs meant
-    /// 15 locks that producers and consumers took too.
-    #[allow(clippy::too_many_arguments)]
+    /// shard where this stream's last such free found its block is looked at first (a
+    /// consumer frees what one producer allocated, again and again); the others only when
+    /// it is not there: going through every shard costs a lock each, 15 at 8 pairs, locks
+    /// that the producers' looks and the other consumers' frees take too.
     pub(super) fn free_foreign(
         &self,
         ptr: DevPtr,
