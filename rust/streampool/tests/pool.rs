@@ -162,6 +162,51 @@ fn frees_on_another_stream_find_their_blocks_in_any_shard() {
     assert_no_races(&sim);
 }
 
+/// The binding's fast path (`try_deallocate`, which keeps Python's GIL) settles a free on
+/// a consumer's stream of a block allocated on a producer's once the consumer's shard knows
+/// where such blocks come from; the first such free, a block found elsewhere, and a free
+/// that finds an event due go to the full path (`None`). A wrong size found there is
+/// refused and leaves the block live.
+#[test]
+fn the_fast_path_settles_a_free_across_streams_once_its_source_is_known() {
+    let (sim, b) = setup(256 * MIB);
+    for events_every in [64, 1] {
+        let p = pool(&b, PoolOptions { events_every, ..Default::default() });
+        let (producer, other, consumer) = (stream(&b), stream(&b), stream(&b));
+        let blocks: Vec<DevPtr> = (0..3).map(|_| p.allocate(MIB, &producer).unwrap()).collect();
+        let elsewhere = p.allocate(MIB, &other).unwrap();
+        for &x in blocks.iter().chain([&elsewhere]) {
+            sim.write(producer.handle(), x, 256).unwrap();
+        }
+        sim.run();
+        assert!(p.try_deallocate(blocks[0], MIB, &consumer).is_none(), "no source known yet");
+        p.deallocate(blocks[0], MIB, &consumer).unwrap();
+        if events_every == 1 {
+            // The event just recorded doubled the interval (nobody asked for this stream's
+            // memory): the next free is not due, the one after is (a driver call, left to
+            // the full path).
+            assert!(matches!(p.try_deallocate(blocks[1], MIB, &consumer), Some(Ok(()))));
+            assert!(p.try_deallocate(blocks[2], MIB, &consumer).is_none(), "an event is due");
+        } else {
+            assert!(matches!(p.try_deallocate(blocks[1], MIB, &consumer), Some(Ok(()))));
+            let err = p.try_deallocate(blocks[2], 2 * MIB, &consumer).unwrap();
+            assert!(matches!(err, Err(Error::InvalidPointer(_))), "{err:?}");
+            assert!(p.try_deallocate(elsewhere, MIB, &consumer).is_none(), "not where the last one was");
+            assert!(p.try_deallocate(blocks[1], MIB, &consumer).is_none(), "a second free");
+            let err = p.deallocate(blocks[1], MIB, &consumer).unwrap_err();
+            assert!(matches!(err, Error::InvalidPointer(_)), "{err:?}");
+        }
+        for &x in &blocks[1..] {
+            let _ = p.deallocate(x, MIB, &consumer);
+        }
+        p.deallocate(elsewhere, MIB, &consumer).unwrap();
+        let st = p.stats();
+        assert_eq!(st.used_bytes, 0, "{st:?}");
+        assert_accounting(&st);
+    }
+    assert_no_races(&sim);
+}
+
 #[test]
 fn at_the_maximum_a_stream_waits_on_another_streams_event() {
     let (sim, b) = setup(256 * MIB);

@@ -463,13 +463,17 @@ impl ShardedPoolMemoryResource {
 
     /// Frees a block into the shard of `stream`, recording an event when one is due.
     /// `None` when `!blocking` and that would wait for a lock, call the driver, or look
-    /// through other shards (a block allocated on another stream).
+    /// through other shards (a block allocated on another stream, found elsewhere than
+    /// where this stream's last such free found its block).
     fn free_into(&self, ptr: DevPtr, bytes: usize, stream: &Stream, blocking: bool) -> Option<Result<()>> {
         let size = class_size(bytes);
         match self.free_own(ptr, size, stream, blocking) {
             OwnFree::Done => Some(Ok(())),
             OwnFree::Busy => None,
-            OwnFree::NotHere if !blocking => None,
+            OwnFree::NotHere if !blocking => {
+                let key = stream.key(self.backend(), self.device());
+                self.try_free_foreign(ptr, size, bytes, stream, key, self.demand.load(Ordering::Relaxed))
+            }
             OwnFree::NotHere => {
                 let key = stream.key(self.backend(), self.device());
                 Some(self.free_foreign(ptr, size, bytes, stream, key, self.demand.load(Ordering::Relaxed)))

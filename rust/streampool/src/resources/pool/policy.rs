@@ -400,6 +400,50 @@ impl ShardedPoolMemoryResource {
         Ok(())
     }
 
+    /// [`Self::free_foreign`] without waiting for a lock or calling the driver, for callers
+    /// that keep Python's GIL meanwhile (the binding's fast path): `None` when the block is
+    /// not where this stream's last such free found its block, a lock is taken, or this
+    /// stream's shard has an event due (then the caller takes the full path). In a
+    /// pipeline, a consumer's free of a producer's chunk is then settled without giving the
+    /// GIL back.
+    pub(super) fn try_free_foreign(
+        &self,
+        ptr: DevPtr,
+        size: usize,
+        bytes: usize,
+        stream: &Stream,
+        key: u64,
+        demand: u64,
+    ) -> Option<Result<()>> {
+        let own = self.with_shard(key, stream, Arc::clone);
+        let hint = {
+            let st = own.state.try_lock()?;
+            if st.event_due(demand) {
+                return None;
+            }
+            st.foreign_hint.as_ref().and_then(Weak::upgrade).filter(|h| h.key != key)?
+        };
+        let chunk = {
+            let mut st = hint.state.try_lock()?;
+            match st.free.take_live(ptr, size) {
+                Ok(c) => {
+                    st.used -= size as i64;
+                    c
+                }
+                Err(NotFreed::Unknown) => return None,
+                Err(NotFreed::WrongSize(had)) => return Some(Err(wrong_size(ptr, had, bytes))),
+            }
+        };
+        // The record is out of its shard: the block goes into this stream's now, waiting
+        // for the lock if it must (held only for list operations, or a driver call in a
+        // free that found an event due).
+        let mut st = own.state.lock();
+        let epoch = st.epoch;
+        st.free.insert(ptr, FreeBlock { size, chunk, epoch });
+        self.after_free(&mut st, stream, demand);
+        Some(Ok(()))
+    }
+
     /// Takes the live record of `ptr` (`size` rounded) out of `shard`: its chunk, `None`
     /// when `shard` has no record there, an error when its record has another size.
     fn take_live_from(shard: &Shard, ptr: DevPtr, size: usize, bytes: usize) -> Result<Option<u64>> {
