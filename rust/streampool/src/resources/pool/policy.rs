@@ -390,14 +390,31 @@ impl ShardedPoolMemoryResource {
                 format!("{ptr:#x} (+{bytes} bytes) does not lie in memory of this ShardedPoolMemoryResource")
             }));
         };
+        self.enter_freed(&own, ptr, size, chunk, new_hint.as_ref(), stream, demand);
+        Ok(())
+    }
+
+    /// Puts a block freed on `stream` (taken out of the shard that recorded it live) into
+    /// that stream's shard `own`, in its open epoch, and remembers where it came from
+    /// (`source`, when that is new).
+    #[allow(clippy::too_many_arguments)]
+    fn enter_freed(
+        &self,
+        own: &Shard,
+        ptr: DevPtr,
+        size: usize,
+        chunk: u64,
+        source: Option<&Arc<Shard>>,
+        stream: &Stream,
+        demand: u64,
+    ) {
         let mut st = own.state.lock();
-        if let Some(shard) = new_hint {
-            st.foreign_hint = Some(Arc::downgrade(&shard));
+        if let Some(shard) = source {
+            st.foreign_hint = Some(Arc::downgrade(shard));
         }
         let epoch = st.epoch;
         st.free.insert(ptr, FreeBlock { size, chunk, epoch });
         self.after_free(&mut st, stream, demand);
-        Ok(())
     }
 
     /// [`Self::free_foreign`] without waiting for a lock or calling the driver, for callers
@@ -437,10 +454,7 @@ impl ShardedPoolMemoryResource {
         // The record is out of its shard: the block goes into this stream's now, waiting
         // for the lock if it must (held only for list operations, or a driver call in a
         // free that found an event due).
-        let mut st = own.state.lock();
-        let epoch = st.epoch;
-        st.free.insert(ptr, FreeBlock { size, chunk, epoch });
-        self.after_free(&mut st, stream, demand);
+        self.enter_freed(&own, ptr, size, chunk, None, stream, demand);
         Some(Ok(()))
     }
 
