@@ -470,14 +470,7 @@ impl ShardedPoolMemoryResource {
         match self.free_own(ptr, size, stream, blocking) {
             OwnFree::Done => Some(Ok(())),
             OwnFree::Busy => None,
-            OwnFree::NotHere if !blocking => {
-                let key = stream.key(self.backend(), self.device());
-                self.try_free_foreign(ptr, size, bytes, stream, key, self.demand.load(Ordering::Relaxed))
-            }
-            OwnFree::NotHere => {
-                let key = stream.key(self.backend(), self.device());
-                Some(self.free_foreign(ptr, size, bytes, stream, key, self.demand.load(Ordering::Relaxed)))
-            }
+            OwnFree::NotHere => self.free_foreign(ptr, size, bytes, stream, blocking),
             OwnFree::WrongSize(had) => Some(Err(wrong_size(ptr, had, bytes))),
         }
     }

@@ -4,14 +4,14 @@
 use std::sync::{Arc, Weak};
 
 use super::chunks::{Chunk, MAX_GROWTH_STEP, MIN_CHUNK};
-use super::freelist::{FreeBlock, FreeList, NotFreed};
+use super::freelist::{FreeBlock, FreeList};
 use super::shard::{Shard, ShardState};
-use super::{wrong_size, ShardedPoolMemoryResource};
+use super::ShardedPoolMemoryResource;
 use crate::device::DevPtr;
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
 use crate::stream::Stream;
-use crate::sync::{lock, write, MutexGuard, Ordering};
+use crate::sync::{lock, write, MutexGuard, Ordering, ShardGuard};
 
 /// Growth past the footprint budget within `gather_interval` of a gathering stops at this
 /// many times the budget's allowance (`IMPLEMENTATION.md`, step 6): without a ceiling the
@@ -145,7 +145,7 @@ impl ShardedPoolMemoryResource {
     /// others; only when it has none are the others' handles gathered.
     fn take_completed(&self, size: usize, stream: &Stream, key: u64) -> Option<(DevPtr, u64)> {
         let own = self.with_shard(key, stream, Arc::clone);
-        let hint = own.state.lock().source_hint.as_ref().and_then(Weak::upgrade).filter(|h| h.key != key);
+        let hint = other_shard(&own.state.lock().source_hint, key);
         if let Some(shard) = &hint {
             if let Some(taken) = self.look_completed(size, &own, shard) {
                 return Some(taken);
@@ -360,116 +360,70 @@ impl ShardedPoolMemoryResource {
     /// consumer frees what one producer allocated, again and again); the others only when
     /// it is not there: going through every shard costs a lock each, 15 at 8 pairs, locks
     /// that the producers' looks and the other consumers' frees take too.
+    ///
+    /// `None` when `!blocking` (the binding's fast path, which keeps Python's GIL) and the
+    /// free would wait for a lock, call the driver (this stream's shard has an event due)
+    /// or look beyond that first shard: the caller then takes the full path. In a pipeline,
+    /// a consumer's free of a producer's chunk is settled without giving the GIL back.
     pub(super) fn free_foreign(
         &self,
         ptr: DevPtr,
         size: usize,
         bytes: usize,
         stream: &Stream,
-        key: u64,
-        demand: u64,
-    ) -> Result<()> {
+        blocking: bool,
+    ) -> Option<Result<()>> {
+        let key = stream.key(self.backend(), self.device());
+        let demand = self.demand.load(Ordering::Relaxed);
         let own = self.with_shard(key, stream, Arc::clone);
-        let hint = own.state.lock().foreign_hint.as_ref().and_then(Weak::upgrade);
+        let hint = {
+            let st = lock_shard(&own, blocking)?;
+            if !blocking && st.event_due(demand) {
+                return None;
+            }
+            other_shard(&st.foreign_hint, key)
+        };
         let mut found = None;
-        if let Some(shard) = hint.as_ref().filter(|h| h.key != key) {
-            found = Self::take_live_from(shard, ptr, size, bytes)?.map(|c| (c, None));
+        if let Some(shard) = &hint {
+            match lock_shard(shard, blocking)?.take_live(ptr, size, bytes) {
+                Ok(chunk) => found = chunk.map(|c| (c, None)),
+                Err(e) => return Some(Err(e)),
+            }
         }
         if found.is_none() {
+            if !blocking {
+                return None;
+            }
             for shard in self.other_shards(key) {
-                if let Some(c) = Self::take_live_from(&shard, ptr, size, bytes)? {
-                    found = Some((c, Some(shard)));
-                    break;
+                let taken = shard.state.lock().take_live(ptr, size, bytes);
+                match taken {
+                    Ok(Some(c)) => {
+                        found = Some((c, Some(shard)));
+                        break;
+                    }
+                    Ok(None) => {}
+                    Err(e) => return Some(Err(e)),
                 }
             }
         }
-        let Some((chunk, new_hint)) = found else {
-            return Err(Error::InvalidPointer(if self.table().containing(ptr, size).is_some() {
+        let Some((chunk, source)) = found else {
+            return Some(Err(Error::InvalidPointer(if self.table().containing(ptr, size).is_some() {
                 format!("{ptr:#x} is not an outstanding allocation of this ShardedPoolMemoryResource (double free?)")
             } else {
                 format!("{ptr:#x} (+{bytes} bytes) does not lie in memory of this ShardedPoolMemoryResource")
-            }));
-        };
-        self.enter_freed(&own, ptr, size, chunk, new_hint.as_ref(), stream, demand);
-        Ok(())
-    }
-
-    /// Puts a block freed on `stream` (taken out of the shard that recorded it live) into
-    /// that stream's shard `own`, in its open epoch, and remembers where it came from
-    /// (`source`, when that is new).
-    #[allow(clippy::too_many_arguments)]
-    fn enter_freed(
-        &self,
-        own: &Shard,
-        ptr: DevPtr,
-        size: usize,
-        chunk: u64,
-        source: Option<&Arc<Shard>>,
-        stream: &Stream,
-        demand: u64,
-    ) {
-        let mut st = own.state.lock();
-        if let Some(shard) = source {
-            st.foreign_hint = Some(Arc::downgrade(shard));
-        }
-        let epoch = st.epoch;
-        st.free.insert(ptr, FreeBlock { size, chunk, epoch });
-        self.after_free(&mut st, stream, demand);
-    }
-
-    /// [`Self::free_foreign`] without waiting for a lock or calling the driver, for callers
-    /// that keep Python's GIL meanwhile (the binding's fast path): `None` when the block is
-    /// not where this stream's last such free found its block, a lock is taken, or this
-    /// stream's shard has an event due (then the caller takes the full path). In a
-    /// pipeline, a consumer's free of a producer's chunk is then settled without giving the
-    /// GIL back.
-    pub(super) fn try_free_foreign(
-        &self,
-        ptr: DevPtr,
-        size: usize,
-        bytes: usize,
-        stream: &Stream,
-        key: u64,
-        demand: u64,
-    ) -> Option<Result<()>> {
-        let own = self.with_shard(key, stream, Arc::clone);
-        let hint = {
-            let st = own.state.try_lock()?;
-            if st.event_due(demand) {
-                return None;
-            }
-            st.foreign_hint.as_ref().and_then(Weak::upgrade).filter(|h| h.key != key)?
-        };
-        let chunk = {
-            let mut st = hint.state.try_lock()?;
-            match st.free.take_live(ptr, size) {
-                Ok(c) => {
-                    st.used -= size as i64;
-                    c
-                }
-                Err(NotFreed::Unknown) => return None,
-                Err(NotFreed::WrongSize(had)) => return Some(Err(wrong_size(ptr, had, bytes))),
-            }
+            })));
         };
         // The record is out of its shard: the block goes into this stream's now, waiting
         // for the lock if it must (held only for list operations, or a driver call in a
         // free that found an event due).
-        self.enter_freed(&own, ptr, size, chunk, None, stream, demand);
-        Some(Ok(()))
-    }
-
-    /// Takes the live record of `ptr` (`size` rounded) out of `shard`: its chunk, `None`
-    /// when `shard` has no record there, an error when its record has another size.
-    fn take_live_from(shard: &Shard, ptr: DevPtr, size: usize, bytes: usize) -> Result<Option<u64>> {
-        let mut st = shard.state.lock();
-        match st.free.take_live(ptr, size) {
-            Ok(c) => {
-                st.used -= size as i64;
-                Ok(Some(c))
-            }
-            Err(NotFreed::Unknown) => Ok(None),
-            Err(NotFreed::WrongSize(had)) => Err(wrong_size(ptr, had, bytes)),
+        let mut st = own.state.lock();
+        if let Some(shard) = source {
+            st.foreign_hint = Some(Arc::downgrade(&shard));
         }
+        let epoch = st.epoch;
+        st.free.insert(ptr, FreeBlock { size, chunk, epoch });
+        self.after_free(&mut st, stream, demand);
+        Some(Ok(()))
     }
 
     /// Drops a retired shard that holds nothing (threads may still hold it in their
@@ -636,4 +590,18 @@ impl ShardedPoolMemoryResource {
             other => other,
         }
     }
+}
+
+/// `shard`'s lock, or, when `!blocking`, the lock if it is free now.
+fn lock_shard(shard: &Shard, blocking: bool) -> Option<ShardGuard<'_, ShardState>> {
+    if blocking {
+        Some(shard.state.lock())
+    } else {
+        shard.state.try_lock()
+    }
+}
+
+/// The shard a hint names, while it is in the pool and is not the stream's own (`key`).
+fn other_shard(hint: &Option<Weak<Shard>>, key: u64) -> Option<Arc<Shard>> {
+    hint.as_ref().and_then(Weak::upgrade).filter(|h| h.key != key)
 }

@@ -3,8 +3,9 @@
 
 use std::collections::VecDeque;
 
-use super::freelist::FreeList;
-use crate::device::{BackendRef, RawStream};
+use super::freelist::{FreeList, NotFreed};
+use super::wrong_size;
+use crate::device::{BackendRef, DevPtr, RawStream};
 use crate::error::Result;
 use crate::stream::{Event, Stream};
 use crate::sync::ShardLock;
@@ -123,6 +124,20 @@ impl ShardState {
     /// signed only so that a bookkeeping slip would show as a negative sum, never wrap.
     pub fn used_bytes(&self) -> i64 {
         self.used
+    }
+
+    /// Takes the live record of `ptr` (`size` rounded, `bytes` as the caller passed it)
+    /// out of this shard: its chunk, `None` when there is no record there, an error when
+    /// the record has another size.
+    pub fn take_live(&mut self, ptr: DevPtr, size: usize, bytes: usize) -> Result<Option<u64>> {
+        match self.free.take_live(ptr, size) {
+            Ok(chunk) => {
+                self.used -= size as i64;
+                Ok(Some(chunk))
+            }
+            Err(NotFreed::Unknown) => Ok(None),
+            Err(NotFreed::WrongSize(had)) => Err(wrong_size(ptr, had, bytes)),
+        }
     }
 
     /// Advances `completed` past every recorded event that has finished; returns the
