@@ -6,15 +6,15 @@
 # wheel), and the peers to compare with where wanted (rmm-cu13, cupy-cuda13x, torch):
 # the peers not installed are left out, and say so.
 # Usage: bash benchmarks/guide.sh   (REPEATS=3 by default; NO_PEERS=1 leaves the peers out;
-# PARTS=window,random runs only those parts, of: pipeline window random multistream
+# PARTS=window,random runs only those parts, of: pipeline headroom window random multistream
 # larger-than-memory latency recommend stress; the other parts' files are left as they are)
 # Takes about 10-20 minutes on an H200 with every peer installed (the peers run behind
 # Python callbacks, so the many-thread workloads are slower on them): PARTS splits it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PARTS=${PARTS:-pipeline,window,random,multistream,larger-than-memory,latency,recommend,stress}
+PARTS=${PARTS:-pipeline,headroom,window,random,multistream,larger-than-memory,latency,recommend,stress}
 for part in ${PARTS//,/ }; do
-  case $part in pipeline|window|random|multistream|larger-than-memory|latency|recommend|stress) ;;
+  case $part in pipeline|headroom|window|random|multistream|larger-than-memory|latency|recommend|stress) ;;
     *) echo "guide: unknown part '$part' in PARTS (see the usage at the top of $0)" >&2; exit 2 ;;
   esac
 done
@@ -63,6 +63,16 @@ rename_plots pipeline pipeline-native
 run pipeline-python bench pipeline --resources "$OURS$peers" --threads 1,4,8 --repeats "$REPEATS" \
   --param chunks=500 --param driver=python $(plot_to)
 rename_plots pipeline pipeline-python
+fi
+
+# The pipeline again: the sharded pool trading memory for fewer driver calls (headroom,
+# event_batch), from Rust and from Python threads.
+HEADROOM="pool(async),pool(async, headroom=1),pool(async, headroom=2, event_batch=8),pool(async, headroom=3, event_batch=16)"
+if want headroom; then
+run pipeline-headroom bench pipeline --resources "$HEADROOM" --threads 1,4,8 --repeats "$REPEATS" \
+  --param chunks=3000 --param driver=native
+run pipeline-python-headroom bench pipeline --resources "$HEADROOM" --threads 1,4,8 --repeats "$REPEATS" \
+  --param chunks=500 --param driver=python
 fi
 
 # Many threads and streams; RMM's random_allocations; allocations between kernels.

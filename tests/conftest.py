@@ -102,6 +102,9 @@ RESOURCES = {
     "pool_bounded": lambda: mr.ShardedPoolMemoryResource(
         mr.CudaAsyncMemoryResource(), maximum_pool_size="200MiB", release_threshold="8MiB", events_every=4
     ),
+    "pool_batched": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), headroom=2, event_batch=8
+    ),
     "adaptor_stack": _adaptor_stack,
     "arena": lambda: mr.ArenaMemoryResource(mr.CudaAsyncMemoryResource(), arena_size="160MiB"),
     "callback": _callback,

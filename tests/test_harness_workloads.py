@@ -164,7 +164,7 @@ def test_rules_memory_handed_between_streams_adds_the_pool_with_more_headroom() 
     assert recommend.HANDOFF in profile.candidates and profile.candidates[-1] != recommend.HANDOFF
     assert any("handed from stream to stream (100% of frees)" in r for r in profile.reasons)
     made = make_resource(recommend.HANDOFF)
-    assert "ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), headroom=1.0)" in made.code
+    assert "ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), headroom=2.0, event_batch=8)" in made.code
     # Frees on the allocation's stream: not measured.
     plain = recommend.analyse(_trace(threads=8, streams=8, size=64 << 10), free_device_bytes=1 << 30)
     assert recommend.HANDOFF not in plain.candidates

@@ -70,6 +70,8 @@ def test_stats_and_release(sim: SimulatedDevice) -> None:
         ({"initial_pool_size": -1}, "initial_pool_size"),
         ({"maximum_pool_size": "lots"}, "lots"),
         ({"events_every": 0}, "events_every"),
+        ({"event_batch": 0}, "event_batch"),
+        ({"event_batch": -1}, "event_batch"),
         ({"headroom": -0.5}, "headroom"),
         ({"headroom": float("nan")}, "headroom"),
         ({"gather_interval": -1e-3}, "gather_interval"),

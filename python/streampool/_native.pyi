@@ -693,7 +693,10 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     free bytes kept before whole free chunks go back after a synchronisation.
     ``events_every``: a stream records an event after this many frees, so that other
     streams can reuse what it freed (the interval doubles after each event, up to 64
-    times, while no stream is short of memory). ``headroom``: the footprint budget, free
+    times, while no stream is short of memory). ``event_batch`` (default 1): the fewest
+    frees one event covers when another stream asks for this stream's memory; more means
+    fewer driver calls per block handed between streams (a pipeline's allocator time)
+    for more memory held meanwhile. ``headroom``: the footprint budget, free
     memory the pool may hold beyond the peak live bytes, as a fraction of them (at least
     2 MiB), before it reuses another stream's memory by waiting rather than growing
     (``None``: grow whenever no completed block fits). ``gather_interval`` (seconds,
@@ -707,7 +710,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     in RMM: a double free, an address the pool never handed out, or a size that does not
     round to the allocation's is always refused, and changes nothing. ValueError naming
     the argument for a ``maximum_pool_size`` below 256 bytes (it would round to 0), an
-    ``events_every`` below 1, and a negative or non-finite ``gather_interval``.
+    ``events_every`` or ``event_batch`` below 1, and a negative or non-finite ``gather_interval``.
 
     Example::
 
@@ -724,6 +727,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
         events_every: SupportsIndex = 64,
         headroom: float | None = 0.15,
         gather_interval: float = 0.0001,
+        event_batch: SupportsIndex = 1,
     ) -> Self: ...
     def pool_size(self) -> int:
         """Bytes the pool holds from its upstream (RMM's ``pool_size()``)."""

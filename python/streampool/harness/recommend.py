@@ -27,9 +27,10 @@ from .trace import ALLOCATE, FREE, Trace, quantile
 __all__ = ["SIMPLER_FIRST", "Profile", "analyse", "choose"]
 
 # Memory handed from stream to stream (a producer/consumer pipeline): the sharded pool with
-# more headroom hands it over in larger batches, each needing an event and a query, for
-# more memory held (docs/choosing-a-resource.md, the pipeline's section, has the trade).
-HANDOFF = "pool(async, headroom=1)"
+# more headroom, whose streams record an event only once 8 frees are waiting, hands it over
+# in larger batches, each needing an event and a query, for more memory held
+# (docs/choosing-a-resource.md, the pipeline's section, has the trade).
+HANDOFF = "pool(async, headroom=2, event_batch=8)"
 HANDOFF_SHARE = 0.1  # "memory handed over": at least this share of frees on another stream
 #: Candidates from the simplest (the default) to the most specialised: within noise, the
 #: earlier one is recommended.
@@ -140,7 +141,7 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
             reasons.append(
                 f"memory handed from stream to stream ({100 * cross_stream / frees:.0f}% of frees): "
                 f"also measured, {HANDOFF}, which keeps more freed memory in reserve so that streams "
-                "hand it over in larger batches (fewer driver calls per allocation, more memory held)"
+                "hand it over in batches of 8 or more (fewer driver calls per allocation, more memory held)"
             )
     reasons.append(
         "if your program shares the GPU with PyTorch or CuPy, `async` shares one driver pool with "

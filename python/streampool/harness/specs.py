@@ -156,7 +156,7 @@ def _options(spec: Spec, allowed: dict[str, str]) -> dict[str, Any]:
         try:
             if key in _SIZE_OPTIONS:
                 out[allowed[key]] = parse_size(value)
-            elif key in ("min", "max", "events_every"):
+            elif key in ("min", "max", "events_every", "event_batch"):
                 out[allowed[key]] = int(value)
             else:
                 out[allowed[key]] = None if value == "none" else float(value)
@@ -207,6 +207,7 @@ _OURS: dict[str, tuple[int, dict[str, str], Callable[..., mr.MemoryResource], st
             "release": "release_threshold",
             "headroom": "headroom",
             "events_every": "events_every",
+            "event_batch": "event_batch",
         },
         mr.ShardedPoolMemoryResource,
         "mr.ShardedPoolMemoryResource({up}{opts})",

@@ -29,7 +29,10 @@ const MIN_MAXIMUM_POOL_SIZE: usize = streampool::ALIGNMENT;
 /// strings such as "4GiB" and are rounded to 256 bytes. `release_threshold`: free bytes
 /// the pool may keep before it gives whole free chunks back after a synchronisation.
 /// `events_every`: a stream records an event after this many frees, so that other streams
-/// can reuse what it freed. `headroom`: the footprint budget, free memory the pool may
+/// can reuse what it freed. `event_batch` (default 1): the fewest frees one event covers
+/// when another stream asks for this stream's memory; more means fewer driver calls per
+/// block handed between streams (a pipeline's allocator time) for more memory held.
+/// `headroom`: the footprint budget, free memory the pool may
 /// hold beyond the peak live bytes as a fraction of them (at least 2 MiB) before it reuses
 /// another stream's memory by waiting rather than growing; `None` grows whenever no
 /// completed block fits. `gather_interval` (seconds, default 100 µs): at the budget the
@@ -57,8 +60,8 @@ fn optional_size(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<
 impl PyShardedPool {
     #[new]
     #[pyo3(
-        signature = (upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=None, headroom=PoolOptions::default().headroom, gather_interval=PoolOptions::default().gather_interval.as_secs_f64()),
-        text_signature = "(upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=64, headroom=0.15, gather_interval=0.0001)"
+        signature = (upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=None, headroom=PoolOptions::default().headroom, gather_interval=PoolOptions::default().gather_interval.as_secs_f64(), event_batch=None),
+        text_signature = "(upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=64, headroom=0.15, gather_interval=0.0001, event_batch=1)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -69,6 +72,7 @@ impl PyShardedPool {
         events_every: Option<&Bound<'_, PyAny>>,
         headroom: Option<f64>,
         gather_interval: f64,
+        event_batch: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         if !(gather_interval.is_finite() && gather_interval >= 0.0) {
             return Err(PyValueError::new_err(format!(
@@ -90,6 +94,10 @@ impl PyShardedPool {
             events_every: match events_every {
                 Some(n) => count_arg(n, "events_every", 1, usize::MAX as u64)? as usize,
                 None => PoolOptions::default().events_every,
+            },
+            event_batch: match event_batch {
+                Some(n) => count_arg(n, "event_batch", 1, usize::MAX as u64)? as usize,
+                None => PoolOptions::default().event_batch,
             },
             headroom,
             gather_interval: std::time::Duration::from_secs_f64(gather_interval),

@@ -12,11 +12,11 @@
 //! ```text
 //! cargo bench -p streampool --bench pipeline -- [--pairs 1,4,8] [--chunk 1MiB]
 //!     [--chunks 2000] [--kernel-us 20] [--check-every 16] [--queue 4] [--reps 3]
-//!     [--resources sharded,async,sharded-h1,latency-sharded] [--sim] [--sim-eager]
+//!     [--resources sharded,async,sharded-h1,sharded-h2-b8,latency-sharded] [--sim] [--sim-eager]
 //! ```
 //! Resources: `async` (the device's current driver pool), `sharded` (the sharded pool over
 //! it), `sharded-h1` (the same with `headroom` 1: more memory, fewer driver calls per
-//! chunk), `latency-sharded` (the latency histogram adaptor over the sharded pool). Runs on the
+//! chunk; `-h<headroom>`, `-hnone` and `-b<event_batch>` set those options), `latency-sharded` (the latency histogram adaptor over the sharded pool). Runs on the
 //! CUDA driver when there is one (unless `--sim`), else on the simulated device, and says
 //! so (those numbers measure the simulator, not a GPU). `--sim-eager` runs the simulated
 //! device's work as soon as it may (a GPU that keeps up). Each line also gives the
@@ -82,11 +82,30 @@ fn make(name: &str, b: &BackendRef) -> ResourceRef {
     };
     match name {
         "async" => driver,
-        "sharded" => sharded(PoolOptions::default()),
-        "sharded-h1" => sharded(PoolOptions { headroom: Some(1.0), ..Default::default() }),
         "latency-sharded" => Arc::new(LatencyHistogramAdaptor::new(sharded(PoolOptions::default())).unwrap()),
-        other => panic!("unknown resource {other} (async, sharded, sharded-h1, latency-sharded)"),
+        _ => sharded(pool_options(name)),
     }
+}
+
+/// `sharded`, then `-h<headroom>` (`-hnone`: no budget) and `-b<event_batch>` in any order.
+fn pool_options(name: &str) -> PoolOptions {
+    let usage = || -> ! {
+        panic!("unknown resource {name} (async, sharded[-h<headroom>][-b<event batch>], latency-sharded)")
+    };
+    let mut parts = name.split('-');
+    if parts.next() != Some("sharded") {
+        usage();
+    }
+    let mut o = PoolOptions::default();
+    for part in parts {
+        match part.split_at(1) {
+            ("h", "none") => o.headroom = None,
+            ("h", v) => o.headroom = Some(v.parse().unwrap_or_else(|_| usage())),
+            ("b", v) => o.event_batch = v.parse().unwrap_or_else(|_| usage()),
+            _ => usage(),
+        }
+    }
+    o
 }
 
 fn mib(bytes: f64) -> String {

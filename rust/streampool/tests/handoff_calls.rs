@@ -110,11 +110,14 @@ fn pipeline(
 }
 
 fn setup(headroom: f64) -> (Arc<SimDevice>, BackendRef, ShardedPoolMemoryResource) {
+    setup_with(PoolOptions { headroom: Some(headroom), ..Default::default() })
+}
+
+fn setup_with(options: PoolOptions) -> (Arc<SimDevice>, BackendRef, ShardedPoolMemoryResource) {
     let sim = SimDevice::new(1 << 30);
     let b: BackendRef = sim.clone();
     let upstream: ResourceRef =
         Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
-    let options = PoolOptions { headroom: Some(headroom), ..Default::default() };
     let pool = ShardedPoolMemoryResource::new(upstream, options).unwrap();
     (sim, b, pool)
 }
@@ -148,6 +151,43 @@ fn a_warm_pipeline_amortises_its_driver_calls_and_never_synchronises() {
         assert_eq!(st.used_bytes, 0);
         assert_accounting(&st);
     }
+}
+
+/// `event_batch` trades memory for driver calls: a consumer asked for its memory records
+/// only once `event_batch` frees are in the open epoch, so each event covers that many
+/// chunks at least, and the producers grow (within a budget that allows for it) until the
+/// events come. Warm, with a batch of 8 and a headroom of 2: at most 1/8 records per chunk
+/// and 0.3 driver calls in all (a few waits where the consumers share the budget), no
+/// synchronisation, at 1, 4 and 8 pairs (1.5-2 calls with a batch of 1, above), within
+/// 3 times the peak live bytes; on a device that lags, every reuse still ordered.
+#[test]
+fn an_event_batch_bounds_the_records_per_chunk() {
+    for pairs in [1, 4, 8] {
+        let options = PoolOptions { headroom: Some(2.0), event_batch: 8, ..Default::default() };
+        let (sim, b, pool) = setup_with(options);
+        sim.set_eager(true);
+        let (calls, peak_live) = pipeline(&sim, &b, &pool, pairs, 300, 400, 0);
+        let st = pool.stats();
+        eprintln!("{pairs} pairs, batch 8: {calls:?} ({:.3} per chunk); {st:?}", calls.total());
+        assert!(calls.records <= 1.0 / 8.0 + 1e-9, "{pairs} pairs: {calls:?}");
+        assert!(calls.queries <= 1.0 / 8.0 + 1e-9, "{pairs} pairs: {calls:?}");
+        assert!(calls.total() <= 0.3, "{pairs} pairs: {calls:?}");
+        assert_eq!(calls.syncs, 0, "{pairs} pairs, warm: {calls:?}");
+        let budget = peak_live * 3 + 2 * MIB;
+        assert!(st.peak_reserved_bytes <= budget, "{pairs} pairs: {st:?}, peak live {peak_live}");
+        assert_accounting(&st);
+    }
+    let options = PoolOptions { headroom: Some(2.0), event_batch: 8, ..Default::default() };
+    let (sim, b, pool) = setup_with(options);
+    pipeline(&sim, &b, &pool, 4, 20, 200, 4);
+    assert_accounting(&pool.stats());
+    assert_no_races(&sim);
+    // The default batch of 1 is the policy without it (the test above); 0 is refused.
+    let upstream: ResourceRef =
+        Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
+    let err = ShardedPoolMemoryResource::new(upstream, PoolOptions { event_batch: 0, ..Default::default() })
+        .unwrap_err();
+    assert!(err.to_string().contains("event_batch must be at least 1"), "{err}");
 }
 
 /// The same on a device that runs work only when told (here: every 4 rounds, so most

@@ -56,6 +56,12 @@ pub struct PoolOptions {
     /// other streams can tell when those blocks are free to take. While no stream is short
     /// of memory, each event doubles a stream's interval, up to 64 times this.
     pub events_every: usize,
+    /// The fewest frees one event covers when another stream asks for this stream's
+    /// memory (it looked here and found no completed block, or took this stream's
+    /// completed blocks). 1, the default: the next free records. More: fewer driver calls
+    /// per block handed between streams, for more memory held meanwhile (the asking
+    /// stream grows, within `headroom`, until the event comes).
+    pub event_batch: usize,
     /// The footprint budget: free memory the pool may hold beyond the live bytes, as a
     /// fraction of them (at least 2 MiB), before it reuses another stream's
     /// memory by making a stream wait (or, last, by a synchronisation) instead of growing.
@@ -82,6 +88,7 @@ impl Default for PoolOptions {
             maximum_pool_size: None,
             release_threshold: None,
             events_every: 64,
+            event_batch: 1,
             headroom: Some(0.15),
             gather_interval: Duration::from_micros(100),
         }
@@ -239,7 +246,7 @@ const THREAD_CACHE: usize = 64;
 
 impl ShardedPoolMemoryResource {
     /// A pool over `upstream`. `maximum_pool_size` below `initial_pool_size` or below 256
-    /// bytes, `events_every` of 0 and a negative or non-finite `headroom` are errors.
+    /// bytes, `events_every` or `event_batch` of 0 and a negative or non-finite `headroom` are errors.
     pub fn new(upstream: ResourceRef, options: PoolOptions) -> Result<Self> {
         let round_down = |n: usize| n / ALIGNMENT * ALIGNMENT;
         let maximum = options.maximum_pool_size.map_or(usize::MAX, round_down);
@@ -257,6 +264,9 @@ impl ShardedPoolMemoryResource {
         }
         if options.events_every == 0 {
             return Err(Error::invalid("events_every must be at least 1"));
+        }
+        if options.event_batch == 0 {
+            return Err(Error::invalid("event_batch must be at least 1"));
         }
         let depth = crate::resource::check_depth("ShardedPoolMemoryResource", [&upstream])?;
         if let Some(h) = options.headroom {
@@ -395,7 +405,7 @@ impl ShardedPoolMemoryResource {
                 return s.clone();
             }
             let owner = stream.is_owned().then(|| stream.handle());
-            let shard = Arc::new(Shard::new(key, self.options.events_every, owner));
+            let shard = Arc::new(Shard::new(key, &self.options, owner));
             map.insert(key, shard.clone());
             shard
         };

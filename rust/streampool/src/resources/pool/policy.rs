@@ -192,7 +192,7 @@ impl ShardedPoolMemoryResource {
                             // now, n the blocks taken, so that the event covers about as
                             // many blocks for the next look (one record and one query per
                             // n chunks in a steady pipeline).
-                            let n = 1 + moved.len();
+                            let n = (1 + moved.len()).max(st.batch);
                             st.interval = st.interval.min(st.unevented + n);
                             st.wanted = false;
                             st.drawn = true;

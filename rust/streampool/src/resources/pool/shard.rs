@@ -55,6 +55,8 @@ pub(super) struct ShardState {
     /// nobody was short of memory (up to `MAX_EVENT_BACKOFF` times), reset on demand;
     /// shortened by a look that took the shard's blocks (`drawn`).
     pub interval: usize,
+    /// `PoolOptions::event_batch`: an ask is answered after this many frees at least.
+    pub batch: usize,
     pub spare_events: Vec<Arc<Event>>,
     /// The shard in which this stream's last free of a block allocated on another stream
     /// found the block's record: where the next such free looks first (a consumer frees
@@ -75,8 +77,14 @@ pub(super) struct ShardState {
 impl Shard {
     /// Epochs start at 1: epoch 0 tags blocks known complete everywhere (from the common
     /// list), which every shard's `completed` is past.
-    pub fn new(key: u64, events_every: usize, owner: Option<RawStream>) -> Self {
-        let state = ShardState { interval: events_every, epoch: 1, completed: 1, ..Default::default() };
+    pub fn new(key: u64, options: &super::PoolOptions, owner: Option<RawStream>) -> Self {
+        let state = ShardState {
+            interval: options.events_every,
+            batch: options.event_batch,
+            epoch: 1,
+            completed: 1,
+            ..Default::default()
+        };
         Shard { key, owner, state: ShardLock::new(state) }
     }
 
@@ -105,7 +113,8 @@ impl ShardState {
     /// Whether the next free is to record an event: asked for, or the interval is up.
     #[inline]
     pub fn event_due(&self, demand: u64) -> bool {
-        self.asked(demand) || self.unevented + 1 >= self.interval
+        let n = self.unevented + 1;
+        n >= self.interval || (n >= self.batch && self.asked(demand))
     }
 
     /// Retired and holding nothing: the shard may leave the pool.
