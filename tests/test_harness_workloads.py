@@ -194,3 +194,16 @@ def test_choose_takes_the_fastest_and_prefers_the_simpler_within_noise() -> None
     # the baseline is measured, never recommended
     only = recommend.choose(profile, [_row("async", 1, 1, 1), _row("cuda", 9, 9, 9)])
     assert only["choice"] == "async"
+    # Within noise of a noisy fastest, but measurably beaten by another candidate: not
+    # chosen (the hand-off program on the H200: binning 360k-549k, the pool 374k-393k,
+    # the pool with batched events 430k-467k).
+    noisy = [
+        _row("pool(async)", 374, 383, 393),
+        _row("binning(async)", 360, 523, 549),
+        _row(recommend.HANDOFF, 430, 444, 467),
+    ]
+    handoff = recommend.choose(profile, noisy)
+    assert handoff["choice"] == "binning(async)" and handoff["runner_up"] == recommend.HANDOFF
+    assert handoff["within_noise"]
+    # Without the noisy one, the measurably faster candidate wins over the simpler one.
+    assert recommend.choose(profile, noisy[::2])["choice"] == recommend.HANDOFF

@@ -166,19 +166,26 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
 def choose(profile: Profile, summary: list[dict[str, Any]]) -> dict[str, Any]:
     """The recommendation from measured ``summary`` rows (one per candidate): the fastest
     by median throughput, unless a simpler candidate (the rules' choice first, then
-    SIMPLER_FIRST order) is within noise of it. Returns choice, runner_up, margin (the
-    choice's median over the runner-up's, minus 1), within_noise and the reasoning."""
+    SIMPLER_FIRST order) is within noise of every faster one (so never one that another
+    candidate measurably beats, however noisy the fastest). Returns choice, runner_up,
+    margin (the choice's median over the runner-up's, minus 1), within_noise and the
+    reasoning."""
     rows = {r["resource"]: r for r in summary if r["resource"] != BASELINE and not r["oom_events"]}
     if not rows:
         rows = {r["resource"]: r for r in summary if r["resource"] != BASELINE}
     ranked = sorted(rows.values(), key=lambda r: r["throughput"]["median"], reverse=True)
     fastest = ranked[0]
     order = [profile.preferred] + [s for s in SIMPLER_FIRST if s != profile.preferred]
-    simpler = [
-        rows[s]
-        for s in order
-        if s in rows and bench.within_noise(rows[s]["throughput"], fastest["throughput"])
-    ]
+
+    def beaten(row: dict[str, Any]) -> bool:
+        """Whether another candidate is measurably faster than ``row``."""
+        mine = row["throughput"]
+        return any(
+            o["throughput"]["median"] > mine["median"] and not bench.within_noise(o["throughput"], mine)
+            for o in rows.values()
+        )
+
+    simpler = [rows[s] for s in order if s in rows and not beaten(rows[s])]
     pick = simpler[0] if simpler else fastest
     others = [r for r in ranked if r is not pick]
     runner = others[0] if others else None
