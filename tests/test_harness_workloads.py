@@ -45,6 +45,18 @@ def test_pipeline_from_python_threads_reports_stalls() -> None:
     assert result["alloc_seconds"] > 0
 
 
+@pytest.mark.parametrize("driver", ["native", "python"])
+def test_pipeline_checks_every_nth_chunk(driver: str) -> None:
+    pool = make_resource("pool(async)")
+    for every, checked in ((4, 2 * 3), (1, 2 * 12), (0, 0)):
+        result = workloads.pipeline(
+            pool, threads=2, chunks=12, chunk_size="64KiB", kernel_us=5, check_every=every, driver=driver
+        )
+        assert (result["checked"], result["mismatches"]) == (checked, 0), (every, result["checked"])
+    with pytest.raises(ValueError, match="check_every must be 0"):
+        workloads.pipeline(pool, check_every=-1, driver=driver)
+
+
 def test_larger_than_memory_is_measured_with_and_without_prefetch() -> None:
     for spec in ("managed", "prefetch(managed)"):
         result = workloads.larger_than_memory(make_resource(spec), total="8MiB", chunk_size="2MiB", passes=1)

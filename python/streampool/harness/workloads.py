@@ -309,12 +309,14 @@ def pipeline(
     chunks: int = 1000,
     chunk_size: int | str = "1MiB",
     kernel_us: float = 20.0,
+    check_every: int = 1,
     driver: str = "auto",
 ) -> dict[str, Any]:
     """The producer/consumer pipeline (the workload of RMM's async-default discussion):
     ``threads`` producer/consumer pairs; each producer allocates ``chunks`` chunks on its
     stream, fills them there and hands them over; its consumer computes on each chunk on
-    its own stream (about ``kernel_us`` of kernel time), checks it and frees it there.
+    its own stream (about ``kernel_us`` of kernel time), checks every ``check_every``-th
+    chunk (a check synchronises the consumer's stream; 0: never) and frees it there.
     Reports chunks/s, the allocator's stall time (``alloc_seconds``, its share of host
     time) and the longest single call; ``mismatches`` counts chunks whose data was wrong.
 
@@ -323,6 +325,8 @@ def pipeline(
     launching the kernels (the producer's stream is synchronised before the hand-off),
     ``"auto"`` the native one when this build has it. ``streams`` is ignored (two per pair)."""
     nbytes = parse_size(chunk_size)
+    if check_every < 0:
+        raise ValueError(f"pipeline: check_every must be 0 (never) or more, not {check_every}")
     if driver not in ("auto", "native", "python"):
         raise ValueError(f"pipeline: driver must be auto, native or python, not {driver!r}")
     native = getattr(_native, "pipeline", None)
@@ -336,6 +340,7 @@ def pipeline(
                 chunk_bytes=nbytes,
                 chunks_per_pair=chunks,
                 kernel_us=kernel_us,
+                check_every=check_every,
             )
         )
         out["throughput"] = out["chunks_per_second"]
@@ -350,7 +355,7 @@ def pipeline(
     iterations = _calibrate(kernels, probe, nbytes, probe_stream, kernel_us)
     candidate.resource.deallocate(probe, nbytes, probe_stream)
     probe_stream.synchronize()
-    mismatches = [0]
+    mismatches, checked = [0], [0]
 
     def pair(i: int) -> None:
         handoff: queue.Queue[tuple[int, int] | None] = queue.Queue(maxsize=4)
@@ -378,8 +383,11 @@ def pipeline(
             ptr, seed = item
             if iterations:
                 kernels.compute(ptr, nbytes, consume, iterations=iterations)
-            if kernels.check(ptr, nbytes, seed, consume):  # synchronises the consumer's stream
-                mismatches[0] += 1
+            n = seed - i * chunks
+            # A check synchronises the consumer's stream.
+            if check_every and n % check_every == 0:
+                checked[0] += 1
+                mismatches[0] += bool(kernels.check(ptr, nbytes, seed, consume))
             meter.free(ptr, nbytes, consume, f)
         t.join()
         consume.synchronize()
@@ -390,6 +398,7 @@ def pipeline(
     out["driver"] = "python"
     out["host_threads"] = 2 * threads  # a producer and a consumer per pair
     out["mismatches"] = mismatches[0]
+    out["checked"] = checked[0]
     out["compute_iterations"] = iterations
     return out
 
