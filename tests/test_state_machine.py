@@ -24,6 +24,10 @@ FACTORIES: dict[str, Any] = {
     "sharded_pool": lambda: mr.ShardedPoolMemoryResource(
         mr.CudaAsyncMemoryResource(), maximum_pool_size="8MiB", events_every=2
     ),
+    # The same, its streams recording an asked-for event only once 4 frees wait.
+    "sharded_pool_batched": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), maximum_pool_size="8MiB", events_every=2, event_batch=4
+    ),
 }
 
 

@@ -716,12 +716,16 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     /// Random interleavings of streams, sizes, frees on other streams, steps of the
-    /// simulated device and a small maximum (so every policy step runs): no race, no
-    /// overlap, exact accounting after every operation.
+    /// simulated device and a small maximum (so every policy step runs), with an event
+    /// batch from 1 to 11: no race, no overlap, exact accounting after every operation.
     #[test]
-    fn random_interleavings(ops in proptest::collection::vec((0u8..6, 0usize..1 << 22, 0usize..4), 1..120)) {
+    fn random_interleavings(
+        ops in proptest::collection::vec((0u8..6, 0usize..1 << 22, 0usize..4), 1..120),
+        event_batch in 1usize..12,
+    ) {
         let (sim, b) = setup(256 * MIB);
-        let p = pool(&b, PoolOptions { maximum_pool_size: Some(24 * MIB), events_every: 3, ..Default::default() });
+        let options = PoolOptions { maximum_pool_size: Some(24 * MIB), events_every: 3, event_batch, ..Default::default() };
+        let p = pool(&b, options);
         let streams: Vec<Stream> = (0..4).map(|_| stream(&b)).collect();
         let mut live: Vec<(DevPtr, usize, usize)> = vec![];
         for (op, n, si) in ops {
