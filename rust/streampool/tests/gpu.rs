@@ -93,7 +93,10 @@ fn bounded_pools(b: &BackendRef, bytes: usize) -> Vec<(String, ShardedPoolMemory
                 ..Default::default()
             };
             let pool = ShardedPoolMemoryResource::new(upstream.clone(), options).unwrap();
-            pools.push((format!("pool over {name}, events_every {events_every}, event_batch {event_batch}"), pool));
+            pools.push((
+                format!("pool over {name}, events_every {events_every}, event_batch {event_batch}"),
+                pool,
+            ));
         }
     }
     pools

@@ -1,9 +1,12 @@
 //! What the sharded pool's cross-stream reuse costs in driver calls: producers allocate
 //! chunks on their streams and hand them (after an event) to consumers, which free them on
-//! theirs (the pipeline workload, `streampool::harness::pipeline`, in one thread so that
-//! the counts are deterministic). Counts, not timings: event records and queries, stream
+//! theirs (the pipeline workload, `streampool::harness::pipeline`, in one thread, so that
+//! the counts do not depend on timing). Counts, not timings: event records and queries, stream
 //! waits, device synchronisations and growths per chunk once warm, and the footprint. On
 //! a device that does not run work until told, the race detector checks the orderings.
+//! The simulated device's memory is the host's, so the addresses of the chunks (and so
+//! which block a best fit takes, and which shard's events a look queries) differ between
+//! runs: the counts may differ by about one in a thousand chunks.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -170,7 +173,9 @@ fn an_event_batch_bounds_the_records_per_chunk() {
         let st = pool.stats();
         eprintln!("{pairs} pairs, batch 8: {calls:?} ({:.3} per chunk); {st:?}", calls.total());
         assert!(calls.records <= 1.0 / 8.0 + 1e-9, "{pairs} pairs: {calls:?}");
-        assert!(calls.queries <= 1.0 / 8.0 + 1e-9, "{pairs} pairs: {calls:?}");
+        // About one query per event; a few more where a look queries an event that a
+        // block of another epoch needed (one in 1,600 chunks on a 2-core machine).
+        assert!(calls.queries <= calls.records + 0.01, "{pairs} pairs: {calls:?}");
         assert!(calls.total() <= 0.3, "{pairs} pairs: {calls:?}");
         assert_eq!(calls.syncs, 0, "{pairs} pairs, warm: {calls:?}");
         let budget = peak_live * 3 + 2 * MIB;
