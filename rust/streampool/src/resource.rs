@@ -133,8 +133,10 @@ pub trait MemoryResource: Send + Sync + fmt::Debug {
     /// Frees `ptr != 0` of `bytes > 0` bytes, ordered on `stream` (already checked).
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()>;
 
-    /// Allocates without waiting for anything (no contended lock, no driver call):
-    /// `Some(result)` when that settles the request, `None` when the caller must call
+    /// Allocates without waiting for anything (no contended lock, no driver call that can
+    /// wait: an event's record or query never waits for the device, a synchronisation or
+    /// an upstream allocation may): `Some(result)` when that settles the request, `None`
+    /// when the caller must call
     /// [`MemoryResource::allocate`] (from Python: after releasing the GIL, which the fast
     /// path keeps, since releasing and retaking it costs more than the allocation).
     /// Applies the same checks as `allocate`. The default never settles anything.

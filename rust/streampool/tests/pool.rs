@@ -164,8 +164,8 @@ fn frees_on_another_stream_find_their_blocks_in_any_shard() {
 
 /// The binding's fast path (`try_deallocate`, which keeps Python's GIL) settles a free on
 /// a consumer's stream of a block allocated on a producer's once the consumer's shard knows
-/// where such blocks come from; the first such free, a block found elsewhere, and a free
-/// that finds an event due go to the full path (`None`). A wrong size found there is
+/// where such blocks come from (recording an event when one is due); the first such free
+/// and a block found elsewhere go to the full path (`None`). A wrong size found there is
 /// refused and leaves the block live.
 #[test]
 fn the_fast_path_settles_a_free_across_streams_once_its_source_is_known() {
@@ -183,10 +183,12 @@ fn the_fast_path_settles_a_free_across_streams_once_its_source_is_known() {
         p.deallocate(blocks[0], MIB, &consumer).unwrap();
         if events_every == 1 {
             // The event just recorded doubled the interval (nobody asked for this stream's
-            // memory): the next free is not due, the one after is (a driver call, left to
-            // the full path).
+            // memory): the next free is not due, the one after is, and records it (a
+            // driver call that does not wait).
             assert!(matches!(p.try_deallocate(blocks[1], MIB, &consumer), Some(Ok(()))));
-            assert!(p.try_deallocate(blocks[2], MIB, &consumer).is_none(), "an event is due");
+            let recorded = p.stats().events_recorded;
+            assert!(matches!(p.try_deallocate(blocks[2], MIB, &consumer), Some(Ok(()))));
+            assert_eq!(p.stats().events_recorded, recorded + 1, "the due event is recorded");
         } else {
             assert!(matches!(p.try_deallocate(blocks[1], MIB, &consumer), Some(Ok(()))));
             let err = p.try_deallocate(blocks[2], 2 * MIB, &consumer).unwrap();
@@ -769,4 +771,54 @@ proptest! {
         sim.run();
         prop_assert!(sim.races().is_empty(), "{}", sim.races()[0]);
     }
+}
+
+/// The fast path's allocation (`try_allocate`, which keeps Python's GIL) takes completed
+/// blocks from the shard its stream last took from (step 3 at that shard only: its events
+/// are queried, which never waits for the device), so that a producer whose chunks a
+/// consumer frees neither grows nor gives the GIL back. Without such a shard, or when its
+/// blocks are not known complete, the full path decides (`None`).
+#[test]
+fn the_fast_path_takes_completed_blocks_from_the_shard_it_last_took_from() {
+    const SIZE: usize = 2 * MIB;
+    let (sim, b) = setup(256 * MIB);
+    let p = pool(&b, PoolOptions { events_every: 1, ..Default::default() });
+    let (producer, consumer) = (stream(&b), stream(&b));
+    let hand_over = |xs: &[DevPtr]| {
+        for &x in xs {
+            sim.write(producer.handle(), x, 256).unwrap();
+            p.deallocate(x, SIZE, &consumer).unwrap();
+        }
+    };
+    let xs: Vec<DevPtr> = (0..4).map(|_| p.allocate(SIZE, &producer).unwrap()).collect();
+    hand_over(&xs);
+    sim.run();
+    assert!(p.try_allocate(SIZE, &producer).is_none(), "no source known yet");
+    // Step 3 of the full path takes the consumer's completed blocks and names the shard.
+    let mut live = vec![p.allocate(SIZE, &producer).unwrap()];
+    while let Some(Ok(x)) = p.try_allocate(SIZE, &producer) {
+        live.push(x);
+    }
+    let st = p.stats();
+    assert_eq!(st.used_bytes, live.len() * SIZE, "{st:?}");
+    assert!(
+        st.shard_free_bytes.iter().any(|&(_, free)| free > 0),
+        "a block without an event is left: {st:?}"
+    );
+    hand_over(&live);
+    assert!(p.try_allocate(SIZE, &producer).is_none(), "the consumer's work has not run");
+    sim.run();
+    let before = p.stats();
+    let y = p.try_allocate(SIZE, &producer).expect("settled on the fast path").unwrap();
+    sim.write(producer.handle(), y, SIZE).unwrap();
+    let st = p.stats();
+    assert_eq!(st.upstream_growths, before.upstream_growths, "{st:?}");
+    assert_eq!((st.cross_stream_waits, st.synchronizations), (0, 0), "{st:?}");
+    assert!(st.completed_steals > before.completed_steals, "{st:?}");
+    // A wrong size is refused on the fast path too, and leaves the pool usable.
+    assert!(matches!(p.try_deallocate(y, SIZE + MIB, &producer), Some(Err(Error::InvalidPointer(_)))));
+    p.deallocate(y, SIZE, &producer).unwrap();
+    assert_eq!(p.stats().used_bytes, 0);
+    assert_accounting(&p.stats());
+    assert_no_races(&sim);
 }

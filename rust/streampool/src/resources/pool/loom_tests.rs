@@ -67,3 +67,57 @@ fn loom_one_stream_two_threads() {
         check(&p);
     });
 }
+
+/// The fast path takes completed blocks from the shard its stream last took from (trying
+/// that shard's lock, then the common list's) while another thread allocates and frees on
+/// that shard's stream: no block is handed out twice, nothing is lost, and the fast path
+/// either settles or leaves the request to the full path.
+#[test]
+fn loom_fast_path_takes_from_the_shard_it_last_took_from() {
+    const SIZE: usize = 2 << 20;
+    crate::sync::model(|| {
+        let sim = SimDevice::new(64 << 20);
+        let b: BackendRef = sim.clone();
+        let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b.clone(), 0));
+        let options = PoolOptions { events_every: 1, ..Default::default() };
+        let p = Arc::new(ShardedPoolMemoryResource::new(upstream, options).unwrap());
+        let (producer, consumer) =
+            (Stream::create(&b, 0, false).unwrap(), Stream::create(&b, 0, false).unwrap());
+        // Hand-overs whose work has completed: the full path's step 3 names the consumer's
+        // shard as the producer's source; the producer's own shard is then drained.
+        let hand_over = |xs: &[DevPtr]| {
+            for &x in xs {
+                p.deallocate(x, SIZE, &consumer).unwrap();
+            }
+            sim.run();
+        };
+        hand_over(&(0..3).map(|_| p.allocate(SIZE, &producer).unwrap()).collect::<Vec<_>>());
+        let mut live = vec![p.allocate(SIZE, &producer).unwrap()];
+        while let Some(Ok(x)) = p.try_allocate(SIZE, &producer) {
+            live.push(x);
+        }
+        hand_over(&live);
+        let free_in =
+            |s: &Stream| p.stats().shard_free_bytes.iter().find(|(k, _)| *k == s.key(&b, 0)).map(|e| e.1);
+        assert_eq!(free_in(&producer), Some(0));
+        assert!(free_in(&consumer) >= Some(SIZE), "completed blocks to take: {:?}", p.stats());
+        let fast = {
+            let (p, producer) = (p.clone(), producer.clone());
+            loom::thread::spawn(move || {
+                let x = match p.try_allocate(SIZE, &producer) {
+                    Some(x) => x.unwrap(),
+                    None => p.allocate(SIZE, &producer).unwrap(),
+                };
+                (x, p.try_deallocate(x, SIZE, &producer))
+            })
+        };
+        let y = p.allocate(SIZE, &consumer).unwrap();
+        let (x, freed) = fast.join().unwrap();
+        assert_ne!(x, y);
+        if freed.is_none() {
+            p.deallocate(x, SIZE, &producer).unwrap();
+        }
+        p.deallocate(y, SIZE, &consumer).unwrap();
+        check(&p);
+    });
+}

@@ -19,7 +19,7 @@ mod loom_tests;
 
 #[cfg(not(loom))]
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
@@ -186,7 +186,9 @@ pub struct ShardedPoolMemoryResource {
     uid: u64,
     options: PoolOptions,
     maximum: usize,
-    shards: RwLock<HashMap<u64, Arc<Shard>>>,
+    /// By key, so that the looks through other shards go in the same order in every run
+    /// (and loom's models are deterministic).
+    shards: RwLock<BTreeMap<u64, Arc<Shard>>>,
     common: Mutex<FreeList>,
     chunks: RwLock<Arc<ChunkTable>>,
     next_chunk: AtomicU64,
@@ -282,7 +284,7 @@ impl ShardedPoolMemoryResource {
             uid: NEXT_POOL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             options,
             maximum,
-            shards: RwLock::new(HashMap::new()),
+            shards: RwLock::new(BTreeMap::new()),
             common: Mutex::new(FreeList::default()),
             chunks: RwLock::new(Arc::default()),
             next_chunk: AtomicU64::new(1),
@@ -432,7 +434,7 @@ impl ShardedPoolMemoryResource {
     #[inline]
     fn take_own(&self, size: usize, stream: &Stream, key: u64, blocking: bool) -> Option<Option<DevPtr>> {
         self.with_shard(key, stream, |shard| {
-            let mut st = if blocking { shard.state.lock() } else { shard.state.try_lock()? };
+            let mut st = policy::lock_shard(shard, blocking)?;
             let ptr = st.free.allocate(size);
             if ptr.is_some() {
                 st.used += size as i64;
@@ -450,13 +452,8 @@ impl ShardedPoolMemoryResource {
         let key = stream.key(self.backend(), self.device());
         let demand = self.demand.load(Ordering::Relaxed);
         self.with_shard(key, stream, |shard| {
-            let mut st = if blocking {
-                shard.state.lock()
-            } else {
-                match shard.state.try_lock() {
-                    Some(st) if !st.event_due(demand) => st,
-                    _ => return OwnFree::Busy,
-                }
+            let Some(mut st) = policy::lock_shard(shard, blocking) else {
+                return OwnFree::Busy;
             };
             let epoch = st.epoch;
             match st.free.free(ptr, size, epoch) {
@@ -472,9 +469,9 @@ impl ShardedPoolMemoryResource {
     }
 
     /// Frees a block into the shard of `stream`, recording an event when one is due.
-    /// `None` when `!blocking` and that would wait for a lock, call the driver, or look
-    /// through other shards (a block allocated on another stream, found elsewhere than
-    /// where this stream's last such free found its block).
+    /// `None` when `!blocking` and that would wait for a lock or look through other shards
+    /// (a block allocated on another stream, found elsewhere than where this stream's last
+    /// such free found its block).
     fn free_into(&self, ptr: DevPtr, bytes: usize, stream: &Stream, blocking: bool) -> Option<Result<()>> {
         let size = class_size(bytes);
         match self.free_own(ptr, size, stream, blocking) {
@@ -570,7 +567,7 @@ impl ShardedPoolMemoryResource {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum OwnFree {
     Done,
-    /// Not tried (`!blocking`): the lock is taken, or an event is due (a driver call).
+    /// Not tried (`!blocking`): the lock is taken.
     Busy,
     /// The shard has no live block there: allocated on another stream, or a bad free.
     NotHere,
@@ -638,8 +635,13 @@ impl MemoryResource for ShardedPoolMemoryResource {
         if let Some(ptr) = self.allocate_own(bytes, stream, false) {
             return Some(Ok(ptr));
         }
-        // Settled by the checks (the null pointer, an error), or the full path's to do.
-        settle_allocate(self, bytes, stream)
+        // Settled by the checks (the null pointer, an error); else completed blocks of the
+        // shard this stream last took from, when that needs no wait; else the full path's.
+        if let Some(settled) = settle_allocate(self, bytes, stream) {
+            return Some(settled);
+        }
+        let key = stream.key(self.backend(), self.device());
+        self.try_take_hinted(class_size(bytes), stream, key).map(Ok)
     }
 
     fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {

@@ -147,7 +147,7 @@ impl ShardedPoolMemoryResource {
         let own = self.with_shard(key, stream, Arc::clone);
         let hint = other_shard(&own.state.lock().source_hint, key);
         if let Some(shard) = &hint {
-            if let Some(taken) = self.look_completed(size, &own, shard) {
+            if let Some(taken) = self.look_completed(size, &own, shard, true) {
                 return Some(taken);
             }
         }
@@ -155,7 +155,7 @@ impl ShardedPoolMemoryResource {
             if hint.as_ref().is_some_and(|h| Arc::ptr_eq(h, shard)) {
                 continue;
             }
-            if let Some(taken) = self.look_completed(size, &own, shard) {
+            if let Some(taken) = self.look_completed(size, &own, shard, true) {
                 own.state.lock().source_hint = Some(Arc::downgrade(shard));
                 return Some(taken);
             }
@@ -163,13 +163,33 @@ impl ShardedPoolMemoryResource {
         None
     }
 
-    /// One shard's part of step 3, for the shard `own` of the looking stream.
-    fn look_completed(&self, size: usize, own: &Shard, shard: &Arc<Shard>) -> Option<(DevPtr, u64)> {
+    /// Step 3 without waiting, for the binding's fast path (which keeps Python's GIL): the
+    /// shard this stream last took blocks from, when its lock (and the common list's,
+    /// where blocks move) is free now; its events are queried (calls into the driver that
+    /// never wait for the device). `None` when that finds no block or would wait: the
+    /// caller then takes the full path.
+    pub(super) fn try_take_hinted(&self, size: usize, stream: &Stream, key: u64) -> Option<DevPtr> {
+        let own = self.with_shard(key, stream, Arc::clone);
+        let shard = other_shard(&own.state.try_lock()?.source_hint, key)?;
+        let (ptr, chunk) = self.look_completed(size, &own, &shard, false)?;
+        self.record_live(ptr, size, chunk, stream, key);
+        Some(ptr)
+    }
+
+    /// One shard's part of step 3, for the shard `own` of the looking stream. `None` too
+    /// when `!blocking` and a lock is taken.
+    fn look_completed(
+        &self,
+        size: usize,
+        own: &Shard,
+        shard: &Arc<Shard>,
+        blocking: bool,
+    ) -> Option<(DevPtr, u64)> {
         // Blocks may move from a retired shard or one that gives all.
         let mut common =
-            self.lock_common_if(shard, |st| st.free.bytes() > 0 && (st.retired || st.gives_all()));
+            self.lock_common_if(shard, |st| st.free.bytes() > 0 && (st.retired || st.gives_all()), blocking)?;
         let (taken, moved, empty) = {
-            let mut st = shard.state.lock();
+            let mut st = lock_shard(shard, blocking)?;
             if st.free.bytes() == 0 {
                 (None, Vec::new(), st.is_spent())
             } else {
@@ -249,7 +269,7 @@ impl ShardedPoolMemoryResource {
         for (_, _, shard) in order {
             // Blocks may move from a shard that gives all (the wait on the way is enqueued,
             // not waited for).
-            let common = self.lock_common_if(shard, ShardState::gives_all);
+            let common = self.lock_common_if(shard, ShardState::gives_all, true).flatten();
             let (taken, moved, event) = {
                 let mut st = shard.state.lock();
                 // No queries: step 3 has just made them, and waiting on an event that has
@@ -362,9 +382,10 @@ impl ShardedPoolMemoryResource {
     /// that the producers' looks and the other consumers' frees take too.
     ///
     /// `None` when `!blocking` (the binding's fast path, which keeps Python's GIL) and the
-    /// free would wait for a lock, call the driver (this stream's shard has an event due)
-    /// or look beyond that first shard: the caller then takes the full path. In a pipeline,
-    /// a consumer's free of a producer's chunk is settled without giving the GIL back.
+    /// free would wait for a lock or look beyond that first shard: the caller then takes
+    /// the full path. An event due on this stream is recorded on the way (a driver call
+    /// that does not wait). In a pipeline, a consumer's free of a producer's chunk is
+    /// settled without giving the GIL back.
     pub(super) fn free_foreign(
         &self,
         ptr: DevPtr,
@@ -378,9 +399,6 @@ impl ShardedPoolMemoryResource {
         let own = self.with_shard(key, stream, Arc::clone);
         let hint = {
             let st = lock_shard(&own, blocking)?;
-            if !blocking && st.event_due(demand) {
-                return None;
-            }
             other_shard(&st.foreign_hint, key)
         };
         let mut found = None;
@@ -446,13 +464,20 @@ impl ShardedPoolMemoryResource {
     /// under the shard's lock): moved blocks stay under the common list's lock until they
     /// are in their new shard, as in `import_common`, so that a gathering never misses them.
     /// Taken before the shard's lock is taken again (the locks' order).
+    /// `None` when `!blocking` and a lock is taken (the outer option); else the common
+    /// list's guard when `may_move`.
     fn lock_common_if(
         &self,
         shard: &Shard,
         may_move: impl FnOnce(&ShardState) -> bool,
-    ) -> Option<MutexGuard<'_, FreeList>> {
-        let moves = may_move(&shard.state.lock());
-        moves.then(|| lock(&self.common))
+        blocking: bool,
+    ) -> Option<Option<MutexGuard<'_, FreeList>>> {
+        let moves = may_move(&*lock_shard(shard, blocking)?);
+        match (moves, blocking) {
+            (false, _) => Some(None),
+            (true, true) => Some(Some(lock(&self.common))),
+            (true, false) => self.common.try_lock().ok().map(Some),
+        }
     }
 
     /// Moves every block known complete from every shard to the common list (locked by the
@@ -593,7 +618,8 @@ impl ShardedPoolMemoryResource {
 }
 
 /// `shard`'s lock, or, when `!blocking`, the lock if it is free now.
-fn lock_shard(shard: &Shard, blocking: bool) -> Option<ShardGuard<'_, ShardState>> {
+#[inline]
+pub(super) fn lock_shard(shard: &Shard, blocking: bool) -> Option<ShardGuard<'_, ShardState>> {
     if blocking {
         Some(shard.state.lock())
     } else {
