@@ -167,12 +167,14 @@ impl ShardedPoolMemoryResource {
     /// shard this stream last took blocks from, when its lock (and the common list's,
     /// where blocks move) is free now; its events are queried (calls into the driver that
     /// never wait for the device). `None` when that finds no block or would wait: the
-    /// caller then takes the full path.
+    /// caller then takes the full path. Once blocks are taken, they go into this stream's
+    /// own shard under its lock (as a free across streams does: held by this stream's
+    /// threads only for list operations); the shard map's lock is not taken.
     pub(super) fn try_take_hinted(&self, size: usize, stream: &Stream, key: u64) -> Option<DevPtr> {
         let own = self.with_shard(key, stream, Arc::clone);
         let shard = other_shard(&own.state.try_lock()?.source_hint, key)?;
         let (ptr, chunk) = self.look_completed(size, &own, &shard, false)?;
-        self.record_live(ptr, size, chunk, stream, key);
+        own.state.lock().put_live(ptr, size, chunk);
         Some(ptr)
     }
 
@@ -368,10 +370,7 @@ impl ShardedPoolMemoryResource {
 
     /// Records an allocation of the slow path (steps 2 to 6) as live in its stream's shard.
     pub(super) fn record_live(&self, ptr: DevPtr, size: usize, chunk: u64, stream: &Stream, key: u64) {
-        let shard = self.shard_slow(key, stream);
-        let mut st = shard.state.lock();
-        st.free.insert_live(ptr, size, chunk);
-        st.used += size as i64;
+        self.shard_slow(key, stream).state.lock().put_live(ptr, size, chunk);
     }
 
     /// A free on one stream of a block allocated on another: the block leaves the shard it

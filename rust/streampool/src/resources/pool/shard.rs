@@ -135,6 +135,12 @@ impl ShardState {
         self.used
     }
 
+    /// Records `ptr` (`size` rounded, in chunk `chunk`) live in this shard.
+    pub fn put_live(&mut self, ptr: DevPtr, size: usize, chunk: u64) {
+        self.free.insert_live(ptr, size, chunk);
+        self.used += size as i64;
+    }
+
     /// Takes the live record of `ptr` (`size` rounded, `bytes` as the caller passed it)
     /// out of this shard: its chunk, `None` when there is no record there, an error when
     /// the record has another size.
