@@ -63,6 +63,41 @@ def test_stats_and_release(sim: SimulatedDevice) -> None:
     assert s["reserved_bytes"] == 0
 
 
+def test_a_synchronised_stream_hands_its_frees_over_without_events(sim: SimulatedDevice) -> None:
+    """`Stream.synchronize()` completes the frees made on the stream before it: another
+    stream takes those blocks with no event recorded or queried; a block freed after it is
+    handed out only ordered (here: a wait, at the pool's maximum)."""
+    pool = mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), events_every=4096, maximum_pool_size="8MiB"
+    )
+    producer, consumer = streampool.Stream(), streampool.Stream()
+    mib2 = 2 << 20
+    xs = [pool.allocate(mib2, producer) for _ in range(4)]
+    producer.synchronize()  # the allocations are complete: the consumer may use them
+    for i, x in enumerate(xs[:3]):
+        if i == 2:
+            consumer.synchronize()
+        sim.write(consumer, x, 256)  # the consumer's work on it, pending on the device
+        pool.deallocate(x, mib2, consumer)
+    before = pool.stats
+    got = sorted(pool.allocate(mib2, producer) for _ in range(2))
+    after = pool.stats
+    assert got == sorted(xs[:2])
+    for key in ("events_recorded", "event_queries", "cross_stream_waits", "synchronizations"):
+        assert after[key] == before[key], key
+    late = pool.allocate(mib2, producer)  # freed after the synchronisation: ordered first
+    assert late == xs[2]
+    s = pool.stats
+    assert (
+        s["cross_stream_waits"] + s["synchronizations"]
+        > before["cross_stream_waits"] + before["synchronizations"]
+    )
+    sim.write(producer, late, 256)
+    for x in [*got, late, xs[3]]:
+        pool.deallocate(x, mib2, producer)
+    sim.run()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -380,7 +380,7 @@ pub fn check(
         // enqueued or the synchronisation is what failed (then the counter is not reused
         // and the host value not read).
         unsafe { backend.memcpy_async(dev, host, counter, 8, stream.handle()) }?;
-        backend.stream_synchronize(dev, stream.handle())
+        stream.synchronize(backend, dev)
     };
     match run() {
         Ok(()) => {

@@ -60,4 +60,4 @@ pub use resources::{
 };
 pub use resources::{PoolOptions, PoolStats, ShardedPoolMemoryResource};
 pub use size::parse_size;
-pub use stream::{Event, Stream};
+pub use stream::{Event, Stream, SyncMarks};

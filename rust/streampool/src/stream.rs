@@ -49,6 +49,47 @@ struct OwnedStream {
     key: u64,
     /// Run with the stream, still alive, just before it is destroyed ([`Stream::on_destroy`]).
     on_destroy: std::sync::Mutex<Vec<DestroyHook>>,
+    syncs: Arc<SyncMarks>,
+}
+
+/// A stream's host synchronisations through [`Stream::synchronize`], counted so that a pool
+/// learns that frees on the stream have completed without asking the driver: work
+/// enqueued on the stream before [`SyncMarks::started`] read `n` has completed once
+/// [`SyncMarks::done`] is above `n`. Kept for the streams streampool owns
+/// ([`Stream::sync_marks`]).
+#[derive(Debug, Default)]
+pub struct SyncMarks {
+    started: AtomicU64,
+    done: AtomicU64,
+}
+
+impl SyncMarks {
+    /// Synchronisations started so far.
+    ///
+    /// Sequentially consistent, against the increment that starts a synchronisation: a
+    /// caller that enqueued work and then read `n` has its work ordered before every
+    /// synchronisation numbered above `n` (the driver's enqueue and its synchronisation
+    /// are themselves ordered by its own lock).
+    #[inline]
+    pub fn started(&self) -> u64 {
+        self.started.load(Ordering::SeqCst)
+    }
+
+    /// The highest number of a synchronisation that has returned (synchronisations are
+    /// numbered from 1 as they start).
+    #[inline]
+    pub fn done(&self) -> u64 {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// Runs `sync` as the next synchronisation: counted as started before it and as done
+    /// once it returns successfully.
+    fn around<T>(&self, sync: impl FnOnce() -> Result<T>) -> Result<T> {
+        let n = self.started.fetch_add(1, Ordering::SeqCst) + 1;
+        let out = sync()?;
+        self.done.fetch_max(n, Ordering::Release);
+        Ok(out)
+    }
 }
 
 /// See [`Stream::on_destroy`].
@@ -121,8 +162,14 @@ impl Stream {
     pub fn create(backend: &BackendRef, device: i32, blocking: bool) -> Result<Self> {
         let handle = backend.stream_create(device, blocking)?;
         let key = stream_key(backend, device, handle);
-        let owned =
-            OwnedStream { backend: backend.clone(), device, handle, key, on_destroy: Default::default() };
+        let owned = OwnedStream {
+            backend: backend.clone(),
+            device,
+            handle,
+            key,
+            on_destroy: Default::default(),
+            syncs: Default::default(),
+        };
         Ok(Stream { handle, origin: Origin::Owned(Arc::new(owned)) })
     }
 
@@ -223,6 +270,15 @@ impl Stream {
         }
     }
 
+    /// The count of this stream's synchronisations, for a stream streampool owns (`None`
+    /// for the default streams and borrowed handles, which others synchronise unseen).
+    pub fn sync_marks(&self) -> Option<Arc<SyncMarks>> {
+        match &self.origin {
+            Origin::Owned(o) => Some(o.syncs.clone()),
+            _ => None,
+        }
+    }
+
     /// True when this stream was created by streampool and is destroyed with its last clone.
     pub fn is_owned(&self) -> bool {
         matches!(self.origin, Origin::Owned(_))
@@ -285,7 +341,10 @@ impl Stream {
             event.record(self)?;
             return event.synchronize();
         }
-        backend.stream_synchronize(device, self.handle())
+        match &self.origin {
+            Origin::Owned(o) => o.syncs.around(|| backend.stream_synchronize(device, self.handle)),
+            _ => backend.stream_synchronize(device, self.handle()),
+        }
     }
 
     /// A key that names this stream and no other, ever, for as long as the process lives

@@ -59,8 +59,11 @@ struct Pair {
 /// `pairs` producer/consumer pairs, interleaved in one thread: each round, every producer
 /// allocates a chunk on its stream, writes it and records an event; once `depth` chunks
 /// are queued, its consumer waits on the oldest one's event, reads it and frees it on its
-/// own stream. Unless 0, the device runs its work every `lag` rounds. Returns the pool's calls per chunk over the rounds after `warm`, and the
+/// own stream; with `sync`, it synchronises its stream before each free (as a program that
+/// reads each chunk's result on the host does). Unless 0, the device runs its work every
+/// `lag` rounds. Returns the pool's calls per chunk over the rounds after `warm`, and the
 /// peak live bytes.
+#[allow(clippy::too_many_arguments)]
 fn pipeline(
     sim: &SimDevice,
     b: &BackendRef,
@@ -69,6 +72,7 @@ fn pipeline(
     warm: usize,
     rounds: usize,
     lag: usize,
+    sync: bool,
 ) -> (PerChunk, usize) {
     const CHUNK: usize = MIB;
     const DEPTH: usize = 4;
@@ -97,6 +101,9 @@ fn pipeline(
                 let (x, ready) = p.queue.pop_front().unwrap();
                 p.consumer.wait(&ready).unwrap();
                 sim.read(p.consumer.handle(), x, 1024).unwrap();
+                if sync {
+                    p.consumer.synchronize(b, 0).unwrap();
+                }
                 pool.deallocate(x, CHUNK, &p.consumer).unwrap();
                 live -= CHUNK;
             }
@@ -143,7 +150,7 @@ fn a_warm_pipeline_amortises_its_driver_calls_and_never_synchronises() {
     for (pairs, headroom, most) in [(1, 0.15, 1.05), (4, 0.15, 1.6), (8, 0.15, 2.0), (1, 1.0, 0.7)] {
         let (sim, b, pool) = setup(headroom);
         sim.set_eager(true);
-        let (calls, peak_live) = pipeline(&sim, &b, &pool, pairs, 50, 400, 0);
+        let (calls, peak_live) = pipeline(&sim, &b, &pool, pairs, 50, 400, 0, false);
         let st = pool.stats();
         eprintln!("{pairs} pairs, headroom {headroom}: {calls:?} ({:.3} per chunk); {st:?}", calls.total());
         assert!(calls.total() <= most, "{pairs} pairs, headroom {headroom}: {calls:?}");
@@ -169,7 +176,7 @@ fn an_event_batch_bounds_the_records_per_chunk() {
         let options = PoolOptions { headroom: Some(2.0), event_batch: 8, ..Default::default() };
         let (sim, b, pool) = setup_with(options);
         sim.set_eager(true);
-        let (calls, peak_live) = pipeline(&sim, &b, &pool, pairs, 300, 400, 0);
+        let (calls, peak_live) = pipeline(&sim, &b, &pool, pairs, 300, 400, 0, false);
         let st = pool.stats();
         eprintln!("{pairs} pairs, batch 8: {calls:?} ({:.3} per chunk); {st:?}", calls.total());
         assert!(calls.records <= 1.0 / 8.0 + 1e-9, "{pairs} pairs: {calls:?}");
@@ -184,7 +191,7 @@ fn an_event_batch_bounds_the_records_per_chunk() {
     }
     let options = PoolOptions { headroom: Some(2.0), event_batch: 8, ..Default::default() };
     let (sim, b, pool) = setup_with(options);
-    pipeline(&sim, &b, &pool, 4, 20, 200, 4);
+    pipeline(&sim, &b, &pool, 4, 20, 200, 4, false);
     assert_accounting(&pool.stats());
     assert_no_races(&sim);
     // The default batch of 1 is the policy without it (the test above); 0 is refused.
@@ -208,7 +215,7 @@ fn an_event_batch_bounds_the_records_per_chunk() {
 fn a_pipeline_on_a_device_that_lags_reuses_memory_in_stream_order() {
     for (pairs, most) in [(1, 2.0), (4, 5.5)] {
         let (sim, b, pool) = setup(0.15);
-        let (calls, peak_live) = pipeline(&sim, &b, &pool, pairs, 20, 200, 4);
+        let (calls, peak_live) = pipeline(&sim, &b, &pool, pairs, 20, 200, 4, false);
         let st = pool.stats();
         eprintln!("{pairs} pairs, lagging device: {calls:?} ({:.3} per chunk); {st:?}", calls.total());
         assert!(calls.total() <= most, "{pairs} pairs: {calls:?}");
@@ -238,4 +245,42 @@ fn blocks_no_event_covers_are_reused_by_a_wait_on_streams_the_pool_can_see() {
     assert_eq!(st.peak_reserved_bytes, 6 * MIB, "reused, not grown: {st:?}");
     assert_accounting(&st);
     assert_no_races(&sim);
+}
+
+/// A consumer that synchronises its stream (a program that reads each result on the
+/// host) completes its frees at each synchronisation: with an event batch, such a stream
+/// records no event at all, so producers take the consumers' blocks with no driver call of
+/// the pool's (no event recorded or queried, no wait, no device synchronisation), within
+/// the footprint the batch allows. With the default batch of 1 the pool still records the
+/// events its producers ask for (they complete sooner than the next synchronisation), and
+/// the synchronisations add none. Every reuse stays ordered on a device that lags (the
+/// detector finds no race).
+#[test]
+fn a_synchronised_consumer_hands_memory_over_without_driver_calls() {
+    for pairs in [1, 4, 8] {
+        let options = PoolOptions { headroom: Some(2.0), event_batch: 8, ..Default::default() };
+        let (sim, b, pool) = setup_with(options);
+        sim.set_eager(true);
+        let (calls, peak_live) = pipeline(&sim, &b, &pool, pairs, 50, 400, 0, true);
+        let st = pool.stats();
+        eprintln!("{pairs} pairs, batch 8, synchronised: {calls:?}; {st:?}");
+        assert_eq!(calls.total(), 0.0, "{pairs} pairs: {calls:?}");
+        assert_eq!((calls.syncs, calls.growths), (0, 0), "{pairs} pairs: {calls:?}");
+        assert!(st.peak_reserved_bytes <= peak_live * 3 + 2 * MIB, "{st:?}, peak live {peak_live}");
+        assert_accounting(&st);
+    }
+    for pairs in [1, 4] {
+        let (sim, b, pool) = setup(0.15);
+        sim.set_eager(true);
+        let (calls, _) = pipeline(&sim, &b, &pool, pairs, 50, 400, 0, true);
+        assert!(calls.total() <= 1.6, "{pairs} pairs, batch 1: {calls:?}");
+        assert_eq!((calls.syncs, calls.growths), (0, 0), "{pairs} pairs: {calls:?}");
+    }
+    for batch in [1, 8] {
+        let options = PoolOptions { headroom: Some(2.0), event_batch: batch, ..Default::default() };
+        let (sim, b, pool) = setup_with(options);
+        pipeline(&sim, &b, &pool, 4, 20, 200, 4, true);
+        assert_accounting(&pool.stats());
+        assert_no_races(&sim);
+    }
 }

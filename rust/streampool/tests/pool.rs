@@ -718,11 +718,11 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     /// Random interleavings of streams, sizes, frees on other streams, steps of the
-    /// simulated device and a small maximum (so every policy step runs), with an event
+    /// simulated device, host synchronisations of a stream and a small maximum (so every policy step runs), with an event
     /// batch from 1 to 11: no race, no overlap, exact accounting after every operation.
     #[test]
     fn random_interleavings(
-        ops in proptest::collection::vec((0u8..6, 0usize..1 << 22, 0usize..4), 1..120),
+        ops in proptest::collection::vec((0u8..7, 0usize..1 << 22, 0usize..4), 1..120),
         event_batch in 1usize..12,
     ) {
         let (sim, b) = setup(256 * MIB);
@@ -762,6 +762,8 @@ proptest! {
                         p.deallocate(ptr, n, home).unwrap();
                     }
                 }
+                // A host synchronisation completes the stream's frees so far without an event.
+                6 => s.synchronize(&b, 0).unwrap(),
                 _ => { sim.step(s.handle()).unwrap(); }
             }
             let st = p.stats();
@@ -821,4 +823,57 @@ fn the_fast_path_takes_completed_blocks_from_the_shard_it_last_took_from() {
     assert_eq!(p.stats().used_bytes, 0);
     assert_accounting(&p.stats());
     assert_no_races(&sim);
+}
+
+/// A host synchronisation of a stream (`Stream::synchronize`) completes the frees made on
+/// it before the synchronisation started, with no event and no query: another stream then
+/// takes those blocks at once. A free made after it is not complete for that
+/// synchronisation: the block is handed out only ordered (here, at the pool's maximum, by
+/// an event and a wait), and the detector finds no race.
+#[test]
+fn a_synchronisation_completes_the_frees_made_before_it() {
+    const SIZE: usize = 2 * MIB;
+    let (sim, b) = setup(256 * MIB);
+    let options = PoolOptions { events_every: 4096, maximum_pool_size: Some(8 * MIB), ..Default::default() };
+    let p = pool(&b, options);
+    let (producer, consumer) = (stream(&b), stream(&b));
+    let xs: Vec<DevPtr> = (0..4).map(|_| p.allocate(SIZE, &producer).unwrap()).collect();
+    let handed = streampool::Event::new(&b, 0).unwrap();
+    handed.record(&producer).unwrap();
+    consumer.wait(&handed).unwrap();
+    // Work of the consumer's on each block, pending until the device runs it.
+    let use_and_free = |x: DevPtr| {
+        sim.write(consumer.handle(), x, 256).unwrap();
+        p.deallocate(x, SIZE, &consumer).unwrap();
+    };
+    use_and_free(xs[0]);
+    use_and_free(xs[1]);
+    consumer.synchronize(&b, 0).unwrap();
+    use_and_free(xs[2]);
+    let before = p.stats();
+    let mut got: Vec<DevPtr> = (0..2).map(|_| p.allocate(SIZE, &producer).unwrap()).collect();
+    got.sort_unstable();
+    let mut first = vec![xs[0], xs[1]];
+    first.sort_unstable();
+    assert_eq!(got, first);
+    let st = p.stats();
+    let calls = |s: &streampool::PoolStats| {
+        (s.event_queries, s.events_recorded, s.cross_stream_waits, s.synchronizations)
+    };
+    assert_eq!(calls(&st), calls(&before), "taken with no driver call: {st:?}");
+    // The block freed after the synchronisation: only after its free is ordered.
+    let x = p.allocate(SIZE, &producer).unwrap();
+    assert_eq!(x, xs[2]);
+    let st = p.stats();
+    assert!(
+        st.cross_stream_waits + st.synchronizations > before.cross_stream_waits + before.synchronizations,
+        "{st:?}"
+    );
+    sim.write(producer.handle(), x, 256).unwrap();
+    for x in got.into_iter().chain([x, xs[3]]) {
+        p.deallocate(x, SIZE, &producer).unwrap();
+    }
+    sim.run();
+    assert_no_races(&sim);
+    assert_accounting(&p.stats());
 }

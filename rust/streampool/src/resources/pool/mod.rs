@@ -407,7 +407,7 @@ impl ShardedPoolMemoryResource {
                 return s.clone();
             }
             let owner = stream.is_owned().then(|| stream.handle());
-            let shard = Arc::new(Shard::new(key, &self.options, owner));
+            let shard = Arc::new(Shard::new(key, &self.options, owner, sync_marks(stream)));
             map.insert(key, shard.clone());
             shard
         };
@@ -455,7 +455,7 @@ impl ShardedPoolMemoryResource {
             let Some(mut st) = policy::lock_shard(shard, blocking) else {
                 return OwnFree::Busy;
             };
-            let epoch = st.epoch;
+            let epoch = st.entry_epoch();
             match st.free.free(ptr, size, epoch) {
                 Ok(()) => {
                     st.used -= size as i64;
@@ -506,6 +506,17 @@ impl ShardedPoolMemoryResource {
         st.seen_demand = demand;
         st.wanted = false;
         st.drawn = false;
+        // With an event batch (memory held for fewer driver calls), a stream synchronised
+        // since its last due event records none: its synchronisations complete its blocks
+        // (`ShardState::refresh`). Without one (the default), the event is recorded: it
+        // completes as soon as the stream's work before the free has run, which in a
+        // pipeline that synchronises before each free is at once, where the next
+        // synchronisation comes a chunk of work later; with little headroom, producers
+        // would wait on the consumers' streams meanwhile (`IMPLEMENTATION.md`, "Epochs").
+        if st.batch > 1 && st.synced_since_due() {
+            st.unevented = 0;
+            return;
+        }
         // The events that have completed make room for this one, and their blocks become
         // takeable by other streams without a query of theirs (measured together with the
         // queries of each look: policy.rs, `take_completed`).
@@ -706,4 +717,19 @@ impl fmt::Debug for ShardedPoolMemoryResource {
             self.upstream
         )
     }
+}
+
+/// The synchronisation count a new shard of `stream` follows (streams streampool owns).
+fn sync_marks(stream: &Stream) -> Option<Arc<crate::stream::SyncMarks>> {
+    if ab_mode() == 1 {
+        return None;
+    }
+    stream.sync_marks()
+}
+
+fn ab_mode() -> u8 {
+    static MODE: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| {
+        std::env::var("STREAMPOOL_AB_NO_SYNC_MARKS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+    })
 }

@@ -280,7 +280,7 @@ impl ShardedPoolMemoryResource {
                 // a concurrent synchronisation closed without an event are neither.
                 let mut covered = st.covered();
                 let mut taken = st.free.take(size, |e| e < covered);
-                if taken.is_none() && st.gives_all() && st.unevented > 0 {
+                if taken.is_none() && st.gives_all() && st.has_uncovered() {
                     if let Some(owner) = shard.owner {
                         if let Ok(true) = st.record_event(self.backend(), self.device(), owner, false) {
                             self.counters.events.fetch_add(1, Ordering::Relaxed);
@@ -313,7 +313,7 @@ impl ShardedPoolMemoryResource {
                 // Ordered for this stream now (after the wait): as if freed on it.
                 let own = self.shard_slow(key, stream);
                 let mut st = own.state.lock();
-                let epoch = st.epoch;
+                let epoch = st.entry_epoch();
                 let n = st.free.insert_all(moved, epoch);
                 st.unevented += n;
             }
@@ -358,7 +358,7 @@ impl ShardedPoolMemoryResource {
         if chunk.size > size {
             let shard = self.shard_slow(key, stream);
             let mut st = shard.state.lock();
-            let epoch = st.epoch;
+            let epoch = st.entry_epoch();
             st.free.insert(
                 chunk.start + size as u64,
                 FreeBlock { size: chunk.size - size, chunk: chunk.id, epoch },
@@ -437,7 +437,7 @@ impl ShardedPoolMemoryResource {
         if let Some(shard) = source {
             st.foreign_hint = Some(Arc::downgrade(&shard));
         }
-        let epoch = st.epoch;
+        let epoch = st.entry_epoch();
         st.free.insert(ptr, FreeBlock { size, chunk, epoch });
         self.after_free(&mut st, stream, demand);
         Some(Ok(()))
@@ -518,6 +518,7 @@ impl ShardedPoolMemoryResource {
                 let e = st.epoch;
                 st.epoch += 1;
                 st.unevented = 0;
+                st.open_used = false;
                 e
             })
             .collect();

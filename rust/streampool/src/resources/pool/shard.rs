@@ -7,12 +7,15 @@ use super::freelist::{FreeList, NotFreed};
 use super::wrong_size;
 use crate::device::{BackendRef, DevPtr, RawStream};
 use crate::error::Result;
-use crate::stream::{Event, Stream};
+use crate::stream::{Event, Stream, SyncMarks};
 use crate::sync::ShardLock;
 use std::sync::{Arc, Weak};
 
 /// Events a shard keeps in flight at most.
 pub(super) const MAX_EVENTS: usize = 16;
+/// Epochs closed by a synchronisation's start that a shard keeps waiting for it at most
+/// (beyond, the newest entry stands for the ones before it).
+const MAX_SYNC_CLOSED: usize = 8;
 /// While no stream is short of memory, a shard's interval between events doubles after
 /// each event, up to this many times `events_every`.
 pub(super) const MAX_EVENT_BACKOFF: usize = 64;
@@ -37,7 +40,8 @@ pub(super) struct ShardState {
     pub free: FreeList,
     /// The open epoch: blocks entering the shard now get it.
     pub epoch: u64,
-    /// Blocks that entered in the open epoch.
+    /// Blocks that entered since the last event recorded here (in the open epoch, or in
+    /// epochs a synchronisation closed).
     pub unevented: usize,
     /// Recorded events, oldest first: `(e, event)` covers every block of epoch <= e.
     pub events: VecDeque<(u64, Arc<Event>)>,
@@ -68,6 +72,21 @@ pub(super) struct ShardState {
     /// Bytes of the live blocks whose records this shard holds (allocated on this stream,
     /// not yet freed). Signed: see [`ShardState::used_bytes`].
     pub used: i64,
+    /// The stream's synchronisations, for a stream streampool owns: one that starts after a
+    /// block entered completes the block once it returns, with no event and no query
+    /// (`IMPLEMENTATION.md`, "Epochs").
+    pub syncs: Option<Arc<SyncMarks>>,
+    /// `syncs.started()` as the open epoch's blocks saw it: a block that sees another value
+    /// closes the epoch first.
+    pub open_syncs: u64,
+    /// A block entered the open epoch (with `syncs` only).
+    pub open_used: bool,
+    /// Epochs closed as a synchronisation started, oldest first: `(e, n)`, every block of
+    /// an epoch up to `e` is complete once `syncs.done() >= n`.
+    pub sync_closed: VecDeque<(u64, u64)>,
+    /// `syncs.done()` when an event was last due: a synchronisation that returned since
+    /// then stands in for the next event.
+    pub due_syncs: u64,
     /// The stream was destroyed: nothing enters this shard any more, an event recorded
     /// just before the destruction covers every free block, and the shard leaves the pool
     /// once those blocks have gone to the common list and its live blocks are freed.
@@ -77,12 +96,18 @@ pub(super) struct ShardState {
 impl Shard {
     /// Epochs start at 1: epoch 0 tags blocks known complete everywhere (from the common
     /// list), which every shard's `completed` is past.
-    pub fn new(key: u64, options: &super::PoolOptions, owner: Option<RawStream>) -> Self {
+    pub fn new(
+        key: u64,
+        options: &super::PoolOptions,
+        owner: Option<RawStream>,
+        syncs: Option<Arc<SyncMarks>>,
+    ) -> Self {
         let state = ShardState {
             interval: options.events_every,
             batch: options.event_batch,
             epoch: 1,
             completed: 1,
+            syncs,
             ..Default::default()
         };
         Shard { key, owner, state: ShardLock::new(state) }
@@ -155,9 +180,88 @@ impl ShardState {
         }
     }
 
-    /// Advances `completed` past every recorded event that has finished; returns the
-    /// queries it made (the pool counts them).
+    /// The epoch of a block entering the shard now (freed here, grown for this stream, or
+    /// moved in ordered after this stream's work). When the stream was synchronised since
+    /// the open epoch's blocks entered (a synchronisation started: its count moved), the
+    /// epoch is closed first, to complete once that synchronisation returns.
+    #[inline]
+    pub fn entry_epoch(&mut self) -> u64 {
+        if let Some(syncs) = &self.syncs {
+            let started = syncs.started();
+            if started != self.open_syncs {
+                self.close_for_sync(started);
+            }
+            self.open_used = true;
+        }
+        self.epoch
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn close_for_sync(&mut self, started: u64) {
+        if self.open_used {
+            let closed = (self.epoch, self.open_syncs + 1);
+            if self.sync_closed.len() >= MAX_SYNC_CLOSED {
+                // Coarser, never wrong: the newer epoch's synchronisation covers the older.
+                *self.sync_closed.back_mut().expect("full") = closed;
+            } else {
+                self.sync_closed.push_back(closed);
+            }
+            self.epoch += 1;
+            self.open_used = false;
+        }
+        self.open_syncs = started;
+    }
+
+    /// Marks complete the epochs whose closing synchronisation has returned, and the open
+    /// one when a synchronisation started after its blocks has returned.
+    fn complete_synced(&mut self, done: u64, started: u64) {
+        let mut through = None;
+        while let Some(&(e, n)) = self.sync_closed.front() {
+            if n > done {
+                break;
+            }
+            through = Some(e);
+            self.sync_closed.pop_front();
+        }
+        if self.open_used && done > self.open_syncs {
+            through = Some(self.epoch);
+            self.epoch += 1;
+            self.open_used = false;
+            self.open_syncs = started;
+        }
+        if let Some(e) = through {
+            self.complete_through(e);
+        }
+    }
+
+    /// Whether blocks may have entered since the last event without one covering them
+    /// yet: in the open epoch, or in epochs a synchronisation closed and has not completed.
+    pub fn has_uncovered(&self) -> bool {
+        self.unevented > 0 || self.open_used || !self.sync_closed.is_empty()
+    }
+
+    /// Whether the stream was synchronised (a synchronisation returned) since an event was
+    /// last due here; notes the count either way. Such a stream's blocks complete at its
+    /// synchronisations, so the event that is due now need not be recorded.
+    pub fn synced_since_due(&mut self) -> bool {
+        let Some(syncs) = &self.syncs else { return false };
+        let done = syncs.done();
+        let synced = done > self.due_syncs;
+        self.due_syncs = done;
+        synced
+    }
+
+    /// Advances `completed` past every epoch a synchronisation of the stream completed and
+    /// every recorded event that has finished; returns the queries it made (the pool
+    /// counts them).
     pub fn refresh(&mut self) -> u64 {
+        if let Some(syncs) = &self.syncs {
+            // `started` read now, before any later entry: at worst older than the entries'
+            // view, which only closes their epoch sooner.
+            let (done, started) = (syncs.done(), syncs.started());
+            self.complete_synced(done, started);
+        }
         let mut queries = 0;
         while let Some((e, ev)) = self.events.front() {
             queries += 1;
@@ -222,6 +326,7 @@ impl ShardState {
         self.events.push_back((self.epoch, event));
         self.epoch += 1;
         self.unevented = 0;
+        self.open_used = false;
         Ok(true)
     }
 }
