@@ -175,7 +175,9 @@ class Stream:
         """The device the stream belongs to; None for the default streams, which exist on
         every device."""
     def synchronize(self) -> None:
-        """Waits until all work enqueued on the stream has completed (GIL released)."""
+        """Waits until all work enqueued on the stream has completed (GIL released). On a
+        stream streampool made, the sharded pool learns from it that the frees made on the
+        stream before it have completed: other streams reuse that memory with no event."""
     def is_default(self) -> bool:
         """True for the legacy and the per-thread default streams (RMM's ``is_default()``)."""
     def __cuda_stream__(self) -> tuple[int, int]:

@@ -190,7 +190,9 @@ impl PyStream {
         self.inner.binding().map(|(_, d)| d)
     }
 
-    /// Waits until all work enqueued on the stream has completed (GIL released).
+    /// Waits until all work enqueued on the stream has completed (GIL released). On a
+    /// stream streampool made, the sharded pool learns from it that the frees made on the
+    /// stream before it have completed: other streams reuse that memory with no event.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         let (backend, device) = self.placement().or_raise(py)?;
         let stream = self.inner.clone();

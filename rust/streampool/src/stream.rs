@@ -330,7 +330,9 @@ impl Stream {
         Ok(())
     }
 
-    /// Waits on the host until all work enqueued on this stream has completed.
+    /// Waits on the host until all work enqueued on this stream has completed. On a stream
+    /// this crate owns it is counted ([`Stream::sync_marks`]): a pool learns from it that
+    /// the frees made on the stream before it have completed.
     pub fn synchronize(&self, backend: &BackendRef, device: i32) -> Result<()> {
         self.check(backend, device)?;
         if self.owner_thread().is_some() && self.is_legacy() {

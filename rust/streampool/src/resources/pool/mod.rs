@@ -407,7 +407,7 @@ impl ShardedPoolMemoryResource {
                 return s.clone();
             }
             let owner = stream.is_owned().then(|| stream.handle());
-            let shard = Arc::new(Shard::new(key, &self.options, owner, sync_marks(stream)));
+            let shard = Arc::new(Shard::new(key, &self.options, owner, stream.sync_marks()));
             map.insert(key, shard.clone());
             shard
         };
@@ -717,19 +717,4 @@ impl fmt::Debug for ShardedPoolMemoryResource {
             self.upstream
         )
     }
-}
-
-/// The synchronisation count a new shard of `stream` follows (streams streampool owns).
-fn sync_marks(stream: &Stream) -> Option<Arc<crate::stream::SyncMarks>> {
-    if ab_mode() == 1 {
-        return None;
-    }
-    stream.sync_marks()
-}
-
-fn ab_mode() -> u8 {
-    static MODE: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
-    *MODE.get_or_init(|| {
-        std::env::var("STREAMPOOL_AB_NO_SYNC_MARKS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
-    })
 }
