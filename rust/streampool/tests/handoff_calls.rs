@@ -123,6 +123,11 @@ fn setup(headroom: f64) -> (Arc<SimDevice>, BackendRef, ShardedPoolMemoryResourc
     setup_with(PoolOptions { headroom: Some(headroom), ..Default::default() })
 }
 
+/// A pool with `headroom=2` and an event batch of `event_batch` (the batched hand-off).
+fn batched(event_batch: usize) -> (Arc<SimDevice>, BackendRef, ShardedPoolMemoryResource) {
+    setup_with(PoolOptions { headroom: Some(2.0), event_batch, ..Default::default() })
+}
+
 fn setup_with(options: PoolOptions) -> (Arc<SimDevice>, BackendRef, ShardedPoolMemoryResource) {
     let sim = SimDevice::new(1 << 30);
     let b: BackendRef = sim.clone();
@@ -173,8 +178,7 @@ fn a_warm_pipeline_amortises_its_driver_calls_and_never_synchronises() {
 #[test]
 fn an_event_batch_bounds_the_records_per_chunk() {
     for pairs in [1, 4, 8] {
-        let options = PoolOptions { headroom: Some(2.0), event_batch: 8, ..Default::default() };
-        let (sim, b, pool) = setup_with(options);
+        let (sim, b, pool) = batched(8);
         sim.set_eager(true);
         let (calls, peak_live) = pipeline(&sim, &b, &pool, pairs, 300, 400, 0, false);
         let st = pool.stats();
@@ -189,8 +193,7 @@ fn an_event_batch_bounds_the_records_per_chunk() {
         assert!(st.peak_reserved_bytes <= budget, "{pairs} pairs: {st:?}, peak live {peak_live}");
         assert_accounting(&st);
     }
-    let options = PoolOptions { headroom: Some(2.0), event_batch: 8, ..Default::default() };
-    let (sim, b, pool) = setup_with(options);
+    let (sim, b, pool) = batched(8);
     pipeline(&sim, &b, &pool, 4, 20, 200, 4, false);
     assert_accounting(&pool.stats());
     assert_no_races(&sim);
@@ -258,8 +261,7 @@ fn blocks_no_event_covers_are_reused_by_a_wait_on_streams_the_pool_can_see() {
 #[test]
 fn a_synchronised_consumer_hands_memory_over_without_driver_calls() {
     for pairs in [1, 4, 8] {
-        let options = PoolOptions { headroom: Some(2.0), event_batch: 8, ..Default::default() };
-        let (sim, b, pool) = setup_with(options);
+        let (sim, b, pool) = batched(8);
         sim.set_eager(true);
         let (calls, peak_live) = pipeline(&sim, &b, &pool, pairs, 50, 400, 0, true);
         let st = pool.stats();
@@ -277,8 +279,7 @@ fn a_synchronised_consumer_hands_memory_over_without_driver_calls() {
         assert_eq!((calls.syncs, calls.growths), (0, 0), "{pairs} pairs: {calls:?}");
     }
     for batch in [1, 8] {
-        let options = PoolOptions { headroom: Some(2.0), event_batch: batch, ..Default::default() };
-        let (sim, b, pool) = setup_with(options);
+        let (sim, b, pool) = batched(batch);
         pipeline(&sim, &b, &pool, 4, 20, 200, 4, true);
         assert_accounting(&pool.stats());
         assert_no_races(&sim);

@@ -515,11 +515,8 @@ impl ShardedPoolMemoryResource {
             .iter()
             .map(|s| {
                 let mut st = s.state.lock();
-                let e = st.epoch;
-                st.epoch += 1;
                 st.unevented = 0;
-                st.open_used = false;
-                e
+                st.close_epoch()
             })
             .collect();
         self.backend().ctx_synchronize(self.device())?;

@@ -207,8 +207,7 @@ impl ShardState {
             } else {
                 self.sync_closed.push_back(closed);
             }
-            self.epoch += 1;
-            self.open_used = false;
+            self.close_epoch();
         }
         self.open_syncs = started;
     }
@@ -225,14 +224,20 @@ impl ShardState {
             self.sync_closed.pop_front();
         }
         if self.open_used && done > self.open_syncs {
-            through = Some(self.epoch);
-            self.epoch += 1;
-            self.open_used = false;
+            through = Some(self.close_epoch());
             self.open_syncs = started;
         }
         if let Some(e) = through {
             self.complete_through(e);
         }
+    }
+
+    /// Closes the open epoch (its blocks keep their tag; the next block gets a new one);
+    /// returns the closed epoch.
+    pub fn close_epoch(&mut self) -> u64 {
+        self.open_used = false;
+        self.epoch += 1;
+        self.epoch - 1
     }
 
     /// Whether blocks may have entered since the last event without one covering them
@@ -323,10 +328,9 @@ impl ShardState {
             None => Arc::new(Event::new(backend, device)?),
         };
         backend.event_record(device, event.raw(), stream)?;
-        self.events.push_back((self.epoch, event));
-        self.epoch += 1;
+        let closed = self.close_epoch();
+        self.events.push_back((closed, event));
         self.unevented = 0;
-        self.open_used = false;
         Ok(true)
     }
 }
