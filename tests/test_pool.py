@@ -98,6 +98,37 @@ def test_a_synchronised_stream_hands_its_frees_over_without_events(sim: Simulate
     sim.run()
 
 
+def test_the_fast_path_takes_completed_blocks_from_any_other_stream(sim: SimulatedDevice) -> None:
+    """An allocation that finds completed blocks in another stream's shard is settled
+    without giving the GIL back (the binding's fast path), whichever consumer freed them,
+    not only in the shard the stream last took from."""
+    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), events_every=1)
+    producer = streampool.Stream()
+    consumers = [streampool.Stream() for _ in range(3)]
+    mib = 1 << 20
+    xs = [pool.allocate(mib, producer) for _ in range(4)]  # two chunks, used up
+    producer.synchronize()
+    pool.deallocate(xs[0], mib, consumers[0])
+    sim.run()
+    first = pool.allocate(mib, producer)  # from the first consumer's shard
+    assert first == xs[0]
+    for x, consumer in zip(xs[1:3], consumers[1:]):
+        sim.write(consumer, x, 256)
+        pool.deallocate(x, mib, consumer)
+    sim.run()
+    before, fast = pool.stats, streampool._native._fast_path_calls()
+    got = [pool.allocate(mib, producer) for _ in range(2)]
+    assert streampool._native._fast_path_calls() - fast == 2
+    assert sorted(got) == sorted(xs[1:3])
+    after = pool.stats
+    assert after["upstream_growths"] == before["upstream_growths"]
+    assert after["completed_steals"] == before["completed_steals"] + 2
+    for x in [first, *got, xs[3]]:
+        pool.deallocate(x, mib, producer)
+    sim.run()
+    assert pool.stats["used_bytes"] == 0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -26,6 +26,15 @@ pub(crate) fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
     l.read().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Read-locks an `RwLock` if no writer holds it now (recovering it from poisoning).
+pub(crate) fn try_read<T>(l: &RwLock<T>) -> Option<RwLockReadGuard<'_, T>> {
+    match l.try_read() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
 /// Write-locks an `RwLock`, recovering it from poisoning as [`lock`] does.
 pub(crate) fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     l.write().unwrap_or_else(|e| e.into_inner())

@@ -9,7 +9,7 @@ use crate::device::DevPtr;
 use crate::error::Result;
 use crate::resource::ALIGNMENT;
 use crate::stream::Stream;
-use crate::sync::{lock, read, write, Ordering};
+use crate::sync::{read, write, Ordering};
 
 /// Growth never asks the upstream for less than this (unless the request, the footprint
 /// budget or the maximum leave less): the driver's pools map memory in 2 MiB pages.
@@ -143,7 +143,7 @@ impl ShardedPoolMemoryResource {
             let is_whole = |ptr: u64, b: &FreeBlock| {
                 table.by_id(b.chunk).is_some_and(|c| c.start == ptr && c.size == b.size)
             };
-            let mut common = lock(&self.common);
+            let mut common = self.common.lock();
             let free_now = common.bytes();
             let mut candidates = common.take_whole_chunks(is_whole);
             // Largest first: the fewest upstream calls for the excess (a chunk larger than
@@ -175,7 +175,7 @@ impl ShardedPoolMemoryResource {
                     sorted.extend(rest.iter().map(|&(start, b)| Chunk { start, size: b.size, id: b.chunk }));
                     sorted.sort_by_key(|c| c.start);
                 });
-                lock(&self.common).insert_all(rest.iter().copied(), 0);
+                self.common.lock().insert_all(rest.iter().copied(), 0);
                 return Err(e);
             }
             self.reserved.fetch_sub(b.size, Ordering::AcqRel);

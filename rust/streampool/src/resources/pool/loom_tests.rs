@@ -68,12 +68,12 @@ fn loom_one_stream_two_threads() {
     });
 }
 
-/// The fast path takes completed blocks from the shard its stream last took from (trying
-/// that shard's lock, then the common list's) while another thread allocates and frees on
-/// that shard's stream: no block is handed out twice, nothing is lost, and the fast path
-/// either settles or leaves the request to the full path.
+/// The fast path takes completed blocks from another stream's shard (trying the shard
+/// map's lock, that shard's, then the common list's) while another thread allocates and
+/// frees on that shard's stream: no block is handed out twice, nothing is lost, and the
+/// fast path either settles or leaves the request to the full path.
 #[test]
-fn loom_fast_path_takes_from_the_shard_it_last_took_from() {
+fn loom_fast_path_takes_completed_blocks_while_their_stream_allocates() {
     const SIZE: usize = 2 << 20;
     crate::sync::model(|| {
         let sim = SimDevice::new(64 << 20);

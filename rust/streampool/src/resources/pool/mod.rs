@@ -10,6 +10,7 @@
 
 mod addrmap;
 mod chunks;
+mod common;
 mod freelist;
 mod policy;
 mod shard;
@@ -24,7 +25,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use chunks::ChunkTable;
-use freelist::{class_size, FreeBlock, FreeList, NotFreed};
+use freelist::{class_size, FreeBlock, NotFreed};
 use shard::{Shard, ShardState, MAX_EVENT_BACKOFF};
 
 use crate::device::{BackendRef, DevPtr};
@@ -37,7 +38,7 @@ use std::time::Duration;
 
 use crate::size::align_up;
 use crate::stream::Stream;
-use crate::sync::{lock, read, write, AtomicU64, AtomicUsize, Mutex, Ordering, RwLock};
+use crate::sync::{read, write, AtomicU64, AtomicUsize, Mutex, Ordering, RwLock};
 
 /// How a [`ShardedPoolMemoryResource`] grows, records events and gives memory back.
 #[derive(Debug, Clone, PartialEq)]
@@ -189,7 +190,7 @@ pub struct ShardedPoolMemoryResource {
     /// By key, so that the looks through other shards go in the same order in every run
     /// (and loom's models are deterministic).
     shards: RwLock<BTreeMap<u64, Arc<Shard>>>,
-    common: Mutex<FreeList>,
+    common: common::Common,
     chunks: RwLock<Arc<ChunkTable>>,
     next_chunk: AtomicU64,
     reserved: AtomicUsize,
@@ -285,7 +286,7 @@ impl ShardedPoolMemoryResource {
             options,
             maximum,
             shards: RwLock::new(BTreeMap::new()),
-            common: Mutex::new(FreeList::default()),
+            common: common::Common::default(),
             chunks: RwLock::new(Arc::default()),
             next_chunk: AtomicU64::new(1),
             reserved: AtomicUsize::new(0),
@@ -297,7 +298,7 @@ impl ShardedPoolMemoryResource {
             let legacy = Stream::legacy();
             let chunk = pool.grow(initial, initial, &legacy)?;
             pool.backend().stream_synchronize(pool.device(), legacy.handle())?;
-            lock(&pool.common).insert(chunk.start, FreeBlock { size: chunk.size, chunk: chunk.id, epoch: 0 });
+            pool.common.lock().insert(chunk.start, FreeBlock { size: chunk.size, chunk: chunk.id, epoch: 0 });
         }
         Ok(pool)
     }
@@ -327,7 +328,7 @@ impl ShardedPoolMemoryResource {
             })
             .collect();
         shard_free_bytes.sort_unstable();
-        let common_free_bytes = lock(&self.common).bytes();
+        let common_free_bytes = self.common.lock().bytes();
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         PoolStats {
@@ -646,13 +647,14 @@ impl MemoryResource for ShardedPoolMemoryResource {
         if let Some(ptr) = self.allocate_own(bytes, stream, false) {
             return Some(Ok(ptr));
         }
-        // Settled by the checks (the null pointer, an error); else completed blocks of the
-        // shard this stream last took from, when that needs no wait; else the full path's.
+        // Settled by the checks (the null pointer, an error); else completed blocks of
+        // other streams' shards (policy step 3) when no lock must be waited for; else the
+        // full path's.
         if let Some(settled) = settle_allocate(self, bytes, stream) {
             return Some(settled);
         }
         let key = stream.key(self.backend(), self.device());
-        self.try_take_hinted(class_size(bytes), stream, key).map(Ok)
+        self.try_take_completed(class_size(bytes), stream, key).map(Ok)
     }
 
     fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {

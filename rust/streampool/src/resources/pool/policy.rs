@@ -4,6 +4,7 @@
 use std::sync::{Arc, Weak};
 
 use super::chunks::{Chunk, MAX_GROWTH_STEP, MIN_CHUNK};
+use super::common::CommonGuard;
 use super::freelist::{FreeBlock, FreeList};
 use super::shard::{Shard, ShardState};
 use super::ShardedPoolMemoryResource;
@@ -11,7 +12,7 @@ use crate::device::DevPtr;
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
 use crate::stream::Stream;
-use crate::sync::{lock, write, MutexGuard, Ordering, ShardGuard};
+use crate::sync::{lock, try_read, write, Ordering, ShardGuard};
 
 /// Growth past the footprint budget within `gather_interval` of a gathering stops at this
 /// many times the budget's allowance (`IMPLEMENTATION.md`, step 6): without a ceiling the
@@ -35,7 +36,7 @@ impl ShardedPoolMemoryResource {
         }
         // 3. completed blocks of other streams; retired shards give all theirs to the
         // common list
-        if let Some(taken) = self.take_completed(size, stream, key) {
+        if let Some(taken) = self.take_completed(size, stream, key, true) {
             return found(taken);
         }
         if let Some(ptr) = self.import_common(size, stream, key) {
@@ -95,7 +96,7 @@ impl ShardedPoolMemoryResource {
             if let Some(ptr) = self.import_common(size, stream, key) {
                 return Ok(ptr);
             }
-            if let Some(taken) = self.take_completed(size, stream, key) {
+            if let Some(taken) = self.take_completed(size, stream, key, true) {
                 return found(taken);
             }
             match self.grow(size, want, stream) {
@@ -112,21 +113,26 @@ impl ShardedPoolMemoryResource {
     /// shard of `stream`, and allocates there. The free space of a chunk is then in one
     /// list, where it merges, rather than split between the common list and a shard (with
     /// it split, one stream alone needed 1.75 times its peak live bytes on the window
-    /// workload).
+    /// workload). Most of the time the list is empty, and its lock is not taken
+    /// (`Common::bytes_hint`).
     fn import_common(&self, size: usize, stream: &Stream, key: u64) -> Option<DevPtr> {
-        let shard = self.shard_slow(key, stream);
-        // The common list stays locked until its blocks are in the shard: a gathering
-        // (which locks it to harvest the shards) never misses blocks in transit.
-        let mut common = lock(&self.common);
-        if common.bytes() < size {
+        if self.common.bytes_hint() < size {
             return None;
         }
-        let mut st = shard.state.lock();
-        st.free.insert_all(common.drain(|_| true), 0);
-        drop(common);
-        let ptr = st.free.allocate(size)?;
-        st.used += size as i64;
-        Some(ptr)
+        self.with_shard(key, stream, |shard| {
+            // The common list stays locked until its blocks are in the shard: a gathering
+            // (which locks it to harvest the shards) never misses blocks in transit.
+            let mut common = self.common.lock();
+            if common.bytes() < size {
+                return None;
+            }
+            let mut st = shard.state.lock();
+            st.free.insert_all(common.drain(|_| true), 0);
+            drop(common);
+            let ptr = st.free.allocate(size)?;
+            st.used += size as i64;
+            Some(ptr)
+        })
     }
 
     /// Step 3: a block of another shard whose free has completed, for `stream` (key `key`).
@@ -143,19 +149,36 @@ impl ShardedPoolMemoryResource {
     /// The shard that last gave this stream blocks is looked at first (`source_hint`: in a
     /// pipeline, a producer's memory comes back through its consumer's shard), then the
     /// others; only when it has none are the others' handles gathered.
-    fn take_completed(&self, size: usize, stream: &Stream, key: u64) -> Option<(DevPtr, u64)> {
+    ///
+    /// With `!blocking` (the binding's fast path, which keeps Python's GIL), every lock is
+    /// tried, never waited for: a shard whose lock is taken is passed over, and `None` when
+    /// the shard map's or this stream's is. The events it queries are calls into the
+    /// driver that never wait for the device.
+    fn take_completed(
+        &self,
+        size: usize,
+        stream: &Stream,
+        key: u64,
+        blocking: bool,
+    ) -> Option<(DevPtr, u64)> {
         let own = self.with_shard(key, stream, Arc::clone);
-        let hint = other_shard(&own.state.lock().source_hint, key);
+        let hint = other_shard(&lock_shard(&own, blocking)?.source_hint, key);
         if let Some(shard) = &hint {
-            if let Some(taken) = self.look_completed(size, &own, shard, true) {
+            if let Some(taken) = self.look_completed(size, &own, shard, blocking) {
                 return Some(taken);
             }
         }
-        for shard in &self.other_shards(key) {
+        let others = if blocking {
+            self.other_shards(key)
+        } else {
+            let map = try_read(&self.shards)?;
+            map.values().filter(|s| s.key != key).cloned().collect()
+        };
+        for shard in &others {
             if hint.as_ref().is_some_and(|h| Arc::ptr_eq(h, shard)) {
                 continue;
             }
-            if let Some(taken) = self.look_completed(size, &own, shard, true) {
+            if let Some(taken) = self.look_completed(size, &own, shard, blocking) {
                 own.state.lock().source_hint = Some(Arc::downgrade(shard));
                 return Some(taken);
             }
@@ -163,18 +186,17 @@ impl ShardedPoolMemoryResource {
         None
     }
 
-    /// Step 3 without waiting, for the binding's fast path (which keeps Python's GIL): the
-    /// shard this stream last took blocks from, when its lock (and the common list's,
-    /// where blocks move) is free now; its events are queried (calls into the driver that
-    /// never wait for the device). `None` when that finds no block or would wait: the
-    /// caller then takes the full path. Once blocks are taken, they go into this stream's
-    /// own shard under its lock (as a free across streams does: held by this stream's
-    /// threads only for list operations); the shard map's lock is not taken.
-    pub(super) fn try_take_hinted(&self, size: usize, stream: &Stream, key: u64) -> Option<DevPtr> {
-        let own = self.with_shard(key, stream, Arc::clone);
-        let shard = other_shard(&own.state.try_lock()?.source_hint, key)?;
-        let (ptr, chunk) = self.look_completed(size, &own, &shard, false)?;
-        own.state.lock().put_live(ptr, size, chunk);
+    /// Step 3 without waiting, for the binding's fast path (which keeps Python's GIL):
+    /// [`Self::take_completed`] with every lock tried, not waited for. `None` when that
+    /// finds no block or would wait: the caller then takes the full path. The block taken
+    /// is recorded live in this stream's own shard under its lock (as a free across
+    /// streams does: held by this stream's threads only for list operations); the shard
+    /// map's lock is only tried. Before, only the shard of the last source was looked at:
+    /// in a pipeline from Python threads a third of the producers' allocations then gave
+    /// the GIL back, to find a block in another consumer's shard.
+    pub(super) fn try_take_completed(&self, size: usize, stream: &Stream, key: u64) -> Option<DevPtr> {
+        let (ptr, chunk) = self.take_completed(size, stream, key, false)?;
+        self.with_shard(key, stream, |own| own.state.lock().put_live(ptr, size, chunk));
         Some(ptr)
     }
 
@@ -187,11 +209,25 @@ impl ShardedPoolMemoryResource {
         shard: &Arc<Shard>,
         blocking: bool,
     ) -> Option<(DevPtr, u64)> {
-        // Blocks may move from a retired shard or one that gives all.
-        let mut common =
-            self.lock_common_if(shard, |st| st.free.bytes() > 0 && (st.retired || st.gives_all()), blocking)?;
+        // Blocks may move from a retired shard or one that gives all: the common list is
+        // locked too (`lock_common_if`). Tried while the shard is held (a try never waits,
+        // so the locks' order holds), which spares locking the shard twice.
+        let may_move = |st: &ShardState| st.free.bytes() > 0 && (st.retired || st.gives_all());
+        let mut st = lock_shard(shard, blocking)?;
+        let mut common = None;
+        if may_move(&st) {
+            common = match self.common.try_lock() {
+                Some(c) => Some(c),
+                None if !blocking => return None,
+                None => {
+                    drop(st);
+                    let c = self.lock_common_if(shard, may_move, true).flatten();
+                    st = shard.state.lock();
+                    c
+                }
+            };
+        }
         let (taken, moved, empty) = {
-            let mut st = lock_shard(shard, blocking)?;
             if st.free.bytes() == 0 {
                 (None, Vec::new(), st.is_spent())
             } else {
@@ -229,6 +265,7 @@ impl ShardedPoolMemoryResource {
                 }
             }
         };
+        drop(st);
         if !moved.is_empty() {
             own.state.lock().free.insert_all(moved, 0);
         }
@@ -303,7 +340,7 @@ impl ShardedPoolMemoryResource {
                     // Not handed out: after a device synchronisation every block is
                     // complete, so they go to the common list.
                     let _ = self.backend().ctx_synchronize(self.device());
-                    let mut common = common.unwrap_or_else(|| lock(&self.common));
+                    let mut common = common.unwrap_or_else(|| self.common.lock());
                     common.insert_all(moved.into_iter().chain([(ptr, b)]), 0);
                     return Err(e);
                 }
@@ -370,7 +407,7 @@ impl ShardedPoolMemoryResource {
 
     /// Records an allocation of the slow path (steps 2 to 6) as live in its stream's shard.
     pub(super) fn record_live(&self, ptr: DevPtr, size: usize, chunk: u64, stream: &Stream, key: u64) {
-        self.shard_slow(key, stream).state.lock().put_live(ptr, size, chunk);
+        self.with_shard(key, stream, |shard| shard.state.lock().put_live(ptr, size, chunk));
     }
 
     /// A free on one stream of a block allocated on another: the block leaves the shard it
@@ -470,12 +507,12 @@ impl ShardedPoolMemoryResource {
         shard: &Shard,
         may_move: impl FnOnce(&ShardState) -> bool,
         blocking: bool,
-    ) -> Option<Option<MutexGuard<'_, FreeList>>> {
+    ) -> Option<Option<CommonGuard<'_>>> {
         let moves = may_move(&*lock_shard(shard, blocking)?);
         match (moves, blocking) {
             (false, _) => Some(None),
-            (true, true) => Some(Some(lock(&self.common))),
-            (true, false) => self.common.try_lock().ok().map(Some),
+            (true, true) => Some(Some(self.common.lock())),
+            (true, false) => self.common.try_lock().map(Some),
         }
     }
 
@@ -506,7 +543,7 @@ impl ShardedPoolMemoryResource {
     /// Closes every shard's open epoch, synchronises the device, and gathers every free
     /// block in the common list (all complete now, but those freed meanwhile); returns the
     /// common list, still locked.
-    fn synchronize_and_harvest(&self) -> Result<MutexGuard<'_, FreeList>> {
+    fn synchronize_and_harvest(&self) -> Result<CommonGuard<'_>> {
         self.counters.last_gather_ns.store(crate::clock::monotonic_ns(), Ordering::Relaxed);
         // Close every shard's open epoch first: blocks freed before the synchronisation
         // starts are complete after it; blocks freed meanwhile get the next epoch.
@@ -524,7 +561,7 @@ impl ShardedPoolMemoryResource {
         for (shard, e) in shards.iter().zip(closed) {
             shard.state.lock().complete_through(e);
         }
-        let mut common = lock(&self.common);
+        let mut common = self.common.lock();
         self.harvest_completed(&mut common);
         Ok(common)
     }
@@ -546,7 +583,7 @@ impl ShardedPoolMemoryResource {
                     return Ok(Some(ptr));
                 }
                 // Another thread may have taken the gathered blocks into its shard.
-                mine = self.take_completed(size, stream, key);
+                mine = self.take_completed(size, stream, key, true);
             }
             if mine.is_none() {
                 let mut common = self.synchronize_and_harvest()?;

@@ -1,0 +1,64 @@
+//! The common list: free blocks whose frees are known complete, usable by any stream,
+//! behind one lock, with its size readable without the lock.
+
+use std::ops::{Deref, DerefMut};
+
+use super::freelist::FreeList;
+use crate::sync::{lock, AtomicUsize, Mutex, MutexGuard, Ordering};
+
+/// The common list and its free bytes as of the last unlock. Every look for memory beyond
+/// a stream's own shard (policy step 2) reads the bytes first and locks the list only when
+/// they could serve it: most of the time the list is empty (it fills at gatherings and
+/// from retired shards), and the lock is one that every stream's look would otherwise take.
+#[derive(Default)]
+pub(super) struct Common {
+    list: Mutex<FreeList>,
+    bytes: AtomicUsize,
+}
+
+impl Common {
+    pub(super) fn lock(&self) -> CommonGuard<'_> {
+        CommonGuard { list: lock(&self.list), bytes: &self.bytes }
+    }
+
+    /// The lock, if it is free now.
+    pub(super) fn try_lock(&self) -> Option<CommonGuard<'_>> {
+        let list = match self.list.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(CommonGuard { list, bytes: &self.bytes })
+    }
+
+    /// The list's free bytes when it was last unlocked. A hint: blocks added since may not
+    /// be seen yet, and whoever then misses them finds them at a later look or gathering.
+    pub(super) fn bytes_hint(&self) -> usize {
+        self.bytes.load(Ordering::Relaxed)
+    }
+}
+
+/// The locked common list; unlocking publishes its size.
+pub(super) struct CommonGuard<'a> {
+    list: MutexGuard<'a, FreeList>,
+    bytes: &'a AtomicUsize,
+}
+
+impl Deref for CommonGuard<'_> {
+    type Target = FreeList;
+    fn deref(&self) -> &FreeList {
+        &self.list
+    }
+}
+
+impl DerefMut for CommonGuard<'_> {
+    fn deref_mut(&mut self) -> &mut FreeList {
+        &mut self.list
+    }
+}
+
+impl Drop for CommonGuard<'_> {
+    fn drop(&mut self) {
+        self.bytes.store(self.list.bytes(), Ordering::Relaxed);
+    }
+}
