@@ -31,8 +31,9 @@ impl Common {
         Some(CommonGuard { list, bytes: &self.bytes })
     }
 
-    /// The list's free bytes when it was last unlocked. A hint: blocks added since may not
-    /// be seen yet, and whoever then misses them finds them at a later look or gathering.
+    /// The list's free bytes when it was last unlocked, or `usize::MAX` while a gathering
+    /// fills it ([`CommonGuard::gathering`]). A hint: blocks added since may not be seen
+    /// yet, and whoever then misses them finds them at a later look or gathering.
     pub(super) fn bytes_hint(&self) -> usize {
         self.bytes.load(Ordering::Relaxed)
     }
@@ -42,6 +43,17 @@ impl Common {
 pub(super) struct CommonGuard<'a> {
     list: MutexGuard<'a, FreeList>,
     bytes: &'a AtomicUsize,
+}
+
+impl CommonGuard<'_> {
+    /// Marks the list as being filled by a gathering until this guard is dropped: threads
+    /// short of memory meanwhile wait for its lock and take what was gathered, as they did
+    /// when every look locked the list. Without the mark they passed it by, empty as it
+    /// looked, and grew: on a 16-core host the hand-off soak held 3.3-3.9 times its peak
+    /// live bytes, against 2.6-2.7.
+    pub(super) fn gathering(&mut self) {
+        self.bytes.store(usize::MAX, Ordering::Relaxed);
+    }
 }
 
 impl Deref for CommonGuard<'_> {

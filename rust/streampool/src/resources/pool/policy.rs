@@ -562,6 +562,7 @@ impl ShardedPoolMemoryResource {
             shard.state.lock().complete_through(e);
         }
         let mut common = self.common.lock();
+        common.gathering();
         self.harvest_completed(&mut common);
         Ok(common)
     }
