@@ -49,8 +49,8 @@ impl CommonGuard<'_> {
     /// Marks the list as being filled by a gathering until this guard is dropped: threads
     /// short of memory meanwhile wait for its lock and take what was gathered, as they did
     /// when every look locked the list. Without the mark they passed it by, empty as it
-    /// looked, and grew: on a 16-core host the hand-off soak held 3.3-3.9 times its peak
-    /// live bytes, against 2.6-2.7.
+    /// looked, and grew: on a 16-core host the hand-off soak held 3.1-3.9 times its peak
+    /// live bytes, against 2.6-2.7 (`benchmarks/RESULTS.md`, "Commits 6200f6c and 99bc588").
     pub(super) fn gathering(&mut self) {
         self.bytes.store(usize::MAX, Ordering::Relaxed);
     }

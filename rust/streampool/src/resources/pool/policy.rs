@@ -191,8 +191,8 @@ impl ShardedPoolMemoryResource {
     /// finds no block or would wait: the caller then takes the full path. The block taken
     /// is recorded live in this stream's own shard under its lock (as a free across
     /// streams does: held by this stream's threads only for list operations); the shard
-    /// map's lock is only tried. Before, only the shard of the last source was looked at:
-    /// in a pipeline from Python threads a third of the producers' allocations then gave
+    /// map's lock is only tried. Looking at the last source alone is not enough: in a
+    /// pipeline from Python threads a third of the producers' allocations then gave
     /// the GIL back, to find a block in another consumer's shard.
     pub(super) fn try_take_completed(&self, size: usize, stream: &Stream, key: u64) -> Option<DevPtr> {
         let (ptr, chunk) = self.take_completed(size, stream, key, false)?;
