@@ -6,6 +6,7 @@
 //! * `policy.rs`: the slow path (policy steps 2 to 7), frees across streams, the
 //!   footprint budget, gathering and release;
 //! * `chunks.rs`: the upstream chunks: growth, the chunk table, giving chunks back;
+//! * `common.rs`: the common list (completed blocks any stream may use) and its size;
 //! * `freelist.rs`, `addrmap.rs`: a shard's blocks.
 
 mod addrmap;
