@@ -74,3 +74,35 @@ impl Drop for CommonGuard<'_> {
         self.bytes.store(self.list.bytes(), Ordering::Relaxed);
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::resources::pool::freelist::FreeBlock;
+
+    /// The size read without the lock is the list's at its last unlock, and unbounded while
+    /// a gathering fills it: a look for memory then waits for the lock (and what was
+    /// gathered) rather than pass the list by as empty.
+    #[test]
+    fn the_size_is_published_at_unlock_and_unbounded_while_gathering() {
+        let common = Common::default();
+        assert_eq!(common.bytes_hint(), 0);
+        {
+            let mut list = common.lock();
+            list.insert(1 << 20, FreeBlock { size: 4096, chunk: 1, epoch: 0 });
+            assert_eq!(common.bytes_hint(), 0, "published at unlock, not before");
+            assert!(common.try_lock().is_none(), "held");
+        }
+        assert_eq!(common.bytes_hint(), 4096);
+        {
+            let mut list = common.lock();
+            list.gathering();
+            assert_eq!(common.bytes_hint(), usize::MAX);
+            list.insert(2 << 20, FreeBlock { size: 8192, chunk: 2, epoch: 0 });
+        }
+        assert_eq!(common.bytes_hint(), 4096 + 8192);
+        let taken = common.try_lock().expect("free").take(8192, |_| true);
+        assert!(taken.is_some());
+        assert_eq!(common.bytes_hint(), 4096);
+    }
+}
