@@ -28,7 +28,8 @@ __all__ = ["SIMPLER_FIRST", "Profile", "analyse", "choose"]
 
 # Memory handed from stream to stream (a producer/consumer pipeline): the sharded pool with
 # more headroom, whose streams record an event only once 8 frees are waiting, hands it over
-# in larger batches, each needing an event and a query, for more memory held
+# in larger batches, each needing an event and a query, for more memory held; streams that
+# the program synchronises (Stream.synchronize) hand it over with no event at all
 # (docs/choosing-a-resource.md, the pipeline's section, has the trade).
 HANDOFF = "pool(async, headroom=2, event_batch=8)"
 HANDOFF_SHARE = 0.1  # "memory handed over": at least this share of frees on another stream
@@ -141,7 +142,8 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
             reasons.append(
                 f"memory handed from stream to stream ({100 * cross_stream / frees:.0f}% of frees): "
                 f"also measured, {HANDOFF}, which keeps more freed memory in reserve so that streams "
-                "hand it over in batches of 8 or more (fewer driver calls per allocation, more memory held)"
+                "hand it over in batches of 8 or more (fewer driver calls per allocation, more memory held; "
+                "where the consumers synchronise their streams, no driver call and little more memory)"
             )
     reasons.append(
         "if your program shares the GPU with PyTorch or CuPy, `async` shares one driver pool with "
