@@ -28,7 +28,18 @@ pub(crate) fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
 
 /// Read-locks an `RwLock` if no writer holds it now (recovering it from poisoning).
 pub(crate) fn try_read<T>(l: &RwLock<T>) -> Option<RwLockReadGuard<'_, T>> {
-    match l.try_read() {
+    tried(l.try_read())
+}
+
+/// Locks a mutex if it is free now (recovering it from poisoning).
+pub(crate) fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    tried(m.try_lock())
+}
+
+/// The guard of a lock tried: `None` when it would wait; a poisoned lock is recovered as
+/// [`lock`] does.
+fn tried<G>(result: std::sync::TryLockResult<G>) -> Option<G> {
+    match result {
         Ok(g) => Some(g),
         Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
         Err(std::sync::TryLockError::WouldBlock) => None,

@@ -4,7 +4,7 @@
 use std::ops::{Deref, DerefMut};
 
 use super::freelist::FreeList;
-use crate::sync::{lock, AtomicUsize, Mutex, MutexGuard, Ordering};
+use crate::sync::{lock, try_lock, AtomicUsize, Mutex, MutexGuard, Ordering};
 
 /// The common list and its free bytes as of the last unlock. Every look for memory beyond
 /// a stream's own shard (policy step 2) reads the bytes first and locks the list only when
@@ -23,12 +23,7 @@ impl Common {
 
     /// The lock, if it is free now.
     pub(super) fn try_lock(&self) -> Option<CommonGuard<'_>> {
-        let list = match self.list.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return None,
-        };
-        Some(CommonGuard { list, bytes: &self.bytes })
+        try_lock(&self.list).map(|list| CommonGuard { list, bytes: &self.bytes })
     }
 
     /// The list's free bytes when it was last unlocked, or `usize::MAX` while a gathering

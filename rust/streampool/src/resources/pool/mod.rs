@@ -424,7 +424,7 @@ impl ShardedPoolMemoryResource {
 
     /// Every shard but the one of `key`.
     fn other_shards(&self, key: u64) -> Vec<Arc<Shard>> {
-        read(&self.shards).values().filter(|s| s.key != key).cloned().collect()
+        policy::others(&read(&self.shards), key)
     }
 
     /// Every shard.

@@ -1,6 +1,7 @@
 //! The slow path of the pool: policy steps 2 to 7 (`IMPLEMENTATION.md`), frees across
 //! streams, the footprint budget, gathering free blocks and retiring shards.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 
 use super::chunks::{Chunk, MAX_GROWTH_STEP, MIN_CHUNK};
@@ -168,12 +169,7 @@ impl ShardedPoolMemoryResource {
                 return Some(taken);
             }
         }
-        let others = if blocking {
-            self.other_shards(key)
-        } else {
-            let map = try_read(&self.shards)?;
-            map.values().filter(|s| s.key != key).cloned().collect()
-        };
+        let others = if blocking { self.other_shards(key) } else { others(&*try_read(&self.shards)?, key) };
         for shard in &others {
             if hint.as_ref().is_some_and(|h| Arc::ptr_eq(h, shard)) {
                 continue;
@@ -220,10 +216,11 @@ impl ShardedPoolMemoryResource {
                 Some(c) => Some(c),
                 None if !blocking => return None,
                 None => {
+                    // Waited for in the locks' order; the shard is looked at afresh.
                     drop(st);
-                    let c = self.lock_common_if(shard, may_move, true).flatten();
+                    let c = self.common.lock();
                     st = shard.state.lock();
-                    c
+                    Some(c)
                 }
             };
         }
@@ -660,6 +657,11 @@ pub(super) fn lock_shard(shard: &Shard, blocking: bool) -> Option<ShardGuard<'_,
     } else {
         shard.state.try_lock()
     }
+}
+
+/// Every shard of `map` but the one of `key`.
+pub(super) fn others(map: &BTreeMap<u64, Arc<Shard>>, key: u64) -> Vec<Arc<Shard>> {
+    map.values().filter(|s| s.key != key).cloned().collect()
 }
 
 /// The shard a hint names, while it is in the pool and is not the stream's own (`key`).
