@@ -10,7 +10,7 @@ import pytest
 from streampool import mr
 from streampool.harness import bench, recommend, stress, workloads
 from streampool.harness.specs import Candidate, make_resource
-from streampool.harness.trace import ALLOCATE, FREE, Trace
+from streampool.harness.trace import ALLOCATE, FREE, Trace, replay
 
 KEYS = {
     "events",
@@ -219,3 +219,38 @@ def test_choose_takes_the_fastest_and_prefers_the_simpler_within_noise() -> None
     assert handoff["within_noise"]
     # Without the noisy one, the measurably faster candidate wins over the simpler one.
     assert recommend.choose(profile, noisy[::2])["choice"] == recommend.HANDOFF
+
+
+class _SlowLookups:
+    """A resource whose methods take 2 ms to look up (and nothing to call): a timed span
+    that held the look-up would report calls of 2 ms."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("allocate", "deallocate"):
+            import time
+
+            time.sleep(0.002)
+        return getattr(self._inner, name)
+
+
+def test_timed_spans_hold_the_calls_alone() -> None:
+    """The pipeline from Python threads and the Python replayer time the calls, not the
+    look-ups of the methods before them."""
+    slow: Any = _SlowLookups(mr.PoolMemoryResource(mr.CudaAsyncMemoryResource()))
+    runs = [
+        workloads.pipeline(
+            Candidate(spec="slow", resource=slow, code=""),
+            threads=2,
+            chunks=10,
+            chunk_size="64KiB",
+            kernel_us=5,
+            driver="python",
+        ),
+        replay(slow, workloads.random_trace(50, "64KiB", 2, 2, 0), native=False),
+    ]
+    for result in runs:
+        longest = max(result["allocate"]["max"], result["free"]["max"])
+        assert 0 < longest < 1_000_000, longest

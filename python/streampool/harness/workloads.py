@@ -166,33 +166,43 @@ def replay(
 
 
 class _Meter:
-    """Per-call latencies, allocator time and live/reserved peaks, shared by threads."""
+    """Per-call latencies, allocator time and live/reserved peaks, shared by threads.
+
+    The timed span holds the call alone: the resource's methods and the clock are looked
+    up before it (on a cold cache the look-ups cost 50-120 ns a call, measured on the
+    development machine, which the allocator's share would otherwise carry)."""
 
     def __init__(self, candidate: Candidate) -> None:
         self.candidate = candidate
+        self._allocate = candidate.resource.allocate
+        self._deallocate = candidate.resource.deallocate
         self.lock = threading.Lock()
         self.lat: tuple[list[int], list[int]] = ([], [])
         self.live = self.peak_live = self.peak_reserved = 0
         self.oom = 0
 
     def allocate(self, size: int, stream: Stream, mine: list[int]) -> int | None:
-        c = time.perf_counter_ns()
+        allocate, clock = self._allocate, time.perf_counter_ns
+        c = clock()
         try:
-            ptr = self.candidate.resource.allocate(size, stream)
+            ptr = allocate(size, stream)
         except MemoryError:
             with self.lock:
                 self.oom += 1
             return None
-        mine.append(time.perf_counter_ns() - c)
+        t = clock()
+        mine.append(t - c)
         with self.lock:
             self.live += size
             self.peak_live = max(self.peak_live, self.live)
         return ptr
 
     def free(self, ptr: int, size: int, stream: Stream, mine: list[int]) -> None:
-        c = time.perf_counter_ns()
-        self.candidate.resource.deallocate(ptr, size, stream)
-        mine.append(time.perf_counter_ns() - c)
+        deallocate, clock = self._deallocate, time.perf_counter_ns
+        c = clock()
+        deallocate(ptr, size, stream)
+        t = clock()
+        mine.append(t - c)
         with self.lock:
             self.live -= size
 
