@@ -144,6 +144,9 @@ pub(crate) struct FreeList {
     bytes: usize,
     /// A free record may have an unlinked free neighbour: merging by address may help.
     loose: bool,
+    /// The free records' indices while merging, kept: a shard that gets blocks from
+    /// elsewhere merges often, and need not allocate each time.
+    scratch: Vec<u32>,
 }
 
 impl Default for FreeList {
@@ -156,6 +159,7 @@ impl Default for FreeList {
             live: AddrMap::default(),
             bytes: 0,
             loose: false,
+            scratch: Vec::new(),
         }
     }
 }
@@ -286,7 +290,8 @@ impl FreeList {
         if let Some(i) = self.find_listed(size, ok) {
             return Some(i);
         }
-        if !self.loose {
+        // Merged blocks are no larger than the free bytes together.
+        if !self.loose || self.bytes < size {
             return None;
         }
         self.merge_loose();
@@ -412,10 +417,11 @@ impl FreeList {
     /// sorting the free records by address.
     fn merge_loose(&mut self) {
         self.loose = false;
-        let mut free: Vec<u32> = (0..self.recs.len() as u32).filter(|&i| self.is_free(i)).collect();
+        let mut free = std::mem::take(&mut self.scratch);
+        free.extend((0..self.recs.len() as u32).filter(|&i| self.is_free(i)));
         free.sort_unstable_by_key(|&i| self.recs[i as usize].ptr);
         let mut keep = NIL;
-        for i in free {
+        for &i in &free {
             if keep != NIL {
                 let (k, r) = (self.recs[keep as usize], self.recs[i as usize]);
                 if k.ptr + k.size as u64 == r.ptr && k.chunk == r.chunk {
@@ -433,6 +439,8 @@ impl FreeList {
             }
             keep = i;
         }
+        free.clear();
+        self.scratch = free;
     }
 
     fn detach_left(&mut self, i: u32) {
@@ -456,16 +464,17 @@ impl FreeList {
     }
 
     fn remove_where(&mut self, pred: impl Fn(u64, &FreeBlock) -> bool) -> Vec<(u64, FreeBlock)> {
-        self.merge_loose();
-        let found: Vec<u32> = (0..self.recs.len() as u32)
-            .filter(|&i| {
-                let r = &self.recs[i as usize];
-                Self::is_free_list(r.list)
-                    && pred(r.ptr, &FreeBlock { size: r.size, chunk: r.chunk, epoch: r.epoch })
-            })
-            .collect();
-        found
-            .into_iter()
+        if self.loose {
+            self.merge_loose();
+        }
+        let mut found = std::mem::take(&mut self.scratch);
+        found.extend((0..self.recs.len() as u32).filter(|&i| {
+            let r = &self.recs[i as usize];
+            Self::is_free_list(r.list)
+                && pred(r.ptr, &FreeBlock { size: r.size, chunk: r.chunk, epoch: r.epoch })
+        }));
+        let removed = found
+            .drain(..)
             .map(|i| {
                 let Rec { ptr, size, chunk, epoch, .. } = self.recs[i as usize];
                 self.unlink(i);
@@ -474,7 +483,9 @@ impl FreeList {
                 self.bytes -= size;
                 (ptr, FreeBlock { size, chunk, epoch })
             })
-            .collect()
+            .collect();
+        self.scratch = found;
+        removed
     }
 
     #[inline(always)]

@@ -479,7 +479,11 @@ impl ShardedPoolMemoryResource {
         match self.free_own(ptr, size, stream, blocking) {
             OwnFree::Done => Some(Ok(())),
             OwnFree::Busy => None,
-            OwnFree::NotHere => self.free_foreign(ptr, size, bytes, stream, blocking),
+            // The own shard borrowed from the thread's cache, not cloned (`take_completed`).
+            OwnFree::NotHere => {
+                let key = stream.key(self.backend(), self.device());
+                self.with_shard(key, stream, |own| self.free_foreign(own, ptr, size, bytes, stream, blocking))
+            }
             OwnFree::WrongSize(had) => Some(Err(wrong_size(ptr, had, bytes))),
         }
     }

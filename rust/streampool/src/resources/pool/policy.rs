@@ -37,8 +37,8 @@ impl ShardedPoolMemoryResource {
         }
         // 3. completed blocks of other streams; retired shards give all theirs to the
         // common list
-        if let Some(taken) = self.take_completed(size, stream, key, true) {
-            return found(taken);
+        if let Some(ptr) = self.take_completed_live(size, stream, key, true) {
+            return Ok(ptr);
         }
         if let Some(ptr) = self.import_common(size, stream, key) {
             return Ok(ptr);
@@ -97,8 +97,8 @@ impl ShardedPoolMemoryResource {
             if let Some(ptr) = self.import_common(size, stream, key) {
                 return Ok(ptr);
             }
-            if let Some(taken) = self.take_completed(size, stream, key, true) {
-                return found(taken);
+            if let Some(ptr) = self.take_completed_live(size, stream, key, true) {
+                return Ok(ptr);
             }
             match self.grow(size, want, stream) {
                 Ok(chunk) => return found((self.place_chunk(&chunk, size, stream, key), chunk.id)),
@@ -155,17 +155,14 @@ impl ShardedPoolMemoryResource {
     /// tried, never waited for: a shard whose lock is taken is passed over, and `None` when
     /// the shard map's or this stream's is. The events it queries are calls into the
     /// driver that never wait for the device.
-    fn take_completed(
-        &self,
-        size: usize,
-        stream: &Stream,
-        key: u64,
-        blocking: bool,
-    ) -> Option<(DevPtr, u64)> {
-        let own = self.with_shard(key, stream, Arc::clone);
-        let hint = other_shard(&lock_shard(&own, blocking)?.source_hint, key);
+    ///
+    /// `own` is borrowed from the thread's shard cache, not cloned: an owner that counted
+    /// references to its own shard on every call would pull that count's cache line back
+    /// from the threads whose hints upgrade it (a consumer's free, a producer's look).
+    fn take_completed(&self, size: usize, own: &Shard, key: u64, blocking: bool) -> Option<(DevPtr, u64)> {
+        let hint = other_shard(&lock_shard(own, blocking)?.source_hint, key);
         if let Some(shard) = &hint {
-            if let Some(taken) = self.look_completed(size, &own, shard, blocking) {
+            if let Some(taken) = self.look_completed(size, own, shard, blocking) {
                 return Some(taken);
             }
         }
@@ -174,12 +171,22 @@ impl ShardedPoolMemoryResource {
             if hint.as_ref().is_some_and(|h| Arc::ptr_eq(h, shard)) {
                 continue;
             }
-            if let Some(taken) = self.look_completed(size, &own, shard, blocking) {
+            if let Some(taken) = self.look_completed(size, own, shard, blocking) {
                 own.state.lock().source_hint = Some(Arc::downgrade(shard));
                 return Some(taken);
             }
         }
         None
+    }
+
+    /// [`Self::take_completed`] for `stream`, the block taken recorded live in its shard
+    /// (held by this stream's threads only for list operations).
+    fn take_completed_live(&self, size: usize, stream: &Stream, key: u64, blocking: bool) -> Option<DevPtr> {
+        self.with_shard(key, stream, |own| {
+            let (ptr, chunk) = self.take_completed(size, own, key, blocking)?;
+            own.state.lock().put_live(ptr, size, chunk);
+            Some(ptr)
+        })
     }
 
     /// Step 3 without waiting, for the binding's fast path (which keeps Python's GIL):
@@ -191,9 +198,7 @@ impl ShardedPoolMemoryResource {
     /// pipeline from Python threads a third of the producers' allocations then gave
     /// the GIL back, to find a block in another consumer's shard.
     pub(super) fn try_take_completed(&self, size: usize, stream: &Stream, key: u64) -> Option<DevPtr> {
-        let (ptr, chunk) = self.take_completed(size, stream, key, false)?;
-        self.with_shard(key, stream, |own| own.state.lock().put_live(ptr, size, chunk));
-        Some(ptr)
+        self.take_completed_live(size, stream, key, false)
     }
 
     /// One shard's part of step 3, for the shard `own` of the looking stream. `None` too
@@ -418,20 +423,20 @@ impl ShardedPoolMemoryResource {
     /// free would wait for a lock or look beyond that first shard: the caller then takes
     /// the full path. An event due on this stream is recorded on the way (a driver call
     /// that does not wait). In a pipeline, a consumer's free of a producer's chunk is
-    /// settled without giving the GIL back.
+    /// settled without giving the GIL back. `own` is the shard of `stream`.
     pub(super) fn free_foreign(
         &self,
+        own: &Shard,
         ptr: DevPtr,
         size: usize,
         bytes: usize,
         stream: &Stream,
         blocking: bool,
     ) -> Option<Result<()>> {
-        let key = stream.key(self.backend(), self.device());
+        let key = own.key;
         let demand = self.demand.load(Ordering::Relaxed);
-        let own = self.with_shard(key, stream, Arc::clone);
         let hint = {
-            let st = lock_shard(&own, blocking)?;
+            let st = lock_shard(own, blocking)?;
             other_shard(&st.foreign_hint, key)
         };
         let mut found = None;
@@ -581,7 +586,7 @@ impl ShardedPoolMemoryResource {
                     return Ok(Some(ptr));
                 }
                 // Another thread may have taken the gathered blocks into its shard.
-                mine = self.take_completed(size, stream, key, true);
+                mine = self.with_shard(key, stream, |own| self.take_completed(size, own, key, true));
             }
             if mine.is_none() {
                 let mut common = self.synchronize_and_harvest()?;
