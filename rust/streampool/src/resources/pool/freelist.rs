@@ -290,8 +290,7 @@ impl FreeList {
         if let Some(i) = self.find_listed(size, ok) {
             return Some(i);
         }
-        // Merged blocks are no larger than the free bytes together.
-        if !self.loose || self.bytes < size {
+        if !self.loose {
             return None;
         }
         self.merge_loose();
