@@ -55,12 +55,14 @@ run() {  # run NAME ARGS...: one JSON document, the table on stderr's side
   $SP "$@" --json >"$OUT/$name.json"
 }
 
-# The pipeline of the context issue, driven from Rust and from Python threads.
+# The pipeline of the context issue, driven from Rust and from Python threads; with the
+# stack the guide recommends for it (more headroom, batched events) beside the peers.
+PIPELINE="$OURS,pool(async, headroom=2, event_batch=8)"
 if want pipeline; then
-run pipeline-native bench pipeline --resources "$OURS$peers" --threads 1,4,8 --repeats "$REPEATS" \
+run pipeline-native bench pipeline --resources "$PIPELINE$peers" --threads 1,4,8 --repeats "$REPEATS" \
   --param chunks=3000 --param driver=native $(plot_to)
 rename_plots pipeline pipeline-native
-run pipeline-python bench pipeline --resources "$OURS$peers" --threads 1,4,8 --repeats "$REPEATS" \
+run pipeline-python bench pipeline --resources "$PIPELINE$peers" --threads 1,4,8 --repeats "$REPEATS" \
   --param chunks=500 --param driver=python $(plot_to)
 rename_plots pipeline pipeline-python
 fi
