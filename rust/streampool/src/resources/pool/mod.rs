@@ -659,7 +659,7 @@ impl MemoryResource for ShardedPoolMemoryResource {
             return Some(settled);
         }
         let key = stream.key(self.backend(), self.device());
-        self.try_take_completed(class_size(bytes), stream, key).map(Ok)
+        self.take_completed_live(class_size(bytes), stream, key, false).map(Ok)
     }
 
     fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {

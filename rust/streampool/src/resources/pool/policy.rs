@@ -179,26 +179,25 @@ impl ShardedPoolMemoryResource {
         None
     }
 
-    /// [`Self::take_completed`] for `stream`, the block taken recorded live in its shard
-    /// (held by this stream's threads only for list operations).
-    fn take_completed_live(&self, size: usize, stream: &Stream, key: u64, blocking: bool) -> Option<DevPtr> {
+    /// [`Self::take_completed`] for `stream`, the block taken recorded live in its own
+    /// shard under its lock (as a free across streams does: held by this stream's threads
+    /// only for list operations). With `!blocking` it is step 3 for the binding's fast path
+    /// (which keeps Python's GIL): `None` when that finds no block or would wait, and the
+    /// caller takes the full path. Looking at the last source alone is not enough: in a
+    /// pipeline from Python threads a third of the producers' allocations then gave the GIL
+    /// back, to find a block in another consumer's shard.
+    pub(super) fn take_completed_live(
+        &self,
+        size: usize,
+        stream: &Stream,
+        key: u64,
+        blocking: bool,
+    ) -> Option<DevPtr> {
         self.with_shard(key, stream, |own| {
             let (ptr, chunk) = self.take_completed(size, own, key, blocking)?;
             own.state.lock().put_live(ptr, size, chunk);
             Some(ptr)
         })
-    }
-
-    /// Step 3 without waiting, for the binding's fast path (which keeps Python's GIL):
-    /// [`Self::take_completed`] with every lock tried, not waited for. `None` when that
-    /// finds no block or would wait: the caller then takes the full path. The block taken
-    /// is recorded live in this stream's own shard under its lock (as a free across
-    /// streams does: held by this stream's threads only for list operations); the shard
-    /// map's lock is only tried. Looking at the last source alone is not enough: in a
-    /// pipeline from Python threads a third of the producers' allocations then gave
-    /// the GIL back, to find a block in another consumer's shard.
-    pub(super) fn try_take_completed(&self, size: usize, stream: &Stream, key: u64) -> Option<DevPtr> {
-        self.take_completed_live(size, stream, key, false)
     }
 
     /// One shard's part of step 3, for the shard `own` of the looking stream. `None` too
@@ -211,8 +210,8 @@ impl ShardedPoolMemoryResource {
         blocking: bool,
     ) -> Option<(DevPtr, u64)> {
         // Blocks may move from a retired shard or one that gives all: the common list is
-        // locked too (`lock_common_if`). Tried while the shard is held (a try never waits,
-        // so the locks' order holds), which spares locking the shard twice.
+        // locked too. Tried while the shard is held (a try never waits, so the locks' order
+        // holds), which spares locking the shard twice.
         let may_move = |st: &ShardState| st.free.bytes() > 0 && (st.retired || st.gives_all());
         let mut st = lock_shard(shard, blocking)?;
         let mut common = None;
@@ -310,7 +309,7 @@ impl ShardedPoolMemoryResource {
         for (_, _, shard) in order {
             // Blocks may move from a shard that gives all (the wait on the way is enqueued,
             // not waited for).
-            let common = self.lock_common_if(shard, ShardState::gives_all, true).flatten();
+            let common = self.lock_common_if(shard, ShardState::gives_all);
             let (taken, moved, event) = {
                 let mut st = shard.state.lock();
                 // No queries: step 3 has just made them, and waiting on an event that has
@@ -502,20 +501,13 @@ impl ShardedPoolMemoryResource {
     /// under the shard's lock): moved blocks stay under the common list's lock until they
     /// are in their new shard, as in `import_common`, so that a gathering never misses them.
     /// Taken before the shard's lock is taken again (the locks' order).
-    /// `None` when `!blocking` and a lock is taken (the outer option); else the common
-    /// list's guard when `may_move`.
     fn lock_common_if(
         &self,
         shard: &Shard,
         may_move: impl FnOnce(&ShardState) -> bool,
-        blocking: bool,
-    ) -> Option<Option<CommonGuard<'_>>> {
-        let moves = may_move(&*lock_shard(shard, blocking)?);
-        match (moves, blocking) {
-            (false, _) => Some(None),
-            (true, true) => Some(Some(self.common.lock())),
-            (true, false) => self.common.try_lock().map(Some),
-        }
+    ) -> Option<CommonGuard<'_>> {
+        let moves = may_move(&shard.state.lock());
+        moves.then(|| self.common.lock())
     }
 
     /// Moves every block known complete from every shard to the common list (locked by the
