@@ -58,12 +58,15 @@ run() {  # run NAME ARGS...: one JSON document, the table on stderr's side
 # The pipeline of the context issue, driven from Rust and from Python threads; with the
 # stack the guide recommends for it (more headroom, batched events) beside the peers.
 PIPELINE="$OURS,pool(async, headroom=2, event_batch=8)"
+# Chunks per pair from Python threads: 2000 make a run at one pair last about 0.1 s (500
+# made it 25 ms, short enough that one scheduling hiccup moved a run's figures by a third).
+PY_CHUNKS=2000
 if want pipeline; then
 run pipeline-native bench pipeline --resources "$PIPELINE$peers" --threads 1,4,8 --repeats "$REPEATS" \
   --param chunks=3000 --param driver=native $(plot_to)
 rename_plots pipeline pipeline-native
 run pipeline-python bench pipeline --resources "$PIPELINE$peers" --threads 1,4,8 --repeats "$REPEATS" \
-  --param chunks=500 --param driver=python $(plot_to)
+  --param chunks=$PY_CHUNKS --param driver=python $(plot_to)
 rename_plots pipeline pipeline-python
 fi
 
@@ -74,7 +77,7 @@ if want headroom; then
 run pipeline-headroom bench pipeline --resources "$HEADROOM" --threads 1,4,8 --repeats "$REPEATS" \
   --param chunks=3000 --param driver=native
 run pipeline-python-headroom bench pipeline --resources "$HEADROOM" --threads 1,4,8 --repeats "$REPEATS" \
-  --param chunks=500 --param driver=python
+  --param chunks=$PY_CHUNKS --param driver=python
 fi
 
 # Many threads and streams; RMM's random_allocations; allocations between kernels.
