@@ -97,6 +97,22 @@ def test_bench_each_workload_json(workload: str) -> None:
         assert calls["async"] is None and calls["pool(async)"]["max"] > 0, calls
 
 
+def test_bench_pipeline_classifies_long_calls_from_native_threads_only() -> None:
+    args = ("bench", "pipeline", "--resources", "pool(async)", "--threads", "2", "--quick")
+    out = run(*args, "--param", "driver=native", "--param", "long_call_us=0.001", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = valid(out.stdout)
+    (summary,) = doc["summary"]
+    long = summary["long_calls"]
+    assert long["calls"] == sum(r["long_calls"]["calls"] for r in doc["runs"]) > 0
+    assert long["preempted"] + long["slept"] + long["on_cpu"] == long["calls"]
+    out = run(*args, "--param", "driver=native", "--param", "long_call_us=0.001")
+    assert "preempted/slept/on CPU" in out.stdout, out.stdout
+    # From Python threads a long call is a wait for the GIL as often as not: refused.
+    out = run(*args, "--param", "driver=python", "--param", "long_call_us=100")
+    assert out.returncode != 0 and "driver=native" in out.stderr, out.stderr
+
+
 def test_bench_table_is_plain_text_when_piped_and_says_simulated_device() -> None:
     out = run("bench", "window", "--resources", "async,stats(pool(async))", "--quick")
     assert out.returncode == 0, out.stderr

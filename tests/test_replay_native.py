@@ -164,6 +164,21 @@ def test_pipeline_moves_every_chunk_intact(sim: SimulatedDevice) -> None:
         mr.CudaAsyncMemoryResource(), chunk_bytes="64KiB", chunks_per_pair=5, kernel_us=0
     )
     assert plain["driver_calls"] is None and plain["driver_calls_per_chunk"] is None
+    assert "long_calls" not in plain  # not asked
+
+
+def test_pipeline_classifies_long_calls(sim: SimulatedDevice) -> None:
+    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())
+    # Every call is over a threshold of 1 ns: each is counted once, in one class.
+    r = _native.pipeline(
+        pool, pairs=2, chunk_bytes="64KiB", chunks_per_pair=20, kernel_us=0, long_call_us=0.001
+    )
+    long = r["long_calls"]
+    assert long["over_ns"] == 1 and long["calls"] == 80
+    assert long["preempted"] + long["slept"] + long["on_cpu"] == long["calls"]
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="long_call_us"):
+            _native.pipeline(pool, chunks_per_pair=2, long_call_us=bad)
 
 
 @pytest.mark.gpu

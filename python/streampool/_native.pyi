@@ -15,6 +15,7 @@ from typing import (
     ClassVar,
     Final,
     Literal,
+    NotRequired,
     Protocol,
     Self,
     SupportsIndex,
@@ -1320,6 +1321,19 @@ class _DriverCalls(TypedDict):
     total: int
 
 @type_check_only
+class _LongCalls(TypedDict):
+    """The allocator calls over ``over_ns``, by what the calling thread did meanwhile (its
+    context switches; Linux): ``preempted`` (the operating system switched it out while it
+    could run), ``slept`` (it waited: a lock, a condition, the driver), ``on_cpu`` (neither:
+    the call's own work, or time the host took from a virtual machine)."""
+
+    over_ns: int
+    calls: int
+    preempted: int
+    slept: int
+    on_cpu: int
+
+@type_check_only
 class PipelineReport(TypedDict):
     resource: str
     device: str
@@ -1343,6 +1357,7 @@ class PipelineReport(TypedDict):
     checked: int
     mismatches: int
     compute_iterations: int
+    long_calls: NotRequired[_LongCalls]
 
 def pipeline(
     resource: MemoryResource,
@@ -1353,6 +1368,7 @@ def pipeline(
     kernel_us: float = 20.0,
     queue_depth: int = 4,
     check_every: int = 1,
+    long_call_us: float = 0.0,
 ) -> PipelineReport:
     """The producer/consumer pipeline across streams, driven from native threads with the
     GIL released: ``pairs`` producers, each on its own stream, allocate a chunk of
@@ -1367,9 +1383,12 @@ def pipeline(
     ``peak_live_bytes``, ``mismatches`` (must be 0), latency percentiles and the
     resource's ``synchronizations``/``waits``, and its own ``driver_calls`` by kind (event
     records and queries, stream waits, synchronisations, growths; None where it does not
-    count them) with ``driver_calls_per_chunk``, their total per chunk. Bad shapes (``pairs`` outside 1..=512,
+    count them) with ``driver_calls_per_chunk``, their total per chunk. With ``long_call_us``
+    above 0, ``long_calls`` classifies the calls longer than that (``_LongCalls``: was the
+    thread switched out, asleep, or neither), from the thread's context switches read
+    around every call (outside its timed span). Bad shapes (``pairs`` outside 1..=512,
     ``chunk_bytes`` < 8, ``queue_depth`` 0, a negative ``kernel_us``) raise
-    InvalidArgumentError.
+    InvalidArgumentError; a negative or infinite ``long_call_us``, ValueError.
     """
 
 @type_check_only

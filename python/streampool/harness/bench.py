@@ -84,8 +84,9 @@ def summarise(runs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, An
     resource's throughput in the same repeat; the median run's latency percentiles; the
     largest peaks of live and reserved bytes, out-of-memory events, data mismatches, and the
     most synchronisations and waits the resource made in one run (None where it does not
-    report them), and min/median/max of the resource's own driver calls per chunk (the
-    native pipeline; None elsewhere)."""
+    report them), min/median/max of the resource's own driver calls per chunk (the
+    native pipeline; None elsewhere), and the runs' long calls summed (the native pipeline
+    with ``long_call_us``; None elsewhere)."""
     out = []
     baseline = specs[0]
     for t in sorted({r["threads"] for r in runs}):
@@ -119,9 +120,19 @@ def summarise(runs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, An
                     "synchronizations": _most(mine, "synchronizations"),
                     "waits": _most(mine, "waits"),
                     "driver_calls_per_chunk": _spread_of(mine, "driver_calls_per_chunk"),
+                    "long_calls": _long_calls(mine),
                 }
             )
     return out
+
+
+def _long_calls(runs: list[dict[str, Any]]) -> dict[str, int] | None:
+    """The runs' ``long_calls`` summed (same threshold in every run); None when none has them."""
+    mine = [r["long_calls"] for r in runs if r.get("long_calls")]
+    if not mine:
+        return None
+    total = {k: sum(m[k] for m in mine) for k in ("calls", "preempted", "slept", "on_cpu")}
+    return {"over_ns": mine[0]["over_ns"], **total}
 
 
 def _most(runs: list[dict[str, Any]], key: str) -> int | None:

@@ -273,6 +273,13 @@ def _results_table(out: Output, title: str, summary: list[dict[str, Any]], repla
         for row, r in zip(rows, summary):
             calls = r.get("driver_calls_per_chunk")
             row.append(_range(calls, lambda x: f"{x:.2f}") if calls else "-")
+    # The calls over long_call_us, by what their thread did (the native pipeline).
+    if any(r.get("long_calls") for r in summary):
+        over = next(r["long_calls"]["over_ns"] for r in summary if r.get("long_calls"))
+        columns.append(f"calls > {human_ns(over)}: preempted/slept/on CPU")
+        for row, r in zip(rows, summary):
+            lc = r.get("long_calls")
+            row.append(f"{lc['calls']}: {lc['preempted']}/{lc['slept']}/{lc['on_cpu']}" if lc else "-")
     out.table(title, columns, rows)
 
 

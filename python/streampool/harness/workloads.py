@@ -17,6 +17,7 @@ and larger-than-memory launch kernels (:mod:`streampool.kernels`) between alloca
 
 from __future__ import annotations
 
+import math
 import queue
 import random as _random
 import threading
@@ -321,6 +322,7 @@ def pipeline(
     kernel_us: float = 20.0,
     check_every: int = 1,
     driver: str = "auto",
+    long_call_us: float = 0.0,
 ) -> dict[str, Any]:
     """The producer/consumer pipeline (the workload of RMM's async-default discussion):
     ``threads`` producer/consumer pairs; each producer allocates ``chunks`` chunks on its
@@ -333,13 +335,26 @@ def pipeline(
     ``driver="native"`` runs it from Rust threads (``streampool._native.pipeline``; the
     hand-off is an event the consumer's stream waits on), ``"python"`` from Python threads
     launching the kernels (the producer's stream is synchronised before the hand-off),
-    ``"auto"`` the native one when this build has it. ``streams`` is ignored (two per pair)."""
+    ``"auto"`` the native one when this build has it. ``streams`` is ignored (two per pair).
+
+    ``long_call_us`` (native driver only; 0: off) classifies the allocator calls longer than
+    that in ``long_calls``: how many there were, and of them how many the operating system
+    switched out (``preempted``), how many slept (``slept``: a lock, the driver) and how many
+    neither (``on_cpu``), from each thread's context switches read around every call. It tells
+    a long call the allocator caused from one the host's scheduler did."""
     nbytes = parse_size(chunk_size)
     if check_every < 0:
         raise ValueError(f"pipeline: check_every must be 0 (never) or more, not {check_every}")
     if driver not in ("auto", "native", "python"):
         raise ValueError(f"pipeline: driver must be auto, native or python, not {driver!r}")
+    if not (long_call_us >= 0 and math.isfinite(long_call_us)):
+        raise ValueError(f"pipeline: long_call_us must be a finite number >= 0 (0: off), not {long_call_us}")
     native = getattr(_native, "pipeline", None)
+    if long_call_us and (driver == "python" or native is None):
+        raise WorkloadError(
+            "pipeline: long_call_us classifies the calls of the native driver (driver=native); "
+            "from Python threads a long call is most often a wait for the GIL"
+        )
     if driver == "native" and native is None:
         raise WorkloadError("pipeline driver=native: this build of streampool has no native pipeline")
     if native is not None and driver != "python":
@@ -351,6 +366,7 @@ def pipeline(
                 chunks_per_pair=chunks,
                 kernel_us=kernel_us,
                 check_every=check_every,
+                long_call_us=long_call_us,
             )
         )
         out["throughput"] = out["chunks_per_second"]

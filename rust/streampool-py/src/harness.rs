@@ -1,6 +1,7 @@
 //! The harness's native parts: the fill, check and compute kernels
 //! (`streampool.kernels`), the log replayer and the producer/consumer pipeline.
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use streampool::device::{self, BackendKind, BackendRef, DevPtr};
@@ -166,7 +167,7 @@ pub(crate) fn replay<'py>(
 /// The producer/consumer pipeline across streams, driven from native threads (see
 /// `streampool._native.pipeline` in the stubs). Returns the measurements as a dict.
 #[pyfunction]
-#[pyo3(signature = (resource, *, pairs = 1, chunk_bytes = None, chunks_per_pair = 1000, kernel_us = 20.0, queue_depth = 4, check_every = 1))]
+#[pyo3(signature = (resource, *, pairs = 1, chunk_bytes = None, chunks_per_pair = 1000, kernel_us = 20.0, queue_depth = 4, check_every = 1, long_call_us = 0.0))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn pipeline<'py>(
     py: Python<'py>,
@@ -177,7 +178,13 @@ pub(crate) fn pipeline<'py>(
     kernel_us: f64,
     queue_depth: usize,
     check_every: usize,
+    long_call_us: f64,
 ) -> PyResult<Bound<'py, PyDict>> {
+    if !(long_call_us >= 0.0 && long_call_us.is_finite()) {
+        return Err(PyValueError::new_err(format!(
+            "pipeline: long_call_us must be a finite number >= 0 (0: off), not {long_call_us}"
+        )));
+    }
     let mr = resource.get().inner.clone();
     let o = PipelineOptions {
         pairs,
@@ -189,6 +196,7 @@ pub(crate) fn pipeline<'py>(
         kernel_us,
         queue_depth,
         check_every,
+        long_call_ns: (long_call_us * 1e3).round() as u64,
     };
     let r = {
         let mr = mr.clone();
@@ -220,6 +228,15 @@ pub(crate) fn pipeline<'py>(
     d.set_item("checked", r.checked)?;
     d.set_item("mismatches", r.mismatches)?;
     d.set_item("compute_iterations", r.compute_iterations)?;
+    if let Some(l) = r.long_calls {
+        let long = PyDict::new(py);
+        long.set_item("over_ns", l.over_ns)?;
+        long.set_item("calls", l.calls)?;
+        long.set_item("preempted", l.preempted)?;
+        long.set_item("slept", l.slept)?;
+        long.set_item("on_cpu", l.on_cpu())?;
+        d.set_item("long_calls", long)?;
+    }
     Ok(d)
 }
 

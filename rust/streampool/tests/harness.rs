@@ -4,10 +4,11 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use common::{assert_no_races, sim};
 use streampool::device::{BackendRef, DevPtr, RawStream};
-use streampool::harness::pipeline::{pipeline, PipelineOptions};
+use streampool::harness::pipeline::{pipeline, LongCalls, PipelineOptions};
 use streampool::harness::replay::{encode, parse, replay, Op, Record, ReplayOptions};
 use streampool::harness::NullMemoryResource;
 use streampool::resource::ResourceRef;
@@ -16,11 +17,19 @@ use streampool::{
     ShardedPoolMemoryResource, Stream,
 };
 
-/// Records every call it passes on: (stream handle, allocate?, size).
+/// Records every call it passes on: (stream handle, allocate?, size); with `nap`, every
+/// n-th allocation sleeps that long first.
 #[derive(Debug)]
 struct Recorder {
     upstream: ResourceRef,
     calls: Mutex<Vec<(RawStream, bool, usize)>>,
+    nap: Option<(usize, Duration)>,
+}
+
+impl Recorder {
+    fn new(upstream: ResourceRef) -> Self {
+        Recorder { upstream, calls: Mutex::new(Vec::new()), nap: None }
+    }
 }
 
 impl MemoryResource for Recorder {
@@ -40,7 +49,16 @@ impl MemoryResource for Recorder {
         self.upstream.footprint()
     }
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> streampool::Result<DevPtr> {
-        self.calls.lock().unwrap().push((stream.handle(), true, bytes));
+        let n = {
+            let mut calls = self.calls.lock().unwrap();
+            calls.push((stream.handle(), true, bytes));
+            calls.iter().filter(|c| c.1).count()
+        };
+        if let Some((every, nap)) = self.nap {
+            if n % every == 0 {
+                std::thread::sleep(nap);
+            }
+        }
         self.upstream.allocate(bytes, stream)
     }
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> streampool::Result<()> {
@@ -107,7 +125,7 @@ fn replay_keeps_the_recorded_sequence_of_operations_per_stream() {
         .unwrap(),
     );
     for gap_scale in [0.0, 1.0] {
-        let mr = Recorder { upstream: pool.clone(), calls: Mutex::new(Vec::new()) };
+        let mr = Recorder::new(pool.clone());
         let report = replay(&mr, &parse(&encode(&records)).unwrap(), ReplayOptions { gap_scale }).unwrap();
         let calls = mr.calls.into_inner().unwrap();
         assert_eq!(per_stream(calls.into_iter()), expected, "gap_scale {gap_scale}");
@@ -218,8 +236,10 @@ fn the_pipeline_moves_every_chunk_intact_across_streams() {
         kernel_us: 5.0,
         queue_depth: 3,
         check_every: 1,
+        long_call_ns: 0,
     };
     let r = pipeline(&pool, &o).unwrap();
+    assert_eq!(r.long_calls, None);
     assert_eq!((r.chunks, r.checked, r.mismatches), (120, 120, 0));
     assert_eq!((r.allocate.count, r.free.count), (120, 120));
     assert!(r.compute_iterations >= 1);
@@ -236,6 +256,39 @@ fn the_pipeline_moves_every_chunk_intact_across_streams() {
     ] {
         assert!(matches!(pipeline(&pool, &bad), Err(Error::InvalidArgument(_))));
     }
+}
+
+#[test]
+fn the_pipeline_tells_which_long_calls_slept_or_were_switched_out() {
+    let (_sim, b) = sim();
+    let pool: ResourceRef = Arc::new(
+        ShardedPoolMemoryResource::new(
+            Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap()),
+            PoolOptions::default(),
+        )
+        .unwrap(),
+    );
+    // Every 10th allocation sleeps 20 ms: 6 of the 60. A sleep is a voluntary context
+    // switch, so each of those calls is long, and slept or (switched out too) preempted.
+    let mut napping = Recorder::new(pool.clone());
+    napping.nap = Some((10, Duration::from_millis(20)));
+    let o = PipelineOptions {
+        pairs: 2,
+        chunk_bytes: 64 << 10,
+        chunks_per_pair: 30,
+        kernel_us: 0.0,
+        long_call_ns: 10_000_000,
+        ..PipelineOptions::default()
+    };
+    let long = pipeline(&napping, &o).unwrap().long_calls.expect("asked for");
+    assert_eq!(long.over_ns, 10_000_000);
+    assert!(long.calls >= 6, "{long:?}");
+    if cfg!(target_os = "linux") {
+        assert!(long.preempted + long.slept >= 6 && long.on_cpu() <= long.calls - 6, "{long:?}");
+    }
+    // Without naps, no call of this pipeline takes a second.
+    let r = pipeline(&*pool, &PipelineOptions { long_call_ns: 1_000_000_000, ..o }).unwrap();
+    assert_eq!(r.long_calls, Some(LongCalls { over_ns: 1_000_000_000, ..LongCalls::default() }));
 }
 
 #[test]
@@ -296,7 +349,7 @@ fn replay_and_pipeline_on_a_gpu() {
         Arc::new(ShardedPoolMemoryResource::new(driver.clone(), PoolOptions::default()).unwrap());
     let records = log();
     for mr in [driver, sharded] {
-        let recorder = Recorder { upstream: mr.clone(), calls: Mutex::new(Vec::new()) };
+        let recorder = Recorder::new(mr.clone());
         let r = replay(&recorder, &records, ReplayOptions { gap_scale: 0.0 }).unwrap();
         assert_eq!((r.events, r.oom_events, r.allocate.count, r.free.count), (400, 0, 200, 200));
         let sizes: BTreeMap<u64, u64> =
@@ -311,6 +364,7 @@ fn replay_and_pipeline_on_a_gpu() {
             kernel_us: 20.0,
             queue_depth: 4,
             check_every: 1,
+            long_call_ns: 0,
         };
         let p = pipeline(&*mr, &o).unwrap();
         assert_eq!((p.chunks, p.checked, p.mismatches), (1200, 1200, 0), "{} {p:?}", mr.name());

@@ -15,6 +15,12 @@
 //! per-call latency and the longest call, peak live bytes (chunks allocated and not yet
 //! freed) against the resource's peak reserved bytes, and the check's mismatches, which
 //! must be 0.
+//!
+//! With [`PipelineOptions::long_call_ns`] set, each call over that threshold is also
+//! classified by what the calling thread did meanwhile ([`LongCalls`]): switched out by the
+//! operating system, asleep (a lock, a driver wait), or neither. It tells a long call the
+//! allocator caused from one the host did: on a machine with as many busy threads as CPUs,
+//! a thread descheduled inside a call makes a call of a scheduler's time slice.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -47,6 +53,10 @@ pub struct PipelineOptions {
     pub queue_depth: usize,
     /// Check every n-th chunk of each pair (0: never).
     pub check_every: usize,
+    /// Classify the allocator calls longer than this many nanoseconds ([`LongCalls`]; 0:
+    /// off). Each call then reads the thread's context switches before and after it
+    /// (outside its timed span: two system calls more per allocator call).
+    pub long_call_ns: u64,
 }
 
 impl Default for PipelineOptions {
@@ -58,6 +68,7 @@ impl Default for PipelineOptions {
             kernel_us: 20.0,
             queue_depth: 4,
             check_every: 1,
+            long_call_ns: 0,
         }
     }
 }
@@ -98,6 +109,105 @@ pub struct PipelineReport {
     pub mismatches: u64,
     /// Passes of the compute kernel per chunk (from `kernel_us` and the calibration).
     pub compute_iterations: u32,
+    /// The calls over [`PipelineOptions::long_call_ns`], classified (`None`: not asked).
+    pub long_calls: Option<LongCalls>,
+}
+
+/// The allocator calls longer than a threshold, by what the calling thread did during the
+/// call, from its context switches (`getrusage(RUSAGE_THREAD)`; Linux only: elsewhere every
+/// long call counts as neither).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LongCalls {
+    /// The threshold, in nanoseconds.
+    pub over_ns: u64,
+    /// Calls that took longer.
+    pub calls: u64,
+    /// Of those, the calls during which the operating system switched the thread out while
+    /// it could run (an involuntary context switch: another thread had its CPU).
+    pub preempted: u64,
+    /// Of the others, the calls during which the thread slept (a voluntary context switch:
+    /// it waited on a lock, a condition or the driver).
+    pub slept: u64,
+}
+
+impl LongCalls {
+    /// The calls during which the thread neither slept nor was switched out: the call's
+    /// own work, or time the host took from the virtual machine (which the guest's
+    /// counters do not see).
+    pub fn on_cpu(&self) -> u64 {
+        self.calls - self.preempted - self.slept
+    }
+
+    fn add(&mut self, o: &LongCalls) {
+        self.calls += o.calls;
+        self.preempted += o.preempted;
+        self.slept += o.slept;
+    }
+}
+
+/// The calling thread's (voluntary, involuntary) context switches so far.
+#[cfg(target_os = "linux")]
+fn switches() -> (i64, i64) {
+    // SAFETY: rusage is plain integers, for which all zeroes is a valid value.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage only writes the struct it is given, which lives for the call.
+    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) } != 0 {
+        return (0, 0);
+    }
+    (u.ru_nvcsw, u.ru_nivcsw)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn switches() -> (i64, i64) {
+    (0, 0)
+}
+
+/// One thread's timing of its allocator calls: every call's ticks, and the long calls
+/// classified when asked.
+struct CallTimer {
+    lat: Vec<u64>,
+    /// The threshold in clock ticks, and the long calls so far (`None`: not asked).
+    long: Option<(u64, LongCalls)>,
+}
+
+impl CallTimer {
+    fn new(o: &PipelineOptions) -> Self {
+        let long = (o.long_call_ns > 0).then(|| {
+            let ticks = (o.long_call_ns as f64 / clock::ns_per_tick()) as u64;
+            (ticks, LongCalls { over_ns: o.long_call_ns, ..LongCalls::default() })
+        });
+        CallTimer { lat: Vec::with_capacity(o.chunks_per_pair), long }
+    }
+
+    /// Runs `call`, timed.
+    #[inline]
+    fn time<T>(&mut self, call: impl FnOnce() -> T) -> T {
+        let before = self.long.is_some().then(switches);
+        let t = clock::now();
+        let r = call();
+        let ticks = ticks_since(t);
+        self.lat.push(ticks);
+        if let (Some((over, long)), Some((voluntary, involuntary))) = (&mut self.long, before) {
+            if ticks > *over {
+                let (v, i) = switches();
+                long.calls += 1;
+                if i > involuntary {
+                    long.preempted += 1;
+                } else if v > voluntary {
+                    long.slept += 1;
+                }
+            }
+        }
+        r
+    }
+
+    fn merge_into(self, lat: &Mutex<Vec<u64>>, shared: &Shared) {
+        lat.lock().unwrap_or_else(|p| p.into_inner()).extend(self.lat);
+        if let Some((_, long)) = self.long {
+            let mut all = shared.long.lock().unwrap_or_else(|p| p.into_inner());
+            all.get_or_insert(LongCalls { over_ns: long.over_ns, ..LongCalls::default() }).add(&long);
+        }
+    }
 }
 
 impl PipelineReport {
@@ -124,6 +234,7 @@ struct Shared {
     mismatches: AtomicU64,
     allocs: Mutex<Vec<u64>>,
     frees: Mutex<Vec<u64>>,
+    long: Mutex<Option<LongCalls>>,
     error: Mutex<Option<Error>>,
 }
 
@@ -214,6 +325,7 @@ pub fn pipeline(mr: &dyn MemoryResource, o: &PipelineOptions) -> Result<Pipeline
         return Err(e);
     }
     let RunFootprint { peak_reserved_bytes, synchronizations, waits, driver_calls } = baseline.finish(mr);
+    let long_calls = shared.long.into_inner().unwrap_or_else(|p| p.into_inner());
     let allocate = Percentiles::of_ticks(shared.allocs.into_inner().unwrap_or_else(|p| p.into_inner()));
     let free = Percentiles::of_ticks(shared.frees.into_inner().unwrap_or_else(|p| p.into_inner()));
     let chunks = (o.pairs * o.chunks_per_pair) as u64;
@@ -235,6 +347,7 @@ pub fn pipeline(mr: &dyn MemoryResource, o: &PipelineOptions) -> Result<Pipeline
         checked: shared.checked.load(Ordering::Relaxed),
         mismatches: shared.mismatches.load(Ordering::Relaxed),
         compute_iterations: iterations,
+        long_calls,
     })
 }
 
@@ -250,12 +363,10 @@ fn produce(
     shared: &Shared,
 ) -> Result<()> {
     let dev = mr.device();
-    let mut lat = Vec::with_capacity(o.chunks_per_pair);
+    let mut timer = CallTimer::new(o);
     let result = (|| {
         for index in 0..o.chunks_per_pair {
-            let t = clock::now();
-            let ptr = mr.allocate(o.chunk_bytes, s)?;
-            lat.push(ticks_since(t));
+            let ptr = timer.time(|| mr.allocate(o.chunk_bytes, s))?;
             let live = shared.live.fetch_add(o.chunk_bytes as u64, Ordering::Relaxed) + o.chunk_bytes as u64;
             shared.peak_live.fetch_max(live, Ordering::Relaxed);
             let seed = ((pair as u64) << 32) | index as u64;
@@ -283,7 +394,7 @@ fn produce(
         }
         Ok(())
     })();
-    shared.allocs.lock().unwrap_or_else(|p| p.into_inner()).extend(lat);
+    timer.merge_into(&shared.allocs, shared);
     result
 }
 
@@ -299,7 +410,7 @@ fn consume(
     shared: &Shared,
 ) {
     let dev = mr.device();
-    let mut lat = Vec::with_capacity(o.chunks_per_pair);
+    let mut timer = CallTimer::new(o);
     let mut failed = false;
     // Runs until the producer is done; after a failure it only frees what arrives.
     for chunk in rx.iter() {
@@ -322,14 +433,11 @@ fn consume(
             }
         }
         shared.live.fetch_sub(o.chunk_bytes as u64, Ordering::Relaxed);
-        let t = clock::now();
-        let r = mr.deallocate(chunk.ptr, o.chunk_bytes, s);
-        lat.push(ticks_since(t));
-        if let Err(e) = r {
+        if let Err(e) = timer.time(|| mr.deallocate(chunk.ptr, o.chunk_bytes, s)) {
             shared.fail(e);
             failed = true;
         }
         let _ = back.send(chunk.ready);
     }
-    shared.frees.lock().unwrap_or_else(|p| p.into_inner()).extend(lat);
+    timer.merge_into(&shared.frees, shared);
 }
