@@ -176,6 +176,8 @@ def test_pipeline_classifies_long_calls(sim: SimulatedDevice) -> None:
     long = r["long_calls"]
     assert long["over_ns"] == 1 and long["calls"] == 80
     assert long["preempted"] + long["slept"] + long["on_cpu"] == long["calls"]
+    assert set(long["sampled"]) == {"running", "futex", "ioctl", "sched_yield", "sleep", "other"}
+    assert sum(long["sampled"].values()) <= long["calls"]
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="long_call_us"):
             _native.pipeline(pool, chunks_per_pair=2, long_call_us=bad)

@@ -1321,17 +1321,31 @@ class _DriverCalls(TypedDict):
     total: int
 
 @type_check_only
+class _Sampled(TypedDict):
+    """What long calls' threads were doing when a watchdog looked, once per call past the
+    threshold (``/proc/self/task/TID/syscall``; Linux): running, or in which system call
+    (``futex``: a lock or a condition; ``ioctl``: a driver call in the kernel)."""
+
+    running: int
+    futex: int
+    ioctl: int
+    sched_yield: int
+    sleep: int
+    other: int
+
+@type_check_only
 class _LongCalls(TypedDict):
     """The allocator calls over ``over_ns``, by what the calling thread did meanwhile (its
     context switches; Linux): ``preempted`` (the operating system switched it out while it
     could run), ``slept`` (it waited: a lock, a condition, the driver), ``on_cpu`` (neither:
-    the call's own work, or time the host took from a virtual machine)."""
+    the call's own work, or time the host took from a virtual machine); and ``sampled``."""
 
     over_ns: int
     calls: int
     preempted: int
     slept: int
     on_cpu: int
+    sampled: _Sampled
 
 @type_check_only
 class PipelineReport(TypedDict):
@@ -1386,7 +1400,8 @@ def pipeline(
     count them) with ``driver_calls_per_chunk``, their total per chunk. With ``long_call_us``
     above 0, ``long_calls`` classifies the calls longer than that (``_LongCalls``: was the
     thread switched out, asleep, or neither), from the thread's context switches read
-    around every call (outside its timed span). Bad shapes (``pairs`` outside 1..=512,
+    around every call (outside its timed span) and a watchdog thread's look at each long
+    call's thread (``sampled``). Bad shapes (``pairs`` outside 1..=512,
     ``chunk_bytes`` < 8, ``queue_depth`` 0, a negative ``kernel_us``) raise
     InvalidArgumentError; a negative or infinite ``long_call_us``, ValueError.
     """

@@ -126,12 +126,13 @@ def summarise(runs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, An
     return out
 
 
-def _long_calls(runs: list[dict[str, Any]]) -> dict[str, int] | None:
+def _long_calls(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The runs' ``long_calls`` summed (same threshold in every run); None when none has them."""
     mine = [r["long_calls"] for r in runs if r.get("long_calls")]
     if not mine:
         return None
-    total = {k: sum(m[k] for m in mine) for k in ("calls", "preempted", "slept", "on_cpu")}
+    total: dict[str, Any] = {k: sum(m[k] for m in mine) for k in ("calls", "preempted", "slept", "on_cpu")}
+    total["sampled"] = {k: sum(m["sampled"][k] for m in mine) for k in mine[0]["sampled"]}
     return {"over_ns": mine[0]["over_ns"], **total}
 
 

@@ -280,6 +280,11 @@ def _results_table(out: Output, title: str, summary: list[dict[str, Any]], repla
         for row, r in zip(rows, summary):
             lc = r.get("long_calls")
             row.append(f"{lc['calls']}: {lc['preempted']}/{lc['slept']}/{lc['on_cpu']}" if lc else "-")
+        # And where the watchdog found their threads (the classes it saw, most first).
+        columns.append("seen in")
+        for row, r in zip(rows, summary):
+            seen = sorted((r.get("long_calls") or {}).get("sampled", {}).items(), key=lambda kv: -kv[1])
+            row.append(", ".join(f"{k} {n}" for k, n in seen if n) or "-")
     out.table(title, columns, rows)
 
 

@@ -235,6 +235,19 @@ pub(crate) fn pipeline<'py>(
         long.set_item("preempted", l.preempted)?;
         long.set_item("slept", l.slept)?;
         long.set_item("on_cpu", l.on_cpu())?;
+        let sampled = PyDict::new(py);
+        let x = l.sampled;
+        for (k, v) in [
+            ("running", x.running),
+            ("futex", x.futex),
+            ("ioctl", x.ioctl),
+            ("sched_yield", x.sched_yield),
+            ("sleep", x.sleep),
+            ("other", x.other),
+        ] {
+            sampled.set_item(k, v)?;
+        }
+        long.set_item("sampled", sampled)?;
         d.set_item("long_calls", long)?;
     }
     Ok(d)

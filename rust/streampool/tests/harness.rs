@@ -268,10 +268,11 @@ fn the_pipeline_tells_which_long_calls_slept_or_were_switched_out() {
         )
         .unwrap(),
     );
-    // Every 10th allocation sleeps 20 ms: 6 of the 60. A sleep is a voluntary context
-    // switch, so each of those calls is long, and slept or (switched out too) preempted.
+    // Every 10th allocation sleeps 30 ms: 6 of the 60. A sleep is a voluntary context
+    // switch, so each of those calls is long, and slept or (switched out too) preempted;
+    // the watchdog, looking every 0.1 ms, finds such a thread in its sleep.
     let mut napping = Recorder::new(pool.clone());
-    napping.nap = Some((10, Duration::from_millis(20)));
+    napping.nap = Some((10, Duration::from_millis(30)));
     let o = PipelineOptions {
         pairs: 2,
         chunk_bytes: 64 << 10,
@@ -283,8 +284,10 @@ fn the_pipeline_tells_which_long_calls_slept_or_were_switched_out() {
     let long = pipeline(&napping, &o).unwrap().long_calls.expect("asked for");
     assert_eq!(long.over_ns, 10_000_000);
     assert!(long.calls >= 6, "{long:?}");
+    assert!(long.sampled.total() <= long.calls, "{long:?}");
     if cfg!(target_os = "linux") {
         assert!(long.preempted + long.slept >= 6 && long.on_cpu() <= long.calls - 6, "{long:?}");
+        assert!(long.sampled.sleep >= 1, "{long:?}");
     }
     // Without naps, no call of this pipeline takes a second.
     let r = pipeline(&*pool, &PipelineOptions { long_call_ns: 1_000_000_000, ..o }).unwrap();

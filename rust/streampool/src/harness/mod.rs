@@ -25,6 +25,7 @@ use crate::error::Result;
 use crate::resource::{MemoryKind, MemoryResource, ALIGNMENT};
 use crate::stream::Stream;
 
+mod long_calls;
 pub mod pipeline;
 pub mod replay;
 

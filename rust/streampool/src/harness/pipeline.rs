@@ -18,17 +18,18 @@
 //!
 //! With [`PipelineOptions::long_call_ns`] set, each call over that threshold is also
 //! classified by what the calling thread did meanwhile ([`LongCalls`]): switched out by the
-//! operating system, asleep (a lock, a driver wait), or neither. It tells a long call the
-//! allocator caused from one the host did: on a machine with as many busy threads as CPUs,
-//! a thread descheduled inside a call makes a call of a scheduler's time slice.
+//! operating system, asleep (a lock, a driver wait), or neither, and what a watchdog saw
+//! it doing once the call ran past the threshold. It tells a long call the allocator caused
+//! from one the host did.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use super::{ticks_since, DriverCalls, FootprintBaseline, Percentiles, RunFootprint};
-use crate::clock;
+use super::long_calls::{CallTimer, LongCallLog};
+pub use super::long_calls::{LongCalls, Sampled};
+use super::{DriverCalls, FootprintBaseline, Percentiles, RunFootprint};
 use crate::device::DevPtr;
 use crate::error::{Error, Result};
 use crate::kernels;
@@ -55,7 +56,8 @@ pub struct PipelineOptions {
     pub check_every: usize,
     /// Classify the allocator calls longer than this many nanoseconds ([`LongCalls`]; 0:
     /// off). Each call then reads the thread's context switches before and after it
-    /// (outside its timed span: two system calls more per allocator call).
+    /// (outside its timed span: two system calls more per allocator call), and a watchdog
+    /// thread looks at the threads in a call every 100 µs.
     pub long_call_ns: u64,
 }
 
@@ -113,103 +115,6 @@ pub struct PipelineReport {
     pub long_calls: Option<LongCalls>,
 }
 
-/// The allocator calls longer than a threshold, by what the calling thread did during the
-/// call, from its context switches (`getrusage(RUSAGE_THREAD)`; Linux only: elsewhere every
-/// long call counts as neither).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct LongCalls {
-    /// The threshold, in nanoseconds.
-    pub over_ns: u64,
-    /// Calls that took longer.
-    pub calls: u64,
-    /// Of those, the calls during which the operating system switched the thread out while
-    /// it could run (an involuntary context switch: another thread had its CPU).
-    pub preempted: u64,
-    /// Of the others, the calls during which the thread slept (a voluntary context switch:
-    /// it waited on a lock, a condition or the driver).
-    pub slept: u64,
-}
-
-impl LongCalls {
-    /// The calls during which the thread neither slept nor was switched out: the call's
-    /// own work, or time the host took from the virtual machine (which the guest's
-    /// counters do not see).
-    pub fn on_cpu(&self) -> u64 {
-        self.calls - self.preempted - self.slept
-    }
-
-    fn add(&mut self, o: &LongCalls) {
-        self.calls += o.calls;
-        self.preempted += o.preempted;
-        self.slept += o.slept;
-    }
-}
-
-/// The calling thread's (voluntary, involuntary) context switches so far.
-#[cfg(target_os = "linux")]
-fn switches() -> (i64, i64) {
-    // SAFETY: rusage is plain integers, for which all zeroes is a valid value.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: getrusage only writes the struct it is given, which lives for the call.
-    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) } != 0 {
-        return (0, 0);
-    }
-    (u.ru_nvcsw, u.ru_nivcsw)
-}
-
-#[cfg(not(target_os = "linux"))]
-fn switches() -> (i64, i64) {
-    (0, 0)
-}
-
-/// One thread's timing of its allocator calls: every call's ticks, and the long calls
-/// classified when asked.
-struct CallTimer {
-    lat: Vec<u64>,
-    /// The threshold in clock ticks, and the long calls so far (`None`: not asked).
-    long: Option<(u64, LongCalls)>,
-}
-
-impl CallTimer {
-    fn new(o: &PipelineOptions) -> Self {
-        let long = (o.long_call_ns > 0).then(|| {
-            let ticks = (o.long_call_ns as f64 / clock::ns_per_tick()) as u64;
-            (ticks, LongCalls { over_ns: o.long_call_ns, ..LongCalls::default() })
-        });
-        CallTimer { lat: Vec::with_capacity(o.chunks_per_pair), long }
-    }
-
-    /// Runs `call`, timed.
-    #[inline]
-    fn time<T>(&mut self, call: impl FnOnce() -> T) -> T {
-        let before = self.long.is_some().then(switches);
-        let t = clock::now();
-        let r = call();
-        let ticks = ticks_since(t);
-        self.lat.push(ticks);
-        if let (Some((over, long)), Some((voluntary, involuntary))) = (&mut self.long, before) {
-            if ticks > *over {
-                let (v, i) = switches();
-                long.calls += 1;
-                if i > involuntary {
-                    long.preempted += 1;
-                } else if v > voluntary {
-                    long.slept += 1;
-                }
-            }
-        }
-        r
-    }
-
-    fn merge_into(self, lat: &Mutex<Vec<u64>>, shared: &Shared) {
-        lat.lock().unwrap_or_else(|p| p.into_inner()).extend(self.lat);
-        if let Some((_, long)) = self.long {
-            let mut all = shared.long.lock().unwrap_or_else(|p| p.into_inner());
-            all.get_or_insert(LongCalls { over_ns: long.over_ns, ..LongCalls::default() }).add(&long);
-        }
-    }
-}
-
 impl PipelineReport {
     /// The resource's own driver calls per chunk (all kinds), where it counts them.
     pub fn driver_calls_per_chunk(&self) -> Option<f64> {
@@ -234,7 +139,6 @@ struct Shared {
     mismatches: AtomicU64,
     allocs: Mutex<Vec<u64>>,
     frees: Mutex<Vec<u64>>,
-    long: Mutex<Option<LongCalls>>,
     error: Mutex<Option<Error>>,
 }
 
@@ -295,25 +199,49 @@ pub fn pipeline(mr: &dyn MemoryResource, o: &PipelineOptions) -> Result<Pipeline
         .map(|_| Ok((Stream::create(&b, dev, false)?, Stream::create(&b, dev, false)?)))
         .collect::<Result<_>>()?;
     let shared = Shared::default();
+    let long = (o.long_call_ns > 0).then(|| LongCallLog::new(o.long_call_ns, 2 * o.pairs));
+    let long = long.as_ref();
     let baseline = FootprintBaseline::start(mr);
     let start = Instant::now();
     std::thread::scope(|scope| {
+        let watchdog = long.map(|log| scope.spawn(move || log.watch()));
+        let mut workers = Vec::with_capacity(2 * o.pairs);
         for (pair, (ps, cs)) in streams.iter().enumerate() {
             let (tx, rx) = mpsc::sync_channel::<Chunk>(o.queue_depth);
             let (back_tx, back_rx) = mpsc::channel::<Event>();
             let (shared, b) = (&shared, &b);
-            std::thread::Builder::new()
-                .name(format!("producer-{pair}"))
-                .spawn_scoped(scope, move || {
-                    if let Err(e) = produce(mr, b, o, pair, ps, &tx, &back_rx, shared) {
-                        shared.fail(e);
-                    }
-                })
-                .expect("spawn a producer");
-            std::thread::Builder::new()
-                .name(format!("consumer-{pair}"))
-                .spawn_scoped(scope, move || consume(mr, b, o, iterations, cs, rx, back_tx, shared))
-                .expect("spawn a consumer");
+            let timer = move |i: usize| CallTimer::new(o.chunks_per_pair, long.map(|log| (log, i)));
+            workers.push(
+                std::thread::Builder::new()
+                    .name(format!("producer-{pair}"))
+                    .spawn_scoped(scope, move || {
+                        let mut timer = timer(2 * pair);
+                        if let Err(e) = produce(mr, b, o, pair, ps, &tx, &back_rx, shared, &mut timer) {
+                            shared.fail(e);
+                        }
+                        shared.allocs.lock().unwrap_or_else(|p| p.into_inner()).extend(timer.finish());
+                    })
+                    .expect("spawn a producer"),
+            );
+            workers.push(
+                std::thread::Builder::new()
+                    .name(format!("consumer-{pair}"))
+                    .spawn_scoped(scope, move || {
+                        let mut timer = timer(2 * pair + 1);
+                        consume(mr, b, o, iterations, cs, rx, back_tx, shared, &mut timer);
+                        shared.frees.lock().unwrap_or_else(|p| p.into_inner()).extend(timer.finish());
+                    })
+                    .expect("spawn a consumer"),
+            );
+        }
+        // The watchdog stops once every worker has, a worker's panic included.
+        let panicked = workers.into_iter().filter_map(|w| w.join().err()).next();
+        if let (Some(log), Some(w)) = (long, watchdog) {
+            log.finish();
+            let _ = w.join();
+        }
+        if let Some(p) = panicked {
+            std::panic::resume_unwind(p);
         }
     });
     for (ps, cs) in &streams {
@@ -325,7 +253,7 @@ pub fn pipeline(mr: &dyn MemoryResource, o: &PipelineOptions) -> Result<Pipeline
         return Err(e);
     }
     let RunFootprint { peak_reserved_bytes, synchronizations, waits, driver_calls } = baseline.finish(mr);
-    let long_calls = shared.long.into_inner().unwrap_or_else(|p| p.into_inner());
+    let long_calls = long.map(LongCallLog::totals);
     let allocate = Percentiles::of_ticks(shared.allocs.into_inner().unwrap_or_else(|p| p.into_inner()));
     let free = Percentiles::of_ticks(shared.frees.into_inner().unwrap_or_else(|p| p.into_inner()));
     let chunks = (o.pairs * o.chunks_per_pair) as u64;
@@ -361,10 +289,10 @@ fn produce(
     tx: &mpsc::SyncSender<Chunk>,
     back: &mpsc::Receiver<Event>,
     shared: &Shared,
+    timer: &mut CallTimer<'_>,
 ) -> Result<()> {
     let dev = mr.device();
-    let mut timer = CallTimer::new(o);
-    let result = (|| {
+    (|| {
         for index in 0..o.chunks_per_pair {
             let ptr = timer.time(|| mr.allocate(o.chunk_bytes, s))?;
             let live = shared.live.fetch_add(o.chunk_bytes as u64, Ordering::Relaxed) + o.chunk_bytes as u64;
@@ -393,9 +321,7 @@ fn produce(
             }
         }
         Ok(())
-    })();
-    timer.merge_into(&shared.allocs, shared);
-    result
+    })()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -408,9 +334,9 @@ fn consume(
     rx: mpsc::Receiver<Chunk>,
     back: mpsc::Sender<Event>,
     shared: &Shared,
+    timer: &mut CallTimer<'_>,
 ) {
     let dev = mr.device();
-    let mut timer = CallTimer::new(o);
     let mut failed = false;
     // Runs until the producer is done; after a failure it only frees what arrives.
     for chunk in rx.iter() {
@@ -439,5 +365,4 @@ fn consume(
         }
         let _ = back.send(chunk.ready);
     }
-    timer.merge_into(&shared.frees, shared);
 }
