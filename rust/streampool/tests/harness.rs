@@ -117,13 +117,7 @@ fn replay_keeps_the_recorded_sequence_of_operations_per_stream() {
         records.iter().filter(|r| r.op == Op::Allocate).map(|r| (r.alloc_id, r.size)).collect();
     let expected =
         per_stream(records.iter().map(|r| (r.stream, r.op == Op::Allocate, sizes[&r.alloc_id] as usize)));
-    let pool: ResourceRef = Arc::new(
-        ShardedPoolMemoryResource::new(
-            Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap()),
-            PoolOptions::default(),
-        )
-        .unwrap(),
-    );
+    let pool = sharded_pool(&b);
     for gap_scale in [0.0, 1.0] {
         let mr = Recorder::new(pool.clone());
         let report = replay(&mr, &parse(&encode(&records)).unwrap(), ReplayOptions { gap_scale }).unwrap();
@@ -261,13 +255,7 @@ fn the_pipeline_moves_every_chunk_intact_across_streams() {
 #[test]
 fn the_pipeline_tells_which_long_calls_slept_or_were_switched_out() {
     let (_sim, b) = sim();
-    let pool: ResourceRef = Arc::new(
-        ShardedPoolMemoryResource::new(
-            Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap()),
-            PoolOptions::default(),
-        )
-        .unwrap(),
-    );
+    let pool = sharded_pool(&b);
     // Every 10th allocation sleeps 30 ms: 6 of the 60. A sleep is a voluntary context
     // switch, so each of those calls is long, and slept or (switched out too) preempted;
     // the watchdog, looking every 0.1 ms, finds such a thread in its sleep.
@@ -298,13 +286,7 @@ fn the_pipeline_tells_which_long_calls_slept_or_were_switched_out() {
 fn the_latency_adaptor_counts_every_call_on_both_paths_and_forwards_the_footprint() {
     use streampool::adaptors::LatencyHistogramAdaptor;
     let (_sim, b) = sim();
-    let pool: ResourceRef = Arc::new(
-        ShardedPoolMemoryResource::new(
-            Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap()),
-            PoolOptions::default(),
-        )
-        .unwrap(),
-    );
+    let pool = sharded_pool(&b);
     let mr = LatencyHistogramAdaptor::new(pool).unwrap();
     let s = Stream::legacy();
     let mut ptrs = Vec::new();
@@ -333,6 +315,17 @@ fn the_latency_adaptor_counts_every_call_on_both_paths_and_forwards_the_footprin
     assert!(mr.footprint().unwrap().peak_reserved_bytes >= 100 * 1024);
     mr.reset();
     assert_eq!(mr.histogram(), Default::default());
+}
+
+/// The sharded pool over the driver's pool (with its defaults), on `b`.
+fn sharded_pool(b: &BackendRef) -> ResourceRef {
+    Arc::new(
+        ShardedPoolMemoryResource::new(
+            Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap()),
+            PoolOptions::default(),
+        )
+        .unwrap(),
+    )
 }
 
 fn gpu() -> Option<BackendRef> {
