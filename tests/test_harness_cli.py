@@ -242,6 +242,62 @@ def test_bench_plots(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["window-latency.png", "window-throughput.png"]
 
 
+def test_latency_plot_draws_percentiles_where_runs_kept_no_call_times() -> None:
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from streampool.harness import plots
+
+    def run_of(spec: str, p50: int, samples: list[int] | None) -> dict[str, object]:
+        percentiles = {"p50": p50, "p90": 2 * p50, "p99": 4 * p50, "p999": 8 * p50, "max": 16 * p50}
+        return {
+            "resource": spec,
+            "allocate": percentiles,
+            "_latencies": {"allocate": samples} if samples else None,
+        }
+
+    # The native pipeline's runs: percentiles only. One line per resource, five points each.
+    fig, ax = plt.subplots()
+    native = [run_of("a", 100, None), run_of("a", 300, None), run_of("b", 1000, None)]
+    assert plots.latency_plot(ax, native) == "percentiles"
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+    assert lines == {"a": [200, 400, 800, 1600, 3200], "b": [1000, 2000, 4000, 8000, 16000]}
+    plt.close(fig)
+    # Runs with every call's time: a histogram per resource.
+    fig, ax = plt.subplots()
+    assert (
+        plots.latency_plot(ax, [run_of("a", 100, [100, 120, 5000]), run_of("b", 50, [50, 60])])
+        == "distribution"
+    )
+    assert len(ax.patches) == 2 and not ax.get_lines()
+    plt.close(fig)
+
+
+def test_plots_without_matplotlib_name_the_extra(tmp_path: Path) -> None:
+    blocked = "import sys; sys.modules['matplotlib'] = None; import runpy; runpy.run_module('streampool', run_name='__main__')"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            blocked,
+            "bench",
+            "window",
+            "--resources",
+            "async",
+            "--quick",
+            "--plot",
+            str(tmp_path),
+        ],
+        env=dict(os.environ, STREAMPOOL_DEVICE="sim"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 4, out.stderr
+    assert "pip install 'streampool[harness]'" in out.stderr and not list(tmp_path.glob("*.png"))
+
+
 def test_stress_json_and_exit_status() -> None:
     out = run("stress", "--resources", "pool(async),async", "--seconds", "0.5", "--threads", "2", "--json")
     assert out.returncode == 0, out.stderr

@@ -1,17 +1,19 @@
 """PNG plots (matplotlib, from the ``streampool[harness]`` extra): throughput against
-threads and latency distributions from ``bench``; live and reserved bytes over time per
+threads and latency distributions (or, where a run kept no per-call times, percentiles)
+from ``bench``; live and reserved bytes over time per
 stream and per thread, and latency histograms, from a log (``plot``). Every plot made on
 the simulated device says so in its title."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
 from .output import HARNESS_EXTRA
 from .trace import ALLOCATE, Trace
 
-__all__ = ["PlotsUnavailableError", "bench_plots", "log_plot"]
+__all__ = ["PlotsUnavailableError", "bench_plots", "latency_plot", "log_plot"]
 
 
 class PlotsUnavailableError(RuntimeError):
@@ -55,13 +57,13 @@ def bench_plots(
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     files = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for spec in dict.fromkeys(r["resource"] for r in summary):
+    for i, spec in enumerate(dict.fromkeys(r["resource"] for r in summary)):
         rows = [r for r in summary if r["resource"] == spec]
         xs = [r["threads"] for r in rows]
         med = [r["throughput"]["median"] for r in rows]
         lo = [m - r["throughput"]["min"] for m, r in zip(med, rows)]
         hi = [r["throughput"]["max"] - m for m, r in zip(med, rows)]
-        ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=spec)
+        ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=spec, linestyle=_style(i))
     ax.set_xlabel("producer/consumer pairs" if workload == "pipeline" else "threads")
     ax.set_ylabel(summary[0]["unit"] if summary else "")
     ax.set_xscale("log", base=2)
@@ -73,22 +75,56 @@ def bench_plots(
 
     top = max((r["threads"] for r in runs), default=1)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for spec in dict.fromkeys(r["resource"] for r in runs):
-        samples = [
-            x
-            for r in runs
-            if r["resource"] == spec and r["threads"] == top
-            for x in ((r.get("_latencies") or {}).get("allocate") or [])
-        ]
-        if samples:
-            ax.hist(samples, bins=_log_bins(samples), histtype="step", label=spec, log=True)
-    ax.set_xscale("log")
-    ax.set_xlabel("allocate latency (ns)")
-    ax.set_ylabel("calls")
+    kind = latency_plot(ax, [r for r in runs if r["threads"] == top])
     ax.legend(fontsize="small")
-    ax.set_title(_title(f"{workload}: allocate latency at {top} thread(s)", simulated))
+    noun = "pair(s)" if workload == "pipeline" else "thread(s)"
+    ax.set_title(_title(f"{workload}: allocate latency {kind} at {top} {noun}", simulated))
     files.append(_save(plt, fig, str(Path(out_dir) / f"{workload}-latency.png")))
     return files
+
+
+def _style(i: int) -> str:
+    """The line style of the i-th series: dashed once the 10 default colours come round."""
+    return "-" if i < 10 else "--"
+
+
+# The percentiles every run reports, and where a percentile plot puts them.
+_PERCENTILES = (("p50", "50"), ("p90", "90"), ("p99", "99"), ("p999", "99.9"), ("max", "max"))
+
+
+def latency_plot(ax: Any, runs: list[dict[str, Any]]) -> str:
+    """Draws the allocate latencies of ``runs`` on ``ax``, one series per resource: a
+    histogram of every call where the runs kept them (the Python drivers), else each
+    percentile's median over the runs (the native drivers report percentiles only).
+    Returns what was drawn: "distribution" or "percentiles"."""
+    specs = list(dict.fromkeys(r["resource"] for r in runs))
+    samples = {
+        spec: [
+            x
+            for r in runs
+            if r["resource"] == spec
+            for x in ((r.get("_latencies") or {}).get("allocate") or [])
+        ]
+        for spec in specs
+    }
+    if any(samples.values()):
+        for spec, xs in samples.items():
+            if xs:
+                ax.hist(xs, bins=_log_bins(xs), histtype="step", label=spec, log=True)
+        ax.set_xscale("log")
+        ax.set_xlabel("allocate latency (ns)")
+        ax.set_ylabel("calls")
+        return "distribution"
+    positions = range(len(_PERCENTILES))
+    for i, spec in enumerate(specs):
+        mine = [r["allocate"] for r in runs if r["resource"] == spec]
+        ys = [statistics.median(p[key] for p in mine) for key, _ in _PERCENTILES]
+        ax.plot(positions, ys, marker="o", label=spec, linestyle=_style(i))
+    ax.set_xticks(list(positions), [label for _, label in _PERCENTILES])
+    ax.set_yscale("log")
+    ax.set_xlabel("percentile (median over the runs)")
+    ax.set_ylabel("allocate latency (ns)")
+    return "percentiles"
 
 
 def _steps(trace: Trace, key: int) -> dict[int, tuple[list[float], list[int]]]:
