@@ -57,6 +57,20 @@ def test_pipeline_checks_every_nth_chunk(driver: str) -> None:
         workloads.pipeline(pool, check_every=-1, driver=driver)
 
 
+def test_pipeline_refuses_a_bad_long_call_threshold_and_runs_after() -> None:
+    pool = make_resource("pool(async)")
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="long_call_us must be a finite number"):
+            workloads.pipeline(pool, long_call_us=bad, driver="native")
+    with pytest.raises(workloads.WorkloadError, match="driver=native"):
+        workloads.pipeline(pool, long_call_us=100, driver="python")
+    # Nothing was run or changed: the same resource measures a pipeline at once.
+    result = workloads.pipeline(
+        pool, threads=1, chunks=5, chunk_size="64KiB", kernel_us=0, long_call_us=0.001
+    )
+    assert result["mismatches"] == 0 and result["long_calls"]["calls"] == 2 * 5
+
+
 def test_larger_than_memory_is_measured_with_and_without_prefetch() -> None:
     for spec in ("managed", "prefetch(managed)"):
         result = workloads.larger_than_memory(make_resource(spec), total="8MiB", chunk_size="2MiB", passes=1)

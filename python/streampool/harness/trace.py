@@ -260,6 +260,7 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
         a_lat: list[int] = []
         f_lat: list[int] = []
         # Looked up once: the timed spans hold the calls alone (as the kernel workloads').
+        # The end is read before `append` is looked up, which would otherwise fall inside.
         clock, allocate, deallocate = time.perf_counter_ns, resource.allocate, resource.deallocate
         try:
             start_barrier.wait()
@@ -276,15 +277,15 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
                     try:
                         ptr = allocate(size, stream)
                     except MemoryError:
-                        t = clock()
-                        a_lat.append(t - c)
+                        end = clock()
+                        a_lat.append(end - c)
                         with ready:
                             stats["oom_events"] += 1
                             failed.add(alloc_id)
                             ready.notify_all()
                         continue
-                    t = clock()
-                    a_lat.append(t - c)
+                    end = clock()
+                    a_lat.append(end - c)
                     with lock:
                         live[0] += size
                         live[1] = max(live[1], live[0])
@@ -303,8 +304,8 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
                     ptr = ptrs.pop(alloc_id)
                     c = clock()
                     deallocate(ptr, size, stream)
-                    t = clock()
-                    f_lat.append(t - c)
+                    end = clock()
+                    f_lat.append(end - c)
                     with lock:
                         live[0] -= size
                 if reserved is not None and n % 64 == 0:

@@ -146,7 +146,6 @@ struct Slot {
 /// The long calls of a run: the threshold, every thread's slot, the watchdog's samples and
 /// the totals.
 pub(crate) struct LongCallLog {
-    over_ns: u64,
     over_ticks: u64,
     slots: Vec<Slot>,
     done: AtomicBool,
@@ -157,7 +156,6 @@ impl LongCallLog {
     /// A log for `threads` timed threads, calls over `over_ns`.
     pub(crate) fn new(over_ns: u64, threads: usize) -> Self {
         LongCallLog {
-            over_ns,
             over_ticks: ((over_ns as f64 / clock::ns_per_tick()) as u64).max(1),
             slots: (0..threads).map(|_| Slot::default()).collect(),
             done: AtomicBool::new(false),
@@ -202,9 +200,10 @@ impl LongCallLog {
 }
 
 /// One thread's timing of its allocator calls: every call's ticks, and with a
-/// [`LongCallLog`] the long calls classified.
+/// [`LongCallLog`] the long calls classified (counted here, added to the log's totals,
+/// which hold the threshold, at the end).
 pub(crate) struct CallTimer<'a> {
-    pub(crate) lat: Vec<u64>,
+    lat: Vec<u64>,
     long: Option<(&'a LongCallLog, &'a Slot, LongCalls)>,
 }
 
@@ -214,7 +213,7 @@ impl<'a> CallTimer<'a> {
         let long = long.map(|(log, i)| {
             let slot = &log.slots[i];
             slot.tid.store(thread_id(), Ordering::Relaxed);
-            (log, slot, LongCalls { over_ns: log.over_ns, ..LongCalls::default() })
+            (log, slot, LongCalls::default())
         });
         CallTimer { lat: Vec::with_capacity(calls), long }
     }
