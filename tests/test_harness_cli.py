@@ -105,10 +105,13 @@ def test_bench_pipeline_classifies_long_calls_from_native_threads_only() -> None
     (summary,) = doc["summary"]
     long = summary["long_calls"]
     assert long["calls"] == sum(r["long_calls"]["calls"] for r in doc["runs"]) > 0
-    assert long["preempted"] + long["slept"] + long["on_cpu"] == long["calls"]
+    assert long["preempted"] + long["slept"] + long["stolen"] + long["on_cpu"] == long["calls"]
     assert sum(long["sampled"].values()) <= long["calls"]
-    out = run(*args, "--param", "driver=native", "--param", "long_call_us=0.001")
-    assert "preempted/slept/on CPU" in out.stdout and "seen in" in out.stdout, out.stdout
+    assert sum(long["running_in"].values()) == long["sampled"]["running"]
+    out = run(*args, "--param", "driver=native", "--param", "long_call_us=0.001", "--param", "null_call_us=1")
+    assert "calls > 1 ns: preempted/slept/stolen/on CPU" in out.stdout, out.stdout
+    assert "null calls > 1 ns: preempted/slept/stolen/on CPU" in out.stdout, out.stdout
+    assert "seen in" in out.stdout and "running in" in out.stdout, out.stdout
     # From Python threads a long call is a wait for the GIL as often as not: refused.
     out = run(*args, "--param", "driver=python", "--param", "long_call_us=100")
     assert out.returncode != 0 and "driver=native" in out.stderr, out.stderr

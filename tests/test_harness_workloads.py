@@ -64,11 +64,18 @@ def test_pipeline_refuses_a_bad_long_call_threshold_and_runs_after() -> None:
             workloads.pipeline(pool, long_call_us=bad, driver="native")
     with pytest.raises(workloads.WorkloadError, match="driver=native"):
         workloads.pipeline(pool, long_call_us=100, driver="python")
-    # Nothing was run or changed: the same resource measures a pipeline at once.
+    for bad in (-1.0, 100.5, float("nan")):
+        with pytest.raises(ValueError, match="null_call_us must be between 0"):
+            workloads.pipeline(pool, long_call_us=100, null_call_us=bad, driver="native")
+    with pytest.raises(ValueError, match="null_call_us needs long_call_us"):
+        workloads.pipeline(pool, null_call_us=1, driver="native")
+    # Nothing was run or changed: the same resource measures a pipeline at once; every
+    # null call of 2 µs is over a threshold of 1 ns.
     result = workloads.pipeline(
-        pool, threads=1, chunks=5, chunk_size="64KiB", kernel_us=0, long_call_us=0.001
+        pool, threads=1, chunks=5, chunk_size="64KiB", kernel_us=0, long_call_us=0.001, null_call_us=2
     )
     assert result["mismatches"] == 0 and result["long_calls"]["calls"] == 2 * 5
+    assert result["null_calls"]["calls"] == 2 * 5 and "sampled" not in result["null_calls"]
 
 
 def test_larger_than_memory_is_measured_with_and_without_prefetch() -> None:

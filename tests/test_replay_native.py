@@ -175,12 +175,33 @@ def test_pipeline_classifies_long_calls(sim: SimulatedDevice) -> None:
     )
     long = r["long_calls"]
     assert long["over_ns"] == 1 and long["calls"] == 80
-    assert long["preempted"] + long["slept"] + long["on_cpu"] == long["calls"]
+    assert long["preempted"] + long["slept"] + long["stolen"] + long["on_cpu"] == long["calls"]
     assert set(long["sampled"]) == {"running", "futex", "ioctl", "sched_yield", "sleep", "other"}
     assert sum(long["sampled"].values()) <= long["calls"]
+    assert set(long["running_in"]) == {"driver", "streampool", "system", "other", "ended", "unanswered"}
+    assert sum(long["running_in"].values()) == long["sampled"]["running"]
+    assert "null_calls" not in r  # not asked
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="long_call_us"):
             _native.pipeline(pool, chunks_per_pair=2, long_call_us=bad)
+        with pytest.raises(ValueError, match="null_call_us"):
+            _native.pipeline(pool, chunks_per_pair=2, long_call_us=1, null_call_us=bad)
+    for bad_shape in ({"null_call_us": 1}, {"long_call_us": 1, "null_call_us": 101}):
+        with pytest.raises(streampool.InvalidArgumentError, match="null_call_ns"):
+            _native.pipeline(pool, chunks_per_pair=2, **bad_shape)
+    # A null call after each of the 80 allocator calls, 5 µs each: all over 1 ns.
+    r = _native.pipeline(
+        pool,
+        pairs=2,
+        chunk_bytes="64KiB",
+        chunks_per_pair=20,
+        kernel_us=0,
+        long_call_us=0.001,
+        null_call_us=5,
+    )
+    null = r["null_calls"]
+    assert null["over_ns"] == 1 and null["calls"] == 80
+    assert null["preempted"] + null["slept"] + null["stolen"] + null["on_cpu"] == 80
 
 
 @pytest.mark.gpu

@@ -1334,18 +1334,44 @@ class _Sampled(TypedDict):
     other: int
 
 @type_check_only
-class _LongCalls(TypedDict):
-    """The allocator calls over ``over_ns``, by what the calling thread did meanwhile (its
-    context switches; Linux): ``preempted`` (the operating system switched it out while it
-    could run), ``slept`` (it waited: a lock, a condition, the driver), ``on_cpu`` (neither:
-    the call's own work, or time the host took from a virtual machine); and ``sampled``."""
+class _RunningIn(TypedDict):
+    """Where the watchdog found the running threads of ``_Sampled``: the library holding the
+    instruction a signal interrupted (``driver``: libcuda; ``streampool``: its own code;
+    ``system``: the C library or the loader; ``other``; ``ended``: the call had ended by the
+    answer; ``unanswered``: no answer within 2 ms, or a platform other than Linux on x86-64
+    and AArch64)."""
+
+    driver: int
+    streampool: int
+    system: int
+    other: int
+    ended: int
+    unanswered: int
+
+@type_check_only
+class _CallClasses(TypedDict):
+    """The calls over ``over_ns`` (``longest_ns``: the longest), by what the calling thread
+    did meanwhile (its context switches and its CPU clock; Linux): ``preempted`` (the operating system switched it out
+    while it could run), ``slept`` (it waited: a lock, a condition, the driver), ``stolen``
+    (neither, yet its CPU clock ran for less than half the call: the host took the virtual
+    CPU, or interrupts took the time), ``on_cpu`` (the rest: the call's own work, a
+    spinning wait included)."""
 
     over_ns: int
     calls: int
+    longest_ns: int
     preempted: int
     slept: int
+    stolen: int
     on_cpu: int
+
+@type_check_only
+class _LongCalls(_CallClasses):
+    """The allocator calls over ``over_ns`` (``_CallClasses``), with ``sampled`` and
+    ``running_in``: what a watchdog saw their threads doing."""
+
     sampled: _Sampled
+    running_in: _RunningIn
 
 @type_check_only
 class PipelineReport(TypedDict):
@@ -1372,6 +1398,7 @@ class PipelineReport(TypedDict):
     mismatches: int
     compute_iterations: int
     long_calls: NotRequired[_LongCalls]
+    null_calls: NotRequired[_CallClasses]
 
 def pipeline(
     resource: MemoryResource,
@@ -1383,6 +1410,7 @@ def pipeline(
     queue_depth: int = 4,
     check_every: int = 1,
     long_call_us: float = 0.0,
+    null_call_us: float = 0.0,
 ) -> PipelineReport:
     """The producer/consumer pipeline across streams, driven from native threads with the
     GIL released: ``pairs`` producers, each on its own stream, allocate a chunk of
@@ -1401,9 +1429,14 @@ def pipeline(
     above 0, ``long_calls`` classifies the calls longer than that (``_LongCalls``: was the
     thread switched out, asleep, or neither), from the thread's context switches read
     around every call (outside its timed span) and a watchdog thread's look at each long
-    call's thread (``sampled``). Bad shapes (``pairs`` outside 1..=512,
-    ``chunk_bytes`` < 8, ``queue_depth`` 0, a negative ``kernel_us``) raise
-    InvalidArgumentError; a negative or infinite ``long_call_us``, ValueError.
+    call's thread (``sampled``, ``running_in``). With ``null_call_us`` as well, every thread
+    also times, after each allocator call, a span that only spins that long (a call of an
+    allocator that does nothing); ``null_calls`` classifies those over ``long_call_us``
+    the same way: what the machine alone gives a call of that length. Bad shapes
+    (``pairs`` outside 1..=512, ``chunk_bytes`` < 8, ``queue_depth`` 0, a negative
+    ``kernel_us``, ``null_call_us`` above 100 or without ``long_call_us``) raise
+    InvalidArgumentError; a negative or infinite ``long_call_us`` or ``null_call_us``,
+    ValueError.
     """
 
 @type_check_only

@@ -85,8 +85,8 @@ def summarise(runs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, An
     largest peaks of live and reserved bytes, out-of-memory events, data mismatches, and the
     most synchronisations and waits the resource made in one run (None where it does not
     report them), min/median/max of the resource's own driver calls per chunk (the
-    native pipeline; None elsewhere), and the runs' long calls summed (the native pipeline
-    with ``long_call_us``; None elsewhere)."""
+    native pipeline; None elsewhere), and the runs' long calls and long null calls summed
+    (the native pipeline with ``long_call_us``, ``null_call_us``; None elsewhere)."""
     out = []
     baseline = specs[0]
     for t in sorted({r["threads"] for r in runs}):
@@ -121,18 +121,25 @@ def summarise(runs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, An
                     "waits": _most(mine, "waits"),
                     "driver_calls_per_chunk": _spread_of(mine, "driver_calls_per_chunk"),
                     "long_calls": _long_calls(mine),
+                    "null_calls": _long_calls(mine, "null_calls"),
                 }
             )
     return out
 
 
-def _long_calls(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The runs' ``long_calls`` summed (same threshold in every run); None when none has them."""
-    mine = [r["long_calls"] for r in runs if r.get("long_calls")]
+def _long_calls(runs: list[dict[str, Any]], key: str = "long_calls") -> dict[str, Any] | None:
+    """The runs' ``long_calls`` (or ``null_calls``) summed (same threshold in every run);
+    None when none has them."""
+    mine = [r[key] for r in runs if r.get(key)]
     if not mine:
         return None
-    total: dict[str, Any] = {k: sum(m[k] for m in mine) for k in ("calls", "preempted", "slept", "on_cpu")}
-    total["sampled"] = {k: sum(m["sampled"][k] for m in mine) for k in mine[0]["sampled"]}
+    total: dict[str, Any] = {
+        k: sum(m[k] for m in mine) for k in ("calls", "preempted", "slept", "stolen", "on_cpu")
+    }
+    total["longest_ns"] = max(m.get("longest_ns", 0) for m in mine)
+    for part in ("sampled", "running_in"):
+        if part in mine[0]:
+            total[part] = {k: sum(m[part][k] for m in mine) for k in mine[0][part]}
     return {"over_ns": mine[0]["over_ns"], **total}
 
 

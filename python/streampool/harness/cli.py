@@ -273,18 +273,28 @@ def _results_table(out: Output, title: str, summary: list[dict[str, Any]], repla
         for row, r in zip(rows, summary):
             calls = r.get("driver_calls_per_chunk")
             row.append(_range(calls, lambda x: f"{x:.2f}") if calls else "-")
-    # The calls over long_call_us, by what their thread did (the native pipeline).
+    # The calls over long_call_us, by what their thread did (the native pipeline), and the
+    # null calls over it (with null_call_us).
     if any(r.get("long_calls") for r in summary):
         over = next(r["long_calls"]["over_ns"] for r in summary if r.get("long_calls"))
-        columns.append(f"calls > {human_ns(over)}: preempted/slept/on CPU")
-        for row, r in zip(rows, summary):
-            lc = r.get("long_calls")
-            row.append(f"{lc['calls']}: {lc['preempted']}/{lc['slept']}/{lc['on_cpu']}" if lc else "-")
-        # And where the watchdog found their threads (the classes it saw, most first).
-        columns.append("seen in")
-        for row, r in zip(rows, summary):
-            seen = sorted((r.get("long_calls") or {}).get("sampled", {}).items(), key=lambda kv: -kv[1])
-            row.append(", ".join(f"{k} {n}" for k, n in seen if n) or "-")
+        for key, what in (("long_calls", "calls"), ("null_calls", "null calls")):
+            if key == "null_calls" and not any(r.get(key) for r in summary):
+                continue
+            columns.append(f"{what} > {human_ns(over)}: preempted/slept/stolen/on CPU")
+            for row, r in zip(rows, summary):
+                lc = r.get(key)
+                row.append(
+                    f"{lc['calls']}: {lc['preempted']}/{lc['slept']}/{lc['stolen']}/{lc['on_cpu']}"
+                    if lc
+                    else "-"
+                )
+        # And where the watchdog found their threads (the classes it saw, most first), and
+        # where the running ones ran.
+        for column, part in (("seen in", "sampled"), ("running in", "running_in")):
+            columns.append(column)
+            for row, r in zip(rows, summary):
+                seen = sorted((r.get("long_calls") or {}).get(part, {}).items(), key=lambda kv: -kv[1])
+                row.append(", ".join(f"{k} {n}" for k, n in seen if n) or "-")
     out.table(title, columns, rows)
 
 

@@ -324,6 +324,7 @@ def pipeline(
     check_every: int = 1,
     driver: str = "auto",
     long_call_us: float = 0.0,
+    null_call_us: float = 0.0,
 ) -> dict[str, Any]:
     """The producer/consumer pipeline (the workload of RMM's async-default discussion):
     ``threads`` producer/consumer pairs; each producer allocates ``chunks`` chunks on its
@@ -340,9 +341,15 @@ def pipeline(
 
     ``long_call_us`` (native driver only; 0: off) classifies the allocator calls longer than
     that in ``long_calls``: how many there were, and of them how many the operating system
-    switched out (``preempted``), how many slept (``slept``: a lock, the driver) and how many
-    neither (``on_cpu``), from each thread's context switches read around every call. It tells
-    a long call the allocator caused from one the host's scheduler did."""
+    switched out (``preempted``), how many slept (``slept``: a lock, the driver), how many
+    lost their time to the host or to interrupts (``stolen``: the thread's CPU clock ran for
+    less than half the call) and how many ran (``on_cpu``), from each thread's context
+    switches and CPU clock read around every call; and where a watchdog found the threads
+    (``sampled``, ``running_in``; see docs/harness.md). It tells a long call the allocator
+    caused from one the host did. ``null_call_us`` (with ``long_call_us``; at most 100)
+    also times, after every allocator call, a span that only spins that long, and
+    classifies those over ``long_call_us`` in ``null_calls``: what the machine alone gives
+    a call of that length, whatever the allocator."""
     nbytes = parse_size(chunk_size)
     if check_every < 0:
         raise ValueError(f"pipeline: check_every must be 0 (never) or more, not {check_every}")
@@ -350,6 +357,10 @@ def pipeline(
         raise ValueError(f"pipeline: driver must be auto, native or python, not {driver!r}")
     if not (long_call_us >= 0 and math.isfinite(long_call_us)):
         raise ValueError(f"pipeline: long_call_us must be a finite number >= 0 (0: off), not {long_call_us}")
+    if not (0 <= null_call_us <= 100):
+        raise ValueError(f"pipeline: null_call_us must be between 0 (off) and 100, not {null_call_us}")
+    if null_call_us and not long_call_us:
+        raise ValueError("pipeline: null_call_us needs long_call_us (the null calls are counted against it)")
     native = getattr(_native, "pipeline", None)
     if long_call_us and (driver == "python" or native is None):
         raise WorkloadError(
@@ -368,6 +379,7 @@ def pipeline(
                 kernel_us=kernel_us,
                 check_every=check_every,
                 long_call_us=long_call_us,
+                null_call_us=null_call_us,
             )
         )
         out["throughput"] = out["chunks_per_second"]

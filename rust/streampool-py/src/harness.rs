@@ -3,7 +3,7 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{IntoPyDict, PyDict};
 use streampool::device::{self, BackendKind, BackendRef, DevPtr};
 use streampool::harness::pipeline::PipelineOptions;
 use streampool::harness::{self as core, Percentiles};
@@ -167,7 +167,7 @@ pub(crate) fn replay<'py>(
 /// The producer/consumer pipeline across streams, driven from native threads (see
 /// `streampool._native.pipeline` in the stubs). Returns the measurements as a dict.
 #[pyfunction]
-#[pyo3(signature = (resource, *, pairs = 1, chunk_bytes = None, chunks_per_pair = 1000, kernel_us = 20.0, queue_depth = 4, check_every = 1, long_call_us = 0.0))]
+#[pyo3(signature = (resource, *, pairs = 1, chunk_bytes = None, chunks_per_pair = 1000, kernel_us = 20.0, queue_depth = 4, check_every = 1, long_call_us = 0.0, null_call_us = 0.0))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn pipeline<'py>(
     py: Python<'py>,
@@ -179,11 +179,14 @@ pub(crate) fn pipeline<'py>(
     queue_depth: usize,
     check_every: usize,
     long_call_us: f64,
+    null_call_us: f64,
 ) -> PyResult<Bound<'py, PyDict>> {
-    if !(long_call_us >= 0.0 && long_call_us.is_finite()) {
-        return Err(PyValueError::new_err(format!(
-            "pipeline: long_call_us must be a finite number >= 0 (0: off), not {long_call_us}"
-        )));
+    for (name, us) in [("long_call_us", long_call_us), ("null_call_us", null_call_us)] {
+        if !(us >= 0.0 && us.is_finite()) {
+            return Err(PyValueError::new_err(format!(
+                "pipeline: {name} must be a finite number >= 0 (0: off), not {us}"
+            )));
+        }
     }
     let mr = resource.get().inner.clone();
     let o = PipelineOptions {
@@ -197,6 +200,7 @@ pub(crate) fn pipeline<'py>(
         queue_depth,
         check_every,
         long_call_ns: (long_call_us * 1e3).round() as u64,
+        null_call_ns: (null_call_us * 1e3).round() as u64,
     };
     let r = {
         let mr = mr.clone();
@@ -229,28 +233,46 @@ pub(crate) fn pipeline<'py>(
     d.set_item("mismatches", r.mismatches)?;
     d.set_item("compute_iterations", r.compute_iterations)?;
     if let Some(l) = r.long_calls {
-        let long = PyDict::new(py);
-        long.set_item("over_ns", l.over_ns)?;
-        long.set_item("calls", l.calls)?;
-        long.set_item("preempted", l.preempted)?;
-        long.set_item("slept", l.slept)?;
-        long.set_item("on_cpu", l.on_cpu())?;
-        let sampled = PyDict::new(py);
+        let long = long_call_classes(py, &l)?;
         let x = l.sampled;
-        for (k, v) in [
+        let sampled = [
             ("running", x.running),
             ("futex", x.futex),
             ("ioctl", x.ioctl),
             ("sched_yield", x.sched_yield),
             ("sleep", x.sleep),
             ("other", x.other),
-        ] {
-            sampled.set_item(k, v)?;
-        }
-        long.set_item("sampled", sampled)?;
+        ];
+        long.set_item("sampled", sampled.into_py_dict(py)?)?;
+        let x = l.sampled.running_in;
+        let running_in = [
+            ("driver", x.driver),
+            ("streampool", x.streampool),
+            ("system", x.system),
+            ("other", x.other),
+            ("ended", x.ended),
+            ("unanswered", x.unanswered),
+        ];
+        long.set_item("running_in", running_in.into_py_dict(py)?)?;
         d.set_item("long_calls", long)?;
     }
+    if let Some(l) = r.null_calls {
+        d.set_item("null_calls", long_call_classes(py, &l)?)?;
+    }
     Ok(d)
+}
+
+/// The classes of long calls (`_LongCalls` without what the watchdog saw).
+fn long_call_classes<'py>(py: Python<'py>, l: &core::pipeline::LongCalls) -> PyResult<Bound<'py, PyDict>> {
+    let long = PyDict::new(py);
+    long.set_item("over_ns", l.over_ns)?;
+    long.set_item("calls", l.calls)?;
+    long.set_item("longest_ns", l.longest_ns)?;
+    long.set_item("preempted", l.preempted)?;
+    long.set_item("slept", l.slept)?;
+    long.set_item("stolen", l.stolen)?;
+    long.set_item("on_cpu", l.on_cpu())?;
+    Ok(long)
 }
 
 /// For benchmarks only: a resource that hands out no memory. Every allocation gets a

@@ -17,18 +17,20 @@ use streampool::{
     ShardedPoolMemoryResource, Stream,
 };
 
-/// Records every call it passes on: (stream handle, allocate?, size); with `nap`, every
+/// Records every call it passes on: (stream handle, allocate?, size); with `spin`, every
+/// n-th allocation spins on the CPU for a while first; with `nap`, every
 /// n-th allocation sleeps that long first.
 #[derive(Debug)]
 struct Recorder {
     upstream: ResourceRef,
     calls: Mutex<Vec<(RawStream, bool, usize)>>,
     nap: Option<(usize, Duration)>,
+    spin: Option<(usize, Duration)>,
 }
 
 impl Recorder {
     fn new(upstream: ResourceRef) -> Self {
-        Recorder { upstream, calls: Mutex::new(Vec::new()), nap: None }
+        Recorder { upstream, calls: Mutex::new(Vec::new()), nap: None, spin: None }
     }
 }
 
@@ -57,6 +59,15 @@ impl MemoryResource for Recorder {
         if let Some((every, nap)) = self.nap {
             if n % every == 0 {
                 std::thread::sleep(nap);
+            }
+        }
+        if let Some((every, spin)) = self.spin {
+            // Most of the time in this program's own loop, little in reading the clock.
+            let start = std::time::Instant::now();
+            while n % every == 0 && start.elapsed() < spin {
+                for _ in 0..1000 {
+                    std::hint::spin_loop();
+                }
             }
         }
         self.upstream.allocate(bytes, stream)
@@ -231,9 +242,10 @@ fn the_pipeline_moves_every_chunk_intact_across_streams() {
         queue_depth: 3,
         check_every: 1,
         long_call_ns: 0,
+        null_call_ns: 0,
     };
     let r = pipeline(&pool, &o).unwrap();
-    assert_eq!(r.long_calls, None);
+    assert_eq!((r.long_calls, r.null_calls), (None, None));
     assert_eq!((r.chunks, r.checked, r.mismatches), (120, 120, 0));
     assert_eq!((r.allocate.count, r.free.count), (120, 120));
     assert!(r.compute_iterations >= 1);
@@ -247,13 +259,15 @@ fn the_pipeline_moves_every_chunk_intact_across_streams() {
         PipelineOptions { pairs: 0, ..o },
         PipelineOptions { chunk_bytes: 4, ..o },
         PipelineOptions { kernel_us: f64::NAN, ..o },
+        PipelineOptions { null_call_ns: 1_000, ..o }, // without long_call_ns
+        PipelineOptions { long_call_ns: 1_000, null_call_ns: 100_001, ..o },
     ] {
         assert!(matches!(pipeline(&pool, &bad), Err(Error::InvalidArgument(_))));
     }
 }
 
 #[test]
-fn the_pipeline_tells_which_long_calls_slept_or_were_switched_out() {
+fn the_pipeline_tells_which_long_calls_slept_were_switched_out_or_ran_and_where() {
     let (_sim, b) = sim();
     let pool = sharded_pool(&b);
     // Every 10th allocation sleeps 30 ms: 6 of the 60. A sleep is a voluntary context
@@ -277,9 +291,29 @@ fn the_pipeline_tells_which_long_calls_slept_or_were_switched_out() {
         assert!(long.preempted + long.slept >= 6 && long.on_cpu() <= long.calls - 6, "{long:?}");
         assert!(long.sampled.sleep >= 1, "{long:?}");
     }
+    // Spinning instead (12 calls), the watchdog finds a running one in streampool's code
+    // (this test's program holds both). Every running look is counted once in
+    // `running_in`. (Whether the calls count as on the CPU or preempted depends on the
+    // machine's load: on two cores, a 30 ms spin is most often switched out.)
+    let mut spinning = Recorder::new(pool.clone());
+    spinning.spin = Some((5, Duration::from_millis(30)));
+    let long = pipeline(&spinning, &o).unwrap().long_calls.expect("asked for");
+    assert!(long.calls >= 12, "{long:?}");
+    assert_eq!(long.sampled.running_in.total(), long.sampled.running, "{long:?}");
+    if cfg!(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64"))) {
+        assert!(long.sampled.running_in.streampool >= 1, "{long:?}");
+    }
     // Without naps, no call of this pipeline takes a second.
     let r = pipeline(&*pool, &PipelineOptions { long_call_ns: 1_000_000_000, ..o }).unwrap();
     assert_eq!(r.long_calls, Some(LongCalls { over_ns: 1_000_000_000, ..LongCalls::default() }));
+    assert_eq!(r.null_calls, None); // not asked
+                                    // Null calls: one after each of the 120 allocator calls, each spinning 20 µs, so each
+                                    // is over a threshold of 10 µs, and classified once.
+    let r = pipeline(&*pool, &PipelineOptions { long_call_ns: 10_000, null_call_ns: 20_000, ..o }).unwrap();
+    let null = r.null_calls.expect("asked for");
+    assert_eq!((null.over_ns, null.calls), (10_000, 120), "{null:?}");
+    assert_eq!(null.sampled, Default::default(), "the watchdog looks at allocator calls only");
+    assert!(null.preempted + null.slept + null.stolen <= null.calls, "{null:?}");
 }
 
 #[test]
@@ -361,6 +395,7 @@ fn replay_and_pipeline_on_a_gpu() {
             queue_depth: 4,
             check_every: 1,
             long_call_ns: 0,
+            null_call_ns: 0,
         };
         let p = pipeline(&*mr, &o).unwrap();
         assert_eq!((p.chunks, p.checked, p.mismatches), (1200, 1200, 0), "{} {p:?}", mr.name());

@@ -28,7 +28,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use super::long_calls::{CallTimer, LongCallLog};
-pub use super::long_calls::{LongCalls, Sampled};
+pub use super::long_calls::{LongCalls, RunningIn, Sampled};
 use super::{DriverCalls, FootprintBaseline, Percentiles, RunFootprint};
 use crate::device::DevPtr;
 use crate::error::{Error, Result};
@@ -59,7 +59,15 @@ pub struct PipelineOptions {
     /// (outside its timed span: two system calls more per allocator call), and a watchdog
     /// thread looks at the threads in a call every 100 µs.
     pub long_call_ns: u64,
+    /// With `long_call_ns`: after every allocator call, the same thread also times a span
+    /// that only spins for this many nanoseconds (a call of an allocator that does nothing),
+    /// classified like the calls in [`PipelineReport::null_calls`]. Its long spans are the
+    /// machine's, whatever the allocator (0: off; at most [`MAX_NULL_CALL_NS`]).
+    pub null_call_ns: u64,
 }
+
+/// The longest null call ([`PipelineOptions::null_call_ns`]).
+pub const MAX_NULL_CALL_NS: u64 = 100_000;
 
 impl Default for PipelineOptions {
     fn default() -> Self {
@@ -71,6 +79,7 @@ impl Default for PipelineOptions {
             queue_depth: 4,
             check_every: 1,
             long_call_ns: 0,
+            null_call_ns: 0,
         }
     }
 }
@@ -113,6 +122,9 @@ pub struct PipelineReport {
     pub compute_iterations: u32,
     /// The calls over [`PipelineOptions::long_call_ns`], classified (`None`: not asked).
     pub long_calls: Option<LongCalls>,
+    /// The null calls over `long_call_ns` ([`PipelineOptions::null_call_ns`]), classified
+    /// (nothing sampled; `None`: not asked). There are as many null calls as allocator calls.
+    pub null_calls: Option<LongCalls>,
 }
 
 impl PipelineReport {
@@ -162,6 +174,15 @@ fn check_options(o: &PipelineOptions) -> Result<()> {
     if !(o.kernel_us >= 0.0 && o.kernel_us.is_finite()) {
         return bad("kernel_us must be a finite number >= 0 (0: no compute kernel)");
     }
+    if o.null_call_ns > 0 && o.long_call_ns == 0 {
+        return bad("null_call_ns needs long_call_ns: the null calls are counted against its threshold");
+    }
+    if o.null_call_ns > MAX_NULL_CALL_NS {
+        return Err(Error::invalid(format!(
+            "null_call_ns must be at most {MAX_NULL_CALL_NS} (0.1 ms), got {}",
+            o.null_call_ns
+        )));
+    }
     Ok(())
 }
 
@@ -199,7 +220,7 @@ pub fn pipeline(mr: &dyn MemoryResource, o: &PipelineOptions) -> Result<Pipeline
         .map(|_| Ok((Stream::create(&b, dev, false)?, Stream::create(&b, dev, false)?)))
         .collect::<Result<_>>()?;
     let shared = Shared::default();
-    let long = (o.long_call_ns > 0).then(|| LongCallLog::new(o.long_call_ns, 2 * o.pairs));
+    let long = (o.long_call_ns > 0).then(|| LongCallLog::new(o.long_call_ns, o.null_call_ns, 2 * o.pairs));
     let long = long.as_ref();
     let baseline = FootprintBaseline::start(mr);
     let start = Instant::now();
@@ -254,6 +275,7 @@ pub fn pipeline(mr: &dyn MemoryResource, o: &PipelineOptions) -> Result<Pipeline
     }
     let RunFootprint { peak_reserved_bytes, synchronizations, waits, driver_calls } = baseline.finish(mr);
     let long_calls = long.map(LongCallLog::totals);
+    let null_calls = long.filter(|_| o.null_call_ns > 0).map(LongCallLog::null_totals);
     let allocate = Percentiles::of_ticks(shared.allocs.into_inner().unwrap_or_else(|p| p.into_inner()));
     let free = Percentiles::of_ticks(shared.frees.into_inner().unwrap_or_else(|p| p.into_inner()));
     let chunks = (o.pairs * o.chunks_per_pair) as u64;
@@ -276,6 +298,7 @@ pub fn pipeline(mr: &dyn MemoryResource, o: &PipelineOptions) -> Result<Pipeline
         mismatches: shared.mismatches.load(Ordering::Relaxed),
         compute_iterations: iterations,
         long_calls,
+        null_calls,
     })
 }
 
