@@ -48,7 +48,7 @@ pub struct LongCalls {
     /// CPU, or interrupts took the time).
     pub stolen: u64,
     /// What the watchdog saw the thread doing once the call had run past the threshold
-    /// (one look per call; a call that ended first is not counted here).
+    /// (one look per call; a call that ended before the look was read is not counted here).
     pub sampled: Sampled,
 }
 
@@ -418,16 +418,18 @@ impl LongCallLog {
                     continue;
                 }
                 *seen = since;
+                // The call must still run after the read: a watchdog held up between the
+                // load and the clock (switched out, its virtual CPU taken) would otherwise
+                // look at a thread whose call ended long ago.
+                let running = || slot.since.load(Ordering::Acquire) == since;
                 let tid = slot.tid.load(Ordering::Relaxed);
-                let path = format!("/proc/self/task/{tid}/syscall");
-                // Read while the call may still run; a call that ended meanwhile still
-                // counts what its thread was doing at the read.
-                if let Ok(line) = std::fs::read_to_string(path) {
-                    if sampled.count(&line) {
-                        // Where it runs, if the call is still the same one by the answer.
-                        let at = where_running(tid);
-                        sampled.running_in.count(at, slot.since.load(Ordering::Acquire) != since);
-                    }
+                let Ok(line) = std::fs::read_to_string(format!("/proc/self/task/{tid}/syscall")) else {
+                    continue;
+                };
+                if running() && sampled.count(&line) {
+                    // Where it runs; `ended` if the call has ended by the answer.
+                    let at = where_running(tid);
+                    sampled.running_in.count(at, !running());
                 }
             }
             std::thread::sleep(Duration::from_micros(100));
