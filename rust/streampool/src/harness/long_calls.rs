@@ -196,9 +196,21 @@ mod pc {
         })
     }
 
-    /// The address thread `tid` is at, asked by a signal; None without an answer in 2 ms.
+    /// Whether `sig`'s handler is still ours: a program may have replaced it since (and a
+    /// real-time signal's default action ends the process).
+    fn still_ours(sig: libc::c_int) -> bool {
+        // SAFETY: as in `signal`: sigaction only writes the struct it is given.
+        unsafe {
+            let mut now: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(sig, std::ptr::null(), &mut now) == 0
+                && now.sa_sigaction == on_signal as *const () as usize
+        }
+    }
+
+    /// The address thread `tid` is at, asked by a signal; None without an answer in 2 ms,
+    /// or where the signal's handler is not (or no longer) ours.
     pub(super) fn of(tid: i64) -> Option<u64> {
-        let sig = signal()?;
+        let sig = signal().filter(|&sig| still_ours(sig))?;
         PC.store(0, Ordering::Release);
         WANTED.store(tid, Ordering::Release);
         // SAFETY: tgkill sends a signal to one thread of this process; its handler is ours.
@@ -578,8 +590,16 @@ mod tests {
     #[test]
     fn the_watchdog_finds_a_spinning_thread_in_streampools_code() {
         use std::sync::atomic::AtomicBool;
+        // A program that replaced the handler since is left alone: no signal is sent (its
+        // handler would run; a default action would end the process).
+        static HITS: AtomicU64 = AtomicU64::new(0);
+        extern "C" fn theirs(_: libc::c_int) {
+            HITS.fetch_add(1, Ordering::Relaxed);
+        }
         let (stop, tid) = (AtomicBool::new(false), AtomicI64::new(0));
-        std::thread::scope(|s| {
+        // Everything is read before the spinning thread is stopped, and checked after (a
+        // failed check inside the scope would leave it spinning, the test hung).
+        let (places, replaced, swapped, hits) = std::thread::scope(|s| {
             s.spawn(|| {
                 tid.store(thread_id(), Ordering::Release);
                 while !stop.load(Ordering::Acquire) {
@@ -589,11 +609,27 @@ mod tests {
             while tid.load(Ordering::Acquire) == 0 {
                 std::thread::yield_now();
             }
-            // A thread spinning in this test binary (streampool's code) is found there at
-            // least once in 20 looks, however loaded the machine.
-            let places: Vec<_> = (0..20).map(|_| where_running(tid.load(Ordering::Acquire))).collect();
+            let tid = tid.load(Ordering::Acquire);
+            let places: Vec<_> = (0..20).map(|_| where_running(tid)).collect();
+            let sig = libc::SIGRTMAX() - 3;
+            // SAFETY: sigaction only reads and writes the structs it is given; the handler
+            // installed touches one atomic, and ours is put back as it was.
+            let (replaced, swapped) = unsafe {
+                let mut ours: libc::sigaction = std::mem::zeroed();
+                let mut other: libc::sigaction = std::mem::zeroed();
+                other.sa_sigaction = theirs as *const () as usize;
+                let swapped = libc::sigaction(sig, &other, &mut ours) == 0;
+                let replaced = where_running(tid);
+                std::thread::sleep(Duration::from_millis(20));
+                (replaced, swapped && libc::sigaction(sig, &ours, std::ptr::null_mut()) == 0)
+            };
             stop.store(true, Ordering::Release);
-            assert!(places.contains(&Some(Place::Streampool)), "{places:?}");
+            (places, replaced, swapped, HITS.load(Ordering::Relaxed))
         });
+        // A thread spinning in this test binary (streampool's code) is found there at least
+        // once in 20 looks, however loaded the machine.
+        assert!(places.contains(&Some(Place::Streampool)), "{places:?}");
+        assert!(swapped);
+        assert_eq!((replaced, hits), (None, 0), "a signal went to the program's handler");
     }
 }
