@@ -243,8 +243,10 @@ def test_choose_takes_the_fastest_and_prefers_the_simpler_within_noise() -> None
 
 
 class _SlowLookups:
-    """A resource whose methods take 2 ms to look up (and nothing to call): a timed span
-    that held the look-up would report calls of 2 ms."""
+    """A resource whose methods take 30 ms to look up (and nothing to call): a timed span
+    that held the look-up would report calls of 30 ms. (Not 2 ms: a call from a Python
+    thread may also wait out the interpreter's switch interval, 5 ms, for the GIL, once or
+    twice on a loaded machine.)"""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -253,7 +255,7 @@ class _SlowLookups:
         if name in ("allocate", "deallocate"):
             import time
 
-            time.sleep(0.002)
+            time.sleep(0.03)
         return getattr(self._inner, name)
 
 
@@ -274,4 +276,4 @@ def test_timed_spans_hold_the_calls_alone() -> None:
     ]
     for result in runs:
         longest = max(result["allocate"]["max"], result["free"]["max"])
-        assert 0 < longest < 1_000_000, longest
+        assert 0 < longest < 15_000_000, longest
