@@ -136,7 +136,22 @@ def test_bench_table_is_plain_text_when_piped_and_says_simulated_device() -> Non
         (("bench", "random", "--threads", "0"), 2, "at least 1"),
         (("bench", "random", "--repeats", "0"), 2, "at least 1"),
         (("stress", "--seconds", "-1"), 2, "positive number of seconds"),
-        (("bench", "random", "--param", "bogus=1", "--quick"), 2, "bogus"),
+        (
+            ("bench", "random", "--param", "bogus=1", "--quick"),
+            2,
+            "takes no parameter 'bogus'; its parameters: ",
+        ),
+        (("bench", "random", "--param", "threads=2", "--quick"), 2, "give it as --threads"),
+        (
+            ("bench", "pipeline", "--param", "chunks=abc", "--quick"),
+            2,
+            "chunks must be an integer, not 'abc'",
+        ),
+        (
+            ("bench", "pipeline", "--param", "kernel_us=x", "--quick"),
+            2,
+            "kernel_us must be a number, not 'x'",
+        ),
         (("bench", "replay"), 2, "--log"),
         (("replay", "/nonexistent/app.log"), 3, "No such file"),
         (("profile",), 2, "nothing to run"),

@@ -87,8 +87,12 @@ def test_larger_than_memory_is_measured_with_and_without_prefetch() -> None:
 def test_unknown_workloads_and_parameters_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown workload 'nope'; valid workloads: random, window"):
         workloads.run("nope", make_resource("async"))
-    with pytest.raises(TypeError, match="bogus"):
+    with pytest.raises(
+        ValueError, match="workload 'random' takes no parameter 'bogus'; its parameters: threads, "
+    ):
         workloads.run("random", make_resource("async"), bogus=1)
+    assert workloads.WORKLOADS["pipeline"].parameters[:3] == ["threads", "streams", "chunks"]
+    assert "null_call_us" in workloads.WORKLOADS["pipeline"].parameters
     with pytest.raises(ValueError, match="driver must be"):
         workloads.pipeline(make_resource("async"), driver="gpu")
 

@@ -199,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         print(f"streampool {command}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except TypeError as e:  # a --param the workload does not take
+    except TypeError as e:  # a --param the workload cannot use
         print(f"streampool {command}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (
@@ -364,6 +364,9 @@ def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
         )
     params = dict(workloads.WORKLOADS[args.workload].quick) if args.quick else {}
     params.update(dict(args.param))
+    for own in ("threads", "streams"):
+        if own in dict(args.param):
+            raise _Fail(EXIT_USAGE, f"--param {own}=...: give it as --{own} (a list: each value is measured)")
     extra: dict[str, Any] = {}
     threads = args.threads
     if args.workload == "replay":

@@ -17,6 +17,7 @@ and larger-than-memory launch kernels (:mod:`streampool.kernels`) between alloca
 
 from __future__ import annotations
 
+import inspect
 import math
 import queue
 import random as _random
@@ -500,6 +501,12 @@ class Workload:
     def doc(self) -> str:
         return (self.run.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
 
+    @property
+    def parameters(self) -> list[str]:
+        """The parameters it takes (``threads``, ``streams`` and its own), in order."""
+        sig = inspect.signature(self.run)
+        return [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w
@@ -517,7 +524,23 @@ WORKLOADS: dict[str, Workload] = {
 
 
 def run(name: str, candidate: Candidate, **params: Any) -> dict[str, Any]:
-    """Runs workload ``name`` on ``candidate``; ValueError naming the valid workloads."""
+    """Runs workload ``name`` on ``candidate``; ValueError naming the valid workloads, or
+    naming a parameter the workload does not take and listing those it does."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; valid workloads: {', '.join(WORKLOADS)}")
-    return WORKLOADS[name].run(candidate, **params)
+    w = WORKLOADS[name]
+    unknown = [p for p in params if p not in w.parameters]
+    if unknown:
+        raise ValueError(
+            f"workload {name!r} takes no parameter {', '.join(map(repr, unknown))}; "
+            f"its parameters: {', '.join(w.parameters)}"
+        )
+    # A number where the workload takes only one (sizes also take strings: "64KiB").
+    declared = inspect.signature(w.run).parameters
+    for key, value in params.items():
+        kind = str(declared[key].annotation)
+        if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"workload {name!r}: {key} must be an integer, not {value!r}")
+        if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"workload {name!r}: {key} must be a number, not {value!r}")
+    return w.run(candidate, **params)
