@@ -362,11 +362,12 @@ def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
             EXIT_USAGE,
             f"unknown workload {args.workload!r}; valid workloads: {', '.join(workloads.WORKLOADS)}",
         )
-    params = dict(workloads.WORKLOADS[args.workload].quick) if args.quick else {}
-    params.update(dict(args.param))
+    given = dict(args.param)
     for own in ("threads", "streams"):
-        if own in dict(args.param):
+        if own in given:
             raise _Fail(EXIT_USAGE, f"--param {own}=...: give it as --{own} (a list: each value is measured)")
+    params = dict(workloads.WORKLOADS[args.workload].quick) if args.quick else {}
+    params.update(given)
     extra: dict[str, Any] = {}
     threads = args.threads
     if args.workload == "replay":

@@ -504,8 +504,12 @@ class Workload:
     @property
     def parameters(self) -> list[str]:
         """The parameters it takes (``threads``, ``streams`` and its own), in order."""
+        return list(self.declared())
+
+    def declared(self) -> dict[str, inspect.Parameter]:
+        """Its parameters by name, as its signature declares them."""
         sig = inspect.signature(self.run)
-        return [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        return {n: p for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -529,14 +533,14 @@ def run(name: str, candidate: Candidate, **params: Any) -> dict[str, Any]:
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; valid workloads: {', '.join(WORKLOADS)}")
     w = WORKLOADS[name]
-    unknown = [p for p in params if p not in w.parameters]
+    declared = w.declared()
+    unknown = [p for p in params if p not in declared]
     if unknown:
         raise ValueError(
             f"workload {name!r} takes no parameter {', '.join(map(repr, unknown))}; "
-            f"its parameters: {', '.join(w.parameters)}"
+            f"its parameters: {', '.join(declared)}"
         )
     # A number where the workload takes only one (sizes also take strings: "64KiB").
-    declared = inspect.signature(w.run).parameters
     for key, value in params.items():
         kind = str(declared[key].annotation)
         if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):

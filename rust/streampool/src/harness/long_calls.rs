@@ -465,6 +465,17 @@ impl LongCallLog {
     }
 }
 
+/// Runs `timed` (a span that returns its result and its clock ticks) between two readings
+/// of the thread's counters, and counts it in `into` when it took over `over_ticks`.
+fn classified<T>(over_ticks: u64, into: &mut LongCalls, timed: impl FnOnce() -> (T, u64)) -> (T, u64) {
+    let before = reading();
+    let (r, ticks) = timed();
+    if ticks > over_ticks {
+        into.count(&before, &reading(), (ticks as f64 * clock::ns_per_tick()) as u64);
+    }
+    (r, ticks)
+}
+
 /// One thread's timing of its allocator calls: every call's ticks, and with a
 /// [`LongCallLog`] the long calls classified (counted here, added to the log's totals,
 /// which hold the threshold, at the end).
@@ -497,26 +508,23 @@ impl<'a> CallTimer<'a> {
             self.lat.push(ticks_since(t));
             return r;
         };
-        let before = reading();
-        let t = clock::now();
-        slot.since.store(t.max(1), Ordering::Release);
-        let r = call();
-        let ticks = ticks_since(t);
-        slot.since.store(0, Ordering::Release);
-        self.lat.push(ticks);
-        if ticks > log.over_ticks {
-            long.count(&before, &reading(), (ticks as f64 * clock::ns_per_tick()) as u64);
-        }
-        if log.null_ticks > 0 {
-            let before = reading();
+        let (r, ticks) = classified(log.over_ticks, long, || {
             let t = clock::now();
-            while ticks_since(t) < log.null_ticks {
-                std::hint::spin_loop();
-            }
+            slot.since.store(t.max(1), Ordering::Release);
+            let r = call();
             let ticks = ticks_since(t);
-            if ticks > log.over_ticks {
-                null.count(&before, &reading(), (ticks as f64 * clock::ns_per_tick()) as u64);
-            }
+            slot.since.store(0, Ordering::Release);
+            (r, ticks)
+        });
+        self.lat.push(ticks);
+        if log.null_ticks > 0 {
+            classified(log.over_ticks, null, || {
+                let t = clock::now();
+                while ticks_since(t) < log.null_ticks {
+                    std::hint::spin_loop();
+                }
+                ((), ticks_since(t))
+            });
         }
         r
     }

@@ -18,9 +18,10 @@
 //!
 //! With [`PipelineOptions::long_call_ns`] set, each call over that threshold is also
 //! classified by what the calling thread did meanwhile ([`LongCalls`]): switched out by the
-//! operating system, asleep (a lock, a driver wait), or neither, and what a watchdog saw
-//! it doing once the call ran past the threshold. It tells a long call the allocator caused
-//! from one the host did.
+//! operating system, asleep (a lock, a driver wait), robbed of its CPU by the host, or
+//! running, and what a watchdog saw it doing once the call ran past the threshold; with
+//! [`PipelineOptions::null_call_ns`] too, spans that only spin are classified beside them.
+//! It tells a long call the allocator caused from one the host did.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -55,9 +56,9 @@ pub struct PipelineOptions {
     /// Check every n-th chunk of each pair (0: never).
     pub check_every: usize,
     /// Classify the allocator calls longer than this many nanoseconds ([`LongCalls`]; 0:
-    /// off). Each call then reads the thread's context switches before and after it
-    /// (outside its timed span: two system calls more per allocator call), and a watchdog
-    /// thread looks at the threads in a call every 100 µs.
+    /// off). Each call then reads the thread's context switches and CPU clock before it
+    /// (and after it, when long), outside its timed span: two system calls more per
+    /// allocator call; and a watchdog thread looks at the threads in a call every 100 µs.
     pub long_call_ns: u64,
     /// With `long_call_ns`: after every allocator call, the same thread also times a span
     /// that only spins for this many nanoseconds (a call of an allocator that does nothing),
