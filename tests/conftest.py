@@ -105,6 +105,7 @@ RESOURCES = {
     "pool_batched": lambda: mr.ShardedPoolMemoryResource(
         mr.CudaAsyncMemoryResource(), headroom=2, event_batch=8
     ),
+    "pool_expandable": lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True),
     "adaptor_stack": _adaptor_stack,
     "arena": lambda: mr.ArenaMemoryResource(mr.CudaAsyncMemoryResource(), arena_size="160MiB"),
     "callback": _callback,

@@ -26,6 +26,7 @@ FACTORIES = {
     "pinned": lambda: mr.PinnedHostMemoryResource(),
     "pool_async": lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()),
     "pool_cuda": lambda: mr.ShardedPoolMemoryResource(mr.CudaMemoryResource()),
+    "pool_expandable": lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True),
 }
 
 
@@ -215,6 +216,13 @@ POOLS = {
     # Unbounded, as most users make it: it may grow instead of reusing; the data must be
     # right either way.
     "async_unbounded": lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()),
+    # Growing in place: one block's worth mapped at a time, reused across the streams.
+    "expandable_bounded": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaMemoryResource(), initial_pool_size=BLOCK, maximum_pool_size=BLOCK, expandable=True
+    ),
+    "expandable_unbounded": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), expandable=True
+    ),
 }
 
 

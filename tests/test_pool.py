@@ -151,6 +151,35 @@ def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
         mr.ShardedPoolMemoryResource("not a resource")  # type: ignore[arg-type]
 
 
+def test_expandable_grows_in_place_and_gives_everything_back() -> None:
+    mib = 1 << 20
+    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True)
+    s = streampool.Stream()
+    x = pool.allocate(mib, s)
+    # The 1 MiB left at the end of the first mapping and a new one serve 3 MiB together.
+    y = pool.allocate(3 * mib, s)
+    assert y == x + mib
+    assert pool.stats["reserved_bytes"] == 4 * mib
+    pool.deallocate(x, mib, s)
+    pool.deallocate(y, 3 * mib, s)
+    assert pool.release() == 4 * mib
+    assert pool.pool_size() == 0
+
+
+@pytest.mark.parametrize(
+    "upstream",
+    [
+        lambda: mr.ManagedMemoryResource(),
+        lambda: mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource()),
+    ],
+)
+def test_expandable_needs_device_memory_underneath(upstream: Callable[[], mr.MemoryResource]) -> None:
+    up = upstream()
+    with pytest.raises(ValueError, match="expandable"):
+        mr.ShardedPoolMemoryResource(up, expandable=True)
+    up.deallocate(up.allocate(256), 256)  # still usable
+
+
 @pytest.mark.parametrize("gather_interval", [0.0, 3600.0])
 def test_gather_interval_trades_synchronisations_for_memory(gather_interval: float) -> None:
     # Each round a new stream takes a 4 MiB block at the budget, while the last round's is

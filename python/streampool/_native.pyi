@@ -708,7 +708,12 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     of the last gathering it grows past the budget instead, up to four times the budget
     (0: gather at every shortage, the least memory; on the H200 at 16 threads, 1.7 times
     the peak live bytes at 3.5-5.5 M allocations/s against 3.9 times at 97-107 M/s with
-    the default). Shards of streams streampool made
+    the default). ``expandable=True`` grows in place: the pool reserves one range of
+    addresses and maps device memory at its end with the driver's virtual memory calls,
+    so that new memory joins the free block before it and the pool holds less for the
+    same live bytes (like PyTorch's ``expandable_segments``); the upstream must then be
+    ``CudaMemoryResource`` or ``CudaAsyncMemoryResource`` (ValueError otherwise) and
+    serves only what the range cannot. Shards of streams streampool made
     are retired when those streams are destroyed. A free must pass the size it allocated, as
     in RMM: a double free, an address the pool never handed out, or a size that does not
     round to the allocation's is always refused, and changes nothing. ValueError naming
@@ -719,6 +724,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
 
         pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), maximum_pool_size="8GiB")
         streampool.set_current_device_resource(pool)
+        compact = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True)
     """
 
     def __new__(
@@ -731,6 +737,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
         headroom: float | None = 0.15,
         gather_interval: float = 0.0001,
         event_batch: SupportsIndex = 1,
+        expandable: bool = False,
     ) -> Self: ...
     def pool_size(self) -> int:
         """Bytes the pool holds from its upstream (RMM's ``pool_size()``)."""

@@ -145,6 +145,8 @@ class Candidate:
 # --- streampool's own resources ----------------------------------------------------------
 
 _SIZE_OPTIONS = {"initial", "maximum", "release", "size", "limit"}
+_BOOL_OPTIONS = {"expandable"}
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def _options(spec: Spec, allowed: dict[str, str]) -> dict[str, Any]:
@@ -156,6 +158,10 @@ def _options(spec: Spec, allowed: dict[str, str]) -> dict[str, Any]:
         try:
             if key in _SIZE_OPTIONS:
                 out[allowed[key]] = parse_size(value)
+            elif key in _BOOL_OPTIONS:
+                if value.lower() not in _BOOLS:
+                    raise ValueError("expected true or false")
+                out[allowed[key]] = _BOOLS[value.lower()]
             elif key in ("min", "max", "events_every", "event_batch"):
                 out[allowed[key]] = int(value)
             else:
@@ -208,6 +214,7 @@ _OURS: dict[str, tuple[int, dict[str, str], Callable[..., mr.MemoryResource], st
             "headroom": "headroom",
             "events_every": "events_every",
             "event_batch": "event_batch",
+            "expandable": "expandable",
         },
         mr.ShardedPoolMemoryResource,
         "mr.ShardedPoolMemoryResource({up}{opts})",

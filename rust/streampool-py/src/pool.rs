@@ -38,13 +38,19 @@ const MIN_MAXIMUM_POOL_SIZE: usize = streampool::ALIGNMENT;
 /// completed block fits. `gather_interval` (seconds, default 100 µs): at the budget the
 /// pool gathers free memory with a device synchronisation, which stops every thread short
 /// of memory meanwhile; within this long of the last gathering it grows instead, up to
-/// four times the budget. 0 keeps the least memory, larger values the most speed. The
-/// policy and its reasons: the pool's IMPLEMENTATION.md.
+/// four times the budget. 0 keeps the least memory, larger values the most speed.
+/// `expandable=True` grows in place: the pool reserves one range of addresses and maps
+/// device memory at its end (the driver's virtual memory calls), so that new memory joins
+/// the free block before it and the pool holds less for the same live bytes (like
+/// PyTorch's `expandable_segments`); the upstream must then be `CudaMemoryResource` or
+/// `CudaAsyncMemoryResource`, and serves only what the range cannot. The policy and its
+/// reasons: the pool's IMPLEMENTATION.md.
 ///
 /// Example::
 ///
 ///     pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), maximum_pool_size="8GiB")
 ///     streampool.set_current_device_resource(pool)
+///     compact = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True)
 #[derive(Debug)]
 #[pyclass(frozen, subclass, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "ShardedPoolMemoryResource")]
 pub struct PyShardedPool {
@@ -60,8 +66,8 @@ fn optional_size(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<
 impl PyShardedPool {
     #[new]
     #[pyo3(
-        signature = (upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=None, headroom=PoolOptions::default().headroom, gather_interval=PoolOptions::default().gather_interval.as_secs_f64(), event_batch=None),
-        text_signature = "(upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=64, headroom=0.15, gather_interval=0.0001, event_batch=1)"
+        signature = (upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=None, headroom=PoolOptions::default().headroom, gather_interval=PoolOptions::default().gather_interval.as_secs_f64(), event_batch=None, expandable=false),
+        text_signature = "(upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=64, headroom=0.15, gather_interval=0.0001, event_batch=1, expandable=False)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -73,6 +79,7 @@ impl PyShardedPool {
         headroom: Option<f64>,
         gather_interval: f64,
         event_batch: Option<&Bound<'_, PyAny>>,
+        expandable: bool,
     ) -> PyResult<PyClassInitializer<Self>> {
         if !(gather_interval.is_finite() && gather_interval >= 0.0) {
             return Err(PyValueError::new_err(format!(
@@ -101,6 +108,7 @@ impl PyShardedPool {
             },
             headroom,
             gather_interval: std::time::Duration::from_secs_f64(gather_interval),
+            expandable,
         };
         let upstream = upstream_ref(upstream_mr);
         let inner =

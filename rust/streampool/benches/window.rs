@@ -26,7 +26,7 @@
 //! cargo bench -p streampool --bench window -- [--secs 0.5] [--reps 3]
 //!     [--threads 1,2,4,8,16] [--resources sharded,latency-sharded,async,control] [--events-every N] [--json FILE]
 //!     [--sim] [--sim-eager] [--same-sizes] [--handoff] [--no-fixed] [--headroom F|none] [--exact-live]
-//!     [--every SECS] [--gather-us MICROSECONDS]
+//!     [--every SECS] [--gather-us MICROSECONDS] [--expandable]
 //! ```
 //! Runs on the CUDA driver when there is one (unless `--sim`), else on the simulated device
 //! (and says so: those numbers measure the simulator and the host, not a GPU). `--sim-eager`
@@ -77,12 +77,18 @@ struct Args {
     /// Print the peak reserved and live bytes every this many seconds of the window (a
     /// soak's plateau).
     every: Option<f64>,
+    /// The pool grows in place (`PoolOptions::expandable`).
+    expandable: bool,
 }
 
 impl Args {
     fn pool_options(&self) -> PoolOptions {
-        let mut o =
-            PoolOptions { events_every: self.events_every, headroom: self.headroom, ..Default::default() };
+        let mut o = PoolOptions {
+            events_every: self.events_every,
+            headroom: self.headroom,
+            expandable: self.expandable,
+            ..Default::default()
+        };
         if let Some(us) = self.gather_us {
             o.gather_interval = std::time::Duration::from_micros(us);
         }
@@ -107,6 +113,7 @@ fn args() -> Args {
         gather_us: None,
         exact_live: false,
         every: None,
+        expandable: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -126,6 +133,7 @@ fn args() -> Args {
             "--headroom" => a.headroom = v().parse().ok(),
             "--gather-us" => a.gather_us = Some(v().parse().expect("--gather-us")),
             "--exact-live" => a.exact_live = true,
+            "--expandable" => a.expandable = true,
             "--every" => a.every = Some(v().parse().expect("--every")),
             "--bench" => {}
             other => panic!("unknown argument {other}"),

@@ -279,6 +279,13 @@ conformance! {
     sharded_pool_batched => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
         Arc::new(streampool::CudaAsyncMemoryResource::on(b, 0, Default::default()).unwrap()), streampool::PoolOptions {
             headroom: Some(2.0), event_batch: 8, ..Default::default() }).unwrap());
+    sharded_pool_expandable => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
+        Arc::new(streampool::CudaAsyncMemoryResource::on(b, 0, Default::default()).unwrap()), streampool::PoolOptions {
+            expandable: true, ..Default::default() }).unwrap());
+    sharded_pool_expandable_bounded => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
+        Arc::new(streampool::CudaMemoryResource::on(b, 0)), streampool::PoolOptions {
+            expandable: true, initial_pool_size: Some(3 << 20), maximum_pool_size: Some(200 << 20),
+            release_threshold: Some(8 << 20), ..Default::default() }).unwrap());
     sharded_pool_bounded => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
         Arc::new(streampool::ManagedMemoryResource::on(b, 0)), streampool::PoolOptions {
             maximum_pool_size: Some(200 << 20), release_threshold: Some(8 << 20), ..Default::default() }).unwrap());

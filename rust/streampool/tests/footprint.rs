@@ -28,12 +28,23 @@ const RATIO: f64 = 1.25;
 const MIXED_RATIO: f64 = 3.0;
 
 fn setup(capacity: usize) -> (Arc<SimDevice>, BackendRef, Arc<ShardedPoolMemoryResource>) {
+    setup_with(capacity, PoolOptions::default())
+}
+
+fn setup_with(
+    capacity: usize,
+    options: PoolOptions,
+) -> (Arc<SimDevice>, BackendRef, Arc<ShardedPoolMemoryResource>) {
     let sim = SimDevice::new(capacity);
     let b: BackendRef = sim.clone();
     let upstream: ResourceRef =
         Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
-    let pool = Arc::new(ShardedPoolMemoryResource::new(upstream, PoolOptions::default()).unwrap());
+    let pool = Arc::new(ShardedPoolMemoryResource::new(upstream, options).unwrap());
     (sim, b, pool)
+}
+
+fn expandable() -> PoolOptions {
+    PoolOptions { expandable: true, ..PoolOptions::default() }
 }
 
 /// Live bytes as the program sees them (sizes asked for), and their peak.
@@ -176,8 +187,13 @@ fn growth_falls_back_to_the_request_when_the_step_does_not_fit() {
 /// The window workload: T threads, each on its own stream, keep a ring of 16 live
 /// allocations of log-uniform size in [1 KiB, 4 MiB], freeing the oldest before each new
 /// one.
-fn window(threads: usize, ops: usize) {
-    let (sim, b, p) = setup(4 << 30);
+fn window(threads: usize, ops: usize) -> f64 {
+    window_with(threads, ops, PoolOptions::default())
+}
+
+/// [`window`] with the pool's `options`; returns its peak reserved over peak live bytes.
+fn window_with(threads: usize, ops: usize, options: PoolOptions) -> f64 {
+    let (sim, b, p) = setup_with(4 << 30, options);
     let live = Arc::new(Live::default());
     let start = Arc::new(Barrier::new(threads));
     std::thread::scope(|scope| {
@@ -209,10 +225,13 @@ fn window(threads: usize, ops: usize) {
         }
     });
     assert_ratio(&p, live.peak(), &format!("window, {threads} threads"));
-    assert_accounting(&p.stats());
+    let st = p.stats();
+    assert_accounting(&st);
     b.ctx_synchronize(0).unwrap();
     p.release().unwrap();
     assert_eq!(p.stats().reserved_bytes, 0);
+    assert_no_races(&sim);
+    st.peak_reserved_bytes as f64 / live.peak() as f64
 }
 
 #[test]
@@ -228,6 +247,106 @@ fn window_4_threads_footprint() {
 #[test]
 fn window_16_threads_footprint() {
     window(16, 1_500);
+}
+
+/// Growing in place, one stream holds less than with chunks apart: the free block at the
+/// range's end and the new memory serve a large request together. On a model of this
+/// workload (`benchmarks/RESULTS.md`) chunks apart needed 1.6 times the peak live bytes,
+/// growth in place 1.22.
+#[test]
+fn window_1_thread_expandable_holds_less() {
+    let apart = window(1, 20_000);
+    let in_place = window_with(1, 20_000, expandable());
+    eprintln!("window, 1 thread: chunks apart {apart:.3}, in place {in_place:.3}");
+    assert!(in_place <= 1.3 && in_place < apart, "in place {in_place:.3}, apart {apart:.3}");
+}
+
+#[test]
+fn window_4_threads_expandable_footprint() {
+    window_with(4, 5_000, expandable());
+}
+
+#[test]
+fn window_16_threads_expandable_footprint() {
+    window_with(16, 1_500, expandable());
+}
+
+/// A block that spans two mappings holds its data; frees, a synchronisation and
+/// `release()` unmap everything, and the device's memory is back.
+#[test]
+fn expandable_blocks_span_mappings_and_release_unmaps_all() {
+    let (sim, b, p) = setup_with(1 << 30, expandable());
+    let (free_before, _) = b.mem_get_info(0).unwrap();
+    let s = stream(&b);
+    let x = p.allocate(MIB, &s).unwrap();
+    sim.write(s.handle(), x, MIB).unwrap();
+    let st = p.stats();
+    assert_eq!((st.reserved_bytes, st.upstream_growths), (2 * MIB, 1), "{st:?}");
+    // 1 MiB is free at the end; 3 MiB more are asked: one more mapping of 2 MiB, and the
+    // block starts in the first.
+    let y = p.allocate(3 * MIB, &s).unwrap();
+    assert_eq!(y, x + MIB as u64, "the block joins the free end: {:#x} after {:#x}", y, x);
+    let st = p.stats();
+    assert_eq!((st.reserved_bytes, st.upstream_growths), (4 * MIB, 2), "{st:?}");
+    sim.write(s.handle(), y, 3 * MIB).unwrap();
+    sim.read(s.handle(), y, 3 * MIB).unwrap();
+    p.deallocate(x, MIB, &s).unwrap();
+    p.deallocate(y, 3 * MIB, &s).unwrap();
+    s.synchronize(&b, 0).unwrap();
+    assert_eq!(p.release().unwrap(), 4 * MIB);
+    let st = p.stats();
+    assert_eq!((st.reserved_bytes, st.used_bytes), (0, 0), "{st:?}");
+    assert_accounting(&st);
+    assert_eq!(b.mem_get_info(0).unwrap().0, free_before, "the mappings went back to the device");
+    // Still usable, and grows again from the range's start.
+    let z = p.allocate(5 * MIB, &s).unwrap();
+    assert_eq!(z, x);
+    p.deallocate(z, 5 * MIB, &s).unwrap();
+    assert_no_races(&sim);
+}
+
+/// An expandable pool maps device memory itself: over managed memory or an adaptor it is
+/// refused with an error that says why, and the upstream stays usable.
+#[test]
+fn expandable_needs_device_memory_underneath() {
+    let sim = SimDevice::new(1 << 30);
+    let b: BackendRef = sim.clone();
+    let managed: ResourceRef = Arc::new(streampool::ManagedMemoryResource::on(b.clone(), 0));
+    let stats: ResourceRef = Arc::new(
+        streampool::StatisticsAdaptor::new(Arc::new(streampool::CudaMemoryResource::on(b.clone(), 0)))
+            .unwrap(),
+    );
+    for up in [managed, stats] {
+        let err = ShardedPoolMemoryResource::new(up.clone(), expandable()).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.contains("expandable") && m.contains(up.name())),
+            "{err}"
+        );
+        let s = stream(&b);
+        let x = up.allocate(MIB, &s).unwrap();
+        up.deallocate(x, MIB, &s).unwrap();
+    }
+}
+
+/// The maximum holds for growth in place too, and a pool at it says out of memory and
+/// stays usable; within the maximum, the free end is given back beyond the release
+/// threshold.
+#[test]
+fn expandable_respects_the_maximum_and_the_release_threshold() {
+    let options =
+        PoolOptions { maximum_pool_size: Some(8 * MIB), release_threshold: Some(2 * MIB), ..expandable() };
+    let (_sim, b, p) = setup_with(1 << 30, options);
+    let s = stream(&b);
+    let x = p.allocate(7 * MIB, &s).unwrap();
+    let err = p.allocate(2 * MIB, &s).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    assert!(p.stats().reserved_bytes <= 8 * MIB, "{:?}", p.stats());
+    p.deallocate(x, 7 * MIB, &s).unwrap();
+    let y = p.allocate(2 * MIB, &s).unwrap();
+    p.deallocate(y, 2 * MIB, &s).unwrap();
+    s.synchronize(&b, 0).unwrap();
+    p.release().unwrap();
+    assert_eq!(p.stats().reserved_bytes, 0);
 }
 
 /// The producer/consumer soak: 16 threads, each on its own stream, allocate 1 KiB to

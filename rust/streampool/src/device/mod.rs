@@ -39,6 +39,8 @@ pub type RawStream = u64;
 pub type RawEvent = u64;
 /// A memory pool handle (`CUmemoryPool` as an integer).
 pub type RawPool = u64;
+/// The handle of memory mapped by [`Backend::vmm_map`] (`CUmemGenericAllocationHandle`).
+pub type RawVmm = u64;
 /// A loaded module handle (`CUmodule` as an integer).
 pub type RawModule = u64;
 /// A kernel handle (`CUfunction` as an integer).
@@ -209,6 +211,28 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn pool_alloc_async(&self, dev: i32, pool: RawPool, bytes: usize, stream: RawStream) -> Result<DevPtr>;
     /// `cuMemFreeAsync`.
     fn free_async(&self, dev: i32, ptr: DevPtr, stream: RawStream) -> Result<()>;
+    /// `cuMemGetAllocationGranularity` (minimum, pinned device memory on `dev`): the
+    /// multiple that [`vmm_reserve`](Self::vmm_reserve) and [`vmm_map`](Self::vmm_map)
+    /// sizes and addresses are of. `Error::Unsupported` where the device does not support
+    /// virtual memory management (`CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`).
+    fn vmm_granularity(&self, dev: i32) -> Result<usize>;
+    /// `cuMemAddressReserve`: `bytes` (a multiple of the granularity) of address space on
+    /// `dev`, with no memory behind it.
+    fn vmm_reserve(&self, dev: i32, bytes: usize) -> Result<DevPtr>;
+    /// `cuMemAddressFree`: a whole reservation of [`vmm_reserve`](Self::vmm_reserve), once
+    /// nothing in it is mapped.
+    fn vmm_free(&self, dev: i32, ptr: DevPtr, bytes: usize) -> Result<()>;
+    /// `cuMemCreate` (pinned device memory on `dev`), `cuMemMap` at `ptr` (inside a
+    /// reservation, on a granularity boundary, over nothing mapped) and `cuMemSetAccess`
+    /// (read and write from `dev`): `bytes` of device memory at `ptr`. Returns the
+    /// memory's handle, for [`vmm_unmap`](Self::vmm_unmap). Mappings next to each other
+    /// in one reservation are one range of memory: an access may span them.
+    fn vmm_map(&self, dev: i32, ptr: DevPtr, bytes: usize) -> Result<RawVmm>;
+    /// `cuMemUnmap` and `cuMemRelease`: a whole mapping of [`vmm_map`](Self::vmm_map)
+    /// (the same `ptr` and `bytes`), its memory given back to the device. Nothing may
+    /// use the memory afterwards (the caller orders this, as for `mem_free`).
+    fn vmm_unmap(&self, dev: i32, ptr: DevPtr, bytes: usize, handle: RawVmm) -> Result<()>;
+
     /// `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE)`: the pool `ptr` came
     /// from, or `None` for memory not from a pool.
     fn pointer_pool(&self, dev: i32, ptr: DevPtr) -> Result<Option<RawPool>>;

@@ -15,7 +15,9 @@
 //! `cuMemAdvise_v2` 12.2, `cuStreamGetDevice` 12.8, `cuMemGetMemPool`/`cuMemGetDefaultMemPool` 13.0) are looked
 //! up once by the probe; a call that needs a missing one returns
 //! [`Error::Unsupported`] naming the driver version it needs and the one found, instead
-//! of reaching cudarc's panic for a missing symbol.
+//! of reaching cudarc's panic for a missing symbol. So are the virtual memory management
+//! calls ([`VMM_SYMBOLS`]): a library without them still loads, and only the `vmm_` calls
+//! are refused.
 //!
 //! # Contexts
 //!
@@ -62,7 +64,8 @@ use cudarc::driver::sys;
 
 use super::{
     Advice, Backend, BackendKind, DevPtr, DeviceInfo, Location, PoolAttr, PoolProps, PtrExportData, RawEvent,
-    RawFunction, RawModule, RawPool, RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM,
+    RawFunction, RawModule, RawPool, RawStream, RawVmm, LEGACY_STREAM, LEGACY_STREAM_ALIAS,
+    PER_THREAD_STREAM,
 };
 use crate::error::{Error, Result, CUDA_ERROR_INVALID_CONTEXT};
 
@@ -132,6 +135,20 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemcpyPeerAsync",
 ];
 
+/// The virtual memory management calls (`Backend::vmm_*`), all or none of which a driver
+/// exports. Every driver this backend loads has them (CUDA 10.2); they are still looked up
+/// rather than required, so that a library lacking them loads and refuses only those calls.
+const VMM_SYMBOLS: &[&str] = &[
+    "cuMemGetAllocationGranularity",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemMap",
+    "cuMemSetAccess",
+    "cuMemUnmap",
+    "cuMemRelease",
+];
+
 /// The first driver version with managed (unified) stream-ordered pools.
 const MANAGED_POOLS_VERSION: i32 = 13000;
 
@@ -148,6 +165,8 @@ struct OptionalSymbols {
     stream_get_device: bool,
     /// `cuMemGetMemPool` and `cuMemGetDefaultMemPool` (CUDA 13.0).
     managed_pool_queries: bool,
+    /// Every one of [`VMM_SYMBOLS`] (CUDA 10.2).
+    vmm: bool,
 }
 
 /// The CUDA driver, probed once per process (see the module docs).
@@ -277,6 +296,17 @@ impl CudaBackend {
         }
     }
 
+    fn require_vmm_symbols(&self) -> Result<()> {
+        if self.symbols.vmm {
+            return Ok(());
+        }
+        Err(Error::Unsupported(format!(
+            "virtual memory management needs {}, which this CUDA driver's library ({}) lacks",
+            VMM_SYMBOLS.join(", "),
+            version_string(self.driver_version)
+        )))
+    }
+
     fn require_managed_pools(&self, dev: i32, device: &Device) -> Result<()> {
         if device.info.managed_pools {
             return Ok(());
@@ -359,6 +389,7 @@ fn probe() -> Result<CudaBackend> {
         advise_v2: has("cuMemAdvise_v2"),
         stream_get_device: has("cuStreamGetDevice"),
         managed_pool_queries: has("cuMemGetMemPool") && has("cuMemGetDefaultMemPool"),
+        vmm: VMM_SYMBOLS.iter().all(|name| has(name)),
     };
     let devices = (0..count)
         .map(|ordinal| {
@@ -449,6 +480,23 @@ fn mem_location(to: Location) -> sys::CUmemLocation {
         Location::Host => {
             sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, id: 0 }
         }
+    }
+}
+
+/// What `vmm_map` creates and `vmm_granularity` asks about: pinned memory on device
+/// `dev`, no shareable handle types, no flags.
+fn vmm_prop(dev: i32) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: mem_location(Location::Device(dev)),
+        win32HandleMetaData: ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
     }
 }
 
@@ -686,6 +734,76 @@ impl Backend for CudaBackend {
         // SAFETY: `dev`'s context is current; that `ptr` is a live stream-ordered
         // allocation used only in order with this free is the seam's contract.
         unsafe { raw::mem_free_async(ptr, cu_stream(stream)) }
+    }
+
+    fn vmm_granularity(&self, dev: i32) -> Result<usize> {
+        let device = self.device(dev)?;
+        self.require_vmm_symbols()?;
+        let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+        // SAFETY: `device.handle` came from `cuDeviceGet`.
+        if unsafe { raw::device_get_attribute(attr, device.handle) }? == 0 {
+            return Err(Error::Unsupported(format!(
+                "CUDA device {dev} ({}) lacks virtual memory management \
+                 (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)",
+                device.info.name
+            )));
+        }
+        let _ctx = self.enter_device(device)?;
+        // SAFETY: the probe found the symbol (`require_vmm_symbols`); `vmm_prop` is fully
+        // initialised with zero reserved bytes.
+        unsafe { raw::mem_get_allocation_granularity(&vmm_prop(dev)) }
+    }
+
+    fn vmm_reserve(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
+        self.require_vmm_symbols()?;
+        let _ctx = self.enter(dev)?;
+        // SAFETY: the probe found the symbol; `dev`'s context is current.
+        unsafe { raw::mem_address_reserve(bytes) }
+    }
+
+    fn vmm_free(&self, dev: i32, ptr: DevPtr, bytes: usize) -> Result<()> {
+        self.require_vmm_symbols()?;
+        let _ctx = self.enter(dev)?;
+        // SAFETY: the probe found the symbol; `dev`'s context is current; that nothing
+        // uses the range afterwards is the seam's contract with its caller.
+        unsafe { raw::mem_address_free(ptr, bytes) }
+    }
+
+    fn vmm_map(&self, dev: i32, ptr: DevPtr, bytes: usize) -> Result<RawVmm> {
+        self.require_vmm_symbols()?;
+        let _ctx = self.enter(dev)?;
+        // SAFETY: the probe found the symbols; `dev`'s context is current; `vmm_prop` is
+        // fully initialised with zero reserved bytes; the handle is released below on
+        // failure, else by `vmm_unmap`.
+        let handle = unsafe { raw::mem_create(bytes, &vmm_prop(dev)) }?;
+        // SAFETY: `handle` was just created for `bytes`.
+        if let Err(e) = unsafe { raw::mem_map(ptr, bytes, handle) } {
+            // SAFETY: created above, released once; nothing maps it.
+            let _ = unsafe { raw::mem_release(handle) };
+            return Err(e);
+        }
+        // SAFETY: `dev` is a device ordinal (`enter` checked it); `[ptr, ptr + bytes)` was
+        // just mapped.
+        if let Err(e) = unsafe { raw::mem_set_access(ptr, bytes, dev) } {
+            // SAFETY: mapped just above and not yet accessible, so nothing uses it; the
+            // handle is released once.
+            let _ = unsafe { raw::mem_unmap(ptr, bytes) };
+            // SAFETY: as above.
+            let _ = unsafe { raw::mem_release(handle) };
+            return Err(e);
+        }
+        Ok(handle)
+    }
+
+    fn vmm_unmap(&self, dev: i32, ptr: DevPtr, bytes: usize, handle: RawVmm) -> Result<()> {
+        self.require_vmm_symbols()?;
+        let _ctx = self.enter(dev)?;
+        // SAFETY: the probe found the symbols; `dev`'s context is current; that nothing
+        // uses the memory afterwards is the seam's contract with its caller.
+        unsafe { raw::mem_unmap(ptr, bytes) }?;
+        // SAFETY: that `handle` is the one `vmm_map` returned for this mapping, released
+        // once, is the seam's contract (the driver cannot check it).
+        unsafe { raw::mem_release(handle) }
     }
 
     fn pointer_pool(&self, dev: i32, ptr: DevPtr) -> Result<Option<RawPool>> {

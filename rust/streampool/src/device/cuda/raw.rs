@@ -489,6 +489,134 @@ pub(super) unsafe fn pointer_get_mempool(dptr: sys::CUdeviceptr) -> Result<sys::
 }
 
 // ---------------------------------------------------------------------------------------
+// Virtual memory management
+// ---------------------------------------------------------------------------------------
+
+/// [`cuMemGetAllocationGranularity`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+/// with `CU_MEM_ALLOC_GRANULARITY_MINIMUM`: the multiple that sizes and addresses of
+/// memory described by `prop` must be of.
+///
+/// # Safety
+/// 1. Loaded and initialised, and the probe found the virtual memory management symbols.
+/// 2. `prop` is fully initialised with its reserved bytes zero (the driver reports
+///    values it does not support).
+pub(super) unsafe fn mem_get_allocation_granularity(prop: &sys::CUmemAllocationProp) -> Result<usize> {
+    let mut granularity = 0;
+    let option = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+    // SAFETY: preconditions 1-2; `prop` outlives the call; valid out-pointer.
+    check("cuMemGetAllocationGranularity", unsafe {
+        sys::cuMemGetAllocationGranularity(&mut granularity, prop, option)
+    })?;
+    Ok(granularity)
+}
+
+/// [`cuMemAddressReserve`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html):
+/// `bytes` of virtual address space with no memory behind it, where and as aligned as the
+/// driver chooses (alignment 0, address 0, flags 0).
+///
+/// # Safety
+/// 1. Loaded and initialised, and the probe found the virtual memory management symbols;
+///    a context is current.
+pub(super) unsafe fn mem_address_reserve(bytes: usize) -> Result<sys::CUdeviceptr> {
+    let mut ptr = 0;
+    // SAFETY: precondition 1; valid out-pointer; the driver reports a size it refuses.
+    check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut ptr, bytes, 0, 0, 0) })?;
+    Ok(ptr)
+}
+
+/// [`cuMemAddressFree`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html).
+///
+/// # Safety
+/// 1. Loaded and initialised, and the probe found the virtual memory management symbols;
+///    a context is current.
+/// 2. Nothing uses the range after this call (the driver reports a range that is not one
+///    whole reservation).
+pub(super) unsafe fn mem_address_free(ptr: sys::CUdeviceptr, bytes: usize) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(ptr, bytes) })
+}
+
+/// [`cuMemCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html) (flags
+/// 0): `bytes` of memory as `prop` describes it, not yet mapped anywhere.
+///
+/// # Safety
+/// 1. Loaded and initialised, and the probe found the virtual memory management symbols;
+///    a context is current.
+/// 2. `prop` is fully initialised with its reserved bytes zero.
+/// 3. The caller releases the handle with [`mem_release`].
+pub(super) unsafe fn mem_create(
+    bytes: usize,
+    prop: &sys::CUmemAllocationProp,
+) -> Result<sys::CUmemGenericAllocationHandle> {
+    let mut handle = 0;
+    // SAFETY: preconditions 1-2; `prop` outlives the call; valid out-pointer. The driver
+    // reports a size that is not a multiple of the granularity.
+    check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, bytes, prop, 0) })?;
+    Ok(handle)
+}
+
+/// [`cuMemMap`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html): all of
+/// `handle`'s memory (offset 0, flags 0) at `ptr`, not yet accessible ([`mem_set_access`]).
+///
+/// # Safety
+/// 1. Loaded and initialised, and the probe found the virtual memory management symbols;
+///    a context is current.
+/// 2. `handle` came from [`mem_create`] of `bytes` and was not released. (The driver
+///    reports a range that is unaligned, outside a reservation or over a mapping.)
+pub(super) unsafe fn mem_map(
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    handle: sys::CUmemGenericAllocationHandle,
+) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    check("cuMemMap", unsafe { sys::cuMemMap(ptr, bytes, 0, handle, 0) })
+}
+
+/// [`cuMemSetAccess`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+/// for one device: read-write access from device `accessor` to mapped memory.
+///
+/// # Safety
+/// 1. Loaded and initialised, and the probe found the virtual memory management symbols;
+///    a context is current.
+/// 2. `accessor` is a device ordinal. (The driver reports a range that is not mapped.)
+pub(super) unsafe fn mem_set_access(ptr: sys::CUdeviceptr, bytes: usize, accessor: i32) -> Result<()> {
+    let desc = sys::CUmemAccessDesc {
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: accessor,
+        },
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: preconditions 1-2; one valid descriptor.
+    check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(ptr, bytes, &desc, 1) })
+}
+
+/// [`cuMemUnmap`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html): the
+/// range becomes reserved address space again. Synchronous, as the driver documents it.
+///
+/// # Safety
+/// 1. Loaded and initialised, and the probe found the virtual memory management symbols;
+///    a context is current.
+/// 2. No work still to run uses the memory after this call. (The driver reports a range
+///    that is not one whole mapping.)
+pub(super) unsafe fn mem_unmap(ptr: sys::CUdeviceptr, bytes: usize) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, bytes) })
+}
+
+/// [`cuMemRelease`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html): the
+/// memory is freed once no mapping of it is left.
+///
+/// # Safety
+/// 1. Loaded and initialised, and the probe found the virtual memory management symbols.
+/// 2. `handle` came from [`mem_create`] and is released once: the driver documents a
+///    handle that is not valid as undefined behaviour.
+pub(super) unsafe fn mem_release(handle: sys::CUmemGenericAllocationHandle) -> Result<()> {
+    // SAFETY: preconditions 1-2.
+    check("cuMemRelease", unsafe { sys::cuMemRelease(handle) })
+}
+
+// ---------------------------------------------------------------------------------------
 // Stream-ordered pools
 // ---------------------------------------------------------------------------------------
 

@@ -567,6 +567,7 @@ fn gpu_fallbacks_for_older_drivers() {
         advise_v2: false,
         stream_get_device: false,
         managed_pool_queries: false,
+        vmm: false,
     };
     for device in &mut old.devices {
         device.info.managed_pools = false;
@@ -600,11 +601,106 @@ fn gpu_fallbacks_for_older_drivers() {
         other => panic!("{other:?}"),
     };
     assert!(message.contains("cuMemAdvise_v2) needs a CUDA 12.2 driver (found 12.4)"), "{message}");
+    // Without the virtual memory management symbols, their calls are refused, not reached.
+    let message = match old.vmm_granularity(0) {
+        Err(Error::Unsupported(message)) => message,
+        other => panic!("{other:?}"),
+    };
+    assert!(message.contains("virtual memory management needs cuMemGetAllocationGranularity"), "{message}");
+    assert!(message.ends_with("which this CUDA driver's library (12.4) lacks"), "{message}");
+    assert!(matches!(old.vmm_reserve(0, 2 * MIB), Err(Error::Unsupported(_))));
+    assert!(matches!(old.vmm_map(0, 0x1000, 2 * MIB), Err(Error::Unsupported(_))));
+    assert!(matches!(old.vmm_unmap(0, 0x1000, 2 * MIB, 1), Err(Error::Unsupported(_))));
+    assert!(matches!(old.vmm_free(0, 0x1000, 2 * MIB), Err(Error::Unsupported(_))));
     // What does not depend on the newer symbols still works.
     let ptr = old.pool_alloc_async(0, old.pool_current(0, false).unwrap(), MIB, stream).unwrap();
     old.free_async(0, ptr, stream).unwrap();
     old.stream_synchronize(0, stream).unwrap();
     cuda.stream_destroy(0, stream).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------
+// Virtual memory management
+// ---------------------------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
+fn gpu_vmm_adjacent_mappings_are_one_range() {
+    let Some(cuda) = gpu() else { return };
+    let g = cuda.vmm_granularity(0).unwrap();
+    assert!(g.is_power_of_two() && g >= 4096, "granularity {g}");
+    let base = cuda.vmm_reserve(0, 4 * g).unwrap();
+    assert_ne!(base, 0);
+    assert_eq!(base % g as u64, 0, "a reservation starts on a granule");
+    // Two granules, then two more right after them.
+    let boundary = base + 2 * g as u64;
+    let first = cuda.vmm_map(0, base, 2 * g).unwrap();
+    let second = cuda.vmm_map(0, boundary, 2 * g).unwrap();
+    assert_ne!(first, second);
+    let stream = cuda.stream_create(0, false).unwrap();
+    // A memset over both, a copy from the host across the boundary, and a copy on the
+    // device from across the boundary into the last granule.
+    cuda.memset_d8_async(0, base, 0x11, 4 * g, stream).unwrap();
+    let pattern: Vec<u8> = (0..g).map(|i| (i % 251) as u8).collect();
+    let at = boundary - (g / 2) as u64;
+    // SAFETY: `pattern` outlives the copy (the stream is synchronised in `read_back`);
+    // `[at, at + g)` is mapped, half in each mapping.
+    unsafe { cuda.memcpy_async(0, at, pattern.as_ptr() as usize as u64, g, stream) }.unwrap();
+    // SAFETY: both ranges are mapped memory of device 0, ordered on `stream`.
+    unsafe { cuda.memcpy_async(0, base + 3 * g as u64, at, g, stream) }.unwrap();
+    cuda.memset_d8_async(0, boundary - 64, 0x22, 128, stream).unwrap();
+    let seen = read_back(&cuda, base, 4 * g, stream);
+    assert!(seen[..g + g / 2].iter().all(|&b| b == 0x11));
+    assert_eq!(&seen[g + g / 2..2 * g - 64], &pattern[..g / 2 - 64]);
+    assert!(seen[2 * g - 64..2 * g + 64].iter().all(|&b| b == 0x22));
+    assert_eq!(&seen[2 * g + 64..2 * g + g / 2], &pattern[g / 2 + 64..]);
+    assert!(seen[2 * g + g / 2..3 * g].iter().all(|&b| b == 0x11));
+    assert_eq!(&seen[3 * g..], &pattern[..]);
+    cuda.vmm_unmap(0, base, 2 * g, first).unwrap();
+    cuda.vmm_unmap(0, boundary, 2 * g, second).unwrap();
+    cuda.vmm_free(0, base, 4 * g).unwrap();
+    cuda.stream_destroy(0, stream).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
+fn gpu_vmm_bad_input_is_refused_and_harmless() {
+    let Some(cuda) = gpu() else { return };
+    let g = cuda.vmm_granularity(0).unwrap();
+    // Sizes that are not a multiple of the granularity: refused, for a reservation and for
+    // memory (cuMemCreate), and the reservation stays usable.
+    for bytes in [0, 4096, g + 4096] {
+        let err = cuda.vmm_reserve(0, bytes).unwrap_err();
+        assert!(matches!(err, Error::Driver { call: "cuMemAddressReserve", .. }), "{bytes}: {err:?}");
+    }
+    let base = cuda.vmm_reserve(0, 4 * g).unwrap();
+    let err = cuda.vmm_map(0, base, g + 1).unwrap_err();
+    assert!(matches!(err, Error::Driver { call: "cuMemCreate", .. }), "{err:?}");
+    let handle = cuda.vmm_map(0, base, 2 * g).unwrap();
+    // Not on a granule, over the mapping, past the reservation's end.
+    for (ptr, bytes) in [(base + 4096, g), (base + g as u64, g), (base + 3 * g as u64, 2 * g)] {
+        let err = cuda.vmm_map(0, ptr, bytes).unwrap_err();
+        assert!(matches!(err, Error::Driver { call: "cuMemMap", .. }), "{err:?}");
+    }
+    // Unmapping with the wrong size: less than the mapping, on a granule or not. (More is
+    // not refused: driver 580 unmaps every whole mapping inside the range given. The
+    // simulated device refuses that too, as the seam unmaps one mapping.)
+    for bytes in [g, g / 2] {
+        let err = cuda.vmm_unmap(0, base, bytes, handle).unwrap_err();
+        assert!(matches!(err, Error::Driver { call: "cuMemUnmap", .. }), "{bytes}: {err:?}");
+    }
+    // Freeing the reservation with the mapping in it.
+    let err = cuda.vmm_free(0, base, 4 * g).unwrap_err();
+    assert!(matches!(err, Error::Driver { call: "cuMemAddressFree", .. }), "{err:?}");
+    // The mapping is still there and works, and so does the rest of the process.
+    cuda.memset_d8_async(0, base, 0x5a, 2 * g, LEGACY_STREAM).unwrap();
+    assert!(read_back(&cuda, base, 2 * g, LEGACY_STREAM).iter().all(|&b| b == 0x5a));
+    cuda.vmm_unmap(0, base, 2 * g, handle).unwrap();
+    cuda.vmm_free(0, base, 4 * g).unwrap();
+    let plain = cuda.mem_alloc(0, MIB).unwrap();
+    cuda.memset_d8_async(0, plain, 1, MIB, LEGACY_STREAM).unwrap();
+    assert!(read_back(&cuda, plain, MIB, LEGACY_STREAM).iter().all(|&b| b == 1));
+    cuda.mem_free(0, plain).unwrap();
 }
 
 // ---------------------------------------------------------------------------------------

@@ -126,6 +126,9 @@ pub(super) enum AllocKind {
     /// `cuMemPoolImportPointer` from this imported pool: another process's memory, mapped
     /// here; freed with `cuMemFree`, not counted against this device's capacity.
     Imported(RawPool),
+    /// Adjacent mappings of `cuMemMap` in one reservation (module `vmm`), one allocation
+    /// for as long as they stay mapped; unmapped with `cuMemUnmap`, one mapping at a time.
+    Mapped,
 }
 
 /// A live allocation.
@@ -137,7 +140,8 @@ pub(super) struct Alloc {
     pub(super) size: usize,
     pub(super) kind: AllocKind,
     pub(super) dev: i32,
-    /// The backing memory, except for pool allocations (their pool's chunk holds it).
+    /// The backing memory, except for pool allocations (their pool's chunk holds it) and
+    /// mapped memory (its reservation holds it).
     pub(super) block: Option<HostBlock>,
     /// Where parts of it were last asked to be prefetched (managed memory only).
     pub(super) prefetched: Prefetched,
@@ -203,8 +207,8 @@ impl State {
             AllocKind::Device => "cuMemAlloc",
             AllocKind::Managed => "cuMemAllocManaged",
             AllocKind::Pinned => "cuMemHostAlloc",
-            AllocKind::Pool(_) | AllocKind::Imported(_) => {
-                unreachable!("pool and imported allocations are made by their own models")
+            AllocKind::Pool(_) | AllocKind::Imported(_) | AllocKind::Mapped => {
+                unreachable!("pool, imported and mapped memory are made by their own models")
             }
         };
         if bytes == 0 {
@@ -240,7 +244,7 @@ impl State {
         let ok = match a.kind {
             AllocKind::Device | AllocKind::Managed | AllocKind::Imported(_) => !pinned,
             AllocKind::Pinned => pinned,
-            AllocKind::Pool(_) => false,
+            AllocKind::Pool(_) | AllocKind::Mapped => false,
         };
         if !ok {
             let what = match a.kind {
@@ -251,6 +255,7 @@ impl State {
                 }
                 AllocKind::Pool(p) => format!("from memory pool {p:#x} (free it with cuMemFreeAsync)"),
                 AllocKind::Imported(p) => format!("imported from pool {p:#x} (free it with cuMemFree)"),
+                AllocKind::Mapped => "mapped with cuMemMap (unmap it with cuMemUnmap)".into(),
             };
             return Err(Error::InvalidPointer(format!("{call}({ptr:#x}): the pointer is {what}")));
         }
@@ -277,26 +282,28 @@ impl State {
         (end <= start + a.bytes as u64).then_some((start, a))
     }
 
-    /// Whether any byte of `[ptr, ptr + bytes)` is simulated memory: a live allocation or
-    /// a pool chunk.
+    /// Whether any byte of `[ptr, ptr + bytes)` is simulated memory: a live allocation, a
+    /// pool chunk, or reserved address space (mapped or not).
     pub(super) fn overlaps_sim_memory(&self, ptr: DevPtr, bytes: usize) -> bool {
         let end = ptr.saturating_add(bytes as u64);
         let hits = |start: u64, len: usize| start + len as u64 > ptr;
         self.allocs.range(..end).next_back().is_some_and(|(&s, a)| hits(s, a.size))
             || self.chunks.range(..end).next_back().is_some_and(|(&s, &(len, _))| hits(s, len))
+            || self.overlaps_reservation(ptr, bytes)
     }
 
     /// Whether `[ptr, ptr + bytes)` is still backed by host memory this device owns (a
-    /// live non-pool allocation, or a chunk of a pool). Checked before every write or
-    /// read of simulated memory, so that no executing operation touches freed memory.
+    /// live non-pool allocation, a chunk of a pool, or mapped memory). Checked before every
+    /// write or read of simulated memory, so that no executing operation touches freed
+    /// memory.
     pub(super) fn backed(&self, ptr: DevPtr, bytes: usize) -> bool {
         let end = ptr.saturating_add(bytes as u64);
         let inside = |start: u64, len: usize| end <= start + len as u64;
-        self.allocs
-            .range(..=ptr)
-            .next_back()
-            .is_some_and(|(&s, a)| a.block.as_ref().is_some_and(|b| inside(s, b.len())))
-            || self.chunks.range(..=ptr).next_back().is_some_and(|(&s, &(len, _))| inside(s, len))
+        self.allocs.range(..=ptr).next_back().is_some_and(|(&s, a)| match &a.block {
+            Some(b) => inside(s, b.len()),
+            // Mapped memory is mapped exactly while its allocation lives.
+            None => a.kind == AllocKind::Mapped && inside(s, a.size),
+        }) || self.chunks.range(..=ptr).next_back().is_some_and(|(&s, &(len, _))| inside(s, len))
     }
 
     /// Validates a range that a safe operation touches: it must lie inside one live
@@ -316,7 +323,7 @@ impl State {
         match a.kind {
             AllocKind::Managed => true,
             AllocKind::Pool(p) => self.pools.get(&p).is_some_and(|p| p.managed),
-            AllocKind::Device | AllocKind::Pinned | AllocKind::Imported(_) => false,
+            AllocKind::Device | AllocKind::Pinned | AllocKind::Imported(_) | AllocKind::Mapped => false,
         }
     }
 

@@ -36,6 +36,9 @@
 //!   not one reached. The device reports a CUDA 13.0 driver and concurrent managed access;
 //!   [`SimDevice::set_driver_version`] and [`SimDevice::set_concurrent_managed_access`]
 //!   make it report less, and then refuse managed pools as such a driver does.
+//! * **Virtual memory.** Reserved address space and device memory mapped into it, with a
+//!   granularity of [`VMM_GRANULARITY`] (module `vmm`). Mapped memory counts against the
+//!   capacity; adjacent mappings of one reservation are one range that accesses may span.
 //!
 //! # Lifetime
 //!
@@ -55,7 +58,8 @@ use std::thread::ThreadId;
 
 use crate::device::{
     Advice, Backend, BackendKind, DevPtr, DeviceInfo, Location, PoolAttr, PoolProps, PtrExportData, RawEvent,
-    RawFunction, RawModule, RawPool, RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM,
+    RawFunction, RawModule, RawPool, RawStream, RawVmm, LEGACY_STREAM, LEGACY_STREAM_ALIAS,
+    PER_THREAD_STREAM,
 };
 use crate::error::{Error, Result, CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_OUT_OF_MEMORY};
 
@@ -69,12 +73,14 @@ mod peer;
 mod pool;
 #[cfg(test)]
 mod tests;
+mod vmm;
 
 use clock::VClock;
 pub use detector::{OpInfo, OpKind, Race, MAX_RACES};
 use exec::{Op, Work};
 use memory::{invalid_value, AllocKind};
 use pool::Pool;
+pub use vmm::VMM_GRANULARITY;
 
 /// The driver version the simulated device reports (CUDA 13.0).
 pub const SIM_DRIVER_VERSION: i32 = 13000;
@@ -218,6 +224,9 @@ struct State {
     races: detector::RaceLog,
     /// Which device's work may touch which device's memory (module `peer`).
     peers: peer::Peers,
+    /// Reservations of address space by address, with their mappings (module `vmm`).
+    reservations: BTreeMap<u64, vmm::Reservation>,
+    next_vmm: RawVmm,
 }
 
 #[derive(Debug)]
@@ -342,6 +351,8 @@ impl State {
             shadow: Default::default(),
             races: Default::default(),
             peers: Default::default(),
+            reservations: BTreeMap::new(),
+            next_vmm: vmm::FIRST_HANDLE,
         };
         for dev in 0..devices {
             let legacy = st.new_stream(LEGACY_STREAM, dev, true, true);
@@ -455,9 +466,12 @@ impl SimDevice {
     }
 
     /// Closes the device, and stops it being the process's backend if it was. Objects
-    /// made under it are refused from now on (their frees succeed silently).
+    /// made under it are refused from now on (their frees succeed silently). Reserved
+    /// address space, and the memory mapped into it, goes back to the host now; other
+    /// memory when the device is dropped.
     pub fn deactivate(&self) {
         self.closed.store(true, Ordering::SeqCst);
+        self.lock().release_vmm();
         if crate::device::active_sim().is_some_and(|a| a.id == self.id) {
             let _ = crate::device::set_active_sim(None);
         }
@@ -856,6 +870,26 @@ impl Backend for SimDevice {
             }
             st.pool_free(ptr, sid)
         })
+    }
+
+    fn vmm_granularity(&self, dev: i32) -> Result<usize> {
+        self.with(Some(dev), |_| Ok(VMM_GRANULARITY))
+    }
+
+    fn vmm_reserve(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
+        self.with(Some(dev), |st| st.vmm_reserve(bytes))
+    }
+
+    fn vmm_free(&self, dev: i32, ptr: DevPtr, bytes: usize) -> Result<()> {
+        self.with_release(dev, |st| st.vmm_free(ptr, bytes))
+    }
+
+    fn vmm_map(&self, dev: i32, ptr: DevPtr, bytes: usize) -> Result<RawVmm> {
+        self.with(Some(dev), |st| st.vmm_map(dev, ptr, bytes))
+    }
+
+    fn vmm_unmap(&self, dev: i32, ptr: DevPtr, bytes: usize, handle: RawVmm) -> Result<()> {
+        self.with_release(dev, |st| st.vmm_unmap(ptr, bytes, handle))
     }
 
     fn pointer_pool(&self, dev: i32, ptr: DevPtr) -> Result<Option<RawPool>> {

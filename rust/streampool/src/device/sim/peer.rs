@@ -7,6 +7,8 @@
 //! * Pool memory does not follow that: a pool's memory is accessible to its own device and
 //!   to the devices it was granted to with `cuMemPoolSetAccess`.
 //! * Managed and pinned host memory are accessible everywhere.
+//! * Memory mapped with `cuMemMap` (module `vmm`) is accessible to its own device alone
+//!   (`cuMemcpyAsync` copies included): the mapping grants no other (`cuMemSetAccess`).
 //! * Copies with `cuMemcpyPeerAsync` need no access (the driver stages them through the
 //!   host where the devices cannot reach each other), nor do `cuMemcpyAsync` copies of
 //!   another device's `cuMemAlloc` memory (unified addressing makes them peer copies).
@@ -139,6 +141,9 @@ impl State {
                  peer_access=[{dev}] on its resource)",
                 a.dev
             ),
+            AllocKind::Mapped => {
+                "memory mapped with cuMemMap is accessible only to its own device (cuMemSetAccess)".into()
+            }
         };
         Err(Error::InvalidPointer(format!(
             "{what} on device {dev}: [{ptr:#x}, +{bytes}) is memory of device {} of {}, which device \
@@ -155,7 +160,7 @@ impl State {
             return Ok(false);
         }
         let (_, a) = self.alloc_containing(ptr, bytes).expect("classified as simulated memory");
-        if a.dev != dev && matches!(a.kind, AllocKind::Device | AllocKind::Pool(_)) {
+        if a.dev != dev && matches!(a.kind, AllocKind::Device | AllocKind::Pool(_) | AllocKind::Mapped) {
             return Err(Error::InvalidPointer(format!(
                 "{what}: [{ptr:#x}, +{bytes}) is memory of device {}, not of device {dev}",
                 a.dev

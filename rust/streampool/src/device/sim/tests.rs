@@ -1143,3 +1143,401 @@ fn an_eager_device_runs_work_as_it_is_enqueued() {
     sim.write(a, p, 64).unwrap();
     assert_eq!(sim.pending(), 1);
 }
+
+// ---------------------------------------------------------------------------------------
+// Virtual memory management
+// ---------------------------------------------------------------------------------------
+
+const G: usize = VMM_GRANULARITY;
+
+fn is_driver_error(r: Result<impl std::fmt::Debug>, call: &str, code: i32) -> bool {
+    matches!(r, Err(Error::Driver { call: c, code: k, .. }) if c == call && k == code)
+}
+
+/// Copies `bytes` from the host slice into simulated memory at `ptr` on `s`, and waits.
+fn from_host(sim: &SimDevice, ptr: DevPtr, data: &[u8], s: RawStream) {
+    // SAFETY: `data` outlives the copy, which completes in the synchronisation below.
+    unsafe { sim.memcpy_async(0, ptr, data.as_ptr() as u64, data.len(), s) }.unwrap();
+    sim.stream_synchronize(0, s).unwrap();
+}
+
+#[test]
+fn vmm_adjacent_mappings_are_one_range() {
+    let sim = sim();
+    let s = stream(&sim, false);
+    assert_eq!(sim.vmm_granularity(0).unwrap(), G);
+    let base = sim.vmm_reserve(0, 4 * G).unwrap();
+    assert_eq!(base % G as u64, 0, "reservations are aligned to the granularity");
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 64 * MIB, "address space costs no memory");
+    let boundary = base + 2 * G as u64;
+    let first = sim.vmm_map(0, base, 2 * G).unwrap();
+    let second = sim.vmm_map(0, boundary, 2 * G).unwrap();
+    assert_ne!(first, second);
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 64 * MIB - 4 * G);
+    assert!(to_host(&sim, base, 4 * G, s).iter().all(|&b| b == 0), "mapped memory starts zeroed");
+
+    // A memset over both, a copy from the host across the boundary, a copy within the
+    // device from across the boundary to the end, a kernel across the boundary.
+    sim.memset_d8_async(0, base, 0x11, 4 * G, s).unwrap();
+    let pattern: Vec<u8> = (0..G).map(|i| (i % 251) as u8).collect();
+    let at = boundary - (G / 2) as u64;
+    from_host(&sim, at, &pattern, s);
+    // SAFETY: both sides are mapped memory of this device.
+    unsafe { sim.memcpy_async(0, base + 3 * G as u64, at, G, s) }.unwrap();
+    sim.write(s, boundary - 64, 128).unwrap();
+    sim.read(s, base, 4 * G).unwrap();
+    let seen = to_host(&sim, base, 4 * G, s);
+    let g = G;
+    assert!(seen[..g + g / 2].iter().all(|&b| b == 0x11));
+    assert_eq!(&seen[g + g / 2..2 * g - 64], &pattern[..g / 2 - 64]);
+    let written = seen[2 * g - 64];
+    assert!(written != 0 && seen[2 * g - 64..2 * g + 64].iter().all(|&b| b == written));
+    assert_eq!(&seen[2 * g + 64..2 * g + g / 2], &pattern[g / 2 + 64..]);
+    assert!(seen[2 * g + g / 2..3 * g].iter().all(|&b| b == 0x11));
+    assert_eq!(&seen[3 * g..], &pattern[..]);
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+
+    sim.vmm_unmap(0, base, 2 * G, first).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 64 * MIB - 2 * G);
+    // The second mapping stands alone, its data kept.
+    assert_eq!(to_host(&sim, base + 3 * G as u64, G, s), pattern);
+    sim.vmm_unmap(0, boundary, 2 * G, second).unwrap();
+    sim.vmm_free(0, base, 4 * G).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 64 * MIB);
+    // Mapped again, the same place is fresh memory.
+    let again = sim.vmm_reserve(0, 2 * G).unwrap();
+    let h = sim.vmm_map(0, again, 2 * G).unwrap();
+    assert!(![first, second].contains(&h), "handles are not reused");
+    assert!(to_host(&sim, again, 2 * G, s).iter().all(|&b| b == 0));
+    sim.vmm_unmap(0, again, 2 * G, h).unwrap();
+    sim.vmm_free(0, again, 2 * G).unwrap();
+}
+
+#[test]
+fn vmm_refusals_are_the_drivers_and_change_nothing() {
+    const INVALID: i32 = CUDA_ERROR_INVALID_VALUE;
+    let sim = sim();
+    let s = stream(&sim, false);
+    let base = sim.vmm_reserve(0, 4 * G).unwrap();
+    let h = sim.vmm_map(0, base + G as u64, G).unwrap();
+    sim.memset_d8_async(0, base + G as u64, 0x5a, G, s).unwrap();
+    let free = sim.mem_get_info(0).unwrap().0;
+    let heap = sim.mem_alloc(0, 4096).unwrap();
+    let free_after_heap = sim.mem_get_info(0).unwrap().0;
+    let end = base + 4 * G as u64;
+
+    // Reservations: sizes that are not a non-zero multiple of the granularity.
+    for bytes in [0, 1, 4096, G + 4096, G - 1] {
+        assert!(is_driver_error(sim.vmm_reserve(0, bytes), "cuMemAddressReserve", INVALID), "{bytes}");
+    }
+    // Maps: sizes (cuMemCreate), then places (cuMemMap).
+    for bytes in [0, 1, G + 1, G / 2] {
+        assert!(is_driver_error(sim.vmm_map(0, base, bytes), "cuMemCreate", INVALID), "{bytes}");
+    }
+    let bad_places = [
+        (base + 4096, G),             // not on a granule
+        (base + G as u64, G),         // over the mapping
+        (base, 2 * G),                // partly over it
+        (base + 3 * G as u64, 2 * G), // past the reservation's end
+        (end, G),                     // just after it
+        (base - G as u64, G),         // just before it
+        (heap, G),                    // not reserved at all
+        (u64::MAX - 4096, G),         // wrapping around
+    ];
+    for (ptr, bytes) in bad_places {
+        assert!(is_driver_error(sim.vmm_map(0, ptr, bytes), "cuMemMap", INVALID), "{ptr:#x} +{bytes}");
+    }
+    // Unmaps: not the mapping's start, not its size, not its handle, not a mapping.
+    assert!(is_driver_error(sim.vmm_unmap(0, base, G, h), "cuMemUnmap", INVALID));
+    assert!(is_driver_error(sim.vmm_unmap(0, base + G as u64 + 4096, G - 4096, h), "cuMemUnmap", INVALID));
+    assert!(is_driver_error(sim.vmm_unmap(0, base + G as u64, 2 * G, h), "cuMemUnmap", INVALID));
+    assert!(is_driver_error(sim.vmm_unmap(0, base + G as u64, G / 2, h), "cuMemUnmap", INVALID));
+    assert!(is_driver_error(sim.vmm_unmap(0, base + G as u64, G, h + 0x10), "cuMemRelease", INVALID));
+    assert!(is_driver_error(sim.vmm_unmap(0, heap, 4096, h), "cuMemUnmap", INVALID));
+    // Frees: not the reservation's start or size, and not while anything is mapped.
+    assert!(is_driver_error(sim.vmm_free(0, base + G as u64, 3 * G), "cuMemAddressFree", INVALID));
+    assert!(is_driver_error(sim.vmm_free(0, base, 2 * G), "cuMemAddressFree", INVALID));
+    assert!(is_driver_error(sim.vmm_free(0, heap, 4096), "cuMemAddressFree", INVALID));
+    match sim.vmm_free(0, base, 4 * G) {
+        Err(e @ Error::Driver { call: "cuMemAddressFree", code: INVALID, .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("1 mapping(s) are left") && text.contains("unmap them first"), "{text}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Other calls refuse mapped memory as theirs.
+    assert!(
+        matches!(sim.mem_free(0, base + G as u64), Err(Error::InvalidPointer(m)) if m.contains("cuMemUnmap"))
+    );
+    assert!(matches!(sim.free_async(0, base + G as u64, s), Err(Error::InvalidPointer(_))));
+    assert!(is_invalid_value(
+        sim.prefetch_async(0, base + G as u64, G, Location::Device(0), s),
+        "cuMemPrefetchAsync"
+    ));
+    assert_eq!(sim.pointer_pool(0, base + G as u64).unwrap(), None);
+
+    // Nothing changed: the same memory free, the mapping there with its data, usable.
+    assert_eq!(sim.mem_get_info(0).unwrap().0, free_after_heap);
+    assert!(to_host(&sim, base + G as u64, G, s).iter().all(|&b| b == 0x5a));
+    sim.write(s, base + G as u64, G).unwrap();
+    sim.mem_free(0, heap).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap().0, free);
+    // And all of it is released properly.
+    sim.vmm_unmap(0, base + G as u64, G, h).unwrap();
+    assert!(is_driver_error(sim.vmm_unmap(0, base + G as u64, G, h), "cuMemUnmap", INVALID), "twice");
+    sim.vmm_free(0, base, 4 * G).unwrap();
+    assert!(is_driver_error(sim.vmm_free(0, base, 4 * G), "cuMemAddressFree", INVALID), "twice");
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 64 * MIB);
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
+
+#[test]
+fn vmm_mappings_count_against_the_capacity() {
+    let sim = SimDevice::new(4 * G);
+    let s = stream(&sim, false);
+    // Address space is not memory: far more than the capacity may be reserved.
+    let base = sim.vmm_reserve(0, 64 * G).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap(), (4 * G, 4 * G));
+    let a = sim.vmm_map(0, base, 2 * G).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 2 * G);
+    // Other memory competes for the rest.
+    let plain = sim.mem_alloc(0, G).unwrap();
+    let pool = sim.pool_default(0, false).unwrap();
+    let pooled = sim.pool_alloc_async(0, pool, 4096, s).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 0);
+    // Over the capacity: cuMemCreate's out of memory, and nothing changed.
+    let err = sim.vmm_map(0, base + 2 * G as u64, G).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err:?}");
+    assert!(is_driver_error(Err::<(), _>(err), "cuMemCreate", CUDA_ERROR_OUT_OF_MEMORY));
+    assert!(sim.memset_d8_async(0, base + 2 * G as u64, 1, 16, s).is_err(), "not mapped");
+    assert!(sim.mem_alloc(0, G).unwrap_err().is_out_of_memory(), "mapped memory is taken");
+    sim.free_async(0, pooled, s).unwrap();
+    sim.pool_trim_to(0, pool, 0).unwrap();
+    sim.stream_synchronize(0, s).unwrap();
+    sim.pool_trim_to(0, pool, 0).unwrap();
+    sim.mem_free(0, plain).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 2 * G);
+    let b = sim.vmm_map(0, base + 2 * G as u64, 2 * G).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 0);
+    sim.vmm_unmap(0, base, 2 * G, a).unwrap();
+    sim.vmm_unmap(0, base + 2 * G as u64, 2 * G, b).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 4 * G);
+    sim.vmm_free(0, base, 64 * G).unwrap();
+}
+
+#[test]
+fn vmm_unmapped_parts_of_a_reservation_are_refused() {
+    let sim = sim();
+    let s = stream(&sim, false);
+    let base = sim.vmm_reserve(0, 4 * G).unwrap();
+    let (lo, hi) = (base + G as u64, base + 2 * G as u64);
+    let h = sim.vmm_map(0, lo, G).unwrap();
+    let mut host = vec![0u8; 4 * G];
+    let plain = sim.mem_alloc(0, 4 * G).unwrap();
+    let refused = |r: Result<()>| assert!(matches!(r, Err(Error::InvalidPointer(_))), "{r:?}");
+    for (ptr, bytes) in [(base, 64), (lo - 32, 64), (hi - 32, 64), (hi, 64), (lo, G + 1), (base, 4 * G)] {
+        refused(sim.memset_d8_async(0, ptr, 1, bytes, s));
+        refused(sim.write(s, ptr, bytes));
+        refused(sim.read(s, ptr, bytes));
+        // Reserved address space is the device's, never foreign host memory.
+        // SAFETY: refused before anything is enqueued.
+        refused(unsafe { sim.memcpy_async(0, host.as_mut_ptr() as u64, ptr, bytes, s) });
+        // SAFETY: as above.
+        refused(unsafe { sim.memcpy_async(0, ptr, host.as_ptr() as u64, bytes, s) });
+        // SAFETY: as above.
+        refused(unsafe { sim.memcpy_async(0, ptr, plain, bytes, s) });
+    }
+    assert_eq!(sim.pending(), 0);
+    // The mapped part takes all of them.
+    sim.memset_d8_async(0, lo, 3, G, s).unwrap();
+    // SAFETY: `host` outlives the copy (synchronised below).
+    unsafe { sim.memcpy_async(0, host.as_mut_ptr() as u64, hi - 64, 64, s) }.unwrap();
+    sim.stream_synchronize(0, s).unwrap();
+    assert!(host[..64].iter().all(|&b| b == 3));
+    // Once unmapped, no longer.
+    sim.vmm_unmap(0, lo, G, h).unwrap();
+    refused(sim.memset_d8_async(0, lo, 1, 64, s));
+    match sim.write(s, lo, 64) {
+        Err(Error::InvalidPointer(m)) => assert!(m.contains("not inside a live allocation"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    sim.vmm_free(0, base, 4 * G).unwrap();
+    // Nor once the reservation is gone (the address may be anything's now).
+    refused(sim.memset_d8_async(0, lo, 1, 64, s));
+}
+
+#[test]
+fn vmm_memory_of_one_reservation_on_two_devices_is_two_ranges() {
+    let sim = SimDevice::with_devices(16 * G, 2);
+    let s0 = sim.stream_create(0, false).unwrap();
+    let s1 = sim.stream_create(1, false).unwrap();
+    let base = sim.vmm_reserve(0, 4 * G).unwrap();
+    let boundary = base + G as u64;
+    let a = sim.vmm_map(0, base, G).unwrap();
+    let b = sim.vmm_map(1, boundary, G).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 15 * G);
+    assert_eq!(sim.mem_get_info(1).unwrap().0, 15 * G);
+    sim.memset_d8_async(0, base, 1, G, s0).unwrap();
+    sim.memset_d8_async(1, boundary, 2, G, s1).unwrap();
+    // Each device reaches its own mapping only, and nothing spans the two.
+    for (dev, stream, ptr) in [(0, s0, boundary), (1, s1, base)] {
+        let err = sim.memset_d8_async(dev, ptr, 0, 64, stream).unwrap_err();
+        assert!(matches!(&err, Error::InvalidPointer(m) if m.contains("cuMemSetAccess")), "{err:?}");
+    }
+    assert!(sim.memset_d8_async(0, boundary - 32, 0, 64, s0).is_err());
+    // Copies between the devices' mappings go through cuMemcpyPeerAsync.
+    // SAFETY: both sides are mapped memory of the devices named.
+    unsafe { sim.memcpy_peer_async(1, boundary, 1, base, 0, 64, s1) }.unwrap();
+    sim.ctx_synchronize(0).unwrap();
+    sim.ctx_synchronize(1).unwrap();
+    sim.vmm_unmap(0, base, G, a).unwrap();
+    sim.vmm_unmap(1, boundary, G, b).unwrap();
+    sim.vmm_free(0, base, 4 * G).unwrap();
+    assert_eq!(sim.mem_get_info(1).unwrap().0, 16 * G);
+}
+
+#[test]
+fn vmm_races_are_found_across_mappings_and_unmap_waits_for_the_device() {
+    let sim = sim();
+    let (a, b) = (stream(&sim, false), stream(&sim, false));
+    let base = sim.vmm_reserve(0, 2 * G).unwrap();
+    let boundary = base + G as u64;
+    let h1 = sim.vmm_map(0, base, G).unwrap();
+    let h2 = sim.vmm_map(0, boundary, G).unwrap();
+    sim.write_labeled(a, boundary - 256, 512, "across").unwrap();
+    sim.write_labeled(b, boundary - 64, 128, "unordered").unwrap();
+    sim.run();
+    let races = sim.take_races();
+    assert_eq!(races.len(), 1, "{races:?}");
+    assert_eq!(races[0].range, (boundary - 64, boundary + 64));
+    // Ordered by an event, no race.
+    let e = sim.event_create(0).unwrap();
+    sim.write(a, base, 2 * G).unwrap();
+    sim.event_record(0, e, a).unwrap();
+    sim.stream_wait_event(0, b, e).unwrap();
+    sim.read(b, boundary - 8, 16).unwrap();
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+    // Unmapping is synchronous: queued work runs first, while the memory is there.
+    sim.memset_d8_async(0, base, 9, 2 * G, a).unwrap();
+    sim.memset_d8_async(0, boundary, 7, 16, b).unwrap();
+    assert_eq!(sim.pending(), 2);
+    sim.vmm_unmap(0, boundary, G, h2).unwrap();
+    assert_eq!(sim.pending(), 0);
+    assert!(to_host(&sim, base, G, a).iter().all(|&x| x == 9));
+    sim.vmm_unmap(0, base, G, h1).unwrap();
+    sim.vmm_free(0, base, 2 * G).unwrap();
+}
+
+#[test]
+fn vmm_closing_the_device_releases_reservations() {
+    let sim = sim();
+    let s = stream(&sim, false);
+    let base = sim.vmm_reserve(0, 4 * G).unwrap();
+    let h = sim.vmm_map(0, base, 2 * G).unwrap();
+    let other = sim.vmm_reserve(0, 2 * G).unwrap();
+    sim.memset_d8_async(0, base, 1, 2 * G, s).unwrap();
+    sim.deactivate();
+    {
+        let st = sim.lock();
+        assert!(st.reservations.is_empty());
+        assert!(st.allocs.is_empty(), "mapped ranges are gone from the live allocations");
+        assert_eq!(st.free_bytes(0), 64 * MIB);
+    }
+    assert!(matches!(sim.vmm_reserve(0, G), Err(Error::InvalidArgument(_))));
+    assert!(matches!(sim.vmm_map(0, base, G), Err(Error::InvalidArgument(_))));
+    assert!(matches!(sim.vmm_granularity(0), Err(Error::InvalidArgument(_))));
+    // Their owners' releases succeed silently.
+    sim.vmm_unmap(0, base, 2 * G, h).unwrap();
+    sim.vmm_free(0, base, 4 * G).unwrap();
+    sim.vmm_free(0, other, 2 * G).unwrap();
+    // Dropping a device that was never closed releases them too.
+    let open = SimDevice::new(8 * G);
+    let p = open.vmm_reserve(0, 4 * G).unwrap();
+    open.vmm_map(0, p, 2 * G).unwrap();
+    drop(open);
+}
+
+mod vmm_model {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Against a model (which granules of one reservation are mapped, and by which
+        /// mapping): maps and unmaps anywhere, good and bad. Each succeeds exactly when the
+        /// model says it may, a refusal changes nothing, the free memory is the capacity
+        /// less what is mapped, and a memset is accepted exactly when every byte it
+        /// touches is mapped.
+        #[test]
+        fn maps_and_unmaps_match_a_model(
+            ops in proptest::collection::vec((0u8..3, 0u64..8, 1usize..4, 0u64..8, 1usize..4), 1..60),
+        ) {
+            const N: u64 = 8;
+            let sim = SimDevice::new(6 * G);
+            let s = sim.stream_create(0, false).unwrap();
+            let base = sim.vmm_reserve(0, N as usize * G).unwrap();
+            let at = |slot: u64| base + slot * G as u64;
+            // Per granule: the mapping (start slot, granules, handle) holding it.
+            let mut model: Vec<Option<(u64, u64, RawVmm)>> = vec![None; N as usize];
+            for (op, slot, granules, probe, probe_granules) in ops {
+                let n = granules as u64;
+                let mapped: usize = model.iter().flatten().count() * G;
+                match op {
+                    0 => {
+                        let fits = slot + n <= N;
+                        let free = fits && (slot..slot + n).all(|i| model[i as usize].is_none());
+                        let room = mapped + granules * G <= 6 * G;
+                        match sim.vmm_map(0, at(slot), granules * G) {
+                            Ok(h) => {
+                                prop_assert!(free && room);
+                                for i in slot..slot + n {
+                                    model[i as usize] = Some((slot, n, h));
+                                }
+                            }
+                            Err(e) => prop_assert!(!free || !room, "{e:?}"),
+                        }
+                    }
+                    _ => {
+                        // Unmap the mapping at `slot` with its size (op 1) or a wrong one (op 2).
+                        let known = model.get(slot as usize).copied().flatten().filter(|m| m.0 == slot);
+                        let (size, handle) = match (known, op) {
+                            (Some((_, n, h)), 1) => (n as usize * G, h),
+                            (Some((_, n, h)), _) => ((n as usize + granules) * G, h),
+                            (None, _) => (granules * G, vmm::FIRST_HANDLE),
+                        };
+                        let r = sim.vmm_unmap(0, at(slot), size, handle);
+                        if let (Some((_, n, _)), 1) = (known, op) {
+                            prop_assert!(r.is_ok(), "{r:?}");
+                            for i in slot..slot + n {
+                                model[i as usize] = None;
+                            }
+                        } else {
+                            prop_assert!(r.is_err());
+                        }
+                    }
+                }
+                let mapped = model.iter().flatten().count() * G;
+                prop_assert_eq!(sim.mem_get_info(0).unwrap().0, 6 * G - mapped);
+                // A probe that starts half a granule early, so that it spans granules.
+                let start = at(probe) + (G / 2) as u64;
+                let bytes = probe_granules * G / 2;
+                let first = probe * 2 + 1;
+                let covered = (first..first + probe_granules as u64)
+                    .all(|half| model.get((half / 2) as usize).copied().flatten().is_some());
+                let r = sim.memset_d8_async(0, start, 1, bytes, s);
+                prop_assert_eq!(r.is_ok(), covered, "probe [{:#x}, +{}): {:?}", start, bytes, r);
+            }
+            sim.stream_synchronize(0, s).unwrap();
+            for (i, m) in model.iter().enumerate() {
+                if let Some((slot, n, h)) = *m {
+                    if slot == i as u64 {
+                        sim.vmm_unmap(0, at(slot), n as usize * G, h).unwrap();
+                    }
+                }
+            }
+            sim.vmm_free(0, base, N as usize * G).unwrap();
+            prop_assert_eq!(sim.mem_get_info(0).unwrap().0, 6 * G);
+        }
+    }
+}

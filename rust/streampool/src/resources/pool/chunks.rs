@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use super::freelist::FreeBlock;
+use super::region::InPlace;
 use super::ShardedPoolMemoryResource;
 use crate::device::DevPtr;
 use crate::error::Result;
@@ -57,8 +58,8 @@ impl ShardedPoolMemoryResource {
     /// step beyond the request is a convenience, never a reason to fail. The reservation is
     /// made before the upstream call and rolled back if it fails, so concurrent growths
     /// never pass the maximum.
-    pub(super) fn grow(&self, size: usize, want: usize, stream: &Stream) -> Result<Chunk> {
-        match self.grow_under(size, want, self.maximum, stream)? {
+    pub(super) fn grow(&self, size: usize, want: usize, stream: &Stream, key: Option<u64>) -> Result<Chunk> {
+        match self.grow_under(size, want, self.maximum, stream, key)? {
             Some(chunk) => Ok(chunk),
             None => Err(self.out_of_memory(size.next_multiple_of(ALIGNMENT), None)),
         }
@@ -69,14 +70,25 @@ impl ShardedPoolMemoryResource {
     /// cap is applied in the reservation itself, so that threads growing at once stay
     /// within it together (checked apart from the reservation, 16 threads each took the
     /// whole allowance, and the pool held 6 times its live bytes).
+    ///
+    /// An expandable pool grows in place first, for the shard of `key` (`region.rs`):
+    /// the chunk returned then starts at the free block that ended the range, and `want`
+    /// beyond `size` does not apply (in place, a step ahead would be memory no one asked
+    /// for; the next growth joins this one anyway).
     pub(super) fn grow_under(
         &self,
         size: usize,
         want: usize,
         cap: usize,
         stream: &Stream,
+        key: Option<u64>,
     ) -> Result<Option<Chunk>> {
         let size = size.next_multiple_of(ALIGNMENT);
+        match self.grow_in_place(size, cap, stream, key)? {
+            InPlace::Grown(chunk) => return Ok(Some(chunk)),
+            InPlace::OverCap => return Ok(None),
+            InPlace::Unavailable => {}
+        }
         let cap = cap.min(self.maximum);
         let mut want = want.max(size);
         loop {
@@ -96,7 +108,7 @@ impl ShardedPoolMemoryResource {
 
     /// Reserves up to `want` bytes (at least `size`) under `cap`; returns how many, or
     /// `None` when `size` does not fit.
-    fn reserve(&self, size: usize, want: usize, cap: usize) -> Option<usize> {
+    pub(super) fn reserve(&self, size: usize, want: usize, cap: usize) -> Option<usize> {
         let mut reserved = self.reserved.load(Ordering::Relaxed);
         loop {
             let room = cap.saturating_sub(reserved);
@@ -120,7 +132,7 @@ impl ShardedPoolMemoryResource {
     }
 
     /// Replaces the chunk table by a copy that `change` edited (kept sorted by start).
-    fn replace_table(&self, change: impl FnOnce(&mut Vec<Chunk>)) {
+    pub(super) fn replace_table(&self, change: impl FnOnce(&mut Vec<Chunk>)) {
         let mut table = write(&self.chunks);
         let mut next = table.sorted.clone();
         change(&mut next);
@@ -135,17 +147,21 @@ impl ShardedPoolMemoryResource {
         c
     }
 
-    /// Gives whole free chunks of the common list back to the upstream until at most
-    /// `keep` free bytes remain; returns the bytes released.
+    /// Gives whole free chunks of the common list back to the upstream (and, in an
+    /// expandable pool, unmaps the free end of its range) until at most `keep` free bytes
+    /// remain; returns the bytes released.
     pub(super) fn trim(&self, keep: usize) -> Result<usize> {
+        let in_place = self.trim_in_place(keep)?;
+        let region = self.region.as_ref().map(|r| r.id);
         let whole = {
             let table = self.table();
             let is_whole = |ptr: u64, b: &FreeBlock| {
-                table.by_id(b.chunk).is_some_and(|c| c.start == ptr && c.size == b.size)
+                Some(b.chunk) != region
+                    && table.by_id(b.chunk).is_some_and(|c| c.start == ptr && c.size == b.size)
             };
             let mut common = self.common.lock();
             let free_now = common.bytes();
-            let mut candidates = common.take_whole_chunks(is_whole);
+            let mut candidates = common.take_free_where(is_whole);
             // Largest first: the fewest upstream calls for the excess (a chunk larger than
             // what is left of the excess stays).
             candidates.sort_by_key(|(_, b)| std::cmp::Reverse(b.size));
@@ -165,7 +181,7 @@ impl ShardedPoolMemoryResource {
         // hand the same addresses to other threads' growth at once, and those chunks (same
         // start, other ids) stay.
         self.replace_table(|sorted| sorted.retain(|c| !whole.iter().any(|(_, b)| b.chunk == c.id)));
-        let mut released = 0;
+        let mut released = in_place;
         for (i, &(ptr, b)) in whole.iter().enumerate() {
             // Complete, so any stream orders the free; the legacy one always exists.
             if let Err(e) = self.upstream.deallocate(ptr, b.size, &Stream::legacy()) {

@@ -17,6 +17,11 @@ pub(super) struct Common {
 }
 
 impl Common {
+    /// An empty list (`lower_first`: [`FreeList::new`]).
+    pub(super) fn new(lower_first: bool) -> Self {
+        Common { list: Mutex::new(FreeList::new(lower_first)), bytes: AtomicUsize::new(0) }
+    }
+
     pub(super) fn lock(&self) -> CommonGuard<'_> {
         CommonGuard { list: lock(&self.list), bytes: &self.bytes }
     }

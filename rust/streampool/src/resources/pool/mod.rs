@@ -6,6 +6,7 @@
 //! * `policy.rs`: the slow path (policy steps 2 to 7), frees across streams, the
 //!   footprint budget, gathering and release;
 //! * `chunks.rs`: the upstream chunks: growth, the chunk table, giving chunks back;
+//! * `region.rs`: growth in place (`PoolOptions::expandable`);
 //! * `common.rs`: the common list (completed blocks any stream may use) and its size;
 //! * `freelist.rs`, `addrmap.rs`: a shard's blocks.
 
@@ -14,6 +15,7 @@ mod chunks;
 mod common;
 mod freelist;
 mod policy;
+mod region;
 mod shard;
 
 #[cfg(all(test, loom))]
@@ -81,6 +83,17 @@ pub struct PoolOptions {
     /// held 1.7 times the peak live bytes at 3.5-5.5 M allocations/s, the default of 100 µs
     /// 3.9 times at 97-107 M/s.
     pub gather_interval: Duration,
+    /// Grow in place: reserve one range of addresses (the size of the device, or the
+    /// maximum) when the pool is made, and grow by mapping device memory at its end with
+    /// the driver's virtual memory calls (`cuMemCreate`, `cuMemMap`), so that new memory
+    /// joins the free block before it. Memory in separate chunks cannot serve a block
+    /// larger than any chunk's free run, however much is free in all of them; so a pool
+    /// that grows in place holds less (the window workload at one thread:
+    /// `benchmarks/RESULTS.md`). Growth maps memory itself rather than asking the upstream,
+    /// which must be device memory (`CudaMemoryResource`, `CudaAsyncMemoryResource`), not
+    /// an adaptor; the upstream serves only what the range cannot hold. Like PyTorch's
+    /// `expandable_segments`. Default `false`.
+    pub expandable: bool,
 }
 
 impl Default for PoolOptions {
@@ -93,6 +106,7 @@ impl Default for PoolOptions {
             event_batch: 1,
             headroom: Some(0.15),
             gather_interval: Duration::from_micros(100),
+            expandable: false,
         }
     }
 }
@@ -193,6 +207,9 @@ pub struct ShardedPoolMemoryResource {
     shards: RwLock<BTreeMap<u64, Arc<Shard>>>,
     common: common::Common,
     chunks: RwLock<Arc<ChunkTable>>,
+    /// The expandable pool's range (`PoolOptions::expandable`), chunk id 1.
+    region: Option<region::Region>,
+    /// Chunk ids from the upstream, from 2.
     next_chunk: AtomicU64,
     reserved: AtomicUsize,
     /// Bumped when an allocation had to look beyond the completed blocks: every stream
@@ -278,6 +295,9 @@ impl ShardedPoolMemoryResource {
                 return Err(Error::invalid(format!("headroom must be a finite fraction >= 0 (got {h})")));
             }
         }
+        let region =
+            if options.expandable { Some(region::Region::reserve(&upstream, maximum, 1)?) } else { None };
+        let expandable = options.expandable;
         let pool = ShardedPoolMemoryResource {
             depth,
             backend: upstream.backend().clone(),
@@ -287,9 +307,10 @@ impl ShardedPoolMemoryResource {
             options,
             maximum,
             shards: RwLock::new(BTreeMap::new()),
-            common: common::Common::default(),
+            common: common::Common::new(expandable),
             chunks: RwLock::new(Arc::default()),
-            next_chunk: AtomicU64::new(1),
+            region,
+            next_chunk: AtomicU64::new(2),
             reserved: AtomicUsize::new(0),
             demand: AtomicU64::new(0),
             peak_live: AtomicUsize::new(0),
@@ -297,7 +318,7 @@ impl ShardedPoolMemoryResource {
         };
         if initial > 0 {
             let legacy = Stream::legacy();
-            let chunk = pool.grow(initial, initial, &legacy)?;
+            let chunk = pool.grow(initial, initial, &legacy, None)?;
             pool.backend().stream_synchronize(pool.device(), legacy.handle())?;
             pool.common.lock().insert(chunk.start, FreeBlock { size: chunk.size, chunk: chunk.id, epoch: 0 });
         }
@@ -704,13 +725,15 @@ impl Drop for ShardedPoolMemoryResource {
             synced,
         );
         let table = self.table();
-        for c in table.sorted.iter() {
+        let region = self.region.as_ref().map(|r| r.id);
+        for c in table.sorted.iter().filter(|c| Some(c.id) != region) {
             let freed = self.upstream.deallocate(c.start, c.size, &Stream::legacy());
             crate::error::record_if_failed(
                 || format!("ShardedPoolMemoryResource's chunk {:#x} on drop", c.start),
                 freed,
             );
         }
+        self.drop_region();
     }
 }
 

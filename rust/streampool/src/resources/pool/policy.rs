@@ -45,7 +45,7 @@ impl ShardedPoolMemoryResource {
         }
         // 4. grow on this stream, within the footprint budget
         let (want, allowed) = self.growth(size);
-        match self.grow_under(size, want, allowed, stream) {
+        match self.grow_under(size, want, allowed, stream, Some(key)) {
             Ok(Some(chunk)) => return found((self.place_chunk(&chunk, size, stream, key), chunk.id)),
             Ok(None) => {}
             Err(e) if e.is_out_of_memory() => {}
@@ -77,7 +77,7 @@ impl ShardedPoolMemoryResource {
         // And only up to a ceiling: beyond `CEILING` times the budget's allowance, a thread
         // short of memory gathers, however recent the last gathering.
         if self.options.headroom.is_some() && self.gathered_within(interval) {
-            match self.grow_under(size, want, allowed.saturating_mul(CEILING), stream) {
+            match self.grow_under(size, want, allowed.saturating_mul(CEILING), stream, Some(key)) {
                 Ok(Some(chunk)) => return found((self.place_chunk(&chunk, size, stream, key), chunk.id)),
                 Ok(None) => {}
                 Err(e) if e.is_out_of_memory() => {}
@@ -100,7 +100,7 @@ impl ShardedPoolMemoryResource {
             if let Some(ptr) = self.take_completed_live(size, stream, key, true) {
                 return Ok(ptr);
             }
-            match self.grow(size, want, stream) {
+            match self.grow(size, want, stream, Some(key)) {
                 Ok(chunk) => return found((self.place_chunk(&chunk, size, stream, key), chunk.id)),
                 Err(e) if e.is_out_of_memory() && attempt < ATTEMPTS => {}
                 Err(e) => return Err(e),

@@ -108,6 +108,7 @@ impl Shard {
             epoch: 1,
             completed: 1,
             syncs,
+            free: FreeList::new(options.expandable),
             ..Default::default()
         };
         Shard { key, owner, state: ShardLock::new(state) }
