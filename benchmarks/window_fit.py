@@ -15,7 +15,15 @@ that fits), ``next`` (the first fit from where the last allocation ended, wrappi
 ``classes`` (like the pool's: sizes rounded to its 16 lists per power of two, and the
 most recently freed block of the lowest list that holds one that fits).
 
-    python3 benchmarks/window_fit.py [--seeds 1,2,3]
+With ``--growth``, a model of a pool that grows instead: sizes rounded as the pool rounds
+them, and when no free block fits, growth by 2 MiB pages, either as a chunk apart (the
+request or an eighth of the peak live bytes, whichever is more; a block never spans two
+chunks) or in place (what the free block at the end lacks, as ``expandable=True`` does),
+with two fits: the newest block of the first size list that fits (``head``), or the lower
+in memory of the heads of the first two lists that fit (``lower``). It prints the peak
+grown over the peak live bytes after every two passes over the sizes.
+
+    python3 benchmarks/window_fit.py [--seeds 1,2,3] [--growth [--passes 8]]
 """
 
 from __future__ import annotations
@@ -155,10 +163,131 @@ def smallest(seq: list[int], policy: str, peak: int) -> int | None:
     return capacity
 
 
+PAGE = 2 << 20
+
+
+class GrowingPool:
+    """Free blocks of a pool that grows in pages, merged with their neighbours (of one
+    chunk) at once; ``in_place`` grows its one range at the end, else chunks apart."""
+
+    def __init__(self, in_place: bool, fit: str) -> None:
+        self.starts: list[int] = []
+        self.length: dict[int, int] = {}
+        self.chunk: dict[int, int] = {}
+        self.order: dict[int, int] = {}
+        self.clock = 0
+        self.in_place, self.fit = in_place, fit
+        self.end = 0  # the range's end (in place), or where the next chunk goes
+        self.grown = self.peak_grown = self.live = self.peak_live = 0
+        self.chunks = 0
+
+    def _add(self, at: int, n: int, chunk: int) -> None:
+        bisect.insort(self.starts, at)
+        self.length[at], self.chunk[at] = n, chunk
+        self.clock += 1
+        self.order[at] = self.clock
+
+    def _remove(self, at: int) -> int:
+        self.starts.pop(bisect.bisect_left(self.starts, at))
+        self.order.pop(at)
+        self.chunk.pop(at)
+        return self.length.pop(at)
+
+    def _choose(self, n: int) -> int | None:
+        by_list: dict[int, list[int]] = {}
+        for a in self.starts:
+            if list_of(self.length[a]) >= list_of(n):
+                by_list.setdefault(list_of(self.length[a]), []).append(a)
+        if not by_list:
+            return None
+        firsts = sorted(by_list)[: 2 if self.fit == "lower" else 1]
+        heads = [max(by_list[k], key=self.order.__getitem__) for k in firsts]
+        return min(heads)
+
+    def _grow(self, n: int) -> None:
+        if self.in_place:
+            tail = next((a for a in self.starts if a + self.length[a] == self.end), None)
+            have = self._remove(tail) if tail is not None else 0
+            step = align(n - have, PAGE)
+            self._add(self.end - have, have + step, 0)
+        else:
+            step = align(max(n, self.peak_live // 8), PAGE)
+            self.chunks += 1
+            self._add(self.end, step, self.chunks)
+        self.end += step if self.in_place else step + (1 << 40)
+        self.grown += step
+        self.peak_grown = max(self.peak_grown, self.grown)
+
+    def allocate(self, n: int, asked: int) -> tuple[int, int]:
+        """The address and chunk of a block of ``n`` bytes (``asked`` of them live)."""
+        at = self._choose(n)
+        if at is None:
+            self._grow(n)
+            at = self._choose(n)
+            assert at is not None
+        chunk, length = self.chunk[at], self._remove(at)
+        if length > n:
+            self._add(at + n, length - n, chunk)
+        self.live += asked
+        self.peak_live = max(self.peak_live, self.live)
+        return at, chunk
+
+    def free(self, at: int, n: int, chunk: int, asked: int) -> None:
+        self.live -= asked
+        i = bisect.bisect_left(self.starts, at)
+        if i < len(self.starts) and self.starts[i] == at + n and self.chunk[at + n] == chunk:
+            n += self._remove(at + n)
+        if i > 0:
+            before = self.starts[i - 1]
+            if before + self.length[before] == at and self.chunk[before] == chunk:
+                n += self._remove(before)
+                at = before
+        self._add(at, n, chunk)
+
+
+def growth(seed: int, in_place: bool, fit: str, passes: int) -> list[float]:
+    """Peak grown over peak live bytes after every two passes over seed's sizes."""
+    seq = sizes(seed)
+    pool = GrowingPool(in_place, fit)
+    ring: list[tuple[int, int, int, int]] = []
+    out = []
+    for k in range(WINDOW + passes * len(seq)):
+        if len(ring) == WINDOW:
+            pool.free(*ring.pop(0))
+        asked = seq[k % len(seq)]
+        n = class_size(asked)
+        at, chunk = pool.allocate(n, asked)
+        ring.append((at, n, chunk, asked))
+        if k >= WINDOW and (k - WINDOW + 1) % (2 * len(seq)) == 0:
+            out.append(round(pool.peak_grown / pool.peak_live, 2))
+    return out
+
+
+def main_growth(seeds: list[int], passes: int) -> None:
+    print(
+        "seed  "
+        + "  ".join(f"{name:>24}" for name in ("chunks apart, head", "in place, head", "in place, lower"))
+    )
+    for seed in seeds:
+        cells = [
+            " ".join(f"{r:.2f}" for r in growth(seed, in_place, fit, passes))
+            for in_place, fit in ((False, "head"), (True, "head"), (True, "lower"))
+        ]
+        print(f"{seed:>4}  " + "  ".join(f"{c:>24}" for c in cells))
+    print("(peak grown / peak live bytes after every two passes over the sizes; a model, not the pool)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="1,2,3", help="the bench's thread seeds (thread t uses t+1)")
+    ap.add_argument(
+        "--growth", action="store_true", help="model a pool that grows (chunks apart or in place)"
+    )
+    ap.add_argument("--passes", type=int, default=8, help="with --growth: passes over the sizes")
     args = ap.parse_args()
+    if args.growth:
+        main_growth([int(s) for s in args.seeds.split(",")], args.passes)
+        return
     print("seed  peak live   " + "  ".join(f"{p:>14}" for p in ("best", "first", "next", "classes")))
     for seed in (int(s) for s in args.seeds.split(",")):
         seq = sizes(seed)

