@@ -188,11 +188,12 @@ fn growth_falls_back_to_the_request_when_the_step_does_not_fit() {
 /// allocations of log-uniform size in [1 KiB, 4 MiB], freeing the oldest before each new
 /// one.
 fn window(threads: usize, ops: usize) -> f64 {
-    window_with(threads, ops, PoolOptions::default())
+    window_with(threads, ops, PoolOptions::default()).0
 }
 
-/// [`window`] with the pool's `options`; returns its peak reserved over peak live bytes.
-fn window_with(threads: usize, ops: usize, options: PoolOptions) -> f64 {
+/// [`window`] with the pool's `options`; returns its peak reserved over peak live bytes,
+/// and its statistics before the release.
+fn window_with(threads: usize, ops: usize, options: PoolOptions) -> (f64, streampool::PoolStats) {
     let (sim, b, p) = setup_with(4 << 30, options);
     let live = Arc::new(Live::default());
     let start = Arc::new(Barrier::new(threads));
@@ -231,7 +232,7 @@ fn window_with(threads: usize, ops: usize, options: PoolOptions) -> f64 {
     p.release().unwrap();
     assert_eq!(p.stats().reserved_bytes, 0);
     assert_no_races(&sim);
-    st.peak_reserved_bytes as f64 / live.peak() as f64
+    (st.peak_reserved_bytes as f64 / live.peak() as f64, st)
 }
 
 #[test]
@@ -256,9 +257,11 @@ fn window_16_threads_footprint() {
 #[test]
 fn window_1_thread_expandable_holds_less() {
     let apart = window(1, 20_000);
-    let in_place = window_with(1, 20_000, expandable());
+    let (in_place, st) = window_with(1, 20_000, expandable());
     eprintln!("window, 1 thread: chunks apart {apart:.3}, in place {in_place:.3}");
-    assert!(in_place <= 1.3 && in_place < apart, "in place {in_place:.3}, apart {apart:.3}");
+    assert!(in_place <= 1.35 && in_place < apart, "in place {in_place:.3}, apart {apart:.3}");
+    // With no other stream to take memory from, it grows rather than synchronise.
+    assert_eq!(st.synchronizations, 0, "{st:?}");
 }
 
 #[test]

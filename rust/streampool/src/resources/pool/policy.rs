@@ -59,6 +59,19 @@ impl ShardedPoolMemoryResource {
         if let Some(taken) = self.take_covered(size, stream, key, &others)? {
             return found(taken);
         }
+        // A pool that grows in place, where no other stream holds free memory, grows past
+        // the budget at once: a gathering could find nothing this stream cannot take now,
+        // and would give back only the free end it then maps again (the one consolidation
+        // it offers, of whole chunks, means nothing in one range); it would also reorder
+        // this stream's blocks (on the simulated device, one thread held 1.41 times the
+        // peak live bytes gathering at every shortage, 1.31 growing).
+        if self.region.is_some() && !self.others_hold_free(&others) {
+            match self.grow(size, size, stream, Some(key)) {
+                Ok(chunk) => return found((self.place_chunk(&chunk, size, stream, key), chunk.id)),
+                Err(e) if e.is_out_of_memory() => {}
+                Err(e) => return Err(e),
+            }
+        }
         // 6. synchronise, gather, coalesce, release, retry (past the budget, not the
         // maximum). At the maximum, other threads may have taken what was freed in the
         // meantime: look again a few times before saying out of memory.
@@ -360,6 +373,12 @@ impl ShardedPoolMemoryResource {
             return Ok(Some((ptr, b.chunk)));
         }
         Ok(None)
+    }
+
+    /// Whether the common list or any of `others` (every shard but the caller's) holds
+    /// free blocks: memory a gathering could make the caller's.
+    fn others_hold_free(&self, others: &[Arc<Shard>]) -> bool {
+        self.common.bytes_hint() > 0 || others.iter().any(|s| s.state.lock().free.bytes() > 0)
     }
 
     /// How much to grow by for a request of `size` bytes, and the most the pool may then
