@@ -668,9 +668,8 @@ fn gpu_vmm_bad_input_is_refused_and_harmless() {
     let Some(cuda) = gpu() else { return };
     let g = cuda.vmm_granularity(0).unwrap();
     // A size that is not a multiple of the granularity: refused for memory (cuMemCreate),
-    // and the reservation stays usable. (Reservations of such sizes are not tried: in one
-    // run of the suite the driver accepted one, and the address space it left reserved made
-    // another test's cuCtxCreate fail with CUDA_ERROR_ALREADY_MAPPED.)
+    // and the reservation stays usable. (Reservations are made with whole granules only;
+    // the simulated device's tests cover refusing other sizes.)
     let base = cuda.vmm_reserve(0, 4 * g).unwrap();
     let err = cuda.vmm_map(0, base, g + 1).unwrap_err();
     assert!(matches!(err, Error::Driver { call: "cuMemCreate", .. }), "{err:?}");

@@ -154,16 +154,22 @@ fn refuse(call: &'static str, why: String) -> Error {
     invalid_value(call).context(why)
 }
 
+/// `call`'s refusal of a size that is not a non-zero multiple of the granularity.
+fn granular(call: &'static str, bytes: usize) -> Result<()> {
+    if bytes == 0 || bytes % VMM_GRANULARITY != 0 {
+        return Err(refuse(
+            call,
+            format!("{bytes} bytes is not a multiple of the granularity ({VMM_GRANULARITY} bytes)"),
+        ));
+    }
+    Ok(())
+}
+
 impl State {
     /// `cuMemAddressReserve`.
     pub(super) fn vmm_reserve(&mut self, bytes: usize) -> Result<DevPtr> {
         const CALL: &str = "cuMemAddressReserve";
-        if bytes == 0 || bytes % VMM_GRANULARITY != 0 {
-            return Err(refuse(
-                CALL,
-                format!("{bytes} bytes is not a multiple of the granularity ({VMM_GRANULARITY} bytes)"),
-            ));
-        }
+        granular(CALL, bytes)?;
         let space = AddressSpace::reserve(bytes).map_err(|e| {
             oom(CALL).context(format!("the host could not reserve {bytes} bytes of address space: {e}"))
         })?;
@@ -202,12 +208,7 @@ impl State {
     /// `cuMemCreate`, `cuMemMap` and `cuMemSetAccess`.
     pub(super) fn vmm_map(&mut self, dev: i32, ptr: DevPtr, bytes: usize) -> Result<RawVmm> {
         const MAP: &str = "cuMemMap";
-        if bytes == 0 || bytes % VMM_GRANULARITY != 0 {
-            return Err(refuse(
-                "cuMemCreate",
-                format!("{bytes} bytes is not a multiple of the granularity ({VMM_GRANULARITY} bytes)"),
-            ));
-        }
+        granular("cuMemCreate", bytes)?;
         if bytes > self.free_bytes(dev) {
             return Err(oom("cuMemCreate"));
         }

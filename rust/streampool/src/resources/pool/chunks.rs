@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::freelist::FreeBlock;
-use super::region::InPlace;
+use super::region::{InPlace, REGION_CHUNK};
 use super::ShardedPoolMemoryResource;
 use crate::device::DevPtr;
 use crate::error::Result;
@@ -84,12 +84,12 @@ impl ShardedPoolMemoryResource {
         key: Option<u64>,
     ) -> Result<Option<Chunk>> {
         let size = size.next_multiple_of(ALIGNMENT);
+        let cap = cap.min(self.maximum);
         match self.grow_in_place(size, cap, stream, key)? {
             InPlace::Grown(chunk) => return Ok(Some(chunk)),
             InPlace::OverCap => return Ok(None),
             InPlace::Unavailable => {}
         }
-        let cap = cap.min(self.maximum);
         let mut want = want.max(size);
         loop {
             let Some(chunk) = self.reserve(size, want, cap) else { return Ok(None) };
@@ -142,9 +142,20 @@ impl ShardedPoolMemoryResource {
     fn add_chunk(&self, start: DevPtr, size: usize) -> Chunk {
         let c = Chunk { start, size, id: self.next_chunk.fetch_add(1, Ordering::Relaxed) };
         self.replace_table(|sorted| sorted.insert(sorted.partition_point(|x| x.start < start), c.clone()));
-        self.counters.growths.fetch_add(1, Ordering::Relaxed);
-        self.counters.grown_bytes.fetch_add(size as u64, Ordering::Relaxed);
+        self.count_growth(size);
         c
+    }
+
+    /// Counts a growth of `bytes` (reserved already, by [`reserve`](Self::reserve)).
+    pub(super) fn count_growth(&self, bytes: usize) {
+        self.counters.growths.fetch_add(1, Ordering::Relaxed);
+        self.counters.grown_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// Counts `bytes` given back to the device, no longer reserved.
+    pub(super) fn count_release(&self, bytes: usize) {
+        self.reserved.fetch_sub(bytes, Ordering::AcqRel);
+        self.counters.released_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 
     /// Gives whole free chunks of the common list back to the upstream (and, in an
@@ -152,11 +163,10 @@ impl ShardedPoolMemoryResource {
     /// remain; returns the bytes released.
     pub(super) fn trim(&self, keep: usize) -> Result<usize> {
         let in_place = self.trim_in_place(keep)?;
-        let region = self.region.as_ref().map(|r| r.id);
         let whole = {
             let table = self.table();
             let is_whole = |ptr: u64, b: &FreeBlock| {
-                Some(b.chunk) != region
+                b.chunk != REGION_CHUNK
                     && table.by_id(b.chunk).is_some_and(|c| c.start == ptr && c.size == b.size)
             };
             let mut common = self.common.lock();
@@ -194,8 +204,7 @@ impl ShardedPoolMemoryResource {
                 self.common.lock().insert_all(rest.iter().copied(), 0);
                 return Err(e);
             }
-            self.reserved.fetch_sub(b.size, Ordering::AcqRel);
-            self.counters.released_bytes.fetch_add(b.size as u64, Ordering::Relaxed);
+            self.count_release(b.size);
             released += b.size;
         }
         Ok(released)

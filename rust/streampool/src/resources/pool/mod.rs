@@ -207,7 +207,7 @@ pub struct ShardedPoolMemoryResource {
     shards: RwLock<BTreeMap<u64, Arc<Shard>>>,
     common: common::Common,
     chunks: RwLock<Arc<ChunkTable>>,
-    /// The expandable pool's range (`PoolOptions::expandable`), chunk id 1.
+    /// The expandable pool's range (`PoolOptions::expandable`), chunk `REGION_CHUNK`.
     region: Option<region::Region>,
     /// Chunk ids from the upstream, from 2.
     next_chunk: AtomicU64,
@@ -296,8 +296,7 @@ impl ShardedPoolMemoryResource {
             }
         }
         let region =
-            if options.expandable { Some(region::Region::reserve(&upstream, maximum, 1)?) } else { None };
-        let expandable = options.expandable;
+            if options.expandable { Some(region::Region::reserve(&upstream, maximum)?) } else { None };
         let pool = ShardedPoolMemoryResource {
             depth,
             backend: upstream.backend().clone(),
@@ -307,7 +306,7 @@ impl ShardedPoolMemoryResource {
             options,
             maximum,
             shards: RwLock::new(BTreeMap::new()),
-            common: common::Common::new(expandable),
+            common: common::Common::new(region.is_some()),
             chunks: RwLock::new(Arc::default()),
             region,
             next_chunk: AtomicU64::new(2),
@@ -725,8 +724,7 @@ impl Drop for ShardedPoolMemoryResource {
             synced,
         );
         let table = self.table();
-        let region = self.region.as_ref().map(|r| r.id);
-        for c in table.sorted.iter().filter(|c| Some(c.id) != region) {
+        for c in table.sorted.iter().filter(|c| c.id != region::REGION_CHUNK) {
             let freed = self.upstream.deallocate(c.start, c.size, &Stream::legacy());
             crate::error::record_if_failed(
                 || format!("ShardedPoolMemoryResource's chunk {:#x} on drop", c.start),

@@ -7,7 +7,8 @@
 //! grows at its end, the free block at the end and the new memory are one block: growth
 //! maps only what that block lacks. On a model of the window workload at one thread (the
 //! pool's size classes, growth as the pool grows), separate chunks needed 1.57 to 1.61
-//! times the peak live bytes and growth in place 1.22 to 1.29 (`benchmarks/RESULTS.md`).
+//! times the peak live bytes and growth in place, with the fit it uses, 1.19 to 1.22
+//! (`benchmarks/RESULTS.md`).
 //!
 //! The range is one chunk of the chunk table, whose size is what is mapped; its blocks
 //! merge across mappings, since the memory is contiguous. Mappings are made and unmapped
@@ -24,11 +25,12 @@ use crate::resource::{MemoryKind, ResourceRef};
 use crate::stream::Stream;
 use crate::sync::{lock, Mutex, Ordering};
 
+/// The range's id in the chunk table (the upstream's chunks count from 2).
+pub(super) const REGION_CHUNK: u64 = 1;
+
 /// The reserved range and its mappings.
 #[derive(Debug)]
 pub(super) struct Region {
-    /// Its id in the chunk table.
-    pub id: u64,
     pub base: DevPtr,
     capacity: usize,
     granularity: usize,
@@ -48,8 +50,8 @@ pub(super) enum InPlace {
     Grown(Chunk),
     /// The cap (the footprint budget's allowance, or the maximum) leaves no room for the
     /// mapping: the upstream is not asked either, since a chunk apart squeezed under the
-    /// cap is what growth in place is there to avoid (with it, one stream held 1.40 times
-    /// its peak live bytes on the window workload, against 1.30 without).
+    /// cap is what growth in place is there to avoid (with it, one stream held 1.30 times
+    /// its peak live bytes in the window footprint test, against 1.22 without).
     OverCap,
     /// No range, no room left in it, or no device memory for the mapping: the upstream
     /// is asked, as without a range.
@@ -63,7 +65,7 @@ fn end_of(base: DevPtr, pieces: &[Piece]) -> DevPtr {
 impl Region {
     /// Reserves the range of a pool over `upstream` that holds at most `maximum` bytes: as
     /// much as the device has (or the maximum, if less), rounded up to the granularity.
-    pub fn reserve(upstream: &ResourceRef, maximum: usize, id: u64) -> Result<Region> {
+    pub fn reserve(upstream: &ResourceRef, maximum: usize) -> Result<Region> {
         if upstream.memory_kind() != MemoryKind::Device || upstream.depth() != 1 {
             return Err(Error::invalid(format!(
                 "expandable pools map device memory themselves, so the upstream must be device \
@@ -76,14 +78,14 @@ impl Region {
         let (_, total) = backend.mem_get_info(dev)?;
         let capacity = maximum.min(total).next_multiple_of(granularity);
         let base = backend.vmm_reserve(dev, capacity)?;
-        Ok(Region { id, base, capacity, granularity, pieces: Mutex::new(Vec::new()) })
+        Ok(Region { base, capacity, granularity, pieces: Mutex::new(Vec::new()) })
     }
 }
 
 impl ShardedPoolMemoryResource {
     /// Growth in place for `size` bytes (a class size) on the shard of `key`: maps what
     /// the free block at the range's end lacks (when that shard holds the block), rounded
-    /// up to the granularity, within `cap`. [`InPlace::Grown`] has the block and the new
+    /// up to the granularity, within `cap` (at most the maximum). [`InPlace::Grown`] has the block and the new
     /// memory as one span from the block's start, out of every list (for `place_chunk`).
     pub(super) fn grow_in_place(
         &self,
@@ -96,12 +98,12 @@ impl ShardedPoolMemoryResource {
         let mut pieces = lock(&r.pieces);
         let end = end_of(r.base, &pieces);
         let shard = key.map(|k| self.shard_slow(k, stream));
-        let at_end = |p: u64, b: &FreeBlock| b.chunk == r.id && p + b.size as u64 == end;
+        let at_end = |p: u64, b: &FreeBlock| b.chunk == REGION_CHUNK && p + b.size as u64 == end;
         // The free block at the end: in this stream's shard, or in the common list, whose
         // blocks are complete (after a gathering it holds them all).
         let mut from_common = false;
         let mut tail = shard.as_ref().and_then(|s| s.state.lock().free.take_free_where(at_end).pop());
-        if tail.is_none() && key.is_some() && self.common.bytes_hint() > 0 {
+        if tail.is_none() && self.common.bytes_hint() > 0 {
             tail = self.common.lock().take_free_where(at_end).pop();
             from_common = tail.is_some();
         }
@@ -118,7 +120,7 @@ impl ShardedPoolMemoryResource {
             return Ok(InPlace::Unavailable);
         }
         if need > 0 {
-            if self.reserve(need, need, cap.min(self.maximum)).is_none() {
+            if self.reserve(need, need, cap).is_none() {
                 put_back();
                 return Ok(InPlace::OverCap);
             }
@@ -131,11 +133,10 @@ impl ShardedPoolMemoryResource {
                 }
             }
             self.set_region_size(r, mapped + need);
-            self.counters.growths.fetch_add(1, Ordering::Relaxed);
-            self.counters.grown_bytes.fetch_add(need as u64, Ordering::Relaxed);
+            self.count_growth(need);
         }
         let start = tail.map_or(end, |(p, _)| p);
-        Ok(InPlace::Grown(Chunk { start, size: have + need, id: r.id }))
+        Ok(InPlace::Grown(Chunk { start, size: have + need, id: REGION_CHUNK }))
     }
 
     /// Unmaps the mappings at the range's end that the free block there (in the common
@@ -145,7 +146,7 @@ impl ShardedPoolMemoryResource {
         let Some(r) = &self.region else { return Ok(0) };
         let mut pieces = lock(&r.pieces);
         let end = end_of(r.base, &pieces);
-        let at_end = |p: u64, b: &FreeBlock| b.chunk == r.id && p + b.size as u64 == end;
+        let at_end = |p: u64, b: &FreeBlock| b.chunk == REGION_CHUNK && p + b.size as u64 == end;
         let (at, tail, mut excess) = {
             let mut common = self.common.lock();
             let excess = common.bytes().saturating_sub(keep);
@@ -178,8 +179,7 @@ impl ShardedPoolMemoryResource {
             self.common.lock().insert(at, FreeBlock { size: (new_end - at) as usize, ..tail });
         }
         if released > 0 {
-            self.reserved.fetch_sub(released, Ordering::AcqRel);
-            self.counters.released_bytes.fetch_add(released as u64, Ordering::Relaxed);
+            self.count_release(released);
             self.set_region_size(r, (new_end - r.base) as usize);
         }
         failed.map_or(Ok(released), Err)
@@ -204,9 +204,9 @@ impl ShardedPoolMemoryResource {
     /// The range's entry in the chunk table now maps `mapped` bytes (none: no entry).
     fn set_region_size(&self, r: &Region, mapped: usize) {
         self.replace_table(|sorted| {
-            sorted.retain(|c| c.id != r.id);
+            sorted.retain(|c| c.id != REGION_CHUNK);
             if mapped > 0 {
-                let c = Chunk { start: r.base, size: mapped, id: r.id };
+                let c = Chunk { start: r.base, size: mapped, id: REGION_CHUNK };
                 sorted.insert(sorted.partition_point(|x| x.start < r.base), c);
             }
         });
