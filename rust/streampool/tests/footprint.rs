@@ -250,10 +250,12 @@ fn window_16_threads_footprint() {
     window(16, 1_500);
 }
 
-/// Growing in place, one stream holds less than with chunks apart: the free block at the
-/// range's end and the new memory serve a large request together. On a model of this
-/// workload (`benchmarks/RESULTS.md`) chunks apart needed 1.6 times the peak live bytes,
-/// growth in place 1.22.
+/// Growing in place, one stream holds less than with chunks apart, and within the pool's
+/// footprint aim of 1.25 times the peak live bytes: the free block at the range's end and
+/// the new memory serve a large request together. On a model of this workload
+/// (`benchmarks/window_fit.py --growth`) chunks apart needed 1.6 times the peak live bytes,
+/// growth in place 1.22, what this test measures (1.31 while blocks that entered the
+/// shard loose were merged only when nothing fitted).
 #[test]
 fn window_1_thread_expandable_holds_less() {
     // Chunks apart, gathering at every shortage: what the default pool does here on an idle
@@ -264,7 +266,7 @@ fn window_1_thread_expandable_holds_less() {
     let apart = window_with(1, 20_000, gather_always).0;
     let (in_place, st) = window_with(1, 20_000, expandable());
     eprintln!("window, 1 thread: chunks apart {apart:.3}, in place {in_place:.3}");
-    assert!(in_place <= 1.35 && in_place < apart, "in place {in_place:.3}, apart {apart:.3}");
+    assert!(in_place <= 1.25 && in_place < apart, "in place {in_place:.3}, apart {apart:.3}");
     // With no other stream to take memory from, it grows rather than synchronise.
     assert_eq!(st.synchronizations, 0, "{st:?}");
 }
