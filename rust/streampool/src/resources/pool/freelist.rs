@@ -321,8 +321,8 @@ impl FreeList {
         // fit, not only when nothing fits: the fit then chooses among merged blocks, as
         // the model it was chosen on does. Merged only on a miss, one thread held 1.31
         // times its peak live bytes on the window workload; merged first, 1.22, the
-        // model's figure. Without a range it did not help (on the simulated device, the
-        // same at one thread and more at 16), so there it waits for a miss.
+        // model's figure. Without a range it made no consistent difference (IMPLEMENTATION.md,
+        // "The fit, in a range"), so there it waits for a miss.
         if self.lower_first && self.loose {
             self.merge_loose();
         }
