@@ -106,6 +106,9 @@ RESOURCES = {
         mr.CudaAsyncMemoryResource(), headroom=2, event_batch=8
     ),
     "pool_expandable": lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True),
+    "pool_lean": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), expandable=True, steal_whole_blocks=True, events_every=1
+    ),
     "adaptor_stack": _adaptor_stack,
     "arena": lambda: mr.ArenaMemoryResource(mr.CudaAsyncMemoryResource(), arena_size="160MiB"),
     "callback": _callback,

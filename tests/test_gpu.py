@@ -27,6 +27,9 @@ FACTORIES = {
     "pool_async": lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()),
     "pool_cuda": lambda: mr.ShardedPoolMemoryResource(mr.CudaMemoryResource()),
     "pool_expandable": lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True),
+    "pool_lean": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), expandable=True, steal_whole_blocks=True
+    ),
 }
 
 
@@ -222,6 +225,14 @@ POOLS = {
     ),
     "expandable_unbounded": lambda: mr.ShardedPoolMemoryResource(
         mr.CudaAsyncMemoryResource(), expandable=True
+    ),
+    # Steals take whole blocks: what one stream freed moves whole to the next.
+    "steal_whole_bounded": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaMemoryResource(),
+        initial_pool_size=BLOCK,
+        maximum_pool_size=BLOCK,
+        events_every=1,
+        steal_whole_blocks=True,
     ),
 }
 

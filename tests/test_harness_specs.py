@@ -20,6 +20,7 @@ OURS = {
     "pool(async, initial=8MiB)": mr.ShardedPoolMemoryResource,
     "pool(cuda, initial=4MiB, maximum=64MiB, headroom=none)": mr.ShardedPoolMemoryResource,
     "pool(async, expandable=true)": mr.ShardedPoolMemoryResource,
+    "pool(async, expandable=true, steal_whole_blocks=true)": mr.ShardedPoolMemoryResource,
     "prefetch(managed)": mr.PrefetchResourceAdaptor,
     "binning(async)": mr.BinningMemoryResource,
     "binning(async, min=12, max=16)": mr.BinningMemoryResource,

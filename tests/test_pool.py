@@ -166,6 +166,27 @@ def test_expandable_grows_in_place_and_gives_everything_back() -> None:
     assert pool.pool_size() == 0
 
 
+@pytest.mark.parametrize("whole", [False, True])
+def test_steal_whole_blocks_moves_the_rest_to_the_taking_stream(whole: bool) -> None:
+    mib = 1 << 20
+    pool = mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), events_every=1, steal_whole_blocks=whole
+    )
+    a, c = streampool.Stream(), streampool.Stream()
+    # One 4 MiB chunk: x, and a block stream a keeps live.
+    x, kept = pool.allocate(3 * mib, a), pool.allocate(mib, a)
+    pool.deallocate(x, 3 * mib, a)
+    a.synchronize()
+    y = pool.allocate(mib, c)  # taken from a's shard, not grown
+    assert (pool.stats["completed_steals"], pool.stats["upstream_growths"]) == (1, 1), pool.stats
+    # With the whole block, the rest is c's own: its next request takes nothing from a.
+    z = pool.allocate(mib, c)
+    assert pool.stats["completed_steals"] == (1 if whole else 2), pool.stats
+    for p, n, s in ((z, mib, c), (y, mib, c), (kept, mib, a)):
+        pool.deallocate(p, n, s)
+    assert pool.release() == 4 * mib
+
+
 @pytest.mark.parametrize(
     "upstream",
     [

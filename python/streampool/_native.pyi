@@ -713,7 +713,11 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     so that new memory joins the free block before it and the pool holds less for the
     same live bytes (like PyTorch's ``expandable_segments``); the upstream must then be
     ``CudaMemoryResource`` or ``CudaAsyncMemoryResource`` (ValueError otherwise) and
-    serves only what the range cannot. Shards of streams streampool made
+    serves only what the range cannot. ``steal_whole_blocks=True``: a stream short of
+    memory that takes another stream's completed free block takes all of it, not only what
+    it asked for, so that memory moves between streams whole (on the H200 at 16 threads,
+    window workload: 2.1-2.6 times the peak live bytes at 39-63 M allocations/s, against
+    3.2-3.95 times at 91-140 M/s without). Shards of streams streampool made
     are retired when those streams are destroyed. A free must pass the size it allocated, as
     in RMM: a double free, an address the pool never handed out, or a size that does not
     round to the allocation's is always refused, and changes nothing. ValueError naming
@@ -725,6 +729,9 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
         pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), maximum_pool_size="8GiB")
         streampool.set_current_device_resource(pool)
         compact = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True)
+        lean = mr.ShardedPoolMemoryResource(
+            mr.CudaAsyncMemoryResource(), expandable=True, steal_whole_blocks=True
+        )
     """
 
     def __new__(
@@ -738,6 +745,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
         gather_interval: float = 0.0001,
         event_batch: SupportsIndex = 1,
         expandable: bool = False,
+        steal_whole_blocks: bool = False,
     ) -> Self: ...
     def pool_size(self) -> int:
         """Bytes the pool holds from its upstream (RMM's ``pool_size()``)."""

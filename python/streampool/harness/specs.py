@@ -145,7 +145,7 @@ class Candidate:
 # --- streampool's own resources ----------------------------------------------------------
 
 _SIZE_OPTIONS = {"initial", "maximum", "release", "size", "limit"}
-_BOOL_OPTIONS = {"expandable"}
+_BOOL_OPTIONS = {"expandable", "steal_whole_blocks"}
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -215,6 +215,7 @@ _OURS: dict[str, tuple[int, dict[str, str], Callable[..., mr.MemoryResource], st
             "events_every": "events_every",
             "event_batch": "event_batch",
             "expandable": "expandable",
+            "steal_whole_blocks": "steal_whole_blocks",
         },
         mr.ShardedPoolMemoryResource,
         "mr.ShardedPoolMemoryResource({up}{opts})",

@@ -43,14 +43,21 @@ const MIN_MAXIMUM_POOL_SIZE: usize = streampool::ALIGNMENT;
 /// device memory at its end (the driver's virtual memory calls), so that new memory joins
 /// the free block before it and the pool holds less for the same live bytes (like
 /// PyTorch's `expandable_segments`); the upstream must then be `CudaMemoryResource` or
-/// `CudaAsyncMemoryResource`, and serves only what the range cannot. The policy and its
-/// reasons: the pool's IMPLEMENTATION.md.
+/// `CudaAsyncMemoryResource`, and serves only what the range cannot.
+/// `steal_whole_blocks=True`: a stream short of memory that takes another stream's
+/// completed free block takes all of it, not only what it asked for, so that memory moves
+/// between streams whole; on many threads the pool then holds much less, at about half the
+/// allocation speed (benchmarks/RESULTS.md). The policy and its reasons: the pool's
+/// IMPLEMENTATION.md.
 ///
 /// Example::
 ///
 ///     pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), maximum_pool_size="8GiB")
 ///     streampool.set_current_device_resource(pool)
 ///     compact = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True)
+///     lean = mr.ShardedPoolMemoryResource(
+///         mr.CudaAsyncMemoryResource(), expandable=True, steal_whole_blocks=True
+///     )
 #[derive(Debug)]
 #[pyclass(frozen, subclass, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "ShardedPoolMemoryResource")]
 pub struct PyShardedPool {
@@ -66,8 +73,8 @@ fn optional_size(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<
 impl PyShardedPool {
     #[new]
     #[pyo3(
-        signature = (upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=None, headroom=PoolOptions::default().headroom, gather_interval=PoolOptions::default().gather_interval.as_secs_f64(), event_batch=None, expandable=false),
-        text_signature = "(upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=64, headroom=0.15, gather_interval=0.0001, event_batch=1, expandable=False)"
+        signature = (upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=None, headroom=PoolOptions::default().headroom, gather_interval=PoolOptions::default().gather_interval.as_secs_f64(), event_batch=None, expandable=false, steal_whole_blocks=false),
+        text_signature = "(upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=64, headroom=0.15, gather_interval=0.0001, event_batch=1, expandable=False, steal_whole_blocks=False)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -80,6 +87,7 @@ impl PyShardedPool {
         gather_interval: f64,
         event_batch: Option<&Bound<'_, PyAny>>,
         expandable: bool,
+        steal_whole_blocks: bool,
     ) -> PyResult<PyClassInitializer<Self>> {
         if !(gather_interval.is_finite() && gather_interval >= 0.0) {
             return Err(PyValueError::new_err(format!(
@@ -109,6 +117,7 @@ impl PyShardedPool {
             headroom,
             gather_interval: std::time::Duration::from_secs_f64(gather_interval),
             expandable,
+            steal_whole_blocks,
         };
         let upstream = upstream_ref(upstream_mr);
         let inner =

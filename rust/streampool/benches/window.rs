@@ -26,7 +26,7 @@
 //! cargo bench -p streampool --bench window -- [--secs 0.5] [--reps 3]
 //!     [--threads 1,2,4,8,16] [--resources sharded,latency-sharded,async,control] [--events-every N] [--json FILE]
 //!     [--sim] [--sim-eager] [--same-sizes] [--handoff] [--no-fixed] [--headroom F|none] [--exact-live]
-//!     [--every SECS] [--gather-us MICROSECONDS] [--expandable]
+//!     [--every SECS] [--gather-us MICROSECONDS] [--expandable] [--steal-whole]
 //! ```
 //! Runs on the CUDA driver when there is one (unless `--sim`), else on the simulated device
 //! (and says so: those numbers measure the simulator and the host, not a GPU). `--sim-eager`
@@ -79,6 +79,8 @@ struct Args {
     every: Option<f64>,
     /// The pool grows in place (`PoolOptions::expandable`).
     expandable: bool,
+    /// Steals take whole blocks (`PoolOptions::steal_whole_blocks`).
+    steal_whole: bool,
 }
 
 impl Args {
@@ -87,6 +89,7 @@ impl Args {
             events_every: self.events_every,
             headroom: self.headroom,
             expandable: self.expandable,
+            steal_whole_blocks: self.steal_whole,
             ..Default::default()
         };
         if let Some(us) = self.gather_us {
@@ -114,6 +117,7 @@ fn args() -> Args {
         exact_live: false,
         every: None,
         expandable: false,
+        steal_whole: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -134,6 +138,7 @@ fn args() -> Args {
             "--gather-us" => a.gather_us = Some(v().parse().expect("--gather-us")),
             "--exact-live" => a.exact_live = true,
             "--expandable" => a.expandable = true,
+            "--steal-whole" => a.steal_whole = true,
             "--every" => a.every = Some(v().parse().expect("--every")),
             "--bench" => {}
             other => panic!("unknown argument {other}"),

@@ -160,6 +160,45 @@ fn release_after_frees_and_a_synchronisation_leaves_nothing() {
     p.deallocate(z, MIB, &s).unwrap();
 }
 
+/// A stream short of memory takes a completed block of another stream's shard: the front
+/// of it by default, the rest staying there; with `steal_whole_blocks` the whole block,
+/// the rest joining its own shard. Either way it takes and does not grow.
+#[test]
+fn a_steal_takes_the_bytes_asked_or_with_steal_whole_blocks_the_whole_block() {
+    for whole in [false, true] {
+        let options = PoolOptions { events_every: 1, steal_whole_blocks: whole, ..PoolOptions::default() };
+        let (sim, b, p) = setup_with(1 << 30, options);
+        let (a, c) = (stream(&b), stream(&b));
+        // One chunk of 4 MiB: x and a block a keeps live (a shard with no live block of its
+        // own gives every completed block away at once, as a consumer's does).
+        let x = p.allocate(3 * MIB, &a).unwrap();
+        let kept = p.allocate(MIB, &a).unwrap();
+        p.deallocate(x, 3 * MIB, &a).unwrap();
+        sim.run(); // the free (and the event it recorded) completes
+        let y = p.allocate(MIB, &c).unwrap();
+        let st = p.stats();
+        assert_eq!((st.completed_steals, st.upstream_growths), (1, 1), "whole {whole}: {st:?}");
+        let free_of = |s: &Stream| {
+            let key = s.key(&b, 0);
+            st.shard_free_bytes.iter().find(|(k, _)| *k == key).map_or(0, |(_, n)| *n)
+        };
+        let rest = st.reserved_bytes - 2 * MIB;
+        let want = if whole { (0, rest) } else { (rest, 0) };
+        assert_eq!((free_of(&a), free_of(&c)), want, "whole {whole}: free in a's shard and c's");
+        assert_accounting(&st);
+        // The rest serves c's next request from its own shard, with no other steal.
+        let z = p.allocate(MIB, &c).unwrap();
+        assert_eq!(p.stats().completed_steals, if whole { 1 } else { 2 }, "whole {whole}");
+        p.deallocate(z, MIB, &c).unwrap();
+        p.deallocate(y, MIB, &c).unwrap();
+        p.deallocate(kept, MIB, &a).unwrap();
+        b.ctx_synchronize(0).unwrap();
+        p.release().unwrap();
+        assert_eq!(p.stats().reserved_bytes, 0);
+        assert_no_races(&sim);
+    }
+}
+
 /// On a 60 MiB device, a pool holding 50 MiB in use still serves 6 MiB: growth falls back
 /// from its step to what the request needs. Out-of-memory names real figures.
 #[test]

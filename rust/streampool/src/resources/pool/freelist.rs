@@ -223,6 +223,19 @@ impl FreeList {
         Some((ptr, FreeBlock { size, chunk, epoch }))
     }
 
+    /// Takes a whole free block of at least `size` bytes whose epoch satisfies `ok` out of
+    /// this list (for another shard, which carves it: see `policy.rs`, step 3). Returns
+    /// its address and the block.
+    pub fn take_whole(&mut self, size: usize, ok: impl Fn(u64) -> bool) -> Option<(u64, FreeBlock)> {
+        let i = self.find(size, &ok)?;
+        let Rec { ptr, size, chunk, epoch, .. } = self.recs[i as usize];
+        self.unlink(i);
+        self.detach(i);
+        self.retire(i);
+        self.bytes -= size;
+        Some((ptr, FreeBlock { size, chunk, epoch }))
+    }
+
     /// Frees the live block at `ptr` of `size` bytes into epoch `epoch`, merging it with
     /// the free blocks it links to. Refused, changing nothing, when no live block of this
     /// list starts at `ptr` or it has another size.

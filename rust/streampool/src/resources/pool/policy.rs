@@ -255,9 +255,23 @@ impl ShardedPoolMemoryResource {
                     // Its free blocks came after the look without the common list.
                     (true, None) => (None, Vec::new(), false),
                     _ => {
-                        let taken = st.free.take(size, |e| e < done);
+                        // The block taken: the front `size` bytes of a fitting block, or
+                        // with `steal_whole_blocks` the whole block, whose rest then joins
+                        // this stream's shard (see `PoolOptions::steal_whole_blocks`).
+                        let whole = self.options.steal_whole_blocks;
+                        let taken = if whole {
+                            st.free.take_whole(size, |e| e < done)
+                        } else {
+                            st.free.take(size, |e| e < done)
+                        };
                         let bulk = taken.is_some() && st.gives_all() && common.is_some();
-                        let moved = if bulk { st.free.drain(|e| e < done) } else { Vec::new() };
+                        let mut moved = if bulk { st.free.drain(|e| e < done) } else { Vec::new() };
+                        let taken = taken.map(|(ptr, b)| {
+                            if b.size > size {
+                                moved.push((ptr + size as u64, FreeBlock { size: b.size - size, ..b }));
+                            }
+                            (ptr, FreeBlock { size, ..b })
+                        });
                         if bulk {
                             // This stream's memory is wanted again once the blocks taken
                             // now are used up: it records an event at its n-th free from
