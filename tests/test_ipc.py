@@ -218,8 +218,8 @@ def test_an_exporter_that_has_exited_is_named() -> None:
 
 
 def test_the_socket_helpers_refuse_what_is_not_a_handle() -> None:
-    with pytest.raises(TypeError, match="connected Unix socket"):
-        ipc.recv_handle(socket.socket(socket.AF_INET))
+    with socket.socket(socket.AF_INET) as inet, pytest.raises(TypeError, match="connected Unix socket"):
+        ipc.recv_handle(inet)
     a, b = socket.socketpair()
     with a, b:
         with pytest.raises(TypeError, match="handle must be"):

@@ -716,8 +716,8 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     serves only what the range cannot. ``steal_whole_blocks=True``: a stream short of
     memory that takes another stream's completed free block takes all of it, not only what
     it asked for, so that memory moves between streams whole (on the H200 at 16 threads,
-    window workload: 2.1-2.6 times the peak live bytes at 39-63 M allocations/s, against
-    3.2-3.95 times at 91-140 M/s without). Shards of streams streampool made
+    window workload: 2.1-2.7 times the peak live bytes at 39-57 M allocations/s, against
+    3.2-4.0 times at 82-140 M/s without). Shards of streams streampool made
     are retired when those streams are destroyed. A free must pass the size it allocated, as
     in RMM: a double free, an address the pool never handed out, or a size that does not
     round to the allocation's is always refused, and changes nothing. ValueError naming

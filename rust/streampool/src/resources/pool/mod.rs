@@ -99,9 +99,9 @@ pub struct PoolOptions {
     /// own shard, where its later frees merge with it. Memory then moves between streams
     /// in whole blocks, instead of leaving a piece in each shard that neither can merge.
     /// The trade: much less memory held on many threads, at about half the allocation
-    /// speed there, since streams then take memory from one another about four times as
-    /// often (on the H200, window workload at 16 threads: 2.1-2.6 times the peak live
-    /// bytes at 39-63 M allocations/s, against 3.2-3.95 at 91-140 M/s without;
+    /// speed there, since streams then take memory from one another several times as
+    /// often (on the H200, window workload at 16 threads: 2.1-2.7 times the peak live
+    /// bytes at 39-57 M allocations/s, against 3.2-4.0 at 82-140 M/s without;
     /// `benchmarks/RESULTS.md`). One stream alone is unaffected. Default `false`.
     pub steal_whole_blocks: bool,
 }
