@@ -207,6 +207,22 @@ def test_rules_memory_handed_between_streams_adds_the_pool_with_more_headroom() 
     assert recommend.HANDOFF not in plain.candidates
 
 
+def test_rules_tight_memory_adds_the_lean_pool() -> None:
+    trace = _trace(threads=8, streams=8, size=64 << 20)  # 64 MiB live at the peak
+    roomy = recommend.analyse(trace, free_device_bytes=256 << 20)  # 4 times the peak: room
+    assert recommend.LEAN not in roomy.candidates
+    tight = recommend.analyse(trace, free_device_bytes=128 << 20)
+    assert tight.peak_live_bytes == 64 << 20
+    assert recommend.LEAN in tight.candidates and tight.candidates[-1] == "cuda"
+    assert any("memory is tight: the peak live is 50% of" in r for r in tight.reasons)
+    made = make_resource(recommend.LEAN)
+    assert "expandable=True, steal_whole_blocks=True" in made.code
+    # Chosen only by measurement: a candidate that ran out of memory is passed over.
+    rows = [_row("async", 1, 1, 1), _row("pool(async)", 9, 9, 9), _row(recommend.LEAN, 4, 4, 4)]
+    rows[1]["oom_events"] = 2
+    assert recommend.choose(tight, rows)["choice"] == recommend.LEAN
+
+
 def _row(resource: str, lo: float, mid: float, hi: float) -> dict[str, Any]:
     return {
         "resource": resource,

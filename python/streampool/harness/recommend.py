@@ -33,9 +33,25 @@ __all__ = ["SIMPLER_FIRST", "Profile", "analyse", "choose"]
 # (docs/choosing-a-resource.md, the pipeline's section, has the trade).
 HANDOFF = "pool(async, headroom=2, event_batch=8)"
 HANDOFF_SHARE = 0.1  # "memory handed over": at least this share of frees on another stream
+# Memory short: the sharded pool that holds the least on many threads (growth in place,
+# whole free blocks taken between streams), slower there (docs/choosing-a-resource.md).
+LEAN = "pool(async, expandable=true, steal_whole_blocks=true)"
+# What the default sharded pool may hold over its peak live bytes on many threads: up to 4
+# times on the window workload at 16 threads (benchmarks/RESULTS.md). A peak live above
+# the device's free memory over this is "tight", and LEAN is measured too.
+HOLDS = 4
 #: Candidates from the simplest (the default) to the most specialised: within noise, the
 #: earlier one is recommended.
-SIMPLER_FIRST = ["async", "prefetch(managed)", "managed", "pool(async)", "binning(async)", HANDOFF, "cuda"]
+SIMPLER_FIRST = [
+    "async",
+    "prefetch(managed)",
+    "managed",
+    "pool(async)",
+    "binning(async)",
+    HANDOFF,
+    LEAN,
+    "cuda",
+]
 #: The plain resource: measured as a baseline, never recommended.
 BASELINE = "cuda"
 SMALL = 1 << 20  # "small" allocations: at most 1 MiB at the median
@@ -144,6 +160,14 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
                 f"also measured, {HANDOFF}, which keeps more freed memory in reserve so that streams "
                 "hand it over in batches of 8 or more (fewer driver calls per allocation, more memory held; "
                 "where the consumers synchronise their streams, no driver call and little more memory)"
+            )
+        if peak * HOLDS > free_device_bytes:
+            candidates.insert(candidates.index(BASELINE), LEAN)
+            reasons.append(
+                f"memory is tight: the peak live is {100 * peak / max(free_device_bytes, 1):.0f}% of the "
+                f"device's free memory, and the sharded pool may hold up to {HOLDS} times its live bytes "
+                f"on many threads; also measured, {LEAN}, which holds about half that there at about "
+                "half the allocation speed; a candidate that runs out of memory in the replay is not recommended"
             )
     reasons.append(
         "if your program shares the GPU with PyTorch or CuPy, `async` shares one driver pool with "
