@@ -184,7 +184,8 @@ def test_steal_whole_blocks_moves_the_rest_to_the_taking_stream(whole: bool) -> 
     assert pool.stats["completed_steals"] == (1 if whole else 2), pool.stats
     for p, n, s in ((z, mib, c), (y, mib, c), (kept, mib, a)):
         pool.deallocate(p, n, s)
-    assert pool.release() == 4 * mib
+    with pytest.warns(UserWarning, match="trim_to"):  # the device's pool keeps what it gets
+        assert pool.release() == 4 * mib
 
 
 @pytest.mark.parametrize(
