@@ -164,7 +164,7 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
         if peak * HOLDS > free_device_bytes:
             candidates.insert(candidates.index(BASELINE), LEAN)
             reasons.append(
-                f"memory is tight: the peak live is {100 * peak / max(free_device_bytes, 1):.0f}% of the "
+                f"memory is tight: the peak live is {100 * peak / free_device_bytes:.0f}% of the "
                 f"device's free memory, and the sharded pool may hold up to {HOLDS} times its live bytes "
                 f"on many threads; also measured, {LEAN}, which holds about half that there at about "
                 "half the allocation speed; a candidate that runs out of memory in the replay is not recommended"

@@ -228,12 +228,17 @@ impl FreeList {
     /// its address and the block.
     pub fn take_whole(&mut self, size: usize, ok: impl Fn(u64) -> bool) -> Option<(u64, FreeBlock)> {
         let i = self.find(size, &ok)?;
+        Some(self.remove_free(i))
+    }
+
+    /// Removes free record `i` from this list: its address and block.
+    fn remove_free(&mut self, i: u32) -> (u64, FreeBlock) {
         let Rec { ptr, size, chunk, epoch, .. } = self.recs[i as usize];
         self.unlink(i);
         self.detach(i);
         self.retire(i);
         self.bytes -= size;
-        Some((ptr, FreeBlock { size, chunk, epoch }))
+        (ptr, FreeBlock { size, chunk, epoch })
     }
 
     /// Frees the live block at `ptr` of `size` bytes into epoch `epoch`, merging it with
@@ -541,17 +546,7 @@ impl FreeList {
             Self::is_free_list(r.list)
                 && pred(r.ptr, &FreeBlock { size: r.size, chunk: r.chunk, epoch: r.epoch })
         }));
-        let removed = found
-            .drain(..)
-            .map(|i| {
-                let Rec { ptr, size, chunk, epoch, .. } = self.recs[i as usize];
-                self.unlink(i);
-                self.detach(i);
-                self.retire(i);
-                self.bytes -= size;
-                (ptr, FreeBlock { size, chunk, epoch })
-            })
-            .collect();
+        let removed = found.drain(..).map(|i| self.remove_free(i)).collect();
         self.scratch = found;
         removed
     }

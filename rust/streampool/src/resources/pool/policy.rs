@@ -256,10 +256,9 @@ impl ShardedPoolMemoryResource {
                     (true, None) => (None, Vec::new(), false),
                     _ => {
                         // The block taken: the front `size` bytes of a fitting block, or
-                        // with `steal_whole_blocks` the whole block, whose rest then joins
-                        // this stream's shard (see `PoolOptions::steal_whole_blocks`).
-                        let whole = self.options.steal_whole_blocks;
-                        let taken = if whole {
+                        // with `steal_whole_blocks` the whole block, whose rest (split off
+                        // below) then joins this stream's shard.
+                        let taken = if self.options.steal_whole_blocks {
                             st.free.take_whole(size, |e| e < done)
                         } else {
                             st.free.take(size, |e| e < done)
