@@ -107,7 +107,11 @@ RESOURCES = {
     ),
     "pool_expandable": lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True),
     "pool_lean": lambda: mr.ShardedPoolMemoryResource(
-        mr.CudaAsyncMemoryResource(), expandable=True, steal_whole_blocks=True, events_every=1
+        mr.CudaAsyncMemoryResource(),
+        expandable=True,
+        steal_whole_blocks=True,
+        gather_interval=0,
+        events_every=1,
     ),
     "adaptor_stack": _adaptor_stack,
     "arena": lambda: mr.ArenaMemoryResource(mr.CudaAsyncMemoryResource(), arena_size="160MiB"),

@@ -28,7 +28,7 @@ FACTORIES = {
     "pool_cuda": lambda: mr.ShardedPoolMemoryResource(mr.CudaMemoryResource()),
     "pool_expandable": lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True),
     "pool_lean": lambda: mr.ShardedPoolMemoryResource(
-        mr.CudaAsyncMemoryResource(), expandable=True, steal_whole_blocks=True
+        mr.CudaAsyncMemoryResource(), expandable=True, steal_whole_blocks=True, gather_interval=0
     ),
 }
 

@@ -34,8 +34,9 @@ __all__ = ["SIMPLER_FIRST", "Profile", "analyse", "choose"]
 HANDOFF = "pool(async, headroom=2, event_batch=8)"
 HANDOFF_SHARE = 0.1  # "memory handed over": at least this share of frees on another stream
 # Memory short: the sharded pool that holds the least on many threads (growth in place,
-# whole free blocks taken between streams), slower there (docs/choosing-a-resource.md).
-LEAN = "pool(async, expandable=true, steal_whole_blocks=true)"
+# whole free blocks taken between streams, every shortfall gathering the free memory of
+# every stream), much slower there (docs/choosing-a-resource.md).
+LEAN = "pool(async, expandable=true, steal_whole_blocks=true, gather_interval=0)"
 # What the default sharded pool may hold over its peak live bytes on many threads: up to 4
 # times on the window workload at 16 threads (benchmarks/RESULTS.md). A peak live above
 # the device's free memory over this is "tight", and LEAN is measured too.
@@ -166,8 +167,9 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
             reasons.append(
                 f"memory is tight: the peak live is {100 * peak / free_device_bytes:.0f}% of the "
                 f"device's free memory, and the sharded pool may hold up to {HOLDS} times its live bytes "
-                f"on many threads; also measured, {LEAN}, which holds about half that there at about "
-                "half the allocation speed; a candidate that runs out of memory in the replay is not recommended"
+                f"on many threads; also measured, {LEAN}, which holds about 1.6 times there (as the driver's "
+                "own pool does) at about a twentieth of the allocation speed; a candidate that runs out of "
+                "memory in the replay is not recommended"
             )
     reasons.append(
         "if your program shares the GPU with PyTorch or CuPy, `async` shares one driver pool with "

@@ -216,6 +216,7 @@ _OURS: dict[str, tuple[int, dict[str, str], Callable[..., mr.MemoryResource], st
             "event_batch": "event_batch",
             "expandable": "expandable",
             "steal_whole_blocks": "steal_whole_blocks",
+            "gather_interval": "gather_interval",
         },
         mr.ShardedPoolMemoryResource,
         "mr.ShardedPoolMemoryResource({up}{opts})",
@@ -265,10 +266,14 @@ def _ours(spec: Spec) -> tuple[mr.MemoryResource, str]:
     if spec.name == "binning":
         kwargs = {**BINNING_DEFAULT, **kwargs}
     opts = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    upstream, up_code = _ours(spec.args[0]) if n else (None, "")
+    try:
+        made = make(**kwargs) if n == 0 else make(upstream, **kwargs)
+    except ValueError as e:  # a value the resource refuses (a negative interval, ...)
+        raise SpecError(f"resource spec {spec}: {e}") from None
     if n == 0:
-        return make(**kwargs), template.format(opts=opts)
-    upstream, up_code = _ours(spec.args[0])
-    return make(upstream, **kwargs), template.format(up=up_code, opts=f", {opts}" if opts else "")
+        return made, template.format(opts=opts)
+    return made, template.format(up=up_code, opts=f", {opts}" if opts else "")
 
 
 # --- peers ------------------------------------------------------------------------------

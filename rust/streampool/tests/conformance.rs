@@ -286,9 +286,10 @@ conformance! {
         Arc::new(streampool::CudaMemoryResource::on(b, 0)), streampool::PoolOptions {
             expandable: true, initial_pool_size: Some(3 << 20), maximum_pool_size: Some(200 << 20),
             release_threshold: Some(8 << 20), ..Default::default() }).unwrap());
-    sharded_pool_steal_whole_blocks => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
+    sharded_pool_lean => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
         Arc::new(streampool::CudaAsyncMemoryResource::on(b, 0, Default::default()).unwrap()), streampool::PoolOptions {
-            expandable: true, steal_whole_blocks: true, events_every: 1, ..Default::default() }).unwrap());
+            expandable: true, steal_whole_blocks: true, gather_interval: std::time::Duration::ZERO, events_every: 1,
+            ..Default::default() }).unwrap());
     sharded_pool_bounded => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
         Arc::new(streampool::ManagedMemoryResource::on(b, 0)), streampool::PoolOptions {
             maximum_pool_size: Some(200 << 20), release_threshold: Some(8 << 20), ..Default::default() }).unwrap());
