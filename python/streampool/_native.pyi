@@ -719,8 +719,8 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     window workload: 2.1-2.7 times the peak live bytes at 39-57 M allocations/s, against
     3.2-4.0 times at 82-140 M/s without). All three, ``expandable=True,
     steal_whole_blocks=True, gather_interval=0``, hold the least on many threads: 1.5-1.6
-    times there, as the driver's pool does, at 6.4-6.6 M allocations/s on 16 threads (the
-    driver's pool 0.11). Shards of streams streampool made
+    times there, as the driver's pool does, at 6.4-7.1 M allocations/s on 16 threads (the
+    driver's pool 0.11-0.13). Shards of streams streampool made
     are retired when those streams are destroyed. A free must pass the size it allocated, as
     in RMM: a double free, an address the pool never handed out, or a size that does not
     round to the allocation's is always refused, and changes nothing. ValueError naming

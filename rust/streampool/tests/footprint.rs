@@ -357,7 +357,7 @@ fn window_interleaved(streams: usize, ops: usize, options: PoolOptions) -> (f64,
 /// The configuration for memory short on many streams (growth in place, whole free blocks
 /// between streams, a gathering at every shortfall) holds less than the default on 4
 /// streams (on the H200, 4 threads each on its own stream: 1.52-1.60 times the peak live
-/// bytes against 2.33-2.36, `benchmarks/RESULTS.md`, "Commit d54cde1").
+/// bytes against 2.33-2.36, `benchmarks/RESULTS.md`, "Commits d54cde1 and 939a767").
 #[test]
 fn window_4_streams_lean_holds_less() {
     let (default, _) = window_interleaved(4, 5_000, PoolOptions::default());

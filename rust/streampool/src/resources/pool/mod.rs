@@ -83,7 +83,7 @@ pub struct PoolOptions {
     /// held 1.7 times the peak live bytes at 3.5-5.5 M allocations/s, the default of 100 µs
     /// 3.9 times at 97-107 M/s; zero with [`expandable`](Self::expandable) and
     /// [`steal_whole_blocks`](Self::steal_whole_blocks) held 1.5-1.6 times at 4 and 16
-    /// threads at 6.4-6.6 M/s (the least this pool holds there; the driver's pool, 1.6).
+    /// threads at 6.4-7.1 M/s (the least this pool holds there; the driver's pool, 1.6-2.1).
     pub gather_interval: Duration,
     /// Grow in place: reserve one range of addresses (the size of the device, or the
     /// maximum) when the pool is made, and grow by mapping device memory at its end with
