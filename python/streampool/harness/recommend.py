@@ -41,6 +41,8 @@ LEAN = "pool(async, expandable=true, steal_whole_blocks=true, gather_interval=0)
 # times on the window workload at 16 threads (benchmarks/RESULTS.md). A peak live above
 # the device's free memory over this is "tight", and LEAN is measured too.
 HOLDS = 4
+#: The plain resource: measured as a baseline, never recommended.
+BASELINE = "cuda"
 #: Candidates from the simplest (the default) to the most specialised: within noise, the
 #: earlier one is recommended.
 SIMPLER_FIRST = [
@@ -51,10 +53,8 @@ SIMPLER_FIRST = [
     "binning(async)",
     HANDOFF,
     LEAN,
-    "cuda",
+    BASELINE,
 ]
-#: The plain resource: measured as a baseline, never recommended.
-BASELINE = "cuda"
 SMALL = 1 << 20  # "small" allocations: at most 1 MiB at the median
 MANY = 4  # "many" threads and streams
 
