@@ -107,11 +107,9 @@ class Range:
             self.shared_ops += 1
             at = self._from_common(t, n)
         if at is None and self.policy == "steal":
-            other = next(
-                (o for o in self.starts if o not in (t, COMMON) and self._fit(o, n) is not None), None
-            )
-            if other is not None:
-                return self._take(self._fit(other, n), n, t)
+            for other in self.starts:
+                if other not in (t, COMMON) and (block := self._fit(other, n)) is not None:
+                    return self._take(block, n, t)
         if at is None:
             self._gather()
             at = self._from_common(t, n)

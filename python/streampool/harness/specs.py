@@ -266,14 +266,15 @@ def _ours(spec: Spec) -> tuple[mr.MemoryResource, str]:
     if spec.name == "binning":
         kwargs = {**BINNING_DEFAULT, **kwargs}
     opts = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-    upstream, up_code = _ours(spec.args[0]) if n else (None, "")
+    if n == 0:
+        upstreams, code = [], template.format(opts=opts)
+    else:
+        upstream, up_code = _ours(spec.args[0])
+        upstreams, code = [upstream], template.format(up=up_code, opts=f", {opts}" if opts else "")
     try:
-        made = make(**kwargs) if n == 0 else make(upstream, **kwargs)
+        return make(*upstreams, **kwargs), code
     except ValueError as e:  # a value the resource refuses (a negative interval, ...)
         raise SpecError(f"resource spec {spec}: {e}") from None
-    if n == 0:
-        return made, template.format(opts=opts)
-    return made, template.format(up=up_code, opts=f", {opts}" if opts else "")
 
 
 # --- peers ------------------------------------------------------------------------------

@@ -240,27 +240,15 @@ fn window_with(threads: usize, ops: usize, options: PoolOptions) -> (f64, stream
         for t in 0..threads {
             let (p, b, sim, live, start) = (p.clone(), b.clone(), sim.clone(), live.clone(), start.clone());
             scope.spawn(move || {
-                let s = stream(&b);
-                let mut rng = XorShift::new(t as u64 + 1);
-                let mut ring: Vec<(DevPtr, usize)> = Vec::new();
+                let mut lane = Lane::new(&b, t);
                 start.wait();
                 for i in 0..ops {
-                    if ring.len() == 16 {
-                        let (x, n) = ring.remove(0);
-                        live.sub(n);
-                        p.deallocate(x, n, &s).unwrap();
-                    }
-                    let n = rng.size();
-                    live.add(n);
-                    ring.push((p.allocate(n, &s).unwrap(), n));
+                    lane.step(&p, &live);
                     if i % 512 == 511 && t == 0 {
                         sim.run(); // the device makes progress now and then
                     }
                 }
-                for (x, n) in ring {
-                    live.sub(n);
-                    p.deallocate(x, n, &s).unwrap();
-                }
+                lane.finish(&p, &live);
             });
         }
     });
@@ -272,6 +260,40 @@ fn window_with(threads: usize, ops: usize, options: PoolOptions) -> (f64, stream
     assert_eq!(p.stats().reserved_bytes, 0);
     assert_no_races(&sim);
     (st.peak_reserved_bytes as f64 / live.peak() as f64, st)
+}
+
+/// One stream of the window workload: its sizes (seeded by its index) and its ring of
+/// live allocations.
+struct Lane {
+    stream: Stream,
+    rng: XorShift,
+    ring: Vec<(DevPtr, usize)>,
+}
+
+impl Lane {
+    fn new(b: &BackendRef, t: usize) -> Self {
+        Lane { stream: stream(b), rng: XorShift::new(t as u64 + 1), ring: Vec::new() }
+    }
+
+    /// Frees the oldest allocation once 16 are live, then allocates the next size.
+    fn step(&mut self, p: &ShardedPoolMemoryResource, live: &Live) {
+        if self.ring.len() == 16 {
+            let (x, n) = self.ring.remove(0);
+            live.sub(n);
+            p.deallocate(x, n, &self.stream).unwrap();
+        }
+        let n = self.rng.size();
+        live.add(n);
+        self.ring.push((p.allocate(n, &self.stream).unwrap(), n));
+    }
+
+    /// Frees every allocation still live.
+    fn finish(self, p: &ShardedPoolMemoryResource, live: &Live) {
+        for (x, n) in self.ring {
+            live.sub(n);
+            p.deallocate(x, n, &self.stream).unwrap();
+        }
+    }
 }
 
 #[test]
@@ -326,27 +348,17 @@ fn window_16_threads_expandable_footprint() {
 fn window_interleaved(streams: usize, ops: usize, options: PoolOptions) -> (f64, streampool::PoolStats) {
     let (sim, b, p) = setup_with(4 << 30, options);
     let live = Live::default();
-    let mut lanes: Vec<_> =
-        (0..streams).map(|t| (stream(&b), XorShift::new(t as u64 + 1), Vec::new())).collect();
+    let mut lanes: Vec<Lane> = (0..streams).map(|t| Lane::new(&b, t)).collect();
     for i in 0..ops {
-        for (s, rng, ring) in &mut lanes {
-            if ring.len() == 16 {
-                let (x, n): (DevPtr, usize) = ring.remove(0);
-                live.sub(n);
-                p.deallocate(x, n, s).unwrap();
-            }
-            let n = rng.size();
-            live.add(n);
-            ring.push((p.allocate(n, s).unwrap(), n));
+        for lane in &mut lanes {
+            lane.step(&p, &live);
         }
         if i % 128 == 127 {
             sim.run(); // the device makes progress now and then
         }
     }
-    for (s, _, ring) in lanes {
-        for (x, n) in ring {
-            p.deallocate(x, n, &s).unwrap();
-        }
+    for lane in lanes {
+        lane.finish(&p, &live);
     }
     let st = p.stats();
     assert_accounting(&st);
