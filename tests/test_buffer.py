@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -536,6 +536,10 @@ def test_prefetch_of_memory_that_is_not_managed_does_nothing(sim: SimulatedDevic
         buf.prefetch()
         buf.prefetch("host", stream=streampool.Stream())
         assert sim.pending == 0
+        # The arguments are checked as for managed memory: a device that does not exist.
+        for device in (5, 2**31 - 1):
+            with pytest.raises(streampool.InvalidArgumentError, match=f"device {device} does not exist"):
+                buf.prefetch(device)
         with pytest.raises(ValueError, match='"host" or None'):
             buf.prefetch("gpu")
         with pytest.raises(TypeError, match="as a stream"):
@@ -660,3 +664,26 @@ def test_a_double_free_found_by_a_dlpack_consumer_is_reported(monkeypatch: pytes
     del capsule
     gc.collect()
     assert [r.exc_type for r in reports] == [streampool.InvalidPointerError]
+
+
+def test_a_copy_from_an_address_that_is_not_mapped_is_refused() -> None:
+    """On the simulated device, an address that is neither its memory nor mapped host memory
+    is an InvalidPointerError when the copy is enqueued (it once crashed the process when
+    the copy ran), and the buffer stays usable."""
+    bad = 0xDEAD0000
+    with pytest.raises(streampool.InvalidPointerError, match="nor host memory"):
+        streampool.DeviceBuffer(size=16, ptr=bad)
+
+    class Foreign:
+        __cuda_array_interface__: ClassVar[dict[str, Any]] = {
+            "shape": (16,),
+            "typestr": "|u1",
+            "data": (bad, False),
+            "version": 3,
+            "stream": None,
+        }
+
+    buf = streampool.DeviceBuffer.to_device(b"x" * 16)
+    with pytest.raises(streampool.InvalidPointerError, match="nor host memory"):
+        buf.copy_from_device(Foreign())
+    assert buf.tobytes() == b"x" * 16

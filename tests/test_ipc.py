@@ -137,15 +137,18 @@ def test_a_handle_pickles_in_one_process_with_its_own_descriptor() -> None:
         lambda: mr.CudaAsyncMemoryResource(release_threshold="1MiB"),
         lambda: mr.CudaMemoryResource(),
         lambda: mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(enable_ipc=True)),
+        lambda: mr.BinningMemoryResource(mr.CudaAsyncMemoryResource(enable_ipc=True), 10, 12),
     ],
-    ids=["current-pool", "own-pool-without-ipc", "cuMemAlloc", "suballocated"],
+    ids=["current-pool", "own-pool-without-ipc", "cuMemAlloc", "pool", "binning"],
 )
 def test_memory_that_cannot_be_shared_is_refused_naming_the_fix(resource) -> None:
     source = resource()
     buf = DeviceBuffer(size=4096, mr=source)
-    buf2 = DeviceBuffer(size=4096, mr=source)  # the second suballocation is not at a chunk's start
-    with pytest.raises(InvalidArgumentError, match=r"CudaAsyncMemoryResource\(enable_ipc=True\)"):
-        ipc.export(buf2)
+    # A suballocation is refused wherever it lies: the first at its chunk's start too.
+    buf2 = DeviceBuffer(size=4096, mr=source)
+    for b in (buf, buf2):
+        with pytest.raises(InvalidArgumentError, match=r"CudaAsyncMemoryResource\(enable_ipc=True\)"):
+            ipc.export(b)
     # The resource stays usable.
     buf.copy_from_host(b"x" * 4096)
     assert buf.tobytes() == b"x" * 4096

@@ -246,6 +246,11 @@ def test_setup_without_managed_pools_falls_back_to_managed_memory(sim: Simulated
     assert streampool.DeviceBuffer(size=4096).last_prefetch_location == 0
 
 
+def test_setup_refuses_a_flag_that_is_not_a_bool() -> None:
+    with pytest.raises(TypeError, match="larger_than_memory must be True or False"):
+        streampool.setup(larger_than_memory="no")  # type: ignore[arg-type]
+
+
 def test_setup_refuses_a_device_that_does_not_exist() -> None:
     with pytest.raises(ValueError, match="device 3 does not exist"):
         streampool.setup(device=3)

@@ -175,6 +175,8 @@ def test_peer_access_that_cannot_be_given_is_refused_naming_the_devices() -> Non
             mr.CudaAsyncMemoryResource(device=0, peer_access=[1, 2])
         res = mr.CudaAsyncMemoryResource(device=0, peer_access=[1, 1])
         assert res.peer_access == [1]
+        with pytest.raises(TypeError, match="each device of peer_access must be a device ordinal"):
+            mr.CudaAsyncMemoryResource(device=0, peer_access=[None])  # type: ignore[list-item]
         with pytest.raises(
             streampool.InvalidArgumentError, match="device 2 cannot access memory of device 0"
         ):

@@ -142,6 +142,7 @@ def test_the_fast_path_takes_completed_blocks_from_any_other_stream(sim: Simulat
         ({"headroom": float("nan")}, "headroom"),
         ({"gather_interval": -1e-3}, "gather_interval"),
         ({"gather_interval": float("inf")}, "gather_interval"),
+        ({"gather_interval": 1e20}, "gather_interval"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:

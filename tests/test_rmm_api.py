@@ -271,6 +271,25 @@ def test_arena_reserves_its_size_up_front_and_never_grows() -> None:
     _roundtrip(arena)
 
 
+def test_arena_has_the_pools_stats_and_release_and_keeps_its_reservation() -> None:
+    up = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    arena = mr.ArenaMemoryResource(up, arena_size="8MiB")
+    assert arena.stats["reserved_bytes"] == 8 * MiB
+    # More than the arena holds: refused at once, naming the arena, with nothing given back.
+    with pytest.raises(
+        streampool.OutOfMemoryError, match=r"ArenaMemoryResource, a ShardedPoolMemoryResource"
+    ):
+        arena.allocate(16 * MiB)
+    assert arena.pool_size() == 8 * MiB
+    assert arena.stats["synchronizations"] == 0
+    ptr = arena.allocate(MiB)
+    assert arena.stats["used_bytes"] == MiB
+    arena.deallocate(ptr, MiB)
+    assert arena.release() == 8 * MiB
+    assert arena.pool_size() == 0 == up.allocation_counts.current_bytes
+    _roundtrip(arena)  # grows again on demand
+
+
 def test_arena_default_size_is_half_the_free_memory() -> None:
     free, _ = mr.available_device_memory()
     arena = mr.ArenaMemoryResource(mr.CudaAsyncMemoryResource())

@@ -542,7 +542,10 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
     With neither ``log_file_name`` nor ``callback``, the file is ``STREAMPOOL_LOG_FILE``,
     else ``RMM_LOG_FILE``; ValueError when neither is set. Unlike RMM, no ``.dev<N>``
     suffix is added to the name. An exception raised by ``callback`` reaches the caller
-    of allocate/deallocate; the adaptor stays usable. Frees are logged and passed on with
+    of allocate/deallocate; the adaptor stays usable. On an allocation it is undone (freed
+    and logged so); on a free it is raised after the memory has been freed, which is never
+    undone (a free that failed for its log line would leak, as when a buffer is collected):
+    do not free again. Frees are logged and passed on with
     the size given (the upstream checks it where it can). Every call releases the GIL (no
     fast path): a file write may block, and a free is logged before it happens. A log
     file that cannot be created raises OSError (FileNotFoundError, PermissionError, ...)
@@ -693,7 +696,9 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
 
     ``initial_pool_size=None`` reserves nothing up front; ``maximum_pool_size=None`` means
     no limit but the upstream's; sizes are rounded to 256 bytes. ``release_threshold``:
-    free bytes kept before whole free chunks go back after a synchronisation.
+    free bytes kept before whole free chunks go back, after each of the pool's own device
+    synchronisations (when memory runs short; not the program's), and ``release()`` gives
+    back everything free.
     ``events_every``: a stream records an event after this many frees, so that other
     streams can reuse what it freed (the interval doubles after each event, up to 64
     times, while no stream is short of memory). ``event_batch`` (default 1): the fewest
@@ -779,7 +784,8 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
 
     It is a ShardedPoolMemoryResource with ``initial_pool_size = maximum_pool_size =
     arena_size`` that keeps what it frees, not RMM's superblock algorithm; like the pool, it
-    may give a wholly free reservation back and take it again when an allocation fails.
+    may give a wholly free reservation back and take it again when an allocation fails
+    (a request larger than the arena fails at once, giving nothing back).
     ``arena_size=None``: half the device's free memory, as RMM; rounded down to 256 bytes
     (ValueError below 256). ``dump_log_on_failure=True``: a failed allocation writes the
     arena's state to the ``streampool`` logger (Python ``logging``, level ERROR) before
@@ -796,6 +802,13 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
     ) -> ArenaMemoryResource: ...
     def pool_size(self) -> int:
         """Bytes the arena holds from its upstream."""
+    @property
+    def stats(self) -> _PoolStats:
+        """The pool's statistics, as :attr:`ShardedPoolMemoryResource.stats`."""
+    def release(self) -> int:
+        """Gives back every byte that is not live, as :meth:`ShardedPoolMemoryResource.release`
+        (returns the bytes released); afterwards the arena grows again on demand, up to
+        ``arena_size``."""
     @property
     def arena_size(self) -> int:
         """The bytes of the global arena."""

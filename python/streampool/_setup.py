@@ -58,7 +58,10 @@ def setup(larger_than_memory: bool = False, device: int | None = None) -> Memory
       :class:`~streampool.mr.ManagedMemoryResource` (``cuMemAllocManaged``).
 
     Buffers made afterwards without ``mr=`` use it; buffers made before keep theirs.
+    TypeError when ``larger_than_memory`` is not a bool.
     """
+    if not isinstance(larger_than_memory, bool):
+        raise TypeError(f"larger_than_memory must be True or False, not {larger_than_memory!r}")
     if not larger_than_memory:
         mr: MemoryResource = CudaAsyncMemoryResource(device=device)
     else:

@@ -21,7 +21,7 @@ runs it on simulated devices instead)::
             buf = streampool.DeviceBuffer(size=nbytes, mr=streampool.dask.worker_resource())
             return buf.device
 
-        print(client.gather(client.map(work, [1 << 20] * 8)))
+        print(client.gather(client.map(work, [1 << 20] * 8, pure=False)))
         print(streampool.dask.statistics(client))
 
 Needs ``distributed`` (``pip install 'streampool[dask]'``).

@@ -1034,7 +1034,20 @@ impl DeviceBuffer {
         let to = location_arg(device, Location::Device(resource.device()))?;
         let stream = Self::op_stream(py, &alloc, stream)?;
         if managed::require_managed(resource.as_ref(), "prefetch", "this buffer's").is_err() {
-            return Ok(());
+            // Nothing to move; the device is still checked, as for managed memory.
+            return match to {
+                Location::Device(d) => detached(py, move || {
+                    let count = resource.backend().device_count()?;
+                    if d < count {
+                        return Ok(());
+                    }
+                    Err(streampool::Error::InvalidArgument(format!(
+                        "prefetch: device {d} does not exist ({count} device{})",
+                        if count == 1 { "" } else { "s" }
+                    )))
+                }),
+                Location::Host => Ok(()),
+            };
         }
         detached(py, move || alloc.prefetch(Some(to), Some(&stream)))
     }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use streampool::ipc::{export, IpcImportedMemoryResource};
+use streampool::ipc::{export_from, IpcImportedMemoryResource};
 use streampool::Error;
 
 use crate::errors::{detached, OrRaise};
@@ -28,7 +28,7 @@ pub(crate) fn _ipc_export<'py>(
     let (ptr, bytes) = (ptr_arg(ptr)?, size_arg(nbytes, "nbytes")?);
     let resource = mr.get().inner.clone();
     let stream = to_stream(py, stream, || resource.backend())?.into_owned();
-    let shared = detached(py, move || export(resource.backend(), resource.device(), ptr, bytes, &stream))?;
+    let shared = detached(py, move || export_from(&*resource, ptr, bytes, &stream))?;
     let data = PyBytes::new(py, &shared.data);
     Ok((shared.fd.into_raw_fd(), data, shared.bytes, shared.device, shared.pid))
 }

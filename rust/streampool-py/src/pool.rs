@@ -89,12 +89,13 @@ impl PyShardedPool {
         expandable: bool,
         steal_whole_blocks: bool,
     ) -> PyResult<PyClassInitializer<Self>> {
-        if !(gather_interval.is_finite() && gather_interval >= 0.0) {
-            return Err(PyValueError::new_err(format!(
+        // Negative, non-finite and too long for a `Duration` (over about 584 billion years).
+        let gather_interval = std::time::Duration::try_from_secs_f64(gather_interval).map_err(|_| {
+            PyValueError::new_err(format!(
                 "gather_interval must be a finite number of seconds >= 0 (0: gather at every shortage), \
                  got {gather_interval}"
-            )));
-        }
+            ))
+        })?;
         let maximum_pool_size = optional_size(maximum_pool_size, "maximum_pool_size")?;
         if let Some(max) = maximum_pool_size.filter(|&m| m < MIN_MAXIMUM_POOL_SIZE) {
             return Err(PyValueError::new_err(format!(
@@ -115,7 +116,7 @@ impl PyShardedPool {
                 None => PoolOptions::default().event_batch,
             },
             headroom,
-            gather_interval: std::time::Duration::from_secs_f64(gather_interval),
+            gather_interval,
             expandable,
             steal_whole_blocks,
         };
@@ -145,28 +146,7 @@ impl PyShardedPool {
     /// events_recorded, event_queries.
     #[getter]
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
-        let d = PyDict::new(py);
-        d.set_item("reserved_bytes", s.reserved_bytes)?;
-        d.set_item("peak_reserved_bytes", s.peak_reserved_bytes)?;
-        d.set_item("used_bytes", s.used_bytes)?;
-        d.set_item("free_bytes", s.free_bytes)?;
-        d.set_item("common_free_bytes", s.common_free_bytes)?;
-        let shards = PyDict::new(py);
-        for (key, bytes) in s.shard_free_bytes {
-            shards.set_item(key, bytes)?;
-        }
-        d.set_item("shard_free_bytes", shards)?;
-        d.set_item("retired_shards", s.retired_shards)?;
-        d.set_item("grown_bytes", s.grown_bytes)?;
-        d.set_item("released_bytes", s.released_bytes)?;
-        d.set_item("upstream_growths", s.upstream_growths)?;
-        d.set_item("completed_steals", s.completed_steals)?;
-        d.set_item("cross_stream_waits", s.cross_stream_waits)?;
-        d.set_item("synchronizations", s.synchronizations)?;
-        d.set_item("events_recorded", s.events_recorded)?;
-        d.set_item("event_queries", s.event_queries)?;
-        Ok(d)
+        stats_dict(py, &self.inner)
     }
 
     /// Gives back to the upstream every byte that is not live: synchronises the device,
@@ -175,42 +155,90 @@ impl PyShardedPool {
     /// what is freed into it, warns how much that pool still holds: its `trim_to(0)` hands
     /// it to the system.
     fn release(slf: &Bound<'_, Self>) -> PyResult<usize> {
-        let py = slf.py();
-        let inner = slf.get().inner.clone();
-        let released = detached(py, move || inner.release())?;
-        let upstream = slf.getattr("upstream")?;
-        if upstream.is_instance_of::<PyCudaAsyncMemoryResource>()
-            && !upstream.getattr("owns_pool")?.extract::<bool>()?
-        {
-            let held: usize = upstream.getattr("reserved_bytes")?.extract()?;
-            if held > 0 {
-                let msg = format!(
-                    "ShardedPoolMemoryResource.release() gave {released} bytes back to the device's default \
-                     pool, which still holds {held} bytes (its release threshold is the maximum, so it keeps \
-                     freed memory for reuse); call upstream.trim_to(0) to hand it to the system"
-                );
-                let msg = std::ffi::CString::new(msg).expect("no NUL in the message");
-                PyErr::warn(py, &py.get_type::<pyo3::exceptions::PyUserWarning>(), &msg, 1)?;
-            }
-        }
-        Ok(released)
+        release_and_warn(slf.as_any(), slf.get().inner.clone(), "ShardedPoolMemoryResource")
     }
+}
+
+/// The pool's statistics as a dict (`stats` of the pool and the arena).
+fn stats_dict<'py>(py: Python<'py>, pool: &ShardedPoolMemoryResource) -> PyResult<Bound<'py, PyDict>> {
+    let s = pool.stats();
+    let d = PyDict::new(py);
+    d.set_item("reserved_bytes", s.reserved_bytes)?;
+    d.set_item("peak_reserved_bytes", s.peak_reserved_bytes)?;
+    d.set_item("used_bytes", s.used_bytes)?;
+    d.set_item("free_bytes", s.free_bytes)?;
+    d.set_item("common_free_bytes", s.common_free_bytes)?;
+    let shards = PyDict::new(py);
+    for (key, bytes) in s.shard_free_bytes {
+        shards.set_item(key, bytes)?;
+    }
+    d.set_item("shard_free_bytes", shards)?;
+    d.set_item("retired_shards", s.retired_shards)?;
+    d.set_item("grown_bytes", s.grown_bytes)?;
+    d.set_item("released_bytes", s.released_bytes)?;
+    d.set_item("upstream_growths", s.upstream_growths)?;
+    d.set_item("completed_steals", s.completed_steals)?;
+    d.set_item("cross_stream_waits", s.cross_stream_waits)?;
+    d.set_item("synchronizations", s.synchronizations)?;
+    d.set_item("events_recorded", s.events_recorded)?;
+    d.set_item("event_queries", s.event_queries)?;
+    Ok(d)
+}
+
+/// `release()` of the pool or the arena (`slf`, whose `upstream` is the pool's): over the
+/// device's default pool, which keeps what is freed into it, warns how much that pool
+/// still holds.
+fn release_and_warn(
+    slf: &Bound<'_, PyAny>,
+    pool: Arc<ShardedPoolMemoryResource>,
+    name: &str,
+) -> PyResult<usize> {
+    let py = slf.py();
+    let released = detached(py, move || pool.release())?;
+    let upstream = slf.getattr("upstream")?;
+    if upstream.is_instance_of::<PyCudaAsyncMemoryResource>()
+        && !upstream.getattr("owns_pool")?.extract::<bool>()?
+    {
+        let held: usize = upstream.getattr("reserved_bytes")?.extract()?;
+        if held > 0 {
+            let msg = format!(
+                "{name}.release() gave {released} bytes back to the device's default pool, which still holds \
+                 {held} bytes (its release threshold is the maximum, so it keeps freed memory for reuse); call \
+                 upstream.trim_to(0) to hand it to the system"
+            );
+            let msg = std::ffi::CString::new(msg).expect("no NUL in the message");
+            PyErr::warn(py, &py.get_type::<pyo3::exceptions::PyUserWarning>(), &msg, 1)?;
+        }
+    }
+    Ok(released)
 }
 
 // ---------------------------------------------------------------------------------------
 // The arena.
 
-/// The arena with `dump_log_on_failure`: the pool, and on every failed allocation its
-/// state written to the `streampool` logger (Python `logging`, level ERROR) before the
-/// error goes on. No lock is held while the logger runs.
+/// The arena's resource: the pool, named as the arena in its errors, and with
+/// `dump_log_on_failure` its state written to the `streampool` logger (Python `logging`,
+/// level ERROR) on every failed allocation before the error goes on. No lock is held while
+/// the logger runs.
 #[derive(Debug)]
-struct DumpOnFailure {
+struct Arena {
     pool: Arc<ShardedPoolMemoryResource>,
+    dump: bool,
 }
 
-impl DumpOnFailure {
-    fn dump(&self, bytes: usize, e: streampool::Error) -> streampool::Error {
-        if e.is_out_of_memory() {
+impl Arena {
+    fn failed(&self, bytes: usize, e: streampool::Error) -> streampool::Error {
+        let e = match e {
+            streampool::Error::OutOfMemory { requested, available, resource } => {
+                streampool::Error::OutOfMemory {
+                    requested,
+                    available,
+                    resource: format!("ArenaMemoryResource, a {resource}"),
+                }
+            }
+            other => other,
+        };
+        if self.dump && e.is_out_of_memory() {
             let text = format!(
                 "ArenaMemoryResource: allocating {bytes} bytes failed ({e}); the arena: {:?}",
                 self.pool.stats()
@@ -226,7 +254,7 @@ impl DumpOnFailure {
     }
 }
 
-impl MemoryResource for DumpOnFailure {
+impl MemoryResource for Arena {
     fn backend(&self) -> &BackendRef {
         self.pool.backend()
     }
@@ -240,13 +268,13 @@ impl MemoryResource for DumpOnFailure {
         self.pool.memory_kind()
     }
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> streampool::Result<DevPtr> {
-        self.pool.allocate(bytes, stream).map_err(|e| self.dump(bytes, e))
+        self.pool.allocate(bytes, stream).map_err(|e| self.failed(bytes, e))
     }
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> streampool::Result<()> {
         self.pool.deallocate(ptr, bytes, stream)
     }
     fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<streampool::Result<DevPtr>> {
-        self.pool.try_allocate(bytes, stream).map(|r| r.map_err(|e| self.dump(bytes, e)))
+        self.pool.try_allocate(bytes, stream).map(|r| r.map_err(|e| self.failed(bytes, e)))
     }
     fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<streampool::Result<()>> {
         self.pool.try_deallocate(ptr, bytes, stream)
@@ -258,11 +286,11 @@ impl MemoryResource for DumpOnFailure {
 
 /// RMM's `ArenaMemoryResource` (its arguments and its shape), built on the sharded pool:
 /// one global reservation of `arena_size` bytes taken from `upstream_mr` up front and
-/// never grown nor returned (RMM's global arena), and free blocks kept per stream, the
+/// never grown beyond (RMM's global arena), and free blocks kept per stream, the
 /// per-thread default stream per thread (RMM's per-thread and per-stream arenas).
 ///
 /// It is a `ShardedPoolMemoryResource` with `initial_pool_size = maximum_pool_size =
-/// arena_size` and no release: not RMM's superblock algorithm. (Not a Python subclass of
+/// arena_size` and no release threshold: not RMM's superblock algorithm. (Not a Python subclass of
 /// `ShardedPoolMemoryResource`: a pyo3 class whose base shows the garbage collector its
 /// references recursed without end in pyo3 0.30's traversal, so each class that holds
 /// its upstream is a leaf.) `arena_size=None`: half of
@@ -319,7 +347,7 @@ impl PyArenaMemoryResource {
         })?;
         let (pool, arena_size) = pool;
         let resource: streampool::ResourceRef =
-            if dump_log_on_failure { Arc::new(DumpOnFailure { pool: pool.clone() }) } else { pool.clone() };
+            Arc::new(Arena { pool: pool.clone(), dump: dump_log_on_failure });
         Ok(init(resource, upstream_mr, |upstream| Self { pool, upstream, arena_size, dump_log_on_failure }))
     }
 
@@ -334,6 +362,18 @@ impl PyArenaMemoryResource {
     /// Bytes the arena holds from its upstream (RMM's pool's `pool_size()`).
     fn pool_size(&self) -> usize {
         self.pool.stats().reserved_bytes
+    }
+
+    /// The pool's statistics (`ShardedPoolMemoryResource.stats`).
+    #[getter]
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        stats_dict(py, &self.pool)
+    }
+
+    /// Gives back to the upstream every byte that is not live, as the pool's `release()`;
+    /// returns the bytes released. Afterwards it grows again on demand, up to `arena_size`.
+    fn release(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        release_and_warn(slf.as_any(), slf.get().pool.clone(), "ArenaMemoryResource")
     }
 
     /// The bytes of the global arena (as asked, rounded down to 256).

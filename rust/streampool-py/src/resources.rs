@@ -233,7 +233,13 @@ fn peer_access_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<i32>> {
             "peer_access must be a list of device ordinals (the devices that may access the pool)",
         )
     })? {
-        let d = device_arg(Some(&item?), "each device of peer_access")?;
+        let item = item?;
+        if item.is_none() {
+            return Err(PyTypeError::new_err(
+                "each device of peer_access must be a device ordinal (an int), not None",
+            ));
+        }
+        let d = device_arg(Some(&item), "each device of peer_access")?;
         devices.extend(d.filter(|d| !devices.contains(d)));
     }
     Ok(devices)

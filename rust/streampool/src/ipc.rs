@@ -79,6 +79,27 @@ pub fn export(
     Ok(IpcExport { fd, data, bytes, device, pid: std::process::id() })
 }
 
+/// [`export`] of an allocation of `resource` (`bytes` bytes at `ptr`, used on `stream`),
+/// refused unless the resource hands out whole allocations of the driver
+/// ([`MemoryResource::whole_allocations`]): a piece of a pool's or a binning resource's
+/// larger allocation would share that whole allocation, and its other pieces with it, for
+/// as long as the importer holds it, and the piece's start may or may not be the
+/// allocation's start (so an export would work for some pieces and not others).
+pub fn export_from(
+    resource: &dyn MemoryResource,
+    ptr: DevPtr,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<IpcExport> {
+    if ptr != 0 && bytes != 0 && !resource.whole_allocations() {
+        return Err(not_shareable(
+            ptr,
+            format!("{} hands out pieces of larger allocations, which cannot be shared", resource.name()),
+        ));
+    }
+    export(resource.backend(), resource.device(), ptr, bytes, stream)
+}
+
 /// Whether process `pid` still exists (a process of another user counts as existing).
 fn process_exists(pid: u32) -> bool {
     let Ok(pid) = libc::pid_t::try_from(pid) else { return false };

@@ -123,6 +123,15 @@ pub trait MemoryResource: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Whether each allocation this resource hands out is a whole allocation of the driver,
+    /// not a piece of a larger one that it suballocates: what sharing memory with another
+    /// process needs ([`crate::ipc::export_from`]), since the driver shares whole
+    /// allocations. The driver's pool: yes; an adaptor that passes allocations through:
+    /// as its upstream; pools, bins and others: no (the default).
+    fn whole_allocations(&self) -> bool {
+        false
+    }
+
     /// Starts a new peak for [`Footprint::peak_reserved_bytes`] where the resource can
     /// (the driver's pool: its reserved high-water mark is reset to what it holds now).
     fn reset_peak_footprint(&self) {}

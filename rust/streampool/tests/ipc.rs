@@ -9,9 +9,10 @@ use std::sync::Arc;
 use streampool::device::cuda::CudaBackend;
 use streampool::device::sim::SimDevice;
 use streampool::device::{BackendRef, DevPtr, PoolProps, LEGACY_STREAM};
-use streampool::ipc::{export, IpcImportedMemoryResource};
+use streampool::ipc::{export, export_from, IpcImportedMemoryResource};
 use streampool::{
-    Allocation, AsyncPoolOptions, CudaAsyncMemoryResource, Error, MemoryResource, ResourceRef, Stream,
+    Allocation, AsyncPoolOptions, CudaAsyncMemoryResource, Error, MemoryResource, ResourceRef,
+    ShardedPoolMemoryResource, StatisticsAdaptor, Stream,
 };
 
 mod common;
@@ -141,6 +142,20 @@ fn memory_that_cannot_be_shared_is_refused_naming_the_fix() {
     // Refusals change nothing: the allocation still exports.
     export(&b, 0, ptr, 8192, &stream).unwrap();
     mr.deallocate(ptr, 8192, &stream).unwrap();
+    // From a resource: an adaptor that passes allocations through exports them; a pool over
+    // the same resource refuses every piece, the one at its chunk's start too (the pointer
+    // alone would let that one through).
+    let stats: ResourceRef = Arc::new(StatisticsAdaptor::new(mr.clone()).unwrap());
+    let ptr = stats.allocate(4096, &stream).unwrap();
+    export_from(&*stats, ptr, 4096, &stream).unwrap();
+    stats.deallocate(ptr, 4096, &stream).unwrap();
+    let pool = ShardedPoolMemoryResource::new(mr.clone(), Default::default()).unwrap();
+    let first = pool.allocate(1024, &stream).unwrap();
+    let second = pool.allocate(1024, &stream).unwrap();
+    for p in [first, second] {
+        check(export_from(&pool, p, 1024, &stream).unwrap_err(), "pieces of larger allocations");
+        pool.deallocate(p, 1024, &stream).unwrap();
+    }
 }
 
 #[test]

@@ -905,3 +905,49 @@ fn a_synchronisation_completes_the_frees_made_before_it() {
     assert_no_races(&sim);
     assert_accounting(&p.stats());
 }
+
+/// A growth the upstream refuses leaves nothing counted: the peak reserved bytes are of
+/// memory held, not of a reservation that failed (on a 16 MiB device, a 1 GiB request
+/// once showed a 1 GiB peak for nothing held).
+#[test]
+fn refused_growth_is_not_counted_as_reserved() {
+    let (_sim, b) = setup(16 * MIB);
+    for expandable in [false, true] {
+        let p = pool(&b, PoolOptions { expandable, ..Default::default() });
+        let s = stream(&b);
+        let err = p.allocate(1 << 30, &s).unwrap_err();
+        assert!(err.is_out_of_memory(), "{err}");
+        let st = p.stats();
+        assert_eq!((st.reserved_bytes, st.peak_reserved_bytes, st.grown_bytes), (0, 0, 0), "{st:?}");
+        let ptr = p.allocate(MIB, &s).unwrap();
+        let st = p.stats();
+        assert!(st.peak_reserved_bytes >= MIB && st.peak_reserved_bytes <= 16 * MIB, "{st:?}");
+        assert_eq!(st.peak_reserved_bytes, st.reserved_bytes, "{st:?}");
+        p.deallocate(ptr, MIB, &s).unwrap();
+    }
+}
+
+/// A request larger than the maximum fails at once: nothing is gathered, synchronised or
+/// given back first (an arena, whose initial size is its maximum, keeps its reservation).
+#[test]
+fn request_over_the_maximum_fails_at_once() {
+    let (_sim, b) = setup(64 * MIB);
+    let p = pool(
+        &b,
+        PoolOptions {
+            initial_pool_size: Some(8 * MIB),
+            maximum_pool_size: Some(8 * MIB),
+            ..Default::default()
+        },
+    );
+    let s = stream(&b);
+    let ptr = p.allocate(MIB, &s).unwrap();
+    p.deallocate(ptr, MIB, &s).unwrap();
+    let err = p.allocate(16 * MIB, &s).unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { requested, .. } if requested == 16 * MIB), "{err:?}");
+    assert!(err.to_string().contains("maximum_pool_size"), "{err}");
+    let st = p.stats();
+    assert_eq!((st.reserved_bytes, st.synchronizations, st.released_bytes), (8 * MIB, 0, 0), "{st:?}");
+    let again = p.allocate(4 * MIB, &s).unwrap();
+    p.deallocate(again, 4 * MIB, &s).unwrap();
+}

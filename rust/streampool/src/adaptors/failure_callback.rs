@@ -69,7 +69,7 @@ impl FailureCallbackAdaptor {
 }
 
 impl MemoryResource for FailureCallbackAdaptor {
-    upstream_properties!("FailureCallbackResourceAdaptor", depth);
+    upstream_properties!("FailureCallbackResourceAdaptor", passes_through);
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         loop {

@@ -293,7 +293,7 @@ const ALLOCATE: &std::ffi::CStr = c"streampool allocate";
 const DEALLOCATE: &std::ffi::CStr = c"streampool deallocate";
 
 impl MemoryResource for LatencyHistogramAdaptor {
-    upstream_properties!("LatencyHistogramAdaptor", depth);
+    upstream_properties!("LatencyHistogramAdaptor", passes_through);
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let _range = nvtx::Range::new(ALLOCATE);

@@ -87,7 +87,7 @@ impl LimitingAdaptor {
 }
 
 impl MemoryResource for LimitingAdaptor {
-    upstream_properties!("LimitingResourceAdaptor", depth);
+    upstream_properties!("LimitingResourceAdaptor", passes_through);
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         self.reserve(bytes)?;

@@ -207,7 +207,7 @@ impl LoggingAdaptor {
 }
 
 impl MemoryResource for LoggingAdaptor {
-    upstream_properties!("LoggingResourceAdaptor", depth);
+    upstream_properties!("LoggingResourceAdaptor", passes_through);
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let s = stream.handle();
@@ -294,7 +294,7 @@ fn os_thread_id() -> u64 {
 ///
 /// Pointer and Stream are hexadecimal with or without `0x` (RMM prints both through
 /// C++'s hexadecimal formatting); `(nil)` is 0. Time is `hh:mm:ss.fraction` (seconds
-/// since midnight) or a plain number of seconds. `deallocate`, which RMM's user guide
+/// since midnight) or a plain number of seconds, from 0 to [`MAX_LOG_TIME_S`]. `deallocate`, which RMM's user guide
 /// shows for frees, is read as `free`.
 pub fn parse_log(text: &str) -> Result<Vec<LogEvent>> {
     let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l.trim())).filter(|(_, l)| !l.is_empty());
@@ -345,13 +345,22 @@ fn parse_hex(s: &str) -> Option<u64> {
 
 fn parse_time(s: &str) -> Option<f64> {
     let parts: Vec<&str> = s.split(':').collect();
-    match parts[..] {
-        [secs] => secs.parse().ok().filter(|t: &f64| t.is_finite()),
+    let secs = match parts[..] {
+        [secs] => secs.parse().ok()?,
         [h, m, secs] => {
             let (h, m): (u32, u32) = (h.parse().ok()?, m.parse().ok()?);
             let secs: f64 = secs.parse().ok()?;
-            (m < 60 && (0.0..61.0).contains(&secs)).then(|| f64::from(h * 3600 + m * 60) + secs)
+            if m >= 60 || !(0.0..61.0).contains(&secs) {
+                return None;
+            }
+            f64::from(h) * 3600.0 + f64::from(m) * 60.0 + secs
         }
-        _ => None,
-    }
+        _ => return None,
+    };
+    // Times are kept in nanoseconds (an `i64` in a replay's trace): at most about 292 years.
+    (0.0..=MAX_LOG_TIME_S).contains(&secs).then_some(secs)
 }
+
+/// The latest time a log line may have, in seconds: `i64::MAX` nanoseconds, rounded down
+/// (292 years; a time of day, or seconds since 1970, fit with room to spare).
+pub const MAX_LOG_TIME_S: f64 = 9.2e9;

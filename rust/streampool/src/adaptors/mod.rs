@@ -161,6 +161,13 @@ pub(crate) fn try_counted_deallocate(
 /// RMM name; with `depth`, also its depth (one more than its upstream's: the constructor
 /// checked it with [`check_depth`](crate::resource::check_depth)).
 macro_rules! upstream_properties {
+    // An adaptor that hands out its upstream's allocations as they are.
+    ($name:literal, passes_through) => {
+        crate::adaptors::upstream_properties!($name, depth);
+        fn whole_allocations(&self) -> bool {
+            self.upstream.whole_allocations()
+        }
+    };
     ($name:literal, depth) => {
         crate::adaptors::upstream_properties!($name);
         fn depth(&self) -> usize {

@@ -52,7 +52,7 @@ impl PrefetchAdaptor {
 }
 
 impl MemoryResource for PrefetchAdaptor {
-    upstream_properties!("PrefetchResourceAdaptor", depth);
+    upstream_properties!("PrefetchResourceAdaptor", passes_through);
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let ptr = self.upstream.allocate(bytes, stream).map_err(|e| as_own_oom(e, bytes, self))?;

@@ -124,7 +124,7 @@ impl StatisticsAdaptor {
 }
 
 impl MemoryResource for StatisticsAdaptor {
-    upstream_properties!("StatisticsResourceAdaptor", depth);
+    upstream_properties!("StatisticsResourceAdaptor", passes_through);
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let ptr = self.upstream.allocate(bytes, stream).map_err(|e| as_own_oom(e, bytes, self))?;

@@ -160,7 +160,7 @@ fn thread_label() -> String {
 }
 
 impl MemoryResource for TrackingAdaptor {
-    upstream_properties!("TrackingResourceAdaptor", depth);
+    upstream_properties!("TrackingResourceAdaptor", passes_through);
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let stack = self.capture.as_ref().map(|c| c());

@@ -620,6 +620,18 @@ mod tests {
             let tid = tid.load(Ordering::Acquire);
             let places: Vec<_> = (0..20).map(|_| where_running(tid)).collect();
             let sig = libc::SIGRTMAX() - 3;
+            // A look that timed out (a loaded machine did not run the thread within 2 ms)
+            // left its signal pending: let it reach our handler before swapping theirs in.
+            let pending = || {
+                let status =
+                    std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap_or_default();
+                let mask = status.lines().find_map(|l| l.strip_prefix("SigPnd:")).map(str::trim);
+                mask.and_then(|m| u64::from_str_radix(m, 16).ok()).is_some_and(|m| m >> (sig - 1) & 1 == 1)
+            };
+            let start = std::time::Instant::now();
+            while pending() && start.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
             // SAFETY: sigaction only reads and writes the structs it is given; the handler
             // installed touches one atomic, and ours is put back as it was.
             let (replaced, swapped) = unsafe {

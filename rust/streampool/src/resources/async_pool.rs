@@ -255,6 +255,9 @@ impl MemoryResource for CudaAsyncMemoryResource {
             MemoryKind::Device
         }
     }
+    fn whole_allocations(&self) -> bool {
+        true
+    }
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let (b, dev, s) = (&self.backend, self.device, stream.handle());
@@ -432,6 +435,9 @@ impl MemoryResource for CudaAsyncManagedMemoryResource {
     }
     fn memory_kind(&self) -> MemoryKind {
         self.inner.memory_kind()
+    }
+    fn whole_allocations(&self) -> bool {
+        true
     }
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         self.inner.do_allocate(bytes, stream)

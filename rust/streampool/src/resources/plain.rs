@@ -102,6 +102,9 @@ impl<K: PlainKind> PlainMemoryResource<K> {
 }
 
 impl<K: PlainKind> MemoryResource for PlainMemoryResource<K> {
+    fn whole_allocations(&self) -> bool {
+        true
+    }
     fn backend(&self) -> &BackendRef {
         &self.backend
     }

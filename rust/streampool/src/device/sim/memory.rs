@@ -347,15 +347,44 @@ impl State {
     }
 
     /// Classifies one side of a copy: `Ok(true)` for simulated memory (validated like
-    /// [`Self::check_range`]), `Ok(false)` for host memory the device knows nothing of.
+    /// [`Self::check_range`]), `Ok(false)` for host memory the device knows nothing of
+    /// (pageable memory, which the driver copies too). Memory that is neither, an address
+    /// the process has not mapped, is [`Error::InvalidPointer`]: the copy would otherwise
+    /// fault when it runs, taking the process with it.
     pub(super) fn classify_copy_side(&self, ptr: DevPtr, bytes: usize, what: &str) -> Result<bool> {
         if self.overlaps_sim_memory(ptr, bytes) {
             self.check_range(ptr, bytes, what)?;
             Ok(true)
         } else if ptr == 0 {
             Err(Error::InvalidPointer(format!("{what}: null pointer")))
+        } else if !host_mapped(ptr, bytes) {
+            Err(Error::InvalidPointer(format!(
+                "{what}: [{ptr:#x}, +{bytes}) is neither memory of {} nor host memory this process has mapped",
+                self.name
+            )))
         } else {
             Ok(false)
         }
     }
+}
+
+/// Whether every page of `[ptr, ptr + bytes)` is mapped in this process (`mincore`, which
+/// reads no memory and fails with `ENOMEM` for a page that is not mapped). `bytes` > 0.
+fn host_mapped(ptr: DevPtr, bytes: usize) -> bool {
+    // SAFETY: `sysconf` has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+    let Some(end) = ptr.checked_add(bytes as u64) else { return false };
+    let start = ptr / page * page;
+    let pages = (end - start).div_ceil(page) as usize;
+    let mut residency = vec![0u8; pages];
+    // SAFETY: `mincore` only reads the page tables of the range (any address may be asked
+    // about) and writes one byte per page into `residency`, which has room for them.
+    let rc = unsafe {
+        libc::mincore(
+            std::ptr::with_exposed_provenance_mut::<libc::c_void>(start as usize),
+            (end - start) as usize,
+            residency.as_mut_ptr(),
+        )
+    };
+    rc == 0
 }

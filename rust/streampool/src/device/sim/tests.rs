@@ -286,6 +286,22 @@ fn touching_memory_outside_a_live_allocation_is_refused_when_enqueued() {
     let err = unsafe { sim.memcpy_async(0, host.as_mut_ptr() as u64, q, 16, s) }.unwrap_err();
     assert!(matches!(err, Error::InvalidPointer(_)), "{err:?}");
     assert!(sim.read(s, q, 1).is_err());
+    // An address that is neither the device's nor mapped host memory is refused when the
+    // copy is enqueued, rather than faulting when it runs; mapped host memory is copied.
+    let unmapped = 0xdead_0000u64;
+    let p2 = sim.mem_alloc(0, 4096).unwrap();
+    // SAFETY: refused before anything is enqueued.
+    match unsafe { sim.memcpy_async(0, p2, unmapped, 16, s) } {
+        Err(Error::InvalidPointer(m)) => assert!(m.contains("nor host memory"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    // SAFETY: refused before anything is enqueued.
+    assert!(unsafe { sim.memcpy_async(0, unmapped, p2, 16, s) }.is_err());
+    let src = [7u8; 16];
+    // SAFETY: `src` outlives the copy, which the synchronisation below completes.
+    unsafe { sim.memcpy_async(0, p2, src.as_ptr() as u64, 16, s) }.unwrap();
+    sim.stream_synchronize(0, s).unwrap();
+    sim.mem_free(0, p2).unwrap();
     // Zero bytes is a no-op wherever it points; an unknown stream is still refused.
     sim.write(s, 0, 0).unwrap();
     assert!(sim.write(0x9990, p, 0).is_err());

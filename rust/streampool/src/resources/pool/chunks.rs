@@ -122,10 +122,7 @@ impl ShardedPoolMemoryResource {
                 Ordering::AcqRel,
                 Ordering::Relaxed,
             ) {
-                Ok(_) => {
-                    self.counters.peak_reserved.fetch_max(reserved + chunk, Ordering::Relaxed);
-                    return Some(chunk);
-                }
+                Ok(_) => return Some(chunk),
                 Err(now) => reserved = now,
             }
         }
@@ -146,8 +143,11 @@ impl ShardedPoolMemoryResource {
         c
     }
 
-    /// Counts a growth of `bytes` (reserved already, by [`reserve`](Self::reserve)).
+    /// Counts a growth of `bytes` (reserved already, by [`reserve`](Self::reserve)), now
+    /// held: the peak is of memory held, never of a reservation whose growth failed.
     pub(super) fn count_growth(&self, bytes: usize) {
+        let held = self.counters.held.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.counters.peak_reserved.fetch_max(held, Ordering::Relaxed);
         self.counters.growths.fetch_add(1, Ordering::Relaxed);
         self.counters.grown_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
     }
@@ -155,6 +155,7 @@ impl ShardedPoolMemoryResource {
     /// Counts `bytes` given back to the device, no longer reserved.
     pub(super) fn count_release(&self, bytes: usize) {
         self.reserved.fetch_sub(bytes, Ordering::AcqRel);
+        self.counters.held.fetch_sub(bytes, Ordering::Relaxed);
         self.counters.released_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 

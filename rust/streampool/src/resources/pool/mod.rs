@@ -52,9 +52,11 @@ pub struct PoolOptions {
     /// The most the pool holds from the upstream (rounded down to 256). `None`: no limit
     /// but the upstream's.
     pub maximum_pool_size: Option<usize>,
-    /// Free bytes the pool may keep; beyond this, chunks that are entirely free (and whose
-    /// frees have completed) go back to the upstream whenever the pool learns of them
-    /// (after a synchronisation, in `release`). `None`: keep everything.
+    /// Free bytes the pool may keep; beyond this, chunks that are entirely free go back to
+    /// the upstream after each of the pool's own device synchronisations (a gathering, when
+    /// memory runs short: policy step 6), the one moment it knows every free complete.
+    /// A program's own synchronisations do not trigger it; [`release`](ShardedPoolMemoryResource::release)
+    /// gives back everything free. `None`: keep everything.
     pub release_threshold: Option<usize>,
     /// A stream records an event (in one of its frees) after this many frees, so that
     /// other streams can tell when those blocks are free to take. While no stream is short
@@ -240,6 +242,10 @@ pub struct ShardedPoolMemoryResource {
 #[derive(Debug, Default)]
 #[repr(align(128))]
 struct Counters {
+    /// Bytes held from the upstream: grown and not given back. `reserved` counts
+    /// reservations too, made before the upstream is asked (so that threads growing at
+    /// once stay under a cap together), of which some fail.
+    held: AtomicUsize,
     grown_bytes: AtomicU64,
     released_bytes: AtomicU64,
     peak_reserved: AtomicUsize,
@@ -366,7 +372,7 @@ impl ShardedPoolMemoryResource {
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         PoolStats {
-            reserved_bytes: self.reserved.load(Ordering::Relaxed),
+            reserved_bytes: c.held.load(Ordering::Relaxed),
             peak_reserved_bytes: c.peak_reserved.load(Ordering::Relaxed),
             used_bytes: used.max(0) as usize,
             free_bytes: common_free_bytes + shard_free_bytes.iter().map(|s| s.1).sum::<usize>(),

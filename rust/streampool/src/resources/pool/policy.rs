@@ -31,6 +31,11 @@ impl ShardedPoolMemoryResource {
             self.record_live(ptr, size, chunk, stream, key);
             Ok(ptr)
         };
+        // Never to be served: say so before gathering or giving anything back (an arena
+        // asked for more than itself once gave its whole reservation back first).
+        if size > self.maximum {
+            return Err(self.out_of_memory(size, None));
+        }
         // 2. completed blocks in the common list
         if let Some(ptr) = self.import_common(size, stream, key) {
             return Ok(ptr);
