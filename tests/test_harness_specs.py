@@ -224,3 +224,32 @@ def test_the_torch_wrapper() -> None:
     _exercise(allocate, deallocate)
     assert len(seen) == 1 and seen[0][0] == 4096 and seen[0][1] != 0  # the stream's raw handle
     assert not sizes and reserved() == 4242
+
+
+# --- what the review found ----------------------------------------------------------------
+
+
+def test_a_required_option_left_out_is_named() -> None:
+    with pytest.raises(SpecError, match=r"limit\(async\): limit needs the option limit=, e\.g\. limit\("):
+        make_resource("limit(async)")
+
+
+def test_a_size_may_have_a_space_before_its_unit() -> None:
+    candidate = make_resource("pool(async, initial=1 MiB, maximum = 64 MiB )")
+    assert "initial_pool_size=1048576, maximum_pool_size=67108864" in candidate.code
+    with pytest.raises(SpecError, match=r"option initial=1 MiB x: .*cannot parse"):
+        make_resource("pool(async, initial=1 MiB x)")
+
+
+def test_a_peer_inside_another_spec_is_refused_as_a_bare_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(PeerMissingError, match="cannot run on the simulated device"):
+        make_resource("stats(rmm:async)")
+    with pytest.raises(SpecError, match="unknown peer library 'nolib'"):
+        make_resource("stats(nolib:async)")
+    monkeypatch.setattr(specs, "using_simulated_device", lambda: False)
+    if importlib.util.find_spec("rmm") is None:
+        with pytest.raises(PeerMissingError, match=r"rmm is not installed.*pip install rmm-cu1"):
+            make_resource("stats(rmm:async)")
+    else:
+        with pytest.raises(SpecError, match="cannot be the upstream"):
+            make_resource("stats(rmm:async)")

@@ -198,3 +198,93 @@ def test_sequential_replay_samples_live_and_reserved() -> None:
     out = trace.sequential_replay(candidate.resource, t, candidate.reserved)
     assert len(out["live"]) == t.events and out["live"][-1] == 0
     assert max(out["live"]) <= max(r for r in out["reserved"] if r is not None)
+
+
+# --- what the review found ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("lines", "bad"),
+    [
+        (["1,0,allocate,0x1000,4096,0", "1,99999999999,free,0x1000,4096,0"], [3]),  # beyond 2^63 ns
+        (["1,-5,allocate,0x1000,4096,0", "1,1e300,free,0x1000,4096,0"], [2, 3]),
+    ],
+)
+def test_a_time_out_of_range_is_a_malformed_line(tmp_path: Path, lines: list[str], bad: list[int]) -> None:
+    # Refused by the trace (trace.time_error) if the log parser lets the time through.
+    path = _write(tmp_path, "\n".join([HEADER, *lines]) + "\n")
+    with pytest.raises(LogFormatError) as e:
+        read_log(path)
+    assert [n for n, _ in e.value.errors] == bad
+    assert all("time" in why for _, why in e.value.errors), e.value.errors
+    assert read_log(path, skip_malformed=True).malformed == len(bad)
+
+
+def test_traces_refuse_times_they_cannot_hold() -> None:
+    class Event:
+        thread, action, ptr, size, stream = 1, "allocate", 0x1000, 64, 0
+
+        def __init__(self, time: float) -> None:
+            self.time = time
+
+    for time in (-1.0, float("inf"), float("nan"), 1e300, 1e11):
+        with pytest.raises(ValueError, match=r"log event 1: time .* out of range"):
+            trace.from_events([Event(0.0), Event(time)])
+    with pytest.raises(ValueError, match=r"trace record 1 .*: a field is out of range"):
+        trace.Trace([(0, 64, 0, 0, 0, ALLOCATE), (2**64, 64, 0, 0, 0, FREE)]).pack()
+
+
+@pytest.mark.parametrize("text", ["", "   ", "\n\n", HEADER + "\n"])
+def test_an_empty_log_is_a_trace_of_no_events(tmp_path: Path, text: str) -> None:
+    assert read_log(_write(tmp_path, text)).events == 0
+
+
+def test_log_text_is_never_taken_for_a_path(tmp_path: Path) -> None:
+    from streampool.logs import parse_log_file, parse_log_text
+
+    line = "6750,05:24:57.524290,allocate,0x7fbb9503b100,4096,0x1010"  # one line, no header
+    for text in ("", line, line.encode()):
+        with pytest.raises(ValueError, match="expected the header"):
+            parse_log_text(text)
+    assert parse_log_text(f"{HEADER}\n{line}")[0].size == 4096
+    path = _write(tmp_path, f"{HEADER}\n{line}\n")
+    assert parse_log_file(path) == parse_log_text(f"{HEADER}\n{line}\n")
+    # The one-line log without its header is refused as such, not as a missing file.
+    with pytest.raises(LogFormatError, match="line 1: expected the header"):
+        read_log(_write(tmp_path, line))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_failed_allocations_are_not_counted_as_events(native: bool) -> None:
+    records = [
+        (0, 1 << 40, 0, 0, 0, ALLOCATE),  # runs out of memory: skipped with its free
+        (0, 256, 1, 0, 0, ALLOCATE),
+        (0, 256, 1, 0, 0, FREE),
+        (0, 1 << 40, 0, 0, 0, FREE),
+    ]
+    result = trace.replay(mr.CudaAsyncMemoryResource(), trace.Trace(records), gap_scale=0.0, native=native)
+    assert (result["events"], result["oom_events"], result["peak_live_bytes"]) == (2, 1, 256)
+
+
+def test_plot_charges_a_free_to_the_stream_and_thread_that_allocated(tmp_path: Path) -> None:
+    from streampool.harness import plots
+
+    # A producer (thread 1, stream 0x10) allocates; a consumer (thread 2, stream 0x20)
+    # frees what it was handed, and allocates and frees memory of its own.
+    t = read_log(
+        _write(
+            tmp_path,
+            f"""{HEADER}
+1,0.1,allocate,0x1000,4096,0x10
+1,0.2,allocate,0x2000,4096,0x10
+2,0.3,free,0x1000,4096,0x20
+2,0.4,allocate,0x3000,512,0x20
+2,0.5,free,0x2000,4096,0x20
+2,0.6,free,0x3000,512,0x20
+""",
+        )
+    )
+    for key in (3, 4):  # thread, stream
+        steps = plots._steps(t, key)
+        assert min(min(ys) for _, ys in steps.values()) >= 0
+        assert steps[0][1] == [4096, 8192, 4096, 0] and steps[1][1] == [512, 0]

@@ -297,3 +297,82 @@ def test_timed_spans_hold_the_calls_alone() -> None:
     for result in runs:
         longest = max(result["allocate"]["max"], result["free"]["max"])
         assert 0 < longest < 15_000_000, longest
+
+
+# --- what the review found ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("pipeline", {"chunks": -1}, "chunks must be at least 1, not -1"),
+        ("pipeline", {"chunks": 0}, "chunks must be at least 1, not 0"),
+        ("pipeline", {"chunk_size": "4"}, "chunk_size must be at least 8 bytes, not '4'"),
+        ("pipeline", {"kernel_us": float("inf")}, "kernel_us must be at least 0, and finite, not inf"),
+        ("larger-than-memory", {"chunk_size": 0}, "chunk_size must be at least 8 bytes, not 0"),
+        ("larger-than-memory", {"passes": 0}, "passes must be at least 1, not 0"),
+        ("larger-than-memory", {"total": "lots"}, "total must be a size in bytes, e.g. 64KiB, not 'lots'"),
+        ("window", {"allocations": 0}, "allocations must be at least 1, not 0"),
+        ("window", {"allocations": -5}, "allocations must be at least 1, not -5"),
+        ("window", {"window": -1}, "window must be at least 1, not -1"),
+        ("random", {"max_size": 0}, "max_size must be at least 1 byte, not 0"),
+        ("multistream", {"iterations": 0}, "iterations must be at least 1, not 0"),
+        ("replay", {"gap_scale": float("nan")}, "gap_scale must be at least 0, and finite, not nan"),
+    ],
+)
+def test_parameters_out_of_range_are_refused_naming_the_range(
+    name: str, params: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=f"workload '{name}': {message}"):
+        workloads.check(name, params)
+    with pytest.raises(ValueError, match=r"must be at least|must be a size"):
+        workloads.run(name, make_resource("async"), **params)
+
+
+def test_out_of_memory_is_no_throughput() -> None:
+    starved = make_resource("limit(async, limit=1KiB)")
+    result = workloads.run("multistream", starved, iterations=5, size="64KiB")
+    assert (result["oom_events"], result["events"], result["throughput"]) == (5, 0, 0.0)
+    fed = workloads.run("multistream", make_resource("async"), iterations=5, size="64KiB")
+    assert (fed["oom_events"], fed["events"]) == (0, 10) and fed["throughput"] > 0
+    # A trace: only the allocations that fit (and their frees) are events.
+    t = Trace([(0, 4096, 0, 0, 0, ALLOCATE), (0, 512, 1, 0, 0, ALLOCATE), (0, 512, 1, 0, 0, FREE)])
+    t.records.append((0, 4096, 0, 0, 0, FREE))
+    result = workloads.run("replay", make_resource("limit(async, limit=1KiB)"), log=t)
+    assert (result["oom_events"], result["events"]) == (1, 2)
+
+
+def test_choose_never_recommends_a_candidate_that_ran_out_of_memory() -> None:
+    profile = recommend.analyse(_trace(threads=1, streams=1, size=4096), free_device_bytes=1 << 30)
+    rows = [_row("async", 1, 1, 1), _row("pool(async)", 9, 9, 9), _row("cuda", 20, 20, 20)]
+    rows[1]["oom_events"] = 3
+    choice = recommend.choose(profile, rows)
+    assert choice["choice"] == "async" and choice["runner_up"] is None
+    assert any(
+        "not recommended: pool(async) (3 failed allocation(s) in 3 runs)" in r for r in choice["reasons"]
+    )
+    rows[0]["oom_events"] = 1
+    with pytest.raises(recommend.NothingToRecommendError, match="every candidate ran out of memory"):
+        recommend.choose(profile, rows)
+
+
+def test_ctrl_c_stops_the_worker_threads_before_it_goes_on(sim: Any) -> None:
+    import os
+    import signal
+    import threading
+
+    pool = make_resource("pool(async)")
+    long_trace = workloads.random_trace(10**5, "64KiB", 2, 2, 0)
+    runs = [
+        lambda: stress.run(pool, seconds=30, threads=2, sim=sim),
+        lambda: workloads.pipeline(pool, threads=2, chunks=10**6, chunk_size="64KiB", driver="python"),
+        lambda: replay(pool.resource, long_trace, gap_scale=0.0, native=False),
+    ]
+    before = set(threading.enumerate())
+    for run in runs:
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))  # as Ctrl-C does
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            run()
+        timer.join()
+        assert set(threading.enumerate()) == before  # every worker stopped and joined

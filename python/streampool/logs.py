@@ -15,20 +15,35 @@ import os
 
 from ._native import LOG_HEADER, LogEvent, _parse_log
 
-__all__ = ["LOG_HEADER", "LogEvent", "parse_log"]
+__all__ = ["LOG_HEADER", "LogEvent", "parse_log", "parse_log_file", "parse_log_text"]
+
+
+def parse_log_text(text: str | bytes) -> list[LogEvent]:
+    """The events of a log's text (``str``, or ``bytes`` in UTF-8), in file order; never
+    read as a path. Raises InvalidArgumentError (a ValueError) naming the line that does
+    not parse (an empty text has no header: it does not parse either)."""
+    return _parse_log(text.decode() if isinstance(text, bytes) else text)
+
+
+def parse_log_file(path: str | os.PathLike[str]) -> list[LogEvent]:
+    """The events of the log in the file ``path`` (see :func:`parse_log_text`); OSError
+    when the file cannot be read."""
+    with open(path, encoding="utf-8") as f:
+        return parse_log_text(f.read())
 
 
 def parse_log(source: str | bytes | os.PathLike[str]) -> list[LogEvent]:
-    """The events of a log, in file order.
+    """The events of a log, in file order: a convenience that guesses what ``source`` is.
 
     ``source`` is a path (``os.PathLike``, or a ``str`` of one line that does not start
-    with the header) or the log's text (``str`` or ``bytes``, UTF-8). Raises
-    InvalidArgumentError (a ValueError) naming the line that does not parse, and
-    OSError when the file cannot be read.
+    with the header) or the log's text (``bytes``, or a ``str`` with a newline or starting
+    with the header). A log's text of one line without its header would be taken for a
+    path: where it matters, say which it is with :func:`parse_log_text` or
+    :func:`parse_log_file`. Raises InvalidArgumentError (a ValueError) naming the line
+    that does not parse, and OSError when the file cannot be read.
     """
-    if isinstance(source, bytes):
-        return _parse_log(source.decode())
-    if isinstance(source, str) and ("\n" in source or source.lstrip("\ufeff").startswith(LOG_HEADER)):
-        return _parse_log(source)
-    with open(source, encoding="utf-8") as f:
-        return _parse_log(f.read())
+    if isinstance(source, bytes) or (
+        isinstance(source, str) and ("\n" in source or source.lstrip("\ufeff").startswith(LOG_HEADER))
+    ):
+        return parse_log_text(source)
+    return parse_log_file(source)

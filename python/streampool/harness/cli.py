@@ -2,15 +2,19 @@
 ``profile``, ``replay``, ``recommend``, ``plot``. See docs/harness.md for the reference.
 
 Exit codes: 0 success; 1 a check failed (``stress`` found corruption, an overlap, a race
-or an error); 2 bad usage (unknown command, workload, resource spec or option); 3 bad input
-(a malformed or unreadable log); 4 cannot run here (a peer or an extra not installed, a
-workload larger than the device, a resource that failed); 130 interrupted. ``profile`` (and
-``recommend -- CMD`` when the program fails) exits with the program's own status.
+or an error); 2 bad usage (unknown command, workload, resource spec, option or parameter);
+3 bad input (a malformed, empty or unreadable log, a log or plot directory that cannot be
+written); 4 cannot run here (a peer or an extra not installed, a workload larger than the
+device, a resource that failed, nothing to recommend: every candidate ran out of memory);
+130 interrupted. ``profile`` (and ``recommend -- CMD`` when the program fails) exits with the
+program's own status, 127 when it could not start.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 import sys
 import tempfile
@@ -19,12 +23,14 @@ from typing import Any
 
 from .. import __version__
 from .._errors import StreampoolError
+from .._native import parse_size
 from . import bench, plots, profile, recommend, stress, trace, workloads
 from .device import SIMULATED_NOTE, Device, device
 from .output import HARNESS_EXTRA, Output, document, human_bytes, human_ns, human_rate
 from .specs import PeerMissingError, SpecError, make_resource, split_specs
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_BAD_INPUT, EXIT_CANNOT_RUN, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+EXIT_CANNOT_START = profile.CANNOT_START  # 127: the program to profile could not start
 DEFAULT_RESOURCES = "async,pool(async),binning(async)"
 
 
@@ -61,8 +67,20 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, not {text!r}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of seconds (a finite one), not {text!r}"
+        )
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        value = parse_size(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte, e.g. 1MiB, not {text!r}")
     return value
 
 
@@ -107,8 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run a workload on resources side by side")
     b.add_argument("workload", help=f"one of: {', '.join(workloads.WORKLOADS)}")
     measured(b)
-    b.add_argument("--threads", type=_int_list, default=[1], help="thread counts, e.g. 1,4,16 (default 1)")
-    b.add_argument("--streams", type=_count, default=0, help="streams (default: one per thread)")
+    b.add_argument("--threads", type=_int_list, help="thread counts, e.g. 1,4,16 (default 1)")
+    b.add_argument("--streams", type=_count, help="streams (default: one per thread)")
     b.add_argument(
         "--param",
         type=_param,
@@ -121,12 +139,12 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("stress", help="a randomised run with data verification")
     s.add_argument("--resources", default="pool(async)", help="resource specs (default pool(async))")
-    s.add_argument("--seconds", type=_seconds, default=10.0, help="how long, per resource (default 10)")
+    s.add_argument("--seconds", type=_seconds, help="how long, per resource (default 10; 2 with --quick)")
     s.add_argument("--threads", type=_count, default=4)
     s.add_argument("--streams", type=_count, default=2, help="streams per thread (default 2)")
-    s.add_argument("--max-size", default="1MiB", help="the largest allocation (default 1MiB)")
+    s.add_argument("--max-size", type=_size, default="1MiB", help="the largest allocation (default 1MiB)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--quick", action="store_true", help="2 seconds")
+    s.add_argument("--quick", action="store_true", help="2 seconds (unless --seconds is given)")
     s.add_argument("--json", action="store_true")
 
     pr = sub.add_parser(
@@ -206,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         PeerMissingError,
         workloads.WorkloadError,
         plots.PlotsUnavailableError,
+        recommend.NothingToRecommendError,
         StreampoolError,
         MemoryError,
     ) as e:
@@ -237,7 +256,9 @@ def _range(s: dict[str, float], fmt: Any = human_rate) -> str:
 def _results_table(out: Output, title: str, summary: list[dict[str, Any]], replayed: bool = False) -> None:
     """The results table; ``replayed``: a log's replay, whose peak live bytes are the log's
     (its threads do not wait for each other as the program's did, so they may run ahead and
-    hold more: reserved can read high against them; ``--gap-scale 1`` keeps the pace)."""
+    hold more: reserved can read high against them; ``--gap-scale 1`` keeps the pace), less
+    the allocations that failed. The throughput counts the work that succeeded; the
+    allocations that ran out of memory are beside it."""
     rows = []
     for r in summary:
         ratio = r["ratio_to_first"]
@@ -246,12 +267,12 @@ def _results_table(out: Output, title: str, summary: list[dict[str, Any]], repla
                 r["resource"],
                 str(r["threads"]),
                 _range(r["throughput"]),
+                str(r["oom_events"]),
                 _range(ratio, lambda x: f"{x:.2f}") if ratio else "-",
                 f"{100 * r['alloc_share']['median']:.1f}%",
                 f"{human_ns(r['allocate']['p50'])} / {human_ns(r['allocate']['p99'])}",
                 human_ns(r["longest_call_ns"]),
                 f"{human_bytes(r['peak_live_bytes'])} / {human_bytes(r['peak_reserved_bytes'])}",
-                str(r["oom_events"]),
                 "-" if r["synchronizations"] is None else f"{r['synchronizations']}/{r['waits'] or 0}",
             ]
         )
@@ -259,12 +280,12 @@ def _results_table(out: Output, title: str, summary: list[dict[str, Any]], repla
         "resource",
         "threads",
         f"{summary[0]['unit'] if summary else ''} median [min-max]",
+        "OOM",
         "ratio to first",
         "alloc share",
         "alloc p50 / p99",
         "longest call",
         "peak live (as logged) / reserved" if replayed else "peak live / reserved",
-        "OOM",
         "syncs/waits",
     ]
     # The resource's own driver calls per chunk: the native pipeline reports them.
@@ -302,8 +323,40 @@ def _strip(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs]
 
 
+def _read_log(out: Output, log: str, skip_malformed: bool = False) -> trace.Trace:
+    """The trace of ``log``, refused (exit 3) when it has no allocation to replay; with
+    ``skip_malformed``, the report says how many lines were left out."""
+    t = trace.read_log(log, skip_malformed=skip_malformed)
+    if t.malformed:
+        out.line(f"{log}: {t.malformed} malformed line(s) skipped (--skip-malformed)")
+    if t.events:
+        return t
+    if not (t.recorded_failures or t.unmatched_frees):
+        raise _Fail(EXIT_BAD_INPUT, f"{log}: no events: no allocations to replay")
+    raise _Fail(
+        EXIT_BAD_INPUT,
+        f"{log}: no allocations to replay (only {t.recorded_failures} failed allocation(s) and "
+        f"{t.unmatched_frees} free(s) of memory allocated before the log began)",
+    )
+
+
+def _check_plot_dir(args: argparse.Namespace) -> None:
+    """Before any work: a clear message when matplotlib is missing or ``--plot DIR`` cannot
+    be written."""
+    if not args.plot:
+        return
+    plots._plt()
+    try:
+        plots.writable_dir(args.plot)
+    except OSError as e:
+        raise _Fail(
+            EXIT_BAD_INPUT, f"--plot {args.plot}: cannot write plots there: {e.strerror or e}"
+        ) from None
+
+
 def _measure_and_report(
     args: argparse.Namespace,
+    out: Output,
     dev: Device,
     workload: str,
     specs: list[str],
@@ -313,11 +366,7 @@ def _measure_and_report(
     title: str,
     extra: dict[str, Any],
 ) -> int:
-    if args.plot:
-        plots._plt()  # before any work: a clear message when matplotlib is missing
-    out = Output(args.json)
     repeats = args.repeats or (2 if args.quick else 3)
-    _announce(out, dev)
     runs, summary = bench.measure(workload, specs, threads, streams, repeats, params, out.progress)
     _results_table(
         out,
@@ -362,30 +411,43 @@ def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
             EXIT_USAGE,
             f"unknown workload {args.workload!r}; valid workloads: {', '.join(workloads.WORKLOADS)}",
         )
+    w = workloads.WORKLOADS[args.workload]
     given = dict(args.param)
     for own in ("threads", "streams"):
         if own in given:
             raise _Fail(EXIT_USAGE, f"--param {own}=...: give it as --{own} (a list: each value is measured)")
-    params = dict(workloads.WORKLOADS[args.workload].quick) if args.quick else {}
+        if getattr(args, own) is not None and own in w.ignores:
+            raise _Fail(EXIT_USAGE, f"--{own} does not apply to the {w.name} workload: {w.ignores[own]}")
+    if (args.log is not None) != (w.name == "replay"):
+        raise _Fail(
+            EXIT_USAGE,
+            "the replay workload needs --log LOG"
+            if w.name == "replay"
+            else f"--log is for the replay workload; the {w.name} workload reads no log",
+        )
+    params = dict(w.quick) if args.quick else {}
     params.update(given)
-    extra: dict[str, Any] = {}
-    threads = args.threads
-    if args.workload == "replay":
-        if not args.log:
-            raise _Fail(EXIT_USAGE, "the replay workload needs --log LOG")
-        t = trace.read_log(args.log)
-        params["log"] = t
-        threads = [t.threads]
+    workloads.check(w.name, params)
     specs = _specs(args.resources)
-    code = _measure_and_report(
-        args, dev, args.workload, specs, threads, args.streams, params, f"bench {args.workload}", extra
-    )
-    return code
+    _check_plot_dir(args)
+    out = Output(args.json)
+    threads, streams = args.threads or [1], args.streams or 0
+    if w.name == "replay":  # the log's own threads and streams
+        t = _read_log(out, args.log)
+        params["log"] = t
+        threads, streams = [t.threads], t.streams
+    _announce(out, dev)
+    return _measure_and_report(args, out, dev, w.name, specs, threads, streams, params, f"bench {w.name}", {})
 
 
 def _cmd_replay(args: argparse.Namespace, dev: Device) -> int:
-    t = trace.read_log(args.log, skip_malformed=args.skip_malformed)
+    params: dict[str, Any] = {"gap_scale": args.gap_scale}
+    workloads.check("replay", params)
     specs = _specs(args.resources)
+    _check_plot_dir(args)
+    out = Output(args.json)
+    t = _read_log(out, args.log, args.skip_malformed)
+    _announce(out, dev)
     log_info = {
         "path": args.log,
         "events": t.events,
@@ -394,43 +456,51 @@ def _cmd_replay(args: argparse.Namespace, dev: Device) -> int:
         "recorded_failures": t.recorded_failures,
         "unmatched_frees": t.unmatched_frees,
         "closing_frees": t.closing_frees,
-        "malformed_lines": getattr(t, "malformed", 0),
+        "malformed_lines": t.malformed,
     }
-    params = {"log": t, "gap_scale": args.gap_scale}
-    code = _measure_and_report(
+    return _measure_and_report(
         args,
+        out,
         dev,
         "replay",
         specs,
         [t.threads],
         t.streams,
-        params,
+        {"log": t, **params},
         f"replay {os.path.basename(args.log)}: {t.events} events",
         {"log": log_info},
     )
-    return code
 
 
-def _profile_into(program: list[str], log: str, dev: Device) -> int:
+def _profile_into(
+    program: list[str], log: str, dev: Device, output_to_stderr: bool = False, temporary: bool = False
+) -> int:
+    """Profiles ``program`` into ``log``; its status. ``output_to_stderr``: the program's
+    stdout goes to stderr (a JSON document alone goes to stdout); ``temporary``: the log is
+    removed after use (the messages say so)."""
     if not program:
         raise _Fail(EXIT_USAGE, "nothing to run: give the program after --, e.g. -- python prog.py ARGS")
-    simulated = dev.simulated
-    if simulated:
+    profile.check_log(log)  # before the program runs: an OSError naming the log, exit 3
+    if dev.simulated:
         print(
             f"streampool profile: {dev.reason}: the program runs on the simulated device "
             "(STREAMPOOL_DEVICE=sim)",
             file=sys.stderr,
         )
-    status = profile.run(program, log, simulated)
+    try:
+        status = profile.run(program, log, dev.simulated, output_to_stderr)
+    except profile.CannotStartError as e:
+        raise _Fail(EXIT_CANNOT_START, str(e)) from None
     events = profile.logged_events(log)
+    where = "a temporary log (-o LOG keeps it)" if temporary else log
     if status != 0:
         print(
             f"streampool profile: the program exited with status {status}; the log keeps the "
-            f"{events} event(s) recorded until then: {log}",
+            f"{events} event(s) recorded until then: {where}",
             file=sys.stderr,
         )
     else:
-        print(f"streampool profile: {events} event(s) logged to {log}", file=sys.stderr)
+        print(f"streampool profile: {events} event(s) logged to {where}", file=sys.stderr)
     return status
 
 
@@ -439,21 +509,22 @@ def _cmd_profile(args: argparse.Namespace, dev: Device) -> int:
 
 
 def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
-    if args.program:
-        if args.log is not None:
-            raise _Fail(EXIT_USAGE, "give a log or `-- python prog.py ARGS`, not both")
-        log = args.output or os.path.join(tempfile.mkdtemp(prefix="streampool-"), "profile.log")
-        status = _profile_into(args.program, log, dev)
-        if status != 0:
-            return status
-    elif args.log is None:
+    if args.program and args.log is not None:
+        raise _Fail(EXIT_USAGE, "give a log or `-- python prog.py ARGS`, not both")
+    if not args.program and args.log is None:
         raise _Fail(EXIT_USAGE, "give a log, or `-- python prog.py ARGS` to profile a program first")
-    else:
-        log = args.log
-    t = trace.read_log(log, skip_malformed=args.skip_malformed)
-    if not t.events:
-        raise _Fail(EXIT_BAD_INPUT, f"{log}: no allocations to replay")
     out = Output(args.json)
+    with contextlib.ExitStack() as cleanup:
+        log = args.log
+        if args.program:
+            # Without -o, the profile goes to a temporary directory, removed once read.
+            log = args.output or os.path.join(
+                cleanup.enter_context(tempfile.TemporaryDirectory(prefix="streampool-")), "profile.log"
+            )
+            status = _profile_into(args.program, log, dev, args.json, temporary=not args.output)
+            if status != 0:
+                return status
+        t = _read_log(out, log, args.skip_malformed)
     repeats = args.repeats or (2 if args.quick else 3)
     _announce(out, dev)
     prof = recommend.analyse(t)
@@ -514,7 +585,7 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
 
 def _cmd_stress(args: argparse.Namespace, dev: Device) -> int:
     specs = _specs(args.resources)
-    seconds = 2.0 if args.quick else args.seconds
+    seconds = args.seconds if args.seconds is not None else 2.0 if args.quick else 10.0
     out = Output(args.json)
     reports = []
     _announce(out, dev)
@@ -545,14 +616,15 @@ def _cmd_stress(args: argparse.Namespace, dev: Device) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace, dev: Device) -> int:
-    t = trace.read_log(args.log, skip_malformed=args.skip_malformed)
+    out = Output()
+    t = _read_log(out, args.log, args.skip_malformed)
     target = args.output or f"{args.log}.png"
     plots._plt()  # before any work: a clear message when matplotlib is missing
     candidate = make_resource(args.resource)
     replayed = trace.sequential_replay(candidate.resource, t, candidate.reserved)
     plots.log_plot(t, replayed, candidate.spec, target, dev.simulated)
     note = " (simulated device)" if dev.simulated else ""
-    print(f"wrote {target}{note}")
+    out.line(f"wrote {target}{note}")
     return EXIT_OK
 
 

@@ -7,13 +7,14 @@ the simulated device says so in its title."""
 from __future__ import annotations
 
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from .output import HARNESS_EXTRA
 from .trace import ALLOCATE, Trace
 
-__all__ = ["PlotsUnavailableError", "bench_plots", "latency_plot", "log_plot"]
+__all__ = ["PlotsUnavailableError", "bench_plots", "latency_plot", "log_plot", "writable_dir"]
 
 
 class PlotsUnavailableError(RuntimeError):
@@ -29,6 +30,14 @@ def _plt() -> Any:
     except ImportError:
         raise PlotsUnavailableError(f"plots need matplotlib: {HARNESS_EXTRA}") from None
     return plt
+
+
+def writable_dir(out_dir: str) -> None:
+    """Makes ``out_dir`` (and its parents) and checks that a file can be written there, so
+    that a run is not measured for plots that cannot be saved; OSError when not."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=out_dir):
+        pass
 
 
 def _log_bins(samples: list[int], n: int = 60) -> list[float]:
@@ -128,11 +137,19 @@ def latency_plot(ax: Any, runs: list[dict[str, Any]]) -> str:
 
 
 def _steps(trace: Trace, key: int) -> dict[int, tuple[list[float], list[int]]]:
+    """Live bytes over time (s) per thread (``key`` 3) or stream (4): a free is charged to
+    the thread or stream that made the allocation (the same address, matched when the log
+    was read), wherever it was freed, so no level goes below zero."""
     series: dict[int, tuple[list[float], list[int]]] = {}
     level: dict[int, int] = {}
+    owner: dict[int, int] = {}  # alloc_id -> the allocation's thread or stream
     for r in trace.records:
-        k = r[key]
-        level[k] = level.get(k, 0) + (r[1] if r[5] == ALLOCATE else -r[1])
+        if r[5] == ALLOCATE:
+            k = owner[r[2]] = r[key]
+            level[k] = level.get(k, 0) + r[1]
+        else:
+            k = owner.pop(r[2], r[key])
+            level[k] = level.get(k, 0) - r[1]
         xs, ys = series.setdefault(k, ([], []))
         xs.append(r[0] / 1e9)
         ys.append(level[k])

@@ -6,7 +6,9 @@ current resource in a :class:`~streampool.mr.LoggingResourceAdaptor` writing to 
 (device 0 to ``LOG``, device N to ``LOG.devN``; the log is flushed line by line, so a
 crash leaves every event up to it), then runs the program's own ``sitecustomize``, if any.
 The program's output and exit status pass through. What it allocates through PyTorch,
-CuPy or a resource it sets itself is not logged.
+CuPy or a resource it sets itself is not logged. A log that cannot be written is refused
+before the program runs (:func:`check_log`); should the shim still fail to install the
+adaptor, it stops the program with status 127 (it could not start profiled).
 """
 
 from __future__ import annotations
@@ -19,6 +21,26 @@ from pathlib import Path
 
 SHIM = Path(__file__).with_name("_shim")
 LOG_ENV = "STREAMPOOL_PROFILE_LOG"
+#: The status of a program that could not start (the shell's): not found, not executable,
+#: or the logging adaptor could not be installed in it.
+CANNOT_START = 127
+
+
+class CannotStartError(RuntimeError):
+    """The program could not be started (its message says why, in one line)."""
+
+
+def check_log(log: str) -> None:
+    """Removes an old ``log`` and checks that a new one can be created (by creating and
+    removing it), so that a program is never run for a log that cannot be written;
+    OSError naming the log when it cannot."""
+    path = Path(log)
+    try:
+        path.unlink(missing_ok=True)
+        path.touch()
+        path.unlink()
+    except OSError as e:
+        raise OSError(f"cannot write the log {log}: {e.strerror or e}") from None
 
 
 def command_line(argv: Sequence[str]) -> list[str]:
@@ -29,19 +51,23 @@ def command_line(argv: Sequence[str]) -> list[str]:
     return list(argv)
 
 
-def run(argv: Sequence[str], log: str, simulated: bool) -> int:
-    """Runs ``argv`` with the logging shim; returns its exit status (128 + N for a signal)."""
+def run(argv: Sequence[str], log: str, simulated: bool, output_to_stderr: bool = False) -> int:
+    """Runs ``argv`` with the logging shim (the log checked first, :func:`check_log`);
+    returns its exit status (128 + N for a signal). ``output_to_stderr``: the program's
+    standard output goes to stderr (so that stdout holds a JSON document alone).
+    CannotStartError when the program cannot be started (not found, not executable)."""
+    check_log(log)
     env = dict(os.environ)
     env[LOG_ENV] = os.path.abspath(log)
     env["PYTHONPATH"] = os.pathsep.join([str(SHIM), *filter(None, [env.get("PYTHONPATH")])])
     if simulated:
         env["STREAMPOOL_DEVICE"] = "sim"
-    Path(log).unlink(missing_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
     try:
-        proc = subprocess.run(command_line(argv), env=env)
-    except FileNotFoundError as e:
-        print(f"streampool profile: cannot run {argv[0]!r}: {e.strerror}", file=sys.stderr)
-        return 127
+        proc = subprocess.run(command_line(argv), env=env, stdout=sys.stderr if output_to_stderr else None)
+    except OSError as e:
+        raise CannotStartError(f"cannot run {argv[0]!r}: {e.strerror or e}") from None
     return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
 
 

@@ -24,7 +24,7 @@ from .output import human_bytes
 from .specs import make_resource
 from .trace import ALLOCATE, FREE, Trace, quantile
 
-__all__ = ["SIMPLER_FIRST", "Profile", "analyse", "choose"]
+__all__ = ["SIMPLER_FIRST", "NothingToRecommendError", "Profile", "analyse", "choose"]
 
 # Memory handed from stream to stream (a producer/consumer pipeline): the sharded pool with
 # more headroom, whose streams record an event only once 8 frees are waiting, hands it over
@@ -57,6 +57,10 @@ SIMPLER_FIRST = [
 ]
 SMALL = 1 << 20  # "small" allocations: at most 1 MiB at the median
 MANY = 4  # "many" threads and streams
+
+
+class NothingToRecommendError(RuntimeError):
+    """Every candidate ran out of memory in its replay: none is recommended."""
 
 
 @dataclass
@@ -195,12 +199,23 @@ def choose(profile: Profile, summary: list[dict[str, Any]]) -> dict[str, Any]:
     """The recommendation from measured ``summary`` rows (one per candidate): the fastest
     by median throughput, unless a simpler candidate (the rules' choice first, then
     SIMPLER_FIRST order) is within noise of every faster one (so never one that another
-    candidate measurably beats, however noisy the fastest). Returns choice, runner_up,
-    margin (the choice's median over the runner-up's, minus 1), within_noise and the
-    reasoning."""
-    rows = {r["resource"]: r for r in summary if r["resource"] != BASELINE and not r["oom_events"]}
+    candidate measurably beats, however noisy the fastest). A candidate that ran out of
+    memory in any run is never recommended; NothingToRecommendError when every one did.
+    Returns choice, runner_up, margin (the choice's median over the runner-up's, minus 1),
+    within_noise and the reasoning."""
+    candidates = [r for r in summary if r["resource"] != BASELINE]
+    rows = {r["resource"]: r for r in candidates if not r["oom_events"]}
+    out_of_memory = [
+        f"{r['resource']} ({r['oom_events']} failed allocation(s) in {r['repeats']} runs)"
+        for r in candidates
+        if r["oom_events"]
+    ]
     if not rows:
-        rows = {r["resource"]: r for r in summary if r["resource"] != BASELINE}
+        raise NothingToRecommendError(
+            f"every candidate ran out of memory replaying the log: {', '.join(out_of_memory)}; "
+            f"nothing to recommend (the log's peak live bytes: {human_bytes(profile.peak_live_bytes)}, "
+            f"free on the device: {human_bytes(profile.free_device_bytes)})"
+        )
     ranked = sorted(rows.values(), key=lambda r: r["throughput"]["median"], reverse=True)
     fastest = ranked[0]
     order = [profile.preferred] + [s for s in SIMPLER_FIRST if s != profile.preferred]
@@ -220,6 +235,8 @@ def choose(profile: Profile, summary: list[dict[str, Any]]) -> dict[str, Any]:
     margin = pick["throughput"]["median"] / runner["throughput"]["median"] - 1 if runner else None
     noise = runner is not None and bench.within_noise(pick["throughput"], runner["throughput"])
     why = list(profile.reasons)
+    if out_of_memory:
+        why.append(f"ran out of memory in the replay, so not recommended: {', '.join(out_of_memory)}")
     if pick is not fastest:
         which = "the rules' choice" if pick["resource"] == profile.preferred else "the simpler choice"
         gain = fastest["throughput"]["median"] / pick["throughput"]["median"] - 1

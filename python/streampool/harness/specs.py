@@ -57,7 +57,9 @@ class Spec:
         return f"{self.name}({', '.join(inner)})" if inner else self.name
 
 
-_TOKEN = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_.:]*(?:\s*=\s*[^,()\s]+)?|[(),])")
+# A name, a `key=value` option (its value runs to the next comma or parenthesis: sizes
+# may have a space, "1 GiB"), or a parenthesis or comma.
+_TOKEN = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_.:]*(?:\s*=\s*[^,()\s](?:[^,()]*[^,()\s])?)?|[(),])")
 
 
 def _tokens(text: str) -> list[str]:
@@ -68,7 +70,8 @@ def _tokens(text: str) -> list[str]:
         m = _TOKEN.match(text, pos)
         if not m:
             raise SpecError(f"resource spec {text!r}: cannot read {text[pos:].strip()!r}. {_valid()}")
-        out.append(m.group(1).replace(" ", ""))
+        key, eq, value = m.group(1).partition("=")
+        out.append(f"{key.strip()}{eq}{value.strip()}")
         pos = m.end()
     return out
 
@@ -171,6 +174,17 @@ def _options(spec: Spec, allowed: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+#: The options a resource cannot be made without, by resource.
+_REQUIRED = {"limit": "limit"}
+
+
+def _required(spec: Spec) -> None:
+    key = _REQUIRED.get(spec.name)
+    if key is not None and key not in dict(spec.options):
+        example = next(v for v in VALID_SPECS if v.startswith(f"{spec.name}("))
+        raise SpecError(f"resource spec {spec}: {spec.name} needs the option {key}=, e.g. {example}")
+
+
 def _arity(spec: Spec, n: int) -> None:
     if len(spec.args) != n:
         what = "no upstream" if n == 0 else "one upstream, e.g. pool(async)"
@@ -258,11 +272,18 @@ def _ours(spec: Spec) -> tuple[mr.MemoryResource, str]:
         _options(spec, {})
         upstream, code = _ours(spec.args[0])
         return adaptor(upstream), f"mr.LatencyHistogramAdaptor({code})"
+    if ":" in spec.name:  # a peer inside a pool or an adaptor: refused as a bare one would be first
+        _peer_module(spec)
+        raise SpecError(
+            f"resource spec {spec}: a peer library's resource cannot be the upstream of streampool's "
+            "pools and adaptors; measure it on its own"
+        )
     if spec.name not in _OURS:
         raise SpecError(f"unknown resource {spec.name!r} in spec {str(spec)!r}. {_valid()}")
     n, allowed, make, template = _OURS[spec.name]
     _arity(spec, n)
     kwargs = _options(spec, allowed)
+    _required(spec)
     if spec.name == "binning":
         kwargs = {**BINNING_DEFAULT, **kwargs}
     opts = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
@@ -302,7 +323,10 @@ def _import_peer(lib: str) -> Any:
         ) from None
 
 
-def _peer(spec: Spec) -> Candidate:
+def _peer_module(spec: Spec) -> tuple[str, Spec, Any]:
+    """The peer library a spec names, imported: ``(library, the spec without it, module)``.
+    SpecError for an unknown peer; PeerMissingError on the simulated device, or naming the
+    package to install when the library is not installed."""
     lib, _, name = spec.name.partition(":")
     if lib not in _PEER_PACKAGES:
         raise SpecError(f"unknown peer library {lib!r} in spec {str(spec)!r}. {_valid()}")
@@ -313,7 +337,11 @@ def _peer(spec: Spec) -> Candidate:
         raise PeerMissingError(
             f"resource spec {spec}: peers allocate real GPU memory and cannot run on the simulated device"
         )
-    module = _import_peer(lib)
+    return lib, inner, _import_peer(lib)
+
+
+def _peer(spec: Spec) -> Candidate:
+    lib, inner, module = _peer_module(spec)
     maker = {"rmm": _rmm, "cupy": _cupy, "torch": _torch}[lib]
     allocate, deallocate, reserved, keep, code = maker(module, str(inner))
     resource = mr.CallbackMemoryResource(allocate, deallocate)

@@ -17,12 +17,14 @@ race detector reports any access not ordered after the previous one. Example::
 from __future__ import annotations
 
 import bisect
+import functools
 import random
 import threading
 import time
 from typing import Any
 
 from .._native import Stream, parse_size
+from ._threads import run_threads
 from .specs import Candidate
 from .trace import live_intervals_overlap
 from .workloads import _kernels
@@ -44,9 +46,13 @@ def run(
     """Stresses ``candidate`` for ``seconds`` with ``threads`` threads of ``streams``
     streams each; returns the report: ok, operations, allocations, verified_bytes,
     corruptions, overlaps, races (each a list of sentences; the first 20 kept), errors.
-    ``sim``: the active SimulatedDevice, whose race detector is read at the end."""
+    ``sim``: the active SimulatedDevice, whose race detector is read at the end. On Ctrl-C
+    the threads stop (each frees what it holds) before the KeyboardInterrupt goes on.
+    ValueError for a ``max_size`` below 1 byte."""
     kernels = _kernels()
     top = parse_size(max_size)
+    if top < 1:
+        raise ValueError(f"stress: max_size must be at least 1 byte, not {max_size!r}")
     lock = threading.Lock()
     live: list[tuple[int, int]] = []
     report: dict[str, Any] = {
@@ -58,6 +64,7 @@ def run(
         "errors": [],
     }
     deadline = time.monotonic() + seconds
+    stop = threading.Event()
     resource = candidate.resource
 
     def note(kind: str, text: str) -> None:
@@ -88,7 +95,7 @@ def run(
             resource.deallocate(ptr, size, other)
 
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not stop.is_set():
                 ops += 1
                 if held and (len(held) >= max_live or rng.random() < 0.45):
                     free_one()
@@ -125,11 +132,7 @@ def run(
                 report["allocations"] += allocations
                 report["verified_bytes"] += verified
 
-    pool = [threading.Thread(target=body, args=(i,), name=f"stress-{i}") for i in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    run_threads([functools.partial(body, i) for i in range(threads)], stop, name="stress")
     races = [str(r) for r in sim.races()] if sim is not None else []
     report["races"] = races[:20]
     report["race_detector"] = sim is not None

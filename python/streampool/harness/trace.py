@@ -14,6 +14,8 @@ makes one stream per recorded stream). Packed little-endian (``RECORD.pack``), i
 from __future__ import annotations
 
 import bisect
+import functools
+import math
 import re
 import struct
 import threading
@@ -24,13 +26,17 @@ from typing import Any
 
 from .. import _native
 from .._native import LOG_HEADER, Stream
-from ..logs import parse_log
+from ..logs import parse_log_text
+from ._threads import run_threads
 
 __all__ = ["ALLOCATE", "FREE", "RECORD", "LogFormatError", "Trace", "percentiles", "read_log", "replay"]
 
 RECORD = struct.Struct("<QQQIIB7x")
 ALLOCATE, FREE = 0, 1
 _DAY_NS = 86_400 * 10**9
+#: The latest time a log line may carry, in seconds (since midnight, or any origin): 2^63
+#: ns, about 292 years, so that every time in nanoseconds fits a record.
+MAX_TIME_S = 2**63 / 1e9
 
 
 class LogFormatError(ValueError):
@@ -62,6 +68,8 @@ class Trace:
     recorded_failures: int = 0
     unmatched_frees: int = 0
     closing_frees: int = 0
+    #: Malformed lines left out (``read_log(..., skip_malformed=True)``).
+    malformed: int = 0
 
     @property
     def threads(self) -> int:
@@ -72,15 +80,38 @@ class Trace:
         return 1 + max((r[4] for r in self.records), default=0)
 
     def pack(self) -> bytes:
-        return b"".join(RECORD.pack(*r) for r in self.records)
+        """The records packed for the native replayer; ValueError naming the first record
+        with a field out of range (a time or size beyond 64 bits, a negative one)."""
+        try:
+            return b"".join(RECORD.pack(*r) for r in self.records)
+        except struct.error:
+            n, bad = next((n, r) for n, r in enumerate(self.records) if not _packs(r))
+            raise ValueError(f"trace record {n} {bad}: a field is out of range") from None
 
     @property
     def events(self) -> int:
         return len(self.records)
 
 
+def _packs(record: tuple[int, ...]) -> bool:
+    try:
+        RECORD.pack(*record)
+    except struct.error:
+        return False
+    return True
+
+
+def time_error(seconds: float) -> str | None:
+    """Why a log line's time cannot be replayed (not finite, negative, or beyond
+    :data:`MAX_TIME_S`), or None when it can."""
+    if math.isfinite(seconds) and 0 <= seconds <= MAX_TIME_S:
+        return None
+    return f"time {seconds:.15g} s out of range (0 to {MAX_TIME_S:.0f} s)"
+
+
 def from_events(events: Iterable[Any]) -> Trace:
-    """A trace from parsed log events (:class:`streampool.logs.LogEvent`)."""
+    """A trace from parsed log events (:class:`streampool.logs.LogEvent`); ValueError
+    naming the first event (counted from 0) whose time is out of range (:func:`time_error`)."""
     records: list[tuple[int, int, int, int, int, int]] = []
     threads: dict[int, int] = {}
     streams: dict[int, int] = {}
@@ -88,7 +119,10 @@ def from_events(events: Iterable[Any]) -> Trace:
     failures = unmatched = 0
     t0: int | None = None
     last = offset = 0
-    for e in events:
+    for n, e in enumerate(events):
+        why = time_error(e.time)
+        if why is not None:
+            raise ValueError(f"log event {n}: {why}")
         t = round(e.time * 1e9) + offset
         if t0 is None:
             t0 = last = t
@@ -136,12 +170,13 @@ def read_log(path: str, *, skip_malformed: bool = False) -> Trace:
     """The trace of a log in streampool's or RMM's CSV format (``Thread,Time,Action,
     Pointer,Size,Stream``). A malformed line raises :class:`LogFormatError` naming every
     bad line by number (its ``trace`` holds the rest); with ``skip_malformed`` the bad
-    lines are left out and counted in the trace's ``malformed`` attribute instead. OSError
-    when the file cannot be read."""
+    lines are left out and counted in the trace's ``malformed`` attribute instead. A time
+    out of range (:func:`time_error`) makes a line malformed. An empty log, or its header
+    alone, is a trace of no events. OSError when the file cannot be read."""
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read()
     try:
-        return from_events(parse_log(text))
+        return from_events(parse_log_text(text))
     except ValueError:
         pass
     # Line by line, to name every bad line and keep the good ones.
@@ -161,13 +196,19 @@ def read_log(path: str, *, skip_malformed: bool = False) -> Trace:
             if not body[:1].isdigit():
                 continue
         try:
-            good.extend(parse_log(f"{LOG_HEADER}\n{body}\n"))
+            parsed = parse_log_text(f"{LOG_HEADER}\n{body}\n")
         except ValueError as e:
             errors.append((n, re.sub(r"^.*?log line \d+: ", "", str(e))))
+            continue
+        why = next(filter(None, (time_error(e.time) for e in parsed)), None)
+        if why is not None:
+            errors.append((n, f"{why}: `{body}`"))
+        else:
+            good.extend(parsed)
     trace = from_events(good)
     if errors and not skip_malformed:
         raise LogFormatError(str(path), errors, trace)
-    trace.malformed = len(errors)  # type: ignore[attr-defined]
+    trace.malformed = len(errors)
     return trace
 
 
@@ -191,12 +232,14 @@ def quantile(ordered: Sequence[int], q: float) -> int:
 
 def native_report(report: Any) -> dict[str, Any]:
     """A native report (``_native.replay``/``pipeline``) in the harness's terms: latency
-    percentiles as ``allocate``/``free`` (without their count)."""
+    percentiles as ``allocate``/``free`` (without their count), ``events`` the calls that
+    succeeded (their counts: a failed allocation has no latency, and its free is skipped)."""
     out = dict(report)
     out["resource_name"] = out.pop("resource", None)  # the spec names the resource in the harness
+    out["events"] = 0
     for op in ("allocate", "free"):
         percentiles = dict(out.pop(f"{op}_ns"))
-        percentiles.pop("count", None)
+        out["events"] += percentiles.pop("count", 0)
         out[op] = percentiles
     out.setdefault("oom_events", 0)
     return out
@@ -217,10 +260,13 @@ def replay(
     """Replays ``trace`` on ``resource``: one thread per recorded thread, one new stream
     per recorded stream, each thread's operations in recorded order, the recorded gaps
     between them scaled by ``gap_scale`` (0: as fast as possible). A free waits for its
-    allocation when another thread made it. Returns events, seconds, alloc_seconds (time
-    inside the allocator's calls, all threads), allocate/free latency percentiles (ns),
-    peak_live_bytes, peak_reserved_bytes (None when ``reserved()`` cannot say),
-    oom_events and, for a sharded pool, its synchronisations and waits.
+    allocation when another thread made it; an allocation that runs out of memory is
+    counted in oom_events and skipped with its free. Returns events (the allocator calls
+    that succeeded), seconds, alloc_seconds (time inside the allocator's calls, all
+    threads), allocate/free latency percentiles (ns, of the calls that succeeded),
+    peak_live_bytes (of the allocations that succeeded), peak_reserved_bytes (None when
+    ``reserved()`` cannot say), oom_events and, for a sharded pool, its synchronisations
+    and waits.
 
     ``native=None`` uses the native replayer (``streampool._native.replay``) when this build
     has it, else replays from Python threads (slower per event, same semantics)."""
@@ -255,6 +301,12 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
     lat: list[list[int]] = [[], []]
     errors: list[BaseException] = []
     start_barrier = threading.Barrier(trace.threads)
+    stop = threading.Event()  # Ctrl-C: every thread stops at its next operation
+
+    def wake() -> None:
+        start_barrier.abort()
+        with ready:
+            ready.notify_all()
 
     def run(ops: list[tuple[int, int, int, int, int, int]]) -> None:
         a_lat: list[int] = []
@@ -266,6 +318,8 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
             start_barrier.wait()
             t0 = clock()
             for n, (t, size, alloc_id, _th, s, op) in enumerate(ops):
+                if stop.is_set():
+                    break
                 if gap_scale > 0:
                     due = t0 + int(t * gap_scale)
                     now = clock()
@@ -277,8 +331,6 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
                     try:
                         ptr = allocate(size, stream)
                     except MemoryError:
-                        end = clock()
-                        a_lat.append(end - c)
                         with ready:
                             stats["oom_events"] += 1
                             failed.add(alloc_id)
@@ -298,8 +350,8 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
                 else:
                     if alloc_id in cross:
                         with ready:
-                            ready.wait_for(lambda i=alloc_id: i in ptrs or i in failed)  # type: ignore[misc]
-                    if alloc_id in failed:
+                            ready.wait_for(lambda i=alloc_id: i in ptrs or i in failed or stop.is_set())  # type: ignore[misc]
+                    if alloc_id not in ptrs:  # it failed (or Ctrl-C stopped its thread)
                         continue
                     ptr = ptrs.pop(alloc_id)
                     c = clock()
@@ -320,14 +372,8 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
                 lat[0].extend(a_lat)
                 lat[1].extend(f_lat)
 
-    threads = [
-        threading.Thread(target=run, args=(ops,), name=f"replay-{i}") for i, ops in enumerate(per_thread)
-    ]
     start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads([functools.partial(run, ops) for ops in per_thread], stop, wake, name="replay")
     for s in streams:
         s.synchronize()
     seconds = time.perf_counter() - start
@@ -335,7 +381,7 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
         raise errors[0]
     end_reserved = reserved() if reserved is not None else None
     return {
-        "events": trace.events,
+        "events": len(lat[0]) + len(lat[1]),
         "seconds": seconds,
         "alloc_seconds": (sum(lat[0]) + sum(lat[1])) / 1e9,
         "allocate": percentiles(lat[0]),

@@ -17,6 +17,7 @@ and larger-than-memory launch kernels (:mod:`streampool.kernels`) between alloca
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import queue
@@ -24,15 +25,25 @@ import random as _random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _native
 from .._native import Stream, available_device_memory, parse_size, using_simulated_device
 from . import trace as _trace
+from ._threads import run_threads
 from .specs import Candidate
 
-__all__ = ["WORKLOADS", "Workload", "WorkloadError", "random_trace", "run", "window_trace"]
+__all__ = [
+    "WORKLOADS",
+    "Workload",
+    "WorkloadError",
+    "check",
+    "check_param",
+    "random_trace",
+    "run",
+    "window_trace",
+]
 
 
 class WorkloadError(RuntimeError):
@@ -116,6 +127,7 @@ def window_trace(
 
 def _replay_result(candidate: Candidate, t: _trace.Trace, gap_scale: float) -> dict[str, Any]:
     out = _trace.replay(candidate.resource, t, gap_scale=gap_scale, reserved=candidate.reserved)
+    # The calls that succeeded: a failed allocation (and its skipped free) is no work done.
     out["throughput"] = out["events"] / out["seconds"] if out["seconds"] else 0.0
     out["unit"] = "events/s"
     return out
@@ -220,11 +232,13 @@ class _Meter:
             self.lat[0].extend(a)
             self.lat[1].extend(f)
 
-    def result(self, seconds: float, events: int, done: int, unit: str) -> dict[str, Any]:
+    def result(self, seconds: float, done: int, unit: str) -> dict[str, Any]:
+        """The metrics; ``done``: the work that succeeded, in ``unit`` (per second), and
+        ``events`` the allocator calls that succeeded (the failed ones are ``oom_events``)."""
         self.sample()
         reserved = self.peak_reserved if self.candidate.reserved() is not None else None
         return {
-            "events": events,
+            "events": len(self.lat[0]) + len(self.lat[1]),
             "seconds": seconds,
             "throughput": done / seconds if seconds else 0.0,
             "unit": unit,
@@ -239,9 +253,13 @@ class _Meter:
         }
 
 
-def _threads(n: int, target: Callable[[int], None]) -> float:
+def _threads(n: int, target: Callable[[int], None], stop: threading.Event) -> float:
+    """Runs ``target(i)`` on ``n`` threads started together; returns the seconds from their
+    start to the last one's end. On Ctrl-C sets ``stop`` (which the targets check) and
+    joins them before the KeyboardInterrupt goes on."""
     errors: list[BaseException] = []
-    barrier = threading.Barrier(n + 1)
+    started: list[float] = []
+    barrier = threading.Barrier(n, action=lambda: started.append(time.perf_counter()))
 
     def body(i: int) -> None:
         try:
@@ -250,14 +268,8 @@ def _threads(n: int, target: Callable[[int], None]) -> float:
         except BaseException as e:
             errors.append(e)
 
-    pool = [threading.Thread(target=body, args=(i,)) for i in range(n)]
-    for t in pool:
-        t.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for t in pool:
-        t.join()
-    seconds = time.perf_counter() - start
+    run_threads([functools.partial(body, i) for i in range(n)], stop, barrier.abort)
+    seconds = time.perf_counter() - started[0]
     if errors:
         raise errors[0]
     return seconds
@@ -279,11 +291,14 @@ def multistream(
     nbytes = parse_size(size)
     pool = [Stream() for _ in range(streams)]
     meter = _Meter(candidate)
+    stop = threading.Event()
 
     def body(i: int) -> None:
         a: list[int] = []
         f: list[int] = []
         for n in range(iterations):
+            if stop.is_set():
+                break
             stream = pool[(i + n * threads) % streams]
             ptr = meter.allocate(nbytes, stream, a)
             if ptr is None:
@@ -295,10 +310,10 @@ def multistream(
                 meter.sample()
         meter.merge(a, f)
 
-    seconds = _threads(threads, body)
+    seconds = _threads(threads, body, stop)
     for s in pool:
         s.synchronize()
-    return meter.result(seconds, 2 * threads * iterations, threads * iterations, "iterations/s")
+    return meter.result(seconds, len(meter.lat[0]), "iterations/s")  # one allocation an iteration
 
 
 def _calibrate(kernels: Any, ptr: int, nbytes: int, stream: Stream, kernel_us: float) -> int:
@@ -385,7 +400,6 @@ def pipeline(
         )
         out["throughput"] = out["chunks_per_second"]
         out["unit"] = "chunks/s"
-        out["events"] = 2 * out["chunks"]
         out["driver"] = "native"
         return out
     kernels = _kernels()
@@ -396,6 +410,7 @@ def pipeline(
     candidate.resource.deallocate(probe, nbytes, probe_stream)
     probe_stream.synchronize()
     mismatches, checked = [0], [0]
+    stop = threading.Event()
 
     def pair(i: int) -> None:
         handoff: queue.Queue[tuple[int, int] | None] = queue.Queue(maxsize=4)
@@ -406,6 +421,8 @@ def pipeline(
         def producer() -> None:
             try:
                 for n in range(chunks):
+                    if stop.is_set():
+                        break
                     ptr = meter.allocate(nbytes, produce, a)
                     if ptr is None:
                         continue
@@ -433,8 +450,8 @@ def pipeline(
         consume.synchronize()
         meter.merge(a, f)
 
-    seconds = _threads(threads, pair)
-    out = meter.result(seconds, 2 * threads * chunks, threads * chunks, "chunks/s")
+    seconds = _threads(threads, pair, stop)
+    out = meter.result(seconds, len(meter.lat[1]), "chunks/s")  # each chunk made is freed
     out["driver"] = "python"
     out["host_threads"] = 2 * threads  # a producer and a consumer per pair
     out["mismatches"] = mismatches[0]
@@ -485,17 +502,19 @@ def larger_than_memory(
     stream.synchronize()
     seconds = time.perf_counter() - start
     meter.merge(a, f)
-    out = meter.result(seconds, 2 * len(held), passes * len(held) * chunk, "bytes/s")
+    out = meter.result(seconds, passes * len(held) * chunk, "bytes/s")
     return out
 
 
 @dataclass(frozen=True)
 class Workload:
-    """A named workload: ``run(candidate, **params)``, its default and ``--quick`` params."""
+    """A named workload: ``run(candidate, **params)``, its default and ``--quick`` params,
+    and the command-line options it ignores (``threads``, ``streams``), each with why."""
 
     name: str
     run: Callable[..., dict[str, Any]]
     quick: dict[str, Any]
+    ignores: dict[str, str] = field(default_factory=dict)
 
     @property
     def doc(self) -> str:
@@ -518,33 +537,88 @@ WORKLOADS: dict[str, Workload] = {
         Workload("random", random, {"allocations": 500}),
         Workload("window", window, {"allocations": 1000}),
         Workload("multistream", multistream, {"iterations": 20, "size": "64KiB"}),
-        Workload("pipeline", pipeline, {"chunks": 20, "chunk_size": "256KiB", "kernel_us": 5}),
+        Workload(
+            "pipeline",
+            pipeline,
+            {"chunks": 20, "chunk_size": "256KiB", "kernel_us": 5},
+            {"streams": "each producer/consumer pair (--threads) has two streams of its own"},
+        ),
         Workload(
             "larger-than-memory", larger_than_memory, {"total": "16MiB", "chunk_size": "4MiB", "passes": 1}
         ),
-        Workload("replay", replay, {}),
+        Workload(
+            "replay",
+            replay,
+            {},
+            {
+                "threads": "the log's own threads are replayed",
+                "streams": "the log's own streams are replayed",
+            },
+        ),
     )
 }
 
+#: The least value of each numeric parameter that has one (sizes in bytes); numbers must
+#: also be finite. (``pipeline`` checks its own ``check_every``, ``long_call_us`` and
+#: ``null_call_us``, which take more than a least value.)
+_LEAST: dict[str, int] = {
+    "allocations": 1,
+    "window": 1,
+    "max_size": 1,
+    "iterations": 1,
+    "size": 1,
+    "kernel_iterations": 0,
+    "chunks": 1,
+    "chunk_size": 8,
+    "kernel_us": 0,
+    "total": 0,  # 0: the default, half the device's free memory
+    "passes": 1,
+    "gap_scale": 0,
+}
 
-def run(name: str, candidate: Candidate, **params: Any) -> dict[str, Any]:
-    """Runs workload ``name`` on ``candidate``; ValueError naming the valid workloads, or
-    naming a parameter the workload does not take and listing those it does."""
+
+def check_param(workload: str, key: str, value: Any, kind: str) -> None:
+    """Refuses ``value`` for parameter ``key`` of ``workload`` (declared as ``kind``:
+    ``int``, ``float``, or ``int | str`` for a size) when it is of the wrong type or below
+    its least value (``_LEAST``): ValueError naming the parameter and what it takes."""
+    where = f"workload {workload!r}: {key}"
+    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{where} must be an integer, not {value!r}")
+    if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"{where} must be a number, not {value!r}")
+    number, unit = value, ""
+    if kind == "int | str":
+        unit = " bytes" if _LEAST.get(key) != 1 else " byte"
+        try:
+            number = parse_size(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where} must be a size in bytes, e.g. 64KiB, not {value!r}") from None
+    least = _LEAST.get(key)
+    if least is not None and not least <= number < math.inf:  # NaN fails every comparison
+        finite = ", and finite" if kind == "float" else ""
+        raise ValueError(f"{where} must be at least {least}{unit}{finite}, not {value!r}")
+
+
+def check(name: str, params: dict[str, Any]) -> None:
+    """Checks ``params`` for workload ``name`` without running it: ValueError naming the
+    valid workloads, naming a parameter the workload does not take and listing those it
+    does, or naming a parameter whose value is of the wrong type or out of range
+    (:func:`check_param`)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; valid workloads: {', '.join(WORKLOADS)}")
-    w = WORKLOADS[name]
-    declared = w.declared()
+    declared = WORKLOADS[name].declared()
     unknown = [p for p in params if p not in declared]
     if unknown:
         raise ValueError(
             f"workload {name!r} takes no parameter {', '.join(map(repr, unknown))}; "
             f"its parameters: {', '.join(declared)}"
         )
-    # A number where the workload takes only one (sizes also take strings: "64KiB").
+    # A number where the workload takes only one (sizes also take strings: "64KiB"), in range.
     for key, value in params.items():
-        kind = str(declared[key].annotation)
-        if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"workload {name!r}: {key} must be an integer, not {value!r}")
-        if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ValueError(f"workload {name!r}: {key} must be a number, not {value!r}")
-    return w.run(candidate, **params)
+        check_param(name, key, value, str(declared[key].annotation))
+
+
+def run(name: str, candidate: Candidate, **params: Any) -> dict[str, Any]:
+    """Runs workload ``name`` on ``candidate``, its ``params`` checked first (:func:`check`)."""
+    check(name, params)
+    return WORKLOADS[name].run(candidate, **params)

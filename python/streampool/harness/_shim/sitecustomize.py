@@ -3,7 +3,8 @@
 Wraps every device's resource in a LoggingResourceAdaptor writing to
 ``$STREAMPOOL_PROFILE_LOG`` (device N > 0 to ``.devN``), then runs the sitecustomize this
 one shadows, if there is one. Child processes of the program are not profiled (the
-variable is removed from the environment).
+variable is removed from the environment). When the adaptor cannot be installed, the
+program does not run: exit status 127, with the reason on stderr.
 """
 
 from __future__ import annotations
@@ -40,8 +41,13 @@ if _log:
     try:
         _install(_log)
     except Exception as e:
+        # A program run without its log would be profiled for nothing: it does not start
+        # (127, as a program that cannot be started), and says why.
         print(
-            f"streampool profile: could not install the logging adaptor: {type(e).__name__}: {e}",
+            f"streampool profile: could not install the logging adaptor, so the program was not run: "
+            f"{type(e).__name__}: {e}",
             file=sys.stderr,
+            flush=True,
         )
+        os._exit(127)
     _chain()

@@ -1,0 +1,277 @@
+"""The harness's commands on bad input, out of memory and Ctrl-C (subprocesses on the
+simulated device): one line saying what is wrong, the documented exit status, no
+traceback, and nothing run that the error makes pointless."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.nosim
+
+HEADER = "Thread,Time,Action,Pointer,Size,Stream"
+PROGRAM = """\
+import streampool
+buf = streampool.DeviceBuffer(size=4096)
+del buf
+print("output of the program")
+"""
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "streampool", *args],
+        env=dict(os.environ, STREAMPOOL_DEVICE="sim", **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def failed(out: subprocess.CompletedProcess[str], code: int, message: str) -> None:
+    """``out`` exited with ``code``, saying ``message`` in one line of stderr, no traceback."""
+    assert out.returncode == code, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = [line for line in out.stderr.splitlines() if message in line]
+    assert lines, out.stderr
+
+
+@pytest.fixture
+def program(tmp_path: Path) -> Path:
+    path = tmp_path / "prog.py"
+    path.write_text(PROGRAM)
+    return path
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# --- 1: recommend --json prints the document alone ------------------------------------------
+
+
+def test_recommend_json_of_a_program_keeps_the_program_output_off_stdout(program: Path) -> None:
+    out = run("recommend", "--json", "--quick", "--", sys.executable, str(program))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["command"] == "recommend"
+    assert "output of the program" in out.stderr
+
+
+# --- 2: out of memory -----------------------------------------------------------------------
+
+
+def test_recommend_when_every_candidate_runs_out_of_memory(tmp_path: Path) -> None:
+    # One 20 GiB allocation on the 16 GiB simulated device: managed memory is the only
+    # candidate, and it runs out too.
+    log = write(
+        tmp_path,
+        "over.log",
+        f"{HEADER}\n1,1.0,allocate,0x1000,21474836480,0x10\n1,1.1,free,0x1000,21474836480,0x10\n",
+    )
+    out = run("recommend", log, "--quick")
+    failed(out, 4, "every candidate ran out of memory replaying the log: prefetch(managed) (2 failed")
+    assert "Recommended" not in out.stdout and "OOM" in out.stdout
+
+
+def test_bench_counts_no_throughput_for_failed_allocations() -> None:
+    out = run("bench", "multistream", "--resources", "limit(async, limit=1KiB)", "--quick", "--json")
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)["summary"]
+    assert row["oom_events"] == 2 * 20 and row["throughput"]["max"] == 0
+
+
+# --- 3, 9: profile: a log that cannot be written, a program that cannot start ---------------
+
+
+def test_profile_refuses_a_log_it_cannot_write_before_running_the_program(
+    tmp_path: Path, program: Path
+) -> None:
+    out = run("profile", "-o", str(tmp_path / "no" / "such" / "x.log"), "--", sys.executable, str(program))
+    failed(out, 3, "cannot write the log")
+    assert "output of the program" not in out.stdout
+
+
+def test_the_shim_stops_a_program_it_cannot_profile(tmp_path: Path) -> None:
+    from streampool.harness.profile import SHIM
+
+    paths = [str(SHIM), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim", PYTHONPATH=os.pathsep.join(paths))
+    env["STREAMPOOL_PROFILE_LOG"] = str(tmp_path / "no" / "such" / "x.log")
+    out = subprocess.run(
+        [sys.executable, "-c", "print('ran')"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 127 and "ran" not in out.stdout
+    assert "could not install the logging adaptor, so the program was not run" in out.stderr
+
+
+def test_profile_of_a_program_that_is_not_executable(tmp_path: Path) -> None:
+    script = tmp_path / "notexec.sh"
+    script.write_text("echo hello\n")
+    script.chmod(0o644)
+    out = run("profile", "-o", str(tmp_path / "x.log"), "--", str(script))
+    failed(out, 127, f"cannot run '{script}': Permission denied")
+    assert "exited with status" not in out.stderr
+
+
+# --- 4: workload parameters out of range ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("bench", "pipeline", "--param", "chunks=-1"), "chunks must be at least 1, not -1"),
+        (("bench", "pipeline", "--param", "chunks=0"), "chunks must be at least 1, not 0"),
+        (("bench", "larger-than-memory", "--param", "chunk_size=0"), "chunk_size must be at least 8 bytes"),
+        (("bench", "larger-than-memory", "--param", "passes=0"), "passes must be at least 1, not 0"),
+        (("bench", "window", "--param", "allocations=0"), "allocations must be at least 1, not 0"),
+        (("bench", "random", "--param", "allocations=-5"), "allocations must be at least 1, not -5"),
+        (("bench", "window", "--param", "window=-1"), "window must be at least 1, not -1"),
+        (("bench", "multistream", "--param", "iterations=0"), "iterations must be at least 1, not 0"),
+        (("bench", "random", "--param", "max_size=0"), "max_size must be at least 1 byte, not 0"),
+        (("stress", "--max-size", "0"), "expected a size of at least 1 byte, e.g. 1MiB, not '0'"),
+        (("stress", "--seconds", "inf"), "positive number of seconds (a finite one), not 'inf'"),
+        (("stress", "--seconds", "nan"), "positive number of seconds (a finite one), not 'nan'"),
+    ],
+)
+def test_parameters_out_of_range_are_usage_errors(args: tuple[str, ...], message: str) -> None:
+    out = run(*args)
+    failed(out, 2, message)
+    assert "Device:" not in out.stdout  # refused before anything ran
+
+
+# --- 5, 6, 7: logs with bad times, no events ------------------------------------------------
+
+BIGTIME = f"{HEADER}\n1,0,allocate,0x1000,4096,0\n1,99999999999,free,0x1000,4096,0\n"
+WEIRDTIME = f"{HEADER}\n1,-5,allocate,0x1000,4096,0\n1,1e300,free,0x1000,4096,0\n"
+
+
+@pytest.mark.parametrize("command", ["replay", "recommend", "bench", "plot"])
+@pytest.mark.parametrize(("text", "line"), [(BIGTIME, 3), (WEIRDTIME, 2)])
+def test_a_time_out_of_range_is_a_malformed_line(tmp_path: Path, command: str, text: str, line: int) -> None:
+    log = write(tmp_path, "time.log", text)
+    args = ("bench", "replay", "--log", log) if command == "bench" else (command, log)
+    out = run(*args, "--quick") if command != "plot" else run(*args)
+    failed(out, 3, "malformed line(s)")
+    assert "time" in next(x for x in out.stderr.splitlines() if x.strip().startswith(f"line {line}: "))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "no events: no allocations to replay"),
+        ("   ", "no events: no allocations to replay"),
+        ("\n\n", "no events: no allocations to replay"),
+        (f"{HEADER}\n", "no events: no allocations to replay"),
+        ("6750,05:24:57.524290,allocate,0x7fbb9503b100,4096,0x1010", "line 1: expected the header"),
+        (
+            f"{HEADER}\n1,1.0,allocate failure,0x0,64,0\n",
+            "no allocations to replay (only 1 failed allocation",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", ["replay", "plot"])
+def test_a_log_with_nothing_to_replay_is_refused(
+    tmp_path: Path, command: str, text: str, message: str
+) -> None:
+    log = write(tmp_path, "app.log", text)
+    out = run(command, log)
+    failed(out, 3, f"{log}: {message}" if "line 1" not in message else message)
+    assert "No such file" not in out.stderr
+
+
+# --- 10: the smaller ones -------------------------------------------------------------------
+
+
+def test_plot_directory_that_cannot_be_written_is_refused_before_the_benchmark(tmp_path: Path) -> None:
+    a_file = write(tmp_path, "not-a-directory", "")
+    out = run("bench", "window", "--resources", "async", "--quick", "--json", "--plot", a_file)
+    failed(out, 3, f"--plot {a_file}: cannot write plots there")
+    assert out.stdout == ""
+
+
+def test_recommend_of_a_program_leaves_no_temporary_log(tmp_path: Path, program: Path) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    out = run("recommend", "--quick", "--", sys.executable, str(program), env={"TMPDIR": str(scratch)})
+    assert out.returncode == 0, out.stderr
+    assert "a temporary log (-o LOG keeps it)" in out.stderr
+    assert list(scratch.iterdir()) == []
+
+
+def test_skip_malformed_says_how_many_lines_it_skipped(tmp_path: Path) -> None:
+    log = write(
+        tmp_path, "bad.log", f"{HEADER}\n1,1.0,allocate,0x1000,64,0\nnot,a,line\n1,1.1,free,0x1000,64,0\n"
+    )
+    out = run("replay", log, "--resources", "async", "--repeats", "1", "--skip-malformed")
+    assert out.returncode == 0, out.stderr
+    assert f"{log}: 1 malformed line(s) skipped" in out.stdout
+
+
+def test_stress_seconds_win_over_quick() -> None:
+    out = run("stress", "--seconds", "0.2", "--quick", "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    assert "stress pool(async): 0.2 s" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("bench", "replay", "--threads", "2"), "--threads does not apply to the replay workload"),
+        (("bench", "replay", "--streams", "2"), "--streams does not apply to the replay workload"),
+        (("bench", "pipeline", "--streams", "2"), "--streams does not apply to the pipeline workload"),
+        (("bench", "window", "--log", "LOG"), "--log is for the replay workload"),
+    ],
+)
+def test_options_a_workload_ignores_are_refused(tmp_path: Path, args: tuple[str, ...], message: str) -> None:
+    log = write(tmp_path, "app.log", f"{HEADER}\n1,1.0,allocate,0x1000,64,0\n")
+    failed(run(*(log if a == "LOG" else a for a in args), "--quick"), 2, message)
+
+
+def test_bench_replay_reports_the_logs_own_streams(tmp_path: Path) -> None:
+    # Two threads on one stream.
+    log = write(
+        tmp_path,
+        "app.log",
+        f"{HEADER}\n1,1.0,allocate,0x1000,64,0x10\n2,1.1,allocate,0x2000,64,0x10\n"
+        "1,1.2,free,0x1000,64,0x10\n2,1.3,free,0x2000,64,0x10\n",
+    )
+    out = run("bench", "replay", "--log", log, "--resources", "async", "--repeats", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)["runs"]
+    assert (row["threads"], row["streams"], row["events"]) == (2, 1, 4)
+
+
+# --- 11: Ctrl-C -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("stress", "--seconds", "30", "--threads", "2"),
+        ("bench", "pipeline", "--param", "driver=python", "--param", "chunks=100000", "--quick"),
+    ],
+)
+def test_ctrl_c_stops_the_threads_and_says_interrupted(args: tuple[str, ...]) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-m", "streampool", *args],
+        env=dict(os.environ, STREAMPOOL_DEVICE="sim"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("Device:")  # the command runs
+    time.sleep(0.3)  # its threads too
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1] == f"streampool {args[0]}: interrupted" and "Traceback" not in err, err
