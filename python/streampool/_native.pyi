@@ -761,7 +761,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     def stats(self) -> _PoolStats:
         """What the pool holds and how often each step of its policy ran."""
     def release(self) -> int:
-        """Gives back to the upstream every byte that is not live: synchronises the device,
+        """Gives back to the upstream every chunk that holds no live allocation: synchronises the device,
         gathers every free block and returns every entirely free chunk; returns the bytes
         released (afterwards the pool holds only the chunks live allocations lie in, and
         its footprint budget starts again from what is live). Over the device's default
@@ -806,7 +806,7 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
     def stats(self) -> _PoolStats:
         """The pool's statistics, as :attr:`ShardedPoolMemoryResource.stats`."""
     def release(self) -> int:
-        """Gives back every byte that is not live, as :meth:`ShardedPoolMemoryResource.release`
+        """Gives back every chunk that holds no live allocation, as :meth:`ShardedPoolMemoryResource.release`
         (returns the bytes released); afterwards the arena grows again on demand, up to
         ``arena_size``."""
     @property

@@ -149,7 +149,7 @@ impl PyShardedPool {
         stats_dict(py, &self.inner)
     }
 
-    /// Gives back to the upstream every byte that is not live: synchronises the device,
+    /// Gives back to the upstream every chunk that holds no live allocation: synchronises the device,
     /// gathers every free block and returns every entirely free chunk; returns the bytes
     /// released. Over the device's default pool (`CudaAsyncMemoryResource()`), which keeps
     /// what is freed into it, warns how much that pool still holds: its `trim_to(0)` hands
@@ -370,7 +370,7 @@ impl PyArenaMemoryResource {
         stats_dict(py, &self.pool)
     }
 
-    /// Gives back to the upstream every byte that is not live, as the pool's `release()`;
+    /// Gives back to the upstream every chunk that holds no live allocation, as the pool's `release()`;
     /// returns the bytes released. Afterwards it grows again on demand, up to `arena_size`.
     fn release(slf: &Bound<'_, Self>) -> PyResult<usize> {
         release_and_warn(slf.as_any(), slf.get().pool.clone(), "ArenaMemoryResource")

@@ -242,6 +242,11 @@ pub fn settle_deallocate<R: MemoryResource + ?Sized>(
         (_, 0) => Some(Err(Error::InvalidPointer(format!(
             "pointer {ptr:#x} freed with size 0; pass the size it was allocated with"
         )))),
+        // No allocation is this large (`settle_allocate` refuses them).
+        (_, b) if b > isize::MAX as usize => Some(Err(Error::InvalidPointer(format!(
+            "pointer {ptr:#x} freed with size {bytes}, larger than any allocation; pass the size it was \
+             allocated with"
+        )))),
         _ => stream.check(mr.backend(), mr.device()).err().map(Err),
     }
 }

@@ -797,6 +797,12 @@ fn binning_routes_sizes_to_the_smallest_bin_that_fits() {
         mr.add_bin(size, Some(bin.clone())).unwrap();
     }
     assert_eq!(mr.bins().iter().map(|b| b.0).collect::<Vec<_>>(), vec![256, 4096, 65536]);
+    // A size beyond any allocation (it would round to 0) is refused, the bins unchanged.
+    for huge in [usize::MAX, isize::MAX as usize + 1] {
+        let err = mr.add_bin(huge, None).unwrap_err();
+        assert!(err.to_string().contains("larger than any allocation"), "{err}");
+    }
+    assert_eq!(mr.bins().len(), 3);
     let s = Stream::legacy();
     let mut live = vec![];
     for (bytes, want) in [(1, 0), (256, 0), (257, 1), (4096, 1), (4097, 2), (65536, 2), (65537, 3)] {

@@ -951,3 +951,80 @@ fn request_over_the_maximum_fails_at_once() {
     let again = p.allocate(4 * MIB, &s).unwrap();
     p.deallocate(again, 4 * MIB, &s).unwrap();
 }
+
+/// Requests and frees no resource could serve are refused, and leave nothing behind: a
+/// request larger than the device does not size later growth; a free of an address or a
+/// size beyond any allocation is `InvalidPointer` (no overflow); options at the edge of
+/// their types are refused or bounded.
+#[test]
+fn input_at_the_edges_is_refused_and_changes_nothing() {
+    let (_sim, b) = setup(1 << 30);
+    let p = pool(&b, PoolOptions::default());
+    let s = stream(&b);
+    for huge in [2 << 30, isize::MAX as usize] {
+        assert!(p.allocate(huge, &s).unwrap_err().is_out_of_memory());
+    }
+    let small = p.allocate(4096, &s).unwrap();
+    let st = p.stats();
+    assert!(st.reserved_bytes <= 2 * MIB, "a refused request sized this growth: {st:?}");
+    for (ptr, bytes) in [(u64::MAX - 255, 4096), (small, usize::MAX), (small, isize::MAX as usize + 1)] {
+        let err = p.deallocate(ptr, bytes, &s).unwrap_err();
+        assert!(matches!(err, Error::InvalidPointer(_)), "{err:?}");
+    }
+    p.deallocate(small, 4096, &s).unwrap();
+
+    let upstream: ResourceRef =
+        Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
+    let err = ShardedPoolMemoryResource::new(
+        upstream.clone(),
+        PoolOptions { initial_pool_size: Some(usize::MAX), ..Default::default() },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument(_)) && err.to_string().contains("initial_pool_size"),
+        "{err}"
+    );
+
+    // The largest event batch: a hand-off from a producer's stream to a consumer's.
+    let p = pool(&b, PoolOptions { event_batch: usize::MAX, ..Default::default() });
+    let (producer, consumer) = (stream(&b), stream(&b));
+    let ptr = p.allocate(MIB, &producer).unwrap();
+    p.deallocate(ptr, MIB, &consumer).unwrap();
+    b.stream_synchronize(0, consumer.handle()).unwrap();
+    let again = p.allocate(MIB, &producer).unwrap();
+    p.deallocate(again, MIB, &producer).unwrap();
+}
+
+/// `release()` answers every byte it gave back, also where a release threshold gave some
+/// back in the same call.
+#[test]
+fn release_counts_what_the_threshold_gave_back() {
+    let (_sim, b) = setup(64 * MIB);
+    let p = pool(&b, PoolOptions { release_threshold: Some(MIB), ..Default::default() });
+    let s = stream(&b);
+    let ptr = p.allocate(2 * MIB, &s).unwrap();
+    p.deallocate(ptr, 2 * MIB, &s).unwrap();
+    let held = p.stats().reserved_bytes;
+    assert!(held >= 2 * MIB);
+    assert_eq!(p.release().unwrap(), held);
+    assert_eq!(p.stats().reserved_bytes, 0);
+}
+
+/// A pool dropped with allocations never freed says so (`drop_errors`): their memory goes
+/// back to the upstream, where it is handed out again.
+#[test]
+fn dropping_a_pool_with_live_allocations_is_recorded() {
+    let (_sim, b) = setup(64 * MIB);
+    let p = pool(&b, PoolOptions::default());
+    let s = stream(&b);
+    let _leaked = p.allocate(4096, &s).unwrap();
+    drop(p);
+    let errors = streampool::drop_errors();
+    assert!(
+        errors
+            .recent
+            .iter()
+            .any(|m| m.contains("dropping a ShardedPoolMemoryResource") && m.contains("4096 bytes")),
+        "{errors:?}"
+    );
+}

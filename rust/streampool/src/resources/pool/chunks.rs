@@ -30,7 +30,8 @@ impl ChunkTable {
     pub fn containing(&self, ptr: DevPtr, size: usize) -> Option<&Chunk> {
         let after = self.sorted.partition_point(|c| c.start <= ptr);
         let c = &self.sorted[after.checked_sub(1)?];
-        let fits = ptr + size as u64 <= c.start + c.size as u64 && (ptr - c.start) % ALIGNMENT as u64 == 0;
+        let end = ptr.checked_add(size as u64)?;
+        let fits = end <= c.start + c.size as u64 && (ptr - c.start) % ALIGNMENT as u64 == 0;
         fits.then_some(c)
     }
 

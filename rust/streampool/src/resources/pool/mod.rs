@@ -290,7 +290,15 @@ impl ShardedPoolMemoryResource {
     pub fn new(upstream: ResourceRef, options: PoolOptions) -> Result<Self> {
         let round_down = |n: usize| n / ALIGNMENT * ALIGNMENT;
         let maximum = options.maximum_pool_size.map_or(usize::MAX, round_down);
-        let initial = options.initial_pool_size.map(|n| align_up(n, ALIGNMENT)).unwrap_or(0);
+        let initial = match options.initial_pool_size {
+            Some(n) if n > isize::MAX as usize => {
+                return Err(Error::invalid(format!(
+                    "initial_pool_size {n} is larger than any device (at most {} bytes)",
+                    isize::MAX
+                )))
+            }
+            n => n.map(|n| align_up(n, ALIGNMENT)).unwrap_or(0),
+        };
         if options.maximum_pool_size.is_some_and(|m| m < ALIGNMENT) {
             return Err(Error::invalid(format!(
                 "maximum_pool_size must be at least {ALIGNMENT} bytes (got {})",
@@ -390,9 +398,10 @@ impl ShardedPoolMemoryResource {
         }
     }
 
-    /// Gives every free byte back to the upstream: synchronises the device (so that every
-    /// free, on any stream, has completed), gathers every shard's free blocks in the common
-    /// list, and returns every entirely free chunk. Afterwards the pool holds exactly the
+    /// Gives every entirely free chunk back to the upstream (the free blocks of a chunk that
+    /// also holds a live allocation stay): synchronises the device (so that every free, on
+    /// any stream, has completed), gathers every shard's free blocks in the common list,
+    /// and returns every entirely free chunk. Afterwards the pool holds exactly the
     /// chunks that live allocations lie in. Returns the bytes released.
     ///
     /// The upstream may keep what it gets back: the device's default pool behind
@@ -401,7 +410,8 @@ impl ShardedPoolMemoryResource {
     ///
     /// The footprint budget ([`PoolOptions::headroom`]) starts again from what is live now.
     pub fn release(&self) -> Result<usize> {
-        self.synchronize_and_gather()?;
+        // Everything free goes, the release threshold notwithstanding, and is counted.
+        drop(self.synchronize_and_harvest()?);
         let released = self.trim(0)?;
         self.peak_live.store(self.stats().used_bytes, Ordering::Relaxed);
         Ok(released)
@@ -592,11 +602,13 @@ impl ShardedPoolMemoryResource {
         self.take_own(class_size(bytes), stream, key, blocking).flatten()
     }
 
-    /// True when a free passes the trait's checks by comparisons alone (a pointer and a
-    /// size that are not 0, a stream of this backend object and device).
+    /// True when a free passes the trait's checks by comparisons alone (a pointer that is
+    /// not 0, a size from 1 to `isize::MAX`, a stream of this backend object and device).
     #[inline]
     fn plainly_freeable(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> bool {
-        ptr != 0 && bytes != 0 && stream.is_bound_to(self.backend(), self.device())
+        ptr != 0
+            && bytes.wrapping_sub(1) < isize::MAX as usize
+            && stream.is_bound_to(self.backend(), self.device())
     }
 
     /// The same-stream fast path of a free: true once freed.
@@ -742,6 +754,18 @@ impl Drop for ShardedPoolMemoryResource {
             || "ShardedPoolMemoryResource's synchronisation on drop".into(),
             synced,
         );
+        // Allocations never freed go back to the upstream with their chunks: a leak the
+        // program should hear of, since any later use of them is a use after free.
+        let live = self.stats().used_bytes;
+        if live > 0 {
+            crate::error::record_drop_error(
+                "dropping a ShardedPoolMemoryResource",
+                &Error::InvalidPointer(format!(
+                    "{live} bytes were still allocated from it (never freed); their memory goes back to the \
+                     upstream with the pool's, so using or freeing them now is a use after free"
+                )),
+            );
+        }
         let table = self.table();
         for c in table.sorted.iter().filter(|c| c.id != region::REGION_CHUNK) {
             let freed = self.upstream.deallocate(c.start, c.size, &Stream::legacy());

@@ -27,6 +27,24 @@ impl ShardedPoolMemoryResource {
     /// Steps 2 to 7 of the policy; returns the address, recorded live in the shard of
     /// `stream` (key `key`).
     pub(super) fn allocate_slow(&self, size: usize, stream: &Stream, key: u64) -> Result<DevPtr> {
+        // The live bytes with this request, once growth was considered: the footprint
+        // budget's base, raised only when the request is served (a refused request, say
+        // of more than the device holds, would otherwise size every later growth).
+        let mut live = None;
+        let result = self.allocate_steps(size, stream, key, &mut live);
+        if let (Ok(_), Some(live)) = (&result, live) {
+            self.peak_live.fetch_max(live, Ordering::Relaxed);
+        }
+        result
+    }
+
+    fn allocate_steps(
+        &self,
+        size: usize,
+        stream: &Stream,
+        key: u64,
+        live: &mut Option<usize>,
+    ) -> Result<DevPtr> {
         let found = |(ptr, chunk): (DevPtr, u64)| {
             self.record_live(ptr, size, chunk, stream, key);
             Ok(ptr)
@@ -49,7 +67,8 @@ impl ShardedPoolMemoryResource {
             return Ok(ptr);
         }
         // 4. grow on this stream, within the footprint budget
-        let (want, allowed) = self.growth(size);
+        let (want, allowed, now) = self.growth(size);
+        *live = Some(now);
         match self.grow_under(size, want, allowed, stream, Some(key)) {
             Ok(Some(chunk)) => return found((self.place_chunk(&chunk, size, stream, key), chunk.id)),
             Ok(None) => {}
@@ -283,7 +302,7 @@ impl ShardedPoolMemoryResource {
                             // many blocks for the next look (one record and one query per
                             // n chunks in a steady pipeline).
                             let n = (1 + moved.len()).max(st.batch);
-                            st.interval = st.interval.min(st.unevented + n);
+                            st.interval = st.interval.min(st.unevented.saturating_add(n));
                             st.wanted = false;
                             st.drawn = true;
                         } else {
@@ -403,20 +422,21 @@ impl ShardedPoolMemoryResource {
     /// hold (the footprint budget's allowance, or the maximum without a headroom): the
     /// request, or a step of an eighth of the peak live bytes (between [`MIN_CHUNK`] and
     /// [`MAX_GROWTH_STEP`]) when that is more, rounded to [`MIN_CHUNK`]. The allowance is
-    /// the peak live bytes plus the headroom of them, at least [`MIN_CHUNK`].
-    fn growth(&self, size: usize) -> (usize, usize) {
+    /// the peak live bytes plus the headroom of them, at least [`MIN_CHUNK`]. Also the live
+    /// bytes with the request, for the peak once it is served.
+    fn growth(&self, size: usize) -> (usize, usize, usize) {
         // The budget follows the most ever live (as seen here, on growth), not what is live
         // now: the target is peak reserved against peak live, and a pool sized for its
         // peak needs no growth when the peak comes back.
         let now = self.used_now().saturating_add(size);
-        let live = self.peak_live.fetch_max(now, Ordering::Relaxed).max(now);
+        let live = self.peak_live.load(Ordering::Relaxed).max(now);
         let step = (live / 8).clamp(MIN_CHUNK, MAX_GROWTH_STEP);
         let want = size.max(step).next_multiple_of(MIN_CHUNK);
         let allowed = match self.options.headroom {
             Some(headroom) => live.saturating_add(((live as f64 * headroom) as usize).max(MIN_CHUNK)),
             None => usize::MAX,
         };
-        (want, allowed)
+        (want, allowed, now)
     }
 
     /// The bytes handed out now (rounded), summed over the shards (off the hot path: on
@@ -574,7 +594,7 @@ impl ShardedPoolMemoryResource {
     /// Closes every shard's open epoch, synchronises the device, and gathers every free
     /// block in the common list (all complete now, but those freed meanwhile); returns the
     /// common list, still locked.
-    fn synchronize_and_harvest(&self) -> Result<CommonGuard<'_>> {
+    pub(super) fn synchronize_and_harvest(&self) -> Result<CommonGuard<'_>> {
         self.counters.last_gather_ns.store(crate::clock::monotonic_ns(), Ordering::Relaxed);
         // Close every shard's open epoch first: blocks freed before the synchronisation
         // starts are complete after it; blocks freed meanwhile get the next epoch.
@@ -630,13 +650,6 @@ impl ShardedPoolMemoryResource {
             self.record_live(ptr, size, chunk, stream, key);
             ptr
         }))
-    }
-
-    /// Synchronises, gathers every free block in the common list (then keeps under the
-    /// release threshold).
-    pub(super) fn synchronize_and_gather(&self) -> Result<()> {
-        drop(self.synchronize_and_harvest()?);
-        self.keep_under_threshold()
     }
 
     fn keep_under_threshold(&self) -> Result<()> {

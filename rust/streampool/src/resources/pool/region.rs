@@ -76,7 +76,10 @@ impl Region {
         let (backend, dev) = (upstream.backend(), upstream.device());
         let granularity = backend.vmm_granularity(dev)?;
         let (_, total) = backend.mem_get_info(dev)?;
-        let capacity = maximum.min(total).next_multiple_of(granularity);
+        let limit = maximum.min(total);
+        // Rounded up to the granularity, or down where that does not fit a `usize`.
+        let capacity =
+            limit.checked_next_multiple_of(granularity).unwrap_or(limit / granularity * granularity);
         let base = backend.vmm_reserve(dev, capacity)?;
         Ok(Region { base, capacity, granularity, pieces: Mutex::new(Vec::new()) })
     }
