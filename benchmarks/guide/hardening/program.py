@@ -1,4 +1,5 @@
-"""A small program with threads and streams, for `streampool recommend -- python3 prog.py`."""
+"""A small program with threads and streams, for `streampool recommend -- python3 program.py`."""
+
 import threading
 
 import streampool
