@@ -228,6 +228,10 @@ def test_stress_seconds_win_over_quick() -> None:
         (("bench", "replay", "--threads", "2"), "--threads does not apply to the replay workload"),
         (("bench", "replay", "--streams", "2"), "--streams does not apply to the replay workload"),
         (("bench", "pipeline", "--streams", "2"), "--streams does not apply to the pipeline workload"),
+        (
+            ("bench", "larger-than-memory", "--threads", "1,2"),
+            "--threads does not apply to the larger-than-memory workload",
+        ),
         (("bench", "window", "--log", "LOG"), "--log is for the replay workload"),
     ],
 )

@@ -463,7 +463,7 @@ def pipeline(
 def larger_than_memory(
     candidate: Candidate,
     *,
-    threads: int = 1,
+    threads: int = 1,  # one thread and one stream: the command line refuses others
     streams: int = 1,
     total: int | str = 0,
     chunk_size: int | str = "64MiB",
@@ -544,7 +544,13 @@ WORKLOADS: dict[str, Workload] = {
             {"streams": "each producer/consumer pair (--threads) has two streams of its own"},
         ),
         Workload(
-            "larger-than-memory", larger_than_memory, {"total": "16MiB", "chunk_size": "4MiB", "passes": 1}
+            "larger-than-memory",
+            larger_than_memory,
+            {"total": "16MiB", "chunk_size": "4MiB", "passes": 1},
+            {
+                "threads": "its passes run on one thread, one chunk after another",
+                "streams": "its passes run on one stream, one chunk after another",
+            },
         ),
         Workload(
             "replay",
