@@ -211,7 +211,7 @@ def test_sequential_replay_samples_live_and_reserved() -> None:
     ],
 )
 def test_a_time_out_of_range_is_a_malformed_line(tmp_path: Path, lines: list[str], bad: list[int]) -> None:
-    # Refused by the trace (trace.time_error) if the log parser lets the time through.
+    # Refused by the log parser (MAX_LOG_TIME_S), as every malformed line is.
     path = _write(tmp_path, "\n".join([HEADER, *lines]) + "\n")
     with pytest.raises(LogFormatError) as e:
         read_log(path)

@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_STREAM",
     "LEGACY_DEFAULT_STREAM",
     "LOG_HEADER",
+    "MAX_LOG_TIME_S",
     "MAX_RESOURCE_DEPTH",
     "PER_THREAD_DEFAULT_STREAM",
     "AllocationRecord",
@@ -504,6 +505,9 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
 
 LOG_HEADER: Final[str]
 """The first line of every allocation log: ``"Thread,Time,Action,Pointer,Size,Stream"``."""
+MAX_LOG_TIME_S: Final[float]
+"""The latest time, in seconds, a log line may carry (about 292 years: ``i64::MAX``
+nanoseconds, rounded down); a later, negative or non-finite time is a malformed line."""
 
 @final
 class LogEvent:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _native
-from .._native import LOG_HEADER, Stream
+from .._native import LOG_HEADER, MAX_LOG_TIME_S, Stream
 from ..logs import parse_log_text
 from ._threads import run_threads
 
@@ -34,9 +34,6 @@ __all__ = ["ALLOCATE", "FREE", "RECORD", "LogFormatError", "Trace", "percentiles
 RECORD = struct.Struct("<QQQIIB7x")
 ALLOCATE, FREE = 0, 1
 _DAY_NS = 86_400 * 10**9
-#: The latest time a log line may carry, in seconds (since midnight, or any origin): 2^63
-#: ns, about 292 years, so that every time in nanoseconds fits a record.
-MAX_TIME_S = 2**63 / 1e9
 
 
 class LogFormatError(ValueError):
@@ -102,11 +99,12 @@ def _packs(record: tuple[int, ...]) -> bool:
 
 
 def time_error(seconds: float) -> str | None:
-    """Why a log line's time cannot be replayed (not finite, negative, or beyond
-    :data:`MAX_TIME_S`), or None when it can."""
-    if math.isfinite(seconds) and 0 <= seconds <= MAX_TIME_S:
+    """Why an event's time cannot be replayed (not finite, negative, or beyond the log
+    parser's limit, ``MAX_LOG_TIME_S``: the parser refuses such lines itself), or None when
+    it can."""
+    if math.isfinite(seconds) and 0 <= seconds <= MAX_LOG_TIME_S:
         return None
-    return f"time {seconds:.15g} s out of range (0 to {MAX_TIME_S:.0f} s)"
+    return f"time {seconds:.15g} s out of range (0 to {MAX_LOG_TIME_S:.0f} s)"
 
 
 def from_events(events: Iterable[Any]) -> Trace:
@@ -171,7 +169,7 @@ def read_log(path: str, *, skip_malformed: bool = False) -> Trace:
     Pointer,Size,Stream``). A malformed line raises :class:`LogFormatError` naming every
     bad line by number (its ``trace`` holds the rest); with ``skip_malformed`` the bad
     lines are left out and counted in the trace's ``malformed`` attribute instead. A time
-    out of range (:func:`time_error`) makes a line malformed. An empty log, or its header
+    out of range (``MAX_LOG_TIME_S``) makes a line malformed. An empty log, or its header
     alone, is a trace of no events. OSError when the file cannot be read."""
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read()
@@ -196,15 +194,9 @@ def read_log(path: str, *, skip_malformed: bool = False) -> Trace:
             if not body[:1].isdigit():
                 continue
         try:
-            parsed = parse_log_text(f"{LOG_HEADER}\n{body}\n")
+            good.extend(parse_log_text(f"{LOG_HEADER}\n{body}\n"))
         except ValueError as e:
             errors.append((n, re.sub(r"^.*?log line \d+: ", "", str(e))))
-            continue
-        why = next(filter(None, (time_error(e.time) for e in parsed)), None)
-        if why is not None:
-            errors.append((n, f"{why}: `{body}`"))
-        else:
-            good.extend(parsed)
     trace = from_events(good)
     if errors and not skip_malformed:
         raise LogFormatError(str(path), errors, trace)

@@ -1037,14 +1037,7 @@ impl DeviceBuffer {
             // Nothing to move; the device is still checked, as for managed memory.
             return match to {
                 Location::Device(d) => detached(py, move || {
-                    let count = resource.backend().device_count()?;
-                    if d < count {
-                        return Ok(());
-                    }
-                    Err(streampool::Error::InvalidArgument(format!(
-                        "prefetch: device {d} does not exist ({count} device{})",
-                        if count == 1 { "" } else { "s" }
-                    )))
+                    streampool::resources::check_device(resource.backend(), Some(d)).map(drop)
                 }),
                 Location::Host => Ok(()),
             };

@@ -336,6 +336,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<adaptors::PyLoggingResourceAdaptor>()?;
     m.add_class::<adaptors::PyLogEvent>()?;
     m.add("LOG_HEADER", streampool::adaptors::LOG_HEADER)?;
+    m.add("MAX_LOG_TIME_S", streampool::adaptors::MAX_LOG_TIME_S)?;
     m.add_function(wrap_pyfunction!(adaptors::_parse_log, m)?)?;
     m.add_class::<adaptors::PyLimitingResourceAdaptor>()?;
     m.add_class::<adaptors::PyFailureCallbackResourceAdaptor>()?;

@@ -233,14 +233,12 @@ fn peer_access_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<i32>> {
             "peer_access must be a list of device ordinals (the devices that may access the pool)",
         )
     })? {
-        let item = item?;
-        if item.is_none() {
-            return Err(PyTypeError::new_err(
-                "each device of peer_access must be a device ordinal (an int), not None",
-            ));
+        let d = device_arg(Some(&item?), "each device of peer_access")?.ok_or_else(|| {
+            PyTypeError::new_err("each device of peer_access must be a device ordinal (an int), not None")
+        })?;
+        if !devices.contains(&d) {
+            devices.push(d);
         }
-        let d = device_arg(Some(&item), "each device of peer_access")?;
-        devices.extend(d.filter(|d| !devices.contains(d)));
     }
     Ok(devices)
 }

@@ -37,7 +37,9 @@ pub use failure_callback::{FailureCallback, FailureCallbackAdaptor};
 pub use fixed_size::FixedSizeMemoryResource;
 pub use latency::{Histogram, LatencyHistogramAdaptor, LatencyHistograms};
 pub use limiting::LimitingAdaptor;
-pub use logging::{parse_log, LogAction, LogCallback, LogEvent, LogSink, LoggingAdaptor, LOG_HEADER};
+pub use logging::{
+    parse_log, LogAction, LogCallback, LogEvent, LogSink, LoggingAdaptor, LOG_HEADER, MAX_LOG_TIME_S,
+};
 pub use prefetch::PrefetchAdaptor;
 pub use statistics::{Statistics, StatisticsAdaptor};
 pub use tracking::{AllocationRecord, StackCapture, ThreadLabel, TrackingAdaptor};

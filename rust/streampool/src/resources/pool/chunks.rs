@@ -147,16 +147,18 @@ impl ShardedPoolMemoryResource {
     /// Counts a growth of `bytes` (reserved already, by [`reserve`](Self::reserve)), now
     /// held: the peak is of memory held, never of a reservation whose growth failed.
     pub(super) fn count_growth(&self, bytes: usize) {
-        let held = self.counters.held.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        self.counters.peak_reserved.fetch_max(held, Ordering::Relaxed);
-        self.counters.growths.fetch_add(1, Ordering::Relaxed);
-        self.counters.grown_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        let c = &self.counters;
+        c.growths.fetch_add(1, Ordering::Relaxed);
+        // Released bytes read after the growth is counted: never more than is held then
+        // (less, when another thread grew and gave back in between).
+        let grown = c.grown_bytes.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+        let held = grown.saturating_sub(c.released_bytes.load(Ordering::Relaxed));
+        c.peak_reserved.fetch_max(held as usize, Ordering::Relaxed);
     }
 
     /// Counts `bytes` given back to the device, no longer reserved.
     pub(super) fn count_release(&self, bytes: usize) {
         self.reserved.fetch_sub(bytes, Ordering::AcqRel);
-        self.counters.held.fetch_sub(bytes, Ordering::Relaxed);
         self.counters.released_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 

@@ -242,10 +242,6 @@ pub struct ShardedPoolMemoryResource {
 #[derive(Debug, Default)]
 #[repr(align(128))]
 struct Counters {
-    /// Bytes held from the upstream: grown and not given back. `reserved` counts
-    /// reservations too, made before the upstream is asked (so that threads growing at
-    /// once stay under a cap together), of which some fail.
-    held: AtomicUsize,
     grown_bytes: AtomicU64,
     released_bytes: AtomicU64,
     peak_reserved: AtomicUsize,
@@ -380,7 +376,9 @@ impl ShardedPoolMemoryResource {
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         PoolStats {
-            reserved_bytes: c.held.load(Ordering::Relaxed),
+            // What was grown and not given back: `self.reserved` also counts reservations
+            // made before the upstream is asked, of which some fail.
+            reserved_bytes: (get(&c.grown_bytes) - get(&c.released_bytes)) as usize,
             peak_reserved_bytes: c.peak_reserved.load(Ordering::Relaxed),
             used_bytes: used.max(0) as usize,
             free_bytes: common_free_bytes + shard_free_bytes.iter().map(|s| s.1).sum::<usize>(),
