@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
+import streampool
+
 pytestmark = pytest.mark.nosim
 
+SCHEMA = Path(streampool.__file__).parent / "harness" / "schema.json"
 HEADER = "Thread,Time,Action,Pointer,Size,Stream"
 PROGRAM = """\
 import streampool
@@ -80,6 +83,14 @@ def test_recommend_when_every_candidate_runs_out_of_memory(tmp_path: Path) -> No
     out = run("recommend", log, "--quick")
     failed(out, 4, "every candidate ran out of memory replaying the log: prefetch(managed) (2 failed")
     assert "Recommended" not in out.stdout and "OOM" in out.stdout
+    # With --json the measurements still come out, as a document with no recommendation.
+    out = run("recommend", log, "--quick", "--json")
+    failed(out, 4, "every candidate ran out of memory")
+    document = json.loads(out.stdout)
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(document, json.loads(SCHEMA.read_text()))
+    assert document["recommendation"] is None and "every candidate ran out of memory" in document["error"]
+    assert document["summary"] and all(row["oom_events"] == 2 for row in document["summary"])
 
 
 def test_bench_counts_no_throughput_for_failed_allocations() -> None:

@@ -538,7 +538,13 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
         summary,
         replayed=True,
     )
-    choice = recommend.choose(prof, summary)
+    try:
+        choice = recommend.choose(prof, summary)
+    except recommend.NothingToRecommendError as e:
+        # The measurements stand: --json still prints them, with no recommendation.
+        if args.json:
+            out.emit_json(_recommend_document(dev, log, repeats, runs, summary, prof, None, str(e)))
+        raise
     margin = choice["margin"]
     if margin is None:
         out.line(f"Recommended: {choice['choice']} (the only candidate that fits)")
@@ -566,21 +572,35 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
     for code_line in choice["code"].splitlines():
         out.line(f"    {code_line}")
     if args.json:
-        out.emit_json(
-            document(
-                "recommend",
-                dev,
-                workload="replay",
-                params={"log": log, "gap_scale": 0.0},
-                repeats=repeats,
-                runs=_strip(runs),
-                summary=summary,
-                plots=[],
-                profile=prof.as_json(),
-                recommendation=choice,
-            )
-        )
+        out.emit_json(_recommend_document(dev, log, repeats, runs, summary, prof, choice, None))
     return EXIT_OK
+
+
+def _recommend_document(
+    dev: Device,
+    log: str,
+    repeats: int,
+    runs: list[dict[str, Any]],
+    summary: list[dict[str, Any]],
+    prof: recommend.Profile,
+    choice: dict[str, Any] | None,
+    error: str | None,
+) -> dict[str, Any]:
+    """`recommend --json`'s document; ``choice`` None with ``error`` when nothing could be
+    recommended (every candidate ran out of memory)."""
+    return document(
+        "recommend",
+        dev,
+        workload="replay",
+        params={"log": log, "gap_scale": 0.0},
+        repeats=repeats,
+        runs=_strip(runs),
+        summary=summary,
+        plots=[],
+        profile=prof.as_json(),
+        recommendation=choice,
+        error=error,
+    )
 
 
 def _cmd_stress(args: argparse.Namespace, dev: Device) -> int:
