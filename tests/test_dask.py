@@ -72,9 +72,55 @@ def test_a_spec_string_is_made_by_the_harness(two_devices: SimulatedDevice) -> N
     buf = streampool.DeviceBuffer(size=4096, mr=installed)
     del buf
     plugin.teardown(worker)
-    # Spec strings make resources on the current device: another one is refused, naming it.
-    with pytest.raises(ValueError, match="not device 1"):
-        StreampoolPlugin("stats(pool(async))").setup(FakeWorker(1))
+    # On another device than the current one too.
+    plugin = StreampoolPlugin("pool(async, expandable=true)")
+    plugin.setup(FakeWorker(1))
+    installed = streampool.get_per_device_resource(1)
+    assert installed.device == 1 and "ShardedPoolMemoryResource" in repr(installed)
+    assert streampool.DeviceBuffer(size=4096, mr=installed).device == 1
+    plugin.teardown(FakeWorker(1))
+
+
+@pytest.mark.nosim
+def test_workers_of_one_process_sharing_a_device_restore_what_it_had(two_devices: SimulatedDevice) -> None:
+    before = streampool.get_per_device_resource(0)
+    for order in ([0, 1, 2], [2, 1, 0], [1, 0, 2]):
+        plugins = [StreampoolPlugin("pool", device=0) for _ in range(3)]
+        for i, plugin in enumerate(plugins):
+            plugin.setup(FakeWorker(i))
+        assert plugins[2]._installed is not None
+        assert streampool.get_per_device_resource(0) is plugins[2]._installed[1]
+        for n, i in enumerate(order):
+            alive = [
+                p._installed[1] for j, p in enumerate(plugins) if j not in order[: n + 1] and p._installed
+            ]
+            plugins[i].teardown(FakeWorker(i))
+            now = streampool.get_per_device_resource(0)
+            # Never a torn-down worker's resource: another live one's, then the original.
+            assert now is (alive[-1] if alive else before), (order, n)
+    # A resource set by someone else meanwhile is left in place.
+    plugin = StreampoolPlugin("async", device=0)
+    plugin.setup(FakeWorker(0))
+    mine = mr.CudaAsyncMemoryResource(device=0, release_threshold="1MiB")
+    streampool.set_per_device_resource(0, mine)
+    plugin.teardown(FakeWorker(0))
+    assert streampool.get_per_device_resource(0) is mine
+    streampool.set_per_device_resource(0, before)
+
+
+@pytest.mark.nosim
+def test_a_threaded_cluster_gives_the_device_its_resource_back() -> None:
+    with SimulatedDevice(capacity_bytes="64MiB"):
+        before = streampool.get_per_device_resource(0)
+        with (
+            LocalCluster(
+                n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None
+            ) as cluster,
+            Client(cluster) as client,
+        ):
+            streampool.dask.register(client, "pool", device=0)
+            assert streampool.get_per_device_resource(0) is not before
+        assert streampool.get_per_device_resource(0) is before
 
 
 @pytest.mark.nosim
@@ -99,9 +145,13 @@ def test_bad_input_names_the_argument_and_the_devices(two_devices: SimulatedDevi
         StreampoolPlugin(42)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="has no function 'nothing'"):
         StreampoolPlugin("streampool.mr:nothing")
-    for device in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="device must be a device ordinal"):
+    with pytest.raises(ValueError, match="device must be a device ordinal"):
+        StreampoolPlugin(device=-1)
+    for device in (1.5, True):
+        with pytest.raises(TypeError, match="device must be a device ordinal"):
             StreampoolPlugin(device=device)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="statistics must be True or False"):
+        StreampoolPlugin(statistics="no")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="given device 2, but this process sees 2 devices"):
         StreampoolPlugin(device=2).setup(FakeWorker(0))
     wrong = functools.partial(mr.CudaAsyncMemoryResource, device=0)
@@ -115,8 +165,9 @@ def test_bad_input_names_the_argument_and_the_devices(two_devices: SimulatedDevi
 
 
 def test_worker_resource_outside_a_worker_is_refused() -> None:
-    with pytest.raises(RuntimeError, match="for tasks running on a Dask worker"):
-        streampool.dask.worker_resource()
+    for function in (streampool.dask.worker_resource, streampool.dask.worker_device):
+        with pytest.raises(RuntimeError, match=r"worker_resource\(\) and worker_device\(\) are for tasks"):
+            function()
 
 
 def fill_and_check(value: int, nbytes: int) -> tuple[int, int, bool]:

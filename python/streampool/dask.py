@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +90,14 @@ RESOURCE_NAMES: dict[str, ResourceFactory] = {
     "managed": _managed,
     "async-managed": _async_managed,
 }
+
+
+# Workers of one process (a LocalCluster with processes=False) share its devices. For each
+# device a plugin has installed a resource on: the resource it had before the first of them
+# (restored when the last is torn down), and the resources installed since, oldest first.
+_LOCK = threading.Lock()
+_BEFORE: dict[int, mr.MemoryResource | None] = {}
+_INSTALLED: dict[int, list[mr.MemoryResource]] = {}
 
 
 def _resolve(resource: str | ResourceFactory) -> ResourceFactory:
@@ -159,7 +168,8 @@ class StreampoolPlugin(WorkerPlugin):
 
     The resource becomes the worker's device's resource (``set_per_device_resource``), so
     code that allocates on that device without naming a resource uses it; tasks can also
-    ask for it with :func:`worker_resource`. On teardown the previous resource is restored.
+    ask for it with :func:`worker_resource`. On teardown the device gets back the resource it
+    had before (when workers of one process share it: once the last of them is torn down).
     """
 
     name = "streampool"
@@ -172,13 +182,16 @@ class StreampoolPlugin(WorkerPlugin):
         statistics: bool = True,
     ) -> None:
         _resolve(resource)  # refuse a bad argument here, on the client, not on every worker
-        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
+            raise TypeError(f"device must be a device ordinal (an int >= 0) or None, not {device!r}")
+        if device is not None and device < 0:
             raise ValueError(f"device must be a device ordinal (an int >= 0) or None, got {device!r}")
+        if not isinstance(statistics, bool):
+            raise TypeError(f"statistics must be True or False, not {statistics!r}")
         self.resource = resource
         self.device = device
         self.statistics = statistics
         self._installed: tuple[int, mr.MemoryResource] | None = None
-        self._previous: mr.MemoryResource | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # What a worker needs; resources installed here never travel.
@@ -186,7 +199,7 @@ class StreampoolPlugin(WorkerPlugin):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.resource, self.device, self.statistics = state["resource"], state["device"], state["statistics"]
-        self._installed = self._previous = None
+        self._installed = None
 
     def pick_device(self, worker: Any) -> int:
         """The device this plugin gives ``worker`` (see the class docs)."""
@@ -216,16 +229,27 @@ class StreampoolPlugin(WorkerPlugin):
             )
         if self.statistics and not isinstance(made, mr.StatisticsResourceAdaptor):
             made = mr.StatisticsResourceAdaptor(made)
-        self._previous = streampool.set_per_device_resource(device, made)
+        with _LOCK:
+            previous = streampool.set_per_device_resource(device, made)
+            if not _INSTALLED.get(device):
+                _BEFORE[device] = previous
+            _INSTALLED.setdefault(device, []).append(made)
         self._installed = (device, made)
 
     def teardown(self, worker: Any) -> None:
+        """Gives the device back the resource it had before this plugin's, or, where other
+        workers of this process still run on it, the latest of theirs; a resource set since
+        by someone else is left in place."""
         if self._installed is None:
             return
-        device, _ = self._installed
-        if self._previous is not None:
-            streampool.set_per_device_resource(device, self._previous)
-        self._installed = self._previous = None
+        device, made = self._installed
+        self._installed = None
+        with _LOCK:
+            installed = _INSTALLED.get(device, [])
+            installed[:] = [r for r in installed if r is not made]
+            after = installed[-1] if installed else _BEFORE.pop(device, None)
+            if streampool.get_per_device_resource(device) is made and after is not None:
+                streampool.set_per_device_resource(device, after)
 
 
 def _installed(worker: Any = None) -> tuple[int, mr.MemoryResource]:
@@ -234,7 +258,7 @@ def _installed(worker: Any = None) -> tuple[int, mr.MemoryResource]:
             worker = get_worker()
         except ValueError:
             raise RuntimeError(
-                "streampool.dask.worker_resource() is for tasks running on a Dask worker"
+                "streampool.dask.worker_resource() and worker_device() are for tasks running on a Dask worker"
             ) from None
     plugin = worker.plugins.get(StreampoolPlugin.name)
     if not isinstance(plugin, StreampoolPlugin) or plugin._installed is None:

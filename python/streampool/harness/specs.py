@@ -261,7 +261,9 @@ def _latency_adaptor() -> Any:
     return getattr(mr, "LatencyHistogramAdaptor", None)
 
 
-def _ours(spec: Spec) -> tuple[mr.MemoryResource, str]:
+def _ours(spec: Spec, device: int | None = None) -> tuple[mr.MemoryResource, str]:
+    """Our resource for ``spec`` and the code that makes it; ``device``: the device of its
+    driver resources (None: the current device)."""
     if spec.name == "latency":
         adaptor = _latency_adaptor()
         if adaptor is None:
@@ -270,7 +272,7 @@ def _ours(spec: Spec) -> tuple[mr.MemoryResource, str]:
             )
         _arity(spec, 1)
         _options(spec, {})
-        upstream, code = _ours(spec.args[0])
+        upstream, code = _ours(spec.args[0], device)
         return adaptor(upstream), f"mr.LatencyHistogramAdaptor({code})"
     if ":" in spec.name:  # a peer inside a pool or an adaptor: refused as a bare one would be first
         _peer_module(spec)
@@ -289,8 +291,10 @@ def _ours(spec: Spec) -> tuple[mr.MemoryResource, str]:
     opts = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     if n == 0:
         upstreams, code = [], template.format(opts=opts)
+        if device is not None:
+            kwargs["device"] = device
     else:
-        upstream, up_code = _ours(spec.args[0])
+        upstream, up_code = _ours(spec.args[0], device)
         upstreams, code = [upstream], template.format(up=up_code, opts=f", {opts}" if opts else "")
     try:
         return make(*upstreams, **kwargs), code
@@ -492,19 +496,21 @@ def check_spec(text: str) -> None:
 
 
 def resource_from_spec(text: str, device: int | None = None) -> mr.MemoryResource:
-    """The resource a spec string names (see :func:`make_resource`), for ``device``: spec
-    strings make their resources on the current device, so another device is refused
-    (ValueError naming it: pass a function ``(device) -> MemoryResource`` instead). Used
-    by ``streampool.dask`` for spec strings."""
+    """The resource a spec string names (see :func:`make_resource`), on ``device`` (None:
+    the current device). Peers' resources are made on the current device only (ValueError
+    naming it otherwise). Used by ``streampool.dask`` for spec strings."""
     import streampool
 
+    spec = parse_spec(text)
+    if ":" not in spec.name:
+        return _ours(spec, device)[0]
     current = streampool.get_current_device()
     if device is not None and device != current:
         raise ValueError(
-            f"resource spec {text!r}: spec strings make resources on the current device ({current}), "
+            f"resource spec {text!r}: a peer's resource is made on the current device ({current}), "
             f"not device {device}; pass a function (device) -> MemoryResource for other devices"
         )
-    return make_resource(text).resource
+    return _peer(spec).resource
 
 
 _CACHING = {"async", "async_managed", "pool", "arena", "binning"}
