@@ -27,7 +27,15 @@ thread's, a gathering), the operations a pool must make under a shared lock. It 
 prints the threads' own peaks of live bytes summed, over the peak live bytes: a pool
 that kept each thread's memory to itself would hold at least that.
 
+``--budgets K,...`` prints, instead, a floor with no fragmentation at all: each thread
+holds a budget of bytes, set every K of its operations to the most it will have live
+before the next setting (known in advance), the threads in lockstep. What the budgets
+sum to at their peak, over the peak live bytes, is the least that any pool holds whose
+threads exchange memory only every K operations, however well it fits blocks; its
+fragmentation comes on top.
+
     python3 benchmarks/window_threads.py [--threads 4,16] [--passes 1] [--seed 0]
+    python3 benchmarks/window_threads.py --budgets 1,2,4,8,16,64 [--threads 4,16]
 """
 
 from __future__ import annotations
@@ -165,12 +173,44 @@ def run(threads: int, policy: str, passes: int, seed: int) -> tuple[float, float
     return memory.grown / peak, memory.shared_ops / ops, sum(own_peak) / peak
 
 
+def budgets(threads: int, passes: int, every: int) -> float:
+    """The budgets' peak sum over the peak live bytes (``--budgets``)."""
+    lives = []
+    for t in range(threads):
+        seq, ring, live, out = sizes(t + 1), [], 0, []
+        for i in range(passes * len(seq)):
+            if len(ring) == WINDOW:
+                live -= ring.pop(0)
+            ring.append(seq[i % len(seq)])
+            live += ring[-1]
+            out.append(live)
+        lives.append(out)
+    steps = len(lives[0])
+    peak = max(sum(step) for step in zip(*lives))
+    held = [0] * steps
+    for out in lives:
+        for start in range(0, steps, every):
+            most = max(out[start : start + every])
+            for i in range(start, min(start + every, steps)):
+                held[i] += most
+    return max(held) / peak
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default="4,16", help="thread counts (thread t uses seed t+1)")
     ap.add_argument("--passes", type=int, default=1, help="passes over each thread's 8,192 sizes")
     ap.add_argument("--seed", type=int, default=0, help="the interleaving's seed")
+    ap.add_argument("--budgets", help="print the floor with no fragmentation, budgets set every K operations")
     args = ap.parse_args()
+    if args.budgets:
+        every = [int(k) for k in args.budgets.split(",")]
+        print("threads  " + "  ".join(f"K={k:<5}" for k in every))
+        for threads in (int(t) for t in args.threads.split(",")):
+            row = "  ".join(f"{budgets(threads, args.passes, k):<7.3f}" for k in every)
+            print(f"{threads:>7}  {row}", flush=True)
+        print("(budgets over peak live bytes; no fragmentation, the threads in lockstep)")
+        return
     print("threads  policy   grown/live  shared ops  threads' own peaks/live")
     for threads in (int(t) for t in args.threads.split(",")):
         for policy in ("shared", "gather", "steal"):
