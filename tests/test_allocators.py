@@ -225,6 +225,8 @@ def test_numba_memory_manager_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     plugin = numba_plugin()
     from numba.cuda.cudadrv import driver
 
+    monkeypatch.setattr(plugin.cuda, "is_available", lambda: True)  # use() skips without a GPU
+
     monkeypatch.setattr(driver, "_memory_manager", None)
     monkeypatch.setattr(driver.config, "CUDA_MEMORY_MANAGER", "streampool.allocators.numba")
     driver._ensure_memory_manager()
@@ -262,14 +264,20 @@ def test_use_everywhere_skips_a_library_that_cannot_be_imported(monkeypatch: pyt
 # CuPy's allocator function, over stand-ins for CuPy's classes and its C stream function
 
 
+_CAPSULE_PARTS: list[object] = []
+
+
 class FakeCupy:
     """What ``streampool.allocators.cupy`` reads of CuPy: ``cuda.UnownedMemory``,
     ``cuda.MemoryPointer``, ``cuda.get_current_stream`` and the capsule of
-    ``cuda.stream.get_current_stream_ptr`` (a ctypes function returning ``self.stream``)."""
+    ``cuda.stream.get_current_stream_ptr`` (a ctypes function returning ``self.stream``).
+    CuPy's stream objects are kept in ``objects`` by handle, as a program keeps its
+    ``cupy.cuda.Stream``: delete one to have CuPy's stream destroyed."""
 
     def __init__(self) -> None:
         self.stream = 0  # the current stream: of every thread not in `streams`
         self.streams: dict[int, int] = {}
+        self.objects: dict[int, Any] = {}
         self.allocator: object = None
         fake = self
 
@@ -281,13 +289,19 @@ class FakeCupy:
             def __init__(self, mem: UnownedMemory, offset: int) -> None:
                 self.mem, self.ptr = mem, mem.ptr + offset
 
-        class CurrentStream:
-            @property
-            def ptr(self) -> int:
-                return fake.current()
+        class Stream:
+            def __init__(self, ptr: int) -> None:
+                self.ptr = ptr
+
+        def get_current_stream() -> Stream:
+            handle = fake.current()
+            return fake.objects.setdefault(handle, Stream(handle))
 
         self._function = ctypes.CFUNCTYPE(ctypes.c_ssize_t)(lambda: fake.current())
         self._name = ctypes.create_string_buffer(b"intptr_t (void)")  # the capsule keeps a pointer
+        # CuPy's function lives as long as the process: so do these, for memory a failed
+        # test leaves to the collector (its free calls the function).
+        _CAPSULE_PARTS.append((self._function, self._name))
         new_capsule = ctypes.pythonapi.PyCapsule_New
         new_capsule.restype = ctypes.py_object
         new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
@@ -302,7 +316,7 @@ class FakeCupy:
             {
                 "UnownedMemory": UnownedMemory,
                 "MemoryPointer": MemoryPointer,
-                "get_current_stream": staticmethod(lambda: CurrentStream()),
+                "get_current_stream": staticmethod(get_current_stream),
                 "set_allocator": staticmethod(set_allocator),
                 "stream": type("stream", (), {"__pyx_capi__": {"get_current_stream_ptr": capsule}}),
             },
@@ -333,7 +347,7 @@ def logged(stats: mr.MemoryResource) -> tuple[mr.LoggingResourceAdaptor, list[st
 
 
 @pytest.mark.parametrize("lookup", ["native", "python"])
-def test_cupy_allocator_allocates_and_frees_on_cupys_current_stream(
+def test_cupy_allocator_allocates_on_cupys_current_stream_and_frees_on_that_one(
     fake_cupy: tuple[FakeCupy, object], stats: mr.StatisticsResourceAdaptor, lookup: str
 ) -> None:
     fake, module = fake_cupy
@@ -350,15 +364,57 @@ def test_cupy_allocator_allocates_and_frees_on_cupys_current_stream(
     pointer = allocator(3000)
     assert pointer.ptr != 0 and pointer.mem.size == 3000 and pointer.mem.device_id == 0
     assert stats.allocation_counts.current_bytes == 3000
-    fake.stream = released.handle  # freed on the stream current when CuPy lets go
+    fake.stream = released.handle  # another stream current when CuPy lets go
     del pointer
     gc.collect()
     assert stats.allocation_counts.current_bytes == 0
+    # Once CuPy has destroyed the stream, on the stream current when CuPy lets go (as CuPy).
+    fake.stream = made.handle
+    pointer = allocator(2000)
+    fake.stream = released.handle
+    del fake.objects[made.handle], pointer
+    gc.collect()
     events = streampool.logs.parse_log("\n".join(lines))
     assert [(e.action, e.size, e.stream) for e in events] == [
         ("allocate", 3000, made.handle),
-        ("free", 3000, released.handle),
+        ("free", 3000, made.handle),
+        ("allocate", 2000, made.handle),
+        ("free", 2000, released.handle),
     ]
+
+
+@pytest.mark.nosim
+def test_cupy_frees_are_ordered_after_the_work_on_the_allocation_stream(
+    fake_cupy: tuple[FakeCupy, object],
+) -> None:
+    fake, module = fake_cupy
+    allocator = module.streampool_cupy_allocator  # type: ignore[attr-defined]
+    with SimulatedDevice(capacity_bytes="64MiB", devices=2) as dev:
+        streampool.set_current_device_resource(mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()))
+        a, b = streampool.Stream(), streampool.Stream()
+        fake.stream = a.handle
+        first = allocator(1 << 20)
+        dev.write(a, first.ptr, 1 << 20, label="kernel on A writes")
+        fake.stream = b.handle  # leaving `with A:` for `with B:`
+        del first
+        second = allocator(1 << 20)  # the pool may reuse the block only once A's write is done
+        dev.write(b, second.ptr, 1 << 20, label="kernel on B writes")
+        dev.run()
+        assert dev.races() == []
+        del second
+        # On another device's current stream, with the allocation stream gone: the legacy
+        # stream of the memory's device, not a leak.
+        stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+        streampool.set_current_device_resource(stats)
+        failures = allocators.failure_count()
+        fake.stream = a.handle
+        third = allocator(4096)
+        other = streampool.Stream(device=1)
+        fake.stream = other.handle
+        del fake.objects[a.handle], third
+        gc.collect()
+        assert stats.allocation_counts.current_bytes == 0
+        assert allocators.failure_count() == failures, allocators.last_error()
 
 
 def test_cupy_memory_is_freed_through_the_resource_that_made_it(

@@ -89,3 +89,14 @@ def test_a_consumer_on_another_device_is_refused() -> None:
         with pytest.raises(BufferError, match="consumer's stream is on device 1"):
             buf.__dlpack__(stream=other)
         assert buf.__dlpack__(stream=1) is not None  # still usable
+
+
+def test_managed_memory_goes_to_its_gpu_as_device_memory_and_the_cpu_is_device_0() -> None:
+    managed = streampool.DeviceBuffer(size=64, mr=mr.ManagedMemoryResource())
+    assert managed.__dlpack_device__() == (13, 0)
+    # A consumer that names its GPU (kDLCUDA) gets managed memory without a copy.
+    assert managed.__dlpack__(dl_device=(2, 0), stream=1) is not None
+    for buf in (managed, streampool.DeviceBuffer(size=64, mr=mr.PinnedHostMemoryResource())):
+        with pytest.raises(BufferError, match=r"names CPU 5: DLPack's CPU device is \(1, 0\)"):
+            buf.__dlpack__(dl_device=(1, 5))
+        assert buf.__dlpack__(dl_device=(1, 0)) is not None

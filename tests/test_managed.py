@@ -148,8 +148,8 @@ def test_bad_arguments_are_clear_errors() -> None:
         buf.advise("read_only")
     with pytest.raises(ValueError, match='"host" or None'):
         buf.prefetch("gpu")
-    with pytest.raises(ValueError, match="an int >= 0"):
-        buf.prefetch(-1)
+    with pytest.raises(ValueError, match=r"an int >= 0\), \"host\" or -1"):
+        buf.prefetch(-2)
     with pytest.raises(TypeError, match="device must be"):
         buf.prefetch(1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="device must be"):
@@ -162,6 +162,8 @@ def test_bad_arguments_are_clear_errors() -> None:
     with pytest.raises(streampool.InvalidStreamError):
         buf.prefetch(stream=0xDEAD0)
     assert buf.last_prefetch_location is None, "nothing refused was recorded"
+    buf.prefetch(-1)  # cudaCpuDeviceId, as RMM's callers pass the host
+    assert buf.last_prefetch_location == "host"
 
 
 @pytest.mark.parametrize(

@@ -138,6 +138,13 @@ def test_pool_memory_needs_a_grant_to_be_used_on_another_device(dev: SimulatedDe
     dev.read(s1, mine.ptr, 4096)
     private.set_peer_access(1, enabled=False)
     assert private.peer_access == []
+    # peer_access=[] (say, computed from device_can_access_peer) is a pool of its own too:
+    # a grant on it leaves the device's shared pool closed.
+    none_yet = mr.CudaAsyncMemoryResource(device=0, peer_access=[])
+    assert "owns_pool=true" in repr(none_yet)
+    none_yet.set_peer_access(1)
+    assert mr.CudaAsyncMemoryResource(device=0).peer_access == []
+    assert streampool.get_per_device_resource(0).peer_access == []
     with pytest.raises(streampool.InvalidPointerError, match="does not grant device 1 access"):
         dev.write(s1, mine.ptr, 4096)
     # The device's shared default pool is not opened by another resource's grant.

@@ -109,7 +109,7 @@ def test_reinitialize_log_file_from_the_environment(tmp_path: Path, monkeypatch:
     ("kwargs", "error", "match"),
     [
         ({"pool_allocator": "yes"}, TypeError, "pool_allocator must be True or False"),
-        ({"managed_memory": 1}, TypeError, "managed_memory"),
+        ({"managed_memory": 2}, TypeError, "managed_memory"),
         ({"logging": None}, TypeError, "logging"),
         ({"initial_pool_size": "lots"}, ValueError, "initial_pool_size"),
         ({"maximum_pool_size": -1}, ValueError, "maximum_pool_size"),
@@ -250,6 +250,56 @@ def test_callback_resource_bad_functions_and_results() -> None:
     answers.append(None)
     _roundtrip_ptr = cb.allocate(100)  # still usable
     cb.deallocate(_roundtrip_ptr, 100)
+
+
+class Address:
+    """An integer type that is not int, as NumPy's uint64 is: it has ``__index__``."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+def test_callback_allocate_may_return_any_integer_type() -> None:
+    base = mr.CudaAsyncMemoryResource()
+    cb = mr.CallbackMemoryResource(
+        lambda size, stream: Address(base.allocate(size, stream)),  # type: ignore[arg-type,return-value]
+        lambda ptr, size, stream: base.deallocate(ptr, size, stream),
+    )
+    buf = streampool.DeviceBuffer.to_device(b"integer types", mr=cb)
+    assert bytes(buf) == b"integer types"
+
+
+def test_an_exception_of_deallocate_func_at_collection_reaches_the_unraisable_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # RMM's test_callback_mr_reports_deallocation_errors.
+    import sys
+
+    seen: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: seen.append(info.exc_value))
+    base = mr.CudaAsyncMemoryResource()
+    failure = RuntimeError("My dealloc error")
+
+    def deallocate(ptr: int, size: int, stream: streampool.Stream) -> None:
+        base.deallocate(ptr, size, stream)
+        raise failure
+
+    cb = mr.CallbackMemoryResource(lambda size, stream: base.allocate(size, stream), deallocate)
+    buf = streampool.DeviceBuffer(size=256, mr=cb)
+    del buf
+    gc.collect()
+    assert seen == [failure]
+    assert any("My dealloc error" in e for e in streampool.drop_errors()[1])
+
+
+def test_upstream_mr_is_rmms_name_for_the_upstream() -> None:
+    base = mr.CudaAsyncMemoryResource()
+    for adaptor in (mr.StatisticsResourceAdaptor(base), mr.PoolMemoryResource(base)):
+        if isinstance(adaptor, mr.UpstreamResourceAdaptor):
+            assert adaptor.upstream_mr is base
 
 
 # --- ArenaMemoryResource ---------------------------------------------------------------

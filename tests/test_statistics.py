@@ -52,7 +52,7 @@ def test_push_and_pop_statistics() -> None:
     assert get_statistics() == Statistics(20, 1, 20, 1, 20, 1)
     assert pop_statistics() == Statistics(20, 1, 20, 1, 20, 1)
     assert get_statistics() == Statistics(120, 2, 120, 2, 120, 2)
-    with pytest.raises(ValueError, match="only the base counters"):
+    with pytest.raises(IndexError, match="only the base counters"):
         pop_statistics()
     del outer, inner
 

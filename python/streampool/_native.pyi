@@ -238,7 +238,8 @@ class CudaAsyncMemoryResource(MemoryResource):
     With no options it uses the device's current pool, shared with every library that
     uses the driver's pool (the default pool's release threshold is raised to the
     maximum). With ``initial_pool_size``, ``release_threshold``, ``enable_ipc`` or
-    ``peer_access`` it creates a pool of its own, destroyed with the resource.
+    ``peer_access`` (even an empty list) it creates a pool of its own, destroyed with the
+    resource.
 
     ``peer_access``: other devices whose work may read and write the pool's memory
     (``cuMemPoolSetAccess``; see :meth:`set_peer_access`), e.g. ``peer_access=[1]`` for a
@@ -433,6 +434,9 @@ class UpstreamResourceAdaptor(MemoryResource):
         as a finaliser, can see that)."""
     def get_upstream(self) -> MemoryResource:
         """The resource this one wraps (RMM's name; same as ``upstream``)."""
+    @property
+    def upstream_mr(self) -> MemoryResource:
+        """The resource this one wraps (RMM's attribute; same as ``upstream``)."""
 
 @final
 class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
@@ -454,7 +458,7 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         """Pushes zeroed counters; returns the counters on top before the push."""
     def pop_counters(self) -> Statistics:
         """Pops the counters on top (adding them into the ones below) and returns them.
-        ValueError (InvalidArgumentError) when only the base counters are left."""
+        IndexError when only the base counters are left (as RMM's)."""
 
 @final
 class AllocationRecord:
@@ -571,7 +575,8 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
 class LimitingResourceAdaptor(UpstreamResourceAdaptor):
     """Refuses, with OutOfMemoryError, allocations that would take the bytes outstanding
     through it over ``allocation_limit`` (an int > 0, or a string such as ``"2GiB"``;
-    ValueError otherwise). Holds under any number of threads.
+    ValueError otherwise). Each allocation counts rounded up to a multiple of 256 bytes,
+    as RMM's adaptor counts it. Holds under any number of threads.
 
     It keeps no record per allocation, so it cannot check a free's size; a free of more
     bytes than are allocated through it is certainly wrong and raises InvalidPointerError
@@ -581,18 +586,19 @@ class LimitingResourceAdaptor(UpstreamResourceAdaptor):
 
     def __new__(cls, upstream_mr: MemoryResource, allocation_limit: _Size) -> LimitingResourceAdaptor: ...
     def get_allocated_bytes(self) -> int:
-        """Bytes allocated through it and not yet freed (as asked, with reservations of
-        allocations in flight)."""
+        """Bytes allocated through it and not yet freed (each rounded up to 256, with
+        reservations of allocations in flight)."""
     def get_allocation_limit(self) -> int:
         """The limit, in bytes."""
 
 @final
 class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
-    """Calls ``callback(nbytes)`` when the upstream runs out of memory: True retries the
-    allocation, False lets the OutOfMemoryError reach the caller. The callback may free
+    """Calls ``callback(nbytes)`` when the upstream runs out of memory (an
+    OutOfMemoryError, or a MemoryError that a CallbackMemoryResource's allocate function
+    raised): a true result (as ``bool()`` reads it, RMM's rule) retries the allocation, a
+    false one (None included) lets the error reach the caller. The callback may free
     memory into the same stack (no lock is held). An exception it raises reaches the caller
-    of allocate unchanged; a result that is not a bool raises TypeError there. TypeError
-    when ``callback`` is not callable. Frees are passed on as given (the upstream checks
+    of allocate unchanged. TypeError when ``callback`` is not callable. Frees are passed on as given (the upstream checks
     sizes where it can)."""
 
     def __new__(
@@ -831,9 +837,14 @@ class CallbackMemoryResource(MemoryResource):
     every call takes the GIL.
 
     The functions run on the calling thread with no lock of any resource held. An
-    exception they raise reaches the caller of allocate/deallocate unchanged; an allocate
-    result that is not an int raises TypeError there, one outside ``0..2**64`` ValueError,
-    and 0 for a non-empty request OutOfMemoryError. TypeError when either is not callable.
+    exception they raise reaches the caller of allocate/deallocate unchanged (a MemoryError
+    from ``allocate_func`` is out of memory to the adaptors above: a
+    FailureCallbackResourceAdaptor calls its callback; an exception of ``deallocate_func``
+    when a buffer is collected goes to ``sys.unraisablehook`` and
+    ``streampool.drop_errors()``); an
+    allocate result that is not an int (or NumPy integer) raises TypeError there, one
+    outside ``0..2**64`` ValueError, and 0 for a non-empty request OutOfMemoryError.
+    TypeError when either is not callable.
 
     Example::
 
@@ -1045,14 +1056,14 @@ class DeviceBuffer:
         ``pickle.PickleBuffer``, which ``pickle.dumps(..., buffer_callback=...)`` can take
         out of band."""
     def prefetch(self, device: int | Literal["host"] | None = None, stream: _StreamLike = None) -> None:
-        """Prefetches managed memory to ``device`` (a device ordinal, ``"host"``, or None
-        for the device of the buffer's resource), in order on ``stream`` (default: the
+        """Prefetches managed memory to ``device`` (a device ordinal, ``"host"`` or -1, CUDA's
+        ``cudaCpuDeviceId``, or None for the device of the buffer's resource), in order on ``stream`` (default: the
         buffer's own stream). Returns at once (GIL released). Memory that is not managed
         has nothing to move: the arguments are checked and nothing else happens (as RMM's).
         ValueError once closed."""
     def advise(self, advice: _Advice, device: int | Literal["host"] | None = None) -> None:
         """Advises the driver how the memory (managed memory only) will be used, for
-        ``device`` (a device ordinal, ``"host"``, or None for the buffer's device; ignored
+        ``device`` (a device ordinal, ``"host"`` or -1, or None for the buffer's device; ignored
         by the read-mostly pair). ValueError for an unknown advice or once closed;
         InvalidArgumentError naming the resource when the memory is not managed."""
     @property
@@ -1230,8 +1241,9 @@ class CupyAllocator:
     """CuPy's allocator function (``streampool.allocators.cupy.streampool_cupy_allocator``):
     ``allocator(nbytes)`` allocates on CuPy's current stream through the current resource of
     the current device and returns a ``cupy.cuda.MemoryPointer`` whose memory is freed, when
-    CuPy lets go of it, through the resource that made it, on CuPy's current stream of the
-    releasing thread. Made from CuPy's ``UnownedMemory``, ``MemoryPointer`` and
+    CuPy lets go of it, through the resource that made it, on the stream it was allocated
+    on (on CuPy's current stream of the releasing thread once CuPy has destroyed that one).
+    Made from CuPy's ``UnownedMemory``, ``MemoryPointer`` and
     ``get_current_stream``, and the capsule of ``cupy.cuda.stream.get_current_stream_ptr``
     (None: the stream is read through ``get_current_stream``). A capsule of another
     signature raises TypeError."""

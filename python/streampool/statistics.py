@@ -113,7 +113,7 @@ def push_statistics() -> Statistics | None:
 def pop_statistics() -> Statistics | None:
     """Pops the counters on top of the current resource's stack (adding them into the
     ones below) and returns them; None (and nothing done) when statistics are not
-    enabled. ValueError when there is nothing to pop (no earlier push)."""
+    enabled. IndexError when there is nothing to pop (no earlier push), as RMM's."""
     adaptor = _adaptor()
     return None if adaptor is None else adaptor.pop_counters()
 

@@ -2,9 +2,11 @@
 :func:`streampool_cupy_allocator`.
 
 Each allocation is made on CuPy's current stream, through the current resource of the
-current device, and freed on CuPy's current stream of the thread that releases it (as
-CuPy's own ``MemoryAsyncPool`` does): work on other streams that still uses the memory
-must be ordered before that stream, as with CuPy's own pools.
+current device, and freed on the stream it was allocated on (as CuPy's own
+``MemoryAsyncPool`` and RMM's allocator do): work on other streams that still uses the
+memory must be ordered before that stream's later work, as with CuPy's own pools. When
+CuPy has destroyed that stream by then, the free is on CuPy's current stream of the
+releasing thread, as CuPy's own is.
 
 Example (GPU only)::
 
@@ -57,7 +59,7 @@ def _make(cupy_module: Any) -> _native.CupyAllocator:
 #: ``cupy.cuda.MemoryPointer``; raises ``streampool.OutOfMemoryError`` (a MemoryError) when
 #: the resource cannot serve it. A callable object of streampool's extension: no Python code
 #: runs on its path, and the memory is freed, when CuPy lets go of it, through the resource
-#: that made it, on CuPy's current stream of the releasing thread.
+#: that made it, on the stream it was allocated on.
 streampool_cupy_allocator = _make(cupy)
 
 rmm_cupy_allocator = streampool_cupy_allocator

@@ -20,7 +20,7 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyMemoryError, PyTypeError, PyValueError};
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -34,7 +34,7 @@ use streampool::adaptors::{
 use streampool::device::{BackendRef, DevPtr, RawStream};
 use streampool::{MemoryKind, MemoryResource, ResourceRef, Stream};
 
-use crate::errors::{callback_error, detached, OrRaise};
+use crate::errors::{callback_error, detached, to_pyerr, OrRaise};
 use crate::resources::PyMemoryResource;
 use crate::streams::{default_stream, per_thread_stream, PyStream};
 use crate::{count_arg, size_arg};
@@ -153,18 +153,9 @@ fn failure_callback(slot: Arc<CallbackSlot>) -> FailureCallback {
     Arc::new(move |bytes: usize| {
         Python::try_attach(|py| {
             let Some(f) = slot.get(py) else { return Ok(false) };
-            let answer = f.bind(py).call1((bytes,)).map_err(|e| callback_error(py, "failure callback", e))?;
-            match answer.cast::<PyBool>() {
-                Ok(retry) => Ok(retry.is_true()),
-                Err(_) => {
-                    let ty =
-                        answer.get_type().fully_qualified_name().map(|n| n.to_string()).unwrap_or_default();
-                    let e = PyTypeError::new_err(format!(
-                        "the failure callback must return a bool (True: retry the allocation), not {ty}"
-                    ));
-                    Err(callback_error(py, "failure callback", e))
-                }
-            }
+            // Its answer's truth, as RMM reads it (None: no retry).
+            let retry = f.bind(py).call1((bytes,)).and_then(|answer| answer.is_truthy());
+            retry.map_err(|e| callback_error(py, "failure callback", e))
         })
         .unwrap_or(Ok(false))
     })
@@ -247,6 +238,12 @@ impl PyUpstreamResourceAdaptor {
         self.upstream_object(py)
     }
 
+    /// The resource this one wraps (RMM's attribute; same as `upstream`).
+    #[getter]
+    fn upstream_mr(&self, py: Python<'_>) -> PyResult<Py<PyMemoryResource>> {
+        self.upstream_object(py)
+    }
+
     fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
         let name = slf.get_type().name()?;
         let upstream = match slf.get().upstream.0.get(slf.py()) {
@@ -317,10 +314,13 @@ impl PyStatisticsResourceAdaptor {
     }
 
     /// Pops the counters on top (adding them into the ones below) and returns them.
-    /// ValueError when only the base counters are left.
+    /// IndexError when only the base counters are left (as RMM's).
     fn pop_counters(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         let mr = self.inner.clone();
-        let s = detached(py, move || mr.pop_counters())?;
+        let s = py.detach(move || mr.pop_counters()).map_err(|e| match e {
+            streampool::Error::InvalidArgument(m) => PyIndexError::new_err(m),
+            other => to_pyerr(py, other),
+        })?;
         statistics_object(py, s)
     }
 }
@@ -684,11 +684,10 @@ impl PyLimitingResourceAdaptor {
     }
 }
 
-/// Calls `callback(nbytes)` when the upstream runs out of memory; when it returns True the
-/// allocation is tried again, when False the OutOfMemoryError reaches the caller. The
-/// callback runs with no lock of the resource held, so it may free memory into the same
-/// stack. An exception it raises reaches the caller of `allocate` unchanged; a result
-/// that is not a bool raises TypeError there.
+/// Calls `callback(nbytes)` when the upstream runs out of memory; when its result is true
+/// (as `bool()` reads it, RMM's rule) the allocation is tried again, else the error reaches
+/// the caller. The callback runs with no lock of the resource held, so it may free memory
+/// into the same stack. An exception it raises reaches the caller of `allocate` unchanged.
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "FailureCallbackResourceAdaptor")]
 pub struct PyFailureCallbackResourceAdaptor {
@@ -778,15 +777,21 @@ fn stream_object(py: Python<'_>, stream: &Stream) -> PyResult<Py<PyStream>> {
     }
 }
 
-/// The address an allocate function returned: an int in `0..2**64`, else TypeError or
-/// ValueError, naming what came back.
+/// The address an allocate function returned: an int (or an object with `__index__`, such
+/// as a NumPy integer, but not a bool) in `0..2**64`, else TypeError or ValueError, naming
+/// what came back.
 fn returned_ptr(answer: &Bound<'_, PyAny>) -> PyResult<DevPtr> {
-    if !answer.is_instance_of::<PyInt>() || answer.is_instance_of::<PyBool>() {
+    let int = match answer.is_instance_of::<PyBool>() {
+        true => None,
+        false if answer.is_instance_of::<PyInt>() => Some(answer.clone()),
+        false => answer.call_method0("__index__").ok(),
+    };
+    let Some(answer) = int else {
         let ty = answer.get_type().fully_qualified_name()?;
         return Err(PyTypeError::new_err(format!(
             "the allocate function of a CallbackMemoryResource must return the address as an int, not {ty}"
         )));
-    }
+    };
     answer.extract::<DevPtr>().map_err(|_| {
         PyValueError::new_err(format!(
             "the allocate function of a CallbackMemoryResource returned {answer}, which is not an address \
@@ -830,7 +835,14 @@ impl MemoryResource for CallbackResource {
                     resource: "CallbackMemoryResource (its allocate function returned 0)".into(),
                 }),
                 Ok(ptr) => Ok(ptr),
-                Err(e) => Err(callback_error(py, WHAT, e)),
+                // A MemoryError is out of memory to the adaptors above (a failure callback
+                // retries, as RMM's does), and reaches the caller unchanged.
+                Err(e) => match (e.is_instance_of::<PyMemoryError>(py), callback_error(py, WHAT, e)) {
+                    (true, streampool::Error::Callback(key)) => {
+                        Err(streampool::Error::CallbackOutOfMemory(key))
+                    }
+                    (_, other) => Err(other),
+                },
             }
         })
         .unwrap_or_else(|| Err(no_interpreter(WHAT)))

@@ -113,7 +113,9 @@ pub(crate) fn release(mut alloc: Allocation) {
 }
 
 /// Reports a free refused when a buffer let go of its memory: an invalid pointer (freed by
-/// hand before?) to `sys.unraisablehook`, anything else to `streampool.drop_errors()`.
+/// hand before?) to `sys.unraisablehook`, anything else to `streampool.drop_errors()`, and
+/// an exception of a Python callback (a `CallbackMemoryResource`'s deallocate function, a
+/// logging callback) to both, as the original exception, as RMM reports it.
 fn report_refused_free(ptr: DevPtr, bytes: usize, resource: &str, e: Error) {
     if !matches!(e, Error::InvalidPointer(_)) {
         // Nobody to raise to (a driver torn down at exit, a failing logging sink): recorded,
@@ -122,6 +124,9 @@ fn report_refused_free(ptr: DevPtr, bytes: usize, resource: &str, e: Error) {
             &format!("dropping an Allocation of {bytes} bytes at {ptr:#x} from {resource}"),
             &e,
         );
+        if matches!(e, Error::Callback(_) | Error::CallbackOutOfMemory(_)) {
+            let _ = Python::try_attach(|py| to_pyerr(py, e).write_unraisable(py, None));
+        }
         return;
     }
     let _ = Python::try_attach(|py| {
@@ -574,7 +579,8 @@ fn closed() -> PyErr {
     PyValueError::new_err("DeviceBuffer is closed")
 }
 
-/// A location from Python: None (`default`), "host", or a device ordinal (an int >= 0).
+/// A location from Python: None (`default`), "host" or -1 (`cudaCpuDeviceId`, as RMM's
+/// callers pass it), or a device ordinal (an int >= 0).
 fn location_arg(obj: Option<&Bound<'_, PyAny>>, default: Location) -> PyResult<Location> {
     let Some(obj) = obj.filter(|o| !o.is_none()) else { return Ok(default) };
     if let Ok(text) = obj.cast::<PyString>() {
@@ -599,11 +605,16 @@ fn location_arg(obj: Option<&Bound<'_, PyAny>>, default: Location) -> PyResult<L
     };
     match int.extract::<i32>() {
         Ok(ordinal) if ordinal >= 0 => Ok(Location::Device(ordinal)),
+        Ok(CPU_DEVICE_ID) => Ok(Location::Host),
         _ => Err(PyValueError::new_err(format!(
-            "device must be a device ordinal (an int >= 0) or \"host\", not {obj}"
+            "device must be a device ordinal (an int >= 0), \"host\" or -1 (the host, CUDA's \
+             cudaCpuDeviceId), not {obj}"
         ))),
     }
 }
+
+/// CUDA's `cudaCpuDeviceId`: the host, as a device argument.
+const CPU_DEVICE_ID: i32 = -1;
 
 fn location_value(py: Python<'_>, location: Option<Location>) -> PyResult<Py<PyAny>> {
     Ok(match location {
@@ -913,8 +924,7 @@ impl DeviceBuffer {
         stream: Option<&Bound<'_, PyAny>>,
         mr: Option<Bound<'_, PyMemoryResource>>,
     ) -> PyResult<Self> {
-        let target = crate::device_arg(Some(device), "device")?
-            .ok_or_else(|| PyTypeError::new_err("device must be a device ordinal (an int), not None"))?;
+        let target = crate::required_device_arg(device, "device")?;
         let alloc = self.live()?;
         let backend = alloc.resource().backend().clone();
         detached(py, move || streampool::resources::check_device(&backend, Some(target)).map(drop))?;

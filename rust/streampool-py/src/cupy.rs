@@ -9,18 +9,23 @@
 //! missing), allocates on the thread's kept resource and stream as the C entry points do
 //! ([`crate::capi::with_current`]), and hands CuPy an `UnownedMemory` whose owner is a
 //! [`CupyMemory`]: when CuPy lets go of the memory, the owner frees it through the resource
-//! that made it, on CuPy's current stream of the releasing thread (as CuPy's
-//! `MemoryAsyncPool` does), with no Python method in between.
+//! that made it, on the stream it was allocated on (as CuPy's `MemoryAsync` and RMM's
+//! allocator do), with no Python method in between. CuPy may destroy that stream first:
+//! the owner keeps a weak reference to CuPy's stream object (never to a default stream,
+//! which lives for the process) and, once it is gone, frees on CuPy's current stream, as
+//! CuPy does.
 //!
 //! The fast path keeps the GIL (the resource's `try_allocate`); what may wait (growing a
 //! pool, waiting on another stream) releases it.
 
+use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
+use std::sync::Mutex;
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
-use streampool::device::{DevPtr, RawStream, LEGACY_STREAM};
+use streampool::device::{DevPtr, RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM};
 use streampool::ResourceRef;
 
 use crate::capi;
@@ -48,6 +53,26 @@ pub(crate) struct CupyAllocator {
     unowned: Py<PyAny>,
     pointer: Py<PyAny>,
     current: CurrentStream,
+    /// `cupy.cuda.get_current_stream`, for the stream object behind a handle, and
+    /// `weakref.ref`.
+    get_current_stream: Py<PyAny>,
+    weak_ref: Py<PyAny>,
+    /// A weak reference to CuPy's stream object, by handle, for the streams allocated on
+    /// lately (at most [`MAX_STREAM_REFS`]; one dead is replaced when its handle comes back).
+    stream_refs: Mutex<HashMap<RawStream, Py<PyAny>>>,
+}
+
+/// How many streams' weak references an allocator keeps before it starts afresh.
+const MAX_STREAM_REFS: usize = 256;
+
+/// The default streams live for the process: memory allocated on them needs no reference.
+fn is_default_stream(handle: RawStream) -> bool {
+    matches!(handle, LEGACY_STREAM | LEGACY_STREAM_ALIAS | PER_THREAD_STREAM)
+}
+
+/// Whether the object behind a weak reference is still alive.
+fn alive(py: Python<'_>, weak: &Py<PyAny>) -> bool {
+    weak.call0(py).is_ok_and(|o| !o.is_none(py))
 }
 
 #[pymethods]
@@ -57,6 +82,7 @@ impl CupyAllocator {
     #[new]
     #[pyo3(signature = (unowned_memory, memory_pointer, get_current_stream, stream_capsule=None))]
     fn new(
+        py: Python<'_>,
         unowned_memory: Py<PyAny>,
         memory_pointer: Py<PyAny>,
         get_current_stream: Py<PyAny>,
@@ -64,9 +90,16 @@ impl CupyAllocator {
     ) -> PyResult<Self> {
         let current = match stream_capsule {
             Some(capsule) => CurrentStream::Native(stream_function(capsule)?),
-            None => CurrentStream::Python(get_current_stream),
+            None => CurrentStream::Python(get_current_stream.clone_ref(py)),
         };
-        Ok(CupyAllocator { unowned: unowned_memory, pointer: memory_pointer, current })
+        Ok(CupyAllocator {
+            unowned: unowned_memory,
+            pointer: memory_pointer,
+            current,
+            get_current_stream,
+            weak_ref: py.import("weakref")?.getattr("ref")?.unbind(),
+            stream_refs: Mutex::new(HashMap::new()),
+        })
     }
 
     /// Whether CuPy's current stream is read through its C function (the fast way).
@@ -79,6 +112,11 @@ impl CupyAllocator {
         let py = slf.py();
         let this = slf.get();
         let handle = this.stream_handle(py)?;
+        // Before allocating: nothing to free if it fails.
+        let origin = match is_default_stream(handle) || nbytes == 0 {
+            true => None,
+            false => Some(this.stream_ref(py, handle)?),
+        };
         let (device, mr, fast) = capi::with_current(None, handle, |device, mr, stream| {
             let fast = mr.try_allocate(nbytes, stream).ok_or_else(|| stream.clone());
             Ok((device, mr.clone(), fast))
@@ -99,7 +137,8 @@ impl CupyAllocator {
             0 => py.None(),
             _ => {
                 let allocator = slf.clone().unbind();
-                Py::new(py, CupyMemory { allocator, mr, ptr, size: nbytes, device })?.into_any()
+                let memory = CupyMemory { allocator, mr, ptr, size: nbytes, device, stream: handle, origin };
+                Py::new(py, memory)?.into_any()
             }
         };
         let memory = this.unowned.call1(py, (ptr, nbytes, owner, device))?;
@@ -108,6 +147,29 @@ impl CupyAllocator {
 }
 
 impl CupyAllocator {
+    /// A weak reference to CuPy's current stream object, whose handle is `handle`: the one
+    /// kept for that handle while its object lives, else a new one. The lock is never held
+    /// while Python code runs (which may let another thread take the GIL and wait for it).
+    fn stream_ref(&self, py: Python<'_>, handle: RawStream) -> PyResult<Py<PyAny>> {
+        let refs = || self.stream_refs.lock().unwrap_or_else(|e| e.into_inner());
+        let kept = refs().get(&handle).map(|w| w.clone_ref(py));
+        if let Some(weak) = kept.filter(|w| alive(py, w)) {
+            return Ok(weak);
+        }
+        let stream = self.get_current_stream.call0(py)?;
+        let weak = self.weak_ref.call1(py, (stream,))?;
+        let gone = {
+            let mut refs = refs();
+            let cleared = match refs.len() >= MAX_STREAM_REFS {
+                true => std::mem::take(&mut *refs),
+                false => HashMap::new(),
+            };
+            (refs.insert(handle, weak.clone_ref(py)), cleared)
+        };
+        drop(gone); // after the lock: dropping may run Python code
+        Ok(weak)
+    }
+
     /// CuPy's current stream of the calling thread.
     fn stream_handle(&self, py: Python<'_>) -> PyResult<RawStream> {
         match &self.current {
@@ -154,8 +216,10 @@ fn stream_function(capsule: &Bound<'_, PyAny>) -> PyResult<StreamFn> {
 }
 
 /// Owns one allocation handed to CuPy (the `owner` of its `UnownedMemory`): frees it
-/// through the resource that made it when CuPy lets go, on CuPy's current stream of the
-/// releasing thread. A failure to free is said on stderr and kept for
+/// through the resource that made it when CuPy lets go, on the stream it was allocated on
+/// while CuPy's object of that stream lives, else on CuPy's current stream of the
+/// releasing thread (the device's legacy default stream when that one is another
+/// device's). A failure to free is said on stderr and kept for
 /// `streampool.allocators.last_error()`, as nothing can be raised there.
 #[pyclass(module = "streampool._native", name = "CupyMemory", frozen)]
 pub(crate) struct CupyMemory {
@@ -164,6 +228,10 @@ pub(crate) struct CupyMemory {
     ptr: DevPtr,
     size: usize,
     device: i32,
+    /// The stream it was allocated on, and a weak reference to CuPy's object of it (None
+    /// for a default stream).
+    stream: RawStream,
+    origin: Option<Py<PyAny>>,
 }
 
 #[pymethods]
@@ -178,10 +246,22 @@ impl Drop for CupyMemory {
         let (mr, ptr, size, device) = (&self.mr, self.ptr, self.size, self.device);
         let what = || format!("freeing CuPy's memory (ptr={ptr:#x}, size={size}, device={device})");
         Python::attach(|py| {
-            // At interpreter shutdown CuPy may be gone: the legacy stream then.
-            let handle = self.allocator.get().stream_handle(py).unwrap_or(LEGACY_STREAM);
-            let fast = capi::with_current(Some(device), handle, |_, _, stream| {
-                Ok(mr.try_deallocate(ptr, size, stream).ok_or_else(|| stream.clone()))
+            let handle = match &self.origin {
+                Some(weak) if !alive(py, weak) => {
+                    // At interpreter shutdown CuPy may be gone: the legacy stream then.
+                    self.allocator.get().stream_handle(py).unwrap_or(LEGACY_STREAM)
+                }
+                _ => self.stream,
+            };
+            let free_on = |handle| {
+                capi::with_current(Some(device), handle, |_, _, stream| {
+                    Ok(mr.try_deallocate(ptr, size, stream).ok_or_else(|| stream.clone()))
+                })
+            };
+            // A current stream of another device cannot order this device's free.
+            let fast = free_on(handle).or_else(|e| match handle {
+                LEGACY_STREAM => Err(e),
+                _ => free_on(LEGACY_STREAM),
             });
             let freed = match fast {
                 Ok(Ok(settled)) => settled,

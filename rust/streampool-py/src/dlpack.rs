@@ -30,11 +30,22 @@ pub(crate) const KDL_CUDA_MANAGED: i32 = 13;
 
 /// The device a buffer on DLPack device `ours` is exported as, for a consumer that asks
 /// for `asked` (None: its own). Managed and pinned memory may be exported to the CPU (the
-/// host reads it where it is); anything else needs a copy, which DLPack does not make.
+/// host reads it where it is), and managed memory to its own GPU as plain device memory
+/// (kernels there read it where it is); anything else needs a copy, which DLPack does not
+/// make.
 pub(crate) fn exported_device(ours: (i32, i32), asked: Option<(i32, i32)>) -> PyResult<(i32, i32)> {
     let Some(asked) = asked.filter(|a| *a != ours) else { return Ok(ours) };
+    if asked.0 == KDL_CPU && asked.1 != 0 {
+        return Err(buffer_error(format!(
+            "dl_device {asked:?} names CPU {}: DLPack's CPU device is (1, 0)",
+            asked.1
+        )));
+    }
     if asked.0 == KDL_CPU && ours.0 != KDL_CUDA {
         return Ok((KDL_CPU, 0));
+    }
+    if ours.0 == KDL_CUDA_MANAGED && asked == (KDL_CUDA, ours.1) {
+        return Ok(asked);
     }
     Err(buffer_error(if asked.0 == KDL_CPU {
         format!(

@@ -29,7 +29,7 @@ static SIM_ACTIVE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 /// so, and callers catching StreampoolError should see it).
 pub(crate) fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
     let msg = e.to_string();
-    if !matches!(e, Error::Callback(_)) {
+    if !matches!(e, Error::Callback(_) | Error::CallbackOutOfMemory(_)) {
         // Whatever a callback stashed on this thread was not what failed this call.
         clear_callback_errors();
     }
@@ -53,7 +53,7 @@ pub(crate) fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
         }
         Error::Io { .. } => PyOSError::new_err(msg),
         // A Python callback raised: its own exception, unchanged, when this thread stashed it.
-        Error::Callback(what) => match take_callback_error(&what) {
+        Error::Callback(what) | Error::CallbackOutOfMemory(what) => match take_callback_error(&what) {
             Some(original) => original,
             None => raise(py, &STREAMPOOL_ERROR, "StreampoolError", (msg,)),
         },

@@ -91,9 +91,22 @@ pub(crate) fn count_arg(obj: &Bound<'_, PyAny>, what: &str, min: u64, max: u64) 
 /// backend is (an InvalidArgumentError naming the devices there are).
 pub(crate) fn device_arg(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<i32>> {
     let Some(obj) = obj.filter(|o| !o.is_none()) else { return Ok(None) };
-    let int = index(obj, what, "a device ordinal (an int) or None")?;
+    ordinal(obj, what, "a device ordinal (an int) or None").map(Some)
+}
+
+/// A device ordinal from Python that must be given (None is refused: there is no
+/// default), as [`device_arg`] checks it otherwise.
+pub(crate) fn required_device_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i32> {
+    if obj.is_none() {
+        return Err(PyTypeError::new_err(format!("{what} must be a device ordinal (an int), not None")));
+    }
+    ordinal(obj, what, "a device ordinal (an int)")
+}
+
+fn ordinal(obj: &Bound<'_, PyAny>, what: &str, expected: &str) -> PyResult<i32> {
+    let int = index(obj, what, expected)?;
     match int.extract::<i32>() {
-        Ok(d) if d >= 0 => Ok(Some(d)),
+        Ok(d) if d >= 0 => Ok(d),
         _ => {
             let range = match device::backend_ready().map(|b| (b.device_count(), b.describe())) {
                 Some((Ok(n), name)) => format!("from 0 to {} (the {n} device{} of {name})", n - 1, plural(n)),
@@ -243,12 +256,7 @@ fn device_pair(
     device: &Bound<'_, PyAny>,
     peer: &Bound<'_, PyAny>,
 ) -> PyResult<(device::BackendRef, i32, i32)> {
-    let required = |obj, what: &str| {
-        device_arg(Some(obj), what)?.ok_or_else(|| {
-            PyTypeError::new_err(format!("{what} must be a device ordinal (an int), not None"))
-        })
-    };
-    let (device, peer) = (required(device, "device")?, required(peer, "peer")?);
+    let (device, peer) = (required_device_arg(device, "device")?, required_device_arg(peer, "peer")?);
     detached(py, move || {
         let backend = device::backend()?;
         streampool::resources::check_device(&backend, Some(device))?;

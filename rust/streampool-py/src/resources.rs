@@ -215,13 +215,13 @@ fn pool_handle_object(py: Python<'_>, handle: u64) -> PyResult<Py<PyAny>> {
 
 /// A `device` argument that must name a device (None is refused: there is no default).
 fn required_device(device: &Bound<'_, PyAny>) -> PyResult<i32> {
-    device_arg(Some(device), "device")?
-        .ok_or_else(|| PyTypeError::new_err("device must be a device ordinal (an int), not None"))
+    crate::required_device_arg(device, "device")
 }
 
-/// `peer_access=`: None, or an iterable of device ordinals (each checked as a `device`).
-fn peer_access_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<i32>> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else { return Ok(Vec::new()) };
+/// `peer_access=`: None, or an iterable of device ordinals (each checked as a `device`);
+/// an empty one still asks for a pool of its own.
+fn peer_access_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<i32>>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else { return Ok(None) };
     if obj.is_instance_of::<pyo3::types::PyInt>() {
         return Err(PyTypeError::new_err(format!(
             "peer_access must be a list of device ordinals, such as [{obj}], not an int"
@@ -233,14 +233,12 @@ fn peer_access_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<i32>> {
             "peer_access must be a list of device ordinals (the devices that may access the pool)",
         )
     })? {
-        let d = device_arg(Some(&item?), "each device of peer_access")?.ok_or_else(|| {
-            PyTypeError::new_err("each device of peer_access must be a device ordinal (an int), not None")
-        })?;
+        let d = crate::required_device_arg(&item?, "each device of peer_access")?;
         if !devices.contains(&d) {
             devices.push(d);
         }
     }
-    Ok(devices)
+    Ok(Some(devices))
 }
 
 /// The options of a pool of its own, from Python arguments (None: not given).
@@ -253,7 +251,7 @@ fn pool_options(
         initial_pool_size: initial_pool_size.map(|s| size_arg(s, "initial_pool_size")).transpose()?,
         release_threshold: release_threshold.map(|s| size_arg(s, "release_threshold")).transpose()?,
         enable_ipc,
-        peer_access: Vec::new(),
+        peer_access: None,
     })
 }
 
@@ -261,8 +259,9 @@ async_pool_class! {
     /// The driver's stream-ordered pool (`cuMemAllocFromPoolAsync`): the recommended resource.
     ///
     /// With no options it uses the device's current pool, shared with every library that uses
-    /// the driver's pool. With `initial_pool_size`, `release_threshold` or `enable_ipc` it
-    /// creates a pool of its own, destroyed with the resource.
+    /// the driver's pool. With `initial_pool_size`, `release_threshold`, `enable_ipc` or
+    /// `peer_access` (even an empty list) it creates a pool of its own, destroyed with the
+    /// resource.
     ///
     /// Sizes are not checked on free: the driver's free takes no size, so
     /// `deallocate(ptr, 1 << 40)` frees the allocation at `ptr`, whatever its size. Wrap it
@@ -536,7 +535,8 @@ fn set_resource(
     let res = &mr.get().inner;
     if res.backend().id() != backend.id() || res.device() != device {
         return Err(PyValueError::new_err(format!(
-            "{res:?} belongs to device {} of {}; it cannot be the resource of device {device} of {}",
+            "{} belongs to device {} of {}; it cannot be the resource of device {device} of {}",
+            mr.repr()?,
             res.device(),
             res.backend().describe(),
             backend.describe()

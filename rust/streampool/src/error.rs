@@ -64,6 +64,11 @@ pub enum Error {
     /// another language keep the original exception and raise it instead.
     #[error("callback failed: {0}")]
     Callback(String),
+    /// A user's allocate function reported that it had no memory to give (a Python
+    /// `MemoryError`): out of memory to the adaptors above it (a failure callback retries),
+    /// and, like [`Error::Callback`], raised as the original exception by the bindings.
+    #[error("out of memory: {0}")]
+    CallbackOutOfMemory(String),
 }
 
 fn fmt_available(available: Option<usize>) -> String {
@@ -106,7 +111,7 @@ impl Error {
 
     /// True for [`Error::OutOfMemory`] and for the driver's `CUDA_ERROR_OUT_OF_MEMORY`.
     pub fn is_out_of_memory(&self) -> bool {
-        matches!(self, Error::OutOfMemory { .. })
+        matches!(self, Error::OutOfMemory { .. } | Error::CallbackOutOfMemory(_))
             || matches!(self, Error::Driver { code, .. } if *code == CUDA_ERROR_OUT_OF_MEMORY)
     }
 

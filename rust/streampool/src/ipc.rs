@@ -94,7 +94,13 @@ pub fn export_from(
     if ptr != 0 && bytes != 0 && !resource.whole_allocations() {
         return Err(not_shareable(
             ptr,
-            format!("{} hands out pieces of larger allocations, which cannot be shared", resource.name()),
+            format!(
+                "{} may hand out pieces of larger allocations, which cannot be shared: it, or a resource \
+                 under it, suballocates (a pool, a binning or arena resource) or cannot say that it does \
+                 not (a CallbackMemoryResource); export memory allocated by the IPC pool's \
+                 CudaAsyncMemoryResource, directly or through adaptors that pass allocations through",
+                resource.name()
+            ),
         ));
     }
     export(resource.backend(), resource.device(), ptr, bytes, stream)

@@ -371,12 +371,14 @@ impl fmt::Debug for Allocation {
 /// asked and what the device had free (for device and managed memory: pinned host memory
 /// is not limited by the device, so there `available` is unknown); other errors pass
 /// through. An [`Error::OutOfMemory`] from the backend itself (the simulated device's
-/// host refusing memory) already names what limited the request, and keeps it.
+/// host refusing memory) already names what limited the request, and keeps it; a user's
+/// allocate function's own error ([`Error::CallbackOutOfMemory`]) passes through, to be
+/// raised as it was.
 pub(crate) fn out_of_memory(e: Error, requested: usize, mr: &dyn MemoryResource) -> Error {
     if matches!(e, Error::OutOfMemory { .. }) {
         return crate::adaptors::as_own_oom(e, requested, mr);
     }
-    if !e.is_out_of_memory() {
+    if !e.is_out_of_memory() || matches!(e, Error::CallbackOutOfMemory(_)) {
         return e;
     }
     let available = match mr.memory_kind() {

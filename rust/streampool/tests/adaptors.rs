@@ -1182,6 +1182,24 @@ fn binning_refuses_a_free_with_another_size_in_both_directions() {
 }
 
 #[test]
+fn limiting_counts_each_allocation_rounded_up_to_256_bytes_as_rmm() {
+    let (_sim, b) = sim(64 << 20);
+    let mr = LimitingAdaptor::new(async_mr(&b), 1000).unwrap();
+    let s = Stream::legacy();
+    let ps: Vec<_> = (0..3).map(|_| mr.allocate(10, &s).unwrap()).collect();
+    assert_eq!(mr.allocated_bytes(), 768);
+    let err = mr.allocate(10, &s).unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { available: Some(232), .. }), "{err}");
+    for p in ps {
+        mr.deallocate(p, 10, &s).unwrap();
+    }
+    assert_eq!(mr.allocated_bytes(), 0);
+    // A size too large to round is refused, not wrapped.
+    assert!(mr.allocate(usize::MAX - 3, &s).unwrap_err().is_out_of_memory());
+    assert_eq!(mr.allocated_bytes(), 0);
+}
+
+#[test]
 fn limiting_refuses_a_free_of_more_than_is_in_use_and_never_wraps() {
     let (_sim, b) = sim(64 << 20);
     let upstream = Arc::new(TrackingAdaptor::new(async_mr(&b), None).unwrap());
@@ -1190,8 +1208,9 @@ fn limiting_refuses_a_free_of_more_than_is_in_use_and_never_wraps() {
     let p = mr.allocate(1000, &s).unwrap();
     let err = mr.deallocate(p, 4000, &s).unwrap_err();
     assert!(matches!(err, Error::InvalidPointer(_)), "{err:?}");
-    assert!(err.to_string().contains("4000 bytes, but only 1000 bytes are allocated"), "{err}");
-    assert_eq!((mr.allocated_bytes(), upstream.outstanding().len()), (1000, 1), "nothing changed");
+    // 1000 bytes count as 1024 (rounded up to 256, as RMM's adaptor counts them).
+    assert!(err.to_string().contains("4000 bytes, but only 1024 bytes are allocated"), "{err}");
+    assert_eq!((mr.allocated_bytes(), upstream.outstanding().len()), (1024, 1), "nothing changed");
     mr.deallocate(p, 1000, &s).unwrap();
     assert_eq!(mr.allocated_bytes(), 0);
     assert!(mr.deallocate(p, 1000, &s).is_err(), "a free with nothing in use");

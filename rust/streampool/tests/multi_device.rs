@@ -81,7 +81,7 @@ fn a_resource_refuses_streams_of_another_device() {
 fn peer_access_opens_a_pool_to_another_device_and_no_other_pool() {
     let (sim, b) = two_devices();
     let s1 = Stream::create(&b, 1, false).unwrap();
-    let opts = AsyncPoolOptions { peer_access: vec![1], ..Default::default() };
+    let opts = AsyncPoolOptions { peer_access: Some(vec![1]), ..Default::default() };
     let shared = CudaAsyncMemoryResource::on(b.clone(), 0, opts).unwrap();
     assert_eq!(shared.peer_access().unwrap(), vec![1]);
     let private = CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap();
@@ -106,7 +106,7 @@ fn peer_access_opens_a_pool_to_another_device_and_no_other_pool() {
     match CudaAsyncMemoryResource::on(
         b.clone(),
         0,
-        AsyncPoolOptions { peer_access: vec![1], ..Default::default() },
+        AsyncPoolOptions { peer_access: Some(vec![1]), ..Default::default() },
     ) {
         Err(Error::InvalidArgument(m)) => {
             assert!(m.contains("device 1 cannot access memory of device 0"), "{m}")

@@ -5,15 +5,16 @@ use std::fmt;
 use super::{as_own_oom, try_counted_deallocate, try_upstream_allocate, upstream_properties};
 use crate::device::DevPtr;
 use crate::error::{Error, Result};
-use crate::resource::{check_depth, MemoryResource, ResourceRef};
+use crate::resource::{check_depth, MemoryResource, ResourceRef, ALIGNMENT};
 use crate::stream::Stream;
 use crate::sync::{AtomicUsize, Ordering};
 
 /// Refuses allocations that would take the bytes it has handed out above a limit (RMM's
 /// `limiting_resource_adaptor`).
 ///
-/// Invariant: the bytes allocated through it and not yet freed (as asked, not rounded
-/// up to the upstream's alignment) never exceed the limit, at any moment and under any
+/// Invariant: the bytes allocated through it and not yet freed, each allocation counted
+/// rounded up to a multiple of [`ALIGNMENT`] (256 bytes, as RMM counts them: what the
+/// upstream hands out at least), never exceed the limit, at any moment and under any
 /// number of threads. An allocation first reserves its bytes (a compare-and-swap that
 /// fails rather than overshoot), then allocates upstream, and gives the reservation back
 /// if the upstream fails; a free gives it back after the upstream free.
@@ -92,7 +93,7 @@ impl MemoryResource for LimitingAdaptor {
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         self.reserve(bytes)?;
         self.upstream.allocate(bytes, stream).map_err(|e| {
-            self.budget.release(bytes);
+            self.budget.release(counted(bytes));
             as_own_oom(e, bytes, self)
         })
     }
@@ -102,7 +103,7 @@ impl MemoryResource for LimitingAdaptor {
         // Released only once the upstream has taken the memory back: a refused free (a
         // pointer it does not own) must not make room under the limit.
         self.upstream.deallocate(ptr, bytes, stream)?;
-        self.budget.release(bytes);
+        self.budget.release(counted(bytes));
         Ok(())
     }
 
@@ -117,7 +118,7 @@ impl MemoryResource for LimitingAdaptor {
         }
         let result = try_upstream_allocate(self, &self.upstream, bytes, stream);
         if !matches!(result, Some(Ok(_))) {
-            self.budget.release(bytes);
+            self.budget.release(counted(bytes));
         }
         result
     }
@@ -125,15 +126,15 @@ impl MemoryResource for LimitingAdaptor {
     fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
         let check = || self.check_free(ptr, bytes);
         try_counted_deallocate(self, &self.upstream, (ptr, bytes, stream), check, || {
-            self.budget.release(bytes)
+            self.budget.release(counted(bytes))
         })
     }
 }
 
 impl LimitingAdaptor {
-    /// Reserves `bytes` under the limit, or the refusal.
+    /// Reserves `bytes` (counted rounded up) under the limit, or the refusal.
     fn reserve(&self, bytes: usize) -> Result<()> {
-        self.budget.reserve(bytes).map_err(|in_use| Error::OutOfMemory {
+        self.budget.reserve(counted(bytes)).map_err(|in_use| Error::OutOfMemory {
             requested: bytes,
             available: Some(self.budget.limit.saturating_sub(in_use)),
             resource: format!("{} (limit {} bytes, {in_use} in use)", self.name(), self.budget.limit),
@@ -144,7 +145,7 @@ impl LimitingAdaptor {
     /// or a pointer allocated elsewhere). The upstream is not called (see the type's docs).
     fn check_free(&self, ptr: DevPtr, bytes: usize) -> Result<()> {
         let in_use = self.budget.used();
-        if bytes <= in_use {
+        if counted(bytes) <= in_use {
             return Ok(());
         }
         Err(Error::InvalidPointer(format!(
@@ -152,6 +153,12 @@ impl LimitingAdaptor {
              LimitingResourceAdaptor: the size is not the one allocated, or the pointer was not allocated here"
         )))
     }
+}
+
+/// What an allocation of `bytes` counts against the limit: rounded up to [`ALIGNMENT`]
+/// (a size too large to round counts as `usize::MAX`, and is refused).
+fn counted(bytes: usize) -> usize {
+    bytes.checked_next_multiple_of(ALIGNMENT).unwrap_or(usize::MAX)
 }
 
 impl fmt::Debug for LimitingAdaptor {

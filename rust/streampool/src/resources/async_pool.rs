@@ -22,8 +22,10 @@ pub struct AsyncPoolOptions {
     /// for managed pools.
     pub enable_ipc: bool,
     /// Other devices whose work may read and write the pool's memory
-    /// ([`CudaAsyncMemoryResource::set_peer_access`]).
-    pub peer_access: Vec<i32>,
+    /// ([`CudaAsyncMemoryResource::set_peer_access`]). `Some`, even of no device, makes a
+    /// pool of its own: granting access to the device's shared pool later would open it
+    /// behind every other library's back.
+    pub peer_access: Option<Vec<i32>>,
 }
 
 impl AsyncPoolOptions {
@@ -125,7 +127,7 @@ impl CudaAsyncMemoryResource {
         let mr = Self { backend, device, pool, owns_pool: true, managed, name };
         let threshold = options.release_threshold.map_or(u64::MAX, |t| t as u64);
         mr.backend.pool_set_attr(device, pool, PoolAttr::ReleaseThreshold, threshold)?;
-        for &peer in &options.peer_access {
+        for &peer in options.peer_access.iter().flatten() {
             mr.set_peer_access(peer, true)?;
         }
         if let Some(init) = options.initial_pool_size.filter(|&n| n > 0) {
@@ -200,9 +202,8 @@ impl CudaAsyncMemoryResource {
         let device = self.device;
         if !(0..count).contains(&peer) {
             return Err(Error::invalid(format!(
-                "peer device {peer} does not exist on {} ({count} device{}); the pool is on device {device}",
-                self.backend.describe(),
-                if count == 1 { "" } else { "s" }
+                "peer device {peer} {}; the pool is on device {device}",
+                super::no_such_device(&self.backend.describe(), count)
             )));
         }
         if peer == device {

@@ -30,10 +30,19 @@ pub fn check_device(backend: &BackendRef, device: Option<i32>) -> Result<i32> {
     let count = backend.device_count()?;
     if device < 0 || device >= count {
         return Err(Error::invalid(format!(
-            "device {device} does not exist on {} ({count} device{})",
-            backend.describe(),
-            if count == 1 { "" } else { "s" }
+            "device {device} {}",
+            no_such_device(&backend.describe(), count)
         )));
     }
     Ok(device)
+}
+
+/// What follows "device N" when N is not a device of the backend `described`, which has
+/// `count`.
+pub(crate) fn no_such_device(described: &str, count: i32) -> String {
+    let devices = match count {
+        1 => "its one device is 0".to_string(),
+        n => format!("its devices are 0 to {}", n - 1),
+    };
+    format!("does not exist on {described}: {devices}")
 }

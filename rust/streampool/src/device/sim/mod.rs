@@ -676,12 +676,8 @@ impl SimDevice {
         if (0..self.devices).contains(&dev) {
             return Ok(());
         }
-        Err(Error::InvalidArgument(format!(
-            "device {dev} does not exist on simulated device #{} ({} device{})",
-            self.id,
-            self.devices,
-            if self.devices == 1 { "" } else { "s" }
-        )))
+        let why = crate::resources::no_such_device(&self.describe(), self.devices);
+        Err(Error::InvalidArgument(format!("device {dev} {why}")))
     }
 
     /// Runs `f` on the state of an open device, for device `dev` if given.
