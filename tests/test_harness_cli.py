@@ -189,6 +189,39 @@ def test_profile_of_a_crashing_program_keeps_its_partial_log(tmp_path: Path, pro
     assert run("replay", str(path), "--quick").returncode == 0
 
 
+TWO_DEVICES = """\
+import sys, streampool
+held = [streampool.DeviceBuffer(size=4096) for _ in range(3)]
+held += [streampool.DeviceBuffer(size=4096, mr=streampool.get_per_device_resource(1)) for _ in range(2)]
+held.clear()
+if "fail" in sys.argv:
+    sys.exit(5)
+"""
+
+
+def test_profile_names_each_devices_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMPOOL_SIM_DEVICES", "2")
+    program = tmp_path / "two.py"
+    program.write_text(TWO_DEVICES)
+    path = tmp_path / "app.log"
+    stale = tmp_path / "app.log.dev3"  # of an earlier run on more devices
+    stale.write_text("Thread,Time,Action,Pointer,Size,Stream\n")
+    out = run("profile", "-o", str(path), "--", sys.executable, str(program))
+    assert out.returncode == 0, out.stderr
+    assert (
+        f"10 event(s) logged, one log per device: 6 to {path} (device 0), 4 to {path}.dev1 (device 1)"
+        in out.stderr
+    )
+    assert not stale.exists()
+    assert len(Path(f"{path}.dev1").read_text().splitlines()) == 1 + 4
+    out = run("profile", "-o", str(path), "--", sys.executable, str(program), "fail")
+    assert out.returncode == 5
+    assert (
+        "the logs keep the 10 event(s) recorded until then, one log per device: "
+        f"6 to {path} (device 0), 4 to {path}.dev1 (device 1)"
+    ) in out.stderr
+
+
 def test_profile_of_a_program_that_cannot_start(tmp_path: Path) -> None:
     out = run("profile", "-o", str(tmp_path / "x.log"), "--", "/nonexistent/program")
     assert out.returncode == 127 and "cannot run" in out.stderr

@@ -11,10 +11,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import queue
 import socket
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -128,6 +130,78 @@ def test_a_handle_pickles_in_one_process_with_its_own_descriptor() -> None:
                 handle.pid,
             )
             assert os.fstat(copy.fd).st_ino == os.fstat(handle.fd).st_ino
+
+
+def _importer_over_queues(handles: Any, replies: Any) -> None:
+    with SimulatedDevice(capacity_bytes="64MiB"):
+        with handles.get(timeout=120) as handle:
+            buf = ipc.import_buffer(handle)
+        replies.put("received")
+        replies.put(buf.tobytes()[:16])
+        buf.close()
+    replies.put("done")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="file descriptors through multiprocessing (Linux)")
+def test_a_handle_kept_open_until_the_receiver_has_it_goes_through_a_queue() -> None:
+    buf = DeviceBuffer.to_device(bytes(range(64)), mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    ctx = multiprocessing.get_context("spawn")
+    handles, replies = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_importer_over_queues, args=(handles, replies))
+    child.start()
+    handle = ipc.export(buf)
+    handles.put(handle)  # pickled later, by the queue's feeder thread
+    assert replies.get(timeout=120) == "received"
+    handle.close()
+    assert replies.get(timeout=120) == bytes(range(16))
+    assert replies.get(timeout=120) == "done"
+    child.join(120)
+    assert child.exitcode == 0
+
+
+def test_a_handle_closed_before_a_queue_pickles_it_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """The documented mistake: ``with ipc.export(buf) as h: q.put(h)`` closes the handle
+    before the queue's feeder thread pickles it. The feeder thread's error says so."""
+    buf = DeviceBuffer(size=256, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    q: Any = multiprocessing.Queue()
+    with ipc.export(buf) as handle:
+        q.put(handle)
+    with pytest.raises(queue.Empty):
+        q.get(timeout=1)
+    q.close()
+    q.join_thread()  # the feeder thread has reported by now
+    err = capsys.readouterr().err
+    assert "InvalidArgumentError: this IpcHandle was closed before it was pickled" in err
+    assert "keep the handle open until the receiver has it" in err
+    with pytest.raises(
+        InvalidArgumentError, match=r"multiprocessing\.Queue pickles after put\(\) has returned"
+    ):
+        pickle.dumps(handle)
+
+
+def test_a_closed_handle_is_refused_with_invalid_argument_error() -> None:
+    buf = DeviceBuffer(size=256, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    handle = ipc.export(buf)
+    handle.close()
+    assert handle.closed and "closed" in repr(handle)
+    for call in (lambda: ipc.import_buffer(handle), lambda: handle.fd):
+        with pytest.raises(InvalidArgumentError, match="this IpcHandle is closed") as raised:
+            call()
+        assert isinstance(raised.value, ValueError)  # `except ValueError` still catches it
+    a, b = socket.socketpair()
+    with a, b, pytest.raises(InvalidArgumentError, match="this IpcHandle is closed"):
+        ipc.send_handle(a, handle)
+
+
+def test_nbytes_is_read_only_and_pickles() -> None:
+    buf = DeviceBuffer(size=4096, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    with ipc.export(buf) as handle:
+        assert handle.nbytes == 4096
+        with pytest.raises(AttributeError):
+            handle.nbytes = 1 << 30  # type: ignore[misc]
+        assert handle.nbytes == 4096
+        with pickle.loads(pickle.dumps(handle)) as copy:
+            assert copy.nbytes == 4096
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import pathlib
+import sys
 import threading
 from typing import Any
 
@@ -217,9 +218,11 @@ def test_raising_callback_on_the_header_fails_the_constructor() -> None:
         mr.LoggingResourceAdaptor(mr.CudaAsyncMemoryResource(), callback=sink)
 
 
-def test_swallowed_callback_error_does_not_leak_into_later_errors() -> None:
-    """A buffer freed by the collector cannot report the sink's exception; it must not
-    surface later in an unrelated call on the same thread."""
+def test_swallowed_callback_error_does_not_leak_into_later_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A buffer freed by the collector cannot raise the sink's exception (it goes to
+    sys.unraisablehook); it must not surface later in an unrelated call on the same thread."""
+    unraisable: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: unraisable.append(info.exc_value))
     raised: list[Exception] = []
 
     def sink(line: str) -> None:
@@ -234,6 +237,7 @@ def test_swallowed_callback_error_does_not_leak_into_later_errors() -> None:
     del buf
     gc.collect()
     assert raised  # the sink did raise, inside the free of the collected buffer
+    assert unraisable == raised
     with pytest.raises(streampool.OutOfMemoryError):
         logged.allocate("2MiB")
     with pytest.raises(streampool.InvalidPointerError):

@@ -4,11 +4,12 @@ RMM code runs unchanged."""
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from ._errors import CudaDriverNotFoundError
+from ._errors import StreampoolError
 from ._native import (
     _reset_device_resources,
     backend_description,
@@ -58,11 +59,10 @@ def setup(larger_than_memory: bool = False, device: int | None = None) -> Memory
       :class:`~streampool.mr.ManagedMemoryResource` (``cuMemAllocManaged``).
 
     Buffers made afterwards without ``mr=`` use it; buffers made before keep theirs.
-    TypeError when ``larger_than_memory`` is not a bool.
+    TypeError when ``larger_than_memory`` is not True or False (a NumPy bool, 0 and 1 are
+    taken too).
     """
-    if not isinstance(larger_than_memory, bool):
-        raise TypeError(f"larger_than_memory must be True or False, not {larger_than_memory!r}")
-    if not larger_than_memory:
+    if not _flag("larger_than_memory", larger_than_memory):
         mr: MemoryResource = CudaAsyncMemoryResource(device=device)
     else:
         info = device_info(device)
@@ -84,15 +84,31 @@ def setup(larger_than_memory: bool = False, device: int | None = None) -> Memory
 
 _F = TypeVar("_F", bound=Callable[..., object])
 _reinitialize_hooks: list[tuple[Callable[..., object], tuple[Any, ...], dict[str, Any]]] = []
-# The devices the last reinitialize() configured; None before the first (then the
-# logging functions look at the current device).
-_configured_devices: list[int] | None = None
+# The backend (its backend_description(), which names a simulated device by its own
+# number) and the devices the last reinitialize() configured there; None before the first.
+# The logging functions look at the current device instead when it is None or of another
+# backend (a simulated device that has been exited).
+_configured_devices: tuple[str, list[int]] | None = None
+
+
+def _type_name(value: object) -> str:
+    """The type of ``value`` for messages, with its module unless it is a builtin
+    (``numpy.bool``, not ``bool``)."""
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, not {type(value).__name__} {value!r}")
-    return value
+    """A yes/no argument as RMM's C ``bool`` arguments take it: True or False, a NumPy
+    bool, or the int 0 or 1; TypeError naming ``name`` for anything else."""
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
+        return bool(value)
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False (or 1 or 0), not {value!r} (a {_type_name(value)})")
 
 
 def _size(name: str, value: object) -> int | None:
@@ -104,23 +120,37 @@ def _size(name: str, value: object) -> int | None:
         raise type(e)(f"{name}: {e}") from None
 
 
+def _ordinal(value: object) -> int | None:
+    """``value`` as a device ordinal: an int or an object with ``__index__`` (a NumPy
+    integer), never a bool; None for anything else."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:  # not an integer (NumPy's bool has no __index__)
+        return None
+
+
 def _devices(devices: object) -> list[int]:
-    """RMM's ``devices``: an int, a list of ints, or None (device 0); each must exist."""
+    """RMM's ``devices``: a device ordinal, a list of them, or None (device 0); each must
+    exist."""
+    single = _ordinal(devices)
     if devices is None:
         wanted: list[object] = [0]
-    elif isinstance(devices, int) and not isinstance(devices, bool):
-        wanted = [devices]
+    elif single is not None:
+        wanted = [single]
     elif isinstance(devices, Iterable) and not isinstance(devices, (str, bytes)):
         wanted = list(devices)
     else:
-        raise TypeError(f"devices must be a device ordinal or a list of them, not {type(devices).__name__}")
+        raise TypeError(f"devices must be a device ordinal or a list of them, not {_type_name(devices)}")
     if not wanted:
         raise ValueError("devices is empty: name at least one device")
     count = device_count()
     out: list[int] = []
-    for d in wanted:
-        if not isinstance(d, int) or isinstance(d, bool):
-            raise TypeError(f"devices: {d!r} is not a device ordinal (an int)")
+    for item in wanted:
+        d = _ordinal(item)
+        if d is None:
+            raise TypeError(f"devices: {item!r} is not a device ordinal (an int)")
         if not 0 <= d < count:
             raise ValueError(f"devices: device {d} does not exist ({count} device(s): 0..{count - 1})")
         if d not in out:
@@ -171,6 +201,10 @@ def reinitialize(
     ``log_file_name`` (else ``STREAMPOOL_LOG_FILE``, else ``RMM_LOG_FILE``) with RMM's
     ``.dev<N>`` suffix before the extension.
 
+    ``pool_allocator``, ``managed_memory`` and ``logging`` take True or False, a NumPy
+    bool, or 0 or 1 (RMM's are C bools); ``devices`` a device ordinal (an int or a NumPy
+    integer, not a bool), a list of them, or None (device 0).
+
     Registered hooks (:func:`register_reinitialize_hook`) run first, latest first. The
     arguments are checked before anything changes, and every resource is made before any
     is set: a bad argument (TypeError/ValueError naming it) or a failure leaves the device
@@ -209,20 +243,22 @@ def reinitialize(
     for d, mr in made.items():
         set_per_device_resource(d, mr)
     global _configured_devices
-    _configured_devices = wanted
+    _configured_devices = (backend_description(), wanted)
 
 
 def is_initialized() -> bool:
     """True when device resources can be made and used: a CUDA driver was found or a
     simulated device is in use (RMM's ``is_initialized``, which is true whenever RMM could
-    be imported; every device has a resource from the start here too)::
+    be imported; every device has a resource from the start here too). False, never an
+    error, when they cannot: no driver, or a backend setting that is refused (such as
+    ``STREAMPOOL_SIM_DEVICES=0``; any use of a resource raises the reason)::
 
         >>> streampool.is_initialized()
         True
     """
     try:
         backend_description()
-    except CudaDriverNotFoundError:
+    except StreampoolError:
         return False
     return True
 
@@ -249,24 +285,33 @@ def unregister_reinitialize_hook(func: Callable[..., object]) -> None:
 
 
 def _logging_devices() -> list[int]:
-    return list(_configured_devices) if _configured_devices is not None else [get_current_device()]
+    """The devices the last :func:`reinitialize` configured, where that was on the current
+    backend; else the current device."""
+    if _configured_devices is not None:
+        backend, devices = _configured_devices
+        if backend == backend_description():
+            return list(devices)
+    return [get_current_device()]
 
 
 def enable_logging(log_file_name: str | os.PathLike[str] | None = None) -> None:
     """Wraps the resource of every device that :func:`reinitialize` configured (the current
-    device before any) in a :class:`~streampool.mr.LoggingResourceAdaptor`, unless it is one
-    already; the file gets RMM's ``.dev<N>`` suffix. ValueError when no file is named
-    (argument, ``STREAMPOOL_LOG_FILE`` or ``RMM_LOG_FILE``)::
+    device before any, or when that was under another backend, such as a simulated device
+    since exited) in a :class:`~streampool.mr.LoggingResourceAdaptor`, unless it is one
+    already; the file gets RMM's ``.dev<N>`` suffix. Every adaptor is made before any is
+    set, so a failure changes nothing. ValueError when no file is named (argument,
+    ``STREAMPOOL_LOG_FILE`` or ``RMM_LOG_FILE``)::
 
         >>> streampool.mr.enable_logging("alloc.csv")  # alloc.dev0.csv
     """
     base = _log_file_base(log_file_name)
+    made: dict[int, MemoryResource] = {}
     for d in _logging_devices():
         current = get_per_device_resource(d)
         if not isinstance(current, LoggingResourceAdaptor):
-            set_per_device_resource(
-                d, LoggingResourceAdaptor(current, log_file_name=_device_log_file(base, d))
-            )
+            made[d] = LoggingResourceAdaptor(current, log_file_name=_device_log_file(base, d))
+    for d, mr in made.items():
+        set_per_device_resource(d, mr)
 
 
 def disable_logging() -> None:

@@ -33,7 +33,7 @@ import importlib
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 try:
     from distributed import Client, WorkerPlugin, get_worker
@@ -120,7 +120,7 @@ def _resolve(resource: str | ResourceFactory) -> ResourceFactory:
         factory = getattr(importlib.import_module(module), name, None)
         if not callable(factory):
             raise ValueError(f"resource {resource!r}: {module} has no function {name!r}")
-        return factory
+        return cast(ResourceFactory, factory)
     from streampool import harness
 
     try:

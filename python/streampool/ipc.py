@@ -7,8 +7,9 @@ pool's POSIX file descriptor, 64 bytes that name the allocation in the pool, and
 The descriptor can only travel between processes over a Unix socket (``SCM_RIGHTS``):
 :func:`send_handle` and :func:`recv_handle` do that, and a handle also pickles through
 :mod:`multiprocessing` (its pipes, queues and process arguments pass descriptors the same
-way). The other process calls :func:`import_buffer` and gets a :class:`~streampool.DeviceBuffer`
-over the same memory, at its own address.
+way; a queue pickles after ``put()`` has returned, so keep the handle open until the
+receiver has it). The other process calls :func:`import_buffer` and gets a
+:class:`~streampool.DeviceBuffer` over the same memory, at its own address.
 
 The driver's rules, and what this module does about them:
 
@@ -38,6 +39,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
 from . import _native
+from ._errors import InvalidArgumentError
 from ._native import DeviceBuffer, IpcImportedMemoryResource
 
 if TYPE_CHECKING:
@@ -60,28 +62,35 @@ class IpcHandle:
     """A buffer exported for another process (:func:`export`, :func:`recv_handle`).
 
     It owns its file descriptor (``fd``) and closes it on :meth:`close`, at the end of a
-    ``with`` block, or when collected; the other fields are plain data. Importing does not
-    consume the handle: close it once the descriptor is sent, or once imported.
+    ``with`` block, or when collected; the other fields are plain data (``nbytes`` is
+    read-only: the import maps that many bytes). Importing does not consume the handle:
+    close it once the descriptor is sent, or once imported. A ``multiprocessing.Queue``
+    sends later, from a background thread: keep the handle open until the receiver has it.
     """
 
-    __slots__ = ("__weakref__", "_fd", "device", "export_data", "nbytes", "pid")
+    __slots__ = ("__weakref__", "_fd", "_nbytes", "device", "export_data", "pid")
 
     def __init__(self, fd: int, export_data: bytes, nbytes: int, device: int, pid: int) -> None:
         self._fd = fd
         #: The 64 bytes of ``CUmemPoolPtrExportData`` that name the allocation in its pool.
         self.export_data = bytes(export_data)
-        #: Bytes shared.
-        self.nbytes = nbytes
+        self._nbytes = nbytes
         #: The device ordinal in the exporting process.
         self.device = device
         #: The exporting process.
         self.pid = pid
 
     @property
+    def nbytes(self) -> int:
+        """Bytes shared (read-only)."""
+        return self._nbytes
+
+    @property
     def fd(self) -> int:
-        """The pool's file descriptor (owned by the handle). ValueError once closed."""
+        """The pool's file descriptor (owned by the handle). InvalidArgumentError (a
+        ValueError) once closed."""
         if self._fd < 0:
-            raise ValueError("this IpcHandle is closed: its file descriptor was closed")
+            raise InvalidArgumentError("this IpcHandle is closed: its file descriptor was closed")
         return self._fd
 
     @property
@@ -115,6 +124,16 @@ class IpcHandle:
         # (SCM_RIGHTS); the receiving handle owns a duplicate.
         from multiprocessing.reduction import DupFd
 
+        if self.closed:
+            # Typically a multiprocessing.Queue: put() returns at once and a feeder thread
+            # pickles later, after a `with` block has closed the handle. The error is
+            # printed by that thread; the receiver's get() never returns.
+            raise InvalidArgumentError(
+                "this IpcHandle was closed before it was pickled: its file descriptor cannot be "
+                "sent. A multiprocessing.Queue pickles after put() has returned, in a background "
+                "thread: keep the handle open until the receiver has it (until it acknowledges), "
+                "then close it"
+            )
         return (_rebuild, (DupFd(self.fd), self.export_data, self.nbytes, self.device, self.pid))
 
     def __repr__(self) -> str:

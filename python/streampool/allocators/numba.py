@@ -26,14 +26,31 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+from .. import _native
+
+
+def _cuda_simulator() -> bool:
+    """True when Numba's CUDA simulator stands in for its CUDA target
+    (``NUMBA_ENABLE_CUDASIM=1``)."""
+    try:
+        from numba import config
+    except ImportError:
+        return False
+    return bool(getattr(config, "ENABLE_CUDASIM", False))
+
+
 try:
     from numba import cuda
     from numba.cuda import HostOnlyCUDAMemoryManager, MemoryPointer
     from numba.cuda.cudadrv.driver import MemoryInfo
 except ImportError as e:  # pragma: no cover - depends on what is installed
+    if _cuda_simulator():
+        raise ImportError(
+            "streampool.allocators.numba cannot be used under Numba's CUDA simulator "
+            "(NUMBA_ENABLE_CUDASIM=1): the simulator has no external memory managers. Unset "
+            "NUMBA_ENABLE_CUDASIM to have Numba allocate through streampool on a GPU"
+        ) from e
     raise ImportError("streampool.allocators.numba needs Numba's CUDA target: pip install numba-cuda") from e
-
-from .. import _native
 
 __all__ = ["RMMNumbaManager", "StreampoolNumbaManager", "use"]
 
@@ -119,7 +136,10 @@ def use() -> str:
     """Makes :class:`StreampoolNumbaManager` Numba's memory manager
     (``numba.cuda.set_memory_manager``). Call it before Numba's first CUDA use: a context
     made before keeps its manager, and this raises RuntimeError saying so. Returns what it
-    did."""
+    did: a ``"skipped: ..."`` line, changing nothing, when Numba sees no GPU
+    (``numba.cuda.is_available()`` is False)."""
+    if not cuda.is_available():
+        return "skipped: Numba sees no CUDA device (numba.cuda.is_available() is False)"
     if _context_made():
         raise RuntimeError(
             "streampool.allocators.numba.use() came too late: Numba has already made its CUDA "

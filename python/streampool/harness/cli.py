@@ -491,16 +491,29 @@ def _profile_into(
         status = profile.run(program, log, dev.simulated, output_to_stderr)
     except profile.CannotStartError as e:
         raise _Fail(EXIT_CANNOT_START, str(e)) from None
-    events = profile.logged_events(log)
-    where = "a temporary log (-o LOG keeps it)" if temporary else log
+    # One log per device (device N > 0 to LOG.devN): each is named, with its events.
+    logs = [(device, path, profile.logged_events(path)) for device, path in profile.device_logs(log)]
+    events = sum(n for _, _, n in logs)
+    if len(logs) == 1:
+        where = "a temporary log (-o LOG keeps it)" if temporary else log
+    elif temporary:
+        where = "one temporary log per device (-o LOG keeps them): " + ", ".join(
+            f"{n} on device {device}" for device, _, n in logs
+        )
+    else:
+        where = "one log per device: " + ", ".join(
+            f"{n} to {path} (device {device})" for device, path, n in logs
+        )
     if status != 0:
+        kept = "the log keeps" if len(logs) == 1 else "the logs keep"
         print(
-            f"streampool profile: the program exited with status {status}; the log keeps the "
-            f"{events} event(s) recorded until then: {where}",
+            f"streampool profile: the program exited with status {status}; {kept} the "
+            f"{events} event(s) recorded until then{': ' if len(logs) == 1 else ', '}{where}",
             file=sys.stderr,
         )
     else:
-        print(f"streampool profile: {events} event(s) logged to {where}", file=sys.stderr)
+        logged = " to " if len(logs) == 1 else ", "
+        print(f"streampool profile: {events} event(s) logged{logged}{where}", file=sys.stderr)
     return status
 
 

@@ -3,8 +3,9 @@
 The program runs in a child process whose ``PYTHONPATH`` starts with the directory of a
 ``sitecustomize`` shim (``_shim/``): at interpreter start-up it wraps every device's
 current resource in a :class:`~streampool.mr.LoggingResourceAdaptor` writing to the log
-(device 0 to ``LOG``, device N to ``LOG.devN``; the log is flushed line by line, so a
-crash leaves every event up to it), then runs the program's own ``sitecustomize``, if any.
+(device 0 to ``LOG``, device N to ``LOG.devN``, :func:`device_logs`; the log is flushed
+line by line, so a crash leaves every event up to it), then runs the program's own
+``sitecustomize``, if any.
 The program's output and exit status pass through. What it allocates through PyTorch,
 CuPy or a resource it sets itself is not logged. A log that cannot be written is refused
 before the program runs (:func:`check_log`); should the shim still fail to install the
@@ -31,16 +32,42 @@ class CannotStartError(RuntimeError):
 
 
 def check_log(log: str) -> None:
-    """Removes an old ``log`` and checks that a new one can be created (by creating and
+    """Removes an old ``log`` (and the ``log.devN`` of an earlier run, so that they are not
+    taken for this run's) and checks that a new one can be created (by creating and
     removing it), so that a program is never run for a log that cannot be written;
     OSError naming the log when it cannot."""
     path = Path(log)
     try:
+        for _, old in _other_device_logs(log):
+            Path(old).unlink(missing_ok=True)
         path.unlink(missing_ok=True)
         path.touch()
         path.unlink()
     except OSError as e:
         raise OSError(f"cannot write the log {log}: {e.strerror or e}") from None
+
+
+def _other_device_logs(log: str) -> list[tuple[int, str]]:
+    """``(N, "LOG.devN")`` for each log of a device N > 0 beside ``log``, by device."""
+    path = Path(log)
+    prefix = f"{path.name}.dev"
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        number = name[len(prefix) :]
+        # "LOG.dev1", not "LOG.dev01" or "LOG.dev0" (device 0's log is LOG itself).
+        if name.startswith(prefix) and number.isascii() and number.isdigit() and number[0] != "0":
+            found.append((int(number), f"{log}.dev{number}"))
+    return sorted(found)
+
+
+def device_logs(log: str) -> list[tuple[int, str]]:
+    """The logs of a profile, ``(device, path)`` by device: ``log`` for device 0, then the
+    ``log.devN`` the program's other devices wrote (the shim makes one for every device)."""
+    return [(0, log), *_other_device_logs(log)]
 
 
 def command_line(argv: Sequence[str]) -> list[str]:
