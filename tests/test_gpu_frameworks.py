@@ -156,6 +156,13 @@ def test_cupy_arrays_come_from_streampool() -> None:
             made = [e for e in streampool.logs.parse_log("\n".join(lines)) if e.action == "allocate"]
             assert any(e.size >= 8 << 20 and e.stream == stream.ptr for e in made), made
             assert int((a * 2).sum()) == (1 << 20) * ((1 << 20) - 1)
+        # Freed on the stream it was allocated on, though the null stream is current now.
+        ptr = a.data.ptr
+        del a
+        frees = [
+            e for e in streampool.logs.parse_log("\n".join(lines)) if e.action == "free" and e.ptr == ptr
+        ]
+        assert [e.stream for e in frees] == [stream.ptr], frees
         stream.synchronize()
         errors: list[BaseException] = []
 
@@ -175,7 +182,6 @@ def test_cupy_arrays_come_from_streampool() -> None:
         for th in threads:
             th.join()
         assert not errors, errors[0]
-        del a
         gc.collect()
         stream.synchronize()
         assert stats.allocation_counts.current_bytes == 0
