@@ -117,6 +117,8 @@ class SimulatedDevice:
     """
 
     def __init__(self, capacity_bytes: int | str | None = None, devices: int = 1) -> None:
+        if devices is None:  # the native constructor would take it for the default
+            raise TypeError("devices must be a number of devices (an int from 1 to 1024), not None")
         self._dev = _SimDevice(capacity_bytes, devices)
 
     def __enter__(self) -> Self:
