@@ -76,7 +76,7 @@ def test_simulated_device_counts(devices: int, words: str) -> None:
         SimulatedDevice(capacity_bytes="64MiB", devices=devices)
     with pytest.raises(TypeError, match="devices must be an int, not float"):
         SimulatedDevice(capacity_bytes="64MiB", devices=2.0)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="devices must be a number of devices .*, not None"):
+    with pytest.raises(TypeError, match=r"devices must be a number of devices .*, not None"):
         SimulatedDevice(capacity_bytes="64MiB", devices=None)  # type: ignore[arg-type]
     with SimulatedDevice(capacity_bytes="64MiB", devices=3):
         assert streampool.device_count() == 3
