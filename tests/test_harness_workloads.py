@@ -262,6 +262,44 @@ def test_choose_takes_the_fastest_and_prefers_the_simpler_within_noise() -> None
     assert recommend.choose(profile, noisy[::2])["choice"] == recommend.HANDOFF
 
 
+def _repeats(resource: str, *by_repeat: float) -> dict[str, Any]:
+    row = _row(resource, min(by_repeat), sorted(by_repeat)[len(by_repeat) // 2], max(by_repeat))
+    row["throughput_by_repeat"] = list(by_repeat)
+    return row
+
+
+def test_choose_compares_candidates_repeat_by_repeat() -> None:
+    profile = recommend.analyse(_trace(threads=1, streams=1, size=4096), free_device_bytes=1 << 30)
+    # The host's moment moved every run of repeat 1 (150k for async): the ranges overlap,
+    # but binning won every repeat by far, so the simpler candidates are beaten.
+    rows = [
+        _repeats("async", 150, 835, 1060),
+        _repeats("pool(async)", 140, 558, 700),
+        _repeats("binning(async)", 400, 1890, 2300),
+    ]
+    assert bench.within_noise(rows[0]["throughput"], rows[2]["throughput"])  # the old rule's answer
+    choice = recommend.choose(profile, rows)
+    assert choice["choice"] == "binning(async)" and not choice["within_noise"]
+    assert choice["margin"] > 1 and choice["runner_up"] == "async"
+    # One repeat the other way round: not measurably faster, so the simpler one is chosen.
+    close = recommend.choose(
+        profile, [_repeats("async", 100, 104, 99), _repeats("binning(async)", 120, 98, 130)]
+    )
+    assert close["choice"] == "async" and close["within_noise"] and close["fastest"] == "binning(async)"
+    # Faster in every repeat, but by less than 5 % at the median: within noise too.
+    slight = recommend.choose(
+        profile, [_repeats("async", 100, 100, 100), _repeats("binning(async)", 103, 102, 104)]
+    )
+    assert slight["choice"] == "async" and slight["within_noise"]
+
+
+def test_bench_summary_keeps_each_repeats_throughput_in_order() -> None:
+    runs, summary = bench.measure("random", ["cuda"], repeats=3, params={"allocations": 20})
+    (row,) = summary
+    assert row["throughput_by_repeat"] == [r["throughput"] for r in sorted(runs, key=lambda r: r["repeat"])]
+    assert sorted(row["throughput_by_repeat"])[1] == row["throughput"]["median"]
+
+
 class _SlowLookups:
     """A resource whose methods take 30 ms to look up (and nothing to call): a timed span
     that held the look-up would report calls of 30 ms. (Not 2 ms: a call from a Python

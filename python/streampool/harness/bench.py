@@ -96,6 +96,7 @@ def summarise(runs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, An
             if not mine:
                 continue
             tp = [r["throughput"] for r in mine]
+            by_repeat = [r["throughput"] for r in sorted(mine, key=lambda r: r["repeat"])]
             median_run = sorted(mine, key=lambda r: r["throughput"])[len(mine) // 2]
             shares = [alloc_share(r) for r in mine]
             ratios = [r["throughput"] / base[r["repeat"]] for r in mine if base.get(r["repeat"])]
@@ -108,6 +109,7 @@ def summarise(runs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, An
                     "repeats": len(mine),
                     "unit": mine[0]["unit"],
                     "throughput": spread(tp),
+                    "throughput_by_repeat": by_repeat,
                     "ratio_to_first": spread(ratios) if ratios else None,
                     "alloc_share": spread(shares),
                     "allocate": median_run["allocate"],
@@ -170,3 +172,20 @@ def within_noise(a: dict[str, float], b: dict[str, float]) -> bool:
     overlap = a["min"] <= b["max"] and b["min"] <= a["max"]
     close = abs(a["median"] - b["median"]) <= NOISE_FLOOR * max(a["median"], b["median"])
     return overlap or close
+
+
+def measurably_faster(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether summary row ``a`` ran measurably faster than row ``b``. With two or more
+    repeats of each (the runs of one repeat ran one after the other, at the host's same
+    moment): ``a`` was faster in every repeat, and by more than NOISE_FLOOR at the median
+    of the repeats' ratios. Comparing runs of one repeat takes the host's moment out,
+    which can move every run by 2 times; one outlying run can then not hide a candidate
+    that lost every repeat. Otherwise: ``a``'s median is higher and the spreads are not
+    :func:`within_noise`."""
+    ra, rb = a.get("throughput_by_repeat"), b.get("throughput_by_repeat")
+    if ra and rb and len(ra) == len(rb) >= 2:
+        ratios = [x / y if y > 0 else (float("inf") if x > 0 else 1.0) for x, y in zip(ra, rb)]
+        return min(ratios) > 1.0 and statistics.median(ratios) > 1.0 + NOISE_FLOOR
+    return a["throughput"]["median"] > b["throughput"]["median"] and not within_noise(
+        a["throughput"], b["throughput"]
+    )

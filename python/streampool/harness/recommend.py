@@ -198,8 +198,9 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
 def choose(profile: Profile, summary: list[dict[str, Any]]) -> dict[str, Any]:
     """The recommendation from measured ``summary`` rows (one per candidate): the fastest
     by median throughput, unless a simpler candidate (the rules' choice first, then
-    SIMPLER_FIRST order) is within noise of every faster one (so never one that another
-    candidate measurably beats, however noisy the fastest). A candidate that ran out of
+    SIMPLER_FIRST order) is one that no candidate measurably beats
+    (:func:`bench.measurably_faster`: faster in every repeat, by more than NOISE_FLOOR at
+    the median of the repeats' ratios). A candidate that ran out of
     memory in any run is never recommended; NothingToRecommendError when every one did.
     Returns choice, runner_up, margin (the choice's median over the runner-up's, minus 1),
     within_noise and the reasoning."""
@@ -222,18 +223,16 @@ def choose(profile: Profile, summary: list[dict[str, Any]]) -> dict[str, Any]:
 
     def beaten(row: dict[str, Any]) -> bool:
         """Whether another candidate is measurably faster than ``row``."""
-        mine = row["throughput"]
-        return any(
-            o["throughput"]["median"] > mine["median"] and not bench.within_noise(o["throughput"], mine)
-            for o in rows.values()
-        )
+        return any(bench.measurably_faster(o, row) for o in rows.values())
 
     simpler = [rows[s] for s in order if s in rows and not beaten(rows[s])]
     pick = simpler[0] if simpler else fastest
     others = [r for r in ranked if r is not pick]
     runner = others[0] if others else None
     margin = pick["throughput"]["median"] / runner["throughput"]["median"] - 1 if runner else None
-    noise = runner is not None and bench.within_noise(pick["throughput"], runner["throughput"])
+    noise = runner is not None and not (
+        bench.measurably_faster(pick, runner) or bench.measurably_faster(runner, pick)
+    )
     why = list(profile.reasons)
     if out_of_memory:
         why.append(f"ran out of memory in the replay, so not recommended: {', '.join(out_of_memory)}")
