@@ -621,7 +621,14 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
     bins of BinningMemoryResource are made of these. A free of a block that is not
     outstanding, or with more bytes than a block, raises InvalidPointerError (it records
     blocks, not sizes: a smaller size frees the same block). ``blocks_to_preallocate``
-    below 1 (or beyond 2**64) raises ValueError naming it."""
+    below 1 (or beyond 2**64) raises ValueError naming it.
+
+    Blocks are reused per stream: each stream that allocates takes a chunk of its own, and
+    blocks freed on one stream serve only it until the upstream runs out of memory; then
+    the device is synchronised once and every free block serves every stream. A program
+    that makes a stream per task holds a chunk per stream until then; chunks go back to
+    the upstream when the resource is dropped (a BinningMemoryResource also gives back
+    its bins' wholly free chunks when a request finds the upstream out of memory)."""
 
     def __new__(
         cls,
@@ -647,7 +654,12 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
     free, or a size other than the one allocated (which would send the free to another
     bin, or to the upstream) raises InvalidPointerError, and nothing changes. Exponents
     are in 0..=40 (bins of 1 byte to 1 TiB), the first at most the second; anything else
-    raises InvalidArgumentError (a ValueError) naming the argument and the value."""
+    raises InvalidArgumentError (a ValueError) naming the argument and the value.
+
+    When a request finds the upstream out of memory, the bins it made give back their
+    chunks whose blocks are all free (after a device synchronisation), and the request is
+    tried again: memory a bin took for streams that are gone, or for sizes no longer asked
+    for, serves the other bins and the upstream."""
 
     def __new__(
         cls,

@@ -1455,3 +1455,62 @@ fn drop_errors_keep_the_last_16_messages() {
     assert!(recent.iter().any(|m| m.starts_with("test message 19")), "{recent:?}");
     assert!(!recent.iter().any(|m| m.starts_with("test message 0:")), "{recent:?}");
 }
+
+/// A stream per task: each new stream takes a chunk of its own from a bin, and nothing else
+/// reuses it. Once the device is full, a request of another bin (or for the upstream) gets
+/// the bins' wholly free chunks given back rather than an out-of-memory with nothing live.
+#[test]
+fn binning_gives_free_chunks_back_when_the_upstream_runs_out() {
+    let (sim, b) = sim(64 << 20);
+    let upstream = Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap());
+    let mr = BinningMemoryResource::new(upstream.clone(), Some(10), Some(20)).unwrap();
+    for _ in 0..40 {
+        let s = Stream::create(&b, 0, false).unwrap();
+        let p = mr.allocate(1 << 20, &s).unwrap();
+        sim.write(s.handle(), p, 1 << 20).unwrap();
+        mr.deallocate(p, 1 << 20, &s).unwrap();
+    }
+    let held = upstream.statistics().current_bytes;
+    assert!(held >= 32 << 20, "the 1 MiB bin holds a chunk per stream: {held}");
+    // The 1 KiB bin's first chunk, then a request larger than every bin.
+    let s = Stream::legacy();
+    let small = mr.allocate(1000, &s).unwrap();
+    let large = mr.allocate(48 << 20, &s).unwrap();
+    assert!(upstream.statistics().current_bytes < held + (48 << 20), "chunks went back");
+    mr.deallocate(large, 48 << 20, &s).unwrap();
+    mr.deallocate(small, 1000, &s).unwrap();
+    assert_no_races(&sim);
+}
+
+#[test]
+fn fixed_size_releases_its_wholly_free_chunks_and_keeps_the_rest() {
+    let (sim, b) = sim(64 << 20);
+    let upstream = Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap());
+    let mr = FixedSizeMemoryResource::new(upstream.clone(), 4096, 4).unwrap();
+    let ss = streams(&b, 3);
+    let blocks: Vec<Vec<DevPtr>> =
+        ss.iter().map(|s| (0..4).map(|_| mr.allocate(4096, s).unwrap()).collect()).collect();
+    assert_eq!(upstream.statistics().current_bytes, 3 * 4 * 4096, "a chunk per stream");
+    // Streams 0 and 1 free everything; stream 2 keeps one block.
+    for (s, mine) in ss.iter().zip(&blocks) {
+        for &p in mine.iter().take(if s.handle() == ss[2].handle() { 3 } else { 4 }) {
+            sim.write(s.handle(), p, 4096).unwrap();
+            mr.deallocate(p, 4096, s).unwrap();
+        }
+    }
+    assert_eq!(mr.release_free_chunks().unwrap(), 2 * 4 * 4096);
+    assert_eq!(upstream.statistics().current_bytes, 4 * 4096);
+    // The kept chunk's free blocks serve any stream now; the outstanding one is untouched.
+    let other = Stream::create(&b, 0, false).unwrap();
+    let again: Vec<DevPtr> = (0..3).map(|_| mr.allocate(4096, &other).unwrap()).collect();
+    assert_eq!(upstream.statistics().current_bytes, 4 * 4096, "no growth");
+    assert!(again.iter().all(|p| blocks[2][..3].contains(p)));
+    assert!(mr.deallocate(blocks[2][3], 4096, &ss[2]).is_ok());
+    assert!(mr.deallocate(blocks[2][3], 4096, &ss[2]).is_err(), "still checked: a double free");
+    for p in again {
+        mr.deallocate(p, 4096, &other).unwrap();
+    }
+    assert_eq!(mr.release_free_chunks().unwrap(), 4 * 4096);
+    assert_eq!(upstream.statistics().current_bytes, 0);
+    assert_no_races(&sim);
+}

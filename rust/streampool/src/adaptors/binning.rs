@@ -98,6 +98,8 @@ struct Depth {
 struct Bin {
     bytes: usize,
     mr: ResourceRef,
+    /// The bin's own [`FixedSizeMemoryResource`], when it made one (not one given).
+    fixed: Option<Arc<FixedSizeMemoryResource>>,
     outstanding: Arc<AtomicUsize>,
 }
 
@@ -159,7 +161,7 @@ impl BinningMemoryResource {
         if resource.is_none() && read(&self.bins).iter().any(|b| b.bytes == allocation_size) {
             return Ok(()); // as RMM: a bin of that size exists already, so nothing changes
         }
-        let mr = match resource {
+        let (mr, fixed): (ResourceRef, _) = match resource {
             Some(mr) => {
                 let (b, d) = (self.upstream.backend(), self.upstream.device());
                 if mr.backend().id() != b.id() || mr.device() != d {
@@ -171,11 +173,13 @@ impl BinningMemoryResource {
                         b.describe()
                     ));
                 }
-                mr
+                (mr, None)
             }
             None => {
                 let blocks = (AUTO_CHUNK_BYTES / allocation_size).clamp(1, 128);
-                Arc::new(FixedSizeMemoryResource::new(self.upstream.clone(), allocation_size, blocks)?)
+                let fixed =
+                    Arc::new(FixedSizeMemoryResource::new(self.upstream.clone(), allocation_size, blocks)?);
+                (fixed.clone(), Some(fixed))
             }
         };
         // Asked before taking a lock: a bin over this resource asks this resource's depth.
@@ -204,6 +208,7 @@ impl BinningMemoryResource {
                 ));
             }
             bin.mr = mr;
+            bin.fixed = fixed;
             return Ok(());
         }
         let (donor, outstanding) = match bins.get(at) {
@@ -217,7 +222,10 @@ impl BinningMemoryResource {
                  outstanding whose frees would then go to the wrong resource; add bins before allocating"
             ));
         }
-        bins.insert(at, Bin { bytes: allocation_size, mr, outstanding: Arc::new(AtomicUsize::new(0)) });
+        bins.insert(
+            at,
+            Bin { bytes: allocation_size, mr, fixed, outstanding: Arc::new(AtomicUsize::new(0)) },
+        );
         own.value = own.value.max(depth);
         Ok(())
     }
@@ -225,6 +233,15 @@ impl BinningMemoryResource {
     /// The bins, smallest first: (largest size served, resource).
     pub fn bins(&self) -> Vec<(usize, ResourceRef)> {
         read(&self.bins).iter().map(|b| (b.bytes, b.mr.clone())).collect()
+    }
+
+    /// Gives back to the upstream the wholly free chunks of the bins this resource made
+    /// ([`FixedSizeMemoryResource::release_free_chunks`]); returns the bytes given back.
+    /// Called when a request finds the upstream out of memory; a failure there (a device
+    /// synchronisation that fails) gives nothing back and is left to the request's error.
+    pub fn release_free_chunks(&self) -> usize {
+        let fixed: Vec<_> = read(&self.bins).iter().filter_map(|b| b.fixed.clone()).collect();
+        fixed.iter().map(|f| f.release_free_chunks().unwrap_or(0)).sum()
     }
 
     /// The resource for requests larger than every bin.
@@ -291,7 +308,13 @@ impl MemoryResource for BinningMemoryResource {
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let (mr, count) = self.route(bytes, true);
-        self.allocated(bytes, &count, mr.allocate(bytes, stream))
+        let result = match mr.allocate(bytes, stream) {
+            // The upstream is out of memory: the bins' wholly free chunks (of streams gone,
+            // or sizes no longer asked for) go back to it, and the request is tried again.
+            Err(e) if e.is_out_of_memory() && self.release_free_chunks() > 0 => mr.allocate(bytes, stream),
+            result => result,
+        };
+        self.allocated(bytes, &count, result)
     }
 
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
@@ -310,6 +333,11 @@ impl MemoryResource for BinningMemoryResource {
         }
         let (mr, count) = self.route(bytes, true);
         match mr.try_allocate(bytes, stream) {
+            // Out of memory: the full path gives the bins' free chunks back first.
+            Some(Err(e)) if e.is_out_of_memory() => {
+                lower(&count);
+                None
+            }
             Some(result) => Some(self.allocated(bytes, &count, result)),
             None => {
                 lower(&count);

@@ -29,9 +29,11 @@ use crate::sync::{lock, Mutex};
 ///    safe for any stream), makes them usable by all (step 2), and tries steps 2 and 3
 ///    again before failing.
 ///
-/// Chunks go back to the upstream only when the resource is dropped (after a device
-/// synchronisation, on the legacy default stream). Lists of destroyed streams are
-/// reclaimed by step 4 only.
+/// Chunks go back to the upstream when the resource is dropped (after a device
+/// synchronisation, on the legacy default stream), and, those whose blocks are all free,
+/// on [`release_free_chunks`](Self::release_free_chunks) (which a
+/// [`super::BinningMemoryResource`] calls on its bins when a request finds the upstream
+/// out of memory). Lists of destroyed streams are reclaimed by step 4 and by that.
 ///
 /// Invariant: a block is either outstanding or on exactly one list; a free of a block
 /// that is not outstanding, or with a size above the block size, is refused
@@ -40,7 +42,8 @@ use crate::sync::{lock, Mutex};
 /// never held across a call into the upstream or the driver.
 ///
 /// What a reader may miss: blocks on other streams' lists are not reused until an
-/// out-of-memory forces step 4, so it may hold more than it hands out.
+/// out-of-memory forces step 4, so it may hold more than it hands out: a program that
+/// makes a stream per task grows a chunk per stream until the upstream runs out.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -132,6 +135,52 @@ impl FixedSizeMemoryResource {
         st.by_stream.entry(id).or_default().extend(blocks);
         st.outstanding.insert(chunk);
         Ok(chunk)
+    }
+
+    /// Gives back to the upstream every chunk none of whose blocks is outstanding, after a
+    /// device synchronisation (every free has then completed); returns the bytes given
+    /// back. The free blocks of the chunks kept become usable by every stream (as in step
+    /// 4); blocks freed meanwhile stay on their lists. On a failed synchronisation nothing
+    /// changes.
+    pub fn release_free_chunks(&self) -> Result<usize> {
+        let (ready, by_stream) = {
+            let mut st = lock(&self.state);
+            (std::mem::take(&mut st.ready), std::mem::take(&mut st.by_stream))
+        };
+        let synced = self.upstream.backend().ctx_synchronize(self.upstream.device());
+        let released: Vec<DevPtr> = {
+            let mut st = lock(&self.state);
+            if synced.is_err() {
+                st.ready.extend(ready);
+                for (id, blocks) in by_stream {
+                    st.by_stream.entry(id).or_default().extend(blocks);
+                }
+                Vec::new()
+            } else {
+                let free: Vec<DevPtr> = ready.into_iter().chain(by_stream.into_values().flatten()).collect();
+                let mut chunks = st.chunks.clone();
+                chunks.sort_unstable();
+                // Every block lies in one chunk: the last that starts at or below it.
+                let chunk_of = |block: DevPtr| chunks[chunks.partition_point(|&c| c <= block) - 1];
+                let mut free_in: HashMap<DevPtr, usize> = HashMap::new();
+                for &block in &free {
+                    *free_in.entry(chunk_of(block)).or_default() += 1;
+                }
+                let whole: HashSet<DevPtr> = free_in
+                    .into_iter()
+                    .filter(|&(_, n)| n == self.blocks_per_chunk)
+                    .map(|(c, _)| c)
+                    .collect();
+                st.chunks.retain(|c| !whole.contains(c));
+                st.ready.extend(free.into_iter().filter(|&b| !whole.contains(&chunk_of(b))));
+                whole.into_iter().collect()
+            }
+        };
+        synced?;
+        for &chunk in &released {
+            self.upstream.deallocate(chunk, self.chunk_bytes(), &Stream::legacy())?;
+        }
+        Ok(released.len() * self.chunk_bytes())
     }
 
     /// Step 4: every block on a list before the device synchronisation is safe for all.
