@@ -180,6 +180,19 @@ def test_profile_passes_output_and_exit_status_through(tmp_path: Path, program: 
     assert lines[0] == "Thread,Time,Action,Pointer,Size,Stream" and len(lines) == 1 + 2 * 3 * 30
 
 
+def test_profile_says_why_a_program_that_sets_its_own_resource_logged_nothing(tmp_path: Path) -> None:
+    prog = tmp_path / "own.py"
+    prog.write_text(
+        "import streampool\nfrom streampool import mr\n"
+        "streampool.set_current_device_resource(mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()))\n"
+        "bufs = [streampool.DeviceBuffer(size=4096) for _ in range(10)]\n"
+    )
+    out = run("profile", "-o", str(tmp_path / "own.log"), "--", sys.executable, str(prog))
+    assert out.returncode == 0, out.stderr
+    assert "0 event(s) logged" in out.stderr
+    assert "through a resource it sets itself" in out.stderr and "StatisticsResourceAdaptor" in out.stderr
+
+
 def test_profile_of_a_crashing_program_keeps_its_partial_log(tmp_path: Path, program: Path) -> None:
     path = tmp_path / "crash.log"
     out = run("profile", "-o", str(path), "--", str(program), "crash")  # prog.py runs under this Python
@@ -277,6 +290,10 @@ def test_plot_a_log(tmp_path: Path, log: Path) -> None:
     out = run("plot", str(log), "-o", str(png), "--resource", "pool(async)")
     assert out.returncode == 0, out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "simulated device" in out.stdout
+    # A name without a suffix: the PNG gets one, and the message names the file written.
+    out = run("plot", str(log), "-o", str(tmp_path / "plots"))
+    assert out.returncode == 0, out.stderr
+    assert f"wrote {tmp_path / 'plots.png'}" in out.stdout and (tmp_path / "plots.png").exists()
 
 
 def test_bench_plots(tmp_path: Path) -> None:

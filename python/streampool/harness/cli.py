@@ -514,6 +514,15 @@ def _profile_into(
     else:
         logged = " to " if len(logs) == 1 else ", "
         print(f"streampool profile: {events} event(s) logged{logged}{where}", file=sys.stderr)
+    if events == 0:
+        print(
+            "streampool profile: nothing allocated through the devices' resources, which profile "
+            "logs: the program allocates through a resource it sets itself "
+            "(set_current_device_resource, as recommend's code does), through another library's "
+            "own allocator, or not at all. Profile it without its own set-up lines; to see what "
+            "a resource of its own does, wrap it in mr.StatisticsResourceAdaptor",
+            file=sys.stderr,
+        )
     return status
 
 
@@ -652,6 +661,8 @@ def _cmd_plot(args: argparse.Namespace, dev: Device) -> int:
     out = Output()
     t = _read_log(out, args.log, args.skip_malformed)
     target = args.output or f"{args.log}.png"
+    if not os.path.splitext(target)[1]:
+        target += ".png"  # what matplotlib writes for a name without a suffix; said so below
     plots._plt()  # before any work: a clear message when matplotlib is missing
     candidate = make_resource(args.resource)
     replayed = trace.sequential_replay(candidate.resource, t, candidate.reserved)
