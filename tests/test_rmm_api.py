@@ -155,11 +155,20 @@ def test_reinitialize_hooks_run_first_latest_first() -> None:
 
 
 @pytest.mark.nosim
-def test_is_initialized_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_driver() -> str:
-        raise streampool.CudaDriverNotFoundError("no driver")
+@pytest.mark.parametrize(
+    "error",
+    [
+        streampool.CudaDriverNotFoundError("no driver"),
+        streampool.InvalidArgumentError('the environment variable STREAMPOOL_SIM_DEVICES is "0"'),
+    ],
+)
+def test_is_initialized_is_false_when_resources_cannot_be_made(
+    monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    def refused() -> str:
+        raise error
 
-    monkeypatch.setattr(streampool._setup, "backend_description", no_driver)
+    monkeypatch.setattr(streampool._setup, "backend_description", refused)
     assert streampool.is_initialized() is False
 
 
