@@ -1,6 +1,7 @@
 //! Fill, check and compute kernels that need no compiler: PTX text written by hand,
 //! JIT-compiled by the driver (`cuModuleLoadData`) the first time a device uses them, and
-//! launched through the device seam ([`Backend::launch_kernel`]). On the simulated
+//! launched through the device seam
+//! ([`Backend::launch_kernel`](crate::device::Backend::launch_kernel)). On the simulated
 //! device the same calls run simulated kernels that read and write the memory as the
 //! real ones do, go through the race detector like any stream work, and take a
 //! simulated duration (see [`SIM_KERNEL_LAUNCH_NS`]).

@@ -16,7 +16,7 @@
 //! up once by the probe; a call that needs a missing one returns
 //! [`Error::Unsupported`] naming the driver version it needs and the one found, instead
 //! of reaching cudarc's panic for a missing symbol. So are the virtual memory management
-//! calls ([`VMM_SYMBOLS`]): a library without them still loads, and only the `vmm_` calls
+//! calls (`VMM_SYMBOLS`): a library without them still loads, and only the `vmm_` calls
 //! are refused.
 //!
 //! # Contexts
