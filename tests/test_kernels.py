@@ -65,6 +65,42 @@ def test_bad_arguments_are_refused(sim: SimulatedDevice) -> None:
         kernels.fill(p, 1024, 1)  # freed: use after free
 
 
+def test_bad_devices_and_iterations_are_refused(sim: SimulatedDevice) -> None:
+    p = mr.CudaMemoryResource().allocate(1024)
+    with pytest.raises(TypeError, match="device must be a device ordinal"):
+        kernels.fill(p, 64, 1, device=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="device must be"):
+        kernels.fill(p, 64, 1, device=1 << 40)
+    with pytest.raises(streampool.InvalidArgumentError, match="device 3 does not exist"):
+        kernels.fill(p, 64, 1, device=3)
+    with pytest.raises(TypeError, match="iterations must be an int"):
+        kernels.compute(p, 64, iterations=None)  # type: ignore[arg-type]
+    with pytest.raises(streampool.InvalidStreamError) as e:
+        kernels.fill(p, 64, 1, stream=0x3039)
+    assert str(e.value).count("0x3039") == 1, e.value  # said once
+    kernels.fill(p, 1024, 5, device=0)
+    assert kernels.check(p, 1024, 5) == 0
+
+
+@pytest.mark.nosim
+def test_a_kernel_runs_on_its_streams_device_and_needs_access() -> None:
+    with SimulatedDevice("64MiB", devices=2) as sim:
+        s1 = streampool.Stream(device=1)
+        mine = mr.CudaAsyncMemoryResource(device=1).allocate(4096, s1)
+        with pytest.raises(
+            streampool.InvalidStreamError, match="belongs to device 1, but device=0 was given"
+        ):
+            kernels.fill(mine, 4096, 1, s1, device=0)
+        kernels.fill(mine, 4096, 1, s1, device=1)
+        # Memory of device 0's pool, which grants device 1 no access: refused, as on a GPU.
+        other = mr.CudaAsyncMemoryResource(device=0).allocate(4096)
+        with pytest.raises(streampool.InvalidPointerError, match="device 1 cannot access"):
+            kernels.fill(other, 4096, 1, s1)
+        assert kernels.check(mine, 4096, 1, s1) == 0
+        sim.run()
+        assert not sim.races()
+
+
 @pytest.mark.gpu
 def test_kernels_on_a_gpu() -> None:
     resource = mr.CudaAsyncMemoryResource()

@@ -292,7 +292,9 @@ class CudaAsyncMemoryResource(MemoryResource):
 class CudaAsyncManagedMemoryResource(MemoryResource):
     """The CUDA 13 driver's stream-ordered pool of managed memory, for work larger than the
     GPU: memory usable from host and device, handed out in stream order, that
-    ``DeviceBuffer.prefetch`` and ``DeviceBuffer.advise`` accept.
+    ``DeviceBuffer.prefetch`` accepts. The driver takes no advice on it
+    (``DeviceBuffer.advise`` raises UnsupportedError; ManagedMemoryResource's memory takes
+    advice).
 
     With no options it uses the device's current managed pool (the default managed pool's
     release threshold is raised to the maximum; a pool someone else set is left alone).
@@ -1077,7 +1079,9 @@ class DeviceBuffer:
         """Advises the driver how the memory (managed memory only) will be used, for
         ``device`` (a device ordinal, ``"host"`` or -1, or None for the buffer's device; ignored
         by the read-mostly pair). ValueError for an unknown advice or once closed;
-        InvalidArgumentError naming the resource when the memory is not managed."""
+        InvalidArgumentError naming the resource when the memory is not managed;
+        UnsupportedError for memory of CudaAsyncManagedMemoryResource, on which the driver
+        takes no advice (ManagedMemoryResource's memory takes it)."""
     @property
     def last_prefetch_location(self) -> int | Literal["host"] | None:
         """Where the whole buffer (managed memory only) was last asked to be prefetched: a
@@ -1300,8 +1304,8 @@ def _kernel_check(
 def _kernel_compute(
     ptr: int,
     size: _Size,
+    iterations: int,
     stream: _StreamLike = None,
-    iterations: int | None = None,
     device: int | None = None,
 ) -> None:
     """Enqueues the compute kernel (use ``streampool.kernels.compute``)."""

@@ -57,4 +57,4 @@ def compute(
     every word of ``size`` bytes at ``ptr``, multiplying it by an odd constant and by that
     constant's inverse, and writing it back. Kernel time in proportion to
     ``iterations * size``; the data is left as it was, so :func:`check` still passes."""
-    _native._kernel_compute(ptr, size, stream, iterations, device)
+    _native._kernel_compute(ptr, size, iterations, stream, device)

@@ -8,27 +8,37 @@ use streampool::device::{self, BackendKind, BackendRef, DevPtr};
 use streampool::harness::pipeline::PipelineOptions;
 use streampool::harness::{self as core, Percentiles};
 use streampool::resource::ResourceRef;
-use streampool::{kernels, Stream};
+use streampool::{kernels, Error, Stream};
 
 use crate::errors::{detached, OrRaise};
 use crate::resources::PyMemoryResource;
 use crate::streams::to_stream;
-use crate::{count_arg, ptr_arg, size_arg};
+use crate::{count_arg, device_arg, ptr_arg, size_arg};
 
 /// The backend and device that a kernel on `stream` runs on: the stream's own, or for a
-/// default stream the current backend's current device (or `device`).
+/// default stream the current backend's current device (or `device`). A `device` other
+/// than a stream's own is refused.
 fn kernel_target(
     py: Python<'_>,
     stream: Option<&Bound<'_, PyAny>>,
-    device: Option<i32>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(BackendRef, i32, Stream)> {
+    let device = device_arg(device, "device")?;
     let backend = match device::backend_ready() {
         Some(b) => b,
         None => detached(py, device::backend)?,
     };
     let stream = to_stream(py, stream, || &backend)?.into_owned();
     if let Some((b, d)) = stream.binding() {
-        return Ok((b.clone(), d, stream));
+        return match device {
+            Some(given) if given != d => Err(Error::InvalidStream(format!(
+                "stream {:#x} belongs to device {d}, but device={given} was given (leave device out: a \
+                 kernel runs on its stream's device)",
+                stream.handle()
+            )))
+            .or_raise(py),
+            _ => Ok((b.clone(), d, stream)),
+        };
     }
     let dev = {
         let b = backend.clone();
@@ -56,7 +66,7 @@ pub(crate) fn _kernel_fill(
     size: &Bound<'_, PyAny>,
     seed: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
-    device: Option<i32>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let (ptr, size, seed) = pattern_args(ptr, size, seed)?;
     let (b, dev, s) = kernel_target(py, stream, device)?;
@@ -73,7 +83,7 @@ pub(crate) fn _kernel_check(
     size: &Bound<'_, PyAny>,
     seed: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
-    device: Option<i32>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<u64> {
     let (ptr, size, seed) = pattern_args(ptr, size, seed)?;
     let (b, dev, s) = kernel_target(py, stream, device)?;
@@ -83,20 +93,17 @@ pub(crate) fn _kernel_check(
 /// Enqueues on `stream` a read-modify-write kernel of `iterations` passes over `size`
 /// bytes at `ptr` that leaves the data as it was.
 #[pyfunction]
-#[pyo3(signature = (ptr, size, stream=None, iterations=None, device=None))]
+#[pyo3(signature = (ptr, size, iterations, stream=None, device=None))]
 pub(crate) fn _kernel_compute(
     py: Python<'_>,
     ptr: &Bound<'_, PyAny>,
     size: &Bound<'_, PyAny>,
+    iterations: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
-    iterations: Option<&Bound<'_, PyAny>>,
-    device: Option<i32>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let (ptr, size): (DevPtr, usize) = (ptr_arg(ptr)?, size_arg(size, "size")?);
-    let iterations = match iterations {
-        Some(i) => count_arg(i, "iterations", 0, u32::MAX as u64)? as u32,
-        None => 1,
-    };
+    let iterations = count_arg(iterations, "iterations", 0, u32::MAX as u64)? as u32;
     let (b, dev, s) = kernel_target(py, stream, device)?;
     detached(py, move || kernels::compute(&b, dev, ptr, size, &s, iterations))
 }

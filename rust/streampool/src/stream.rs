@@ -182,11 +182,12 @@ impl Stream {
             LEGACY_STREAM | LEGACY_STREAM_ALIAS => Ok(Self::legacy()),
             PER_THREAD_STREAM => Ok(Self::per_thread()),
             _ => {
-                let device = backend.stream_device(handle).map_err(|e| {
-                    Error::InvalidStream(format!(
+                let device = backend.stream_device(handle).map_err(|e| match e {
+                    e @ Error::InvalidStream(_) => e, // already says so, naming the device
+                    e => Error::InvalidStream(format!(
                         "handle {handle:#x} does not name a live stream on {} ({e})",
                         backend.describe()
-                    ))
+                    )),
                 })?;
                 let key = stream_key(backend, device, handle);
                 Ok(Stream { handle, origin: Origin::Borrowed { backend: backend.clone(), device, key } })

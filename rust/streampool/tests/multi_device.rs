@@ -93,6 +93,14 @@ fn peer_access_opens_a_pool_to_another_device_and_no_other_pool() {
     assert!(
         matches!(sim.read(s1.handle(), p, 4096), Err(Error::InvalidPointer(m)) if m.contains("device 1 cannot access"))
     );
+    // The harness's kernels (cuLaunchKernel) follow the same grants as simulated work.
+    streampool::kernels::fill(&b, 1, a, 4096, 3, &s1).unwrap();
+    match streampool::kernels::fill(&b, 1, p, 4096, 3, &s1) {
+        Err(Error::InvalidPointer(m)) => {
+            assert!(m.contains("device 1 cannot access") && m.contains("fill"), "{m}")
+        }
+        other => panic!("expected InvalidPointer, got {other:?}"),
+    }
     shared.set_peer_access(1, false).unwrap();
     assert!(sim.read(s1.handle(), a, 4096).is_err());
     // Refused grants name the devices and change nothing.

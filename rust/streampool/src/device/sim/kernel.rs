@@ -193,8 +193,11 @@ impl State {
     }
 
     /// Validates a launch of `function` with `params`: the work to enqueue.
+    /// The work of launching `function` on a stream of device `dev`: its parameters,
+    /// the ranges it touches, and that `dev` may access them (peer access).
     pub(super) fn kernel_work(
         &self,
+        dev: i32,
         function: RawFunction,
         grid: u32,
         block: u32,
@@ -217,6 +220,7 @@ impl State {
             }
             if end > start {
                 self.check_range(start, (end - start) as usize, kernel.name())?;
+                self.check_access(dev, start, (end - start) as usize, kernel.name(), false)?;
             }
         }
         Ok(Work::Kernel(launch))

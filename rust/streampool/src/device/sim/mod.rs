@@ -1182,7 +1182,7 @@ impl Backend for SimDevice {
     ) -> Result<()> {
         self.with(Some(dev), |st| {
             let sid = st.resolve(Some(dev), stream)?;
-            let work = st.kernel_work(function, grid, block, params)?;
+            let work = st.kernel_work(st.streams[&sid].dev, function, grid, block, params)?;
             let label = match &work {
                 Work::Kernel(launch) => launch.kernel.name(),
                 _ => unreachable!("kernel_work gives kernels"),
