@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes.util
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -71,6 +72,41 @@ def test_nvtx_without_the_library_warns_once_and_works() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "3"
     assert out.stderr.count("no NVTX library could be loaded") == 1, out.stderr
+
+
+_FAKE_NVTX = r"""
+#include <stdio.h>
+static int pushes, pops, depth, deepest;
+int nvtxRangePushA(const char *name) { (void)name; pushes++; if (++depth > deepest) deepest = depth; return depth; }
+int nvtxRangePop(void) { pops++; return --depth; }
+__attribute__((destructor)) static void report(void) { fprintf(stderr, "nvtx %d %d %d\n", pushes, pops, deepest); }
+"""
+
+
+@pytest.mark.nosim
+@pytest.mark.skipif(not shutil.which("cc"), reason="needs a C compiler to build a stand-in NVTX library")
+@pytest.mark.parametrize("upstream", ["async", "pool(async)"])
+def test_nvtx_one_range_per_call(tmp_path, upstream: str) -> None:
+    """Each allocate and deallocate is one range, whether or not the upstream has a fast path."""
+    src = tmp_path / "nvtx.c"
+    src.write_text(_FAKE_NVTX)
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-o", str(tmp_path / "libnvToolsExt.so.1"), str(src)], check=True
+    )
+    code = textwrap.dedent(
+        f"""
+        from streampool import harness, mr
+        hist = mr.LatencyHistogramAdaptor(harness.resource_from_spec({upstream!r}))
+        for _ in range(3):
+            hist.deallocate(hist.allocate(1024), 1024)
+        print(hist.histogram()["allocate"]["count"], hist.histogram()["deallocate"]["count"])
+        """
+    )
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim", STREAMPOOL_NVTX="1", LD_LIBRARY_PATH=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3", "3"]
+    assert "nvtx 6 6 1" in out.stderr, out.stderr
 
 
 @pytest.mark.gpu

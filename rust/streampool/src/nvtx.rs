@@ -55,6 +55,7 @@ fn load() -> Option<Nvtx> {
 }
 
 /// True when ranges are on (the library loaded); loads it at the first call.
+#[inline]
 pub fn enabled() -> bool {
     NVTX.get_or_init(load).is_some()
 }

@@ -77,6 +77,15 @@ impl Counters {
         }
     }
 
+    /// Adds `other`'s counts to these (which any thread may write: read-modify-writes).
+    fn absorb(&self, other: &Counters) {
+        for (mine, theirs) in self.buckets.iter().zip(other.buckets.iter()) {
+            mine.fetch_add(theirs.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        self.ticks.fetch_add(other.ticks.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.max.fetch_max(other.max.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
     fn clear(&self) {
         self.buckets.iter().for_each(|b| b.store(0, Ordering::Relaxed));
         self.ticks.store(0, Ordering::Relaxed);
@@ -148,8 +157,9 @@ pub struct LatencyHistograms {
 /// Records how long each allocate and deallocate call takes, in histograms of
 /// log-spaced buckets (4 per power of two), lock-free: each thread writes counters of its
 /// own (made at its first call through the adaptor, the only time a lock is taken), with
-/// plain loads and stores. With `STREAMPOOL_NVTX=1` each call is also an NVTX
-/// range (see [`crate::nvtx`]).
+/// plain loads and stores. With `STREAMPOOL_NVTX=1` each call is also one NVTX
+/// range (see [`crate::nvtx`]); the fast path is then not taken, so from Python each call
+/// releases the GIL.
 ///
 /// What it measures: the time inside the upstream's call, read from the time-stamp
 /// counter on x86-64 (calibrated against the system clock once), so the adaptor adds two
@@ -278,7 +288,21 @@ impl LatencyHistogramAdaptor {
             // holds them) are dropped now.
             sets.retain(|(_, c)| Arc::strong_count(c) > 1);
             let c = Arc::new(CallCounters::new());
-            lock(&self.threads).push(c.clone());
+            let mut threads = lock(&self.threads);
+            // Sets of threads that have exited (only the adaptor holds them; nothing writes
+            // them any more) are added to the shared set, so that the list holds no more
+            // sets than there are threads alive. Readers take the same lock, and see each
+            // call counted once.
+            threads.retain(|t| {
+                let gone = Arc::strong_count(t) == 1;
+                if gone {
+                    self.shared.allocate.absorb(&t.allocate);
+                    self.shared.deallocate.absorb(&t.deallocate);
+                }
+                !gone
+            });
+            threads.push(c.clone());
+            drop(threads);
             c.pick(deallocate).record_exclusive(t);
             sets.push((self.id, c));
             true
@@ -311,9 +335,13 @@ impl MemoryResource for LatencyHistogramAdaptor {
         r
     }
 
-    // Forwarded: the counters are atomics, never a lock.
+    // Forwarded: the counters are atomics, never a lock. With NVTX ranges on, every call
+    // takes the full path: a range opened here could not be taken back when the upstream
+    // passes the request on, and the call would show as two ranges.
     fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<Result<DevPtr>> {
-        let _range = nvtx::Range::new(ALLOCATE);
+        if nvtx::enabled() {
+            return None;
+        }
         let start = clock::now();
         let r = try_upstream_allocate(self, &self.upstream, bytes, stream)?;
         self.record(false, clock::now().wrapping_sub(start));
@@ -321,7 +349,9 @@ impl MemoryResource for LatencyHistogramAdaptor {
     }
 
     fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
-        let _range = nvtx::Range::new(DEALLOCATE);
+        if nvtx::enabled() {
+            return None;
+        }
         let start = clock::now();
         let r = self.upstream.try_deallocate(ptr, bytes, stream)?;
         self.record(true, clock::now().wrapping_sub(start));
@@ -351,14 +381,33 @@ mod tests {
             crate::CudaAsyncMemoryResource::on(sim, 0, Default::default()).unwrap(),
         ))
         .unwrap();
+        // Eight threads alive at once: eight sets.
+        let all_counted = std::sync::Barrier::new(9);
         std::thread::scope(|s| {
             for _ in 0..8 {
-                s.spawn(|| (0..1000).for_each(|i| mr.record(i % 2 == 0, i)));
+                s.spawn(|| {
+                    (0..1000).for_each(|i| mr.record(i % 2 == 0, i));
+                    all_counted.wait();
+                    all_counted.wait();
+                });
             }
+            all_counted.wait();
+            assert_eq!(lock(&mr.threads).len(), 8);
+            all_counted.wait();
         });
         let h = mr.histogram();
         assert_eq!((h.allocate.count, h.deallocate.count), (4000, 4000));
-        assert_eq!(lock(&mr.threads).len(), 8);
+        // Threads come and go: the sets of those gone are folded into the shared set at
+        // the next thread's first call, and no count or maximum is lost.
+        for round in 0..50u64 {
+            std::thread::scope(|s| {
+                s.spawn(|| mr.record(false, 1_000_000 + round));
+            });
+        }
+        let h = mr.histogram();
+        assert_eq!((h.allocate.count, h.deallocate.count), (4050, 4000));
+        assert_eq!(h.allocate.max_ns, (1_000_049.0 * mr.ns_per_tick));
+        assert!(lock(&mr.threads).len() <= 1, "{}", lock(&mr.threads).len());
         // Another adaptor on a thread that used a dropped one: the stale set goes.
         let id = mr.id;
         drop(mr);
