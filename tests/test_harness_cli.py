@@ -37,8 +37,8 @@ if "crash" in sys.argv:
 """
 
 
-def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, STREAMPOOL_DEVICE="sim")
+def run(*args: str, cwd: Path | None = None, **environ: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim", **environ)
     return subprocess.run(
         [sys.executable, "-m", "streampool", *args],
         env=env,
@@ -79,6 +79,28 @@ def test_info_stays_the_default_command() -> None:
     for args in ((), ("info",)):
         out = run(*args)
         assert out.returncode == 0 and "environment report" in out.stdout.splitlines()[0]
+
+
+def test_larger_than_memory_is_measured_on_managed_memory_by_default() -> None:
+    out = run("bench", "larger-than-memory", "--quick", "--json")
+    assert out.returncode == 0, out.stderr
+    assert [r["resource"] for r in valid(out.stdout)["summary"]] == ["managed", "prefetch(managed)"]
+    assert "managed,prefetch(managed) for larger-than-memory" in run("bench", "--help").stdout
+
+
+def test_the_simulated_device_takes_its_capacity_from_the_environment() -> None:
+    out = run("bench", "random", "--resources", "async", "--quick", "--json", STREAMPOOL_SIM_CAPACITY="96MiB")
+    assert out.returncode == 0, out.stderr
+    assert "(96 MiB)" in valid(out.stdout)["device"]["description"]
+    # Above that capacity, managed memory runs out: the simulator does not oversubscribe.
+    out = run(
+        "bench", "larger-than-memory", "--param", "total=128MiB", "--json", STREAMPOOL_SIM_CAPACITY="96MiB"
+    )
+    assert out.returncode == 0, out.stderr
+    assert all(r["oom_events"] > 0 and r["peak_live_bytes"] < 96 << 20 for r in valid(out.stdout)["summary"])
+    out = run("bench", "random", "--quick", STREAMPOOL_SIM_CAPACITY="lots")
+    assert out.returncode == 2
+    assert "the environment variable STREAMPOOL_SIM_CAPACITY is 'lots'" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("workload", ["random", "window", "multistream", "pipeline", "larger-than-memory"])

@@ -82,6 +82,9 @@ def test_larger_than_memory_is_measured_with_and_without_prefetch() -> None:
     for spec in ("managed", "prefetch(managed)"):
         result = workloads.larger_than_memory(make_resource(spec), total="8MiB", chunk_size="2MiB", passes=1)
         assert result["events"] == 2 * 4 and result["peak_live_bytes"] == 8 << 20
+    # A total that is not a whole number of chunks: the last chunk is the rest.
+    result = workloads.larger_than_memory(make_resource("managed"), total="9MiB", chunk_size="2MiB", passes=2)
+    assert result["events"] == 2 * 5 and result["peak_live_bytes"] == 9 << 20
 
 
 def test_unknown_workloads_and_parameters_are_refused() -> None:

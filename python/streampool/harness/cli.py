@@ -109,11 +109,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("info", help="the environment report (the default)")
 
-    def measured(q: argparse.ArgumentParser, resources: str = DEFAULT_RESOURCES) -> None:
+    def measured(
+        q: argparse.ArgumentParser, resources: str | None = DEFAULT_RESOURCES, default: str = ""
+    ) -> None:
         q.add_argument(
             "--resources",
             default=resources,
-            help=f"comma-separated resource specs (default {resources}); see docs/harness.md",
+            help=f"comma-separated resource specs (default {default or resources}); see docs/harness.md",
         )
         q.add_argument("--repeats", type=_count, help="runs of each resource, interleaved (default 3)")
         q.add_argument(
@@ -124,7 +126,8 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="run a workload on resources side by side")
     b.add_argument("workload", help=f"one of: {', '.join(workloads.WORKLOADS)}")
-    measured(b)
+    own = [f"{w.resources} for {w.name}" for w in workloads.WORKLOADS.values() if w.resources]
+    measured(b, None, f"{DEFAULT_RESOURCES}; {'; '.join(own)}")
     b.add_argument("--threads", type=_int_list, help="thread counts, e.g. 1,4,16 (default 1)")
     b.add_argument("--streams", type=_count, help="streams (default: one per thread)")
     b.add_argument(
@@ -428,7 +431,8 @@ def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
     params = dict(w.quick) if args.quick else {}
     params.update(given)
     workloads.check(w.name, params)
-    specs = _specs(args.resources)
+    default = w.resources or DEFAULT_RESOURCES
+    specs = _specs(default if args.resources is None else args.resources)
     _check_plot_dir(args)
     out = Output(args.json)
     threads, streams = args.threads or [1], args.streams or 0

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from .._errors import CudaDriverNotFoundError, StreampoolError
-from .._native import backend_description, driver_version, using_simulated_device
+from .._native import backend_description, driver_version, parse_size, using_simulated_device
 from ..sim import SimulatedDevice
 
 SIMULATED_NOTE = (
@@ -39,7 +40,9 @@ class Device:
 @contextlib.contextmanager
 def device(capacity_bytes: int | str | None = None) -> Iterator[Device]:
     """The CUDA device when the driver works and ``STREAMPOOL_DEVICE=sim`` is not set;
-    otherwise a fresh simulated device (of ``capacity_bytes``) with its race detector."""
+    otherwise a fresh simulated device with its race detector, of ``capacity_bytes``
+    (default: ``STREAMPOOL_SIM_CAPACITY`` when set, else the simulator's default).
+    ValueError naming the variable when it is not a size."""
     reason = "selected by STREAMPOOL_DEVICE=sim"
     if not using_simulated_device():
         try:
@@ -51,5 +54,11 @@ def device(capacity_bytes: int | str | None = None) -> Iterator[Device]:
         else:
             yield Device(description, simulated=False)
             return
+    if capacity_bytes is None and "STREAMPOOL_SIM_CAPACITY" in os.environ:
+        value = os.environ["STREAMPOOL_SIM_CAPACITY"]
+        try:
+            capacity_bytes = parse_size(value)
+        except ValueError as e:
+            raise ValueError(f"the environment variable STREAMPOOL_SIM_CAPACITY is {value!r}: {e}") from None
     with SimulatedDevice(capacity_bytes) as sim:
         yield Device(sim.describe(), simulated=True, sim=sim, reason=reason)

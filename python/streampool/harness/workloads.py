@@ -470,11 +470,15 @@ def larger_than_memory(
     passes: int = 2,
 ) -> dict[str, Any]:
     """Work on a data set larger than what is resident: ``total`` bytes (default: half the
-    device's free memory) in chunks of ``chunk_size``, all allocated, then ``passes``
+    device's free memory) in chunks of ``chunk_size`` (the last one smaller when ``total``
+    is not a whole number of chunks), all allocated, then ``passes``
     passes that fill and compute on each chunk in turn on one stream, then freed. Meant for
     ``managed`` against ``prefetch(managed)`` (prefetching migrates the pages before the
     kernels need them). On a real GPU, a ``total`` above the device's free memory is refused
-    (the harness never oversubscribes a shared GPU)."""
+    (the harness never oversubscribes a shared GPU). On the simulated device managed memory
+    is the device's own memory, so a ``total`` above its capacity runs out of memory there
+    (the chunks that do not fit are counted as out-of-memory events and left out) rather
+    than oversubscribing (``STREAMPOOL_SIM_CAPACITY`` sets the capacity)."""
     kernels = _kernels()
     free, _ = available_device_memory()
     nbytes = parse_size(total) if total else free // 2
@@ -489,20 +493,21 @@ def larger_than_memory(
     a: list[int] = []
     f: list[int] = []
     start = time.perf_counter()
-    ptrs = [meter.allocate(chunk, stream, a) for _ in range(max(1, nbytes // chunk))]
-    held = [p for p in ptrs if p is not None]
+    sizes = [chunk] * (nbytes // chunk) + ([nbytes % chunk] if nbytes % chunk else [])
+    ptrs = [(meter.allocate(size, stream, a), size) for size in sizes]
+    held = [(p, size) for p, size in ptrs if p is not None]
     meter.sample()
     for p in range(passes):
-        for i, ptr in enumerate(held):
-            kernels.fill(ptr, chunk, p * len(held) + i, stream)
-            kernels.compute(ptr, chunk, stream)
+        for i, (ptr, size) in enumerate(held):
+            kernels.fill(ptr, size, p * len(held) + i, stream)
+            kernels.compute(ptr, size, stream)
     stream.synchronize()
-    for ptr in held:
-        meter.free(ptr, chunk, stream, f)
+    for ptr, size in held:
+        meter.free(ptr, size, stream, f)
     stream.synchronize()
     seconds = time.perf_counter() - start
     meter.merge(a, f)
-    out = meter.result(seconds, passes * len(held) * chunk, "bytes/s")
+    out = meter.result(seconds, passes * sum(size for _, size in held), "bytes/s")
     return out
 
 
@@ -515,6 +520,9 @@ class Workload:
     run: Callable[..., dict[str, Any]]
     quick: dict[str, Any]
     ignores: dict[str, str] = field(default_factory=dict)
+    #: The resources ``bench`` measures it on when ``--resources`` is not given (None: the
+    #: command line's default).
+    resources: str | None = None
 
     @property
     def doc(self) -> str:
@@ -551,6 +559,7 @@ WORKLOADS: dict[str, Workload] = {
                 "threads": "its passes run on one thread, one chunk after another",
                 "streams": "its passes run on one stream, one chunk after another",
             },
+            "managed,prefetch(managed)",
         ),
         Workload(
             "replay",

@@ -1059,7 +1059,8 @@ impl DeviceBuffer {
     /// of "read_mostly", "unset_read_mostly", "preferred_location",
     /// "unset_preferred_location", "accessed_by", "unset_accessed_by"; `device` (a device
     /// ordinal, "host", or None for the buffer's device) is the location the advice is
-    /// about, and is ignored by the read-mostly pair.
+    /// about, and is ignored by the read-mostly pair. The driver takes no advice on memory
+    /// of a managed pool (CudaAsyncManagedMemoryResource): UnsupportedError.
     #[pyo3(signature = (advice, device=None))]
     fn advise(&self, py: Python<'_>, advice: &str, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let advice = advice_arg(advice)?;

@@ -8,7 +8,10 @@
 //!   pages to a device (or the host) in stream order, before the work that needs them.
 //! * **Advice** ([`Allocation::advise`], [`advise`]): `cuMemAdvise` says how memory will be
 //!   used (read mostly, preferred location, accessed by a device), so the driver places
-//!   and maps pages accordingly.
+//!   and maps pages accordingly. The driver takes it on `cuMemAllocManaged` memory
+//!   ([`ManagedMemoryResource`](crate::ManagedMemoryResource)) and refuses it on memory of
+//!   a managed pool ([`CudaAsyncManagedMemoryResource`](crate::CudaAsyncManagedMemoryResource)):
+//!   [`Error::Unsupported`].
 //!
 //! Memory from a resource whose [`MemoryKind`] is not [`MemoryKind::Managed`] is refused
 //! with [`Error::InvalidArgument`] naming the resource, before the driver is asked.

@@ -367,7 +367,8 @@ fn check_managed_requirements(
 
 /// The CUDA 13 driver's stream-ordered pool of *managed* memory (`cuMemAllocFromPoolAsync`
 /// from a pool of `CU_MEM_ALLOCATION_TYPE_MANAGED`), for work larger than the GPU: memory
-/// usable from host and device that can be prefetched and advised, handed out in stream
+/// usable from host and device that can be prefetched (the driver takes no advice on it:
+/// `cuMemAdvise` is refused, seen with driver 580 on an H200), handed out in stream
 /// order as [`CudaAsyncMemoryResource`] hands out device memory, by the same rules:
 ///
 /// * With no options, the device's *current* managed pool (`cuMemGetMemPool`); when that
