@@ -551,16 +551,17 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
 
     With neither ``log_file_name`` nor ``callback``, the file is ``STREAMPOOL_LOG_FILE``,
     else ``RMM_LOG_FILE``; ValueError when neither is set. Unlike RMM, no ``.dev<N>``
-    suffix is added to the name. An exception raised by ``callback`` reaches the caller
-    of allocate/deallocate; the adaptor stays usable. On an allocation it is undone (freed
-    and logged so); on a free it is raised after the memory has been freed, which is never
-    undone (a free that failed for its log line would leak, as when a buffer is collected):
-    do not free again. Frees are logged and passed on with
+    suffix is added to the name. An exception raised by ``callback`` on an allocation
+    reaches the caller, and the allocation is undone (freed and logged so); the adaptor
+    stays usable. On a free, the memory is freed anyway and deallocate returns: the
+    exception goes to ``sys.unraisablehook`` and the failure to ``streampool.drop_errors()``
+    (an error from a free would tell the adaptors above that nothing was freed, and they
+    would keep counting the memory). Frees are logged and passed on with
     the size given (the upstream checks it where it can). Every call releases the GIL (no
     fast path): a file write may block, and a free is logged before it happens. A log
     file that cannot be created raises OSError (FileNotFoundError, PermissionError, ...)
     naming it, at construction; one that cannot be written later raises it from
-    allocate/deallocate."""
+    allocate, and is recorded in ``streampool.drop_errors()`` on a free."""
 
     def __new__(
         cls,

@@ -165,7 +165,10 @@ fn log_callback(slot: Arc<CallbackSlot>) -> LogSink {
     LogSink::Callback(Arc::new(move |line: &str| {
         Python::try_attach(|py| {
             let Some(f) = slot.get(py) else { return Ok(()) };
-            f.bind(py).call1((line,)).map(drop).map_err(|e| callback_error(py, "logging callback", e))
+            f.bind(py)
+                .call1((line,))
+                .map(drop)
+                .map_err(|e| callback_error(py, crate::errors::LOGGING_CALLBACK, e))
         })
         .unwrap_or(Ok(()))
     }))

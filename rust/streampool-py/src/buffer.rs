@@ -98,7 +98,9 @@ pub(crate) fn release(mut alloc: Allocation) {
             let mut alloc = Some(alloc);
             let result = Python::try_attach(|py| {
                 let alloc = alloc.take();
-                py.detach(move || alloc.map_or(Ok(()), Allocation::free))
+                let result = py.detach(move || alloc.map_or(Ok(()), Allocation::free));
+                crate::errors::report_swallowed_log_errors(py, &result);
+                result
             });
             let result = match alloc {
                 Some(alloc) => alloc.free(),

@@ -110,8 +110,38 @@ where
     // A stash left by a call whose error was swallowed (a free in a `Drop`) is not this
     // call's: start clean.
     clear_callback_errors();
-    py.detach(f).or_raise(py)
+    let result = py.detach(f);
+    report_swallowed_log_errors(py, &result);
+    result.or_raise(py)
 }
+
+/// Sends to `sys.unraisablehook` the exceptions of logging callbacks that a call did not
+/// raise (`result` is its outcome): a free whose log line failed still frees, and
+/// succeeds; a log line of a failed allocation gives way to the allocation's own error.
+/// The exception that `result` names, if any, stays stashed for `to_pyerr`.
+pub(crate) fn report_swallowed_log_errors<T>(py: Python<'_>, result: &streampool::Result<T>) {
+    let keep = match result {
+        Err(Error::Callback(k) | Error::CallbackOutOfMemory(k)) => Some(k.as_str()),
+        _ => None,
+    };
+    let swallowed: Vec<PyErr> = CALLBACK_ERRORS.with(|stash| {
+        let mut stash = stash.borrow_mut();
+        if stash.is_empty() {
+            return Vec::new();
+        }
+        let (log, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *stash)
+            .into_iter()
+            .partition(|(k, _)| k.starts_with(LOGGING_CALLBACK) && Some(k.as_str()) != keep);
+        *stash = rest;
+        log.into_iter().map(|(_, e)| e).collect()
+    });
+    for e in swallowed {
+        e.write_unraisable(py, None);
+    }
+}
+
+/// What a logging callback's stashed exception is named by (see [`callback_error`]).
+pub(crate) const LOGGING_CALLBACK: &str = "logging callback";
 
 // ---------------------------------------------------------------------------------------
 // Exceptions raised by Python callbacks (failure callbacks, logging sinks, stack capture).

@@ -647,7 +647,7 @@ fn bad_logs_are_refused_naming_the_line() {
 }
 
 #[test]
-fn a_failing_sink_frees_the_allocation_and_returns_its_error() {
+fn a_failing_sink_undoes_an_allocation_and_records_a_free() {
     let (_sim, b) = sim(64 << 20);
     let stats = Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap());
     let path = temp_log("failing-sink");
@@ -660,14 +660,28 @@ fn a_failing_sink_frees_the_allocation_and_returns_its_error() {
             Ok(())
         }
     }));
-    let mr = LoggingAdaptor::new(stats.clone(), vec![LogSink::File(path.clone()), sink]).unwrap();
+    let logging: ResourceRef =
+        Arc::new(LoggingAdaptor::new(stats.clone(), vec![LogSink::File(path.clone()), sink]).unwrap());
+    // Counting adaptors above the logging one: their counts must follow what was freed.
+    let limited = Arc::new(LimitingAdaptor::new(logging, 1 << 20).unwrap());
+    let mr = TrackingAdaptor::new(limited.clone(), None).unwrap();
     let s = Stream::legacy();
     let p = mr.allocate(4096, &s).unwrap();
     fail.store(true, Ordering::SeqCst);
     assert_eq!(mr.allocate(1000, &s).unwrap_err(), Error::Callback("sink raised".into()));
     assert_eq!(stats.statistics().current_bytes, 4096, "the failed allocation was freed again");
-    assert_eq!(mr.deallocate(p, 4096, &s).unwrap_err(), Error::Callback("sink raised".into()));
+    assert_eq!(limited.allocated_bytes(), 4096);
+    let before = streampool::drop_errors().count;
+    mr.deallocate(p, 4096, &s).unwrap(); // freed: the sink's failure is recorded, not returned
     assert_eq!(stats.statistics().current_bytes, 0, "the free happened");
+    assert_eq!((limited.allocated_bytes(), mr.allocated_bytes()), (0, 0), "and is counted above");
+    let errors = streampool::drop_errors();
+    assert!(errors.count > before);
+    assert!(
+        errors.recent.iter().any(|m| m.contains("which was freed: ") && m.contains("sink raised")),
+        "{errors:?}"
+    );
+    assert!(matches!(mr.deallocate(p, 4096, &s), Err(Error::InvalidPointer(_))), "no double free");
     fail.store(false, Ordering::SeqCst);
     let q = mr.allocate(1000, &s).unwrap();
     mr.deallocate(q, 1000, &s).unwrap();

@@ -401,7 +401,9 @@ mod tests {
         // the next thread's first call, and no count or maximum is lost.
         for round in 0..50u64 {
             std::thread::scope(|s| {
-                s.spawn(|| mr.record(false, 1_000_000 + round));
+                // Joined, not only ended with the scope: a join returns once the thread's
+                // thread-locals (its hold on its set) are gone.
+                s.spawn(|| mr.record(false, 1_000_000 + round)).join().unwrap();
             });
         }
         let h = mr.histogram();

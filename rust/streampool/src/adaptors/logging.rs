@@ -104,9 +104,12 @@ pub struct LogEvent {
 /// A failing sink (a callback that returns an error, a full disk): on allocate, the
 /// memory is freed again (and a `free` line written, best effort, so the other sinks'
 /// logs stay balanced) and the sink's error is returned, so nothing leaks and the caller
-/// sees it; on free, the free still happens and the sink's error is returned. A free
-/// that the upstream then refuses is still in the log (the log records requests, as
-/// RMM's does). No lock is held while a sink runs.
+/// sees it; on free, the free still happens and succeeds, and the sink's error is recorded
+/// ([`drop_errors`](crate::drop_errors); from Python, the sink's exception goes to
+/// `sys.unraisablehook`): an error from a free means that nothing was freed, which the
+/// adaptors above rely on to keep their counts. A free that the upstream then refuses is
+/// still in the log (the log records requests, as RMM's does). No lock is held while a
+/// sink runs.
 ///
 /// Sizes: frees are logged and forwarded as given, wrong sizes included (the log records
 /// requests); the upstream checks them where it can.
@@ -236,7 +239,16 @@ impl MemoryResource for LoggingAdaptor {
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
         let logged = self.log(LogAction::Free, ptr, bytes, stream.handle());
         self.upstream.deallocate(ptr, bytes, stream)?;
-        logged
+        // Freed: reporting the sink's failure as this call's would tell the adaptors above
+        // that nothing was freed (they would keep counting the memory, and a retry would
+        // free it twice).
+        record_if_failed(
+            || {
+                format!("LoggingResourceAdaptor: the log line of a free of {bytes} bytes at {ptr:#x}, which was freed")
+            },
+            logged,
+        );
+        Ok(())
     }
 
     // The fast path is not forwarded (the trait's default: every call takes the full
