@@ -55,9 +55,9 @@ fn not_shareable(ptr: DevPtr, why: impl std::fmt::Display) -> Error {
 }
 
 /// Exports `bytes` bytes at `ptr` (the start of an allocation of an exportable pool on
-/// `device`), after synchronising `stream`, the stream the memory is used on: the
-/// allocation and every write enqueued on it before the call are complete when this
-/// returns, as the importer needs.
+/// `device`, of at least `bytes` bytes), after synchronising `stream`, the stream the
+/// memory is used on (of `backend` and `device`): the allocation and every write enqueued
+/// on it before the call are complete when this returns, as the importer needs.
 pub fn export(
     backend: &BackendRef,
     device: i32,
@@ -68,14 +68,23 @@ pub fn export(
     if ptr == 0 || bytes == 0 {
         return Err(Error::invalid("an empty buffer (0 bytes) has no memory to share with another process"));
     }
+    stream.check(backend, device)?;
     let pool = match backend.pointer_pool(device, ptr) {
         Ok(Some(pool)) => pool,
         Ok(None) => return Err(not_shareable(ptr, "it does not come from a memory pool")),
         Err(e) => return Err(not_shareable(ptr, e)),
     };
+
     backend.stream_synchronize(device, stream.handle())?;
     let fd = backend.pool_export_fd(device, pool).map_err(|e| not_shareable(ptr, e))?;
     let data = backend.pool_export_pointer(device, ptr).map_err(|e| not_shareable(ptr, e))?;
+    // The importer maps `bytes` bytes: no more than the allocation has.
+    let (_, size) = backend.pointer_range(device, ptr).map_err(|e| not_shareable(ptr, e))?;
+    if bytes > size {
+        return Err(Error::invalid(format!(
+            "cannot share {bytes} bytes at {ptr:#x}: its allocation is {size} bytes"
+        )));
+    }
     Ok(IpcExport { fd, data, bytes, device, pid: std::process::id() })
 }
 
@@ -213,10 +222,17 @@ impl MemoryResource for IpcImportedMemoryResource {
 
     fn do_allocate(&self, bytes: usize, _stream: &Stream) -> Result<DevPtr> {
         let mut state = self.state();
-        if state.0 || bytes != self.bytes {
+        if state.0 {
             return Err(Error::invalid(format!(
                 "IpcImportedMemoryResource holds one imported buffer of {} bytes, already handed out: it \
                  cannot allocate; copy the data into a buffer of another resource instead",
+                self.bytes
+            )));
+        }
+        if bytes != self.bytes {
+            return Err(Error::invalid(format!(
+                "IpcImportedMemoryResource holds one imported buffer of {} bytes, which is all it can hand \
+                 out: {bytes} bytes were asked for",
                 self.bytes
             )));
         }

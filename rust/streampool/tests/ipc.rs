@@ -139,6 +139,15 @@ fn memory_that_cannot_be_shared_is_refused_naming_the_fix() {
     let ptr = mr.allocate(8192, &stream).unwrap();
     check(export(&b, 0, ptr + 256, 4096, &stream).unwrap_err(), "not its start");
     assert!(export(&b, 0, 0, 0, &stream).unwrap_err().to_string().contains("empty buffer"));
+    let e = export(&b, 0, ptr, 1 << 30, &stream).unwrap_err().to_string();
+    assert!(e.contains("cannot share 1073741824 bytes") && e.contains("its allocation is 8192 bytes"), "{e}");
+    // A stream of another device (here, another simulated device's) is refused, not synchronised.
+    let (_other_sim, other) = sim();
+    let foreign = Stream::create(&other, 0, false).unwrap();
+    assert!(matches!(
+        export(&b, 0, ptr, 8192, &foreign),
+        Err(Error::InvalidStream(_) | Error::InvalidArgument(_))
+    ));
     // Refusals change nothing: the allocation still exports.
     export(&b, 0, ptr, 8192, &stream).unwrap();
     mr.deallocate(ptr, 8192, &stream).unwrap();

@@ -237,6 +237,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// from, or `None` for memory not from a pool.
     fn pointer_pool(&self, dev: i32, ptr: DevPtr) -> Result<Option<RawPool>>;
 
+    /// `cuMemGetAddressRange`: the start and size of the allocation `ptr` lies in; an
+    /// error for a pointer inside none.
+    fn pointer_range(&self, dev: i32, ptr: DevPtr) -> Result<(DevPtr, usize)>;
+
     /// `cuStreamCreate` (`CU_STREAM_NON_BLOCKING` unless `blocking`).
     fn stream_create(&self, dev: i32, blocking: bool) -> Result<RawStream>;
     /// `cuStreamDestroy`. Work already enqueued still runs.

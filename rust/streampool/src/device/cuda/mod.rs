@@ -98,6 +98,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemsetD8Async",
     "cuMemcpyAsync",
     "cuPointerGetAttribute",
+    "cuMemGetAddressRange_v2",
     "cuMemRangeGetAttribute",
     "cuDeviceGetDefaultMemPool",
     "cuDeviceGetMemPool",
@@ -811,6 +812,12 @@ impl Backend for CudaBackend {
         // SAFETY: `dev`'s context is current; any pointer value may be asked about.
         let pool = unsafe { raw::pointer_get_mempool(ptr) }?;
         Ok((!pool.is_null()).then(|| handle_of(pool)))
+    }
+
+    fn pointer_range(&self, dev: i32, ptr: DevPtr) -> Result<(DevPtr, usize)> {
+        let _ctx = self.enter(dev)?;
+        // SAFETY: `dev`'s context is current; any pointer value may be asked about.
+        unsafe { raw::mem_get_address_range(ptr) }
     }
 
     fn stream_create(&self, dev: i32, blocking: bool) -> Result<RawStream> {

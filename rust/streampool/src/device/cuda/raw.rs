@@ -488,6 +488,19 @@ pub(super) unsafe fn pointer_get_mempool(dptr: sys::CUdeviceptr) -> Result<sys::
     Ok(pool)
 }
 
+/// [`cuMemGetAddressRange`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html):
+/// the start and size of the allocation `dptr` lies in.
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current. (Any pointer value may be asked
+///    about: the driver reports those it does not know.)
+pub(super) unsafe fn mem_get_address_range(dptr: sys::CUdeviceptr) -> Result<(sys::CUdeviceptr, usize)> {
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: precondition 1; both out-pointers point to live locals of the right types.
+    check("cuMemGetAddressRange", unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, dptr) })?;
+    Ok((base, size))
+}
+
 // ---------------------------------------------------------------------------------------
 // Virtual memory management
 // ---------------------------------------------------------------------------------------

@@ -465,8 +465,10 @@ impl SimDevice {
         Ok(SimGuard { device: self.clone() })
     }
 
-    /// Closes the device, and stops it being the process's backend if it was. Objects
-    /// made under it are refused from now on (their frees succeed silently). Reserved
+    /// Closes the device, and stops it being the process's backend if it was. Every call
+    /// that reaches it is refused from now on (frees succeed silently); memory that a
+    /// resource already holds (a pool's free blocks) may still be handed out without
+    /// asking it, so a resource should not be used after its device is closed. Reserved
     /// address space, and the memory mapped into it, goes back to the host now; other
     /// memory when the device is dropped.
     pub fn deactivate(&self) {
@@ -894,6 +896,15 @@ impl Backend for SimDevice {
                 AllocKind::Pool(p) | AllocKind::Imported(p) => Some(p),
                 _ => None,
             }),
+            None => {
+                Err(Error::InvalidPointer(format!("{ptr:#x} is not inside a live allocation of {}", st.name)))
+            }
+        })
+    }
+
+    fn pointer_range(&self, dev: i32, ptr: DevPtr) -> Result<(DevPtr, usize)> {
+        self.with(Some(dev), |st| match st.alloc_containing(ptr, 1) {
+            Some((start, a)) => Ok((start, a.bytes)),
             None => {
                 Err(Error::InvalidPointer(format!("{ptr:#x} is not inside a live allocation of {}", st.name)))
             }
