@@ -493,7 +493,9 @@ impl<'a> CallTimer<'a> {
             slot.tid.store(thread_id(), Ordering::Relaxed);
             (log, slot, LongCalls::default(), LongCalls::default())
         });
-        CallTimer { lat: Vec::with_capacity(calls), long }
+        // Room for the calls up front (no reallocation while timing), up to 8 MiB of them;
+        // a longer run grows the list.
+        CallTimer { lat: Vec::with_capacity(calls.min(1 << 20)), long }
     }
 
     /// Runs `call`, timed; with a log, classifies it if long, then times a null call if the

@@ -40,6 +40,10 @@ use crate::stream::{Event, Stream};
 /// The most producer/consumer pairs (each pair is two threads and two streams).
 pub const MAX_PAIRS: usize = 512;
 
+/// The most chunks a pair may pass (2^32: far beyond any run's length; `pairs` times this
+/// cannot overflow).
+pub const MAX_CHUNKS_PER_PAIR: usize = 1 << 32;
+
 /// The pipeline's shape.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PipelineOptions {
@@ -165,6 +169,12 @@ fn check_options(o: &PipelineOptions) -> Result<()> {
     let bad = |what: &str| Err(Error::invalid(what.to_string()));
     if o.pairs == 0 || o.pairs > MAX_PAIRS {
         return Err(Error::invalid(format!("pairs must be in 1..={MAX_PAIRS}, got {}", o.pairs)));
+    }
+    if o.chunks_per_pair > MAX_CHUNKS_PER_PAIR {
+        return Err(Error::invalid(format!(
+            "chunks_per_pair must be at most {MAX_CHUNKS_PER_PAIR}, got {}",
+            o.chunks_per_pair
+        )));
     }
     if o.chunk_bytes < 8 {
         return bad("chunk_bytes must be >= 8 (the kernels work on 8-byte words)");
