@@ -211,7 +211,7 @@ def test_memory_and_streams_of_another_device_are_refused(dev: SimulatedDevice) 
     res0 = mr.CudaAsyncMemoryResource(device=0)
     buf0 = streampool.DeviceBuffer(size=4096, mr=res0)
     with pytest.raises(
-        streampool.InvalidStreamError, match="belongs to device 1, but the resource to device 0"
+        streampool.InvalidStreamError, match="belongs to device 1, but is used here with device 0"
     ):
         streampool.DeviceBuffer(size=4096, stream=s1, mr=res0)
     with pytest.raises(streampool.InvalidStreamError, match="belongs to device 1"):
@@ -219,7 +219,7 @@ def test_memory_and_streams_of_another_device_are_refused(dev: SimulatedDevice) 
     with pytest.raises(streampool.InvalidStreamError, match="belongs to device 1"):
         buf0.resize(8192, stream=s1)
     with pytest.raises(
-        streampool.InvalidStreamError, match="belongs to device 0, but the resource to device 1"
+        streampool.InvalidStreamError, match="belongs to device 0, but is used here with device 1"
     ):
         buf0.copy_to_device(1, stream=s0)
     with pytest.raises(ValueError, match="mr is a resource of device 0, but copy_to_device\\(1\\)"):

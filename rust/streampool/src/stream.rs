@@ -324,7 +324,8 @@ impl Stream {
         }
         if my_device != device {
             return Err(Error::InvalidStream(format!(
-                "stream {:#x} belongs to device {my_device}, but the resource to device {device}",
+                "stream {:#x} belongs to device {my_device}, but is used here with device {device} (the \
+                 device of the resource, buffer or event it is given with)",
                 self.handle
             )));
         }
@@ -365,10 +366,13 @@ impl Stream {
         }
     }
 
-    /// Makes all later work on this stream wait for `event`'s recorded work.
+    /// Makes all later work on this stream wait for `event`'s recorded work. The event
+    /// may be of another device (`cuStreamWaitEvent` takes them); a default stream is
+    /// taken as the event's device's.
     pub fn wait(&self, event: &Event) -> Result<()> {
-        self.check(&event.backend, event.device)?;
-        event.backend.stream_wait_event(event.device, self.handle(), event.raw)
+        let device = self.binding().map_or(event.device, |(_, d)| d);
+        self.check(&event.backend, device)?; // the same backend
+        event.backend.stream_wait_event(device, self.handle(), event.raw)
     }
 
     /// Orders all later work on this stream, a stream of `device`, after the work enqueued

@@ -156,3 +156,25 @@ fn a_copy_between_devices_waits_for_its_source_and_holds_back_its_reuse() {
     mr1.deallocate(dst, MIB, &s1).unwrap();
     b.stream_synchronize(0, LEGACY_STREAM).unwrap();
 }
+
+#[test]
+fn a_stream_waits_for_an_event_of_another_device() {
+    let (sim, b) = two_devices();
+    let (s0, s1) = (Stream::create(&b, 0, false).unwrap(), Stream::create(&b, 1, false).unwrap());
+    // Device 1 writes its memory, device 0 then copies it: ordered by an event of device 1.
+    let (src, dst) = (b.mem_alloc(1, 4096).unwrap(), b.mem_alloc(0, 4096).unwrap());
+    sim.write(s1.handle(), src, 4096).unwrap();
+    let done = streampool::Event::new(&b, 1).unwrap();
+    done.record(&s1).unwrap();
+    s0.wait(&done).unwrap();
+    // SAFETY: both are live allocations of 4096 bytes, freed after the stream is synchronised.
+    unsafe { b.memcpy_peer_async(0, dst, 0, src, 1, 4096, s0.handle()) }.unwrap();
+    s0.synchronize(&b, 0).unwrap();
+    assert_no_races(&sim);
+    // A stream of another backend is still refused.
+    let other: BackendRef = SimDevice::new(MIB);
+    let foreign = Stream::create(&other, 0, false).unwrap();
+    assert!(foreign.wait(&done).is_err());
+    b.mem_free(0, dst).unwrap();
+    b.mem_free(1, src).unwrap();
+}

@@ -400,7 +400,9 @@ impl ShardedPoolMemoryResource {
     /// also holds a live allocation stay): synchronises the device (so that every free, on
     /// any stream, has completed), gathers every shard's free blocks in the common list,
     /// and returns every entirely free chunk. Afterwards the pool holds exactly the
-    /// chunks that live allocations lie in. Returns the bytes released.
+    /// chunks that live allocations lie in. With [`PoolOptions::expandable`] the memory is
+    /// one growing range, which can only be shrunk from its end: what lies above the highest
+    /// live allocation is unmapped, what lies below it stays. Returns the bytes released.
     ///
     /// The upstream may keep what it gets back: the device's default pool behind
     /// `CudaAsyncMemoryResource()` keeps freed memory for reuse (its release threshold is
