@@ -54,7 +54,7 @@ def _view(handle: int) -> Any:
     try:
         from cuda.bindings import driver
     except ImportError:  # cuda-python before 12.6 named the module cuda.cuda
-        from cuda import cuda as driver  # type: ignore[no-redef]
+        from cuda import cuda as driver
     return rmm.mr.CudaAsyncViewMemoryResource(driver.CUmemoryPool(handle))
 
 

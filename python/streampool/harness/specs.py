@@ -354,7 +354,7 @@ def _peer(spec: Spec) -> Candidate:
 
 def _rmm(rmm: Any, name: str) -> tuple[Any, ...]:
     rmr = importlib.import_module("rmm.mr")
-    from rmm.pylibrmm.stream import Stream as RmmStream  # type: ignore[import-not-found]
+    from rmm.pylibrmm.stream import Stream as RmmStream
 
     makers = {
         "async": lambda: rmr.CudaAsyncMemoryResource(),
