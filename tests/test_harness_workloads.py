@@ -140,6 +140,7 @@ def test_stress_passes_on_the_sharded_pool(sim: Any) -> None:
     assert report["allocations"] > 0 and report["verified_bytes"] > 0 and report["race_detector"]
 
 
+@pytest.mark.races_expected  # it hands memory out again with kernels pending on it, too
 def test_stress_reports_a_resource_that_hands_out_overlapping_memory(sim: Any) -> None:
     base = mr.CudaAsyncMemoryResource()
     first: list[int] = []

@@ -141,7 +141,9 @@ def test_bad_arguments(sim: SimulatedDevice) -> None:
     with pytest.raises(OverflowError):
         _native.pipeline(resource, chunks_per_pair=-1)
     for chunks in (1 << 40, 2**63):  # refused before anything is reserved (was: an abort)
-        with pytest.raises(streampool.InvalidArgumentError, match=r"chunks_per_pair must be at most 4294967296"):
+        with pytest.raises(
+            streampool.InvalidArgumentError, match=r"chunks_per_pair must be at most 4294967296"
+        ):
             _native.pipeline(resource, chunks_per_pair=chunks)
 
 

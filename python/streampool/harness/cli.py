@@ -5,7 +5,8 @@ Exit codes: 0 success; 1 a check failed (``stress`` found corruption, an overlap
 or an error); 2 bad usage (unknown command, workload, resource spec, option or parameter);
 3 bad input (a malformed, empty or unreadable log, a log or plot directory that cannot be
 written); 4 cannot run here (a peer or an extra not installed, a workload larger than the
-device, a resource that failed, nothing to recommend: every candidate ran out of memory);
+device, a resource that failed, nothing to recommend: every candidate ran out of memory,
+nothing verified: ``stress`` checked no allocation, every one refused, and found nothing wrong);
 130 interrupted. ``profile`` (and ``recommend -- CMD`` when the program fails) exits with the
 program's own status, 127 when it could not start.
 """
@@ -647,10 +648,11 @@ def _cmd_stress(args: argparse.Namespace, dev: Device) -> int:
             sim=dev.sim,
         )
         reports.append({"resource": spec, **report})
-        verdict = "OK" if report["ok"] else "FAILED"
+        verdict = "OK" if report["ok"] else "NOTHING VERIFIED" if report["nothing_verified"] else "FAILED"
         out.line(
-            f"  {verdict}: {report['operations']} operations, {report['allocations']} allocations, "
-            f"{human_bytes(report['verified_bytes'])} verified by kernels; race detector "
+            f"  {verdict}: {report['operations']} operations, {report['allocations']} allocations "
+            f"({report['refused']} refused: out of memory), {human_bytes(report['verified_bytes'])} "
+            f"verified by kernels, {report['pending_frees']} freed with a kernel pending; race detector "
             + ("on" if report["race_detector"] else "off (a real GPU)")
         )
         for kind in ("corruptions", "overlaps", "races", "errors"):
@@ -658,7 +660,17 @@ def _cmd_stress(args: argparse.Namespace, dev: Device) -> int:
                 out.line(f"  {kind[:-1]}: {text}")
     if args.json:
         out.emit_json(document("stress", dev, stress=reports))
-    return EXIT_OK if all(r["ok"] for r in reports) else EXIT_CHECK_FAILED
+    unverified = [r["resource"] for r in reports if r["nothing_verified"]]
+    if unverified:
+        print(
+            f"streampool stress: nothing verified on {', '.join(unverified)}: no allocation was checked "
+            "(every one refused, or none made): a smaller --max-size, more memory for the resource "
+            "or more --seconds may let it run",
+            file=sys.stderr,
+        )
+    if any(not r["ok"] and not r["nothing_verified"] for r in reports):
+        return EXIT_CHECK_FAILED
+    return EXIT_CANNOT_RUN if unverified else EXIT_OK
 
 
 def _cmd_plot(args: argparse.Namespace, dev: Device) -> int:

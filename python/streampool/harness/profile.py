@@ -6,7 +6,10 @@ current resource in a :class:`~streampool.mr.LoggingResourceAdaptor` writing to 
 (device 0 to ``LOG``, device N to ``LOG.devN``, :func:`device_logs`; the log is flushed
 line by line, so a crash leaves every event up to it), then runs the program's own
 ``sitecustomize``, if any.
-The program's output and exit status pass through. What it allocates through PyTorch,
+The program's output and exit status pass through. Ctrl-C is the program's to handle: the
+terminal sends SIGINT to the whole foreground process group, the program included, so
+while it runs this process does not stop on SIGINT (:func:`wait`); it waits for the
+program to exit, its clean-up logged too. What it allocates through PyTorch,
 CuPy or a resource it sets itself is not logged. A log that cannot be written is refused
 before the program runs (:func:`check_log`); should the shim still fail to install the
 adaptor, it stops the program with status 127 (it could not start profiled).
@@ -15,10 +18,13 @@ adaptor, it stops the program with status 127 (it could not start profiled).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 SHIM = Path(__file__).with_name("_shim")
 LOG_ENV = "STREAMPOOL_PROFILE_LOG"
@@ -91,11 +97,38 @@ def run(argv: Sequence[str], log: str, simulated: bool, output_to_stderr: bool =
         env["STREAMPOOL_DEVICE"] = "sim"
     sys.stdout.flush()
     sys.stderr.flush()
+    return wait(command_line(argv), env, sys.stderr if output_to_stderr else None)
+
+
+def wait(command: list[str], env: dict[str, str], stdout: Any = None) -> int:
+    """Runs ``command`` and waits for it; its exit status (128 + N for a signal N).
+
+    While it runs, SIGINT does not stop this process: a Ctrl-C at the terminal reaches
+    the program too (the terminal signals the whole foreground process group), which
+    handles it as it would unprofiled (a Python program cleans up after its
+    KeyboardInterrupt, and what it frees then is logged), and its status passes through.
+    A SIGINT sent to this process alone is not passed on. SIGINT is caught by a handler
+    that does nothing, not ignored (an ignored signal would stay ignored in the program),
+    from before the program starts to after it exits, when the previous handler is put
+    back. Nothing changes where SIGINT is ignored already (the program inherits that, as it
+    would unprofiled), or from a thread other than the main one (which never receives
+    signals). CannotStartError when the program cannot be started."""
+    catch = threading.current_thread() is threading.main_thread()
+    catch = catch and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    previous = signal.signal(signal.SIGINT, _interrupted) if catch else None
     try:
-        proc = subprocess.run(command_line(argv), env=env, stdout=sys.stderr if output_to_stderr else None)
+        child = subprocess.Popen(command, env=env, stdout=stdout)
+        status = child.wait()
     except OSError as e:
-        raise CannotStartError(f"cannot run {argv[0]!r}: {e.strerror or e}") from None
-    return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        raise CannotStartError(f"cannot run {command[0]!r}: {e.strerror or e}") from None
+    finally:
+        if catch:  # a handler set outside Python (None) cannot be put back: the default, then
+            signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+    return status if status >= 0 else 128 - status
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    """SIGINT while the program runs: the program has it too, and decides."""
 
 
 def logged_events(log: str) -> int:

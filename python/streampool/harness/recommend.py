@@ -22,7 +22,7 @@ from .._native import available_device_memory, using_simulated_device
 from . import bench
 from .output import human_bytes
 from .specs import make_resource
-from .trace import ALLOCATE, FREE, Trace, quantile
+from .trace import ALLOCATE, FREE, Trace, quantile, recorded_peak
 
 __all__ = ["SIMPLER_FIRST", "NothingToRecommendError", "Profile", "analyse", "choose"]
 
@@ -104,22 +104,16 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
         free_device_bytes = available_device_memory()[0]
     sizes = sorted(r[1] for r in trace.records if r[5] == ALLOCATE)
     alloc_at = {r[2]: r for r in trace.records if r[5] == ALLOCATE}
-    live = peak = frees = cross_stream = cross_thread = 0
-    threads_used, streams_used = set(), set()
+    frees = cross_stream = cross_thread = 0
     for r in trace.records:
-        threads_used.add(r[3])
-        streams_used.add(r[4])
-        if r[5] == ALLOCATE:
-            live += r[1]
-            peak = max(peak, live)
-        elif r[5] == FREE:
+        if r[5] == FREE:
             frees += 1
-            live -= r[1]
             a = alloc_at[r[2]]
             cross_stream += a[4] != r[4]
             cross_thread += a[3] != r[3]
     p50, p99 = quantile(sizes, 0.5), quantile(sizes, 0.99)
-    threads, streams = len(threads_used), len(streams_used)
+    peak = recorded_peak(trace.records)
+    threads, streams = trace.threads, trace.streams  # as the replay's table has them
     reasons = [
         f"{threads} thread(s) and {streams} stream(s) allocate; {len(sizes)} allocations, "
         f"sizes {human_bytes(p50)} at the median and {human_bytes(p99)} at the 99th percentile",
@@ -143,10 +137,17 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
             )
         elif streams <= 1:
             preferred = "async"
+            contention = (
+                "one thread on one stream: no lock is contended"
+                if threads <= 1
+                else f"{threads} threads share one stream: their calls can contend for a lock, and the "
+                "sharded pool, whose shards are per stream, gives them one shard between them (a shard "
+                "per stream, its advantage, does not apply)"
+            )
             reasons.append(
-                "one stream: no lock is contended, so the driver's pool (the default, the simplest, "
-                "and shared with PyTorch's and CuPy's async allocators) is expected to do; only a "
-                "measured margin beyond noise picks another"
+                f"{contention}, so the driver's pool (the default, the simplest, and shared with "
+                "PyTorch's and CuPy's async allocators) is expected to do; only a measured margin "
+                "beyond noise picks another"
             )
         else:
             preferred = "async"

@@ -1,13 +1,21 @@
 """``stress``: a long randomised run that verifies the data.
 
-Threads allocate random sizes on random streams of their own, fill each allocation with a
-pattern of its own by a kernel (:func:`streampool.kernels.fill`), and before freeing it
-check the pattern by a kernel (:func:`streampool.kernels.check`): memory that another
-allocation overlapped, or that was reused before a kernel finished with it, shows up as
-wrong words. Every allocation is also checked against the live ones for overlap; some
-frees go to another stream than the allocation's (after the allocation's stream has
-finished with it), so that cross-stream reuse is exercised. On the simulated device the
-race detector reports any access not ordered after the previous one. Example::
+Threads allocate random sizes on random streams of their own and fill each allocation
+with a pattern of its own by a kernel (:func:`streampool.kernels.fill`). Most frees check
+the pattern by a kernel first (:func:`streampool.kernels.check`, which synchronises the
+stream): memory that another allocation overlapped, or that was reused before a kernel
+finished with it, shows up as wrong words. Some of these frees go to another stream than
+the allocation's (its stream has finished with it), so that cross-stream reuse is
+exercised. The other frees (``PENDING_SHARE``) are made with kernels still pending on the
+memory: a compute kernel (:func:`streampool.kernels.compute`, ``PENDING_ITERATIONS``
+passes over every word) and a fill with another pattern are enqueued on the allocation's
+stream and the memory freed there at once, unchecked. The resource must then order the
+memory's next use after those kernels: a resource that hands it to another stream
+without ordering (early cross-stream reuse) has the next owner's pattern overwritten,
+which that owner's check finds, and on the simulated device its race detector also
+reports the unordered reuse. Every allocation is also
+checked against the live ones for overlap. A run that verified nothing (every
+allocation refused, say) is not ok: ``nothing_verified`` says so. Example::
 
     from streampool.harness import make_resource, stress
     report = stress.run(make_resource("pool(async)"), seconds=2, threads=4)
@@ -23,13 +31,21 @@ import threading
 import time
 from typing import Any
 
-from .._native import Stream, parse_size
+from .._native import Stream, parse_size, using_simulated_device
 from ._threads import run_threads
 from .specs import Candidate
 from .trace import live_intervals_overlap
 from .workloads import _kernels
 
-__all__ = ["run"]
+__all__ = ["PENDING_SHARE", "run"]
+
+#: The share of frees made with kernels still pending on the memory (unchecked).
+PENDING_SHARE = 0.25
+#: The compute kernel's passes before such a free, on a GPU: enough that the kernels are
+#: still pending when the host has the memory's next owner fill it (on an H200, early
+#: reuse was found at 256 passes, not at 64). On the simulated device kernels run only
+#: when the host waits for them, so one pass keeps them pending.
+PENDING_ITERATIONS = 256
 
 
 def run(
@@ -42,14 +58,20 @@ def run(
     max_live: int = 32,
     seed: int = 0,
     sim: Any = None,
+    operations: int | None = None,
 ) -> dict[str, Any]:
     """Stresses ``candidate`` for ``seconds`` with ``threads`` threads of ``streams``
-    streams each; returns the report: ok, operations, allocations, verified_bytes,
-    corruptions, overlaps, races (each a list of sentences; the first 20 kept), errors.
+    streams each (``operations``: each thread also stops after that many, for a run that a
+    seed repeats exactly on one thread); returns the report: ok, operations, allocations,
+    refused (allocations that ran out of memory), verified_bytes (checked by kernels),
+    pending_frees (made with a kernel pending, unchecked), corruptions, overlaps, races
+    (each a list of sentences; the first 20 kept), errors, race_detector, and
+    nothing_verified: no check failed, but none was made either (ok is then False).
     ``sim``: the active SimulatedDevice, whose race detector is read at the end. On Ctrl-C
     the threads stop (each frees what it holds) before the KeyboardInterrupt goes on.
     ValueError for a ``max_size`` below 1 byte."""
     kernels = _kernels()
+    passes = 1 if using_simulated_device() else PENDING_ITERATIONS
     top = parse_size(max_size)
     if top < 1:
         raise ValueError(f"stress: max_size must be at least 1 byte, not {max_size!r}")
@@ -58,7 +80,9 @@ def run(
     report: dict[str, Any] = {
         "operations": 0,
         "allocations": 0,
+        "refused": 0,
         "verified_bytes": 0,
+        "pending_frees": 0,
         "corruptions": [],
         "overlaps": [],
         "errors": [],
@@ -76,11 +100,24 @@ def run(
         rng = random.Random(seed * 1000 + index)
         mine = [Stream() for _ in range(streams)]
         held: list[tuple[int, int, int, Stream]] = []  # ptr, size, pattern seed, stream
-        ops = allocations = verified = 0
+        ops = allocations = refused = verified = pending = 0
+
+        def release(ptr: int, size: int, stream: Stream) -> None:
+            with lock:  # before the free: another thread may be handed the memory at once
+                live.pop(bisect.bisect_left(live, (ptr, size)))
+            resource.deallocate(ptr, size, stream)
 
         def free_one() -> None:
-            nonlocal verified
+            nonlocal verified, pending
             ptr, size, pattern, stream = held.pop(rng.randrange(len(held)))
+            if rng.random() < PENDING_SHARE:
+                # Freed with kernels pending on it, which end by writing another pattern: its
+                # next owner's pattern is overwritten unless the resource orders the reuse.
+                kernels.compute(ptr, size, stream, iterations=passes)
+                kernels.fill(ptr, size, pattern + 1, stream)
+                release(ptr, size, stream)
+                pending += 1
+                return
             bad = kernels.check(ptr, size, pattern, stream)  # synchronises the stream
             verified += size
             if bad:
@@ -89,13 +126,10 @@ def run(
                     f"{bad} wrong 8-byte word(s) in {size} bytes at {ptr:#x} "
                     f"(allocated by thread {index}, pattern {pattern})",
                 )
-            other = rng.choice(mine)  # cross-stream free: the check synchronised `stream`
-            with lock:
-                live.pop(bisect.bisect_left(live, (ptr, size)))
-            resource.deallocate(ptr, size, other)
+            release(ptr, size, rng.choice(mine))  # cross-stream free: the check synchronised `stream`
 
         try:
-            while time.monotonic() < deadline and not stop.is_set():
+            while time.monotonic() < deadline and not stop.is_set() and ops != operations:
                 ops += 1
                 if held and (len(held) >= max_live or rng.random() < 0.45):
                     free_one()
@@ -105,6 +139,7 @@ def run(
                 try:
                     ptr = resource.allocate(size, stream)
                 except MemoryError:
+                    refused += 1
                     if held:
                         free_one()
                     continue
@@ -130,11 +165,15 @@ def run(
             with lock:
                 report["operations"] += ops
                 report["allocations"] += allocations
+                report["refused"] += refused
                 report["verified_bytes"] += verified
+                report["pending_frees"] += pending
 
     run_threads([functools.partial(body, i) for i in range(threads)], stop, name="stress")
     races = [str(r) for r in sim.races()] if sim is not None else []
     report["races"] = races[:20]
     report["race_detector"] = sim is not None
-    report["ok"] = not (report["corruptions"] or report["overlaps"] or races or report["errors"])
+    failed = bool(report["corruptions"] or report["overlaps"] or races or report["errors"])
+    report["nothing_verified"] = not failed and report["verified_bytes"] == 0
+    report["ok"] = not failed and not report["nothing_verified"]
     return report

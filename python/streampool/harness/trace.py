@@ -20,7 +20,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +29,22 @@ from .._native import LOG_HEADER, MAX_LOG_TIME_S, Stream
 from ..logs import parse_log_text
 from ._threads import run_threads
 
-__all__ = ["ALLOCATE", "FREE", "RECORD", "LogFormatError", "Trace", "percentiles", "read_log", "replay"]
+__all__ = [
+    "ALLOCATE",
+    "FREE",
+    "RECORD",
+    "LogFormatError",
+    "Trace",
+    "percentiles",
+    "read_log",
+    "recorded_peak",
+    "replay",
+]
 
 RECORD = struct.Struct("<QQQIIB7x")
 ALLOCATE, FREE = 0, 1
+#: The per-thread default stream's handle (cudaStreamPerThread): a stream of each thread's own.
+PER_THREAD_HANDLE = 2
 _DAY_NS = 86_400 * 10**9
 
 
@@ -54,10 +66,12 @@ class LogFormatError(ValueError):
 @dataclass
 class Trace:
     """Records plus what they were made from: ``threads`` and ``streams`` (how many of
-    each), ``thread_ids`` and ``stream_handles`` (the recorded ones, by index),
+    each the records use), ``thread_ids`` and ``stream_handles`` (the recorded ones, by
+    index; handle 2, the per-thread default stream, once for each thread that used it),
     ``recorded_failures`` (allocations that failed when recorded, not replayed),
     ``unmatched_frees`` (frees of memory allocated before the log began, not replayed) and
-    ``closing_frees`` (allocations never freed in the log: freed at its end)."""
+    ``closing_frees`` (allocations never freed in the log, those whose address was
+    allocated again while they were live among them: freed at its end)."""
 
     records: list[tuple[int, int, int, int, int, int]]
     thread_ids: list[int] = field(default_factory=list)
@@ -70,11 +84,13 @@ class Trace:
 
     @property
     def threads(self) -> int:
-        return 1 + max((r[3] for r in self.records), default=0)
+        """The threads the records use (each distinct ``thread`` is one, as the replayers count them)."""
+        return len({r[3] for r in self.records})
 
     @property
     def streams(self) -> int:
-        return 1 + max((r[4] for r in self.records), default=0)
+        """The streams the records use (each distinct ``stream`` is one)."""
+        return len({r[4] for r in self.records})
 
     def pack(self) -> bytes:
         """The records packed for the native replayer; ValueError naming the first record
@@ -109,11 +125,18 @@ def time_error(seconds: float) -> str | None:
 
 def from_events(events: Iterable[Any]) -> Trace:
     """A trace from parsed log events (:class:`streampool.logs.LogEvent`); ValueError
-    naming the first event (counted from 0) whose time is out of range (:func:`time_error`)."""
+    naming the first event (counted from 0) whose time is out of range (:func:`time_error`).
+
+    Threads and streams are numbered in order of their first replayed event (a failed
+    allocation or an unmatched free is none). Stream handles 0 and 1 are one stream (the
+    legacy default stream); handle 2, the per-thread default stream, is one stream per
+    thread. An allocation at an address that is still live (its free missing from the
+    log) leaves the earlier allocation live: it is freed at the end with the rest."""
     records: list[tuple[int, int, int, int, int, int]] = []
     threads: dict[int, int] = {}
-    streams: dict[int, int] = {}
+    streams: dict[tuple[int | None, int], int] = {}  # (thread or None, handle) -> index
     live: dict[int, tuple[int, int]] = {}  # ptr -> (alloc_id, size)
+    unfreed: list[tuple[int, int]] = []  # (alloc_id, size) whose address was allocated again
     failures = unmatched = 0
     t0: int | None = None
     last = offset = 0
@@ -128,22 +151,29 @@ def from_events(events: Iterable[Any]) -> Trace:
             offset += _DAY_NS
             t += _DAY_NS
         last = max(last, t)
-        handle = 0 if e.stream in (0, 1) else e.stream  # 0 and 1 are one stream
-        thread = threads.setdefault(e.thread, len(threads))
-        stream = streams.setdefault(handle, len(streams))
         if e.action == "allocate failure":
             failures += 1
-        elif e.action == "allocate":
+            continue
+        if e.action == "allocate":
             if e.size == 0:
                 continue
             alloc_id = len(records)
+            if e.ptr in live:
+                unfreed.append(live[e.ptr])
             live[e.ptr] = (alloc_id, e.size)
-            records.append((t - t0, e.size, alloc_id, thread, stream, ALLOCATE))
+            size, op = e.size, ALLOCATE
         elif e.ptr in live:
             alloc_id, size = live.pop(e.ptr)
-            records.append((t - t0, size, alloc_id, thread, stream, FREE))
-        elif e.size != 0:
-            unmatched += 1
+            op = FREE
+        else:
+            if e.size != 0:
+                unmatched += 1
+            continue
+        thread = threads.setdefault(e.thread, len(threads))
+        handle = 0 if e.stream in (0, 1) else e.stream  # 0 and 1 are one stream
+        key = (e.thread if handle == PER_THREAD_HANDLE else None, handle)
+        stream = streams.setdefault(key, len(streams))
+        records.append((t - t0, size, alloc_id, thread, stream, op))
     # Threads log concurrently, so a line can carry a time earlier than the first line's:
     # times are counted from the earliest event, never below zero.
     first = min((r[0] for r in records), default=0)
@@ -151,16 +181,17 @@ def from_events(events: Iterable[Any]) -> Trace:
         records = [(r[0] - first, *r[1:]) for r in records]
     end = max((r[0] for r in records), default=0)
     alloc_at = {r[2]: r for r in records if r[5] == ALLOCATE}
-    for alloc_id, size in live.values():
+    closing = sorted([*unfreed, *live.values()])  # in the order they were allocated
+    for alloc_id, size in closing:
         r = alloc_at[alloc_id]
         records.append((end, size, alloc_id, r[3], r[4], FREE))
     return Trace(
         records,
         thread_ids=list(threads),
-        stream_handles=list(streams),
+        stream_handles=[handle for _, handle in streams],
         recorded_failures=failures,
         unmatched_frees=unmatched,
-        closing_frees=len(live),
+        closing_frees=len(closing),
     )
 
 
@@ -256,7 +287,8 @@ def replay(
     counted in oom_events and skipped with its free. Returns events (the allocator calls
     that succeeded), seconds, alloc_seconds (time inside the allocator's calls, all
     threads), allocate/free latency percentiles (ns, of the calls that succeeded),
-    peak_live_bytes (of the allocations that succeeded), peak_reserved_bytes (None when
+    peak_live_bytes (the log's, in recorded order, of the allocations that succeeded:
+    :func:`recorded_peak`; both replayers report the same), peak_reserved_bytes (None when
     ``reserved()`` cannot say), oom_events and, for a sharded pool, its synchronisations
     and waits.
 
@@ -276,23 +308,23 @@ def replay(
 
 
 def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any) -> dict[str, Any]:
-    per_thread: list[list[tuple[int, int, int, int, int, int]]] = [[] for _ in range(trace.threads)]
+    per_thread: dict[int, list[tuple[int, int, int, int, int, int]]] = {}
     alloc_thread: dict[int, int] = {}
     for r in trace.records:
-        per_thread[r[3]].append(r)
+        per_thread.setdefault(r[3], []).append(r)
         if r[5] == ALLOCATE:
             alloc_thread[r[2]] = r[3]
     cross = {r[2] for r in trace.records if r[5] == FREE and alloc_thread.get(r[2]) != r[3]}
-    streams = [Stream() for _ in range(trace.streams)]
+    streams = _streams(trace)
     ptrs: dict[int, int] = {}
     ready = threading.Condition()
     failed: set[int] = set()
     lock = threading.Lock()
-    live = [0, 0, 0]  # live bytes, peak live, peak reserved
+    peak_reserved = [0]
     stats = {"oom_events": 0}
     lat: list[list[int]] = [[], []]
     errors: list[BaseException] = []
-    start_barrier = threading.Barrier(trace.threads)
+    start_barrier = threading.Barrier(max(1, len(per_thread)))
     stop = threading.Event()  # Ctrl-C: every thread stops at its next operation
 
     def wake() -> None:
@@ -330,9 +362,6 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
                         continue
                     end = clock()
                     a_lat.append(end - c)
-                    with lock:
-                        live[0] += size
-                        live[1] = max(live[1], live[0])
                     if alloc_id in cross:
                         with ready:
                             ptrs[alloc_id] = ptr
@@ -350,13 +379,11 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
                     deallocate(ptr, size, stream)
                     end = clock()
                     f_lat.append(end - c)
-                    with lock:
-                        live[0] -= size
                 if reserved is not None and n % 64 == 0:
                     value = reserved()
                     if value is not None:
                         with lock:
-                            live[2] = max(live[2], value)
+                            peak_reserved[0] = max(peak_reserved[0], value)
         except BaseException as e:
             errors.append(e)
         finally:
@@ -365,8 +392,8 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
                 lat[1].extend(f_lat)
 
     start = time.perf_counter()
-    run_threads([functools.partial(run, ops) for ops in per_thread], stop, wake, name="replay")
-    for s in streams:
+    run_threads([functools.partial(run, ops) for ops in per_thread.values()], stop, wake, name="replay")
+    for s in streams.values():
         s.synchronize()
     seconds = time.perf_counter() - start
     if errors:
@@ -378,11 +405,29 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
         "alloc_seconds": (sum(lat[0]) + sum(lat[1])) / 1e9,
         "allocate": percentiles(lat[0]),
         "free": percentiles(lat[1]),
-        "peak_live_bytes": live[1],
-        "peak_reserved_bytes": max(live[2], end_reserved) if end_reserved is not None else None,
+        "peak_live_bytes": recorded_peak(trace.records, failed),
+        "peak_reserved_bytes": max(peak_reserved[0], end_reserved) if end_reserved is not None else None,
         "oom_events": stats["oom_events"],
         "latencies_ns": {"allocate": lat[0], "free": lat[1]},
     }
+
+
+def recorded_peak(records: Iterable[tuple[int, ...]], left_out: Container[int] = frozenset()) -> int:
+    """The most bytes live at once in ``records``, in recorded order, leaving out the
+    allocations whose ids are in ``left_out`` (those that ran out of memory in a replay)
+    and their frees; a free counts its allocation's size."""
+    sizes: dict[int, int] = {}
+    live = peak = 0
+    for r in records:
+        if r[2] in left_out:
+            continue
+        if r[5] == ALLOCATE:
+            sizes[r[2]] = r[1]
+            live += r[1]
+            peak = max(peak, live)
+        else:
+            live -= sizes.pop(r[2], 0)
+    return peak
 
 
 def live_intervals_overlap(live: list[tuple[int, int]], ptr: int, size: int) -> tuple[int, int] | None:
@@ -399,7 +444,7 @@ def live_intervals_overlap(live: list[tuple[int, int]], ptr: int, size: int) -> 
 def sequential_replay(resource: Any, trace: Trace, reserved: Any = None) -> dict[str, Any]:
     """Replays ``trace`` from one thread in recorded order (one stream per recorded stream),
     recording after every event the live bytes and ``reserved()``; for plots."""
-    streams = [Stream() for _ in range(trace.streams)]
+    streams = _streams(trace)
     ptrs: dict[int, int] = {}
     live = 0
     out: dict[str, Any] = {"live": [], "reserved": [], "latencies_ns": {"allocate": [], "free": []}}
@@ -418,6 +463,11 @@ def sequential_replay(resource: Any, trace: Trace, reserved: Any = None) -> dict
             live -= size
         out["live"].append(live)
         out["reserved"].append(reserved() if reserved is not None else None)
-    for stream in streams:
+    for stream in streams.values():
         stream.synchronize()
     return out
+
+
+def _streams(trace: Trace) -> dict[int, Stream]:
+    """A new stream for each stream the records use, by its number."""
+    return {s: Stream() for s in sorted({r[4] for r in trace.records})}

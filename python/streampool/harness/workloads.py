@@ -8,7 +8,7 @@ allocator's calls, summed over threads), ``allocate``/``free`` latency percentil
 
     from streampool.harness import make_resource, workloads
     pool = make_resource("pool(async)")
-    print(workloads.run("window", pool, threads=4, streams=4))
+    print(workloads.run("window", pool, threads=4))  # one stream per thread (streams=4)
 
 The trace workloads (random, window) generate a :class:`~streampool.harness.trace.Trace`
 and replay it (natively when this build has the native replayer); multistream, pipeline
@@ -67,17 +67,19 @@ def random_trace(
     allocations: int = 10_000,
     max_size: int | str = "4MiB",
     threads: int = 1,
-    streams: int = 1,
+    streams: int = 0,
     seed: int = 0,
 ) -> _trace.Trace:
     """RMM's ``random_allocations`` bench: each thread makes ``allocations`` allocations of
     uniformly random sizes in ``[1, max_size]``; at each step it allocates or (half the
     time, when it holds any) frees a random one of its live allocations; what is left is
-    freed at the end. Thread ``t`` works on stream ``t % streams``."""
+    freed at the end. Thread ``t`` works on stream ``t % streams`` (``streams`` 0: one
+    stream per thread)."""
     rng = _random.Random(seed)
     top = parse_size(max_size)
     records: list[tuple[int, int, int, int, int, int]] = []
     next_id = 0
+    streams = _stream_count(threads, streams)
     for t in range(threads):
         s = t % streams
         live: list[tuple[int, int]] = []
@@ -100,16 +102,18 @@ def window_trace(
     window: int = 16,
     sizes: tuple[int | str, ...] = ("256", "64KiB", "1MiB"),
     threads: int = 1,
-    streams: int = 1,
+    streams: int = 0,
     seed: int = 0,
 ) -> _trace.Trace:
     """Each thread keeps a ring of ``window`` live allocations: it allocates one (a size
     drawn from ``sizes``) and, once the ring is full, frees the oldest, ``allocations``
-    times; then frees the rest. Thread ``t`` works on stream ``t % streams``."""
+    times; then frees the rest. Thread ``t`` works on stream ``t % streams`` (``streams``
+    0: one stream per thread)."""
     rng = _random.Random(seed)
     choices = [parse_size(s) for s in sizes]
     records: list[tuple[int, int, int, int, int, int]] = []
     next_id = 0
+    streams = _stream_count(threads, streams)
     for t in range(threads):
         s = t % streams
         ring: list[tuple[int, int]] = []
@@ -125,6 +129,12 @@ def window_trace(
     return _trace.Trace(records)
 
 
+def _stream_count(threads: int, streams: int) -> int:
+    """The streams a workload uses: ``streams``, or one per thread when it is 0 (the
+    default, as on the command line)."""
+    return streams or threads
+
+
 def _replay_result(candidate: Candidate, t: _trace.Trace, gap_scale: float) -> dict[str, Any]:
     out = _trace.replay(candidate.resource, t, gap_scale=gap_scale, reserved=candidate.reserved)
     # The calls that succeeded: a failed allocation (and its skipped free) is no work done.
@@ -137,12 +147,13 @@ def random(
     candidate: Candidate,
     *,
     threads: int = 1,
-    streams: int = 1,
+    streams: int = 0,
     allocations: int = 10_000,
     max_size: int | str = "4MiB",
     seed: int = 0,
 ) -> dict[str, Any]:
-    """RMM's random_allocations bench, replayed (see :func:`random_trace`)."""
+    """RMM's random_allocations bench, replayed (see :func:`random_trace`; ``streams`` 0:
+    one per thread)."""
     return _replay_result(candidate, random_trace(allocations, max_size, threads, streams, seed), 0.0)
 
 
@@ -150,12 +161,13 @@ def window(
     candidate: Candidate,
     *,
     threads: int = 1,
-    streams: int = 1,
+    streams: int = 0,
     allocations: int = 10_000,
     window: int = 16,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Per-thread rings of live allocations, replayed (see :func:`window_trace`)."""
+    """Per-thread rings of live allocations, replayed (see :func:`window_trace`; ``streams``
+    0: one per thread)."""
     return _replay_result(
         candidate, window_trace(allocations, window, threads=threads, streams=streams, seed=seed), 0.0
     )
@@ -279,16 +291,17 @@ def multistream(
     candidate: Candidate,
     *,
     threads: int = 1,
-    streams: int = 8,
+    streams: int = 0,
     iterations: int = 200,
     size: int | str = "1MiB",
     kernel_iterations: int = 1,
 ) -> dict[str, Any]:
     """Allocations between kernels on many streams: ``threads`` threads share ``streams``
-    streams round-robin; each iteration allocates ``size`` bytes on its stream, fills it and
-    computes on it there (kernels), and frees it on the same stream."""
+    streams (0: one per thread) round-robin; each iteration allocates ``size`` bytes on its
+    stream, fills it and computes on it there (kernels), and frees it on the same stream."""
     kernels = _kernels()
     nbytes = parse_size(size)
+    streams = _stream_count(threads, streams)
     pool = [Stream() for _ in range(streams)]
     meter = _Meter(candidate)
     stop = threading.Event()
@@ -589,6 +602,7 @@ _LEAST: dict[str, int] = {
     "total": 0,  # 0: the default, half the device's free memory
     "passes": 1,
     "gap_scale": 0,
+    "streams": 0,  # 0: one per thread
 }
 
 

@@ -2,13 +2,18 @@
 
 Wraps every device's resource in a LoggingResourceAdaptor writing to
 ``$STREAMPOOL_PROFILE_LOG`` (device N > 0 to ``.devN``), then runs the sitecustomize this
-one shadows, if there is one. Child processes of the program are not profiled (the
-variable is removed from the environment). When the adaptor cannot be installed, the
-program does not run: exit status 127, with the reason on stderr.
+one shadows, if there is one. Child processes of the program are not profiled: the
+variable is removed from the environment (for the programs it starts), and a child forked
+from it (``os.fork``, multiprocessing's ``fork`` start method) gets back each device's
+resource from before the adaptor, wherever the adaptor is still the device's resource
+(what the child frees of memory that its parent allocated through the adaptor is still
+logged). When the adaptor cannot be installed, the program does not run: exit status
+127, with the reason on stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -17,10 +22,23 @@ def _install(log: str) -> None:
     import streampool
     from streampool import mr
 
+    installed = []  # (device, the adaptor, the resource it wraps)
     for device in range(streampool.device_count()):
         path = log if device == 0 else f"{log}.dev{device}"
         upstream = streampool.get_per_device_resource(device)
-        streampool.set_per_device_resource(device, mr.LoggingResourceAdaptor(upstream, path))
+        adaptor = mr.LoggingResourceAdaptor(upstream, path)
+        streampool.set_per_device_resource(device, adaptor)
+        installed.append((device, adaptor, upstream))
+
+    def uninstall_in_child() -> None:
+        """A forked child would log into its parent's log, under its parent's thread ids."""
+        # A child that cannot reach the device (CUDA in a forked child) allocates nothing.
+        with contextlib.suppress(Exception):
+            for device, adaptor, upstream in installed:
+                if streampool.get_per_device_resource(device) is adaptor:  # the program's own stays
+                    streampool.set_per_device_resource(device, upstream)
+
+    os.register_at_fork(after_in_child=uninstall_in_child)
 
 
 def _chain() -> None:

@@ -1,0 +1,320 @@
+"""Regressions of the harness's review: stress frees with kernels pending and refuses to
+call a run that verified nothing OK; profile leaves Ctrl-C to the program; traces keep
+per-thread default streams apart, count only the threads and streams they replay and
+close an allocation whose address is allocated again; forked children are not logged;
+both replayers report the log's peak; the workloads' streams default to one per thread."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streampool import mr
+from streampool.harness import profile, recommend, stress, trace, workloads
+from streampool.harness.specs import Candidate, make_resource
+from streampool.harness.trace import ALLOCATE, FREE, Trace
+
+HEADER = "Thread,Time,Action,Pointer,Size,Stream\n"
+
+
+def cli(*args: str, **popen: Any) -> subprocess.Popen[str]:
+    """``python -m streampool ARGS`` on the simulated device."""
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim")
+    return subprocess.Popen(
+        [sys.executable, "-m", "streampool", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+def log_of(tmp_path: Path, *lines: str) -> Trace:
+    path = tmp_path / "app.log"
+    path.write_text(HEADER + "".join(f"{line}\n" for line in lines))
+    return trace.read_log(str(path))
+
+
+# --- 1. stress: frees with kernels pending; a run that verified nothing -----------------
+
+
+def ignores_streams() -> Candidate:
+    """A cache of 4 KiB blocks that hands the last one freed to any stream at once, without
+    ordering (allocations of at most 4 KiB)."""
+    base = mr.CudaAsyncMemoryResource()
+    free: list[int] = []
+
+    def allocate(size: int, stream: Any) -> int:
+        return free.pop() if free else base.allocate(4096, stream)
+
+    return Candidate(
+        "ignores-streams", mr.CallbackMemoryResource(allocate, lambda p, n, s: free.append(p)), ""
+    )
+
+
+@pytest.mark.races_expected
+def test_stress_catches_memory_reused_on_another_stream_before_its_kernel_finished(sim: Any) -> None:
+    # One thread, a fixed number of operations: the same run every time.
+    report = stress.run(
+        ignores_streams(), seconds=60, threads=1, streams=2, max_size="4KiB", operations=200, sim=sim
+    )
+    assert report["operations"] == 200 and report["pending_frees"] > 0
+    assert not report["ok"] and not report["nothing_verified"]
+    assert report["races"] and "is not ordered before" in report["races"][0]
+
+
+@pytest.mark.parametrize("spec", ["async", "pool(async)", "binning(async)", "cuda", "managed"])
+def test_stress_passes_resources_that_order_reuse(sim: Any, spec: str) -> None:
+    report = stress.run(
+        make_resource(spec), seconds=60, threads=2, streams=2, max_size="4KiB", operations=300, sim=sim
+    )
+    assert report["ok"], report
+    assert report["pending_frees"] > 0 and report["verified_bytes"] > 0 and not report["races"]
+
+
+def test_stress_that_verified_nothing_is_not_ok(sim: Any) -> None:
+    report = stress.run(make_resource("limit(async, limit=1)"), seconds=60, threads=1, operations=50, sim=sim)
+    assert (report["allocations"], report["refused"], report["verified_bytes"]) == (0, 50, 0)
+    assert not report["ok"] and report["nothing_verified"]
+    assert not (report["corruptions"] or report["overlaps"] or report["races"] or report["errors"])
+
+
+@pytest.mark.nosim
+def test_stress_command_says_nothing_verified_and_exits_4() -> None:
+    child = cli("stress", "--resources", "limit(async, limit=1)", "--seconds", "0.1", "--threads", "1")
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 4, err
+    assert "NOTHING VERIFIED" in out and "OK" not in out
+    assert "nothing verified on limit(async, limit=1)" in err
+
+
+# --- 2. profile: Ctrl-C is the program's ------------------------------------------------
+
+SIGINT_PROGRAM = """\
+import pathlib, sys, time, streampool
+keep = streampool.DeviceBuffer(size=1111)
+try:
+    pathlib.Path(sys.argv[1]).write_text("ready")
+    time.sleep(120)
+except KeyboardInterrupt:
+    streampool.DeviceBuffer(size=4242).close()  # the clean-up allocates and frees
+    print("cleaned up", flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.nosim
+@pytest.mark.parametrize("command", ["profile", "recommend"])
+def test_ctrl_c_is_the_programs_and_its_status_and_clean_up_pass_through(
+    tmp_path: Path, command: str
+) -> None:
+    program, ready, log = tmp_path / "prog.py", tmp_path / "ready", tmp_path / "app.log"
+    program.write_text(SIGINT_PROGRAM)
+    # A session of its own: SIGINT to its process group is what Ctrl-C at a terminal sends.
+    child = cli(
+        command, "-o", str(log), "--", sys.executable, str(program), str(ready), start_new_session=True
+    )
+    try:
+        while not ready.exists():  # the program is in its sleep, SIGINT handled
+            assert child.poll() is None, child.communicate()
+            threading.Event().wait(0.01)
+        os.killpg(child.pid, signal.SIGINT)
+        out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 3, err
+    assert "cleaned up" in out and "interrupted" not in err
+    assert "the program exited with status 3; the log keeps the 4 event(s) recorded until then" in err
+    sizes = [line.split(",")[4] for line in log.read_text().splitlines()[1:]]
+    assert sizes == ["1111", "4242", "4242", "1111"]
+
+
+def test_profile_puts_back_the_sigint_handler_and_leaves_the_program_its_own(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGINT)
+    # The program's SIGINT is Python's own (KeyboardInterrupt), not inherited as ignored.
+    check = "import signal, sys; sys.exit(0 if signal.getsignal(signal.SIGINT) is signal.default_int_handler else 5)"
+    assert profile.run([sys.executable, "-c", check], str(tmp_path / "app.log"), simulated=True) == 0
+    assert signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(profile.CannotStartError):
+        profile.run([str(tmp_path / "missing")], str(tmp_path / "app.log"), simulated=True)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+# --- 3. the per-thread default stream is one stream per thread --------------------------
+
+
+def test_the_per_thread_default_stream_is_a_stream_per_thread(tmp_path: Path) -> None:
+    t = log_of(
+        tmp_path,
+        "1,10:00:00.000001,allocate,0x1000,100,0x2",
+        "2,10:00:00.000002,allocate,0x2000,100,0x2",
+        "1,10:00:00.000003,allocate,0x3000,100,0x0",
+        "2,10:00:00.000004,allocate,0x4000,100,0x1",  # 0 and 1: the one legacy default stream
+        "1,10:00:00.000005,free,0x1000,100,0x2",
+        "2,10:00:00.000006,free,0x2000,100,0x2",
+    )
+    assert (t.threads, t.streams) == (2, 3)
+    assert t.stream_handles == [2, 2, 0]
+    assert {r[4] for r in t.records if r[3] == 0} == {0, 2} and {r[4] for r in t.records if r[3] == 1} == {
+        1,
+        2,
+    }
+    for native in (True, False):
+        assert trace.replay(make_resource("async").resource, t, gap_scale=0, native=native)["events"] == 8
+
+
+def test_recommend_does_not_call_several_threads_on_one_stream_uncontended() -> None:
+    records = [
+        (0, 4096, t * 10 + n, t, 0, op) for t in range(4) for n in range(10) for op in (ALLOCATE, FREE)
+    ]
+    many = recommend.analyse(Trace(records), free_device_bytes=1 << 30)
+    assert (many.threads, many.streams, many.preferred) == (4, 1, "async")
+    assert not any("no lock is contended" in r for r in many.reasons)
+    assert any("4 threads share one stream" in r for r in many.reasons)
+    one = recommend.analyse(Trace([r for r in records if r[3] == 0]), free_device_bytes=1 << 30)
+    assert any(r.startswith("one thread on one stream: no lock is contended") for r in one.reasons)
+
+
+# --- 4. only the threads and streams with replayed events count -------------------------
+
+
+def test_threads_and_streams_without_replayed_events_do_not_count(tmp_path: Path) -> None:
+    t = log_of(
+        tmp_path,
+        "9,10:00:00.000001,allocate failure,0x0,100,0x5",  # not replayed
+        "8,10:00:00.000002,allocate,0x7000,0,0x6",  # nothing allocated: not replayed
+        "7,10:00:00.000003,free,0x9000,100,0x7",  # allocated before the log: not replayed
+        "1,10:00:00.000004,allocate,0x1000,100,0x1000",
+        "1,10:00:00.000005,free,0x1000,100,0x1000",
+    )
+    assert (t.threads, t.streams, t.thread_ids, t.stream_handles) == (1, 1, [1], [0x1000])
+    assert (t.recorded_failures, t.unmatched_frees) == (1, 1)
+    profile_ = recommend.analyse(t, free_device_bytes=1 << 30)
+    assert (profile_.threads, profile_.streams) == (t.threads, t.streams)
+
+
+def test_a_trace_counts_the_threads_and_streams_its_records_use() -> None:
+    # Labels need not be 0..N-1: both replayers make one thread and stream per label.
+    t = Trace(
+        [
+            (0, 64, 0, 0, 3, ALLOCATE),
+            (0, 64, 1, 5, 7, ALLOCATE),
+            (0, 64, 0, 0, 3, FREE),
+            (0, 64, 1, 5, 7, FREE),
+        ]
+    )
+    assert (t.threads, t.streams) == (2, 2)
+    for native in (True, False):
+        result = trace.replay(make_resource("async").resource, t, gap_scale=0, native=native)
+        assert (result["events"], result["peak_live_bytes"]) == (4, 128)
+
+
+# --- 5. an address allocated again while live ---------------------------------------------
+
+
+def test_an_allocation_whose_address_is_allocated_again_is_freed_at_the_end(tmp_path: Path) -> None:
+    t = log_of(
+        tmp_path,
+        "1,10:00:00.000001,allocate,0x1000,100,0",
+        "1,10:00:00.000002,allocate,0x1000,200,0",  # the free of the first is missing
+        "1,10:00:00.000003,free,0x1000,200,0",
+    )
+    assert t.closing_frees == 1 and t.events == 4
+    assert [(r[1], r[2], r[5]) for r in t.records] == [
+        (100, 0, ALLOCATE),
+        (200, 1, ALLOCATE),
+        (200, 1, FREE),
+        (100, 0, FREE),
+    ]
+    for native in (True, False):
+        stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+        result = trace.replay(stats, t, gap_scale=0, native=native)
+        assert (result["events"], result["peak_live_bytes"]) == (4, 300)
+        assert stats.allocation_counts.current_count == 0  # nothing left allocated
+
+
+# --- 6. forked children are not logged -----------------------------------------------------
+
+FORK_PROGRAM = """\
+import os, streampool
+b = streampool.DeviceBuffer(size=123)
+pid = os.fork()
+if pid == 0:
+    ok = not isinstance(streampool.get_current_device_resource(), streampool.mr.LoggingResourceAdaptor)
+    for _ in range(3):
+        streampool.DeviceBuffer(size=777).close()
+    os._exit(0 if ok else 9)
+_, status = os.waitpid(pid, 0)
+b.close()
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.nosim
+def test_a_forked_child_is_not_logged(tmp_path: Path) -> None:
+    program, log = tmp_path / "prog.py", tmp_path / "app.log"
+    program.write_text(FORK_PROGRAM)
+    child = cli("profile", "-o", str(log), "--", sys.executable, str(program))
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err
+    sizes = [line.split(",")[4] for line in log.read_text().splitlines()[1:]]
+    assert sizes == ["123", "123"]
+
+
+# --- 7. the Python replayer reports the log's peak, in recorded order ---------------------
+
+
+def test_the_python_replayer_reports_the_logs_peak_in_recorded_order() -> None:
+    # Recorded: thread 0's 100 bytes are freed before thread 1 allocates 200: a peak of 200.
+    records = [
+        (0, 100, 0, 0, 0, ALLOCATE),
+        (1, 100, 0, 0, 0, FREE),
+        (2, 200, 1, 1, 1, ALLOCATE),
+        (3, 200, 1, 1, 1, FREE),
+    ]
+    t = Trace(records)
+    base = mr.CudaAsyncMemoryResource()
+    # The replay holds both at once: each free waits until both threads are in a free.
+    both_freeing = threading.Barrier(2, timeout=60)
+
+    def deallocate(ptr: int, size: int, stream: Any) -> None:
+        both_freeing.wait()
+        base.deallocate(ptr, size, stream)
+
+    held = mr.CallbackMemoryResource(base.allocate, deallocate)
+    python = trace.replay(held, t, gap_scale=0, native=False)
+    native = trace.replay(base, t, gap_scale=0, native=True)
+    assert python["peak_live_bytes"] == native["peak_live_bytes"] == trace.recorded_peak(records) == 200
+
+
+# --- 8. the workloads' streams: one per thread by default --------------------------------
+
+
+def test_the_workloads_have_one_stream_per_thread_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = make_resource("pool(async)")
+    assert workloads.run("window", pool, threads=4, allocations=10)["streams"] == 4
+    assert workloads.run("random", pool, threads=3, allocations=10)["streams"] == 3
+    assert workloads.run("window", pool, threads=4, streams=2, allocations=10)["streams"] == 2
+    assert workloads.window_trace(10, threads=4).streams == workloads.random_trace(10, threads=4).streams == 4
+    made: list[object] = []
+    real = workloads.Stream
+
+    def counted() -> object:
+        made.append(real())
+        return made[-1]
+
+    monkeypatch.setattr(workloads, "Stream", counted)
+    workloads.run("multistream", pool, threads=3, iterations=2, size="4KiB")
+    assert len(made) == 3
+    with pytest.raises(ValueError, match="streams must be at least 0"):
+        workloads.run("window", pool, streams=-1)
