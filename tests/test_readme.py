@@ -1,5 +1,6 @@
-"""The Python examples of README.md, docs/frameworks.md and docs/ipc.md, run verbatim, each
-in a fresh interpreter.
+"""The Python examples of README.md and docs/ (but docs/multi-gpu.md's, which
+tests/test_multi_device.py runs on two simulated devices), run verbatim, each in a fresh
+interpreter.
 
 Every ```python block in those pages is preceded by a marker comment saying where it runs:
 
@@ -24,7 +25,14 @@ from typing import NamedTuple
 import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-PAGES = ["README.md", "docs/frameworks.md", "docs/ipc.md"]
+PAGES = [
+    "README.md",
+    "docs/choosing-a-resource.md",
+    "docs/frameworks.md",
+    "docs/harness.md",
+    "docs/ipc.md",
+    "docs/rmm-migration.md",
+]
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 MARKER = re.compile(r"<!-- readme-test: (\w+)((?: [\w.]+)*) -->\n\n?\Z")
 MODES = ("sim", "anywhere", "gpu")
