@@ -318,3 +318,11 @@ def test_the_workloads_have_one_stream_per_thread_unless_told(monkeypatch: pytes
     assert len(made) == 3
     with pytest.raises(ValueError, match="streams must be at least 0"):
         workloads.run("window", pool, streams=-1)
+
+
+def test_both_replayers_take_a_frees_size_0_as_the_allocations() -> None:
+    """The record format lets a free give size 0 (the allocation's is meant)."""
+    t = trace.Trace([(0, 4096, 1, 0, 0, trace.ALLOCATE), (10, 0, 1, 0, 0, trace.FREE)])
+    for native in (True, False):
+        result = trace.replay(make_resource("async").resource, t, gap_scale=0, native=native)
+        assert result["events"] == 2 and result["peak_live_bytes"] == 4096, (native, result)

@@ -80,6 +80,15 @@ def test_bad_devices_and_iterations_are_refused(sim: SimulatedDevice) -> None:
     assert str(e.value).count("0x3039") == 1, e.value  # said once
     kernels.fill(p, 1024, 5, device=0)
     assert kernels.check(p, 1024, 5) == 0
+    # A range that runs past the end of the address space (was: wrapped round to nothing).
+    for ptr, size in ((p, 2**64 - 256), (2**64 - 8, 8)):
+        with pytest.raises(streampool.InvalidPointerError, match="past the end of the address space"):
+            kernels.check(ptr, size, 5)
+    # A compute kernel's passes run as one on the simulated device (each leaves the data as
+    # it was), and its modelled time is at most 10 ms: 2**32 - 1 passes do not hold the
+    # device for hours.
+    kernels.compute(p, 1024, iterations=2**32 - 1)
+    assert kernels.check(p, 1024, 5) == 0
 
 
 @pytest.mark.nosim

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -140,6 +144,11 @@ def test_bad_arguments(sim: SimulatedDevice) -> None:
         _native.pipeline(resource, kernel_us=-1.0)
     with pytest.raises(OverflowError):
         _native.pipeline(resource, chunks_per_pair=-1)
+    for depth in (1 << 40, 2**62):  # its queue's slots are made up front (was: an abort)
+        with pytest.raises(streampool.InvalidArgumentError, match=r"queue_depth must be in 1\.\.=65536"):
+            _native.pipeline(resource, queue_depth=depth, chunks_per_pair=2)
+    with pytest.raises(streampool.InvalidArgumentError, match="kernel_us must be a number from 0"):
+        _native.pipeline(resource, kernel_us=1e300)
     for chunks in (1 << 40, 2**63):  # refused before anything is reserved (was: an abort)
         with pytest.raises(
             streampool.InvalidArgumentError, match=r"chunks_per_pair must be at most 4294967296"
@@ -221,3 +230,27 @@ def test_replay_and_pipeline_on_a_gpu(make: object) -> None:
     p = _native.pipeline(resource, pairs=4, chunk_bytes="1MiB", chunks_per_pair=500, kernel_us=20)
     assert p["mismatches"] == 0 and p["checked"] == 2000 and p["chunks"] == 2000
     assert (p["driver_calls"] is None) == isinstance(resource, mr.CudaAsyncMemoryResource)
+
+
+@pytest.mark.nosim
+def test_ctrl_c_stops_a_native_replay_at_once(tmp_path) -> None:
+    """A replay of a log with an hour between two events stops on SIGINT, as the Python
+    replayer does, instead of sleeping out the hour."""
+    code = textwrap.dedent(
+        """
+        import os, signal, struct, threading, time
+        from streampool import _native, mr
+        rec = struct.Struct("<QQQIIB7x")
+        records = rec.pack(0, 4096, 1, 0, 0, 0) + rec.pack(3_600 * 10**9, 4096, 1, 0, 0, 1)
+        limited = mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), "1GiB")
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        try:
+            _native.replay(limited, records, gap_scale=1.0)
+        except KeyboardInterrupt:
+            print("interrupted", limited.get_allocated_bytes())
+        """
+    )
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["interrupted", "0"], out.stdout

@@ -1347,8 +1347,9 @@ def replay(resource: MemoryResource, records: bytes, *, gap_scale: float = 1.0) 
     ``(t_ns, size, alloc_id, thread, stream, op)``, op 0 = allocate, 1 = free, in recorded
     order. ``thread`` and ``stream`` are labels: one native thread per recorded thread, one
     new (non-blocking) stream per recorded stream. Each thread replays its events in
-    recorded order, waiting the recorded gaps times ``gap_scale`` (0: as fast as possible).
-    A free of another thread's allocation waits until it exists, and when its stream
+    recorded order, waiting the recorded gaps times ``gap_scale`` (0: as fast as possible),
+    from the earliest recorded time. Ctrl-C stops it within 50 ms (what it holds is freed,
+    and KeyboardInterrupt raised). A free of another thread's allocation waits until it exists, and when its stream
     differs, waits on an event recorded after the allocation (as a real program orders a
     hand-off). An allocation that runs out of memory is counted (``oom_events``) and
     skipped with its free; allocations the log never frees are freed after the run.
@@ -1361,7 +1362,8 @@ def replay(resource: MemoryResource, records: bytes, *, gap_scale: float = 1.0) 
 
     Raises InvalidArgumentError, naming the record, for a length that is not a multiple of
     40, an unknown op, a free of an id that is not live, an id allocated twice while live,
-    a free whose size differs from the allocation's, or a negative ``gap_scale``.
+    a free whose size differs from the allocation's, a negative ``gap_scale``, or gaps
+    that ``gap_scale`` would stretch past ``MAX_LOG_TIME_S`` seconds.
 
     Example::
 
@@ -1497,8 +1499,9 @@ def pipeline(
     also times, after each allocator call, a span that only spins that long (a call of an
     allocator that does nothing); ``null_calls`` classifies those over ``long_call_us``
     the same way: what the machine alone gives a call of that length. Bad shapes
-    (``pairs`` outside 1..=512, ``chunk_bytes`` < 8, ``queue_depth`` 0, a negative
-    ``kernel_us``, ``null_call_us`` above 100 or without ``long_call_us``) raise
+    (``pairs`` outside 1..=512, ``chunk_bytes`` < 8, ``queue_depth`` outside 1..=65536,
+    ``chunks_per_pair`` above 2**32, ``kernel_us`` outside 0..=1000000, ``null_call_us``
+    above 100 or without ``long_call_us``) raise
     InvalidArgumentError; a negative or infinite ``long_call_us`` or ``null_call_us``,
     ValueError.
     """

@@ -310,10 +310,13 @@ def replay(
 def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any) -> dict[str, Any]:
     per_thread: dict[int, list[tuple[int, int, int, int, int, int]]] = {}
     alloc_thread: dict[int, int] = {}
+    alloc_size: dict[int, int] = {}  # a free's size may be 0: the allocation's is used
     for r in trace.records:
         per_thread.setdefault(r[3], []).append(r)
         if r[5] == ALLOCATE:
             alloc_thread[r[2]] = r[3]
+            alloc_size[r[2]] = r[1]
+    origin = min((r[0] for r in trace.records), default=0)  # the earliest time, as the native one
     cross = {r[2] for r in trace.records if r[5] == FREE and alloc_thread.get(r[2]) != r[3]}
     streams = _streams(trace)
     ptrs: dict[int, int] = {}
@@ -345,7 +348,7 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
                 if stop.is_set():
                     break
                 if gap_scale > 0:
-                    due = t0 + int(t * gap_scale)
+                    due = t0 + int((t - origin) * gap_scale)
                     now = clock()
                     if due > now:
                         time.sleep((due - now) / 1e9)
@@ -374,9 +377,9 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
                             ready.wait_for(lambda i=alloc_id: i in ptrs or i in failed or stop.is_set())  # type: ignore[misc]
                     if alloc_id not in ptrs:  # it failed (or Ctrl-C stopped its thread)
                         continue
-                    ptr = ptrs.pop(alloc_id)
+                    ptr, nbytes = ptrs.pop(alloc_id), size or alloc_size[alloc_id]
                     c = clock()
-                    deallocate(ptr, size, stream)
+                    deallocate(ptr, nbytes, stream)
                     end = clock()
                     f_lat.append(end - c)
                 if reserved is not None and n % 64 == 0:

@@ -1,6 +1,10 @@
 //! The harness's native parts: the fill, check and compute kernels
 //! (`streampool.kernels`), the log replayer and the producer/consumer pipeline.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
+use std::time::Duration;
+
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyDict};
@@ -108,6 +112,46 @@ pub(crate) fn _kernel_compute(
     detached(py, move || kernels::compute(&b, dev, ptr, size, &s, iterations))
 }
 
+/// Runs `work` on a thread of its own, with the GIL released, while this thread looks
+/// for signals every 50 ms: on Ctrl-C (a KeyboardInterrupt, or any exception a signal
+/// handler raises) `work`'s stop flag is set, it is waited for, and the exception raised.
+/// A panic in `work` is resumed here (pyo3 raises it as PanicException).
+fn interruptible<T, F>(py: Python<'_>, work: F) -> PyResult<T>
+where
+    T: Send,
+    F: Send + FnOnce(&AtomicBool) -> streampool::Result<T>,
+{
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let stop = &stop;
+        let worker = scope.spawn(move || {
+            let _ = tx.send(work(stop));
+        });
+        let mut rx = Some(rx);
+        loop {
+            let waiting = rx.take().expect("the receiver is put back after each wait");
+            let (got, waiting) =
+                py.detach(move || (waiting.recv_timeout(Duration::from_millis(50)), waiting));
+            rx = Some(waiting);
+            match got {
+                Ok(result) => return result.or_raise(py),
+                Err(RecvTimeoutError::Timeout) => {
+                    if let Err(e) = py.check_signals() {
+                        stop.store(true, Ordering::Relaxed);
+                        let _ = py.detach(|| worker.join());
+                        return Err(e);
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => match py.detach(|| worker.join()) {
+                    Err(payload) => std::panic::resume_unwind(payload),
+                    Ok(()) => unreachable!("the worker sends its result before it ends"),
+                },
+            }
+        }
+    })
+}
+
 fn percentiles<'py>(py: Python<'py>, p: &Percentiles) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("count", p.count)?;
@@ -158,10 +202,7 @@ pub(crate) fn replay<'py>(
     let mr = resource.get().inner.clone();
     let records = core::replay::parse(records).or_raise(py)?;
     let options = core::replay::ReplayOptions { gap_scale };
-    let r = {
-        let mr = mr.clone();
-        detached(py, move || core::replay::replay(&*mr, &records, options))?
-    };
+    let r = interruptible(py, |stop| core::replay::replay_until(&*mr, &records, options, stop))?;
     let d = report_base(py, &mr)?;
     d.set_item("events", r.events)?;
     d.set_item("threads", r.threads)?;

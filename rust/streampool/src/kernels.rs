@@ -64,8 +64,13 @@ pub const MAX_GRID: u32 = 4096;
 /// synchronised, or stepped) keeps the thread that runs it busy for
 /// `SIM_KERNEL_LAUNCH_NS + bytes touched / SIM_KERNEL_BYTES_PER_NS` nanoseconds at least
 /// (bytes touched: the buffer once for fill and check, twice per pass for compute), so
-/// that workloads see kernel time there too. Simulated kernels run one at a time.
+/// that workloads see kernel time there too, up to [`SIM_KERNEL_MAX_NS`]. Simulated
+/// kernels run one at a time, and a compute kernel's passes, which leave the data as it
+/// was, run as one.
 pub const SIM_KERNEL_LAUNCH_NS: u64 = 2_000;
+/// On the simulated device, the longest a kernel takes (10 ms): it runs under the
+/// simulator's lock, which every other call on the device waits for meanwhile.
+pub const SIM_KERNEL_MAX_NS: u64 = 10_000_000;
 /// On the simulated device, the bytes per nanosecond a kernel moves (1 TB/s).
 pub const SIM_KERNEL_BYTES_PER_NS: u64 = 1_000;
 
@@ -308,6 +313,11 @@ fn words(ptr: DevPtr, bytes: usize, what: &str) -> Result<u64> {
     }
     if ptr == 0 && bytes > 0 {
         return Err(Error::InvalidPointer(format!("{what}: null pointer with size {bytes}")));
+    }
+    if ptr.checked_add(bytes as u64).is_none() {
+        return Err(Error::InvalidPointer(format!(
+            "{what}: {bytes} bytes at {ptr:#x} run past the end of the address space"
+        )));
     }
     Ok((bytes / 8) as u64)
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::{assert_no_races, sim};
 use streampool::device::{BackendRef, DevPtr, RawStream};
 use streampool::harness::pipeline::{pipeline, LongCalls, PipelineOptions};
-use streampool::harness::replay::{encode, parse, replay, Op, Record, ReplayOptions};
+use streampool::harness::replay::{encode, parse, replay, replay_until, Op, Record, ReplayOptions};
 use streampool::harness::NullMemoryResource;
 use streampool::resource::ResourceRef;
 use streampool::{
@@ -26,11 +26,13 @@ struct Recorder {
     calls: Mutex<Vec<(RawStream, bool, usize)>>,
     nap: Option<(usize, Duration)>,
     spin: Option<(usize, Duration)>,
+    /// Panics at this allocation (counted from 1).
+    panic_at: Option<usize>,
 }
 
 impl Recorder {
     fn new(upstream: ResourceRef) -> Self {
-        Recorder { upstream, calls: Mutex::new(Vec::new()), nap: None, spin: None }
+        Recorder { upstream, calls: Mutex::new(Vec::new()), nap: None, spin: None, panic_at: None }
     }
 }
 
@@ -56,6 +58,7 @@ impl MemoryResource for Recorder {
             calls.push((stream.handle(), true, bytes));
             calls.iter().filter(|c| c.1).count()
         };
+        assert_ne!(self.panic_at, Some(n), "Recorder: a panic, as asked");
         if let Some((every, nap)) = self.nap {
             if n % every == 0 {
                 std::thread::sleep(nap);
@@ -417,4 +420,46 @@ fn replay_refuses_more_threads_than_it_runs() {
         replay(&mr, &records[..MAX_THREADS], ReplayOptions { gap_scale: 0.0 }).unwrap().threads,
         MAX_THREADS
     );
+}
+
+#[test]
+fn a_panicking_resource_stops_the_replay_and_nothing_waits_for_it() {
+    let (_sim, b) = sim();
+    let mut recorder = Recorder::new(Arc::new(NullMemoryResource::on(b.clone(), 0)));
+    recorder.panic_at = Some(1);
+    // Thread 1's allocation panics; thread 0 would wait for it to free it.
+    let records = [rec(0, Op::Allocate, 256, 1, 1, 1), rec(1, Op::Free, 0, 1, 0, 0)];
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        replay(&recorder, &records, ReplayOptions { gap_scale: 0.0 })
+    }));
+    let payload = result.expect_err("the panic is resumed");
+    let text = payload.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(text.contains("a panic, as asked"), "{text}");
+}
+
+#[test]
+fn a_replay_stops_when_asked_and_frees_what_it_holds() {
+    let (_sim, b) = sim();
+    let limited = LimitingAdaptor::new(Arc::new(NullMemoryResource::on(b.clone(), 0)), 1 << 30).unwrap();
+    // An hour between the allocation and its free.
+    let records = [rec(0, Op::Allocate, 4096, 1, 0, 0), rec(3_600_000_000_000, Op::Free, 0, 1, 0, 0)];
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let result = std::thread::scope(|s| {
+        let replaying = s.spawn(|| replay_until(&limited, &records, ReplayOptions { gap_scale: 1.0 }, &stop));
+        while limited.allocated_bytes() == 0 {
+            std::thread::yield_now();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        replaying.join().unwrap()
+    });
+    match result {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("stopped before its end"), "{m}"),
+        other => panic!("expected the stop, got {other:?}"),
+    }
+    assert_eq!(limited.allocated_bytes(), 0);
+    // A replay that would outlast the log format's times is refused before it starts.
+    match replay(&limited, &records, ReplayOptions { gap_scale: 1e300 }) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("the replay would take"), "{m}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
 }

@@ -310,7 +310,7 @@ impl LongCalls {
     /// included), or time the host took from a virtual machine whose kernel does not
     /// account for it.
     pub fn on_cpu(&self) -> u64 {
-        self.calls - self.preempted - self.slept - self.stolen
+        self.calls.saturating_sub(self.preempted).saturating_sub(self.slept).saturating_sub(self.stolen)
     }
 
     fn add(&mut self, o: &LongCalls) {

@@ -40,6 +40,10 @@ use crate::stream::{Event, Stream};
 /// The most producer/consumer pairs (each pair is two threads and two streams).
 pub const MAX_PAIRS: usize = 512;
 
+/// The most chunks a producer may be ahead of its consumer (its queue's slots are made up
+/// front).
+pub const MAX_QUEUE_DEPTH: usize = 1 << 16;
+
 /// The most chunks a pair may pass (2^32: far beyond any run's length; `pairs` times this
 /// cannot overflow).
 pub const MAX_CHUNKS_PER_PAIR: usize = 1 << 32;
@@ -179,11 +183,16 @@ fn check_options(o: &PipelineOptions) -> Result<()> {
     if o.chunk_bytes < 8 {
         return bad("chunk_bytes must be >= 8 (the kernels work on 8-byte words)");
     }
-    if o.queue_depth == 0 {
-        return bad("queue_depth must be >= 1");
+    if o.queue_depth == 0 || o.queue_depth > MAX_QUEUE_DEPTH {
+        return Err(Error::invalid(format!(
+            "queue_depth must be in 1..={MAX_QUEUE_DEPTH}, got {}",
+            o.queue_depth
+        )));
     }
-    if !(o.kernel_us >= 0.0 && o.kernel_us.is_finite()) {
-        return bad("kernel_us must be a finite number >= 0 (0: no compute kernel)");
+    if !(0.0..=1e6).contains(&o.kernel_us) {
+        return bad(
+            "kernel_us must be a number from 0 (no compute kernel) to 1000000 (1 s of kernel per chunk)",
+        );
     }
     if o.null_call_ns > 0 && o.long_call_ns == 0 {
         return bad("null_call_ns needs long_call_ns: the null calls are counted against its threshold");

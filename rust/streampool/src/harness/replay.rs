@@ -11,7 +11,7 @@
 //! size may be 0 (the allocation's is used) or the allocation's.
 //!
 //! # What a replay does
-//! Each thread waits until `t0 + (t_ns - first t_ns) × gap_scale` before each event
+//! Each thread waits until `t0 + (t_ns - earliest t_ns) × gap_scale` before each event
 //! (sleeping, then spinning the last 100 µs), or runs flat out when `gap_scale` is 0. A
 //! free of an allocation made by another thread waits until that allocation exists, and
 //! when it was made on another stream, the freeing stream waits on an event recorded on
@@ -209,7 +209,8 @@ struct Plan {
 
 fn plan(records: &[Record]) -> Result<Plan> {
     use std::collections::HashMap;
-    let first = records.first().map_or(0, |r| r.t_ns);
+    // The earliest time, not the first record's: threads log concurrently, out of order.
+    let first = records.iter().map(|r| r.t_ns).min().unwrap_or(0);
     let (mut threads, mut streams): (HashMap<u32, usize>, HashMap<u32, usize>) = Default::default();
     let mut live: HashMap<u64, u32> = HashMap::new();
     let mut slots: Vec<Slot> = Vec::new();
@@ -286,19 +287,33 @@ fn plan(records: &[Record]) -> Result<Plan> {
     Ok(Plan { slots, threads: per_thread, streams: streams.len(), order })
 }
 
-/// Waits until `deadline`: sleeps while it is far, spins the last 100 µs.
-fn wait_until(deadline: Instant) {
+/// Waits until `deadline`, or until `stop` is set: sleeps while it is far (10 ms at a
+/// time, looking at `stop` in between), spins the last 100 µs.
+fn wait_until(deadline: Instant, stop: &dyn Fn() -> bool) {
     const SPIN: Duration = Duration::from_micros(100);
+    const SLICE: Duration = Duration::from_millis(10);
     loop {
         let now = Instant::now();
-        if now >= deadline {
+        if now >= deadline || stop() {
             return;
         }
         let left = deadline - now;
         if left > SPIN {
-            std::thread::sleep(left - SPIN);
+            std::thread::sleep((left - SPIN).min(SLICE));
         } else {
             std::hint::spin_loop();
+        }
+    }
+}
+
+/// Sets its flag when dropped while its thread panics: the other threads stop waiting for
+/// what the panicking one will never do.
+struct AbortOnPanic<'a>(&'a AtomicBool);
+
+impl Drop for AbortOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.store(true, Ordering::Release);
         }
     }
 }
@@ -313,12 +328,36 @@ struct ThreadResult {
 
 /// Replays `records` (see the module docs) on `mr`. Bad records are refused before
 /// anything runs, naming the record; an error from the resource other than out-of-memory
-/// stops the replay (every thread) and is returned, naming the record.
+/// stops the replay (every thread) and is returned, naming the record; a panic in a
+/// replaying thread (a resource's) stops the others and is resumed here.
 pub fn replay(mr: &dyn MemoryResource, records: &[Record], options: ReplayOptions) -> Result<ReplayReport> {
+    replay_until(mr, records, options, &AtomicBool::new(false))
+}
+
+/// [`replay`], stopped early when `stop` is set (by another thread: Ctrl-C, say): every
+/// thread stops at its next record or within 10 ms of a wait, what is live is freed, and
+/// an error says that the replay was stopped.
+pub fn replay_until(
+    mr: &dyn MemoryResource,
+    records: &[Record],
+    options: ReplayOptions,
+    stop: &AtomicBool,
+) -> Result<ReplayReport> {
     if !(options.gap_scale >= 0.0 && options.gap_scale.is_finite()) {
         return Err(Error::invalid(format!(
             "gap_scale must be a finite number >= 0 (0: as fast as possible), got {}",
             options.gap_scale
+        )));
+    }
+    let last = records.iter().map(|r| r.t_ns).max().unwrap_or(0);
+    let first = records.iter().map(|r| r.t_ns).min().unwrap_or(0);
+    let span_s = (last - first) as f64 * options.gap_scale * 1e-9;
+    if span_s > crate::adaptors::MAX_LOG_TIME_S {
+        return Err(Error::invalid(format!(
+            "the replay would take {span_s:.3e} s ({} ns of log times scaled by gap_scale {}); at most {} s",
+            last - first,
+            options.gap_scale,
+            crate::adaptors::MAX_LOG_TIME_S
         )));
     }
     let plan = plan(records)?;
@@ -326,6 +365,7 @@ pub fn replay(mr: &dyn MemoryResource, records: &[Record], options: ReplayOption
     let streams: Vec<Stream> =
         (0..plan.streams).map(|_| Stream::create(&backend, device, false)).collect::<Result<_>>()?;
     let abort = AtomicBool::new(false);
+    let stopped = || abort.load(Ordering::Relaxed) || stop.load(Ordering::Relaxed);
     let failure: Mutex<Option<Error>> = Mutex::new(None);
     let fail = |e: Error, record: usize| {
         let mut f = failure.lock().unwrap_or_else(|p| p.into_inner());
@@ -339,47 +379,71 @@ pub fn replay(mr: &dyn MemoryResource, records: &[Record], options: ReplayOption
     let scale = options.gap_scale;
     // Every thread counts from the same origin, a little ahead so all have started.
     let t0 = Instant::now() + Duration::from_millis(1);
-    let results: Vec<ThreadResult> = std::thread::scope(|scope| {
-        let handles: Vec<_> = plan
-            .threads
-            .iter()
-            .enumerate()
-            .map(|(t, steps)| {
-                let (plan, streams, abort, fail, backend) = (&plan, &streams, &abort, &fail, &backend);
-                std::thread::Builder::new()
-                    .name(format!("replay-{t}"))
-                    .spawn_scoped(scope, move || {
-                        let mut out = ThreadResult::default();
-                        let frees = steps.iter().filter(|s| s.free).count();
-                        out.allocs.reserve_exact(steps.len() - frees);
-                        out.frees.reserve_exact(frees);
-                        wait_until(t0);
-                        for step in steps {
-                            if abort.load(Ordering::Relaxed) {
-                                break;
-                            }
-                            if scale > 0.0 {
-                                wait_until(t0 + Duration::from_nanos((step.at_ns as f64 * scale) as u64));
-                            }
-                            let slot = &plan.slots[step.slot as usize];
-                            let stream = &streams[step.stream as usize];
-                            let r = if step.free {
-                                free(mr, slot, stream, abort, &mut out)
-                            } else {
-                                allocate(mr, backend, slot, stream, &mut out)
-                            };
-                            if let Err(e) = r {
-                                fail(e, step.record);
+    let joined: Vec<std::thread::Result<ThreadResult>> = std::thread::scope(|scope| {
+        let mut handles = Vec::with_capacity(plan.threads.len());
+        for (t, steps) in plan.threads.iter().enumerate() {
+            let (plan, streams, abort, fail, backend, stopped) =
+                (&plan, &streams, &abort, &fail, &backend, &stopped);
+            let spawned =
+                std::thread::Builder::new().name(format!("replay-{t}")).spawn_scoped(scope, move || {
+                    let _guard = AbortOnPanic(abort);
+                    let mut out = ThreadResult::default();
+                    let frees = steps.iter().filter(|s| s.free).count();
+                    out.allocs.reserve_exact(steps.len() - frees);
+                    out.frees.reserve_exact(frees);
+                    wait_until(t0, stopped);
+                    for step in steps {
+                        if stopped() {
+                            break;
+                        }
+                        if scale > 0.0 {
+                            wait_until(
+                                t0 + Duration::from_nanos((step.at_ns as f64 * scale) as u64),
+                                stopped,
+                            );
+                            if stopped() {
                                 break;
                             }
                         }
-                        out
-                    })
-                    .expect("spawn a replay thread")
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+                        let slot = &plan.slots[step.slot as usize];
+                        let stream = &streams[step.stream as usize];
+                        let r = if step.free {
+                            free(mr, slot, stream, stopped, &mut out)
+                        } else {
+                            allocate(mr, backend, slot, stream, &mut out)
+                        };
+                        if let Err(e) = r {
+                            fail(e, step.record);
+                            break;
+                        }
+                    }
+                    out
+                });
+            match spawned {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    // The threads started stop (those waiting for this one's allocations too).
+                    let e = Error::invalid(format!(
+                        "cannot start replay thread {t} of {}: {e}",
+                        plan.threads.len()
+                    ));
+                    let mut f = failure.lock().unwrap_or_else(|p| p.into_inner());
+                    f.get_or_insert(e);
+                    abort.store(true, Ordering::Release);
+                    break;
+                }
+            }
+        }
+        handles.into_iter().map(|h| h.join()).collect()
     });
+    let mut results = Vec::with_capacity(joined.len());
+    let mut panicked = None;
+    for r in joined {
+        match r {
+            Ok(r) => results.push(r),
+            Err(payload) => panicked = panicked.or(Some(payload)),
+        }
+    }
     let seconds = t0.elapsed().as_secs_f64();
     // Untimed: free what the log left live (and what an aborted run left).
     for slot in &plan.slots {
@@ -388,18 +452,24 @@ pub fn replay(mr: &dyn MemoryResource, records: &[Record], options: ReplayOption
             slot.state.store(FREED, Ordering::Relaxed);
         }
     }
+    if let Some(payload) = panicked {
+        std::panic::resume_unwind(payload);
+    }
     if let Some(e) = failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
     }
+    if stop.load(Ordering::Relaxed) {
+        return Err(Error::invalid("the replay was stopped before its end"));
+    }
     let super::RunFootprint { peak_reserved_bytes, synchronizations, waits, .. } = baseline.finish(mr);
-    let mut live: i64 = 0;
-    let mut peak_live: i64 = 0;
+    let mut live: i128 = 0;
+    let mut peak_live: i128 = 0;
     for &(slot, free) in &plan.order {
         // Allocations that ran out of memory are left out of the live bytes.
         if plan.slots[slot as usize].state.load(Ordering::Relaxed) == OOM {
             continue;
         }
-        let size = plan.slots[slot as usize].size as i64;
+        let size = plan.slots[slot as usize].size as i128;
         live += if free { -size } else { size };
         peak_live = peak_live.max(live);
     }
@@ -418,7 +488,7 @@ pub fn replay(mr: &dyn MemoryResource, records: &[Record], options: ReplayOption
         alloc_seconds: (allocate.total + free.total) as f64 * 1e-9,
         allocate,
         free,
-        peak_live_bytes: peak_live as u64,
+        peak_live_bytes: peak_live.min(u64::MAX as i128) as u64,
         peak_reserved_bytes,
         oom_events: ooms,
         synchronizations,
@@ -477,13 +547,13 @@ fn free(
     mr: &dyn MemoryResource,
     slot: &Slot,
     stream: &Stream,
-    abort: &AtomicBool,
+    stopped: &dyn Fn() -> bool,
     out: &mut ThreadResult,
 ) -> Result<()> {
     // Another thread's allocation: wait until it exists (or failed).
     let state = loop {
         match slot.state.load(Ordering::Acquire) {
-            PENDING if !abort.load(Ordering::Relaxed) => std::thread::yield_now(),
+            PENDING if !stopped() => std::thread::yield_now(),
             s => break s,
         }
     };

@@ -10,7 +10,7 @@ use super::memory::invalid_value;
 use super::State;
 use crate::device::{DevPtr, RawFunction, RawModule};
 use crate::error::{Error, Result};
-use crate::kernels::{self, pattern_word, SIM_KERNEL_BYTES_PER_NS, SIM_KERNEL_LAUNCH_NS};
+use crate::kernels::{self, pattern_word, SIM_KERNEL_BYTES_PER_NS, SIM_KERNEL_LAUNCH_NS, SIM_KERNEL_MAX_NS};
 
 /// `CUDA_ERROR_NOT_FOUND`: a kernel name the module lacks.
 const CUDA_ERROR_NOT_FOUND: i32 = 500;
@@ -64,7 +64,9 @@ pub(super) struct Launch {
 
 impl Launch {
     fn buffer(&self) -> (DevPtr, u64) {
-        (self.params[0], self.params[0] + 8 * self.params[1])
+        // Saturating: a range past the end of the address space is refused as one that
+        // leaves its allocation, not wrapped round to an empty one.
+        (self.params[0], self.params[0].saturating_add(self.params[1].saturating_mul(8)))
     }
 
     /// The simulated-memory ranges it touches: `(start, end, writes)`.
@@ -84,7 +86,9 @@ impl Launch {
             Kernel::Fill | Kernel::Check => bytes,
             Kernel::Compute => bytes.saturating_mul(2).saturating_mul(self.params[2]),
         };
-        Duration::from_nanos(SIM_KERNEL_LAUNCH_NS + touched / SIM_KERNEL_BYTES_PER_NS)
+        Duration::from_nanos(
+            (SIM_KERNEL_LAUNCH_NS + touched / SIM_KERNEL_BYTES_PER_NS).min(SIM_KERNEL_MAX_NS),
+        )
     }
 
     /// Runs it on memory that is still backed (checked by the caller), then waits out the
@@ -115,7 +119,10 @@ impl Launch {
             }
             Kernel::Compute => {
                 let (m, inv) = (self.params[3], self.params[4]);
-                for _ in 0..self.params[2] {
+                // Every pass multiplies each word by `m` and by its inverse, leaving it as it
+                // was: one pass does what all do (the duration models them all).
+                let passes = if m.wrapping_mul(inv) == 1 { self.params[2].min(1) } else { self.params[2] };
+                for _ in 0..passes {
                     for w in words.iter_mut() {
                         // Volatile, as the PTX's accesses: each pass really goes to memory.
                         let p = w as *mut u64;
