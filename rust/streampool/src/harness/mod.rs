@@ -74,8 +74,10 @@ impl Percentiles {
 
 /// A resource that hands out no memory: every allocation gets a distinct address (a
 /// per-thread counter, aligned to [`ALIGNMENT`]) that must never be used, and frees do
-/// nothing. For benchmarks only: it measures what a workload (the replayer, the
-/// pipeline's bookkeeping) costs around the allocator, the allocator's time being zero.
+/// nothing. For benchmarks only: it measures what a workload that never touches the
+/// memory (the replayer) costs around the allocator, the allocator's time being zero. Not
+/// for the pipeline, whose kernels fill and read every chunk (the simulated device refuses
+/// them; on a GPU they would fault).
 #[derive(Debug)]
 pub struct NullMemoryResource {
     backend: BackendRef,

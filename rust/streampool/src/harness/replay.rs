@@ -25,7 +25,7 @@
 //! what the `replay` bench reports.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{ticks_since, FootprintBaseline, Percentiles};
@@ -182,7 +182,7 @@ struct Slot {
     state: AtomicU8,
     ptr: AtomicU64,
     /// Recorded on the allocating stream after the allocation, when the free is on another.
-    event: OnceLock<Event>,
+    event: Mutex<Option<Event>>,
     /// The free is on another stream than the allocation.
     cross: bool,
     alloc_stream: usize,
@@ -249,7 +249,7 @@ fn plan(records: &[Record]) -> Result<Plan> {
                     size,
                     state: AtomicU8::new(PENDING),
                     ptr: AtomicU64::new(0),
-                    event: OnceLock::new(),
+                    event: Mutex::new(None),
                     cross: false,
                     alloc_stream: s,
                 });
@@ -525,7 +525,7 @@ fn allocate(
             if slot.cross {
                 let event = Event::new(backend, mr.device())?;
                 event.record(stream)?;
-                let _ = slot.event.set(event);
+                *slot.event.lock().unwrap_or_else(|p| p.into_inner()) = Some(event);
             }
             slot.state.store(LIVE, Ordering::Release);
             Ok(())
@@ -560,8 +560,13 @@ fn free(
     if state != LIVE {
         return Ok(());
     }
-    if let Some(event) = slot.event.get() {
-        stream.wait(event)?;
+    if slot.cross {
+        // Taken: the event is destroyed once the wait is enqueued (as the driver allows),
+        // not kept to the end of the run.
+        let event = slot.event.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(event) = event {
+            stream.wait(&event)?;
+        }
     }
     let ptr: DevPtr = slot.ptr.load(Ordering::Relaxed);
     let start = clock::now();
