@@ -79,7 +79,7 @@ def random_trace(
     top = parse_size(max_size)
     records: list[tuple[int, int, int, int, int, int]] = []
     next_id = 0
-    streams = _stream_count(threads, streams)
+    streams = streams or threads  # 0: one per thread, as on the command line
     for t in range(threads):
         s = t % streams
         live: list[tuple[int, int]] = []
@@ -113,7 +113,7 @@ def window_trace(
     choices = [parse_size(s) for s in sizes]
     records: list[tuple[int, int, int, int, int, int]] = []
     next_id = 0
-    streams = _stream_count(threads, streams)
+    streams = streams or threads  # 0: one per thread, as on the command line
     for t in range(threads):
         s = t % streams
         ring: list[tuple[int, int]] = []
@@ -127,12 +127,6 @@ def window_trace(
                 records.append((0, old, alloc_id, t, s, _trace.FREE))
         records.extend((0, size, alloc_id, t, s, _trace.FREE) for alloc_id, size in ring)
     return _trace.Trace(records)
-
-
-def _stream_count(threads: int, streams: int) -> int:
-    """The streams a workload uses: ``streams``, or one per thread when it is 0 (the
-    default, as on the command line)."""
-    return streams or threads
 
 
 def _replay_result(candidate: Candidate, t: _trace.Trace, gap_scale: float) -> dict[str, Any]:
@@ -301,7 +295,7 @@ def multistream(
     stream, fills it and computes on it there (kernels), and frees it on the same stream."""
     kernels = _kernels()
     nbytes = parse_size(size)
-    streams = _stream_count(threads, streams)
+    streams = streams or threads  # 0: one per thread, as on the command line
     pool = [Stream() for _ in range(streams)]
     meter = _Meter(candidate)
     stop = threading.Event()

@@ -74,7 +74,6 @@ pub fn export(
         Ok(None) => return Err(not_shareable(ptr, "it does not come from a memory pool")),
         Err(e) => return Err(not_shareable(ptr, e)),
     };
-
     backend.stream_synchronize(device, stream.handle())?;
     let fd = backend.pool_export_fd(device, pool).map_err(|e| not_shareable(ptr, e))?;
     let data = backend.pool_export_pointer(device, ptr).map_err(|e| not_shareable(ptr, e))?;

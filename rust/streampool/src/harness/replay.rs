@@ -349,18 +349,18 @@ pub fn replay_until(
             options.gap_scale
         )));
     }
-    let last = records.iter().map(|r| r.t_ns).max().unwrap_or(0);
-    let first = records.iter().map(|r| r.t_ns).min().unwrap_or(0);
-    let span_s = (last - first) as f64 * options.gap_scale * 1e-9;
+    let plan = plan(records)?;
+    // Times count from the earliest record (`plan`): the last step's is the log's span.
+    let span_ns = plan.threads.iter().flatten().map(|s| s.at_ns).max().unwrap_or(0);
+    let span_s = span_ns as f64 * options.gap_scale * 1e-9;
     if span_s > crate::adaptors::MAX_LOG_TIME_S {
         return Err(Error::invalid(format!(
-            "the replay would take {span_s:.3e} s ({} ns of log times scaled by gap_scale {}); at most {} s",
-            last - first,
+            "the replay would take {span_s:.3e} s ({span_ns} ns of log times scaled by gap_scale {}); at \
+             most {} s",
             options.gap_scale,
             crate::adaptors::MAX_LOG_TIME_S
         )));
     }
-    let plan = plan(records)?;
     let (backend, device) = (mr.backend().clone(), mr.device());
     let streams: Vec<Stream> =
         (0..plan.streams).map(|_| Stream::create(&backend, device, false)).collect::<Result<_>>()?;

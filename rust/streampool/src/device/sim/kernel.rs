@@ -199,7 +199,6 @@ impl State {
         Ok(handle)
     }
 
-    /// Validates a launch of `function` with `params`: the work to enqueue.
     /// The work of launching `function` on a stream of device `dev`: its parameters,
     /// the ranges it touches, and that `dev` may access them (peer access).
     pub(super) fn kernel_work(

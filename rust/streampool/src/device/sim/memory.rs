@@ -282,6 +282,14 @@ impl State {
         (end <= start + a.bytes as u64).then_some((start, a))
     }
 
+    /// The live allocation `ptr` lies in (its start and record), as the driver's pointer
+    /// queries find it; InvalidPointer for a pointer inside none.
+    pub(super) fn live_alloc_at(&self, ptr: DevPtr) -> Result<(DevPtr, &Alloc)> {
+        self.alloc_containing(ptr, 1).ok_or_else(|| {
+            Error::InvalidPointer(format!("{ptr:#x} is not inside a live allocation of {}", self.name))
+        })
+    }
+
     /// Whether any byte of `[ptr, ptr + bytes)` is simulated memory: a live allocation, a
     /// pool chunk, or reserved address space (mapped or not).
     pub(super) fn overlaps_sim_memory(&self, ptr: DevPtr, bytes: usize) -> bool {

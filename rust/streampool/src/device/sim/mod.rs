@@ -891,24 +891,16 @@ impl Backend for SimDevice {
     }
 
     fn pointer_pool(&self, dev: i32, ptr: DevPtr) -> Result<Option<RawPool>> {
-        self.with(Some(dev), |st| match st.alloc_containing(ptr, 1) {
-            Some((_, a)) => Ok(match a.kind {
+        self.with(Some(dev), |st| {
+            Ok(match st.live_alloc_at(ptr)?.1.kind {
                 AllocKind::Pool(p) | AllocKind::Imported(p) => Some(p),
                 _ => None,
-            }),
-            None => {
-                Err(Error::InvalidPointer(format!("{ptr:#x} is not inside a live allocation of {}", st.name)))
-            }
+            })
         })
     }
 
     fn pointer_range(&self, dev: i32, ptr: DevPtr) -> Result<(DevPtr, usize)> {
-        self.with(Some(dev), |st| match st.alloc_containing(ptr, 1) {
-            Some((start, a)) => Ok((start, a.bytes)),
-            None => {
-                Err(Error::InvalidPointer(format!("{ptr:#x} is not inside a live allocation of {}", st.name)))
-            }
-        })
+        self.with(Some(dev), |st| st.live_alloc_at(ptr).map(|(start, a)| (start, a.bytes)))
     }
 
     fn stream_create(&self, dev: i32, blocking: bool) -> Result<RawStream> {
