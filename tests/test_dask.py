@@ -131,6 +131,8 @@ def test_device_from_the_argument_and_from_cuda_visible_devices(
     plugin.setup(FakeWorker(0))
     installed = streampool.get_per_device_resource(1)
     assert isinstance(installed, mr.CudaAsyncMemoryResource) and installed.release_threshold == 16 << 20
+    numpy = pytest.importorskip("numpy")
+    assert StreampoolPlugin(device=numpy.int64(1)).device == 1  # any integer, as elsewhere
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # dask-cuda: one GPU per worker, device 0
     assert StreampoolPlugin().pick_device(FakeWorker(1)) == 0
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
@@ -168,6 +170,24 @@ def test_worker_resource_outside_a_worker_is_refused() -> None:
     for function in (streampool.dask.worker_resource, streampool.dask.worker_device):
         with pytest.raises(RuntimeError, match=r"worker_resource\(\) and worker_device\(\) are for tasks"):
             function()
+
+
+def test_a_plugin_registered_under_another_name_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    worker = FakeWorker(0)
+    plugin = StreampoolPlugin("async")
+    worker.plugins["gpu-memory"] = plugin  # client.register_plugin(plugin, name="gpu-memory")
+    monkeypatch.setattr(streampool.dask, "get_worker", lambda: worker)
+    # Other tests leave plugins set up on devices of simulated devices since exited.
+    monkeypatch.setattr(streampool.dask, "_INSTALLED", {})
+    monkeypatch.setattr(streampool.dask, "_BEFORE", {})
+    with pytest.raises(RuntimeError, match="has no streampool resource"):
+        streampool.dask.worker_resource()  # not set up yet
+    plugin.setup(worker)
+    try:
+        assert streampool.dask.worker_resource() is plugin._installed[1]  # type: ignore[index]
+        assert streampool.dask.worker_device() == 0
+    finally:
+        plugin.teardown(worker)
 
 
 def fill_and_check(value: int, nbytes: int) -> tuple[int, int, bool]:

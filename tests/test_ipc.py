@@ -284,6 +284,70 @@ def test_bad_handles_are_refused_and_the_resource_stays_usable() -> None:
     assert buf.tobytes() == b"y" * 4096
 
 
+# The importing process for the checks on what an importer may ask: a size beyond the
+# allocation, bad device arguments, then a good import and its resource's repr.
+CHECKING_CHILD = textwrap.dedent(
+    """
+    import socket, sys
+    import pytest
+    from streampool import InvalidArgumentError, ipc
+    from streampool.sim import SimulatedDevice
+
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    with SimulatedDevice(capacity_bytes="64MiB"), ipc.recv_handle(sock) as handle:
+        nbytes = handle.nbytes
+        handle._nbytes = 2 * nbytes
+        with pytest.raises(InvalidArgumentError, match=f"says {2 * nbytes} bytes.*holds {nbytes}"):
+            ipc.import_buffer(handle)
+        handle._nbytes = nbytes
+        for device, error in ((True, TypeError), ("0", TypeError), (-1, ValueError), (2**40, ValueError)):
+            with pytest.raises(error, match="device must be a device ordinal"):
+                ipc.import_buffer(handle, device=device)
+        buf = ipc.import_buffer(handle)
+        assert buf.tobytes() == bytes(range(256)) * (nbytes // 256)
+        text = repr(buf.mr)
+        assert text.startswith("<IpcImportedMemoryResource(device=0, ") and "in use" in text, text
+        buf.close()
+    sock.sendall(b"done")
+    """
+)
+
+
+def test_an_importer_is_refused_more_bytes_than_were_exported_and_bad_devices() -> None:
+    buf = DeviceBuffer.to_device(bytes(range(256)) * 16, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    neighbour = DeviceBuffer.to_device(b"n" * 4096, mr=buf.mr)
+    parent_end, child_end = socket.socketpair()
+    parent_end.settimeout(120)
+    with parent_end, child_end:
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHECKING_CHILD, str(child_end.fileno())],
+            pass_fds=[child_end.fileno()],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            with ipc.export(buf) as handle:
+                ipc.send_handle(parent_end, handle)
+            answer = parent_end.recv(4)
+        finally:
+            _, stderr = child.communicate(timeout=120)
+    assert child.returncode == 0 and answer == b"done", stderr
+    assert neighbour.tobytes() == b"n" * 4096
+
+
+@pytest.mark.nosim
+def test_an_exporters_device_this_process_lacks_is_refused_with_the_advice() -> None:
+    with SimulatedDevice(capacity_bytes="64MiB", devices=2):
+        buf = DeviceBuffer(size=4096, mr=mr.CudaAsyncMemoryResource(device=1, enable_ipc=True))
+        handle = ipc.export(buf)
+    with SimulatedDevice(capacity_bytes="64MiB"), handle:
+        handle.pid = os.getppid()  # as if from another process: the device is checked first
+        with pytest.raises(
+            InvalidArgumentError, match=r"exporter's device 1.*pass import_buffer\(\.\.\., device=N\)"
+        ):
+            ipc.import_buffer(handle)
+
+
 def test_an_exporter_that_has_exited_is_named() -> None:
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True

@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -155,6 +156,69 @@ def test_pool_memory_needs_a_grant_to_be_used_on_another_device(dev: SimulatedDe
     managed = streampool.DeviceBuffer(size=4096, mr=mr.ManagedMemoryResource(device=0))
     dev.read(s1, managed.ptr, 4096)
     dev.run()
+
+
+def test_a_view_allocates_for_the_device_its_pool_lies_on(dev: SimulatedDevice) -> None:
+    # Device 1's default pool, and a pool of device 1's own: with no device given, the view
+    # takes device 1; given device 0, it is refused naming device 1.
+    owners = [
+        mr.CudaAsyncMemoryResource(device=1),
+        mr.CudaAsyncMemoryResource(device=1, initial_pool_size="2MiB"),
+    ]
+    for pool in (owner.pool_handle for owner in owners):
+        view = mr.CudaAsyncViewMemoryResource(pool)
+        assert view.device == 1
+        buf = streampool.DeviceBuffer.to_device(pattern(5, 4096), mr=view, stream=streampool.Stream(device=1))
+        assert buf.device == 1 and buf.__dlpack_device__() == (2, 1)
+        assert buf.tobytes() == pattern(5, 4096)
+        with pytest.raises(streampool.InvalidArgumentError, match="lies on device 1: give device=1"):
+            mr.CudaAsyncViewMemoryResource(pool, device=0)
+    # Device 1's default pool open to device 0 still lies on device 1.
+    shared = mr.CudaAsyncMemoryResource(device=1)
+    shared.set_peer_access(0)
+    try:
+        with pytest.raises(streampool.InvalidArgumentError, match="lies on device 1"):
+            mr.CudaAsyncViewMemoryResource(shared.pool_handle, device=0)
+        assert mr.CudaAsyncViewMemoryResource(shared.pool_handle).device == 1
+    finally:
+        shared.set_peer_access(0, enabled=False)
+    assert mr.CudaAsyncViewMemoryResource(mr.CudaAsyncMemoryResource(device=0).pool_handle).device == 0
+
+
+def test_a_foreign_array_on_another_device_copies_after_its_own_stream(dev: SimulatedDevice) -> None:
+    # A CUDA array interface whose stream is another device's: the copy waits for that stream
+    # (an event of its device), and nothing is refused for the stream's device.
+    s0, s1 = streampool.Stream(device=0), streampool.Stream(device=1)
+    src = streampool.DeviceBuffer.to_device(
+        pattern(6, 4096), mr=mr.CudaAsyncMemoryResource(device=0, peer_access=[1]), stream=s0
+    )
+    dev.write(s0, src.ptr, 4096, label="producer on device 0")  # pending on s0 until run
+
+    foreign = SimpleNamespace(
+        __cuda_array_interface__={
+            "shape": (4096,),
+            "typestr": "|u1",
+            "data": (src.ptr, False),
+            "version": 3,
+            "stream": s0.handle,
+        }
+    )
+    dst = streampool.DeviceBuffer(size=4096, stream=s1, mr=mr.CudaAsyncMemoryResource(device=1))
+    dst.copy_from_device(foreign)
+    dev.run()
+    assert not dev.races(), dev.races()
+
+
+def test_a_buffer_of_an_exited_simulated_device_is_not_a_copy_source() -> None:
+    with SimulatedDevice(capacity_bytes="64MiB"):
+        old = streampool.DeviceBuffer.to_device(b"old!" * 1024)
+    assert old.closed
+    with SimulatedDevice(capacity_bytes="64MiB"):
+        new = streampool.DeviceBuffer(size=4096)
+        with pytest.raises(streampool.StreampoolError, match="the source buffer"):
+            new.copy_from_device(old)
+        new.copy_from_host(b"new!" * 1024)
+        assert new.tobytes() == b"new!" * 1024
 
 
 def test_cudamalloc_memory_follows_context_peer_access(dev: SimulatedDevice) -> None:

@@ -347,7 +347,13 @@ class CudaAsyncManagedMemoryResource(MemoryResource):
 class CudaAsyncViewMemoryResource(MemoryResource):
     """Allocates from a driver pool someone else owns (PyTorch's, CuPy's) and never
     destroys it: the owner must outlive the view. A handle that is not a pool raises
-    ValueError. Sizes are not checked on free (the driver's free takes no size)."""
+    ValueError. Sizes are not checked on free (the driver's free takes no size).
+
+    ``device`` is the device the pool lies on; by default the one the driver says it does
+    (the only device that can use it, or the one whose current or default pool it is), else
+    the current device. A pool of another device, or one ``device`` cannot use, raises
+    InvalidArgumentError naming its device, since the view's buffers would name the wrong
+    device."""
 
     def __new__(cls, pool_handle: int, device: int | None = None) -> CudaAsyncViewMemoryResource: ...
     @property
@@ -945,8 +951,8 @@ class DeviceBuffer:
         managed or pinned memory), enqueued on ``stream``; on the legacy default stream the
         copy is also waited for (as RMM does), on any other it is not, and the caller orders
         the source's writers before it and keeps the source alive until it has run.
-        ValueError for ``ptr=0`` with ``size > 0`` or a negative ``ptr``; TypeError for a
-        ``ptr`` that is not an int."""
+        ``ptr=0`` (RMM's default) copies nothing: the memory is left as allocated.
+        ValueError for a negative ``ptr``; TypeError for a ``ptr`` that is not an int."""
     @property
     def ptr(self) -> int:
         """The device address (0 for an empty buffer). ValueError once closed. It changes

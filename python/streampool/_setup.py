@@ -143,8 +143,6 @@ def _devices(devices: object) -> list[int]:
         wanted = list(devices)
     else:
         raise TypeError(f"devices must be a device ordinal or a list of them, not {_type_name(devices)}")
-    if not wanted:
-        raise ValueError("devices is empty: name at least one device")
     count = device_count()
     out: list[int] = []
     for item in wanted:
@@ -203,7 +201,8 @@ def reinitialize(
 
     ``pool_allocator``, ``managed_memory`` and ``logging`` take True or False, a NumPy
     bool, or 0 or 1 (RMM's are C bools); ``devices`` a device ordinal (an int or a NumPy
-    integer, not a bool), a list of them, or None (device 0).
+    integer, not a bool), a list of them (an empty one gives every device back its initial
+    resource), or None (device 0).
 
     Registered hooks (:func:`register_reinitialize_hook`) run first, latest first. The
     arguments are checked before anything changes, and every resource is made before any
@@ -221,10 +220,10 @@ def reinitialize(
     logging = _flag("logging", logging)
     initial = _size("initial_pool_size", initial_pool_size)
     maximum = _size("maximum_pool_size", maximum_pool_size)
-    if initial is not None and maximum is not None and initial > maximum:
+    if pool_allocator and initial is not None and maximum is not None and initial > maximum:
         raise ValueError(f"initial_pool_size ({initial}) is larger than maximum_pool_size ({maximum})")
     wanted = _devices(devices)
-    base = _log_file_base(log_file_name) if logging else None
+    base = _log_file_base(log_file_name) if logging and wanted else None
 
     for func, args, kwargs in reversed(_reinitialize_hooks):
         func(*args, **kwargs)
@@ -299,17 +298,21 @@ def enable_logging(log_file_name: str | os.PathLike[str] | None = None) -> None:
     device before any, or when that was under another backend, such as a simulated device
     since exited) in a :class:`~streampool.mr.LoggingResourceAdaptor`, unless it is one
     already; the file gets RMM's ``.dev<N>`` suffix. Every adaptor is made before any is
-    set, so a failure changes nothing. ValueError when no file is named (argument,
-    ``STREAMPOOL_LOG_FILE`` or ``RMM_LOG_FILE``)::
+    set, so a failure changes nothing. ValueError when a device needs an adaptor and no file
+    is named (argument, ``STREAMPOOL_LOG_FILE`` or ``RMM_LOG_FILE``); where every device
+    logs already, nothing happens, as in RMM::
 
         >>> streampool.mr.enable_logging("alloc.csv")  # alloc.dev0.csv
     """
+    devices = [
+        d for d in _logging_devices() if not isinstance(get_per_device_resource(d), LoggingResourceAdaptor)
+    ]
+    if not devices:
+        return
     base = _log_file_base(log_file_name)
     made: dict[int, MemoryResource] = {}
-    for d in _logging_devices():
-        current = get_per_device_resource(d)
-        if not isinstance(current, LoggingResourceAdaptor):
-            made[d] = LoggingResourceAdaptor(current, log_file_name=_device_log_file(base, d))
+    for d in devices:
+        made[d] = LoggingResourceAdaptor(get_per_device_resource(d), log_file_name=_device_log_file(base, d))
     for d, mr in made.items():
         set_per_device_resource(d, mr)
 

@@ -30,6 +30,7 @@ Needs ``distributed`` (``pip install 'streampool[dask]'``).
 from __future__ import annotations
 
 import importlib
+import operator
 import os
 import threading
 from collections.abc import Callable
@@ -182,8 +183,15 @@ class StreampoolPlugin(WorkerPlugin):
         statistics: bool = True,
     ) -> None:
         _resolve(resource)  # refuse a bad argument here, on the client, not on every worker
-        if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
-            raise TypeError(f"device must be a device ordinal (an int >= 0) or None, not {device!r}")
+        if device is not None:
+            if isinstance(device, bool):
+                raise TypeError(f"device must be a device ordinal (an int >= 0) or None, not {device!r}")
+            try:
+                device = operator.index(device)  # an int, or a NumPy integer
+            except TypeError:
+                raise TypeError(
+                    f"device must be a device ordinal (an int >= 0) or None, not {device!r}"
+                ) from None
         if device is not None and device < 0:
             raise ValueError(f"device must be a device ordinal (an int >= 0) or None, got {device!r}")
         if not isinstance(statistics, bool):
@@ -260,13 +268,15 @@ def _installed(worker: Any = None) -> tuple[int, mr.MemoryResource]:
             raise RuntimeError(
                 "streampool.dask.worker_resource() and worker_device() are for tasks running on a Dask worker"
             ) from None
-    plugin = worker.plugins.get(StreampoolPlugin.name)
-    if not isinstance(plugin, StreampoolPlugin) or plugin._installed is None:
-        raise RuntimeError(
-            f"worker {worker.name!r} has no streampool resource: register the plugin first "
-            "(streampool.dask.register(client, ...))"
-        )
-    return plugin._installed
+    # The plugin under its own name first, else one registered under another name.
+    named = worker.plugins.get(StreampoolPlugin.name)
+    for plugin in [named, *reversed(list(worker.plugins.values()))]:
+        if isinstance(plugin, StreampoolPlugin) and plugin._installed is not None:
+            return plugin._installed
+    raise RuntimeError(
+        f"worker {worker.name!r} has no streampool resource: register the plugin first "
+        "(streampool.dask.register(client, ...))"
+    )
 
 
 def worker_resource() -> mr.MemoryResource:

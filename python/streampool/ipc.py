@@ -174,9 +174,17 @@ def import_buffer(
     """
     if not isinstance(handle, IpcHandle):
         raise TypeError(f"handle must be a streampool.ipc.IpcHandle, not {type(handle).__qualname__}")
-    mr = IpcImportedMemoryResource(
-        handle.fd, handle.export_data, handle.nbytes, handle.pid, handle.device if device is None else device
-    )
+    if device is None:
+        device = handle.device
+        count = _native.device_count()
+        if isinstance(device, int) and device >= count:
+            raise InvalidArgumentError(
+                f"the buffer was exported from the exporter's device {device}, and this process has "
+                f"{count} device{'s' if count != 1 else ''}: pass import_buffer(..., device=N), N being "
+                "that GPU's ordinal here (processes number GPUs differently under different "
+                "CUDA_VISIBLE_DEVICES)"
+            )
+    mr = IpcImportedMemoryResource(handle.fd, handle.export_data, handle.nbytes, handle.pid, device)
     return DeviceBuffer(size=handle.nbytes, stream=stream, mr=mr)
 
 

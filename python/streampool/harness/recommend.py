@@ -242,7 +242,9 @@ def choose(profile: Profile, summary: list[dict[str, Any]]) -> dict[str, Any]:
         gain = fastest["throughput"]["median"] / pick["throughput"]["median"] - 1
         why.append(
             f"measured: {fastest['resource']} was fastest ({100 * gain:+.1f}% at the median), but within noise "
-            f"of {pick['resource']}, {which}, which is recommended"
+            f"of {pick['resource']}, {which}, which is recommended (measurably faster means "
+            f"faster in every repeat, and by more than {100 * bench.NOISE_FLOOR:.0f}% at the median of the "
+            "repeats' ratios)"
         )
     elif noise and runner is not None:
         why.append(f"measured: {pick['resource']} and {runner['resource']} are within noise of each other")

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyCapsule, PyDict, PyInt, PyString, PyTuple};
 use streampool::device::{self, Advice, BackendRef, DevPtr, Location};
-use streampool::{managed, Allocation, Error, Event, Stream};
+use streampool::{managed, Allocation, Error, Stream};
 
 use crate::dlpack;
 use crate::errors::{buffer_error, detached, to_pyerr, OrRaise};
@@ -467,11 +467,12 @@ impl DeviceBuffer {
 }
 
 /// Orders `waiter` after the work enqueued on `on` so far: an event recorded on `on`,
-/// waited on by `waiter`.
+/// waited on by `waiter`. Either may be a stream of another device than `device` (a
+/// foreign source's stream): the event is made on `on`'s device. A default stream is
+/// taken as `device`'s.
 fn order(backend: &BackendRef, device: i32, waiter: &Stream, on: &Stream) -> streampool::Result<()> {
-    let event = Event::new(backend, device)?;
-    event.record(on)?;
-    waiter.wait(&event)
+    let device_of = |s: &Stream| s.binding().map_or(device, |(_, d)| d);
+    waiter.wait_for(backend, device_of(waiter), on, device_of(on))
 }
 
 /// A CUDA array interface as a source of bytes: `(address, bytes, stream)`, checked to be
@@ -848,6 +849,10 @@ impl DeviceBuffer {
             Ok(other) => {
                 let other = other.get();
                 let alloc = other.live()?;
+                let backend = self.mr.get().inner.backend();
+                device::check_same_backend(backend, alloc.resource().backend(), "the source buffer")
+                    .and_then(|()| alloc.resource().backend().check_open())
+                    .or_raise(py)?;
                 (alloc.ptr(), other.len(), Some(alloc.stream().clone()), Some(alloc))
             }
             Err(_) => {
@@ -1130,7 +1135,7 @@ impl DeviceBuffer {
 impl DeviceBuffer {
     /// `DeviceBuffer(ptr=src, size=size, ...)`: a new buffer filled by a copy of `size`
     /// bytes at `src`, enqueued on the buffer's stream and, when that is the legacy default
-    /// stream, waited for (as RMM does).
+    /// stream, waited for (as RMM does). `src` 0 copies nothing, as in RMM.
     fn make_copy(
         py: Python<'_>,
         src: DevPtr,
@@ -1138,14 +1143,9 @@ impl DeviceBuffer {
         stream: Option<&Bound<'_, PyAny>>,
         mr: Option<Bound<'_, PyMemoryResource>>,
     ) -> PyResult<Self> {
-        if src == 0 && size > 0 {
-            return Err(PyValueError::new_err(format!(
-                "ptr=0 is a null pointer and cannot be copied from; pass a device address holding {size} \
-                 bytes, or leave ptr out to allocate without copying"
-            )));
-        }
         let made = Self::make(py, size, stream, mr)?;
-        if size > 0 {
+        // `ptr=0` is RMM's default: no source, the memory is left as allocated.
+        if src != 0 && size > 0 {
             made.copy_in(py, src, size, None, None, None)?;
             let alloc = made.live()?;
             if alloc.stream().is_legacy() {

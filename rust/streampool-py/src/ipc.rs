@@ -12,7 +12,7 @@ use streampool::Error;
 use crate::errors::{detached, OrRaise};
 use crate::resources::PyMemoryResource;
 use crate::streams::to_stream;
-use crate::{ptr_arg, size_arg};
+use crate::{ptr_arg, required_device_arg, size_arg};
 
 /// Exports `nbytes` at `ptr` (a buffer of `mr`, used on `stream`), after synchronising the
 /// stream: `(fd, export_data, nbytes, device, pid)`, where the caller owns `fd`.
@@ -56,9 +56,10 @@ impl PyIpcImportedMemoryResource {
         export_data: &[u8],
         nbytes: &Bound<'_, PyAny>,
         pid: u32,
-        device: i32,
+        device: &Bound<'_, PyAny>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let bytes = size_arg(nbytes, "nbytes")?;
+        let device = required_device_arg(device, "device")?;
         // SAFETY: `fcntl(F_GETFD)` only asks whether the descriptor is open.
         if fd < 0 || unsafe { libc::fcntl(fd, libc::F_GETFD) } == -1 {
             return Err(Error::invalid(format!(

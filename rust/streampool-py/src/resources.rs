@@ -329,12 +329,16 @@ impl PyCudaAsyncViewMemoryResource {
         pool_handle: &Bound<'_, PyAny>,
         device: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let device = device_arg(device, "device")?;
+        let given = device_arg(device, "device")?;
         let pool = pool_handle.extract::<u64>().map_err(|_| {
             PyValueError::new_err(format!("{pool_handle} is not a memory pool handle (an int in 0..2**64)"))
         })?;
         let mr = detached(py, move || {
-            let (backend, device) = streampool::resources::bind(device)?;
+            let (backend, mut device) = streampool::resources::bind(given)?;
+            if given.is_none() {
+                // No device given: the one the pool lies on, where the driver tells.
+                device = CudaAsyncMemoryResource::home_device(&backend, device, pool)?.unwrap_or(device);
+            }
             CudaAsyncMemoryResource::view(backend, device, pool)
         })?;
         Ok(PyMemoryResource::base(Arc::new(mr)).add_subclass(Self { pool }))

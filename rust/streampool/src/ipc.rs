@@ -23,6 +23,7 @@
 //! * A pool is imported in another process: importing into the exporting process is
 //!   refused (use the memory directly there).
 
+use std::fmt;
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::device::{BackendRef, DevPtr, PtrExportData, RawPool, PTR_EXPORT_DATA_BYTES};
@@ -129,7 +130,6 @@ fn process_exists(pid: u32) -> bool {
 /// when the buffer lets go of it, then releases the imported pool when dropped.
 ///
 /// Python's `streampool.ipc.import_buffer` makes one and a `DeviceBuffer` over it.
-#[derive(Debug)]
 pub struct IpcImportedMemoryResource {
     backend: BackendRef,
     device: i32,
@@ -145,8 +145,9 @@ impl IpcImportedMemoryResource {
     /// [`IpcExport`] of process `exporter_pid`), `bytes` bytes of it, on `device`.
     ///
     /// Refused, naming the cause: data that is not 64 bytes, 0 bytes, a handle of this
-    /// process, an exporter that has exited, and whatever the driver refuses (a descriptor
-    /// that names no exported pool, data of another pool).
+    /// process, an exporter that has exited, more bytes than the exported allocation holds,
+    /// and whatever the driver refuses (a descriptor that names no exported pool, data of
+    /// another pool).
     pub fn import(
         backend: BackendRef,
         device: i32,
@@ -178,16 +179,27 @@ impl IpcImportedMemoryResource {
             )));
         }
         let pool = backend.pool_import_fd(device, fd)?;
-        match backend.pool_import_pointer(device, pool, data) {
-            Ok(ptr) => Ok(Self { backend, device, pool, ptr, bytes, state: Mutex::new((false, false)) }),
+        let ptr = match backend.pool_import_pointer(device, pool, data) {
+            Ok(ptr) => ptr,
             Err(e) => {
                 record_if_failed(
                     || format!("releasing the imported pool {pool:#x} after a failed import"),
                     backend.pool_destroy(device, pool),
                 );
-                Err(e)
+                return Err(e);
             }
+        };
+        // From here on, dropping `imported` frees the import and releases the pool.
+        let imported = Self { backend, device, pool, ptr, bytes, state: Mutex::new((false, false)) };
+        let (base, len) = imported.backend.pointer_range(device, ptr)?;
+        let holds = (base + len as DevPtr).saturating_sub(ptr);
+        if bytes as DevPtr > holds {
+            return Err(Error::invalid(format!(
+                "the handle says {bytes} bytes, but the exported allocation holds {holds}: send the \
+                 handle that streampool.ipc.export made, unchanged"
+            )));
         }
+        Ok(imported)
     }
 
     /// The imported memory's address in this process.
@@ -202,6 +214,26 @@ impl IpcImportedMemoryResource {
 
     fn state(&self) -> MutexGuard<'_, (bool, bool)> {
         lock(&self.state)
+    }
+}
+
+impl fmt::Debug for IpcImportedMemoryResource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (handed_out, freed) = *self.state();
+        let state = match (handed_out, freed) {
+            (_, true) => "freed",
+            (true, false) => "in use",
+            (false, false) => "not yet handed out",
+        };
+        write!(
+            f,
+            "IpcImportedMemoryResource(device={}, ptr={:#x}, bytes={}, pool={:#x}, {state}, {})",
+            self.device,
+            self.ptr,
+            self.bytes,
+            self.pool,
+            self.backend.describe()
+        )
     }
 }
 

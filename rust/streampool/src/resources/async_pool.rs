@@ -139,8 +139,13 @@ impl CudaAsyncMemoryResource {
         Ok(mr)
     }
 
-    /// A resource over a pool someone else owns (RMM's `cuda_async_view_memory_resource`);
-    /// the pool is checked to be valid and is never destroyed here.
+    /// A resource over a pool someone else owns (RMM's `cuda_async_view_memory_resource`)
+    /// that allocates for `device`; the pool is never destroyed here.
+    ///
+    /// The pool is checked to be valid, and to lie on `device` as far as the driver tells
+    /// ([`Self::home_device`]): a pool of another device is refused
+    /// ([`Error::InvalidArgument`] naming that device), since the view's buffers would say
+    /// `device` while their memory lies elsewhere, and so is a pool that `device` cannot use.
     pub fn view(backend: BackendRef, device: i32, pool: RawPool) -> Result<Self> {
         if pool == 0 {
             return Err(Error::invalid("pool handle 0 (null) is not a memory pool"));
@@ -148,6 +153,20 @@ impl CudaAsyncMemoryResource {
         backend.pool_get_attr(device, pool, PoolAttr::ReleaseThreshold).map_err(|e| {
             Error::invalid(format!("{pool:#x} is not a valid memory pool handle on device {device} ({e})"))
         })?;
+        let refuse = |lies: String| {
+            Err(Error::invalid(format!(
+                "memory pool {pool:#x} {lies}, so a view of it cannot allocate for device {device}"
+            )))
+        };
+        match Self::home_device(&backend, device, pool)? {
+            Some(home) if home != device => {
+                return refuse(format!("lies on device {home}: give device={home} (or no device)"));
+            }
+            None if matches!(backend.pool_get_access(device, pool, device), Ok(false)) => {
+                return refuse("is another device's, and not open to this one".to_owned());
+            }
+            _ => {}
+        }
         Ok(Self {
             backend,
             device,
@@ -156,6 +175,31 @@ impl CudaAsyncMemoryResource {
             managed: false,
             name: "CudaAsyncViewMemoryResource",
         })
+    }
+
+    /// The device that device pool `pool` lies on, as far as the driver tells (asked from
+    /// `asker`'s context): the one device that can use it (`cuMemPoolGetAccess`), or, where
+    /// it is open to peers, the one whose current or default pool it is. None when the
+    /// driver does not say (no device can use it, a pool open to peers that no device has
+    /// as its current or default, or a pool whose access cannot be read).
+    pub fn home_device(backend: &BackendRef, asker: i32, pool: RawPool) -> Result<Option<i32>> {
+        let mut users = Vec::new();
+        for device in 0..backend.device_count()? {
+            match backend.pool_get_access(asker, pool, device) {
+                Ok(true) => users.push(device),
+                Ok(false) => {}
+                Err(_) => return Ok(None),
+            }
+        }
+        if let [only] = users[..] {
+            return Ok(Some(only));
+        }
+        for &device in &users {
+            if backend.pool_current(device, false)? == pool || backend.pool_default(device, false)? == pool {
+                return Ok(Some(device));
+            }
+        }
+        Ok(None)
     }
 
     /// The driver pool handle (`CUmemoryPool` as an integer).
