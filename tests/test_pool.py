@@ -167,6 +167,28 @@ def test_expandable_grows_in_place_and_gives_everything_back() -> None:
     assert pool.pool_size() == 0
 
 
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_maximum_off_the_mapping_granularity_is_reached(expandable: bool) -> None:
+    # Growth in place maps 2 MiB at a time; below or between those, the upstream serves.
+    mib = 1 << 20
+    for maximum, initial in ((mib, mib), (3 * mib, None)):
+        pool = mr.ShardedPoolMemoryResource(
+            mr.CudaMemoryResource(),
+            maximum_pool_size=maximum,
+            initial_pool_size=initial,
+            expandable=expandable,
+        )
+        p = pool.allocate(maximum)
+        with pytest.raises(streampool.OutOfMemoryError, match=f"maximum_pool_size {maximum} reached"):
+            pool.allocate(256)
+        pool.deallocate(p, maximum)
+        pool.deallocate(pool.allocate(256), 256)
+    # A request whose size class passes the maximum says so.
+    pool = mr.ShardedPoolMemoryResource(mr.CudaMemoryResource(), maximum_pool_size=5 * mib + 256)
+    with pytest.raises(streampool.OutOfMemoryError, match="rounded up to one of 16 sizes"):
+        pool.allocate(5 * mib + 256)
+
+
 @pytest.mark.parametrize("whole", [False, True])
 def test_steal_whole_blocks_moves_the_rest_to_the_taking_stream(whole: bool) -> None:
     mib = 1 << 20

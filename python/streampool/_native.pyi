@@ -762,6 +762,9 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
     round to the allocation's is always refused, and changes nothing. ValueError naming
     the argument for a ``maximum_pool_size`` below 256 bytes (it would round to 0), an
     ``events_every`` or ``event_batch`` below 1, and a negative or non-finite ``gather_interval``.
+    Requests from 4 KiB to 64 MiB are served rounded up to one of 16 sizes per power of two
+    (at most 6.25 % more): one whose rounded size passes ``maximum_pool_size`` raises
+    OutOfMemoryError naming the size to raise it to.
 
     Example::
 

@@ -460,6 +460,48 @@ fn expandable_respects_the_maximum_and_the_release_threshold() {
     assert_eq!(p.stats().reserved_bytes, 0);
 }
 
+/// A maximum that is not a multiple of the mapping's granularity (2 MiB here), or below
+/// it, is reached all the same: what a whole piece would overshoot, the upstream serves.
+#[test]
+fn expandable_reaches_a_maximum_off_the_granularity() {
+    for (maximum, initial) in [(MIB, Some(MIB)), (3 * MIB, None), (5 * MIB, None)] {
+        let options =
+            PoolOptions { maximum_pool_size: Some(maximum), initial_pool_size: initial, ..expandable() };
+        let (_sim, b, p) = setup_with(1 << 30, options);
+        let s = stream(&b);
+        let all = p
+            .allocate(maximum, &s)
+            .unwrap_or_else(|e| panic!("{maximum} bytes under a maximum of {maximum}: {e}"));
+        assert!(p.stats().reserved_bytes <= maximum, "{:?}", p.stats());
+        assert!(p.allocate(256, &s).unwrap_err().is_out_of_memory());
+        p.deallocate(all, maximum, &s).unwrap();
+        let small = p.allocate(256, &s).unwrap(); // and the pool is usable afterwards
+        p.deallocate(small, 256, &s).unwrap();
+        s.synchronize(&b, 0).unwrap();
+        p.release().unwrap();
+        assert_eq!(p.stats().reserved_bytes, 0);
+    }
+}
+
+/// A request whose size class (up to 6.25 % more) passes the maximum, though it alone
+/// would fit, is refused naming the rounding; the pool stays usable.
+#[test]
+fn a_request_rounded_past_the_maximum_names_the_rounding() {
+    let maximum = 5 * MIB + 256;
+    let (_sim, b, p) =
+        setup_with(1 << 30, PoolOptions { maximum_pool_size: Some(maximum), ..PoolOptions::default() });
+    let s = stream(&b);
+    let err = p.allocate(maximum, &s).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("rounded up") && text.contains(&format!("could not allocate {maximum} bytes")),
+        "{text}"
+    );
+    let x = p.allocate(5 * MIB, &s).unwrap();
+    p.deallocate(x, 5 * MIB, &s).unwrap();
+}
+
 /// The producer/consumer soak: 16 threads, each on its own stream, allocate 1 KiB to
 /// 4 MiB and write it; half the blocks are handed to the next thread after an event,
 /// which waits on it, reads, and frees on its own stream. The device completes work now

@@ -75,7 +75,8 @@ impl ShardedPoolMemoryResource {
     /// An expandable pool grows in place first, for the shard of `key` (`region.rs`):
     /// the chunk returned then starts at the free block that ended the range, and `want`
     /// beyond `size` does not apply (in place, a step ahead would be memory no one asked
-    /// for; the next growth joins this one anyway).
+    /// for; the next growth joins this one anyway). Where the range cannot hold it, or a
+    /// whole piece of the granularity would pass the maximum, the upstream serves it.
     pub(super) fn grow_under(
         &self,
         size: usize,
@@ -88,8 +89,11 @@ impl ShardedPoolMemoryResource {
         let cap = cap.min(self.maximum);
         match self.grow_in_place(size, cap, stream, key)? {
             InPlace::Grown(chunk) => return Ok(Some(chunk)),
-            InPlace::OverCap => return Ok(None),
-            InPlace::Unavailable => {}
+            // Under the footprint budget: no growth now (the caller looks elsewhere first).
+            InPlace::OverCap if cap < self.maximum => return Ok(None),
+            // Under the maximum, which the granularity's pieces overshoot (a maximum that is
+            // not a multiple of it, or room for less than a piece): the upstream serves it.
+            InPlace::OverCap | InPlace::Unavailable => {}
         }
         let mut want = want.max(size);
         loop {

@@ -52,7 +52,7 @@ impl ShardedPoolMemoryResource {
         // Never to be served: say so before gathering or giving anything back (an arena
         // asked for more than itself once gave its whole reservation back first).
         if size > self.maximum {
-            return Err(self.out_of_memory(size, None));
+            return Err(self.beyond_maximum(size));
         }
         // 2. completed blocks in the common list
         if let Some(ptr) = self.import_common(size, stream, key) {
@@ -684,6 +684,27 @@ impl ShardedPoolMemoryResource {
                 "ShardedPoolMemoryResource ({} bytes reserved, {} in use, {} free in blocks too small or not yet reusable{limit})",
                 stats.reserved_bytes, stats.used_bytes, stats.free_bytes
             ),
+        }
+    }
+
+    /// The error for a request served with `size` bytes (its class size), more than the
+    /// maximum: never to be served, whatever is free. Where the request alone would fit,
+    /// the message names the rounding.
+    fn beyond_maximum(&self, size: usize) -> Error {
+        let why = if size - size / 16 <= self.maximum {
+            format!(
+                "maximum_pool_size {} is below the {size} bytes this request is served with: requests \
+                 from 4 KiB to 64 MiB are rounded up to one of 16 sizes per power of two (at most \
+                 6.25 % more); raise the maximum to {size}",
+                self.maximum
+            )
+        } else {
+            format!("maximum_pool_size {}", self.maximum)
+        };
+        Error::OutOfMemory {
+            requested: size,
+            available: None,
+            resource: format!("ShardedPoolMemoryResource ({why})"),
         }
     }
 
