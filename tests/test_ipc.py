@@ -58,13 +58,14 @@ CHILD = textwrap.dedent(
 ).format(size=SIZE)
 
 
-def exchange(buf: DeviceBuffer, device: str) -> None:
-    """Exports ``buf`` to a child process, which checks it and writes ``CHILD_BYTES``."""
+def exchange(buf: DeviceBuffer, device: str, child_code: str = CHILD) -> None:
+    """Exports ``buf`` to a child process running ``child_code`` (by default: checks it and
+    writes ``CHILD_BYTES``), which answers "done"."""
     parent_end, child_end = socket.socketpair()
     parent_end.settimeout(120)  # a guard against a hung child, not a measurement
     with parent_end, child_end:
         child = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(child_end.fileno()), device],
+            [sys.executable, "-c", child_code, str(child_end.fileno()), device],
             pass_fds=[child_end.fileno()],
             stderr=subprocess.PIPE,
             text=True,
@@ -316,22 +317,7 @@ CHECKING_CHILD = textwrap.dedent(
 def test_an_importer_is_refused_more_bytes_than_were_exported_and_bad_devices() -> None:
     buf = DeviceBuffer.to_device(bytes(range(256)) * 16, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
     neighbour = DeviceBuffer.to_device(b"n" * 4096, mr=buf.mr)
-    parent_end, child_end = socket.socketpair()
-    parent_end.settimeout(120)
-    with parent_end, child_end:
-        child = subprocess.Popen(
-            [sys.executable, "-c", CHECKING_CHILD, str(child_end.fileno())],
-            pass_fds=[child_end.fileno()],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            with ipc.export(buf) as handle:
-                ipc.send_handle(parent_end, handle)
-            answer = parent_end.recv(4)
-        finally:
-            _, stderr = child.communicate(timeout=120)
-    assert child.returncode == 0 and answer == b"done", stderr
+    exchange(buf, "sim", CHECKING_CHILD)
     assert neighbour.tobytes() == b"n" * 4096
 
 
