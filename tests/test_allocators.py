@@ -8,8 +8,12 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib
+import subprocess
 import sys
+import textwrap
 import threading
+import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -152,6 +156,73 @@ def test_threads_without_the_gil(stats: mr.StatisticsResourceAdaptor) -> None:
     assert not any(th.is_alive() for th in threads) and not errors, errors
     counts = stats.allocation_counts
     assert (counts.current_bytes, counts.total_count) == (0, 8 * 200)
+
+
+def test_a_resource_change_with_c_allocations_live_warns() -> None:
+    # Memory from the entry points is freed through the resource current at the free: a
+    # change while some is live would free it through a resource that did not make it.
+    pool = mr.ShardedPoolMemoryResource(streampool.get_current_device_resource())
+    before = streampool.set_current_device_resource(pool)
+    assert before is not None
+    ptr = alloc(4096)
+    with pytest.warns(
+        RuntimeWarning, match=r"1 allocation\(s\) made on device 0 through streampool's C entry"
+    ):
+        streampool.set_current_device_resource(before)
+    with pytest.warns(RuntimeWarning, match="C entry"):  # any change while some is live
+        streampool.set_current_device_resource(pool)  # back: its own memory again
+    free(ptr, 4096)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        streampool.set_current_device_resource(before)  # nothing live: no warning
+        ptr = alloc(256)
+        free(ptr, 256)
+        streampool.set_current_device_resource(pool)
+    streampool.set_current_device_resource(before)
+
+
+# A failure callback that frees cached memory through the C entry point while the GIL is
+# released (ctypes.CDLL releases it; so do a library's ops): the inner free runs the
+# logging sink's Python code on a thread that PyO3 counts as attached but that does not
+# hold the GIL. Run in a child, so that a crash fails the test instead of pytest.
+REENTRY = textwrap.dedent(
+    """
+    import ctypes
+    import streampool
+    from streampool import allocators, mr
+    from streampool.sim import SimulatedDevice
+
+    lib = ctypes.CDLL(allocators.library_path())
+    alloc, free = getattr(lib, allocators.ALLOC_FUNCTION), getattr(lib, allocators.FREE_FUNCTION)
+    alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    with SimulatedDevice(capacity_bytes="64MiB"):
+        cache, lines = [], []
+
+        def on_oom(nbytes):
+            while cache:
+                free(cache.pop(), 1 << 20, 0, None)
+            return True
+
+        limited = mr.LimitingResourceAdaptor(streampool.get_current_device_resource(), 4 << 20)
+        stack = mr.LoggingResourceAdaptor(
+            mr.FailureCallbackResourceAdaptor(limited, on_oom), callback=lines.append
+        )
+        streampool.set_current_device_resource(stack)
+        cache += [alloc(1 << 20, 0, None) for _ in range(4)]
+        ptr = alloc(1 << 20, 0, None)  # out of memory: on_oom frees the cache
+        assert ptr and not cache and allocators.failure_count() == 0, (ptr, cache)
+        assert sum(",free," in line for line in lines) == 4, lines
+        free(ptr, 1 << 20, 0, None)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.nosim
+def test_python_code_of_a_resource_reentered_without_the_gil() -> None:
+    done = subprocess.run([sys.executable, "-c", REENTRY], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stdout, done.stderr)
 
 
 @pytest.mark.nosim
@@ -471,10 +542,23 @@ def test_cupy_allocator_bad_input(fake_cupy: tuple[FakeCupy, object]) -> None:
     assert module.streampool_cupy_allocator(64).ptr != 0  # type: ignore[attr-defined]  # still usable
 
 
-def test_cupy_use_sets_the_allocator(fake_cupy: tuple[FakeCupy, object]) -> None:
+def test_cupy_use_sets_the_allocator(
+    fake_cupy: tuple[FakeCupy, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake, module = fake_cupy
+    before = fake.allocator
+    # On the simulated device its memory is host memory: CuPy is left alone.
+    assert module.use() == allocators.SIMULATED  # type: ignore[attr-defined]
+    assert fake.allocator is before
+    monkeypatch.setattr(streampool._native, "using_simulated_device", lambda: False)
     assert "set_allocator" in module.use()  # type: ignore[attr-defined]
     assert fake.allocator is module.streampool_cupy_allocator  # type: ignore[attr-defined]
+
+
+def test_use_everywhere_skips_a_stand_in_module_without_a_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Test suites and doc builds put bare modules in sys.modules: find_spec raises ValueError.
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    assert allocators.use_everywhere()["cupy"] == "skipped: cupy is not installed"
 
 
 def test_cupy_allocator_threads_streams_and_the_gil(

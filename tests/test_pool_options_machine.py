@@ -10,6 +10,7 @@ serves any request within it, and ``release()`` with nothing live leaves nothing
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import threading
@@ -108,6 +109,14 @@ class PoolMachine(RuleBasedStateMachine):
                 self.dev.run()
                 races = self.dev.races()
                 assert not races, races[0]
+                # Everything freed and dropped while the device lives: a pool dropped with
+                # memory live, or after the device, records a drop error.
+                for p, (n, s) in sorted(self.live.items()):
+                    self.top.deallocate(p, n, s)
+                self.live.clear()
+                del self.top, self.pool, self.adaptors
+                self.streams.clear()
+                gc.collect()
         finally:
             self.dev.__exit__(None, None, None)
 

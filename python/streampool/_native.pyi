@@ -392,14 +392,17 @@ def get_current_device_resource() -> MemoryResource:
 def set_current_device_resource(mr: MemoryResource) -> MemoryResource | None:
     """Makes ``mr`` the resource of the current device; returns the previous one (None only
     when there was none and the initial one cannot be made). ``mr`` must be bound to the
-    current device of the current backend (ValueError otherwise)."""
+    current device of the current backend (ValueError otherwise). RuntimeWarning when
+    memory allocated through the C entry points (PyTorch's allocator) is live on the
+    device: it would be freed through ``mr``, which did not make it."""
 
 def get_per_device_resource(device: int) -> MemoryResource:
     """The resource of ``device`` (ValueError when it does not exist)."""
 
 def set_per_device_resource(device: int, mr: MemoryResource) -> MemoryResource | None:
     """Makes ``mr`` the resource of ``device``; returns the previous one. ``mr`` must be
-    bound to that device of the current backend (ValueError otherwise)."""
+    bound to that device of the current backend (ValueError otherwise). RuntimeWarning as
+    :func:`set_current_device_resource` says."""
 
 def get_current_device() -> int:
     """The current device of the current backend."""

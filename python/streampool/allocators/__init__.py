@@ -16,7 +16,9 @@ moving from RMM is a change of import:
 Every allocation goes through the current resource of its device
 (:func:`streampool.set_current_device_resource`), so pools, adaptors and statistics
 apply to the libraries' memory. Set the resource first: memory is freed through the
-resource that is current when it is freed.
+resource that is current when it is freed, and a change while PyTorch's memory is live
+warns (``RuntimeWarning``), since a resource that did not make the memory may accept it
+and hand live memory out again.
 
 PyTorch calls C functions exported by streampool's extension module (no GIL, no Python
 object on that path): ``void* streampool_alloc(size_t size, int device, cudaStream_t
@@ -35,6 +37,7 @@ from .. import _native
 __all__ = [
     "ALLOC_FUNCTION",
     "FREE_FUNCTION",
+    "SIMULATED",
     "failure_count",
     "last_error",
     "library_path",
@@ -68,6 +71,12 @@ def failure_count() -> int:
 
 _LIBRARIES = ("torch", "cupy", "numba", "rmm")
 
+#: What each library's ``use()`` returns on the simulated device, changing nothing.
+SIMULATED = (
+    "skipped: streampool runs on the simulated device (STREAMPOOL_DEVICE=sim or a SimulatedDevice), "
+    "whose memory is host memory that a GPU library's kernels cannot use"
+)
+
 
 def use_everywhere(*, verbose: bool = False) -> dict[str, str]:
     """Makes every installed library among PyTorch, CuPy and Numba allocate through
@@ -85,15 +94,13 @@ def use_everywhere(*, verbose: bool = False) -> dict[str, str]:
         probe = "numba.cuda" if name == "numba" else name
         try:
             found = importlib.util.find_spec(probe) is not None
-        except ImportError:  # numba without numba.cuda
+        except (ImportError, ValueError):  # numba without numba.cuda; a stand-in without __spec__
             found = False
         if not found:
             done[name] = f"skipped: {probe} is not installed"
             continue
-        if simulated:  # its memory is host memory: a GPU library's kernels cannot use it
-            done[name] = (
-                "skipped: streampool runs on the simulated device (STREAMPOOL_DEVICE=sim or a SimulatedDevice)"
-            )
+        if simulated:
+            done[name] = SIMULATED
             continue
         try:
             module = importlib.import_module(f"{__name__}.{name}")

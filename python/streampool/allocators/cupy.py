@@ -33,6 +33,7 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
     ) from e
 
 from .. import _native
+from . import SIMULATED
 
 __all__ = ["rmm_cupy_allocator", "streampool_cupy_allocator", "use"]
 
@@ -67,6 +68,9 @@ rmm_cupy_allocator = streampool_cupy_allocator
 
 def use() -> str:
     """Makes :func:`streampool_cupy_allocator` CuPy's allocator (``cupy.cuda.set_allocator``)
-    for the rest of the process, or until it is set again. Returns what it did."""
+    for the rest of the process, or until it is set again. Returns what it did (a
+    ``"skipped: ..."`` line, changing nothing, on the simulated device)."""
+    if _native.using_simulated_device():
+        return SIMULATED
     cupy.cuda.set_allocator(streampool_cupy_allocator)
     return "cupy.cuda.set_allocator(streampool.allocators.cupy.streampool_cupy_allocator)"

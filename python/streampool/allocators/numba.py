@@ -27,6 +27,7 @@ import ctypes
 from typing import Any
 
 from .. import _native
+from . import SIMULATED
 
 
 def _cuda_simulator() -> bool:
@@ -137,7 +138,9 @@ def use() -> str:
     (``numba.cuda.set_memory_manager``). Call it before Numba's first CUDA use: a context
     made before keeps its manager, and this raises RuntimeError saying so. Returns what it
     did: a ``"skipped: ..."`` line, changing nothing, when Numba sees no GPU
-    (``numba.cuda.is_available()`` is False)."""
+    (``numba.cuda.is_available()`` is False) or on the simulated device."""
+    if _native.using_simulated_device():
+        return SIMULATED
     if not cuda.is_available():
         return "skipped: Numba sees no CUDA device (numba.cuda.is_available() is False)"
     if _context_made():

@@ -33,7 +33,8 @@ try:
 except ImportError as e:  # pragma: no cover - depends on what is installed
     raise ImportError("streampool.allocators.torch needs PyTorch with CUDA support: pip install torch") from e
 
-from . import ALLOC_FUNCTION, FREE_FUNCTION, library_path
+from .. import _native
+from . import ALLOC_FUNCTION, FREE_FUNCTION, SIMULATED, library_path
 
 # Also `streampool_torch_allocator` and `rmm_torch_allocator`, made on first use (`__getattr__`).
 __all__ = ["allocator", "mem_pool", "use"]
@@ -46,6 +47,10 @@ def allocator() -> Any:
     """The ``torch.cuda.memory.CUDAPluggableAllocator`` over streampool's exported
     functions (made once). Raises RuntimeError where this PyTorch has no CUDA support."""
     global _ALLOCATOR
+    if _native.using_simulated_device():
+        raise RuntimeError(
+            f"no PyTorch allocator over streampool here: {SIMULATED.removeprefix('skipped: ')}"
+        )
     if _ALLOCATOR is None:
         if not hasattr(_torch_memory, "CUDAPluggableAllocator") or not torch.backends.cuda.is_built():
             raise RuntimeError(
@@ -60,10 +65,13 @@ def use() -> str:
     """Makes streampool PyTorch's CUDA allocator for the rest of the process
     (``torch.cuda.memory.change_current_allocator``). Call it before the first CUDA tensor:
     PyTorch cannot swap an allocator it has used, and this raises RuntimeError saying so.
-    Calling it again is harmless. Returns what it did."""
+    Calling it again is harmless. Returns what it did (a ``"skipped: ..."`` line, changing
+    nothing, on the simulated device or where PyTorch sees no GPU)."""
     global _IN_USE
     if _IN_USE:
         return "already allocating through streampool"
+    if _native.using_simulated_device():
+        return SIMULATED
     if not torch.cuda.is_available():
         return "skipped: PyTorch sees no CUDA device (torch.cuda.is_available() is False)"
     try:

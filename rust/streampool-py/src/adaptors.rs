@@ -9,7 +9,8 @@
 //! # Calling into Python from a resource
 //!
 //! `allocate`/`deallocate` release the GIL before calling the core. A failure callback, a
-//! logging sink or a stack capture then re-attaches (`Python::try_attach`) on the same
+//! logging sink or a stack capture then re-attaches ([`crate::gil::try_attach`], which
+//! also holds where foreign code released the GIL behind PyO3's back) on the same
 //! thread, runs the Python code, and returns. The core adaptors hold no lock across these
 //! calls (each adaptor's docs say so), so a callback may allocate from or free into the
 //! same stack without deadlock. An exception a callback raises is stashed by
@@ -151,7 +152,7 @@ fn require_callable(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Py<PyAny>> {
 
 fn failure_callback(slot: Arc<CallbackSlot>) -> FailureCallback {
     Arc::new(move |bytes: usize| {
-        Python::try_attach(|py| {
+        crate::gil::try_attach(|py| {
             let Some(f) = slot.get(py) else { return Ok(false) };
             // Its answer's truth, as RMM reads it (None: no retry).
             let retry = f.bind(py).call1((bytes,)).and_then(|answer| answer.is_truthy());
@@ -163,7 +164,7 @@ fn failure_callback(slot: Arc<CallbackSlot>) -> FailureCallback {
 
 fn log_callback(slot: Arc<CallbackSlot>) -> LogSink {
     LogSink::Callback(Arc::new(move |line: &str| {
-        Python::try_attach(|py| {
+        crate::gil::try_attach(|py| {
             let Some(f) = slot.get(py) else { return Ok(()) };
             f.bind(py)
                 .call1((line,))
@@ -180,7 +181,7 @@ static CURRENT_THREAD: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 /// (`threading.current_thread()`); the Rust thread's name and id when the interpreter
 /// is not available.
 fn python_thread() -> String {
-    let label = Python::try_attach(|py| -> PyResult<String> {
+    let label = crate::gil::try_attach(|py| -> PyResult<String> {
         let thread = CURRENT_THREAD.import(py, "threading", "current_thread")?.call0()?;
         let name: String = thread.getattr("name")?.extract()?;
         Ok(format!("{name} (ident {})", thread.getattr("ident")?))
@@ -196,7 +197,7 @@ fn python_thread() -> String {
 
 /// The Python stack of the thread that is allocating (`traceback.format_stack()`).
 fn python_stack() -> String {
-    let stack = Python::try_attach(|py| -> PyResult<String> {
+    let stack = crate::gil::try_attach(|py| -> PyResult<String> {
         let frames = py.import("traceback")?.call_method0("format_stack")?;
         PyString::new(py, "").call_method1("join", (frames,))?.extract()
     });
@@ -824,7 +825,7 @@ impl MemoryResource for CallbackResource {
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> streampool::Result<DevPtr> {
         const WHAT: &str = "allocate function";
-        Python::try_attach(|py| {
+        crate::gil::try_attach(|py| {
             let Some(f) = self.allocate.get(py) else { return Err(no_interpreter(WHAT)) };
             let call = || -> PyResult<DevPtr> {
                 let answer = f.bind(py).call1((bytes, stream_object(py, stream)?))?;
@@ -853,7 +854,7 @@ impl MemoryResource for CallbackResource {
 
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> streampool::Result<()> {
         const WHAT: &str = "deallocate function";
-        Python::try_attach(|py| {
+        crate::gil::try_attach(|py| {
             let Some(f) = self.deallocate.get(py) else { return Err(no_interpreter(WHAT)) };
             let call = || -> PyResult<()> {
                 f.bind(py).call1((ptr, bytes, stream_object(py, stream)?))?;

@@ -96,7 +96,7 @@ pub(crate) fn release(mut alloc: Allocation) {
         None => {
             let resource = name(&alloc);
             let mut alloc = Some(alloc);
-            let result = Python::try_attach(|py| {
+            let result = crate::gil::try_attach(|py| {
                 let alloc = alloc.take();
                 let result = py.detach(move || alloc.map_or(Ok(()), Allocation::free));
                 crate::errors::report_swallowed_log_errors(py, &result);
@@ -127,11 +127,11 @@ fn report_refused_free(ptr: DevPtr, bytes: usize, resource: &str, e: Error) {
             &e,
         );
         if matches!(e, Error::Callback(_) | Error::CallbackOutOfMemory(_)) {
-            let _ = Python::try_attach(|py| to_pyerr(py, e).write_unraisable(py, None));
+            let _ = crate::gil::try_attach(|py| to_pyerr(py, e).write_unraisable(py, None));
         }
         return;
     }
-    let _ = Python::try_attach(|py| {
+    let _ = crate::gil::try_attach(|py| {
         let e = Error::InvalidPointer(format!(
             "freeing a DeviceBuffer's memory ({bytes} bytes at {ptr:#x}) failed: was its pointer freed \
              by hand? ({e})"

@@ -31,7 +31,11 @@
 //!
 //! A caveat shared with RMM's allocators: memory is freed through the resource that is
 //! current at the free. Set the resource before the library allocates, and keep it while
-//! that memory lives.
+//! that memory lives: a resource that did not make it may accept the free (the driver's
+//! pool takes the start of a pool's chunk) and hand live memory out again. So each thread
+//! counts the allocations it made and freed per device ([`live`]), and a change of a
+//! device's resource while some are live warns. A replaced resource stays alive in the
+//! caches of the threads that used it until each calls again.
 
 use std::any::Any;
 use std::cell::RefCell;
@@ -63,6 +67,9 @@ pub extern "C" fn streampool_alloc(size: usize, device: c_int, stream: *mut c_vo
     let handle = stream as RawStream;
     let what = || alloc_call(size, device, handle);
     if let Some(ptr) = fast_path(device, handle, what, 0, |mr, stream| mr.try_allocate(size, stream)) {
+        if ptr != 0 {
+            live::count(device, 1);
+        }
         return ptr as *mut c_void;
     }
     let ptr = guarded(what, || {
@@ -70,8 +77,12 @@ pub extern "C" fn streampool_alloc(size: usize, device: c_int, stream: *mut c_vo
             Some(settled) => settled,
             None => mr.allocate(size, stream),
         })
-    });
-    ptr.unwrap_or(0) as *mut c_void
+    })
+    .unwrap_or(0);
+    if ptr != 0 {
+        live::count(device, 1);
+    }
+    ptr as *mut c_void
 }
 
 /// Frees `ptr` (of `size` bytes, as allocated on `device`) for reuse after the work
@@ -81,15 +92,106 @@ pub extern "C" fn streampool_alloc(size: usize, device: c_int, stream: *mut c_vo
 pub extern "C" fn streampool_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
     let (ptr, handle) = (ptr as DevPtr, stream as RawStream);
     let what = || free_call(ptr, size, device, handle);
-    if let Some(()) = fast_path(device, handle, what, (), |mr, stream| mr.try_deallocate(ptr, size, stream)) {
+    let freed = |settled: Option<Result<()>>| {
+        if matches!(settled, Some(Ok(()))) {
+            live::count(device, -1);
+        }
+        settled
+    };
+    if let Some(()) =
+        fast_path(device, handle, what, (), |mr, stream| freed(mr.try_deallocate(ptr, size, stream)))
+    {
         return;
     }
     guarded(what, || {
-        with_current(Some(device), handle, |_, mr, stream| match mr.try_deallocate(ptr, size, stream) {
-            Some(settled) => settled,
-            None => mr.deallocate(ptr, size, stream),
+        with_current(Some(device), handle, |_, mr, stream| {
+            freed(Some(match mr.try_deallocate(ptr, size, stream) {
+                Some(settled) => settled,
+                None => mr.deallocate(ptr, size, stream),
+            }))
+            .expect("given Some")
         })
     });
+}
+
+/// Allocations made through the C entry points and not yet freed through them, per device:
+/// memory that a change of the device's resource would have freed through a resource that
+/// did not make it ([`live_allocations`], read when the resource is set). Each thread
+/// counts in a line of its own, so the hot path writes no shared memory.
+pub(crate) mod live {
+    use std::ffi::c_int;
+    use std::sync::atomic::{AtomicI64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    /// Devices counted (ordinals from 0); the rest are not.
+    const DEVICES: usize = 64;
+
+    struct Counts([AtomicI64; DEVICES]);
+
+    impl Counts {
+        const fn new() -> Self {
+            Counts([const { AtomicI64::new(0) }; DEVICES])
+        }
+    }
+
+    /// Every live thread's counts, and what exited threads left.
+    static THREADS: Mutex<Vec<Arc<Counts>>> = Mutex::new(Vec::new());
+    static EXITED: Counts = Counts::new();
+
+    /// A thread's counts, registered while it lives; folded into `EXITED` when it exits.
+    struct Mine(Arc<Counts>);
+
+    impl Drop for Mine {
+        fn drop(&mut self) {
+            let mut threads = THREADS.lock().unwrap_or_else(|e| e.into_inner());
+            for (total, mine) in EXITED.0.iter().zip(&self.0 .0) {
+                total.fetch_add(mine.load(Ordering::Relaxed), Ordering::Relaxed);
+            }
+            threads.retain(|t| !Arc::ptr_eq(t, &self.0));
+        }
+    }
+
+    thread_local! {
+        static MINE: Mine = {
+            let counts = Arc::new(Counts::new());
+            THREADS.lock().unwrap_or_else(|e| e.into_inner()).push(counts.clone());
+            Mine(counts)
+        };
+    }
+
+    /// Adds `delta` to this thread's count of `device` (only this thread writes it).
+    #[inline]
+    pub(crate) fn count(device: c_int, delta: i64) {
+        let Ok(d) = usize::try_from(device) else { return };
+        if d < DEVICES {
+            let _ = MINE.try_with(|mine| {
+                let c = &mine.0 .0[d];
+                c.store(c.load(Ordering::Relaxed) + delta, Ordering::Relaxed);
+            });
+        }
+    }
+
+    /// Allocations of `device` made through the C entry points and live now (as far as
+    /// the threads' counts, read without stopping them, tell).
+    pub(crate) fn live_allocations(device: i32) -> i64 {
+        let Ok(d) = usize::try_from(device) else { return 0 };
+        if d >= DEVICES {
+            return 0;
+        }
+        let threads = THREADS.lock().unwrap_or_else(|e| e.into_inner());
+        EXITED.0[d].load(Ordering::Relaxed)
+            + threads.iter().map(|t| t.0[d].load(Ordering::Relaxed)).sum::<i64>()
+    }
+
+    /// Forgets every count: the backend whose memory they counted went away.
+    pub(crate) fn forget() {
+        let threads = THREADS.lock().unwrap_or_else(|e| e.into_inner());
+        for counts in threads.iter().map(|t| &t.0).chain([&EXITED.0]) {
+            for c in counts {
+                c.store(0, Ordering::Relaxed);
+            }
+        }
+    }
 }
 
 static FAILURES: AtomicU64 = AtomicU64::new(0);

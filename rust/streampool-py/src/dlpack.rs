@@ -214,7 +214,7 @@ unsafe extern "C" fn delete<M: Managed>(managed: *mut M) {
     let mut owner = Some(owner);
     // Dropping a Python reference needs the interpreter; at shutdown it may be gone, and a
     // leaked reference is the only safe outcome then.
-    if Python::try_attach(|_py| drop(owner.take())).is_none() {
+    if crate::gil::try_attach(|_py| drop(owner.take())).is_none() {
         std::mem::forget(owner);
     }
 }

@@ -70,3 +70,32 @@ pub(crate) fn fast_path_settled(py: Python<'_>) {
     MISSES.store(misses, Ordering::Relaxed);
     SKIP.store((1 << misses) - 1, Ordering::Relaxed);
 }
+
+extern "C" {
+    /// Whether this thread holds the GIL (its thread state is the current one). Not in the
+    /// limited API's headers, but exported by every CPython this module supports.
+    fn PyGILState_Check() -> std::ffi::c_int;
+}
+
+/// `Python::try_attach`, also where PyO3 counts this thread as attached while foreign code
+/// it called released the GIL behind its back: a resource's Python callback that calls a
+/// library op or a `ctypes` function (which release the GIL), which then allocates or frees
+/// through streampool on the same thread (the C entry points), re-enters with PyO3's count
+/// above 0 and no GIL. PyO3 would run Python code without it (a crash); here the GIL is
+/// taken for the call (`PyGILState_Ensure` restores the thread's saved state) and given
+/// back after. None where the interpreter cannot be attached (it is shutting down).
+pub(crate) fn try_attach<R>(f: impl FnOnce(Python<'_>) -> R) -> Option<R> {
+    Python::try_attach(|py| {
+        // SAFETY: only reads this thread's state.
+        if unsafe { PyGILState_Check() } == 1 {
+            return f(py);
+        }
+        // SAFETY: the interpreter is initialised (PyO3 attached once on this thread) and
+        // this thread does not hold the GIL; `Release` is given the state `Ensure` returned.
+        let state = unsafe { pyo3::ffi::PyGILState_Ensure() };
+        let result = f(py);
+        // SAFETY: the state this thread's `PyGILState_Ensure` returned, released once.
+        unsafe { pyo3::ffi::PyGILState_Release(state) };
+        result
+    })
+}

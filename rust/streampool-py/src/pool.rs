@@ -244,7 +244,7 @@ impl Arena {
                 self.pool.stats()
             );
             // At interpreter shutdown there is no logger to write to: the error still goes on.
-            let _ = Python::try_attach(|py| -> PyResult<()> {
+            let _ = crate::gil::try_attach(|py| -> PyResult<()> {
                 let logger = py.import("logging")?.call_method1("getLogger", ("streampool",))?;
                 logger.call_method1("error", ("%s", text))?;
                 Ok(())

@@ -552,6 +552,9 @@ fn set_resource(
         let previous = reg.get_or_insert_with(HashMap::new).insert(key, mr.clone().unbind());
         (previous, publish(key, Some(res.clone())))
     };
+    if replaced.as_ref().is_some_and(|old| !Arc::ptr_eq(old, res)) {
+        warn_live_allocations(py, device, &mr.repr()?.to_string())?;
+    }
     drop(replaced); // after the lock: it may be the last reference
     match previous {
         Some(p) => Ok(Some(p)),
@@ -560,6 +563,24 @@ fn set_resource(
         // None only when it cannot be made (a device without memory pools).
         None => Ok(initial_resource(py, backend, device).ok()),
     }
+}
+
+/// Warns where allocations made on `device` through the C entry points are live while
+/// its resource changes to `next`: they would be freed through a resource that did not
+/// make them.
+fn warn_live_allocations(py: Python<'_>, device: i32, next: &str) -> PyResult<()> {
+    let live = crate::capi::live::live_allocations(device);
+    if live <= 0 {
+        return Ok(());
+    }
+    let message = format!(
+        "{live} allocation(s) made on device {device} through streampool's C entry points (PyTorch's \
+         allocator, or ctypes) are live, and will be freed through {next}, which did not make them: \
+         memory corruption where it accepts them. Free that memory first, or set the resource before \
+         the library allocates"
+    );
+    let message = std::ffi::CString::new(message).expect("no NUL in the message");
+    PyErr::warn(py, &py.get_type::<pyo3::exceptions::PyRuntimeWarning>(), &message, 1)
 }
 
 /// Forgets the resources of a backend that is going away (a simulated device that is
@@ -621,6 +642,9 @@ pub(crate) fn set_per_device_resource(
 #[pyfunction]
 pub(crate) fn _reset_device_resources(py: Python<'_>) -> PyResult<()> {
     let backend = detached(py, device::backend)?;
+    for device in 0..detached(py, || backend.device_count())? {
+        warn_live_allocations(py, device, "its initial resource")?;
+    }
     forget_backend(backend.id());
     Ok(())
 }

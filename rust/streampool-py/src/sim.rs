@@ -102,6 +102,7 @@ impl PySimDevice {
         drop(guard);
         self.sim.deactivate();
         forget_backend(self.sim.id());
+        crate::capi::live::forget(); // the memory counted went with the device
     }
 
     /// True while this device is the active one.
@@ -269,6 +270,7 @@ impl Drop for PySimDevice {
         // resources in the current-resource registry must not keep it alive.
         if self.guard.get_mut().map(|g| g.take()).ok().flatten().is_some() {
             forget_backend(self.sim.id());
+            crate::capi::live::forget(); // the memory counted went with the device
         }
     }
 }
