@@ -100,3 +100,64 @@ def test_managed_memory_goes_to_its_gpu_as_device_memory_and_the_cpu_is_device_0
         with pytest.raises(BufferError, match=r"names CPU 5: DLPack's CPU device is \(1, 0\)"):
             buf.__dlpack__(dl_device=(1, 5))
         assert buf.__dlpack__(dl_device=(1, 0)) is not None
+
+
+@pytest.mark.parametrize("how", ["del", "close"])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_the_free_follows_the_consumers_work_once_it_lets_go(
+    sim: SimulatedDevice, how: str, pooled: bool
+) -> None:
+    # torch and CuPy call the deleter when the tensor dies on the host, their kernels on its
+    # stream maybe still queued: the memory's free must follow them.
+    res: mr.MemoryResource = mr.CudaAsyncMemoryResource()
+    if pooled:
+        res = mr.ShardedPoolMemoryResource(res)
+    producer, consumer = streampool.Stream(), streampool.Stream()
+    buf = streampool.DeviceBuffer(size=4096, stream=producer, mr=res)
+    ptr = buf.ptr
+    sim.write(producer, ptr, 4096, label="producer writes")
+    capsule = buf.__dlpack__(stream=consumer.handle, max_version=(1, 0))
+    sim.read(consumer, ptr, 4096, label="consumer's kernel reads, queued")
+    if how == "del":
+        del buf
+    else:
+        buf.close()
+    del capsule  # the consumer lets go: the deleter runs now
+    gc.collect()
+    again = streampool.DeviceBuffer(size=4096, stream=producer, mr=res)
+    assert again.ptr == ptr, "the memory is reused on the buffer's stream"
+    sim.write(producer, again.ptr, 4096, label="next owner writes")
+    sim.run()  # the fixture fails the test on any race
+
+
+@pytest.mark.nosim
+def test_an_export_to_the_host_takes_no_stream_and_waits() -> None:
+    with SimulatedDevice(capacity_bytes="64MiB") as dev:
+        s = streampool.Stream()
+        buf = streampool.DeviceBuffer(size=5, stream=s, mr=mr.ManagedMemoryResource())
+        buf.copy_from_host(b"hello", stream=s)  # enqueued, not yet run
+        for stream in (1, 2, s.handle):
+            with pytest.raises(BufferError, match=r"takes stream=None"):
+                buf.__dlpack__(stream=stream, dl_device=(1, 0))
+        for stream in (True, False):
+            with pytest.raises(BufferError, match="is a bool"):
+                buf.__dlpack__(stream=stream)
+        capsule = buf.__dlpack__(dl_device=(1, 0))
+        assert dev.queued(s) == 0, "the host waited for the buffer's work"
+        del capsule
+
+
+@pytest.mark.nosim
+def test_a_buffer_of_an_exited_simulated_device_exports_nothing() -> None:
+    with SimulatedDevice(capacity_bytes="64MiB"):
+        pool = mr.ShardedPoolMemoryResource(mr.CudaMemoryResource(), expandable=True)
+        buf = streampool.DeviceBuffer(size=4096, mr=pool)
+    assert buf.closed
+    for export in (
+        lambda: buf.ptr,
+        lambda: buf.__cuda_array_interface__,
+        lambda: buf.__dlpack__(stream=-1),
+        lambda: buf.__dlpack__(stream=1),
+    ):
+        with pytest.raises(ValueError, match="closed"):
+            export()

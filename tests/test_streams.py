@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -56,6 +58,27 @@ def test_bad_stream_objects() -> None:
 
     with pytest.raises((TypeError, ValueError)):
         streampool.DeviceBuffer(size=16, stream=Broken())  # type: ignore[arg-type]
+
+    class Version(types.SimpleNamespace):
+        def __cuda_stream__(self) -> object:
+            return self.answer
+
+    # Every stream= argument checks the protocol as Stream(obj) does.
+    handle = streampool.Stream().handle
+    for answer, error, words in (
+        ((1, handle), NotImplementedError, "version"),
+        ((0,), TypeError, "pair"),
+        ((0, handle, 7), TypeError, "pair"),
+    ):
+        obj = Version(answer=answer)
+        uses: tuple[Callable[[Any], object], ...] = (
+            streampool.Stream,
+            lambda o: streampool.DeviceBuffer(size=16, stream=o),
+            lambda o: streampool.get_current_device_resource().allocate(16, o),
+        )
+        for use in uses:
+            with pytest.raises(error, match=words):
+                use(obj)
     with pytest.raises(streampool.InvalidStreamError):
         streampool.DeviceBuffer(size=16, stream=0x12345)
     with pytest.raises(ValueError):

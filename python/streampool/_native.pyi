@@ -927,7 +927,17 @@ class DeviceBuffer:
 
     A drop-in for ``rmm.DeviceBuffer`` (RMM's methods and argument names), except that
     ``stream=None`` means the legacy default stream when a buffer is made, and the
-    buffer's own stream in its methods (RMM's methods default to its default stream).
+    buffer's own stream in its methods (RMM's methods default to its default stream). A
+    method given another ``stream=`` enqueues its work there alone, as RMM's do: work
+    still queued on the buffer's own stream is not waited for (order the streams first),
+    except by ``resize``/``reserve``, which order both, and ``copy_from_device``, which
+    orders the source's stream.
+
+    ``__dlpack__(stream=s)`` orders ``s`` after the buffer's stream, and, when the consumer
+    lets go of the tensor, the buffer's stream after ``s`` (its kernels may still be
+    queued): the memory's free follows the consumer's work. ``stream=-1`` leaves both to
+    the consumer. An export to the host (``dl_device=(1, 0)``) takes ``stream=None`` only,
+    and waits.
 
     Freeing a buffer's memory by hand (``mr.deallocate(buf.ptr, buf.size)``) is refused
     with InvalidPointerError while the buffer is open and its address has been read from
@@ -943,6 +953,8 @@ class DeviceBuffer:
     buffer's until then: never free a buffer's pointer by hand.
 
     On the simulated device, ``ptr`` is a host address, useless to real GPU libraries.
+    Once that device has been exited the buffer is ``closed``: ``ptr`` and the exports
+    raise, since the memory went with the device.
     """
 
     def __new__(

@@ -233,6 +233,9 @@ impl DeviceBuffer {
     }
 
     fn share(&self, expose: bool) -> PyResult<Arc<Allocation>> {
+        // The memory of a simulated device since exited is gone (unmapped, for an
+        // expandable pool's): nothing may hand out its address or use it.
+        self.mr.get().inner.backend().check_open().map_err(|e| PyValueError::new_err(e.to_string()))?;
         let mut slot = self.slot();
         let shared = match std::mem::take(&mut *slot) {
             Memory::Own(alloc) => Arc::new(alloc),
@@ -671,6 +674,9 @@ impl DeviceBuffer {
     /// The device address (0 for an empty buffer).
     #[getter]
     fn ptr(&self) -> PyResult<DevPtr> {
+        if self.closed() {
+            return Err(closed());
+        }
         let slot = self.slot();
         let ptr = slot.get().map(Allocation::ptr).ok_or_else(closed)?;
         self.expose(ptr);
@@ -772,10 +778,11 @@ impl DeviceBuffer {
         if copy == Some(true) {
             return Err(buffer_error("DeviceBuffer cannot export a copy; copy=True is not supported"));
         }
-        let host_may_read = exported.0 == dlpack::KDL_CPU || ours.0 != dlpack::KDL_CUDA;
-        dlpack::order_consumer(slf.py(), &alloc, stream, host_may_read)?;
+        let to_host = exported.0 == dlpack::KDL_CPU;
+        let host_may_read = to_host || ours.0 != dlpack::KDL_CUDA;
+        let consumer = dlpack::order_consumer(slf.py(), &alloc, stream, host_may_read, to_host)?;
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
-        dlpack::export(slf, alloc, this.len(), exported, versioned)
+        dlpack::export(slf, alloc, this.len(), exported, versioned, consumer)
     }
 
     /// Copies the buffer to host memory and waits for the copy (GIL released). Without
@@ -1049,6 +1056,7 @@ impl DeviceBuffer {
         let alloc = self.live()?;
         let resource = alloc.resource().clone();
         let to = location_arg(device, Location::Device(resource.device()))?;
+        self.check_stream(py, stream)?;
         let stream = Self::op_stream(py, &alloc, stream)?;
         if managed::require_managed(resource.as_ref(), "prefetch", "this buffer's").is_err() {
             // Nothing to move; the device is still checked, as for managed memory.

@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyInt};
+use pyo3::types::{PyBool, PyCapsule, PyInt};
+use streampool::error::record_drop_error;
 use streampool::{Allocation, Event, MemoryKind, Stream};
 
 use crate::buffer::{self, DeviceBuffer};
@@ -180,10 +181,12 @@ impl Managed for DLManagedTensorVersioned {
     }
 }
 
-/// What keeps the memory valid while a consumer holds the tensor.
+/// What keeps the memory valid while a consumer holds the tensor, and the consumer's
+/// stream, whose work on it every later free must follow.
 struct Keep {
     owner: Py<DeviceBuffer>,
     alloc: Arc<Allocation>,
+    consumer: Option<Stream>,
 }
 
 /// One export: the managed tensor (first, so that its address is the export's), the
@@ -206,7 +209,12 @@ unsafe extern "C" fn delete<M: Managed>(managed: *mut M) {
     // `Box::into_raw` and whose `manager_ctx` is that box; the DLPack contract calls the
     // deleter once, so the box is reclaimed once.
     let export = unsafe { Box::from_raw((*managed).ctx().cast::<Export<M>>()) };
-    let Keep { owner, alloc } = export.keep;
+    let Keep { owner, alloc, consumer } = export.keep;
+    // The consumer lets go on the host, maybe with its kernels still queued: the buffer's
+    // stream, on which the memory is freed (now, or by the buffer later), waits for them.
+    if let Some(consumer) = consumer {
+        order_after_consumer(&alloc, &consumer);
+    }
     // The last holder frees the memory, reporting a refused (double) free.
     if let Some(alloc) = Arc::into_inner(alloc) {
         buffer::release(alloc);
@@ -216,6 +224,24 @@ unsafe extern "C" fn delete<M: Managed>(managed: *mut M) {
     // leaked reference is the only safe outcome then.
     if crate::gil::try_attach(|_py| drop(owner.take())).is_none() {
         std::mem::forget(owner);
+    }
+}
+
+/// Makes the stream of `alloc` wait for the work enqueued on `consumer` so far. Where that
+/// cannot be done (the consumer's stream was destroyed), the device is synchronised
+/// instead, so that the free that follows is safe all the same. On a simulated device
+/// since closed there is nothing to order.
+fn order_after_consumer(alloc: &Allocation, consumer: &Stream) {
+    let resource = alloc.resource();
+    let (backend, device) = (resource.backend(), resource.device());
+    if backend.check_open().is_err() {
+        return;
+    }
+    if let Err(e) = alloc.stream().wait_for(backend, device, consumer, device) {
+        record_drop_error("ordering a DLPack export's memory after its consumer's stream", &e);
+        if let Err(e) = backend.ctx_synchronize(device) {
+            record_drop_error("synchronising the device for a DLPack export's free", &e);
+        }
     }
 }
 
@@ -237,17 +263,20 @@ unsafe extern "C" fn destroy_capsule<M: Managed>(capsule: *mut ffi::PyObject) {
 
 /// The capsule for `__dlpack__` of the first `len` bytes of `alloc`: versioned when
 /// `versioned`, legacy otherwise.
+/// `consumer`: the consumer's stream (from [`order_consumer`]), which the memory's free
+/// will follow.
 pub(crate) fn export<'py>(
     owner: &Bound<'py, DeviceBuffer>,
     alloc: Arc<Allocation>,
     len: usize,
     device: (i32, i32),
     versioned: bool,
+    consumer: Option<Stream>,
 ) -> PyResult<Bound<'py, PyCapsule>> {
     if versioned {
-        make::<DLManagedTensorVersioned>(owner, alloc, len, device)
+        make::<DLManagedTensorVersioned>(owner, alloc, len, device, consumer)
     } else {
-        make::<DLManagedTensor>(owner, alloc, len, device)
+        make::<DLManagedTensor>(owner, alloc, len, device, consumer)
     }
 }
 
@@ -256,6 +285,7 @@ fn make<'py, M: Managed>(
     alloc: Arc<Allocation>,
     len: usize,
     (device_type, device_id): (i32, i32),
+    consumer: Option<Stream>,
 ) -> PyResult<Bound<'py, PyCapsule>> {
     let py = owner.py();
     let len = i64::try_from(len).map_err(|_| buffer_error("buffer too large for DLPack"))?;
@@ -268,7 +298,7 @@ fn make<'py, M: Managed>(
         strides: null_mut(),
         byte_offset: 0,
     };
-    let keep = Keep { owner: owner.clone().unbind(), alloc };
+    let keep = Keep { owner: owner.clone().unbind(), alloc, consumer };
     let raw = Box::into_raw(Box::new(Export { managed: M::new(tensor), shape: [len], strides: [1], keep }));
     // SAFETY: `raw` is a fresh, valid box; the shape and strides it points to live in the
     // same box, which outlives the tensor (it is the tensor).
@@ -298,33 +328,51 @@ fn make<'py, M: Managed>(
 /// as the calling thread names them: the buffer's stream is kept resolved, so for a buffer
 /// made on another thread's per-thread default stream the event is recorded on the legacy
 /// default stream, after all of that thread's earlier work (`Stream::resolved`). A consumer
-/// stream of another device is refused: DLPack does not copy between devices.
+/// stream of another device is refused: DLPack does not copy between devices. An export to
+/// the host (`to_host`: `dl_device` of kDLCPU) takes `stream=None` only, as the array
+/// API's `__dlpack__` says, and the host waits.
+///
+/// Returns the consumer's stream where the memory's free must follow its work: not for
+/// -1 (the consumer keeps its own order), the host (it has waited), or the buffer's own
+/// stream.
 pub(crate) fn order_consumer(
     py: Python<'_>,
     alloc: &Arc<Allocation>,
     stream: Option<&Bound<'_, PyAny>>,
     host_may_read: bool,
-) -> PyResult<()> {
+    to_host: bool,
+) -> PyResult<Option<Stream>> {
     let backend = alloc.resource().backend().clone();
     let device = alloc.resource().device();
-    let host_waits = host_may_read && stream.is_none_or(|s| s.is_none());
-    let consumer =
-        match stream.filter(|s| !s.is_none()) {
-            None => Stream::legacy(),
-            Some(s) => {
-                if s.is_instance_of::<PyInt>() {
-                    match s.extract::<i64>() {
-                        Ok(-1) => return Ok(()),
-                        Ok(0) => return Err(buffer_error(
+    let given = stream.filter(|s| !s.is_none());
+    if to_host && given.is_some() {
+        return Err(buffer_error(
+            "an export to the host (dl_device=(1, 0)) takes stream=None: the host has no stream, and \
+             waits for the buffer's work before the export returns",
+        ));
+    }
+    let host_waits = host_may_read && given.is_none();
+    let consumer = match given {
+        None => Stream::legacy(),
+        Some(s) => {
+            if s.is_instance_of::<PyBool>() {
+                return Err(buffer_error(format!("stream={s} is a bool: pass None, -1, 1, 2 or a stream")));
+            }
+            if s.is_instance_of::<PyInt>() {
+                match s.extract::<i64>() {
+                    Ok(-1) => return Ok(None),
+                    Ok(0) => {
+                        return Err(buffer_error(
                             "stream=0 is ambiguous in DLPack: pass 1 for the legacy default stream, 2 for \
                              the per-thread default stream, -1 for no synchronisation, or a stream handle",
-                        )),
-                        _ => {}
+                        ))
                     }
+                    _ => {}
                 }
-                to_stream(py, Some(s), || &backend)?.into_owned()
             }
-        };
+            to_stream(py, Some(s), || &backend)?.into_owned()
+        }
+    };
     if let Some((_, theirs)) = consumer.binding().filter(|(_, d)| *d != device) {
         return Err(buffer_error(format!(
             "the consumer's stream is on device {theirs} but the DeviceBuffer on device {device}: \
@@ -334,14 +382,16 @@ pub(crate) fn order_consumer(
     let producer = alloc.stream().clone();
     // One stream for this thread (handle 2 is this thread's own on both sides).
     if producer.handle() == consumer.handle() && !host_waits {
-        return Ok(());
+        return Ok(None);
     }
+    let same = producer.handle() == consumer.handle();
     detached(py, move || {
         let event = Event::new(&backend, device)?;
         event.record(&producer)?;
         if host_waits {
             event.synchronize()?;
         }
-        consumer.wait(&event)
+        consumer.wait(&event)?;
+        Ok((!host_waits && !same).then_some(consumer))
     })
 }

@@ -137,16 +137,6 @@ impl PyStream {
             let owner = ours.owner.as_ref().map(|o| o.clone_ref(py)).unwrap_or_else(|| obj.clone().unbind());
             return Ok(PyStream { inner: ours.inner.clone(), owner: Some(owner) });
         }
-        if let Some(proto) = obj.getattr_opt("__cuda_stream__")? {
-            let pair = proto.call0()?;
-            let version = pair.get_item(0).ok().and_then(|v| v.extract::<i64>().ok());
-            if version != Some(0) {
-                return Err(PyNotImplementedError::new_err(format!(
-                    "__cuda_stream__ protocol version {} is not supported (only version 0)",
-                    pair.repr()?
-                )));
-            }
-        }
         let backend = detached(py, device::backend)?;
         let inner = foreign_stream(py, obj, &backend)?;
         Ok(PyStream { inner, owner: Some(obj.clone().unbind()) })
@@ -293,9 +283,18 @@ fn foreign_handle<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, Py
     }
     if let Some(proto) = obj.getattr_opt("__cuda_stream__")? {
         let pair = proto.call0()?;
-        let pair = pair
-            .cast::<PyTuple>()
-            .map_err(|_| PyTypeError::new_err("__cuda_stream__() must return a (version, handle) tuple"))?;
+        let pair = pair.cast::<PyTuple>().ok().filter(|p| p.len() == 2).ok_or_else(|| {
+            PyTypeError::new_err(format!(
+                "__cuda_stream__() must return a (version, handle) pair, not {}",
+                pair.repr().map(|r| r.to_string()).unwrap_or_default()
+            ))
+        })?;
+        if pair.get_item(0)?.extract::<i64>().ok() != Some(0) {
+            return Err(PyNotImplementedError::new_err(format!(
+                "__cuda_stream__ protocol version {} is not supported (only version 0)",
+                pair.repr()?
+            )));
+        }
         return Ok(Some(pair.get_item(1)?));
     }
     if let Some(h) = obj.getattr_opt("cuda_stream")? {
