@@ -142,6 +142,8 @@ def test_an_export_to_the_host_takes_no_stream_and_waits() -> None:
         for stream in (True, False):
             with pytest.raises(BufferError, match="is a bool"):
                 buf.__dlpack__(stream=stream)
+        with pytest.raises(ValueError, match="max_version"):
+            buf.__dlpack__(max_version=(-1, 0))
         capsule = buf.__dlpack__(dl_device=(1, 0))
         assert dev.queued(s) == 0, "the host waited for the buffer's work"
         del capsule

@@ -1027,9 +1027,13 @@ class DeviceBuffer:
         object, made to wait for the buffer's stream; 0 is refused (ambiguous). None means
         the legacy default stream, and for managed or pinned memory the host waits for the
         buffer's stream too (a consumer that names no stream, as numpy, may read on the
-        host). ``dl_device=(1, 0)`` (the CPU) is accepted for managed and pinned memory.
-        Raises BufferError naming the fix for device memory asked for on the CPU, for a
-        consumer (``dl_device`` or stream) on another device, and for ``copy=True``."""
+        host). When the consumer deletes the tensor, the buffer's stream waits for the
+        consumer's (not for -1), so that the memory's free follows the consumer's work.
+        ``dl_device=(1, 0)`` (the CPU) is accepted for managed and pinned memory, with
+        ``stream=None`` only. Raises BufferError naming the fix for device memory asked for
+        on the CPU, for a stream given with the CPU or as a bool, for a consumer
+        (``dl_device`` or stream) on another device, and for ``copy=True``; ValueError for a
+        negative ``max_version``."""
     @overload
     def copy_to_host(self, ary: None = None, stream: _StreamLike = None) -> Any:
         """Copies the buffer to the host and waits for the copy (GIL released). Without

@@ -760,17 +760,24 @@ impl DeviceBuffer {
     /// the buffer's stream (DLPack's convention: -1 no synchronisation, 1 the legacy default
     /// stream, 2 the per-thread default stream, else a stream handle or object; None: the
     /// legacy default stream, and for managed or pinned memory, which the host may read, the
-    /// host waits for the buffer's stream too). `dl_device=(1, 0)` (the CPU) is accepted for
-    /// managed and pinned memory, refused for device memory; a device other than the
-    /// buffer's is refused (DLPack does not copy).
+    /// host waits for the buffer's stream too). When the consumer lets go of the tensor,
+    /// the buffer's stream waits for the consumer's, so that the memory's free follows its
+    /// work. `dl_device=(1, 0)` (the CPU) is accepted for managed and pinned memory, with
+    /// `stream=None` only (the host waits), refused for device memory; a device other than
+    /// the buffer's is refused (DLPack does not copy).
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__<'py>(
         slf: &Bound<'py, Self>,
         stream: Option<&Bound<'py, PyAny>>,
-        max_version: Option<(u32, u32)>,
+        max_version: Option<(i64, i64)>,
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyCapsule>> {
+        if let Some(v) = max_version.filter(|&(major, minor)| major < 0 || minor < 0) {
+            return Err(PyValueError::new_err(format!(
+                "max_version must be a (major, minor) of ints >= 0, got {v:?}"
+            )));
+        }
         let this = slf.get();
         let alloc = this.live_exposed()?;
         let ours = this.__dlpack_device__();
