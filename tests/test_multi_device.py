@@ -215,7 +215,7 @@ def test_a_buffer_of_an_exited_simulated_device_is_not_a_copy_source() -> None:
     assert old.closed
     with SimulatedDevice(capacity_bytes="64MiB"):
         new = streampool.DeviceBuffer(size=4096)
-        with pytest.raises(ValueError, match="simulated device #[0-9]+ is closed"):
+        with pytest.raises(ValueError, match=r"simulated device #[0-9]+ is closed"):
             new.copy_from_device(old)
         new.copy_from_host(b"new!" * 1024)
         assert new.tobytes() == b"new!" * 1024
