@@ -138,8 +138,10 @@ def test_bench_pipeline_classifies_long_calls_from_native_threads_only() -> None
     assert "null calls > 1 ns: preempted/slept/stolen/on CPU" in out.stdout, out.stdout
     assert "seen in" in out.stdout and "running in" in out.stdout, out.stdout
     # From Python threads a long call is a wait for the GIL as often as not: refused.
+    # A usage error, said before anything runs.
     out = run(*args, "--param", "driver=python", "--param", "long_call_us=100")
-    assert out.returncode != 0 and "driver=native" in out.stderr, out.stderr
+    assert out.returncode == 2 and "driver=native" in out.stderr, out.stderr
+    assert "Device:" not in out.stdout, out.stdout
 
 
 def test_bench_table_is_plain_text_when_piped_and_says_simulated_device() -> None:

@@ -93,6 +93,21 @@ def test_recommend_when_every_candidate_runs_out_of_memory(tmp_path: Path) -> No
     assert document["summary"] and all(row["oom_events"] == 2 for row in document["summary"])
 
 
+def test_usage_mistakes_a_user_makes_are_refused_before_anything_runs(tmp_path: Path) -> None:
+    log = write(
+        tmp_path, "app.log", f"{HEADER}\n1,1.0,allocate,0x1000,4096,0x10\n1,1.1,free,0x1000,4096,0x10\n"
+    )
+    # -o names where a profiled program's log goes: with a log it would be ignored.
+    out = run("recommend", "-o", str(tmp_path / "kept.log"), log, "--quick")
+    failed(out, 2, "-o names where a profiled program's log goes")
+    assert not (tmp_path / "kept.log").exists()
+    # --param streams=N: --streams takes one number.
+    out = run("bench", "window", "--param", "streams=2", "--quick")
+    failed(out, 2, "give it as --streams N")
+    out = run("bench", "window", "--param", "threads=2", "--quick")
+    failed(out, 2, "give it as --threads (a list")
+
+
 def test_bench_counts_no_throughput_for_failed_allocations() -> None:
     out = run("bench", "multistream", "--resources", "limit(async, limit=1KiB)", "--quick", "--json")
     assert out.returncode == 0, out.stderr
@@ -273,6 +288,7 @@ def test_bench_replay_reports_the_logs_own_streams(tmp_path: Path) -> None:
     [
         ("stress", "--seconds", "30", "--threads", "2"),
         ("bench", "pipeline", "--param", "driver=python", "--param", "chunks=100000", "--quick"),
+        ("bench", "pipeline", "--param", "driver=native", "--param", "chunks=100000", "--quick"),
     ],
 )
 def test_ctrl_c_stops_the_threads_and_says_interrupted(args: tuple[str, ...]) -> None:
@@ -287,6 +303,8 @@ def test_ctrl_c_stops_the_threads_and_says_interrupted(args: tuple[str, ...]) ->
     assert proc.stdout.readline().startswith("Device:")  # the command runs
     time.sleep(0.3)  # its threads too
     proc.send_signal(signal.SIGINT)
+    signalled = time.monotonic()
     _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - signalled < 10, "stopped at once, not at the run's end"
     assert proc.returncode == 130, err
     assert err.splitlines()[-1] == f"streampool {args[0]}: interrupted" and "Traceback" not in err, err

@@ -62,8 +62,10 @@ def test_pipeline_refuses_a_bad_long_call_threshold_and_runs_after() -> None:
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="long_call_us must be a finite number"):
             workloads.pipeline(pool, long_call_us=bad, driver="native")
-    with pytest.raises(workloads.WorkloadError, match="driver=native"):
+    with pytest.raises(ValueError, match="driver=native"):
         workloads.pipeline(pool, long_call_us=100, driver="python")
+    with pytest.raises(ValueError, match="driver=native"):  # checked before anything runs
+        workloads.check("pipeline", {"long_call_us": 100, "driver": "python"})
     for bad in (-1.0, 100.5, float("nan")):
         with pytest.raises(ValueError, match="null_call_us must be between 0"):
             workloads.pipeline(pool, long_call_us=100, null_call_us=bad, driver="native")
@@ -418,3 +420,13 @@ def test_ctrl_c_stops_the_worker_threads_before_it_goes_on(sim: Any) -> None:
             run()
         timer.join()
         assert set(threading.enumerate()) == before  # every worker stopped and joined
+
+
+@pytest.mark.parametrize("name", ["window", "random", "multistream", "pipeline"])
+def test_a_thread_count_below_one_is_refused_naming_threads(name: str) -> None:
+    pool = make_resource("async")
+    for threads in (0, -1):
+        with pytest.raises(ValueError, match="threads must be at least 1"):
+            workloads.run(name, pool, threads=threads)
+        with pytest.raises(ValueError, match="threads must be at least 1"):
+            bench.measure(name, ["async"], threads=[threads], repeats=1)

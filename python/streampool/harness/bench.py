@@ -54,6 +54,9 @@ def measure(
     the runs (one dict per run: resource, threads, streams, repeat and the workload's
     metrics, without raw latencies) and their summary (see :func:`summarise`)."""
     params = params or {}
+    threads = list(threads)
+    for t in threads:  # before `streams or t` below makes a bad count read as a bad streams
+        workloads.check_param(workload, "threads", t, "int")
     plan = [
         (t, rep, specs[(i + rep) % len(specs)])
         for t in threads

@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
         "that measures resources on your workload. Without a CUDA driver (or with STREAMPOOL_DEVICE=sim) "
         "everything runs on the simulated device, and says so.",
         epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 bad input, 4 cannot run here, "
-        "130 interrupted; profile exits with the program's status.",
+        "127 the program to profile could not start, 130 interrupted; profile exits with the program's status.",
     )
     p.add_argument("--version", action="version", version=f"streampool {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -417,9 +417,9 @@ def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
         )
     w = workloads.WORKLOADS[args.workload]
     given = dict(args.param)
-    for own in ("threads", "streams"):
+    for own, how in (("threads", "--threads (a list: each value is measured)"), ("streams", "--streams N")):
         if own in given:
-            raise _Fail(EXIT_USAGE, f"--param {own}=...: give it as --{own} (a list: each value is measured)")
+            raise _Fail(EXIT_USAGE, f"--param {own}=...: give it as {how}")
         if getattr(args, own) is not None and own in w.ignores:
             raise _Fail(EXIT_USAGE, f"--{own} does not apply to the {w.name} workload: {w.ignores[own]}")
     if (args.log is not None) != (w.name == "replay"):
@@ -540,6 +540,10 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
         raise _Fail(EXIT_USAGE, "give a log or `-- python prog.py ARGS`, not both")
     if not args.program and args.log is None:
         raise _Fail(EXIT_USAGE, "give a log, or `-- python prog.py ARGS` to profile a program first")
+    if args.output is not None and not args.program:
+        raise _Fail(
+            EXIT_USAGE, "-o names where a profiled program's log goes: it is for `-- python prog.py ARGS`"
+        )
     out = Output(args.json)
     with contextlib.ExitStack() as cleanup:
         log = args.log

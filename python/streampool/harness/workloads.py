@@ -374,23 +374,9 @@ def pipeline(
     classifies those over ``long_call_us`` in ``null_calls``: what the machine alone gives
     a call of that length, whatever the allocator."""
     nbytes = parse_size(chunk_size)
-    if check_every < 0:
-        raise ValueError(f"pipeline: check_every must be 0 (never) or more, not {check_every}")
-    if driver not in ("auto", "native", "python"):
-        raise ValueError(f"pipeline: driver must be auto, native or python, not {driver!r}")
-    if not (long_call_us >= 0 and math.isfinite(long_call_us)):
-        raise ValueError(f"pipeline: long_call_us must be a finite number >= 0 (0: off), not {long_call_us}")
-    if not (0 <= null_call_us <= 100):
-        raise ValueError(f"pipeline: null_call_us must be between 0 (off) and 100, not {null_call_us}")
-    if null_call_us and not long_call_us:
-        raise ValueError("pipeline: null_call_us needs long_call_us (the null calls are counted against it)")
+    _check_pipeline(check_every, driver, long_call_us, null_call_us)
     native = getattr(_native, "pipeline", None)
-    if long_call_us and (driver == "python" or native is None):
-        raise WorkloadError(
-            "pipeline: long_call_us classifies the calls of the native driver (driver=native); "
-            "from Python threads a long call is most often a wait for the GIL"
-        )
-    if driver == "native" and native is None:
+    if (long_call_us or driver == "native") and native is None:
         raise WorkloadError("pipeline driver=native: this build of streampool has no native pipeline")
     if native is not None and driver != "python":
         out = _trace.native_report(
@@ -597,7 +583,27 @@ _LEAST: dict[str, int] = {
     "passes": 1,
     "gap_scale": 0,
     "streams": 0,  # 0: one per thread
+    "threads": 1,
 }
+
+
+def _check_pipeline(check_every: int, driver: str, long_call_us: float, null_call_us: float) -> None:
+    """The pipeline's parameters that take more than a least value: ValueError naming them."""
+    if check_every < 0:
+        raise ValueError(f"pipeline: check_every must be 0 (never) or more, not {check_every}")
+    if driver not in ("auto", "native", "python"):
+        raise ValueError(f"pipeline: driver must be auto, native or python, not {driver!r}")
+    if not (long_call_us >= 0 and math.isfinite(long_call_us)):
+        raise ValueError(f"pipeline: long_call_us must be a finite number >= 0 (0: off), not {long_call_us}")
+    if not (0 <= null_call_us <= 100):
+        raise ValueError(f"pipeline: null_call_us must be between 0 (off) and 100, not {null_call_us}")
+    if null_call_us and not long_call_us:
+        raise ValueError("pipeline: null_call_us needs long_call_us (the null calls are counted against it)")
+    if long_call_us and driver == "python":
+        raise ValueError(
+            "pipeline: long_call_us classifies the calls of the native driver (driver=native); "
+            "from Python threads a long call is most often a wait for the GIL"
+        )
 
 
 def check_param(workload: str, key: str, value: Any, kind: str) -> None:
@@ -639,6 +645,9 @@ def check(name: str, params: dict[str, Any]) -> None:
     # A number where the workload takes only one (sizes also take strings: "64KiB"), in range.
     for key, value in params.items():
         check_param(name, key, value, str(declared[key].annotation))
+    if name == "pipeline":
+        given = {k: p.default for k, p in declared.items()} | params
+        _check_pipeline(given["check_every"], given["driver"], given["long_call_us"], given["null_call_us"])
 
 
 def run(name: str, candidate: Candidate, **params: Any) -> dict[str, Any]:

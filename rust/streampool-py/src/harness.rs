@@ -252,7 +252,7 @@ pub(crate) fn pipeline<'py>(
     };
     let r = {
         let mr = mr.clone();
-        detached(py, move || core::pipeline::pipeline(&*mr, &o))?
+        interruptible(py, |stop| core::pipeline::pipeline_until(&*mr, &o, stop))?
     };
     let d = report_base(py, &mr)?;
     d.set_item("pairs", o.pairs)?;

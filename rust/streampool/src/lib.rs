@@ -9,9 +9,16 @@
 //! * [`MemoryResource`]: the stream-ordered contract every resource implements, and
 //!   [`Allocation`], the owning guard that frees on drop.
 //! * The resources: [`CudaAsyncMemoryResource`] (the recommended default: the driver's
-//!   pool), [`CudaMemoryResource`], [`ManagedMemoryResource`],
-//!   [`PinnedHostMemoryResource`].
+//!   pool), [`CudaAsyncManagedMemoryResource`] (its pool of managed memory),
+//!   [`CudaMemoryResource`], [`ManagedMemoryResource`], [`PinnedHostMemoryResource`],
+//!   and [`ShardedPoolMemoryResource`], the pool that does not serialise threads and
+//!   streams ([`PoolOptions`]).
+//! * [`adaptors`]: resources over another that add one thing each (statistics, tracking,
+//!   limiting, logging, binning, fixed-size, failure callback, prefetch, latency).
+//! * [`managed`]: prefetching and advice for managed memory.
 //! * [`ipc`]: memory of an exportable pool shared with another process.
+//! * [`harness`] and [`kernels`]: the measurement harness's native workloads (replay,
+//!   pipeline) and the fill/check/compute kernels they launch through the seam.
 //!
 //! ## Quick start (runs on the simulated device; drop the first two lines on a GPU)
 //!

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{assert_no_races, sim};
 use streampool::device::{BackendRef, DevPtr, RawStream};
-use streampool::harness::pipeline::{pipeline, LongCalls, PipelineOptions};
+use streampool::harness::pipeline::{pipeline, pipeline_until, LongCalls, PipelineOptions};
 use streampool::harness::replay::{encode, parse, replay, replay_until, Op, Record, ReplayOptions};
 use streampool::harness::NullMemoryResource;
 use streampool::resource::ResourceRef;
@@ -229,24 +229,50 @@ fn replay_skips_allocations_that_run_out_of_memory_and_their_frees() {
     assert_eq!(limited.allocated_bytes(), 0);
 }
 
-#[test]
-fn the_pipeline_moves_every_chunk_intact_across_streams() {
-    let (sim, b) = sim();
+/// The sharded pool over the simulated device's pool, and the pipeline's options for
+/// `pairs` pairs of `chunks` chunks of 64 KiB each.
+fn pipeline_setup(
+    b: &BackendRef,
+    pairs: usize,
+    chunks: usize,
+) -> (ShardedPoolMemoryResource, PipelineOptions) {
     let pool = ShardedPoolMemoryResource::new(
         Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap()),
         PoolOptions::default(),
     )
     .unwrap();
     let o = PipelineOptions {
-        pairs: 3,
+        pairs,
         chunk_bytes: 64 << 10,
-        chunks_per_pair: 40,
+        chunks_per_pair: chunks,
         kernel_us: 5.0,
         queue_depth: 3,
         check_every: 1,
         long_call_ns: 0,
         null_call_ns: 0,
     };
+    (pool, o)
+}
+
+#[test]
+fn a_stopped_pipeline_frees_what_it_sent_and_says_so() {
+    let (_sim, b) = sim();
+    let (pool, o) = pipeline_setup(&b, 2, 1_000_000);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let err = std::thread::scope(|scope| {
+        let run = scope.spawn(|| pipeline_until(&pool, &o, &stop));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        run.join().unwrap().unwrap_err()
+    });
+    assert!(err.to_string().contains("stopped"), "{err}");
+    assert_eq!(pool.stats().used_bytes, 0, "every chunk sent was freed");
+}
+
+#[test]
+fn the_pipeline_moves_every_chunk_intact_across_streams() {
+    let (sim, b) = sim();
+    let (pool, o) = pipeline_setup(&b, 3, 40);
     let r = pipeline(&pool, &o).unwrap();
     assert_eq!((r.long_calls, r.null_calls), (None, None));
     assert_eq!((r.chunks, r.checked, r.mismatches), (120, 120, 0));

@@ -23,7 +23,7 @@
 //! [`PipelineOptions::null_call_ns`] too, spans that only spin are classified beside them.
 //! It tells a long call the allocator caused from one the host did.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -233,6 +233,17 @@ fn calibrate(mr: &dyn MemoryResource, o: &PipelineOptions) -> Result<u32> {
 
 /// Runs the pipeline (see the module docs) on `mr`.
 pub fn pipeline(mr: &dyn MemoryResource, o: &PipelineOptions) -> Result<PipelineReport> {
+    pipeline_until(mr, o, &AtomicBool::new(false))
+}
+
+/// [`pipeline`], stopped early when `stop` is set (by another thread: Ctrl-C, say): the
+/// producers stop at their next chunk, the consumers free what was sent, and an error says
+/// that the pipeline was stopped.
+pub fn pipeline_until(
+    mr: &dyn MemoryResource,
+    o: &PipelineOptions,
+    stop: &AtomicBool,
+) -> Result<PipelineReport> {
     check_options(o)?;
     let iterations = calibrate(mr, o)?;
     let (b, dev) = (mr.backend().clone(), mr.device());
@@ -257,7 +268,7 @@ pub fn pipeline(mr: &dyn MemoryResource, o: &PipelineOptions) -> Result<Pipeline
                     .name(format!("producer-{pair}"))
                     .spawn_scoped(scope, move || {
                         let mut timer = timer(2 * pair);
-                        if let Err(e) = produce(mr, b, o, pair, ps, &tx, &back_rx, shared, &mut timer) {
+                        if let Err(e) = produce(mr, b, o, pair, ps, &tx, &back_rx, shared, &mut timer, stop) {
                             shared.fail(e);
                         }
                         shared.allocs.lock().unwrap_or_else(|p| p.into_inner()).extend(timer.finish());
@@ -292,6 +303,9 @@ pub fn pipeline(mr: &dyn MemoryResource, o: &PipelineOptions) -> Result<Pipeline
     let seconds = start.elapsed().as_secs_f64();
     if let Some(e) = shared.error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
+    }
+    if stop.load(Ordering::Relaxed) {
+        return Err(Error::invalid("the pipeline was stopped before its end"));
     }
     let RunFootprint { peak_reserved_bytes, synchronizations, waits, driver_calls } = baseline.finish(mr);
     let long_calls = long.map(LongCallLog::totals);
@@ -333,10 +347,14 @@ fn produce(
     back: &mpsc::Receiver<Event>,
     shared: &Shared,
     timer: &mut CallTimer<'_>,
+    stop: &AtomicBool,
 ) -> Result<()> {
     let dev = mr.device();
     (|| {
         for index in 0..o.chunks_per_pair {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
             let ptr = timer.time(|| mr.allocate(o.chunk_bytes, s))?;
             let live = shared.live.fetch_add(o.chunk_bytes as u64, Ordering::Relaxed) + o.chunk_bytes as u64;
             shared.peak_live.fetch_max(live, Ordering::Relaxed);
