@@ -419,7 +419,8 @@ fn stream<'a>(
     if let Some(at) = seen_at(seen, key, device) {
         return Ok(&seen[at].2);
     }
-    let stream = Stream::borrowed(backend, handle)?;
+    // The caller's stream is live (PyTorch's allocator, CuPy's current stream).
+    let stream = Stream::borrowed_live(backend, handle)?;
     stream.check(backend, device)?;
     if seen.len() == STREAMS_KEPT {
         seen.remove(0);

@@ -195,6 +195,15 @@ impl Stream {
         }
     }
 
+    /// [`Stream::borrowed`] for a handle known to be live (another library's stream object
+    /// handed it over, or an entry point whose contract is a live stream, as PyTorch's
+    /// allocator's): a stream this crate destroyed earlier may have had the same handle
+    /// value, which the driver reuses, and that is not held against it.
+    pub fn borrowed_live(backend: &BackendRef, handle: RawStream) -> Result<Self> {
+        backend.stream_vouched(handle);
+        Self::borrowed(backend, handle)
+    }
+
     /// Runs `hook` with this stream, still alive, just before the stream is destroyed (when
     /// its last clone is dropped), so that state kept per stream (a pool's shard) can
     /// record a last event on it and be retired. Only for streams this crate owns: for the

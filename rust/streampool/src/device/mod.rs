@@ -251,6 +251,11 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// The device a stream belongs to (`cuStreamGetCtx` then `cuCtxGetDevice`); an error
     /// for a handle that names no live stream, where that is detectable.
     fn stream_device(&self, stream: RawStream) -> Result<i32>;
+    /// The caller knows `stream` to be live: another library handed it over with its
+    /// stream object, or through an entry point whose contract is a live stream. A backend
+    /// that refuses handles of streams it destroyed forgets this one: the driver reuses
+    /// handle values, so another library's new stream may carry it.
+    fn stream_vouched(&self, _stream: RawStream) {}
     /// `cuStreamSynchronize`.
     fn stream_synchronize(&self, dev: i32, stream: RawStream) -> Result<()>;
     /// `cuStreamQuery`: true when all work on the stream has completed.

@@ -179,9 +179,10 @@ pub struct CudaBackend {
     driver_version: i32,
     devices: Vec<Device>,
     symbols: OptionalSymbols,
-    /// Handles of streams this backend destroyed (and has not handed out again). The
-    /// driver cannot check a handle (it dereferences it), so a destroyed one is refused
-    /// here rather than crashing the process; a made-up value cannot be caught at all.
+    /// Handles of streams this backend destroyed (and has not handed out again, nor seen
+    /// vouched for by another library: `stream_vouched`). The driver cannot check a handle
+    /// (it dereferences it), so a destroyed one is refused here rather than crashing the
+    /// process; a made-up value cannot be caught at all.
     destroyed_streams: Mutex<HashSet<RawStream>>,
 }
 
@@ -864,6 +865,10 @@ impl Backend for CudaBackend {
         // SAFETY: the probe found `cuStreamGetId`; `dev`'s context is current, which
         // default stream handles refer to.
         unsafe { raw::stream_get_id(cu_stream(stream)) }
+    }
+
+    fn stream_vouched(&self, stream: RawStream) {
+        self.destroyed().remove(&stream);
     }
 
     fn stream_device(&self, stream: RawStream) -> Result<i32> {

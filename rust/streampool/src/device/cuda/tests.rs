@@ -410,6 +410,25 @@ fn gpu_context_guard_restores_the_callers_context() {
     .unwrap();
 }
 
+/// The driver reuses handle values: another library's new stream may carry the handle of
+/// a stream this backend destroyed. Refused as destroyed when only its value is given;
+/// taken when the caller vouches for it (a live stream object, PyTorch's allocator).
+#[test]
+#[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
+fn gpu_a_destroyed_streams_handle_carried_by_another_librarys_stream() {
+    let Some(cuda) = gpu() else { return };
+    let backend: crate::device::BackendRef = cuda.clone();
+    let theirs = cuda.stream_create(0, false).unwrap();
+    // As if a stream of ours with that value had been destroyed before theirs was made.
+    cuda.destroyed().insert(theirs);
+    let refused = crate::stream::Stream::borrowed(&backend, theirs).unwrap_err();
+    assert!(refused.to_string().contains("was destroyed"), "{refused}");
+    let stream = crate::stream::Stream::borrowed_live(&backend, theirs).unwrap();
+    stream.synchronize(&backend, 0).unwrap();
+    drop(stream);
+    cuda.stream_destroy(0, theirs).unwrap();
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: STREAMPOOL_GPU_TESTS=1 and --include-ignored"]
 fn gpu_streams_and_events() {
