@@ -104,13 +104,19 @@ pub extern "C" fn streampool_free(ptr: *mut c_void, size: usize, device: c_int, 
         return;
     }
     guarded(what, || {
-        with_current(Some(device), handle, |_, mr, stream| {
+        let done = with_current(Some(device), handle, |_, mr, stream| {
             freed(Some(match mr.try_deallocate(ptr, size, stream) {
                 Some(settled) => settled,
                 None => mr.deallocate(ptr, size, stream),
             }))
             .expect("given Some")
-        })
+        });
+        match done {
+            // No driver, and a simulated device was in use before: the memory was its,
+            // and went with it when it was exited (as a DeviceBuffer's free, silently).
+            Err(Error::DriverNotFound(_)) if device::backend_epoch() > 0 => Ok(()),
+            done => done,
+        }
     });
 }
 
