@@ -30,7 +30,6 @@ Needs ``distributed`` (``pip install 'streampool[dask]'``).
 from __future__ import annotations
 
 import importlib
-import operator
 import os
 import threading
 from collections.abc import Callable
@@ -46,6 +45,7 @@ except ImportError as error:  # pragma: no cover - exercised only without distri
 import streampool
 
 from . import mr
+from ._setup import _ordinal
 
 __all__ = [
     "RESOURCE_NAMES",
@@ -184,14 +184,10 @@ class StreampoolPlugin(WorkerPlugin):
     ) -> None:
         _resolve(resource)  # refuse a bad argument here, on the client, not on every worker
         if device is not None:
-            if isinstance(device, bool):
+            ordinal = _ordinal(device)  # an int, or a NumPy integer; never a bool
+            if ordinal is None:
                 raise TypeError(f"device must be a device ordinal (an int >= 0) or None, not {device!r}")
-            try:
-                device = operator.index(device)  # an int, or a NumPy integer
-            except TypeError:
-                raise TypeError(
-                    f"device must be a device ordinal (an int >= 0) or None, not {device!r}"
-                ) from None
+            device = ordinal
         if device is not None and device < 0:
             raise ValueError(f"device must be a device ordinal (an int >= 0) or None, got {device!r}")
         if not isinstance(statistics, bool):

@@ -232,10 +232,14 @@ impl DeviceBuffer {
         self.share(true)
     }
 
+    /// Refuses a buffer of a simulated device since exited: its memory is gone (unmapped,
+    /// for an expandable pool's), and nothing may hand out its address or use it.
+    fn check_device_open(&self) -> PyResult<()> {
+        self.mr.get().inner.backend().check_open().map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
     fn share(&self, expose: bool) -> PyResult<Arc<Allocation>> {
-        // The memory of a simulated device since exited is gone (unmapped, for an
-        // expandable pool's): nothing may hand out its address or use it.
-        self.mr.get().inner.backend().check_open().map_err(|e| PyValueError::new_err(e.to_string()))?;
+        self.check_device_open()?;
         let mut slot = self.slot();
         let shared = match std::mem::take(&mut *slot) {
             Memory::Own(alloc) => Arc::new(alloc),
@@ -674,9 +678,7 @@ impl DeviceBuffer {
     /// The device address (0 for an empty buffer).
     #[getter]
     fn ptr(&self) -> PyResult<DevPtr> {
-        if self.closed() {
-            return Err(closed());
-        }
+        self.check_device_open()?;
         let slot = self.slot();
         let ptr = slot.get().map(Allocation::ptr).ok_or_else(closed)?;
         self.expose(ptr);
@@ -865,7 +867,6 @@ impl DeviceBuffer {
                 let alloc = other.live()?;
                 let backend = self.mr.get().inner.backend();
                 device::check_same_backend(backend, alloc.resource().backend(), "the source buffer")
-                    .and_then(|()| alloc.resource().backend().check_open())
                     .or_raise(py)?;
                 (alloc.ptr(), other.len(), Some(alloc.stream().clone()), Some(alloc))
             }

@@ -66,10 +66,8 @@ static PER_THREAD: Stream = Stream::per_thread();
 pub extern "C" fn streampool_alloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
     let handle = stream as RawStream;
     let what = || alloc_call(size, device, handle);
-    if let Some(ptr) = fast_path(device, handle, what, 0, |mr, stream| mr.try_allocate(size, stream)) {
-        if ptr != 0 {
-            live::count(device, 1);
-        }
+    let made = |&ptr: &DevPtr| i64::from(ptr != 0);
+    if let Some(ptr) = fast_path(device, handle, what, 0, made, |mr, stream| mr.try_allocate(size, stream)) {
         return ptr as *mut c_void;
     }
     let ptr = guarded(what, || {
@@ -79,9 +77,7 @@ pub extern "C" fn streampool_alloc(size: usize, device: c_int, stream: *mut c_vo
         })
     })
     .unwrap_or(0);
-    if ptr != 0 {
-        live::count(device, 1);
-    }
+    count_live(device, made(&ptr));
     ptr as *mut c_void
 }
 
@@ -92,30 +88,26 @@ pub extern "C" fn streampool_alloc(size: usize, device: c_int, stream: *mut c_vo
 pub extern "C" fn streampool_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
     let (ptr, handle) = (ptr as DevPtr, stream as RawStream);
     let what = || free_call(ptr, size, device, handle);
-    let freed = |settled: Option<Result<()>>| {
-        if matches!(settled, Some(Ok(()))) {
-            live::count(device, -1);
-        }
-        settled
-    };
     if let Some(()) =
-        fast_path(device, handle, what, (), |mr, stream| freed(mr.try_deallocate(ptr, size, stream)))
+        fast_path(device, handle, what, (), |()| -1, |mr, stream| mr.try_deallocate(ptr, size, stream))
     {
         return;
     }
     guarded(what, || {
-        let done = with_current(Some(device), handle, |_, mr, stream| {
-            freed(Some(match mr.try_deallocate(ptr, size, stream) {
+        let done =
+            with_current(Some(device), handle, |_, mr, stream| match mr.try_deallocate(ptr, size, stream) {
                 Some(settled) => settled,
                 None => mr.deallocate(ptr, size, stream),
-            }))
-            .expect("given Some")
-        });
+            });
         match done {
+            Ok(()) => {
+                count_live(device, -1);
+                Ok(())
+            }
             // No driver, and a simulated device was in use before: the memory was its,
             // and went with it when it was exited (as a DeviceBuffer's free, silently).
             Err(Error::DriverNotFound(_)) if device::backend_epoch() > 0 => Ok(()),
-            done => done,
+            Err(e) => Err(e),
         }
     });
 }
@@ -144,8 +136,25 @@ pub(crate) mod live {
     static THREADS: Mutex<Vec<Arc<Counts>>> = Mutex::new(Vec::new());
     static EXITED: Counts = Counts::new();
 
-    /// A thread's counts, registered while it lives; folded into `EXITED` when it exits.
-    struct Mine(Arc<Counts>);
+    /// A thread's counts, registered while it lives (kept in the thread's `PerThread`);
+    /// folded into `EXITED` when it exits.
+    pub(crate) struct Mine(Arc<Counts>);
+
+    impl Mine {
+        pub(crate) fn register() -> Self {
+            let counts = Arc::new(Counts::new());
+            THREADS.lock().unwrap_or_else(|e| e.into_inner()).push(counts.clone());
+            Mine(counts)
+        }
+
+        /// Adds `delta` to this thread's count of `device` (only this thread writes it).
+        #[inline]
+        pub(crate) fn add(&self, device: c_int, delta: i64) {
+            if let Some(c) = usize::try_from(device).ok().and_then(|d| self.0 .0.get(d)) {
+                c.store(c.load(Ordering::Relaxed) + delta, Ordering::Relaxed);
+            }
+        }
+    }
 
     impl Drop for Mine {
         fn drop(&mut self) {
@@ -154,26 +163,6 @@ pub(crate) mod live {
                 total.fetch_add(mine.load(Ordering::Relaxed), Ordering::Relaxed);
             }
             threads.retain(|t| !Arc::ptr_eq(t, &self.0));
-        }
-    }
-
-    thread_local! {
-        static MINE: Mine = {
-            let counts = Arc::new(Counts::new());
-            THREADS.lock().unwrap_or_else(|e| e.into_inner()).push(counts.clone());
-            Mine(counts)
-        };
-    }
-
-    /// Adds `delta` to this thread's count of `device` (only this thread writes it).
-    #[inline]
-    pub(crate) fn count(device: c_int, delta: i64) {
-        let Ok(d) = usize::try_from(device) else { return };
-        if d < DEVICES {
-            let _ = MINE.try_with(|mine| {
-                let c = &mine.0 .0[d];
-                c.store(c.load(Ordering::Relaxed) + delta, Ordering::Relaxed);
-            });
         }
     }
 
@@ -276,29 +265,50 @@ struct Current {
     streams: Vec<(u64, i32, Stream)>,
 }
 
+/// What a thread keeps, in one thread-local (one look-up a call): its `Current`, and its
+/// count of live allocations ([`live`]).
+struct PerThread {
+    current: RefCell<Current>,
+    live: live::Mine,
+}
+
 thread_local! {
-    static CURRENT: RefCell<Current> = RefCell::new(Current::default());
+    static THREAD: PerThread = PerThread { current: RefCell::new(Current::default()), live: live::Mine::register() };
+}
+
+/// Adds `delta` to this thread's count of live allocations of `device` (the full path's;
+/// the fast path counts through the thread-local it already holds).
+fn count_live(device: c_int, delta: i64) {
+    if delta != 0 {
+        let _ = THREAD.try_with(|t| t.live.add(device, delta));
+    }
 }
 
 /// The common case in few instructions and small values: this thread's resource of
 /// `device` and the stream of `handle` as kept from an earlier call (both still current),
 /// and the resource's non-blocking path (`f`). `Some` when that settled the call (a failure
-/// recorded, giving `on_failure`); `None` leaves it to the full path. The full path's
-/// `Result` is large, and passing it up through the layers cost tens of nanoseconds a call
-/// in stores and reloads.
+/// recorded, giving `on_failure`); `None` leaves it to the full path. A success adds
+/// `live(value)` to the thread's count of live allocations. The full path's `Result` is
+/// large, and passing it up through the layers cost tens of nanoseconds a call in stores
+/// and reloads.
 #[inline]
 fn fast_path<T: Copy>(
     device: c_int,
     handle: RawStream,
     what: impl FnOnce() -> String + Copy,
     on_failure: T,
+    live: impl FnOnce(&T) -> i64,
     f: impl FnOnce(&streampool::ResourceRef, &Stream) -> Option<Result<T>>,
 ) -> Option<T> {
     let settled = catch_unwind(AssertUnwindSafe(|| {
-        let kept = CURRENT.try_with(|cell| {
-            let current = cell.try_borrow().ok()?;
+        let kept = THREAD.try_with(|t| {
+            let current = t.current.try_borrow().ok()?;
             let (mr, stream) = current.kept(device, handle)?;
-            f(mr, stream)
+            let settled = f(mr, stream);
+            if let Some(Ok(value)) = &settled {
+                t.live.add(device, live(value));
+            }
+            settled
         });
         match kept {
             Ok(Some(Ok(value))) => Some(value),
@@ -323,7 +333,7 @@ pub(crate) fn with_current<T>(
     f: impl FnOnce(i32, &streampool::ResourceRef, &Stream) -> Result<T>,
 ) -> Result<T> {
     let mut f = Some(f);
-    let kept = CURRENT.try_with(|cell| match cell.try_borrow_mut() {
+    let kept = THREAD.try_with(|t| match t.current.try_borrow_mut() {
         Ok(mut current) => Some(current.run(device, handle, f.take().expect("called once"))),
         // Re-entered (a resource whose allocation allocates through these entry points).
         Err(_) => None,

@@ -384,7 +384,6 @@ pub(crate) fn order_consumer(
     if producer.handle() == consumer.handle() && !host_waits {
         return Ok(None);
     }
-    let same = producer.handle() == consumer.handle();
     detached(py, move || {
         let event = Event::new(&backend, device)?;
         event.record(&producer)?;
@@ -392,6 +391,7 @@ pub(crate) fn order_consumer(
             event.synchronize()?;
         }
         consumer.wait(&event)?;
-        Ok((!host_waits && !same).then_some(consumer))
+        // Past the check above, the host waited or the consumer's stream is another.
+        Ok((!host_waits).then_some(consumer))
     })
 }

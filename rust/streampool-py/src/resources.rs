@@ -333,14 +333,7 @@ impl PyCudaAsyncViewMemoryResource {
         let pool = pool_handle.extract::<u64>().map_err(|_| {
             PyValueError::new_err(format!("{pool_handle} is not a memory pool handle (an int in 0..2**64)"))
         })?;
-        let mr = detached(py, move || {
-            let (backend, mut device) = streampool::resources::bind(given)?;
-            if given.is_none() {
-                // No device given: the one the pool lies on, where the driver tells.
-                device = CudaAsyncMemoryResource::home_device(&backend, device, pool)?.unwrap_or(device);
-            }
-            CudaAsyncMemoryResource::view(backend, device, pool)
-        })?;
+        let mr = detached(py, move || CudaAsyncMemoryResource::view(device::backend()?, given, pool))?;
         Ok(PyMemoryResource::base(Arc::new(mr)).add_subclass(Self { pool }))
     }
 

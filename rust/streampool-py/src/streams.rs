@@ -271,11 +271,12 @@ fn foreign_stream(py: Python<'_>, obj: &Bound<'_, PyAny>, backend: &BackendRef) 
     };
     let stream_handle = handle_value(obj, &handle)?;
     // A stream object that is alive vouches for its handle; a bare int does not.
-    match obj.is_instance_of::<PyInt>() {
-        true => Stream::borrowed(backend, stream_handle),
-        false => Stream::borrowed_live(backend, stream_handle),
-    }
-    .or_raise(py)
+    let borrowed = if obj.is_instance_of::<PyInt>() {
+        Stream::borrowed(backend, stream_handle)
+    } else {
+        Stream::borrowed_live(backend, stream_handle)
+    };
+    borrowed.or_raise(py)
 }
 
 /// The handle an object carries, as a Python int, or None when it is not a stream we know.

@@ -79,11 +79,11 @@ fn a_release_threshold_is_honoured() {
 #[test]
 fn views_refuse_bad_handles_and_never_destroy() {
     let (_sim, b) = sim();
-    assert!(matches!(CudaAsyncMemoryResource::view(b.clone(), 0, 0), Err(Error::InvalidArgument(_))));
-    let err = CudaAsyncMemoryResource::view(b.clone(), 0, 0x1234).unwrap_err();
+    assert!(matches!(CudaAsyncMemoryResource::view(b.clone(), Some(0), 0), Err(Error::InvalidArgument(_))));
+    let err = CudaAsyncMemoryResource::view(b.clone(), Some(0), 0x1234).unwrap_err();
     assert!(err.to_string().contains("0x1234"), "{err}");
     let pool = b.pool_create(0, &Default::default()).unwrap();
-    let view = CudaAsyncMemoryResource::view(b.clone(), 0, pool).unwrap();
+    let view = CudaAsyncMemoryResource::view(b.clone(), Some(0), pool).unwrap();
     assert_eq!(view.name(), "CudaAsyncViewMemoryResource");
     drop(view);
     b.pool_get_attr(0, pool, PoolAttr::ReleaseThreshold).unwrap();

@@ -263,7 +263,7 @@ conformance! {
         initial_pool_size: Some(8 << 20), release_threshold: None, enable_ipc: true, ..Default::default() }).unwrap());
     cuda_async_view => |b| {
         let pool = b.pool_create(0, &Default::default()).unwrap();
-        Arc::new(streampool::CudaAsyncMemoryResource::view(b, 0, pool).unwrap())
+        Arc::new(streampool::CudaAsyncMemoryResource::view(b, Some(0), pool).unwrap())
     };
     cuda => |b| Arc::new(streampool::CudaMemoryResource::on(b, 0));
     managed => |b| Arc::new(streampool::ManagedMemoryResource::on(b, 0));

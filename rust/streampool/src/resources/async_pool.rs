@@ -142,23 +142,28 @@ impl CudaAsyncMemoryResource {
     /// A resource over a pool someone else owns (RMM's `cuda_async_view_memory_resource`)
     /// that allocates for `device`; the pool is never destroyed here.
     ///
-    /// The pool is checked to be valid, and to lie on `device` as far as the driver tells
-    /// ([`Self::home_device`]): a pool of another device is refused
+    /// `device`: the device the pool lies on; with `None`, the one the driver says it lies
+    /// on (the only device with access to it, or the one whose current or default pool it
+    /// is), else the current device. The pool is checked to be
+    /// valid, and a pool of another device than the one given is refused
     /// ([`Error::InvalidArgument`] naming that device), since the view's buffers would say
     /// `device` while their memory lies elsewhere, and so is a pool that `device` cannot use.
-    pub fn view(backend: BackendRef, device: i32, pool: RawPool) -> Result<Self> {
+    pub fn view(backend: BackendRef, device: Option<i32>, pool: RawPool) -> Result<Self> {
         if pool == 0 {
             return Err(Error::invalid("pool handle 0 (null) is not a memory pool"));
         }
-        backend.pool_get_attr(device, pool, PoolAttr::ReleaseThreshold).map_err(|e| {
-            Error::invalid(format!("{pool:#x} is not a valid memory pool handle on device {device} ({e})"))
+        let asker = super::check_device(&backend, device)?;
+        backend.pool_get_attr(asker, pool, PoolAttr::ReleaseThreshold).map_err(|e| {
+            Error::invalid(format!("{pool:#x} is not a valid memory pool handle on device {asker} ({e})"))
         })?;
+        let home = Self::home_device(&backend, asker, pool)?;
+        let device = home.filter(|_| device.is_none()).unwrap_or(asker);
         let refuse = |lies: String| {
             Err(Error::invalid(format!(
                 "memory pool {pool:#x} {lies}, so a view of it cannot allocate for device {device}"
             )))
         };
-        match Self::home_device(&backend, device, pool)? {
+        match home {
             Some(home) if home != device => {
                 return refuse(format!("lies on device {home}: give device={home} (or no device)"));
             }
@@ -182,7 +187,7 @@ impl CudaAsyncMemoryResource {
     /// it is open to peers, the one whose current or default pool it is. None when the
     /// driver does not say (no device can use it, a pool open to peers that no device has
     /// as its current or default, or a pool whose access cannot be read).
-    pub fn home_device(backend: &BackendRef, asker: i32, pool: RawPool) -> Result<Option<i32>> {
+    fn home_device(backend: &BackendRef, asker: i32, pool: RawPool) -> Result<Option<i32>> {
         let mut users = Vec::new();
         for device in 0..backend.device_count()? {
             match backend.pool_get_access(asker, pool, device) {
