@@ -46,7 +46,7 @@ def valid(text: str) -> dict[str, Any]:
     try:
         import jsonschema
     except ImportError:  # the test extra has it; a bare GPU machine may not
-        assert document["schema"] == "streampool.harness/1"
+        assert document["schema"] == "streampool.harness/2"
     else:
         jsonschema.validate(document, json.loads(SCHEMA_PATH.read_text()))
     assert document["device"]["simulated"] is False

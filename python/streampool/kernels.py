@@ -46,7 +46,8 @@ def fill(ptr: int, size: int | str, seed: int, stream: Any = None, *, device: in
 def check(ptr: int, size: int | str, seed: int, stream: Any = None, *, device: int | None = None) -> int:
     """Check ``size`` bytes at ``ptr`` against the pattern of ``seed`` with a kernel on
     ``stream``; synchronise ``stream`` and return the number of 8-byte words that differ
-    (0: intact)."""
+    (0: intact). Below 8 bytes (no whole word) nothing is checked and 0 returned, but
+    ``stream`` is still synchronised, so the memory may then be freed on another stream."""
     return _native._kernel_check(ptr, size, seed, stream, device)
 
 

@@ -11,15 +11,18 @@ of the host time, and of the ratio to the first resource *in the same repeat*. E
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from .. import mr
+from .._errors import StreampoolError
 from . import workloads
 from .specs import make_resource
 
-__all__ = ["measure", "spread", "summarise"]
+__all__ = ["measure", "release_device_pools", "spread", "summarise"]
 
 #: Below this relative difference two medians are within noise when the repeats do not
 #: tell them apart better (see ``within_noise``).
@@ -30,14 +33,37 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+def release_device_pools() -> None:
+    """Trims the device's own pools (the driver's default pool, and its managed pool where
+    the device has one) to what is allocated from them: they keep what is freed into them
+    (their release threshold is at the maximum), which a later run would find reserved,
+    or, outside them, missing from the device."""
+    makers: tuple[Callable[[], Any], ...] = (mr.CudaAsyncMemoryResource, mr.CudaAsyncManagedMemoryResource)
+    for make in makers:
+        with contextlib.suppress(StreampoolError):  # no managed pool on this device or driver
+            make().trim_to(0)
+
+
 def one_run(workload: str, spec: str, threads: int, streams: int, params: dict[str, Any]) -> dict[str, Any]:
-    """Runs ``workload`` once on a fresh resource made from ``spec``."""
+    """Runs ``workload`` once on a fresh resource made from ``spec``. Runs are independent:
+    the device's own pools are trimmed before and after (:func:`release_device_pools`),
+    and a resource on the device's shared pool reports what that pool reserved beyond
+    what others had allocated from it when the run started (which trimming cannot
+    release). A resource that holds nothing beyond what is live (``reserves_live``)
+    reports its measured peak live bytes as reserved; not a log's (a trace replay on more
+    than one thread: its peak live bytes are the log's, ``peak_live_measured`` false)."""
+    release_device_pools()
     candidate = make_resource(spec)
+    held = candidate.shared_pool.used_bytes if candidate.shared_pool is not None else 0
     result = workloads.run(workload, candidate, threads=threads, streams=streams or threads, **params)
-    if result.get("peak_reserved_bytes") is None and candidate.reserves_live:
+    if held and result.get("peak_reserved_bytes") is not None:
+        result["peak_reserved_bytes"] = max(0, result["peak_reserved_bytes"] - held)
+    measured = result.get("peak_live_measured", True)
+    if result.get("peak_reserved_bytes") is None and candidate.reserves_live and measured:
         result["peak_reserved_bytes"] = result.get("peak_live_bytes")
     del candidate
     gc.collect()
+    release_device_pools()
     return result
 
 
@@ -85,7 +111,8 @@ def summarise(runs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, An
     """Per (resource, threads): min/median/max of throughput, of the allocator's share of
     host time (:func:`alloc_share`), of the ratio to the first
     resource's throughput in the same repeat; the median run's latency percentiles; the
-    largest peaks of live and reserved bytes, out-of-memory events, data mismatches, and the
+    largest peaks of live and reserved bytes (of the runs that give them; None when none
+    does), out-of-memory events, data mismatches, and the
     most synchronisations and waits the resource made in one run (None where it does not
     report them), min/median/max of the resource's own driver calls per chunk (the
     native pipeline; None elsewhere), and the runs' long calls and long null calls summed
@@ -104,6 +131,7 @@ def summarise(runs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, An
             shares = [alloc_share(r) for r in mine]
             ratios = [r["throughput"] / base[r["repeat"]] for r in mine if base.get(r["repeat"])]
             reserved = [r["peak_reserved_bytes"] for r in mine if r.get("peak_reserved_bytes") is not None]
+            live = [r["peak_live_bytes"] for r in mine if r.get("peak_live_bytes") is not None]
             out.append(
                 {
                     "resource": spec,
@@ -118,7 +146,7 @@ def summarise(runs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, An
                     "allocate": median_run["allocate"],
                     "free": median_run["free"],
                     "longest_call_ns": max(max(r["allocate"]["max"], r["free"]["max"]) for r in mine),
-                    "peak_live_bytes": max(r["peak_live_bytes"] for r in mine),
+                    "peak_live_bytes": max(live) if live else None,
                     "peak_reserved_bytes": max(reserved) if reserved else None,
                     "oom_events": sum(r["oom_events"] for r in mine),
                     "mismatches": sum(r.get("mismatches", 0) for r in mine),

@@ -5,7 +5,8 @@ Exit codes: 0 success; 1 a check failed (``stress`` found corruption, an overlap
 or an error); 2 bad usage (unknown command, workload, resource spec, option or parameter);
 3 bad input (a malformed, empty or unreadable log, a log or plot directory that cannot be
 written); 4 cannot run here (a peer or an extra not installed, a workload larger than the
-device, a resource that failed, nothing to recommend: every candidate ran out of memory,
+device, a resource that failed, nothing measured: every allocation of every resource
+ran out of memory in ``bench`` or ``replay``, nothing to recommend: every candidate ran out of memory,
 nothing verified: ``stress`` checked no allocation, every one refused, and found nothing wrong);
 130 interrupted. ``profile`` (and ``recommend -- CMD`` when the program fails) exits with the
 program's own status, 127 when it could not start.
@@ -120,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
         )
         q.add_argument("--repeats", type=_count, help="runs of each resource, interleaved (default 3)")
         q.add_argument(
-            "--json", action="store_true", help="print the JSON document (schema streampool.harness/1)"
+            "--json", action="store_true", help="print the JSON document (schema streampool.harness/2)"
         )
         q.add_argument("--plot", metavar="DIR", help="write PNG plots to DIR (needs the harness extra)")
         q.add_argument("--quick", action="store_true", help="small sizes and 2 repeats (a smoke test)")
@@ -261,8 +262,9 @@ def _results_table(out: Output, title: str, summary: list[dict[str, Any]], repla
     """The results table; ``replayed``: a log's replay, whose peak live bytes are the log's
     (its threads do not wait for each other as the program's did, so they may run ahead and
     hold more: reserved can read high against them; ``--gap-scale 1`` keeps the pace), less
-    the allocations that failed. The throughput counts the work that succeeded; the
-    allocations that ran out of memory are beside it."""
+    the allocations that failed (n/a on more than one thread when any failed: the log's
+    peak less them is not one the replay reached). The throughput counts the work that
+    succeeded; the allocations that ran out of memory are beside it."""
     rows = []
     for r in summary:
         ratio = r["ratio_to_first"]
@@ -406,7 +408,18 @@ def _measure_and_report(
             f"{r['resource']} at {r['threads']} thread(s)",
             file=sys.stderr,
         )
-    return EXIT_CHECK_FAILED if bad else EXIT_OK
+    if bad:
+        return EXIT_CHECK_FAILED
+    if runs and all(r["oom_events"] and not r["events"] for r in runs):
+        failed = sum(r["oom_events"] for r in runs)
+        print(
+            f"streampool {args.command}: nothing measured: every allocation ran out of memory on every "
+            f"resource ({failed} failed allocation(s) in {len(runs)} run(s)); smaller sizes or a "
+            "larger device may let it run",
+            file=sys.stderr,
+        )
+        return EXIT_CANNOT_RUN
+    return EXIT_OK
 
 
 def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
@@ -519,7 +532,7 @@ def _profile_into(
     else:
         logged = " to " if len(logs) == 1 else ", "
         print(f"streampool profile: {events} event(s) logged{logged}{where}", file=sys.stderr)
-    if events == 0:
+    if events == 0 and status == 0:  # a program that failed may have failed before allocating
         print(
             "streampool profile: nothing allocated through the devices' resources, which profile "
             "logs: the program allocates through a resource it sets itself "
@@ -642,6 +655,8 @@ def _cmd_stress(args: argparse.Namespace, dev: Device) -> int:
     _announce(out, dev)
     for spec in specs:
         out.line(f"stress {spec}: {seconds:g} s, {args.threads} threads x {args.streams} streams ...")
+        if dev.sim is not None:  # each resource's races its own (the detector keeps the first 1000)
+            dev.sim.clear_races()
         report = stress.run(
             make_resource(spec),
             seconds=seconds,

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from .. import __version__
 
 #: The version of the ``--json`` document; a change that breaks readers bumps it.
-SCHEMA_ID = "streampool.harness/1"
+SCHEMA_ID = "streampool.harness/2"
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 HARNESS_EXTRA = "pip install 'streampool[harness]'"
 
@@ -81,16 +81,21 @@ class Output:
             print(text, file=self.stream)
 
     def table(self, title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+        """A table: rich's on a terminal wide enough for every cell on one line (a header
+        may wrap at its spaces), else plain text, whose lines a narrow terminal wraps
+        whole: a number is never broken inside a cell."""
         if self.json_mode:
             return
-        if self.console is not None and self.rich is not None:
+        if self.console is not None and self.rich is not None and self._fits(columns, rows):
             from rich.markup import escape  # text such as "[simulated device]" is not markup
 
             table = self.rich.table.Table(title=escape(title))
-            for c in columns:
-                first = c == columns[0]
+            for i, c in enumerate(columns):
                 table.add_column(
-                    escape(c), justify="left" if first else "right", no_wrap=first, overflow="fold"
+                    escape(c),
+                    justify="left" if i == 0 else "right",
+                    min_width=_cell_width(c, rows, i),
+                    overflow="fold",
                 )
             for r in rows:
                 table.add_row(*map(escape, r))
@@ -108,6 +113,15 @@ class Output:
             print(fmt(r), file=self.stream)
         print(file=self.stream)
 
+    def _fits(self, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> bool:
+        """Whether rich's table of ``rows`` fits the console with no cell wrapped: each
+        column as wide as its widest cell (and its header's longest word), plus a space
+        either side and a border between columns and at both ends."""
+        assert self.console is not None
+        widths = [_cell_width(c, rows, i) for i, c in enumerate(columns)]
+        width: int = self.console.width
+        return sum(widths) + 3 * len(widths) + 1 <= width
+
     def progress(self, items: Iterable[T], total: int, description: str) -> Iterator[T]:
         """``items``, with a progress bar on stderr when that is a terminal and rich is here."""
         rich = _rich()
@@ -124,6 +138,12 @@ class Output:
     def emit_json(self, document: dict[str, Any]) -> None:
         json.dump(document, self.stream, indent=2, sort_keys=False, default=_jsonable)
         self.stream.write("\n")
+
+
+def _cell_width(header: str, rows: Sequence[Sequence[str]], i: int) -> int:
+    """The width column ``i`` needs for its cells on one line each and its header's longest
+    word (the header may wrap at its spaces)."""
+    return max([len(r[i]) for r in rows] + [len(w) for w in header.split()] + [1])
 
 
 def _jsonable(value: Any) -> Any:

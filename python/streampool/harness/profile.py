@@ -9,7 +9,8 @@ line by line, so a crash leaves every event up to it), then runs the program's o
 The program's output and exit status pass through. Ctrl-C is the program's to handle: the
 terminal sends SIGINT to the whole foreground process group, the program included, so
 while it runs this process does not stop on SIGINT (:func:`wait`); it waits for the
-program to exit, its clean-up logged too. What it allocates through PyTorch,
+program to exit, its clean-up logged too. SIGTERM, SIGHUP and SIGQUIT sent to this
+process are sent on to the program, whose exit is awaited as well. What it allocates through PyTorch,
 CuPy or a resource it sets itself is not logged. A log that cannot be written is refused
 before the program runs (:func:`check_log`); should the shim still fail to install the
 adaptor, it stops the program with status 127 (it could not start profiled).
@@ -17,7 +18,9 @@ adaptor, it stops the program with status 127 (it could not start profiled).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,11 +87,53 @@ def command_line(argv: Sequence[str]) -> list[str]:
     return list(argv)
 
 
+#: An interpreter's name: ``python``, ``python3``, ``python3.12``, ``pythonw.exe``.
+_PYTHON = re.compile(r"python[0-9.]*w?(\.exe)?", re.IGNORECASE)
+
+
+def script(argv: Sequence[str]) -> str | None:
+    """The Python script ``argv`` runs: ``prog.py`` of ``prog.py ARGS`` and of
+    ``python [OPTIONS] prog.py ARGS`` (any interpreter: ``python3``, a path to one); None
+    for anything else (``python -m mod``, ``python -c CODE``, another program)."""
+    if not argv:
+        return None
+    if argv[0].endswith(".py"):
+        return argv[0]
+    if not (_PYTHON.fullmatch(os.path.basename(argv[0])) or argv[0] == sys.executable):
+        return None
+    i = 1
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
+        option = argv[i]
+        if option == "--":
+            i += 1
+            break
+        if option.startswith("--"):
+            return None  # --help, --version, ...: no script
+        if option[1] in "XW":  # -X OPT, -W ARG, or -Xdev, -Wignore
+            i += 1 if len(option) > 2 else 2
+            continue
+        if "m" in option or "c" in option:
+            return None  # -m MOD, -c CODE (also as -um, -Bc): no script
+        i += 1
+    return argv[i] if i < len(argv) and argv[i] != "-" else None
+
+
+def check_program(argv: Sequence[str]) -> None:
+    """CannotStartError when ``argv`` runs a Python script (:func:`script`) that does not
+    exist: the interpreter would start, say it cannot open the file and exit with status
+    2, which would read as the program's own failure."""
+    path = script(argv)
+    if path is not None and not os.path.exists(path):
+        raise CannotStartError(f"cannot run {path!r}: No such file or directory")
+
+
 def run(argv: Sequence[str], log: str, simulated: bool, output_to_stderr: bool = False) -> int:
     """Runs ``argv`` with the logging shim (the log checked first, :func:`check_log`);
     returns its exit status (128 + N for a signal). ``output_to_stderr``: the program's
     standard output goes to stderr (so that stdout holds a JSON document alone).
-    CannotStartError when the program cannot be started (not found, not executable)."""
+    CannotStartError when the program cannot be started (not found, not executable, a
+    Python script that does not exist: :func:`check_program`), before anything runs."""
+    check_program(argv)
     check_log(log)
     env = dict(os.environ)
     env[LOG_ENV] = os.path.abspath(log)
@@ -100,6 +145,12 @@ def run(argv: Sequence[str], log: str, simulated: bool, output_to_stderr: bool =
     return wait(command_line(argv), env, sys.stderr if output_to_stderr else None)
 
 
+#: Signals passed on to the program while it runs (those of them this platform has): a
+#: stop asked of ``profile`` is asked of the program, which then stops (and cleans up) as
+#: it would unprofiled, rather than being left running, orphaned.
+FORWARDED = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
+
+
 def wait(command: list[str], env: dict[str, str], stdout: Any = None) -> int:
     """Runs ``command`` and waits for it; its exit status (128 + N for a signal N).
 
@@ -107,23 +158,41 @@ def wait(command: list[str], env: dict[str, str], stdout: Any = None) -> int:
     the program too (the terminal signals the whole foreground process group), which
     handles it as it would unprofiled (a Python program cleans up after its
     KeyboardInterrupt, and what it frees then is logged), and its status passes through.
-    A SIGINT sent to this process alone is not passed on. SIGINT is caught by a handler
-    that does nothing, not ignored (an ignored signal would stay ignored in the program),
-    from before the program starts to after it exits, when the previous handler is put
-    back. Nothing changes where SIGINT is ignored already (the program inherits that, as it
-    would unprofiled), or from a thread other than the main one (which never receives
-    signals). CannotStartError when the program cannot be started."""
-    catch = threading.current_thread() is threading.main_thread()
-    catch = catch and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
-    previous = signal.signal(signal.SIGINT, _interrupted) if catch else None
+    A SIGINT sent to this process alone is not passed on. SIGTERM, SIGHUP and SIGQUIT
+    (``FORWARDED``: a supervisor's stop, ``kill PID``, a closed terminal) do not stop this
+    process either: each is sent on to the program, and this process keeps waiting for it
+    to exit and passes its status on (143 for a program that SIGTERM stops). The signals
+    are caught by handlers (SIGINT's does nothing), not ignored (an ignored signal would
+    stay ignored in the program), from before the program starts to after it exits, when
+    the previous handlers are put back; one that arrives before the program has started
+    is sent to it once it has. Nothing changes for a signal ignored already (the program
+    inherits that, as it would unprofiled), or from a thread other than the main one
+    (which never receives signals). CannotStartError when the program cannot be started."""
+    main = threading.current_thread() is threading.main_thread()
+    caught = [s for s in (signal.SIGINT, *FORWARDED) if main and signal.getsignal(s) is not signal.SIG_IGN]
+    started: list[subprocess.Popen[bytes]] = []
+    pending: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        if started:
+            with contextlib.suppress(OSError):  # it has just exited
+                started[0].send_signal(signum)
+        else:
+            pending.append(signum)
+
+    previous = {s: signal.signal(s, _interrupted if s == signal.SIGINT else forward) for s in caught}
     try:
         child = subprocess.Popen(command, env=env, stdout=stdout)
+        started.append(child)
+        for signum in pending:
+            forward(signum, None)
         status = child.wait()
     except OSError as e:
         raise CannotStartError(f"cannot run {command[0]!r}: {e.strerror or e}") from None
     finally:
-        if catch:  # a handler set outside Python (None) cannot be put back: the default, then
-            signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+        for s, handler in previous.items():
+            # A handler set outside Python (None) cannot be put back: the default, then.
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
     return status if status >= 0 else 128 - status
 
 

@@ -94,6 +94,11 @@ def parse_spec(text: str) -> Spec:
             while i < len(tokens) and tokens[i] != ")":
                 if "=" in tokens[i]:
                     key, value = tokens[i].split("=", 1)
+                    if any(k == key for k, _ in options):
+                        raise SpecError(
+                            f"resource spec {text!r}: the option {key!r} of {name} is given twice; "
+                            "give it once"
+                        )
                     options.append((key, value))
                     i += 1
                 else:
@@ -134,7 +139,10 @@ class Candidate:
     wrapped), ``spec`` (canonical), ``code`` (the Python lines that make it), ``peer``
     (``None`` or the library's name), ``reserved`` (a function giving the bytes the resource
     holds from the device now, None when it cannot say), ``reserves_live`` (True when
-    the resource holds nothing beyond what is live: no pool anywhere in the stack)."""
+    the resource holds nothing beyond what is live: no pool anywhere in the stack),
+    ``shared_pool`` (the driver resource whose ``reserved_bytes`` ``reserved`` reads when
+    that is the device's pool, shared with every resource and library that uses it, and
+    so holding what others left in it; None otherwise)."""
 
     spec: str
     resource: mr.MemoryResource
@@ -143,6 +151,7 @@ class Candidate:
     reserved: Callable[[], int | None] = lambda: None
     reserves_live: bool = False
     keep: list[Any] = field(default_factory=list)
+    shared_pool: Any = None
 
 
 # --- streampool's own resources ----------------------------------------------------------
@@ -189,6 +198,18 @@ def _arity(spec: Spec, n: int) -> None:
     if len(spec.args) != n:
         what = "no upstream" if n == 0 else "one upstream, e.g. pool(async)"
         raise SpecError(f"resource spec {spec}: {spec.name} takes {what}, got {len(spec.args)}")
+
+
+def _driver_pool(resource: mr.MemoryResource) -> Any:
+    """The driver resource whose reserved bytes :func:`_reserved` reads for ``resource``
+    (through its adaptors), or None (a pool of streampool's own, or none)."""
+    if isinstance(resource, mr.ShardedPoolMemoryResource | mr.ArenaMemoryResource):
+        return None
+    if isinstance(resource, mr.CudaAsyncMemoryResource | mr.CudaAsyncManagedMemoryResource):
+        return resource
+    if isinstance(resource, mr.UpstreamResourceAdaptor):
+        return _driver_pool(resource.upstream)
+    return None
 
 
 def _reserved(resource: mr.MemoryResource) -> int | None:
@@ -467,12 +488,14 @@ def make_resource(text: str) -> Candidate:
     if ":" in spec.name:
         return _peer(spec)
     resource, code = _ours(spec)
+    driver = _driver_pool(resource)
     return Candidate(
         str(spec),
         resource,
         f"{_SETUP}set_current_device_resource({code})",
         reserved=lambda: _reserved(resource),
         reserves_live=not _names(spec) & _CACHING,
+        shared_pool=driver if driver is not None and not driver.owns_pool else None,
     )
 
 

@@ -67,7 +67,10 @@ def run(
     pending_frees (made with a kernel pending, unchecked), corruptions, overlaps, races
     (each a list of sentences; the first 20 kept), errors, race_detector, and
     nothing_verified: no check failed, but none was made either (ok is then False).
-    ``sim``: the active SimulatedDevice, whose race detector is read at the end. On Ctrl-C
+    ``sim``: the active SimulatedDevice, whose race detector is read at the end: the races
+    it found during this run are reported, not those found before (the detector keeps the
+    first 1000 of a device: ``sim.clear_races()`` before a run if it may hold that many,
+    as ``streampool stress`` does before each resource). On Ctrl-C
     the threads stop (each frees what it holds) before the KeyboardInterrupt goes on.
     ValueError for a ``max_size`` below 1 byte."""
     kernels = _kernels()
@@ -87,6 +90,7 @@ def run(
         "overlaps": [],
         "errors": [],
     }
+    earlier = len(sim.races()) if sim is not None else 0  # found before this run: not its own
     deadline = time.monotonic() + seconds
     stop = threading.Event()
     resource = candidate.resource
@@ -170,7 +174,7 @@ def run(
                 report["pending_frees"] += pending
 
     run_threads([functools.partial(body, i) for i in range(threads)], stop, name="stress")
-    races = [str(r) for r in sim.races()] if sim is not None else []
+    races = [str(r) for r in sim.races()[earlier:]] if sim is not None else []
     report["races"] = races[:20]
     report["race_detector"] = sim is not None
     failed = bool(report["corruptions"] or report["overlaps"] or races or report["errors"])

@@ -288,9 +288,11 @@ def replay(
     that succeeded), seconds, alloc_seconds (time inside the allocator's calls, all
     threads), allocate/free latency percentiles (ns, of the calls that succeeded),
     peak_live_bytes (the log's, in recorded order, of the allocations that succeeded:
-    :func:`recorded_peak`; both replayers report the same), peak_reserved_bytes (None when
-    ``reserved()`` cannot say), oom_events and, for a sharded pool, its synchronisations
-    and waits.
+    :func:`recorded_peak`; both replayers report the same; None when an allocation ran out
+    of memory in a replay of more than one thread, whose threads interleave otherwise than
+    logged), peak_live_measured (True when that is also the replay's own peak: one
+    thread), peak_reserved_bytes (None when ``reserved()`` cannot say), oom_events and, for
+    a sharded pool, its synchronisations and waits.
 
     ``native=None`` uses the native replayer (``streampool._native.replay``) when this build
     has it, else replays from Python threads (slower per event, same semantics)."""
@@ -304,6 +306,14 @@ def replay(
         out["replayer"] = "python"
     if out.get("peak_reserved_bytes") is None and reserved is not None:
         out["peak_reserved_bytes"] = reserved()
+    # On one thread the replay runs in recorded order: the log's peak is the replay's. On
+    # more, the threads interleave as they run, not as logged; with allocations that ran
+    # out of memory the log's peak less them can be one the replay never reached (above
+    # the device's memory, say): unavailable then.
+    one_thread = len({r[3] for r in trace.records}) <= 1
+    out["peak_live_measured"] = one_thread
+    if out["oom_events"] and not one_thread:
+        out["peak_live_bytes"] = None
     return out
 
 

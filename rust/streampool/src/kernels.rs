@@ -364,7 +364,10 @@ pub fn fill(
 
 /// Checks `[ptr, ptr + bytes)` against the pattern of `seed` with a kernel on `stream`,
 /// waits for it (synchronising `stream`), and returns the number of 8-byte words that
-/// differ. Same memory contract as [`fill`].
+/// differ. Same memory contract as [`fill`]. Below 8 bytes (no whole word) nothing is
+/// launched and 0 returned, but `stream` is still synchronised: callers free the memory on
+/// another stream after a check, which is ordered only if the memory's earlier work on
+/// `stream` has completed.
 pub fn check(
     backend: &BackendRef,
     dev: i32,
@@ -376,6 +379,8 @@ pub fn check(
     stream.check(backend, dev)?;
     let n = words(ptr, bytes, "check")?;
     if n == 0 {
+        // Nothing to check, but the synchronisation is part of the contract (see above).
+        stream.synchronize(backend, dev)?;
         return Ok(0);
     }
     let k = loaded(backend, dev)?;

@@ -104,6 +104,41 @@ fn bad_launches_are_refused_and_change_nothing() {
     assert_eq!(sim.pending(), 0);
 }
 
+/// A check of fewer than 8 bytes checks no word, but still synchronises its stream, as
+/// documented: a program (the stress workload) frees the memory on another stream after
+/// the check, which is safe only if the memory's earlier work on the check's stream (here
+/// a previous owner's kernels, still pending when it freed the memory) has completed.
+#[test]
+fn a_check_of_no_whole_word_still_synchronises_its_stream() {
+    let (sim, b) = sim();
+    let mr = CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap();
+    let (s1, s2) = (stream(&b), stream(&b));
+    // A previous owner frees its memory on s1 with kernels still pending there. (`n`,
+    // live throughout, keeps the freed block from merging with free memory after it, which
+    // would make the pool order its reuse after s1's work.)
+    let p = mr.allocate(64, &s1).unwrap();
+    let n = mr.allocate(64, &s1).unwrap();
+    kernels::fill(&b, 0, p, 64, 1, &s1).unwrap();
+    kernels::compute(&b, 0, p, 64, &s1, 1).unwrap();
+    kernels::fill(&b, 0, p, 64, 2, &s1).unwrap();
+    mr.deallocate(p, 64, &s1).unwrap();
+    // The next owner, on s1 too (ordered after those kernels), holds 4 bytes: no word.
+    let q = mr.allocate(4, &s1).unwrap();
+    assert_eq!(q, p, "same-stream reuse");
+    kernels::fill(&b, 0, q, 4, 3, &s1).unwrap(); // launches nothing
+    assert_eq!(kernels::check(&b, 0, q, 4, 3, &s1).unwrap(), 0);
+    assert_eq!(sim.pending(), 0, "the check synchronised s1: nothing of s1 is left pending");
+    // So the memory may be freed on s2 and reused there at once.
+    mr.deallocate(q, 4, &s2).unwrap();
+    let r = mr.allocate(64, &s2).unwrap();
+    assert_eq!(r, p, "same-stream reuse on s2");
+    kernels::fill(&b, 0, r, 64, 4, &s2).unwrap();
+    assert_eq!(kernels::check(&b, 0, r, 64, 4, &s2).unwrap(), 0, "s1's pending fill overwrote s2's");
+    mr.deallocate(r, 64, &s2).unwrap();
+    mr.deallocate(n, 64, &s1).unwrap();
+    assert_no_races(&sim);
+}
+
 #[test]
 fn kernels_take_their_simulated_duration() {
     let (_sim, b) = sim();
