@@ -1145,3 +1145,21 @@ def test_a_failed_log_line_when_a_buffer_is_collected_is_recorded(monkeypatch: p
     logged.deallocate(ptr, 4096)
     assert [type(e) for e in unraisable] == [OSError, OSError]
     assert streampool.drop_errors()[0] == after + 1
+
+
+def test_callback_resource_refuses_a_misaligned_address_and_gives_it_back() -> None:
+    inner = mr.CudaMemoryResource()
+    given_back: list[int] = []
+
+    def allocate(size: int, stream: object) -> int:
+        return int(inner.allocate(size + 256)) + 8  # a bug: not 256-byte aligned
+
+    def deallocate(ptr: int, size: int, stream: object) -> None:
+        given_back.append(ptr)
+        inner.deallocate(ptr - 8, size + 256)
+
+    cb = mr.CallbackMemoryResource(allocate, deallocate)
+    for resource in (cb, mr.StatisticsResourceAdaptor(cb), mr.ShardedPoolMemoryResource(cb)):
+        with pytest.raises(streampool.InvalidArgumentError, match="not 256-byte aligned"):
+            resource.allocate(1000)
+    assert len(given_back) == 3 and all(p % 256 == 8 for p in given_back)

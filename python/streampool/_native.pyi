@@ -239,7 +239,10 @@ class CudaAsyncMemoryResource(MemoryResource):
     uses the driver's pool (the default pool's release threshold is raised to the
     maximum). With ``initial_pool_size``, ``release_threshold``, ``enable_ipc`` or
     ``peer_access`` (even an empty list) it creates a pool of its own, destroyed with the
-    resource.
+    resource. ``initial_pool_size`` is reserved up front (allocated and freed once) and
+    kept as long as ``release_threshold`` (default: the maximum) is at least that size:
+    the driver trims a pool to its threshold at every synchronisation, so a smaller
+    threshold gives the rest back at once.
 
     ``peer_access``: other devices whose work may read and write the pool's memory
     (``cuMemPoolSetAccess``; see :meth:`set_peer_access`), e.g. ``peer_access=[1]`` for a
@@ -870,7 +873,9 @@ class CallbackMemoryResource(MemoryResource):
     when a buffer is collected goes to ``sys.unraisablehook`` and
     ``streampool.drop_errors()``); an
     allocate result that is not an int (or NumPy integer) raises TypeError there, one
-    outside ``0..2**64`` ValueError, and 0 for a non-empty request OutOfMemoryError.
+    outside ``0..2**64`` ValueError, 0 for a non-empty request OutOfMemoryError, and an
+    address that is not 256-byte aligned (as every resource's memory is) is given back to
+    ``deallocate_func`` and refused with InvalidArgumentError (RMM takes it).
     TypeError when either is not callable.
 
     Example::
@@ -1328,7 +1333,8 @@ def _kernel_fill(
 def _kernel_check(
     ptr: int, size: _Size, seed: int, stream: _StreamLike = None, device: int | None = None
 ) -> int:
-    """Runs the check kernel and synchronises the stream (use ``streampool.kernels.check``)."""
+    """Runs the check kernel and synchronises the stream, also below 8 bytes where no kernel
+    runs (use ``streampool.kernels.check``)."""
 
 def _kernel_compute(
     ptr: int,

@@ -838,6 +838,16 @@ impl MemoryResource for CallbackResource {
                     available: None,
                     resource: "CallbackMemoryResource (its allocate function returned 0)".into(),
                 }),
+                // Every resource's memory is 256-byte aligned: pools carve blocks out of
+                // it, and kernels work on aligned words. Given back, then refused.
+                Ok(ptr) if ptr % 256 != 0 => {
+                    let given_back = self.do_deallocate(ptr, bytes, stream).err();
+                    Err(streampool::Error::InvalidArgument(format!(
+                        "CallbackMemoryResource's allocate function returned {ptr:#x}, which is not \
+                         256-byte aligned (every resource's memory is){}",
+                        given_back.map_or(String::new(), |e| format!("; giving it back failed too: {e}"))
+                    )))
+                }
                 Ok(ptr) => Ok(ptr),
                 // A MemoryError is out of memory to the adaptors above (a failure callback
                 // retries, as RMM's does), and reaches the caller unchanged.
@@ -870,7 +880,9 @@ impl MemoryResource for CallbackResource {
 /// `allocate_func(size, stream) -> ptr` and `deallocate_func(ptr, size, stream)`, where
 /// `stream` is a `streampool.Stream`. For debugging and experiments: every call takes the
 /// GIL. An exception either function raises reaches the caller of allocate/deallocate
-/// unchanged; an allocate result that is not an int raises TypeError there.
+/// unchanged; an allocate result that is not an int raises TypeError there, and an address
+/// that is not 256-byte aligned is given back to `deallocate_func` and refused
+/// (InvalidArgumentError).
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "CallbackMemoryResource")]
 pub struct PyCallbackMemoryResource {

@@ -222,23 +222,32 @@ impl DeviceBuffer {
 
     /// The allocation, shared from now on; ValueError once closed.
     fn live(&self) -> PyResult<Arc<Allocation>> {
+        self.share(false).map(|(alloc, _)| alloc)
+    }
+
+    /// [`DeviceBuffer::live`] with the size read together with it: a `resize` on another
+    /// thread, or by Python code that an argument's conversion runs, can change the size
+    /// and the allocation after, so a size read later need not fit this allocation.
+    fn live_sized(&self) -> PyResult<(Arc<Allocation>, usize)> {
         self.share(false)
     }
 
-    /// [`DeviceBuffer::live`], for handing the address to Python code or a consumer: the
-    /// address is recorded in `EXPOSED` (with the lock held, so that a concurrent `resize`
-    /// cannot leave a stale entry).
-    fn live_exposed(&self) -> PyResult<Arc<Allocation>> {
+    /// [`DeviceBuffer::live_sized`], for handing the address to Python code or a consumer:
+    /// the address is recorded in `EXPOSED` (with the lock held, so that a concurrent
+    /// `resize` cannot leave a stale entry).
+    fn live_exposed(&self) -> PyResult<(Arc<Allocation>, usize)> {
         self.share(true)
     }
 
     /// Refuses a buffer of a simulated device since exited: its memory is gone (unmapped,
     /// for an expandable pool's), and nothing may hand out its address or use it.
     fn check_device_open(&self) -> PyResult<()> {
-        self.mr.get().inner.backend().check_open().map_err(|e| PyValueError::new_err(e.to_string()))
+        // InvalidArgumentError (a ValueError), as the resource's own calls raise for it.
+        self.mr.get().inner.backend().check_open().map_err(|e| Python::attach(|py| to_pyerr(py, e)))
     }
 
-    fn share(&self, expose: bool) -> PyResult<Arc<Allocation>> {
+    /// The allocation and the size, read under the lock that `resize` sets both under.
+    fn share(&self, expose: bool) -> PyResult<(Arc<Allocation>, usize)> {
         self.check_device_open()?;
         let mut slot = self.slot();
         let shared = match std::mem::take(&mut *slot) {
@@ -250,7 +259,7 @@ impl DeviceBuffer {
             self.expose(shared.ptr());
         }
         *slot = Memory::Shared(shared.clone());
-        Ok(shared)
+        Ok((shared, self.len()))
     }
 
     /// Records `ptr`, the current memory's address, as seen by Python code. The caller
@@ -332,6 +341,14 @@ impl DeviceBuffer {
         let stream = Self::op_stream(py, &alloc, stream)?;
         if bytes == 0 {
             return Ok(());
+        }
+        if bytes > alloc.bytes() {
+            // Sized before a `resize` (another thread's, or one that converting an argument
+            // ran) moved the buffer to a smaller allocation.
+            return Err(PyValueError::new_err(format!(
+                "the buffer was resized during this call: {bytes} bytes no longer fit its {} bytes",
+                alloc.bytes()
+            )));
         }
         detached(py, move || {
             let resource = alloc.resource();
@@ -421,9 +438,9 @@ impl DeviceBuffer {
         new_size: usize,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let old = self.live()?;
+        let (old, size) = self.live_sized()?;
         let copy_on = Self::op_stream(py, &old, stream)?;
-        let bytes = self.len().min(new_size);
+        let bytes = size.min(new_size);
         let new = detached(py, move || {
             let resource = old.resource();
             let (backend, device) = (resource.backend(), resource.device());
@@ -653,6 +670,15 @@ fn host_buffer(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<P
 
 #[pymethods]
 impl DeviceBuffer {
+    /// The collector sees the resource and the stream object it holds, so that a cycle
+    /// through a buffer (a stream wrapper that keeps the buffers made on it, an object
+    /// whose logging callback made its own buffer) is collected: the other objects of the
+    /// cycle are cleared, and the buffer freed then.
+    fn __traverse__(&self, visit: pyo3::gc::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        visit.call(&self.mr)?;
+        visit.call(&self.stream)
+    }
+
     #[new]
     #[pyo3(
         signature = (size=None, stream=None, mr=None, *, ptr=None),
@@ -737,11 +763,11 @@ impl DeviceBuffer {
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         // As this thread names it: a per-thread buffer of another thread reports 1.
-        let alloc = self.live_exposed()?;
+        let (alloc, size) = self.live_exposed()?;
         let stream = Self::stream_of(&alloc);
         let stream_value = if stream.is_legacy() { 1 } else { stream.handle() };
         let d = PyDict::new(py);
-        d.set_item("shape", (self.len(),))?;
+        d.set_item("shape", (size,))?;
         d.set_item("typestr", "|u1")?;
         d.set_item("data", (alloc.ptr(), false))?;
         d.set_item("version", 3)?;
@@ -781,7 +807,7 @@ impl DeviceBuffer {
             )));
         }
         let this = slf.get();
-        let alloc = this.live_exposed()?;
+        let (alloc, size) = this.live_exposed()?;
         let ours = this.__dlpack_device__();
         let exported = dlpack::exported_device(ours, dl_device)?;
         if copy == Some(true) {
@@ -791,7 +817,7 @@ impl DeviceBuffer {
         let host_may_read = to_host || ours.0 != dlpack::KDL_CUDA;
         let consumer = dlpack::order_consumer(slf.py(), &alloc, stream, host_may_read, to_host)?;
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
-        dlpack::export(slf, alloc, this.len(), exported, versioned, consumer)
+        dlpack::export(slf, alloc, size, exported, versioned, consumer)
     }
 
     /// Copies the buffer to host memory and waits for the copy (GIL released). Without
@@ -864,11 +890,11 @@ impl DeviceBuffer {
         let (ptr, bytes, source, keep) = match cuda_ary.cast::<DeviceBuffer>() {
             Ok(other) => {
                 let other = other.get();
-                let alloc = other.live()?;
+                let (alloc, size) = other.live_sized()?;
                 let backend = self.mr.get().inner.backend();
                 device::check_same_backend(backend, alloc.resource().backend(), "the source buffer")
                     .or_raise(py)?;
-                (alloc.ptr(), other.len(), Some(alloc.stream().clone()), Some(alloc))
+                (alloc.ptr(), size, Some(alloc.stream().clone()), Some(alloc))
             }
             Err(_) => {
                 let (ptr, bytes, source) = cai_source(py, cuda_ary, self.mr.get().inner.backend())?;
@@ -924,8 +950,7 @@ impl DeviceBuffer {
     /// A deep copy: a new buffer of `size` bytes from the same resource, on the same
     /// stream, filled by a copy enqueued on that stream (not waited for).
     fn copy(&self, py: Python<'_>) -> PyResult<Self> {
-        let alloc = self.live()?;
-        let size = self.len();
+        let (alloc, size) = self.live_sized()?;
         let made = Self::make(py, size, Some(self.stream.bind(py)), Some(self.mr.bind(py).clone()))?;
         let source = alloc.stream().clone();
         made.copy_in(py, alloc.ptr(), size, None, Some(source), Some(alloc))?;
@@ -947,7 +972,7 @@ impl DeviceBuffer {
         mr: Option<Bound<'_, PyMemoryResource>>,
     ) -> PyResult<Self> {
         let target = crate::required_device_arg(device, "device")?;
-        let alloc = self.live()?;
+        let (alloc, size) = self.live_sized()?;
         let backend = alloc.resource().backend().clone();
         detached(py, move || streampool::resources::check_device(&backend, Some(target)).map(drop))?;
         let mr = match mr {
@@ -963,7 +988,6 @@ impl DeviceBuffer {
             }
             None => crate::resources::get_per_device_resource(py, device)?.into_bound(py),
         };
-        let size = self.len();
         let made = Self::make(py, size, stream, Some(mr))?;
         made.copy_peer_in(py, alloc, size, None)?;
         Ok(made)

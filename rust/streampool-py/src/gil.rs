@@ -84,18 +84,44 @@ extern "C" {
 /// above 0 and no GIL. PyO3 would run Python code without it (a crash); here the GIL is
 /// taken for the call (`PyGILState_Ensure` restores the thread's saved state) and given
 /// back after. None where the interpreter cannot be attached (it is shutting down).
+///
+/// A thread in Python code that CPython (before 3.14) ends while the interpreter finalises
+/// (a daemon thread whose callback let the GIL go, for I/O say, then took it back) is ended
+/// by `pthread_exit`, whose unwinding would run PyO3's guard here and give back a thread
+/// state that is no longer current: CPython aborts the process. Such a thread is stopped
+/// here instead, for good, as CPython 3.14 and PyO3's own attach do.
 pub(crate) fn try_attach<R>(f: impl FnOnce(Python<'_>) -> R) -> Option<R> {
     Python::try_attach(|py| {
+        let in_python = HangIfEnded;
         // SAFETY: only reads this thread's state.
-        if unsafe { PyGILState_Check() } == 1 {
-            return f(py);
-        }
-        // SAFETY: the interpreter is initialised (PyO3 attached once on this thread) and
-        // this thread does not hold the GIL; `Release` is given the state `Ensure` returned.
-        let state = unsafe { pyo3::ffi::PyGILState_Ensure() };
-        let result = f(py);
-        // SAFETY: the state this thread's `PyGILState_Ensure` returned, released once.
-        unsafe { pyo3::ffi::PyGILState_Release(state) };
+        let result = if unsafe { PyGILState_Check() } == 1 {
+            f(py)
+        } else {
+            // SAFETY: the interpreter is initialised (PyO3 attached once on this thread)
+            // and this thread does not hold the GIL; `Release` is given the state `Ensure`
+            // returned.
+            let state = unsafe { pyo3::ffi::PyGILState_Ensure() };
+            let result = f(py);
+            // SAFETY: the state this thread's `PyGILState_Ensure` returned, released once.
+            unsafe { pyo3::ffi::PyGILState_Release(state) };
+            result
+        };
+        std::mem::forget(in_python);
         result
     })
+}
+
+/// Dropped only when the call it guards did not return: unwound by a Rust panic (which
+/// goes on), or by CPython ending the thread (`pthread_exit` is no panic), which stops here.
+struct HangIfEnded;
+
+impl Drop for HangIfEnded {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        loop {
+            std::thread::park();
+        }
+    }
 }

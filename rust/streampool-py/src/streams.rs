@@ -145,6 +145,12 @@ impl PyStream {
 
 #[pymethods]
 impl PyStream {
+    /// The object a wrapped stream came from, for the collector (a cycle through
+    /// `Stream(self)` held by `self` is collected).
+    fn __traverse__(&self, visit: pyo3::gc::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        visit.call(&self.owner)
+    }
+
     #[new]
     #[pyo3(signature = (obj=None, *, device=None, blocking=None, flags=None))]
     fn new(

@@ -200,3 +200,16 @@ pub(crate) fn record_if_failed(what: impl FnOnce() -> String, result: Result<()>
         record_drop_error(&what(), &e);
     }
 }
+
+/// The device synchronisation a resource makes before it gives its memory back on drop,
+/// its failure recorded. A closed backend (a simulated device since exited) has no work
+/// left to wait for: nothing is asked of it, and nothing is recorded.
+pub(crate) fn synchronize_on_drop(
+    backend: &crate::device::BackendRef,
+    device: i32,
+    what: impl FnOnce() -> String,
+) {
+    if backend.check_open().is_ok() {
+        record_if_failed(what, backend.ctx_synchronize(device));
+    }
+}

@@ -339,7 +339,17 @@ impl Allocation {
         if ptr == 0 {
             return Ok(());
         }
-        self.mr.deallocate(ptr, self.bytes, &self.stream)
+        match self.mr.deallocate(ptr, self.bytes, &self.stream) {
+            // Its stream went first: a borrowed one destroyed by its owner, or one that the
+            // collector dropped before the buffer while breaking a reference cycle. Once
+            // the device is synchronised nothing uses the memory any more (the stream's
+            // last work included), and the legacy default stream frees it.
+            Err(Error::InvalidStream(_)) if !self.stream.is_legacy() => {
+                self.mr.backend().ctx_synchronize(self.mr.device())?;
+                self.mr.deallocate(ptr, self.bytes, &Stream::legacy())
+            }
+            result => result,
+        }
     }
 }
 

@@ -69,8 +69,9 @@ pub fn parse_size(text: &str) -> Result<usize> {
     usize::try_from(bytes).map_err(|_| too_large())
 }
 
-/// Rounds `bytes` up to a multiple of `align` (a power of two).
-pub const fn align_up(bytes: usize, align: usize) -> usize {
+/// Rounds `bytes` up to a multiple of `align` (a power of two), for sizes the crate has
+/// already bounded (below `isize::MAX`).
+pub(crate) const fn align_up(bytes: usize, align: usize) -> usize {
     (bytes + align - 1) & !(align - 1)
 }
 

@@ -109,6 +109,19 @@ thread_local! {
     static DEFAULT_KEYS: RefCell<Vec<(u64, i32, RawStream, u64)>> = const { RefCell::new(Vec::new()) };
     /// This thread's id, looked up once (`thread::current` clones a handle each time).
     static THREAD: ThreadId = std::thread::current().id();
+    /// Run as this thread exits (see [`Stream::on_thread_exit`]).
+    static EXIT_HOOKS: ExitHooks = const { ExitHooks(RefCell::new(Vec::new())) };
+}
+
+/// Hooks run when the thread that registered them exits.
+struct ExitHooks(RefCell<Vec<Box<dyn FnOnce() + Send>>>);
+
+impl Drop for ExitHooks {
+    fn drop(&mut self) {
+        for hook in self.0.get_mut().drain(..) {
+            hook();
+        }
+    }
 }
 
 /// True on `owner` itself. False where this thread's storage is already torn down (a
@@ -160,6 +173,7 @@ impl Stream {
     /// Creates and owns a new stream on `device` of `backend`; non-blocking (it does not
     /// synchronise with the legacy default stream) unless `blocking`.
     pub fn create(backend: &BackendRef, device: i32, blocking: bool) -> Result<Self> {
+        backend.check_open()?;
         let handle = backend.stream_create(device, blocking)?;
         let key = stream_key(backend, device, handle);
         let owned = OwnedStream {
@@ -217,6 +231,20 @@ impl Stream {
             }
             _ => false,
         }
+    }
+
+    /// Runs `hook` when the calling thread exits, where this stream is the calling thread's
+    /// per-thread default stream, which ends with the thread: state kept for that stream
+    /// (a pool's shard) can then be retired. `hook` runs among the thread's thread-local
+    /// destructors, where the driver's own state for the thread may be gone: it must not
+    /// use the stream. For any other stream (or a thread already exiting), `hook` is dropped
+    /// and the answer is false.
+    pub fn on_thread_exit(&self, hook: Box<dyn FnOnce() + Send>) -> bool {
+        if !self.is_per_thread() {
+            return false;
+        }
+        let mut hook = Some(hook);
+        EXIT_HOOKS.try_with(|hooks| hooks.0.borrow_mut().push(hook.take().expect("pushed once"))).is_ok()
     }
 
     /// This stream made independent of the thread that uses it: the per-thread default

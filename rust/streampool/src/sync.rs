@@ -103,6 +103,7 @@ impl<T> ShardLock<T> {
         let taken = self.locked.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok();
         taken.then(|| ShardGuard {
             lock: self,
+            _not_send: std::marker::PhantomData,
             #[cfg(loom)]
             value: std::mem::ManuallyDrop::new(self.value.get_mut()),
         })
@@ -142,13 +143,19 @@ impl<T> std::fmt::Debug for ShardLock<T> {
     }
 }
 
-/// Holds a [`ShardLock`]; gives it back when dropped.
+/// Holds a [`ShardLock`]; gives it back when dropped. Neither `Send` nor, for a `T` that
+/// is not `Sync`, `Sync` (as std's `MutexGuard`): a guard shared between threads would
+/// hand both a `&T`.
 pub(crate) struct ShardGuard<'a, T> {
     lock: &'a ShardLock<T>,
+    _not_send: std::marker::PhantomData<*const ()>,
     /// Loom's record of this guard's access to the value, ended before the unlock.
     #[cfg(loom)]
     value: std::mem::ManuallyDrop<loom::cell::MutPtr<T>>,
 }
+
+// SAFETY: a shared guard gives only `&T`, which threads may share when `T: Sync`.
+unsafe impl<T: Sync> Sync for ShardGuard<'_, T> {}
 
 impl<T> std::ops::Deref for ShardGuard<'_, T> {
     type Target = T;

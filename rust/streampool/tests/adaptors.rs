@@ -373,9 +373,14 @@ fn limiting_bad_input() {
     let text = err.to_string();
     assert!(
         text.contains("limit 1048576 bytes, 524288 in use")
-            && text.contains("786432 bytes (524288 bytes available)"),
+            && text.contains("786432 bytes (524288 bytes available)")
+            && !text.contains("counts as"),
         "{text}"
     );
+    // A request that fits only unrounded says how it was counted.
+    let small = LimitingAdaptor::new(async_mr(&b), 1000).unwrap();
+    let text = small.allocate(1000, &s).unwrap_err().to_string();
+    assert!(text.contains("counts as 1024 bytes"), "{text}");
     // A free the upstream refuses gives no room back; an upstream failure below the limit
     // rolls its reservation back.
     assert!(mr.deallocate(0xdead_0000, 4096, &s).is_err());
@@ -745,7 +750,8 @@ fn pinned_host_memory_does_not_report_the_devices_free_memory() {
     let pinned = streampool::PinnedHostMemoryResource::on(b, 0);
     let err = pinned.allocate(1 << 62, &Stream::legacy()).unwrap_err();
     assert!(matches!(&err, Error::OutOfMemory { available: None, .. }), "{err:?}");
-    assert!(err.to_string().contains("host"), "{err}");
+    assert!(err.to_string().contains("host's pinned memory"), "{err}");
+    assert!(!err.to_string().contains("capacity"), "pinned memory is not the device's: {err}");
     let p = pinned.allocate(4096, &Stream::legacy()).unwrap();
     pinned.deallocate(p, 4096, &Stream::legacy()).unwrap();
 }

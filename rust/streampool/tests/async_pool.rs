@@ -110,3 +110,22 @@ fn out_of_memory_retries_after_synchronising_the_stream() {
     let err = second.allocate(300 << 20, &s).unwrap_err();
     assert!(matches!(err, Error::OutOfMemory { requested, .. } if requested == 300 << 20), "{err:?}");
 }
+
+/// An allocation whose (borrowed) stream was destroyed before it is freed on the legacy
+/// default stream once the device is synchronised, instead of leaking: the order a
+/// collector breaking a reference cycle may drop a buffer and its stream in.
+#[test]
+fn an_allocation_outliving_its_stream_is_still_freed() {
+    let (_sim, b) = sim();
+    let mr: streampool::resource::ResourceRef =
+        std::sync::Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
+    let owned = Stream::create(&b, 0, false).unwrap();
+    let borrowed = Stream::borrowed(&b, owned.handle()).unwrap();
+    let alloc = streampool::Allocation::new(mr.clone(), 1 << 20, borrowed).unwrap();
+    let ptr = alloc.ptr();
+    drop(owned);
+    alloc.free().unwrap();
+    assert_eq!(b.pointer_pool(0, ptr).ok().flatten(), None, "{ptr:#x} is still allocated");
+    let again = mr.allocate(1 << 20, &Stream::legacy()).unwrap();
+    mr.deallocate(again, 1 << 20, &Stream::legacy()).unwrap();
+}

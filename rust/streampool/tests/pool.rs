@@ -1028,3 +1028,58 @@ fn dropping_a_pool_with_live_allocations_is_recorded() {
         "{errors:?}"
     );
 }
+
+/// Threads keep the shards they used in a cache; a dropped pool's shards there hold no
+/// event, so the device (a simulated device's memory) goes with the last object made on
+/// it, whether the pool or its stream goes first.
+#[test]
+fn a_dropped_pool_leaves_its_device_to_go() {
+    for stream_outlives_pool in [false, true] {
+        let (sim, b) = setup(256 * MIB);
+        let weak = Arc::downgrade(&sim);
+        drop(sim);
+        let p = pool(&b, PoolOptions { events_every: 1, ..Default::default() });
+        let s = stream(&b);
+        for _ in 0..4 {
+            let ptr = p.allocate(MIB, &s).unwrap();
+            p.deallocate(ptr, MIB, &s).unwrap();
+        }
+        assert!(p.stats().events_recorded > 0);
+        if stream_outlives_pool {
+            drop(p);
+            drop(s);
+        } else {
+            drop(s);
+            drop(p);
+        }
+        drop(b);
+        assert_eq!(
+            weak.strong_count(),
+            0,
+            "the device outlived everything made on it (stream last: {stream_outlives_pool})"
+        );
+    }
+}
+
+/// Resources dropped after their simulated device was exited, with everything freed, record
+/// nothing (`drop_errors` is where leaks show): the device has no work left to wait for.
+#[test]
+fn resources_dropped_after_the_simulation_record_nothing() {
+    let sim = SimDevice::new(64 * MIB);
+    use streampool::device::Backend;
+    let name = sim.describe();
+    let closed = format!("{} is closed", name.split(" (").next().unwrap());
+    let guard = sim.activate().unwrap();
+    let upstream: ResourceRef = Arc::new(CudaAsyncMemoryResource::new(None, Default::default()).unwrap());
+    let p = ShardedPoolMemoryResource::new(upstream.clone(), PoolOptions::default()).unwrap();
+    let fixed = streampool::FixedSizeMemoryResource::new(upstream, 4096, 4).unwrap();
+    for mr in [&p as &dyn MemoryResource, &fixed] {
+        let ptr = mr.allocate(4096, &Stream::legacy()).unwrap();
+        mr.deallocate(ptr, 4096, &Stream::legacy()).unwrap();
+    }
+    drop(guard);
+    drop(p);
+    drop(fixed);
+    let errors = streampool::drop_errors();
+    assert!(!errors.recent.iter().any(|m| m.contains(&closed)), "{errors:?}");
+}

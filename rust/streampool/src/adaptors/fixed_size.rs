@@ -5,7 +5,7 @@ use std::fmt;
 
 use super::{as_own_oom, upstream_properties};
 use crate::device::DevPtr;
-use crate::error::{record_if_failed, Error, Result};
+use crate::error::{record_if_failed, synchronize_on_drop, Error, Result};
 use crate::resource::{check_depth, MemoryResource, ResourceRef, ALIGNMENT};
 use crate::stream::Stream;
 use crate::sync::{lock, Mutex};
@@ -250,7 +250,7 @@ impl Drop for FixedSizeMemoryResource {
         // Every use of every block is ordered before the chunks' frees; a failure (the
         // driver torn down at exit) has nobody to report to: it is recorded.
         let what = || "dropping a FixedSizeMemoryResource".to_string();
-        record_if_failed(what, self.upstream.backend().ctx_synchronize(self.upstream.device()));
+        synchronize_on_drop(self.upstream.backend(), self.upstream.device(), what);
         let chunks = std::mem::take(&mut lock(&self.state).chunks);
         for chunk in chunks {
             record_if_failed(what, self.upstream.deallocate(chunk, self.chunk_bytes(), &Stream::legacy()));

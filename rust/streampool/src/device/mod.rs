@@ -31,6 +31,38 @@ use crate::error::{Error, Result};
 pub mod cuda;
 pub mod sim;
 
+/// Set in a child process that `fork()` made from one whose backends were in use (see
+/// [`watch_fork`]).
+static FORKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Notes a `fork()` from now on (once per process): called as a backend is made. Neither
+/// the CUDA driver nor a simulated device survives into a child (the driver's context does
+/// not; a lock that another thread held at the fork stays held there for ever).
+pub(crate) fn watch_fork() {
+    extern "C" fn in_child() {
+        FORKED.store(true, Ordering::Relaxed);
+    }
+    static WATCHING: std::sync::Once = std::sync::Once::new();
+    // SAFETY: registers a handler that only stores an atomic (async-signal-safe).
+    WATCHING.call_once(|| unsafe {
+        libc::pthread_atfork(None, None, Some(in_child));
+    });
+}
+
+/// The error every backend gives in a child of a process that used it (see [`watch_fork`]).
+pub(crate) fn check_not_forked() -> Result<()> {
+    if !FORKED.load(Ordering::Relaxed) {
+        return Ok(());
+    }
+    Err(Error::Unsupported(
+        "this process was made by fork() from one that had used streampool's device, which does not \
+         survive into a child (neither the CUDA driver's context nor a simulated device does): start \
+         worker processes with the 'spawn' method (multiprocessing.set_start_method(\"spawn\")), or \
+         fork before the first use"
+            .into(),
+    ))
+}
+
 /// A device address (or, for pinned and simulated memory, a host address).
 pub type DevPtr = u64;
 /// A stream handle as the driver sees it (`CUstream` as an integer).
@@ -162,10 +194,11 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Human-readable name, e.g. "CUDA driver 13.0" or "simulated device #3 (16 GiB)".
     fn describe(&self) -> String;
     /// The error every call on a backend that is gone gives (a simulated device that was
-    /// exited); `Ok` while it is usable. The CUDA driver never closes. Cheap: for checks
-    /// on paths that may not reach the backend otherwise (a pool's own free lists).
+    /// exited, any backend in a child process that `fork()` made after its use); `Ok` while
+    /// it is usable. Cheap: for checks on paths that may not reach the backend otherwise (a
+    /// pool's own free lists).
     fn check_open(&self) -> Result<()> {
-        Ok(())
+        check_not_forked()
     }
 
     /// `cuDriverGetVersion`, e.g. 13000.

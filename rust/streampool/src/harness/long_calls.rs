@@ -210,6 +210,10 @@ mod pc {
     /// The address thread `tid` is at, asked by a signal; None without an answer in 2 ms,
     /// or where the signal's handler is not (or no longer) ours.
     pub(super) fn of(tid: i64) -> Option<u64> {
+        // One question at a time (two watchdogs, two pipelines run at once): the handler's
+        // answer goes to one place, and a caller that withdrew late waits for it.
+        static ASKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one = ASKING.lock().unwrap_or_else(|e| e.into_inner());
         let sig = signal().filter(|&sig| still_ours(sig))?;
         PC.store(0, Ordering::Release);
         WANTED.store(tid, Ordering::Release);
@@ -653,5 +657,53 @@ mod tests {
         assert!(places.contains(&Some(Place::Streampool)), "{places:?}");
         assert!(swapped);
         assert_eq!((replaced, hits), (None, 0), "a signal went to the program's handler");
+    }
+
+    /// Two watchdogs asking at once (two pipelines with `long_call_us`), of threads that do
+    /// not answer in time (the signal blocked, as in a long system call): both give up
+    /// after their 2 ms instead of waiting for each other's answer for ever.
+    #[cfg(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64")))]
+    #[test]
+    fn two_watchdogs_at_once_each_give_up() {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::{mpsc, Arc, Barrier};
+        let sig = libc::SIGRTMAX() - 3;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tids, tid_rx) = mpsc::channel();
+        let silent: Vec<_> = (0..2)
+            .map(|_| {
+                let (stop, tids) = (stop.clone(), tids.clone());
+                std::thread::spawn(move || {
+                    // SAFETY: the set is initialised by sigemptyset before use; the mask is
+                    // this thread's own.
+                    unsafe {
+                        let mut set: libc::sigset_t = std::mem::zeroed();
+                        libc::sigemptyset(&mut set);
+                        libc::sigaddset(&mut set, sig);
+                        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+                    }
+                    tids.send(thread_id()).unwrap();
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                })
+            })
+            .collect();
+        let targets = [tid_rx.recv().unwrap(), tid_rx.recv().unwrap()];
+        let barrier = Arc::new(Barrier::new(2));
+        let (done, answers) = mpsc::channel();
+        for tid in targets {
+            let (barrier, done) = (barrier.clone(), done.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                done.send(where_running(tid)).unwrap();
+            });
+        }
+        let answered = (0..2).filter(|_| answers.recv_timeout(Duration::from_secs(10)).is_ok()).count();
+        stop.store(true, Ordering::Relaxed);
+        for t in silent {
+            t.join().unwrap();
+        }
+        assert_eq!(answered, 2, "a watchdog waited for ever for an answer that went to the other");
     }
 }

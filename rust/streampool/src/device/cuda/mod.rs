@@ -399,6 +399,7 @@ fn probe() -> Result<CudaBackend> {
                 .map_err(|e| not_found(format!("probing CUDA device {ordinal}: {e}")))
         })
         .collect::<Result<Vec<_>>>()?;
+    crate::device::watch_fork();
     Ok(CudaBackend { driver_version, devices, symbols, destroyed_streams: Mutex::default() })
 }
 

@@ -75,7 +75,9 @@ impl Launch {
         match self.kernel {
             Kernel::Fill | Kernel::Compute => vec![(start, end, true)],
             // The counter's atomic add reads and writes it: a write, for the detector.
-            Kernel::Check => vec![(start, end, false), (self.params[3], self.params[3] + 8, true)],
+            Kernel::Check => {
+                vec![(start, end, false), (self.params[3], self.params[3].saturating_add(8), true)]
+            }
         }
     }
 

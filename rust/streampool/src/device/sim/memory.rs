@@ -219,7 +219,15 @@ impl State {
         if counted && size > self.free_bytes(dev) {
             return Err(oom(call));
         }
-        let block = HostBlock::new(size).ok_or_else(|| host_refused(self, size))?;
+        let block = HostBlock::new(size).ok_or_else(|| match kind {
+            // Pinned memory is the host's own, not the device's capacity.
+            AllocKind::Pinned => Error::OutOfMemory {
+                requested: size,
+                available: None,
+                resource: format!("the host's pinned memory (for {})", self.name),
+            },
+            _ => host_refused(self, size),
+        })?;
         let addr = block.addr();
         if counted {
             self.devices[dev as usize].allocated += size;

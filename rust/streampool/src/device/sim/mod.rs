@@ -443,6 +443,7 @@ impl SimDevice {
     /// refuses other values with a ValueError).
     pub fn with_devices(capacity_bytes: usize, devices: i32) -> Arc<SimDevice> {
         let devices = devices.clamp(1, MAX_DEVICES);
+        crate::device::watch_fork();
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         Arc::new(SimDevice {
             id,
@@ -665,6 +666,7 @@ impl SimDevice {
     }
 
     fn check_open(&self) -> Result<()> {
+        crate::device::check_not_forked()?;
         if self.is_closed() {
             return Err(Error::InvalidArgument(format!(
                 "simulated device #{} is closed; objects made under it cannot be used outside it",

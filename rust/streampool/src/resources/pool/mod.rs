@@ -463,9 +463,16 @@ impl ShardedPoolMemoryResource {
             shard
         };
         let (weak, backend, device) = (Arc::downgrade(&shard), self.backend.clone(), self.device);
+        let at_exit = weak.clone();
         stream.on_destroy(Box::new(move |s: &Stream| {
             if let Some(shard) = weak.upgrade() {
                 shard.retire(&backend, device, s);
+            }
+        }));
+        // A thread's per-thread default stream ends with the thread.
+        stream.on_thread_exit(Box::new(move || {
+            if let Some(shard) = at_exit.upgrade() {
+                shard.retire_at_thread_exit();
             }
         }));
         shard
@@ -749,11 +756,9 @@ impl Drop for ShardedPoolMemoryResource {
     fn drop(&mut self) {
         // Every use of the pool's memory must finish before it goes back; failures (the
         // driver torn down at exit) are recorded (`streampool::drop_errors`).
-        let synced = self.backend().ctx_synchronize(self.device());
-        crate::error::record_if_failed(
-            || "ShardedPoolMemoryResource's synchronisation on drop".into(),
-            synced,
-        );
+        crate::error::synchronize_on_drop(self.backend(), self.device(), || {
+            "ShardedPoolMemoryResource's synchronisation on drop".into()
+        });
         // Allocations never freed go back to the upstream with their chunks: a leak the
         // program should hear of, since any later use of them is a use after free.
         let live = self.stats().used_bytes;
@@ -775,6 +780,12 @@ impl Drop for ShardedPoolMemoryResource {
             );
         }
         self.drop_region();
+        // Threads keep the shards they used in their caches (until they have used
+        // `THREAD_CACHE` others): emptied, a shard holds no event, so the backend (a
+        // simulated device's memory) goes with the pool rather than with those threads.
+        for shard in read(&self.shards).values() {
+            *shard.state.lock() = ShardState::default();
+        }
     }
 }
 

@@ -540,11 +540,17 @@ impl ShardedPoolMemoryResource {
 
     /// Drops a retired shard that holds nothing (threads may still hold it in their
     /// caches: its key is never used again, so they never look at it).
+    /// Its events go too: threads' caches keep the shard, not the backend behind them.
     fn forget(&self, shard: &Arc<Shard>) {
-        let mut map = write(&self.shards);
-        if map.get(&shard.key).is_some_and(|s| Arc::ptr_eq(s, shard)) {
-            map.remove(&shard.key);
+        {
+            let mut map = write(&self.shards);
+            if map.get(&shard.key).is_some_and(|s| Arc::ptr_eq(s, shard)) {
+                map.remove(&shard.key);
+            }
         }
+        let mut st = shard.state.lock();
+        st.events.clear();
+        st.spare_events.clear();
     }
 
     fn forget_if_done(&self, shard: &Arc<Shard>) {

@@ -129,6 +129,16 @@ impl Shard {
     }
 }
 
+impl Shard {
+    /// Called as the thread whose per-thread default stream this shard's is exits: the
+    /// shard is retired without a last event (the stream is going, and the driver may have
+    /// torn it down already), so its free blocks wait for the next synchronisation, and
+    /// the shard leaves the pool once they have gone.
+    pub fn retire_at_thread_exit(&self) {
+        self.state.lock().retired = true;
+    }
+}
+
 impl ShardState {
     /// Whether another stream asked for this stream's memory since its last event (it
     /// looked into this shard, or the pool's demand count moved).
