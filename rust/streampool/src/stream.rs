@@ -322,6 +322,17 @@ impl Stream {
         matches!(self.origin, Origin::Owned(_))
     }
 
+    /// Whether this is a borrowed handle whose stream its backend knows to be destroyed
+    /// (see [`Backend::stream_destroyed`](crate::device::Backend::stream_destroyed)): a
+    /// stream this crate made and destroyed, wrapped again by a stream object that outlived
+    /// it. Streams this crate owns live as long as any clone, and default streams always.
+    pub fn known_destroyed(&self) -> bool {
+        match &self.origin {
+            Origin::Borrowed { backend, .. } => backend.stream_destroyed(self.handle),
+            _ => false,
+        }
+    }
+
     /// The backend and device this stream is bound to; `None` for the default streams,
     /// which exist everywhere.
     pub fn binding(&self) -> Option<(&BackendRef, i32)> {

@@ -289,6 +289,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// that refuses handles of streams it destroyed forgets this one: the driver reuses
     /// handle values, so another library's new stream may carry it.
     fn stream_vouched(&self, _stream: RawStream) {}
+    /// Whether `stream` is a handle of a stream this backend destroyed (and no stream made
+    /// or vouched for since carries it): work must not be enqueued on it. False where that
+    /// is not known; the simulated device refuses such a handle in every call instead.
+    fn stream_destroyed(&self, _stream: RawStream) -> bool {
+        false
+    }
     /// `cuStreamSynchronize`.
     fn stream_synchronize(&self, dev: i32, stream: RawStream) -> Result<()>;
     /// `cuStreamQuery`: true when all work on the stream has completed.
@@ -464,6 +470,7 @@ pub fn backend_epoch() -> u64 {
 /// `STREAMPOOL_DEVICE` that names no backend is an [`Error::InvalidArgument`] here, at the
 /// first use, naming the variable, its value and the accepted values.
 pub fn backend() -> Result<BackendRef> {
+    check_not_forked()?;
     if let Some(sim) = active_sim() {
         return Ok(sim);
     }

@@ -872,6 +872,10 @@ impl Backend for CudaBackend {
         self.destroyed().remove(&stream);
     }
 
+    fn stream_destroyed(&self, stream: RawStream) -> bool {
+        self.destroyed().contains(&stream)
+    }
+
     fn stream_device(&self, stream: RawStream) -> Result<i32> {
         if is_default_stream(stream) {
             return Err(Error::InvalidStream(format!(
