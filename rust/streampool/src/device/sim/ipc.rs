@@ -56,7 +56,9 @@ fn driver_refuses(call: &'static str, why: String) -> Error {
 impl Arena {
     pub(super) fn new(dev: i32) -> std::io::Result<Arena> {
         // SAFETY: the name is a NUL-terminated string; the flags are valid.
-        let fd = unsafe { libc::memfd_create(c"streampool-sim-pool".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe {
+            libc::memfd_create(c"streampool-sim-pool".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
@@ -70,6 +72,12 @@ impl Arena {
         header[28..32].copy_from_slice(&dev.to_le_bytes());
         file.set_len(FIRST_CHUNK)?;
         file.write_all_at(&header, 0)?;
+        // The file only grows: sealed against shrinking, so that no process it is shared
+        // with can cut it under another's mappings (their next touch would be a SIGBUS).
+        // SAFETY: an open descriptor of a memfd made with MFD_ALLOW_SEALING.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
         Ok(Arena { file, id, next: FIRST_CHUNK })
     }
 
@@ -244,5 +252,21 @@ impl State {
     /// allocations keep their mappings until freed.
     pub(super) fn destroy_imported_pool(&mut self, handle: RawPool) -> bool {
         self.imports.remove(&handle).is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Arena;
+
+    /// An exportable pool's file grows and has holes punched, but no process it is shared
+    /// with can shrink it under the others' mappings.
+    #[test]
+    fn an_arena_grows_and_cannot_be_cut() {
+        let mut arena = Arena::new(0).unwrap();
+        let (block, offset) = arena.map_chunk(2 << 20).unwrap();
+        arena.punch(offset, 2 << 20);
+        assert!(arena.file.set_len(0).is_err(), "the file was cut under a mapping");
+        drop(block);
     }
 }
