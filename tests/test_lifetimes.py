@@ -334,3 +334,55 @@ def test_a_forked_child_is_told_to_spawn_instead() -> None:
         [sys.executable, "-c", FORK_SCRIPT], env=env, capture_output=True, text=True, timeout=120
     )
     assert (out.returncode, out.stdout) == (0, f"{[0] * 20}\n"), out.stderr
+
+
+def test_a_buffer_whose_stream_was_destroyed_is_freed_once_on_the_legacy_stream(tmp_path: object) -> None:
+    # Freed from Python (the pool's fast path first): the dead handle is never used (no event
+    # recorded there, no block in its shard), and a logging adaptor logs one free.
+    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), events_every=1)
+    lines: list[str] = []
+    logged = mr.LoggingResourceAdaptor(pool, callback=lines.append)
+    s = streampool.Stream()
+    buf = streampool.DeviceBuffer(size=4096, stream=int(s.handle), mr=logged)  # a borrowed handle
+    dead = int(s.handle)
+    del s  # destroys the stream
+    before = dict(pool.stats["shard_free_bytes"])
+    del buf
+    after = pool.stats["shard_free_bytes"]
+    assert pool.stats["used_bytes"] == 0
+    legacy = (1 << 64) - 1  # the legacy stream's shard
+    assert after.get(legacy, 0) - before.get(legacy, 0) == 4096, (before, after)
+    assert all(after[k] <= before.get(k, 0) for k in after if k != legacy), (before, after)
+    frees = [line for line in lines if ",free," in line]
+    assert len(frees) == 1 and not frees[0].endswith(f"{dead:#x}"), lines
+
+
+FORKED_USE_SCRIPT = """
+import ctypes, os
+import streampool
+from streampool import _native, mr
+
+lib = ctypes.CDLL(_native.__file__)
+lib.streampool_alloc.restype = ctypes.c_void_p
+lib.streampool_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+lib.streampool_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())
+mr.set_current_device_resource(pool)
+buf = streampool.DeviceBuffer(size=1 << 16)
+lib.streampool_free(lib.streampool_alloc(4096, 0, None), 4096, 0, None)  # a block in the pool's list
+pid = os.fork()
+if pid == 0:
+    refused = lib.streampool_alloc(4096, 0, None) is None and "fork()" in (_native._capi_last_error()[1] or "")
+    del buf  # the parent's memory: let go of, not given back
+    os._exit(0 if refused and pool.stats["used_bytes"] == 1 << 16 else 2 if refused else 3)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@pytest.mark.nosim
+def test_a_forked_child_neither_allocates_through_the_c_entry_points_nor_frees_the_parents_memory() -> None:
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim")
+    out = subprocess.run(
+        [sys.executable, "-c", FORKED_USE_SCRIPT], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert (out.returncode, out.stdout) == (0, "0\n"), out.stderr

@@ -379,6 +379,10 @@ impl Current {
     /// The backend, when neither it nor the current resources changed since it was read.
     #[inline]
     fn fresh(&self) -> Option<&BackendRef> {
+        // A forked child takes the slow path, whose look-up of the backend refuses it.
+        if device::forked() {
+            return None;
+        }
         let backend = self.backend.as_ref()?;
         let same = self.epoch == device::backend_epoch() && self.generation == resources::generation();
         same.then_some(backend)

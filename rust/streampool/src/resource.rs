@@ -297,8 +297,13 @@ impl Allocation {
     /// once freed (or refused), `None` when the caller must drop it instead (which may
     /// wait).
     pub fn try_release(&mut self) -> Option<Result<()>> {
-        if self.ptr == 0 {
-            return Some(Ok(()));
+        if self.ptr == 0 || crate::device::forked() {
+            return Some(self.release());
+        }
+        // A stream known destroyed is never handed to the resource (which could record an
+        // event on it): the full path frees such memory otherwise.
+        if self.stream.known_destroyed() {
+            return None;
         }
         let result = self.mr.try_deallocate(self.ptr, self.bytes, &self.stream)?;
         self.ptr = 0;
@@ -336,7 +341,8 @@ impl Allocation {
 
     fn release(&mut self) -> Result<()> {
         let ptr = std::mem::take(&mut self.ptr);
-        if ptr == 0 {
+        // In a forked child the memory is the parent's: let go of, never given back.
+        if ptr == 0 || crate::device::forked() {
             return Ok(());
         }
         // Its stream went first: a borrowed one destroyed by its owner, or one that the

@@ -451,16 +451,20 @@ fn default_key(backend: &BackendRef, device: i32, handle: RawStream) -> u64 {
 }
 
 fn per_thread_key(backend: &BackendRef, device: i32, handle: RawStream) -> u64 {
-    DEFAULT_KEYS.with(|keys| {
-        let id = backend.id();
-        let mut keys = keys.borrow_mut();
-        if let Some(&(.., key)) = keys.iter().find(|k| (k.0, k.1, k.2) == (id, device, handle)) {
-            return key;
-        }
-        let key = stream_key(backend, device, handle);
-        keys.push((id, device, handle, key));
-        key
-    })
+    DEFAULT_KEYS
+        .try_with(|keys| {
+            let id = backend.id();
+            let mut keys = keys.borrow_mut();
+            if let Some(&(.., key)) = keys.iter().find(|k| (k.0, k.1, k.2) == (id, device, handle)) {
+                return key;
+            }
+            let key = stream_key(backend, device, handle);
+            keys.push((id, device, handle, key));
+            key
+        })
+        // A thread-local destructor that frees memory after this thread's keys went: the
+        // driver names the stream again (the same key), unremembered.
+        .unwrap_or_else(|_| stream_key(backend, device, handle))
 }
 
 impl Default for Stream {

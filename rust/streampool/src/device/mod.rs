@@ -49,9 +49,16 @@ pub(crate) fn watch_fork() {
     });
 }
 
+/// Whether this process is a child that `fork()` made from one whose backends were in use:
+/// nothing of the parent's (memory, streams, pools, locks) may be used or given back here.
+#[inline]
+pub fn forked() -> bool {
+    FORKED.load(Ordering::Relaxed)
+}
+
 /// The error every backend gives in a child of a process that used it (see [`watch_fork`]).
 pub(crate) fn check_not_forked() -> Result<()> {
-    if !FORKED.load(Ordering::Relaxed) {
+    if !forked() {
         return Ok(());
     }
     Err(Error::Unsupported(
@@ -291,7 +298,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn stream_vouched(&self, _stream: RawStream) {}
     /// Whether `stream` is a handle of a stream this backend destroyed (and no stream made
     /// or vouched for since carries it): work must not be enqueued on it. False where that
-    /// is not known; the simulated device refuses such a handle in every call instead.
+    /// is not known (the CUDA driver knows only the streams streampool destroyed).
     fn stream_destroyed(&self, _stream: RawStream) -> bool {
         false
     }

@@ -259,6 +259,7 @@ impl CudaBackend {
     }
 
     fn enter_device(&self, device: &Device) -> Result<CtxGuard> {
+        crate::device::check_not_forked()?;
         let primary = self.primary_ctx(device)?;
         // SAFETY: loaded and initialised (a `CudaBackend` exists).
         let current = unsafe { raw::ctx_get_current() }?;

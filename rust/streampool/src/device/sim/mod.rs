@@ -698,9 +698,12 @@ impl SimDevice {
         result
     }
 
-    /// [`Self::with`] for the destroy and free family: silent success once closed.
+    /// [`Self::with`] for the destroy and free family: silent success once closed, and in a
+    /// forked child.
     fn with_release(&self, dev: i32, f: impl FnOnce(&mut State) -> Result<()>) -> Result<()> {
-        if self.is_closed() {
+        // Nor in a forked child, where the parent's objects are let go without their device
+        // (whose lock a thread of the parent may have held at the fork).
+        if self.is_closed() || crate::device::forked() {
             return Ok(());
         }
         self.with(Some(dev), f)
@@ -940,6 +943,12 @@ impl Backend for SimDevice {
 
     fn stream_id(&self, dev: i32, stream: RawStream) -> Result<u64> {
         self.with(Some(dev), |st| st.resolve(Some(dev), stream))
+    }
+
+    fn stream_destroyed(&self, stream: RawStream) -> bool {
+        // A handle no live stream has (defaults resolve to this thread's); false where the
+        // device cannot be asked (closed, or a forked child).
+        matches!(self.with(None, |st| st.resolve(None, stream).map(drop)), Err(Error::InvalidStream(_)))
     }
 
     fn stream_device(&self, stream: RawStream) -> Result<i32> {

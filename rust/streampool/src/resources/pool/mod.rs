@@ -425,7 +425,10 @@ impl ShardedPoolMemoryResource {
         #[cfg(loom)]
         return f(&self.shard_slow(key, stream));
         #[cfg(not(loom))]
-        LOCALS.with(|cell| {
+        let mut f = Some(f);
+        #[cfg(not(loom))]
+        let cached = LOCALS.try_with(|cell| {
+            let f = f.take().expect("called once");
             let mut locals = cell.borrow_mut();
             let (last, list) = &mut *locals;
             let hit = |l: &Local| l.pool == self.uid && l.key == key;
@@ -442,7 +445,11 @@ impl ShardedPoolMemoryResource {
                 };
             }
             f(&list[*last].shard)
-        })
+        });
+        // From a thread-local destructor, after this thread's cache went: looked up in the
+        // pool.
+        #[cfg(not(loom))]
+        cached.unwrap_or_else(|_| (f.take().expect("not called"))(&self.shard_slow(key, stream)))
     }
 
     /// The shard of `stream` (key `key`), made on first use. Two threads using a new stream
@@ -754,6 +761,11 @@ impl MemoryResource for ShardedPoolMemoryResource {
 
 impl Drop for ShardedPoolMemoryResource {
     fn drop(&mut self) {
+        // In a forked child the chunks are the parent's, and a shard's lock may have been
+        // held by one of its threads at the fork: nothing is given back or locked.
+        if crate::device::forked() {
+            return;
+        }
         // Every use of the pool's memory must finish before it goes back; failures (the
         // driver torn down at exit) are recorded (`streampool::drop_errors`).
         crate::error::synchronize_on_drop(self.backend(), self.device(), || {
