@@ -200,28 +200,33 @@ def _arity(spec: Spec, n: int) -> None:
         raise SpecError(f"resource spec {spec}: {spec.name} takes {what}, got {len(spec.args)}")
 
 
+_OWN_POOLS = (mr.ShardedPoolMemoryResource, mr.ArenaMemoryResource)
+_DRIVER_POOLS = (mr.CudaAsyncMemoryResource, mr.CudaAsyncManagedMemoryResource)
+
+
+def _holder(resource: mr.MemoryResource) -> Any:
+    """The resource of ``resource``'s stack (itself, or down through its adaptors) that
+    holds memory from the device beyond what is live: a pool of streampool's own or the
+    driver's; None for neither."""
+    while isinstance(resource, mr.UpstreamResourceAdaptor) and not isinstance(resource, _OWN_POOLS):
+        resource = resource.upstream
+    return resource if isinstance(resource, _OWN_POOLS + _DRIVER_POOLS) else None
+
+
 def _driver_pool(resource: mr.MemoryResource) -> Any:
-    """The driver resource whose reserved bytes :func:`_reserved` reads for ``resource``
-    (through its adaptors), or None (a pool of streampool's own, or none)."""
-    if isinstance(resource, mr.ShardedPoolMemoryResource | mr.ArenaMemoryResource):
-        return None
-    if isinstance(resource, mr.CudaAsyncMemoryResource | mr.CudaAsyncManagedMemoryResource):
-        return resource
-    if isinstance(resource, mr.UpstreamResourceAdaptor):
-        return _driver_pool(resource.upstream)
-    return None
+    """The driver resource whose reserved bytes :func:`_reserved` reads for ``resource``,
+    or None (a pool of streampool's own, or none)."""
+    holder = _holder(resource)
+    return holder if isinstance(holder, _DRIVER_POOLS) else None
 
 
 def _reserved(resource: mr.MemoryResource) -> int | None:
     """Bytes ``resource`` holds from the device: a pool's size, the driver pool's reserved
     bytes; through an adaptor, its upstream's."""
-    if isinstance(resource, mr.ShardedPoolMemoryResource | mr.ArenaMemoryResource):
-        return resource.pool_size()
-    if isinstance(resource, mr.CudaAsyncMemoryResource | mr.CudaAsyncManagedMemoryResource):
-        return resource.reserved_bytes
-    if isinstance(resource, mr.UpstreamResourceAdaptor):
-        return _reserved(resource.upstream)
-    return None
+    holder = _holder(resource)
+    if holder is None:
+        return None
+    return holder.pool_size() if isinstance(holder, _OWN_POOLS) else holder.reserved_bytes
 
 
 # name -> (number of upstreams, options {spec key: keyword}, maker, code template)

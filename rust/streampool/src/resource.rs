@@ -346,23 +346,15 @@ impl Allocation {
             return Ok(());
         }
         // Its stream went first: a borrowed one destroyed by its owner, or one that the
-        // collector dropped before the buffer while breaking a reference cycle (refused by
-        // the simulated device; known to the CUDA backend where streampool destroyed it, and
-        // then never handed to the driver). Once the device is synchronised nothing uses
+        // collector dropped before the buffer while breaking a reference cycle (the handle is
+        // never handed to the driver again). Once the device is synchronised nothing uses
         // the memory any more (the stream's last work included), and the legacy default
         // stream frees it.
-        let freed = if self.stream.known_destroyed() {
-            Err(Error::InvalidStream(format!("stream {:#x} was destroyed", self.stream.handle())))
-        } else {
-            self.mr.deallocate(ptr, self.bytes, &self.stream)
-        };
-        match freed {
-            Err(Error::InvalidStream(_)) if !self.stream.is_legacy() => {
-                self.mr.backend().ctx_synchronize(self.mr.device())?;
-                self.mr.deallocate(ptr, self.bytes, &Stream::legacy())
-            }
-            result => result,
+        if self.stream.known_destroyed() {
+            self.mr.backend().ctx_synchronize(self.mr.device())?;
+            return self.mr.deallocate(ptr, self.bytes, &Stream::legacy());
         }
+        self.mr.deallocate(ptr, self.bytes, &self.stream)
     }
 }
 

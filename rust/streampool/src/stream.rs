@@ -173,7 +173,6 @@ impl Stream {
     /// Creates and owns a new stream on `device` of `backend`; non-blocking (it does not
     /// synchronise with the legacy default stream) unless `blocking`.
     pub fn create(backend: &BackendRef, device: i32, blocking: bool) -> Result<Self> {
-        backend.check_open()?;
         let handle = backend.stream_create(device, blocking)?;
         let key = stream_key(backend, device, handle);
         let owned = OwnedStream {
@@ -243,8 +242,7 @@ impl Stream {
         if !self.is_per_thread() {
             return false;
         }
-        let mut hook = Some(hook);
-        EXIT_HOOKS.try_with(|hooks| hooks.0.borrow_mut().push(hook.take().expect("pushed once"))).is_ok()
+        EXIT_HOOKS.try_with(|hooks| hooks.0.borrow_mut().push(hook)).is_ok()
     }
 
     /// This stream made independent of the thread that uses it: the per-thread default

@@ -137,15 +137,17 @@ impl LimitingAdaptor {
         self.budget.reserve(counted(bytes)).map_err(|in_use| Error::OutOfMemory {
             requested: bytes,
             available: Some(self.budget.limit.saturating_sub(in_use)),
-            resource: match counted(bytes) {
-                n if n != bytes => format!(
-                    "{} (limit {} bytes, {in_use} in use; the request counts as {n} bytes, rounded up \
-                     to a multiple of 256 as RMM's does)",
-                    self.name(),
-                    self.budget.limit
-                ),
-                _ => format!("{} (limit {} bytes, {in_use} in use)", self.name(), self.budget.limit),
-            },
+            resource: format!(
+                "{} (limit {} bytes, {in_use} in use{})",
+                self.name(),
+                self.budget.limit,
+                match counted(bytes) {
+                    n if n != bytes => {
+                        format!("; the request counts as {n} bytes, rounded up to a multiple of 256 as RMM's does")
+                    }
+                    _ => String::new(),
+                }
+            ),
         })
     }
 

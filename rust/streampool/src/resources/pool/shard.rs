@@ -127,9 +127,7 @@ impl Shard {
             crate::error::record_if_failed(|| "a retiring pool shard's last event".into(), recorded);
         }
     }
-}
 
-impl Shard {
     /// Called as the thread whose per-thread default stream this shard's is exits: the
     /// shard is retired without a last event (the stream is going, and the driver may have
     /// torn it down already), so its free blocks wait for the next synchronisation, and
