@@ -91,6 +91,37 @@ def test_a_buffer_round_trips_between_two_processes() -> None:
     ipc.export(again).close()
 
 
+# An importer that queues work on the memory and closes the import at once: close() must
+# wait for that work (the driver's cuMemFree of pool memory does not, and the simulated
+# device refuses a free with work on it queued), so that "done" means done.
+CHILD_QUEUES_WORK = textwrap.dedent(
+    """
+    import socket, sys
+    import streampool
+    from streampool import ipc
+    from streampool.sim import SimulatedDevice
+
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    with SimulatedDevice(capacity_bytes="64MiB") as dev:
+        with ipc.recv_handle(sock) as handle:
+            buf = ipc.import_buffer(handle)
+        s = streampool.Stream()
+        for _ in range(3):
+            dev.write(s, buf.ptr, buf.size, label="importer's kernel")
+        assert dev.pending == 3, dev.pending
+        buf.close()
+        assert dev.pending == 0, dev.pending
+        assert dev.races() == [], dev.races()
+    sock.sendall(b"done")
+    """
+)
+
+
+def test_closing_an_import_waits_for_the_work_queued_on_it() -> None:
+    buf = DeviceBuffer(size=SIZE, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    exchange(buf, "sim", CHILD_QUEUES_WORK)
+
+
 def _child_over_multiprocessing(handle: ipc.IpcHandle, conn: multiprocessing.connection.Connection) -> None:
     with SimulatedDevice(capacity_bytes="64MiB"), handle:
         buf = ipc.import_buffer(handle)
@@ -389,6 +420,51 @@ def test_the_imported_resource_allocates_nothing_else() -> None:
             ipc.send_handle(a, handle)
         assert a.recv(4) == b"done"
         assert child.wait(120) == 0
+
+
+# On a GPU: the importer's kernels on the memory are still running when it closes the
+# import, and the exporter checks the data as soon as it hears "done" (before the importer
+# exits, which would end its work too).
+GPU_CHILD_KERNELS = textwrap.dedent(
+    """
+    import socket, sys
+    import streampool
+    from streampool import ipc, kernels
+
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    with ipc.recv_handle(sock) as handle:
+        buf = ipc.import_buffer(handle)
+    s = streampool.Stream()
+    kernels.fill(buf.ptr, buf.size, 5, s)
+    kernels.compute(buf.ptr, buf.size, s, iterations=1000)  # passes that leave it as filled
+    buf.close()  # waits for the kernels: the driver's cuMemFree does not
+    sock.sendall(b"done")
+    sock.recv(2)  # stays alive until the exporter has checked
+    """
+)
+
+
+@pytest.mark.gpu
+def test_gpu_closing_an_import_waits_for_its_kernels() -> None:
+    if not streampool.device_info()["posix_fd_ipc"]:
+        pytest.skip("this GPU's pools cannot be exported through POSIX file descriptors")
+    from streampool import kernels
+
+    size = 64 << 20
+    buf = DeviceBuffer(size=size, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    a, b = socket.socketpair()
+    a.settimeout(120)
+    with a, b:
+        child = subprocess.Popen(
+            [sys.executable, "-c", GPU_CHILD_KERNELS, str(b.fileno())], pass_fds=[b.fileno()]
+        )
+        with ipc.export(buf) as handle:
+            ipc.send_handle(a, handle)
+        assert a.recv(4) == b"done"
+        mismatches = kernels.check(buf.ptr, size, 5, streampool.Stream())
+        a.sendall(b"ok")
+        assert child.wait(120) == 0
+    assert mismatches == 0
 
 
 @pytest.mark.gpu

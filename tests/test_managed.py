@@ -248,6 +248,26 @@ def test_setup_without_managed_pools_falls_back_to_managed_memory(sim: Simulated
     assert streampool.DeviceBuffer(size=4096).last_prefetch_location == 0
 
 
+def test_without_concurrent_managed_access_setup_picks_managed_memory_alone(sim: SimulatedDevice) -> None:
+    # Windows, WSL and some Jetson boards: the driver takes no prefetch there.
+    sim.set_concurrent_managed_access(False)
+    chosen = streampool.setup(larger_than_memory=True)
+    assert type(chosen) is mr.ManagedMemoryResource
+    buf = streampool.DeviceBuffer(size=4096)
+    assert buf.mr is chosen
+    with pytest.raises(streampool.UnsupportedError, match="device 0 has no concurrent managed access"):
+        buf.prefetch()
+    with pytest.raises(streampool.UnsupportedError, match="device 0 has no concurrent managed access"):
+        buf.advise("preferred_location", 0)
+    buf.advise("accessed_by", 0)
+    with pytest.raises(
+        streampool.UnsupportedError, match="PrefetchResourceAdaptor needs a GPU with concurrent"
+    ):
+        mr.PrefetchResourceAdaptor(chosen)
+    # The adaptor over device memory only forwards, so it is made there.
+    mr.PrefetchResourceAdaptor(mr.CudaAsyncMemoryResource())
+
+
 def test_setup_refuses_a_flag_that_is_not_a_bool() -> None:
     with pytest.raises(TypeError, match="larger_than_memory must be True or False"):
         streampool.setup(larger_than_memory="no")  # type: ignore[arg-type]

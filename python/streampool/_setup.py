@@ -56,7 +56,11 @@ def setup(larger_than_memory: bool = False, device: int | None = None) -> Memory
       :class:`~streampool.mr.CudaAsyncManagedMemoryResource` (the CUDA 13 driver's
       stream-ordered managed pool) where the device has managed pools
       (``device_info()["managed_pools"]``), else over
-      :class:`~streampool.mr.ManagedMemoryResource` (``cuMemAllocManaged``).
+      :class:`~streampool.mr.ManagedMemoryResource` (``cuMemAllocManaged``). On a device
+      without concurrent managed access (``device_info()["concurrent_managed_access"]``
+      False: Windows, WSL, some Jetson boards), where the driver takes no prefetch,
+      :class:`~streampool.mr.ManagedMemoryResource` alone: the driver migrates its memory
+      at each kernel launch there.
 
     Buffers made afterwards without ``mr=`` use it; buffers made before keep theirs.
     TypeError when ``larger_than_memory`` is not True or False (a NumPy bool, 0 and 1 are
@@ -66,12 +70,12 @@ def setup(larger_than_memory: bool = False, device: int | None = None) -> Memory
         mr: MemoryResource = CudaAsyncMemoryResource(device=device)
     else:
         info = device_info(device)
-        upstream: MemoryResource
-        if info["managed_pools"]:
-            upstream = CudaAsyncManagedMemoryResource(device=device)
+        if not info["concurrent_managed_access"]:
+            mr = ManagedMemoryResource(device=device)
+        elif info["managed_pools"]:
+            mr = PrefetchResourceAdaptor(CudaAsyncManagedMemoryResource(device=device))
         else:
-            upstream = ManagedMemoryResource(device=device)
-        mr = PrefetchResourceAdaptor(upstream)
+            mr = PrefetchResourceAdaptor(ManagedMemoryResource(device=device))
     if device is None:
         set_current_device_resource(mr)
     else:

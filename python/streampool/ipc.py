@@ -19,7 +19,8 @@ The driver's rules, and what this module does about them:
 * The importer must not use the memory before it is ready: :func:`export` synchronises the
   buffer's stream, so the allocation and every write enqueued before the export are done.
 * The importer frees its buffer before the exporter frees the memory: close the imported
-  buffer (``cuMemFree``, which waits for the work on it), tell the exporter (over the same
+  buffer (it synchronises the device, then ``cuMemFree``: the driver does not wait for the
+  work on pool memory), tell the exporter (over the same
   socket, say), and only then let the exporter drop its buffer. An import whose exporting
   process has exited is refused.
 * A handle is imported in another process, never in the one that exported it.

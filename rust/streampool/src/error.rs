@@ -134,6 +134,8 @@ pub const CUDA_ERROR_INVALID_VALUE: i32 = 1;
 pub const CUDA_ERROR_DEINITIALIZED: i32 = 4;
 /// `CUDA_ERROR_INVALID_CONTEXT`: no context current (or a destroyed one).
 pub const CUDA_ERROR_INVALID_CONTEXT: i32 = 201;
+/// `CUDA_ERROR_INVALID_DEVICE`: not a device, or one that cannot do what was asked.
+pub const CUDA_ERROR_INVALID_DEVICE: i32 = 101;
 /// `CUDA_ERROR_INVALID_HANDLE`.
 pub const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
 /// `CUDA_ERROR_NOT_SUPPORTED`.

@@ -16,8 +16,8 @@
 //! * The importer must not touch the memory before its allocation has completed in the
 //!   exporter: [`export`] synchronises the buffer's stream first, so the allocation and
 //!   every write enqueued before the export are complete when the handle exists.
-//! * The importer frees its pointer (`cuMemFree`, which waits for its work on it) before
-//!   the exporter frees the allocation; the exporter keeps the memory alive until the
+//! * The importer frees its pointer (after a device synchronisation: `cuMemFree` of pool
+//!   memory does not wait for the work on it) before the exporter frees the allocation; the exporter keeps the memory alive until the
 //!   importer says it is done (a message over the same socket, in the examples). Imports
 //!   are refused when the exporting process has already exited.
 //! * A pool is imported in another process: importing into the exporting process is
@@ -278,7 +278,10 @@ impl MemoryResource for IpcImportedMemoryResource {
                 "{ptr:#x} is not the live imported buffer of this IpcImportedMemoryResource"
             )));
         }
-        // `cuMemFree` waits for the work on it: when it returns, the exporter may free.
+        // `cuMemFree` of pool memory does not wait for the work on it, and the exporter
+        // may free and reuse the memory as soon as this returns: every use of it in this
+        // process completes first.
+        self.backend.ctx_synchronize(self.device)?;
         self.backend.mem_free(self.device, ptr)?;
         state.1 = true;
         Ok(())
@@ -289,10 +292,10 @@ impl Drop for IpcImportedMemoryResource {
     fn drop(&mut self) {
         let (device, ptr, pool) = (self.device, self.ptr, self.pool);
         if !self.state().1 {
-            record_if_failed(
-                || format!("freeing the imported memory at {ptr:#x}"),
-                self.backend.mem_free(device, ptr),
-            );
+            let what = || format!("freeing the imported memory at {ptr:#x}");
+            // As in `do_deallocate`: the driver does not wait for the work on it.
+            crate::error::synchronize_on_drop(&self.backend, device, what);
+            record_if_failed(what, self.backend.mem_free(device, ptr));
         }
         record_if_failed(
             || format!("releasing the imported pool {pool:#x} of device {device}"),

@@ -17,18 +17,9 @@
 //! with [`Error::InvalidArgument`] naming the resource, before the driver is asked.
 
 use crate::device::{Advice, DevPtr, Location};
-use crate::error::{Error, Result, CUDA_ERROR_NOT_SUPPORTED};
+use crate::error::{Error, Result, CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_NOT_SUPPORTED};
 use crate::resource::{Allocation, MemoryKind, MemoryResource};
 use crate::stream::Stream;
-
-/// "device", "managed", "pinned host".
-fn kind_words(kind: MemoryKind) -> &'static str {
-    match kind {
-        MemoryKind::Device => "device",
-        MemoryKind::Managed => "managed",
-        MemoryKind::PinnedHost => "pinned host",
-    }
-}
 
 /// Refuses memory of `mr` unless it is managed: "`what` needs managed memory; `whose`
 /// memory comes from CudaAsyncMemoryResource (device memory)".
@@ -38,13 +29,14 @@ pub fn require_managed(mr: &dyn MemoryResource, what: &str, whose: &str) -> Resu
         kind => Err(Error::InvalidArgument(format!(
             "{what} needs managed memory; {whose} memory comes from {} ({} memory)",
             mr.name(),
-            kind_words(kind)
+            kind.words()
         ))),
     }
 }
 
 /// Prefetches `[ptr, ptr + bytes)`, memory of `mr`, to `to` (`None`: `mr`'s device), in
-/// order on `stream` (`cuMemPrefetchAsync`). Does nothing for 0 bytes.
+/// order on `stream` (`cuMemPrefetchAsync`). For 0 bytes, checks the arguments and does
+/// nothing more.
 pub fn prefetch(
     mr: &dyn MemoryResource,
     ptr: DevPtr,
@@ -55,14 +47,47 @@ pub fn prefetch(
     require_managed(mr, "prefetch", "this")?;
     let (backend, device) = (mr.backend(), mr.device());
     stream.check(backend, device)?;
+    let to = to.unwrap_or(Location::Device(device));
+    check_location(backend, to, true)?;
     if bytes == 0 {
         return Ok(());
     }
-    backend.prefetch_async(device, ptr, bytes, to.unwrap_or(Location::Device(device)), stream.handle())
+    backend.prefetch_async(device, ptr, bytes, to, stream.handle()).map_err(|e| no_concurrent_access(e, mr))
+}
+
+/// Refuses a `location` that names a device `backend` does not have, before anything else
+/// is asked (so that the arguments are checked for 0 bytes too); `used`: false where the
+/// location is ignored (the read-mostly advice).
+fn check_location(backend: &crate::device::BackendRef, location: Location, used: bool) -> Result<()> {
+    match location {
+        Location::Device(d) if used => crate::resources::check_device(backend, Some(d)).map(|_| ()),
+        _ => Ok(()),
+    }
+}
+
+/// The driver's `CUDA_ERROR_INVALID_DEVICE` for prefetch or advice, said plainly when the
+/// device has no concurrent managed access (Windows, WSL, some Jetson boards), where the
+/// driver takes neither a prefetch nor a GPU as preferred location.
+fn no_concurrent_access(e: Error, mr: &dyn MemoryResource) -> Error {
+    match e {
+        Error::Driver { code: CUDA_ERROR_INVALID_DEVICE, call, .. }
+            if mr.backend().device_info(mr.device()).is_ok_and(|i| !i.concurrent_managed_access) =>
+        {
+            Error::Unsupported(format!(
+                "{call}: device {} has no concurrent managed access \
+                 (CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS is 0, as on Windows, WSL and some \
+                 Jetson boards), so the driver takes no prefetch and no GPU as preferred location \
+                 there; managed memory still works, migrated by the driver at each kernel launch",
+                mr.device()
+            ))
+        }
+        e => e,
+    }
 }
 
 /// Gives `advice` about `[ptr, ptr + bytes)`, memory of `mr`, for `location` (ignored by
-/// the read-mostly pair) (`cuMemAdvise`). Does nothing for 0 bytes.
+/// the read-mostly pair) (`cuMemAdvise`). For 0 bytes, checks the arguments and does
+/// nothing more.
 pub fn advise(
     mr: &dyn MemoryResource,
     ptr: DevPtr,
@@ -71,6 +96,7 @@ pub fn advise(
     location: Location,
 ) -> Result<()> {
     require_managed(mr, "advice", "this")?;
+    check_location(mr.backend(), location, !advice.ignores_location())?;
     if bytes == 0 {
         return Ok(());
     }
@@ -82,7 +108,7 @@ pub fn advise(
              ManagedMemoryResource takes it",
             mr.name()
         )),
-        e => e,
+        e => no_concurrent_access(e, mr),
     })
 }
 

@@ -70,6 +70,17 @@ pub enum MemoryKind {
     PinnedHost,
 }
 
+impl MemoryKind {
+    /// "device", "managed", "pinned host": for messages.
+    pub fn words(self) -> &'static str {
+        match self {
+            MemoryKind::Device => "device",
+            MemoryKind::Managed => "managed",
+            MemoryKind::PinnedHost => "pinned host",
+        }
+    }
+}
+
 /// What a resource holds from the device, for reports of reserved against live bytes
 /// ([`MemoryResource::footprint`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -337,6 +348,23 @@ impl Allocation {
         // `release` leaves a null pointer, so the drop that follows frees nothing again;
         // it does release the resource and the stream (forgetting `self` would leak them).
         self.release()
+    }
+
+    /// Frees now, as [`free`](Self::free); on a failure the error, and the allocation
+    /// back, not freed (a resource that refuses a free changes nothing), for the caller to
+    /// keep and free again. `None` with the error when the resource refused the pointer as
+    /// not its own ([`Error::InvalidPointer`]: freed by other means already), which no
+    /// retry would change.
+    #[allow(clippy::result_large_err)] // the allocation itself comes back in it
+    pub fn try_free(mut self) -> std::result::Result<(), (Option<Allocation>, Error)> {
+        let ptr = self.ptr;
+        self.release().map_err(|e| match e {
+            Error::InvalidPointer(_) => (None, e),
+            e => {
+                self.ptr = ptr;
+                (Some(self), e)
+            }
+        })
     }
 
     fn release(&mut self) -> Result<()> {

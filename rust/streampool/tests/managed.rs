@@ -184,7 +184,58 @@ fn prefetch_is_stream_ordered_and_checks_its_stream() {
     empty.prefetch(None, None).unwrap();
     empty.advise(Advice::SetReadMostly, Location::Host).unwrap();
     assert_eq!(empty.last_prefetch_location().unwrap(), None);
+    // ... but its arguments are checked all the same (the read-mostly pair ignores the device).
+    assert!(matches!(empty.prefetch(Some(Location::Device(7)), None), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        empty.advise(Advice::SetAccessedBy, Location::Device(7)),
+        Err(Error::InvalidArgument(_))
+    ));
+    empty.advise(Advice::SetReadMostly, Location::Device(7)).unwrap();
+    assert!(matches!(empty.prefetch(None, Some(&foreign)), Err(Error::InvalidStream(_))));
     drop(a);
     sim.run();
     assert!(sim.races().is_empty());
+}
+
+#[test]
+fn without_concurrent_managed_access_prefetch_is_refused_plainly_and_the_adaptor_is_not_made() {
+    let (sim, b) = sim();
+    let mr: ResourceRef = Arc::new(ManagedMemoryResource::on(b.clone(), 0));
+    let a = Allocation::new(mr.clone(), 1 << 20, Stream::legacy()).unwrap();
+    sim.set_concurrent_managed_access(false);
+    // As the driver documents: no prefetch, to the device or the host, and no GPU as
+    // preferred location; the other advice is taken.
+    for to in [None, Some(Location::Host)] {
+        match a.prefetch(to, None) {
+            Err(Error::Unsupported(m)) => {
+                assert!(m.starts_with("cuMemPrefetchAsync: device 0 has no concurrent managed access"), "{m}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    match a.advise(Advice::SetPreferredLocation, Location::Device(0)) {
+        Err(Error::Unsupported(m)) => {
+            assert!(m.starts_with("cuMemAdvise: device 0 has no concurrent"), "{m}")
+        }
+        other => panic!("{other:?}"),
+    }
+    a.advise(Advice::SetPreferredLocation, Location::Host).unwrap();
+    a.advise(Advice::SetAccessedBy, Location::Device(0)).unwrap();
+    a.advise(Advice::SetReadMostly, Location::Host).unwrap();
+    match streampool::PrefetchAdaptor::new(mr.clone()) {
+        Err(Error::Unsupported(m)) => assert_eq!(
+            m,
+            "PrefetchResourceAdaptor needs a GPU with concurrent managed access to prefetch (device 0: \
+             streampool simulated device has none, as on Windows, WSL and some Jetson boards); use \
+             ManagedMemoryResource alone, whose memory the driver migrates at each kernel launch there"
+        ),
+        other => panic!("{other:?}"),
+    }
+    // Over memory that is not managed it only forwards, so it is made.
+    let device: ResourceRef =
+        Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
+    streampool::PrefetchAdaptor::new(device).unwrap();
+    sim.set_concurrent_managed_access(true);
+    a.prefetch(None, None).unwrap();
+    streampool::PrefetchAdaptor::new(mr).unwrap();
 }

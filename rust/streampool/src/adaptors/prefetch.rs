@@ -39,9 +39,25 @@ pub struct PrefetchAdaptor {
 
 impl PrefetchAdaptor {
     /// Prefetches what `upstream` allocates, when its memory is managed; an error when
-    /// the chain would be deeper than [`MAX_DEPTH`](crate::resource::MAX_DEPTH).
+    /// the chain would be deeper than [`MAX_DEPTH`](crate::resource::MAX_DEPTH), and
+    /// [`Error::Unsupported`](crate::Error::Unsupported) over managed memory of a device
+    /// without concurrent managed access (Windows, WSL, some Jetson boards), where the
+    /// driver takes no prefetch: every allocation would fail there.
     pub fn new(upstream: ResourceRef) -> Result<Self> {
         check_depth("PrefetchResourceAdaptor", [&upstream])?;
+        if upstream.memory_kind() == MemoryKind::Managed {
+            let info = upstream.backend().device_info(upstream.device())?;
+            if !info.concurrent_managed_access {
+                return Err(crate::Error::Unsupported(format!(
+                    "PrefetchResourceAdaptor needs a GPU with concurrent managed access to prefetch \
+                     (device {}: {} has none, as on Windows, WSL and some Jetson boards); use {} \
+                     alone, whose memory the driver migrates at each kernel launch there",
+                    info.ordinal,
+                    info.name,
+                    upstream.name()
+                )));
+            }
+        }
         Ok(PrefetchAdaptor { upstream })
     }
 

@@ -154,7 +154,10 @@ impl State {
     pub(super) fn add_dependency(&mut self, sid: u64, deps: &VClock, kind: OpKind, label: &str) {
         let mut deps = deps.clone();
         deps.retain(|s, n| s != sid && !self.is_done(s, n));
-        if !deps.is_empty() {
+        // On the legacy default stream the call is an action all the same: the legacy stream
+        // waits for every blocking stream, and they wait for it ("Stream synchronization
+        // behavior" in the driver's documentation), which an operation queued there models.
+        if !deps.is_empty() || self.streams[&sid].legacy {
             self.enqueue(sid, Work::Nothing, kind, label, Some(&deps));
         }
     }

@@ -16,8 +16,11 @@ pub(super) fn round_up(bytes: usize, to: usize) -> Option<usize> {
     bytes.checked_add(to - 1).map(|b| b / to * to)
 }
 
+/// Blocks from this size up are mapped (see [`HostBlock::new`]).
+const LAZY_BYTES: usize = 1 << 20;
+
 /// Host memory standing in for device memory, released on drop: a zeroed heap allocation
-/// aligned to [`ALIGN`], or a shared mapping of a file (an exportable pool's chunk, or
+/// aligned to [`ALIGN`] (a private anonymous mapping from [`LAZY_BYTES`] up), or a shared mapping of a file (an exportable pool's chunk, or
 /// memory imported from another process; see module `ipc`).
 ///
 /// The address is kept as an integer (device pointers are integers on the host); its
@@ -41,8 +44,34 @@ enum Backing {
 }
 
 impl HostBlock {
-    /// `None` when the host cannot provide `bytes`.
+    /// `None` when the host cannot provide `bytes`. Zeroed. From `LAZY_BYTES` up, an
+    /// anonymous mapping, whose pages the host provides (zeroed) when first touched: an
+    /// arena of gigabytes costs nothing until used, as on a GPU (an aligned heap allocation
+    /// is zeroed by writing every page at once).
     pub(super) fn new(bytes: usize) -> Option<Self> {
+        if bytes >= LAZY_BYTES {
+            // SAFETY: a new private mapping chosen by the kernel (no address given)
+            // overlaps nothing; no file is mapped.
+            let start = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    bytes,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if start == libc::MAP_FAILED {
+                return None;
+            }
+            let start = start.expose_provenance() as u64;
+            return Some(HostBlock {
+                addr: start,
+                len: bytes,
+                backing: Backing::Mapped { start, len: bytes },
+            });
+        }
         let layout = Layout::from_size_align(bytes.max(1), ALIGN).ok()?;
         // SAFETY: `layout` has a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -102,7 +131,7 @@ impl Drop for HostBlock {
             Backing::Heap(layout) => unsafe {
                 std::alloc::dealloc(std::ptr::with_exposed_provenance_mut(self.addr as usize), layout)
             },
-            // SAFETY: `start` and `len` are the mapping `map` made (provenance exposed
+            // SAFETY: `start` and `len` are the mapping `new` or `map` made (provenance exposed
             // there), unmapped once; nothing runs on it after the block is dropped (every
             // executing operation checks that its memory is still backed).
             Backing::Mapped { start, len } => unsafe {
@@ -190,6 +219,16 @@ impl Prefetched {
     }
 }
 
+/// `CUDA_ERROR_INVALID_DEVICE` from `call`.
+pub(super) fn invalid_device(call: &'static str) -> Error {
+    Error::Driver {
+        call,
+        code: crate::error::CUDA_ERROR_INVALID_DEVICE,
+        name: "CUDA_ERROR_INVALID_DEVICE".into(),
+        context: String::new(),
+    }
+}
+
 /// `CUDA_ERROR_INVALID_VALUE` from `call`.
 pub(super) fn invalid_value(call: &'static str) -> Error {
     Error::Driver {
@@ -267,8 +306,23 @@ impl State {
             };
             return Err(Error::InvalidPointer(format!("{call}({ptr:#x}): the pointer is {what}")));
         }
-        // Synchronous: waits for the whole device first (rule 4 of "ordered").
-        self.run_all();
+        if let AllocKind::Imported(_) = a.kind {
+            // The driver does not wait for the work on memory of a pool (imported memory
+            // too): freed with work on it still queued, the exporter could free and reuse
+            // it while that work runs, in another process, where no detector sees it. The
+            // simulated device refuses that, changing nothing, rather than model it.
+            let end = ptr + a.size as u64;
+            if self.pending_ranges().iter().any(|&(s, e)| s < end && ptr < e) {
+                return Err(Error::InvalidArgument(format!(
+                    "{call}({ptr:#x}): imported memory freed while work on it is still queued (the \
+                     simulated device refuses this): the driver does not wait for that work, so \
+                     the exporter could reuse the memory while it runs; synchronise first"
+                )));
+            }
+        } else {
+            // Synchronous: waits for the whole device first (rule 4 of "ordered").
+            self.run_all();
+        }
         let a = self.allocs.remove(&ptr).expect("checked above");
         if matches!(a.kind, AllocKind::Device | AllocKind::Managed) {
             self.devices[a.dev as usize].allocated -= a.size;

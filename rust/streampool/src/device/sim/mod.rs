@@ -78,7 +78,7 @@ mod vmm;
 use clock::VClock;
 pub use detector::{OpInfo, OpKind, Race, MAX_RACES};
 use exec::{Op, Work};
-use memory::{invalid_value, AllocKind};
+use memory::{invalid_device, invalid_value, AllocKind};
 use pool::Pool;
 pub use vmm::VMM_GRANULARITY;
 
@@ -314,7 +314,7 @@ fn host_refused(st: &State, bytes: usize) -> Error {
 /// "16 GiB", "64 MiB", "1000 bytes".
 fn human_bytes(n: usize) -> String {
     for (unit, name) in [(1usize << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")] {
-        if n >= unit && n % unit == 0 {
+        if n >= unit && n.is_multiple_of(unit) {
             return format!("{} {name}", n / unit);
         }
     }
@@ -977,10 +977,10 @@ impl Backend for SimDevice {
     fn stream_wait_event(&self, dev: i32, stream: RawStream, event: RawEvent) -> Result<()> {
         self.with(Some(dev), |st| {
             let sid = st.resolve(Some(dev), stream)?;
-            // Waiting on an event never recorded is a no-op, as in the driver.
-            if let Some((_, _, clock)) = st.event(event)?.recorded.clone() {
-                st.add_dependency(sid, &clock, OpKind::Wait, "cuStreamWaitEvent");
-            }
+            // An event never recorded orders nothing, as in the driver (on the legacy stream
+            // the call is still a barrier with the blocking streams: see `add_dependency`).
+            let clock = st.event(event)?.recorded.as_ref().map(|(_, _, c)| c.clone()).unwrap_or_default();
+            st.add_dependency(sid, &clock, OpKind::Wait, "cuStreamWaitEvent");
             Ok(())
         })
     }
@@ -1093,6 +1093,12 @@ impl Backend for SimDevice {
                 self.check_dev(d)?;
             }
             let sid = st.resolve(Some(dev), stream)?;
+            // As the driver documents it: the target GPU and the stream's device need
+            // concurrent managed access (a prefetch to the host too); all of the simulated
+            // devices have it or none do.
+            if !self.concurrent_managed_access.load(Ordering::SeqCst) {
+                return Err(invalid_device("cuMemPrefetchAsync"));
+            }
             if bytes == 0 {
                 return Ok(());
             }
@@ -1116,6 +1122,13 @@ impl Backend for SimDevice {
         self.with(Some(dev), |st| {
             if let (Location::Device(d), false) = (location, advice.ignores_location()) {
                 self.check_dev(d)?;
+                // As the driver documents it: a GPU as preferred location needs concurrent
+                // managed access.
+                if advice == Advice::SetPreferredLocation
+                    && !self.concurrent_managed_access.load(Ordering::SeqCst)
+                {
+                    return Err(invalid_device("cuMemAdvise"));
+                }
             }
             if bytes == 0 {
                 return Ok(());

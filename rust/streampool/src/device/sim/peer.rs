@@ -22,10 +22,8 @@ use std::collections::HashSet;
 use super::memory::AllocKind;
 use super::State;
 use crate::device::DevPtr;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, CUDA_ERROR_INVALID_DEVICE};
 
-/// `CUDA_ERROR_INVALID_DEVICE`.
-const CUDA_ERROR_INVALID_DEVICE: i32 = 101;
 /// `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`.
 const CUDA_ERROR_PEER_ACCESS_UNSUPPORTED: i32 = 217;
 

@@ -179,6 +179,37 @@ fn the_legacy_stream_synchronises_with_blocking_streams_only() {
 }
 
 #[test]
+fn an_event_wait_on_the_legacy_stream_is_a_barrier_whatever_the_event() {
+    // "When an action is taken in the legacy stream such as a kernel launch or
+    // cudaStreamWaitEvent(), the legacy stream first waits on all blocking streams [...]
+    // and then all blocking streams wait on the legacy stream": X's write is ordered before
+    // Y's read by the wait alone, whatever the event is.
+    for prep in ["never recorded", "complete", "recorded on the legacy stream", "pending elsewhere"] {
+        let sim = sim();
+        let (x, y, z) = (stream(&sim, true), stream(&sim, true), stream(&sim, false));
+        let p = sim.mem_alloc(0, 8192).unwrap();
+        let e = sim.event_create(0).unwrap();
+        match prep {
+            "complete" => {
+                sim.event_record(0, e, z).unwrap();
+                sim.run();
+            }
+            "recorded on the legacy stream" => sim.event_record(0, e, LEGACY_STREAM).unwrap(),
+            "pending elsewhere" => {
+                sim.write(z, p + 4096, 8).unwrap();
+                sim.event_record(0, e, z).unwrap();
+            }
+            _ => {}
+        }
+        sim.write(x, p, 64).unwrap();
+        sim.stream_wait_event(0, LEGACY_STREAM, e).unwrap();
+        sim.read(y, p, 64).unwrap();
+        sim.run();
+        assert!(sim.races().is_empty(), "event {prep}: {:?}", sim.races());
+    }
+}
+
+#[test]
 fn stream_handles_are_reused_most_recent_first_and_dead_handles_are_refused() {
     let sim = sim();
     let s: Vec<RawStream> = (0..3).map(|_| stream(&sim, false)).collect();
