@@ -185,8 +185,14 @@ def test_a_maximum_off_the_mapping_granularity_is_reached(expandable: bool) -> N
         pool.deallocate(pool.allocate(256), 256)
     # A request whose size class passes the maximum says so.
     pool = mr.ShardedPoolMemoryResource(mr.CudaMemoryResource(), maximum_pool_size=5 * mib + 256)
-    with pytest.raises(streampool.OutOfMemoryError, match="rounded up to one of 16 sizes"):
+    with pytest.raises(streampool.OutOfMemoryError, match="rounded up to one of 16 sizes") as e:
         pool.allocate(5 * mib + 256)
+    # What could still be had: the room under the maximum (nothing is reserved yet).
+    assert (e.value.requested, e.value.available) == (5 * mib + 256, 5 * mib + 256)
+    small = mr.ShardedPoolMemoryResource(mr.CudaMemoryResource(), maximum_pool_size=mib)
+    with pytest.raises(streampool.OutOfMemoryError, match=f"maximum_pool_size {mib}") as e:
+        small.allocate(3 * mib)
+    assert e.value.available == mib
 
 
 @pytest.mark.parametrize("whole", [False, True])

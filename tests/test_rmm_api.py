@@ -220,6 +220,27 @@ def test_callback_resource_calls_rmms_signatures() -> None:
     assert [c[0] for c in calls] == ["allocate", "deallocate"]
     assert calls[0][2] is streampool.DEFAULT_STREAM
     assert cb.allocate(0) == 0 and len(calls) == 2  # zero bytes never reach the functions
+    # Its repr names its device and backend, as every resource's does.
+    assert repr(cb) == f"<CallbackMemoryResource(device=0, {base.backend})>"
+
+
+def test_a_buffer_whose_free_fails_stays_open_and_closes_on_a_retry() -> None:
+    base = mr.CudaAsyncMemoryResource()
+    refuse = [True]
+
+    def deallocate(ptr: int, size: int, stream: streampool.Stream) -> None:
+        if refuse.pop():
+            raise KeyboardInterrupt  # Ctrl-C inside the free: nothing freed
+        base.deallocate(ptr, size, stream)
+
+    stats = mr.StatisticsResourceAdaptor(mr.CallbackMemoryResource(base.allocate, deallocate))
+    buf = streampool.DeviceBuffer(size=1000, mr=stats)
+    with pytest.raises(KeyboardInterrupt):
+        buf.close()
+    assert not buf.closed and stats.allocation_counts.current_bytes == 1000
+    refuse.append(False)
+    buf.close()
+    assert buf.closed and stats.allocation_counts.current_bytes == 0
 
 
 def test_callback_resource_holds_no_lock_across_the_call() -> None:
@@ -414,13 +435,27 @@ def test_arena_dumps_its_state_on_failure(caplog: pytest.LogCaptureFixture) -> N
 def test_stream_flags_as_rmms() -> None:
     assert (int(mr.CudaStreamFlags.SYNC_DEFAULT), int(mr.CudaStreamFlags.NON_BLOCKING)) == (0, 1)
     assert streampool.CudaStreamFlags is mr.CudaStreamFlags
-    for flags in (mr.CudaStreamFlags.SYNC_DEFAULT, mr.CudaStreamFlags.NON_BLOCKING, 0, 1):
-        s = streampool.Stream(flags=flags)
+
+    class Index:  # an integer as NumPy's are: by __index__
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+        def __index__(self) -> int:
+            return self.value
+
+    for flags in (mr.CudaStreamFlags.SYNC_DEFAULT, mr.CudaStreamFlags.NON_BLOCKING, 0, 1, Index(0), Index(1)):
+        s = streampool.Stream(flags=flags)  # type: ignore[arg-type]
         _roundtrip_on(s)
     streampool.Stream(blocking=True, flags=mr.CudaStreamFlags.SYNC_DEFAULT)
-    for bad in (2, -1, "0", True, 0.0):
+    streampool.Stream(blocking=True, flags=Index(0))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="contradicts"):
+        streampool.Stream(blocking=True, flags=Index(1))  # type: ignore[arg-type]
+    for bad in (2, -1, Index(2)):
         with pytest.raises(ValueError, match="flags must be"):
             streampool.Stream(flags=bad)  # type: ignore[arg-type]
+    for wrong in ("0", True, 0.0):
+        with pytest.raises(TypeError, match=r"flags must be an integer, .* of type (str|bool|float)"):
+            streampool.Stream(flags=wrong)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="contradicts"):
         streampool.Stream(blocking=True, flags=mr.CudaStreamFlags.NON_BLOCKING)
 
@@ -519,6 +554,18 @@ def test_binning_add_bin_as_rmm() -> None:
     other = mr.TrackingResourceAdaptor(up)
     binning.add_bin(2048, other)  # nothing outstanding now: replaced, the old one let go
     assert binning.bin_mrs == [other]
+    # A bin of another kind of memory than the upstream's is refused: its buffers would
+    # report device memory as managed (DLPack, the CUDA array interface, prefetch).
+    with pytest.raises(
+        ValueError, match=r"hands out managed memory, but this resource's upstream .* device memory"
+    ):
+        binning.add_bin(4096, mr.ManagedMemoryResource())
+    managed = mr.BinningMemoryResource(mr.ManagedMemoryResource(), 10, 12)
+    with pytest.raises(ValueError, match=r"hands out device memory, but .* hands out managed memory"):
+        managed.add_bin(1024, mr.CudaMemoryResource())
+    managed.add_bin(1024, mr.ManagedMemoryResource())
+    with streampool.DeviceBuffer(size=1000, mr=managed) as buf:
+        assert buf.__dlpack_device__()[0] == 13  # kDLCUDAManaged
 
 
 def test_statistics_fields_are_rmms() -> None:

@@ -617,7 +617,7 @@ class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
     sizes where it can)."""
 
     def __new__(
-        cls, upstream_mr: MemoryResource, callback: Callable[[int], bool]
+        cls, upstream_mr: MemoryResource, callback: Callable[[int], object]
     ) -> FailureCallbackResourceAdaptor: ...
 
 @final
@@ -640,7 +640,8 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
 
     Blocks are reused per stream: each stream that allocates takes a chunk of its own, and
     blocks freed on one stream serve only it until the upstream runs out of memory; then
-    the device is synchronised once and every free block serves every stream. A program
+    the device is synchronised once and every block freed before serves every stream
+    (threads short of memory meanwhile find those blocks too). A program
     that makes a stream per task holds a chunk per stream until then; chunks go back to
     the upstream when the resource is dropped (a BinningMemoryResource also gives back
     its bins' wholly free chunks when a request finds the upstream out of memory)."""
@@ -691,7 +692,9 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
         the bin that would give up sizes to a new one has allocations outstanding, or for
         a ``bin_resource`` that would make this resource deeper than it was when a
         resource was built over it (add bins before wrapping it; a bin that calls back
-        into this resource is always refused).
+        into this resource is always refused), and for a ``bin_resource`` of another
+        device or of another kind of memory than the upstream's (every buffer reports
+        the kind of memory it holds).
 
         Example::
 
@@ -1124,14 +1127,16 @@ class DeviceBuffer:
     def close(self) -> None:
         """Frees the memory now, on its stream; later use raises ValueError and closing
         again does nothing. Memory still used by a DLPack consumer is freed when that
-        consumer is done."""
+        consumer is done. When the free fails (a ``CallbackMemoryResource`` whose function
+        raised, say), the buffer stays open and closing it again tries again; memory the
+        resource refuses as not its own (freed by hand: InvalidPointerError) is let go of."""
     def __enter__(self) -> Self: ...
     def __exit__(
         self,
         exc_type: type[BaseException] | None = None,
         exc_value: BaseException | None = None,
         traceback: TracebackType | None = None,
-    ) -> bool:
+    ) -> Literal[False]:
         """Closes the buffer; exceptions propagate."""
 
 def _rebuild_device_buffer(data: Buffer) -> DeviceBuffer:
@@ -1196,7 +1201,7 @@ class _SimDevice:
     def step_any(self) -> bool:
         """Runs one operation that may run now; False when none can."""
     def run(self) -> None:
-        """Runs everything queued until no stream has work."""
+        """Runs everything queued until no stream has work; Ctrl-C stops it between two operations."""
     @property
     def pending(self) -> int:
         """Operations queued on all streams and not yet run."""

@@ -154,12 +154,20 @@ class SimulatedDevice:
         return self._dev.step_any()
 
     def run(self) -> None:
-        """Runs everything queued, streams in turn, until no stream has work."""
+        """Runs everything queued, streams in turn, until no stream has work. Ctrl-C
+        (KeyboardInterrupt) stops it between two operations; what is left stays queued."""
         self._dev.run()
 
     def races(self) -> list[Race]:
-        """The races found so far (each a ``str`` naming both operations, see :class:`Race`)."""
+        """The races found so far (each a ``str`` naming both operations, see :class:`Race`),
+        in the order found. At most 1000 are kept: :attr:`races_dropped` counts the rest."""
         return [Race(*record) for record in self._dev.race_records()]
+
+    @property
+    def races_dropped(self) -> int:
+        """Races found beyond the 1000 that :meth:`races` keeps, and so not reported
+        (0 unless the cap was reached; :meth:`clear_races` resets it)."""
+        return self._dev.races_dropped
 
     def clear_races(self) -> None:
         """Forgets the races found so far (for tests that provoke them on purpose)."""

@@ -182,9 +182,14 @@ static CURRENT_THREAD: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 /// is not available.
 fn python_thread() -> String {
     let label = crate::gil::try_attach(|py| -> PyResult<String> {
-        let thread = CURRENT_THREAD.import(py, "threading", "current_thread")?.call0()?;
-        let name: String = thread.getattr("name")?.extract()?;
-        Ok(format!("{name} (ident {})", thread.getattr("ident")?))
+        let label = || -> PyResult<String> {
+            let thread = CURRENT_THREAD.import(py, "threading", "current_thread")?.call0()?;
+            let name: String = thread.getattr("name")?.extract()?;
+            Ok(format!("{name} (ident {})", thread.getattr("ident")?))
+        };
+        label().inspect_err(|e| {
+            crate::errors::redeliver_interrupt(py, e);
+        })
     });
     match label {
         Some(Ok(text)) => text,
@@ -198,8 +203,13 @@ fn python_thread() -> String {
 /// The Python stack of the thread that is allocating (`traceback.format_stack()`).
 fn python_stack() -> String {
     let stack = crate::gil::try_attach(|py| -> PyResult<String> {
-        let frames = py.import("traceback")?.call_method0("format_stack")?;
-        PyString::new(py, "").call_method1("join", (frames,))?.extract()
+        let stack = || -> PyResult<String> {
+            let frames = py.import("traceback")?.call_method0("format_stack")?;
+            PyString::new(py, "").call_method1("join", (frames,))?.extract()
+        };
+        stack().inspect_err(|e| {
+            crate::errors::redeliver_interrupt(py, e);
+        })
     });
     match stack {
         Some(Ok(text)) => text,
@@ -765,7 +775,8 @@ struct CallbackResource {
 
 impl std::fmt::Debug for CallbackResource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CallbackMemoryResource").field("device", &self.device).finish()
+        // As every resource's: its device and backend.
+        write!(f, "CallbackMemoryResource(device={}, {})", self.device, self.backend.describe())
     }
 }
 

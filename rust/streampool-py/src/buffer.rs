@@ -1128,6 +1128,9 @@ impl DeviceBuffer {
 
     /// Frees the memory now, on its stream (later use raises ValueError; closing again does
     /// nothing). Memory still used by a DLPack consumer is freed when that consumer is done.
+    /// When the free fails (a `CallbackMemoryResource` whose function raised, say), the
+    /// buffer stays open, and closing it again tries again; one that the resource refuses as
+    /// not its own (freed by hand: InvalidPointerError) is closed.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         // Taken in a statement of its own: the lock is released before the GIL is.
         let memory = self.take();
@@ -1140,7 +1143,15 @@ impl DeviceBuffer {
             },
             Memory::Closed => return Ok(()),
         };
-        detached(py, move || alloc.free())
+        match detached(py, move || Ok(alloc.try_free()))? {
+            Ok(()) => Ok(()),
+            Err((kept, e)) => {
+                if let Some(alloc) = kept {
+                    *self.slot() = Memory::Own(alloc);
+                }
+                Err(to_pyerr(py, e))
+            }
+        }
     }
 
     fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {

@@ -136,8 +136,23 @@ pub(crate) fn report_swallowed_log_errors<T>(py: Python<'_>, result: &streampool
         log.into_iter().map(|(_, e)| e).collect()
     });
     for e in swallowed {
-        e.write_unraisable(py, None);
+        if !redeliver_interrupt(py, &e) {
+            e.write_unraisable(py, None);
+        }
     }
+}
+
+/// A `KeyboardInterrupt` raised by Python code that the library ran for the user where it
+/// cannot pass an exception on (a stack capture, a log line of a free that succeeded, a
+/// log on failure): Ctrl-C is delivered again (`PyErr_SetInterruptEx`), so that the
+/// program gets it at its next chance instead of losing it. True when `e` was one.
+pub(crate) fn redeliver_interrupt(py: Python<'_>, e: &PyErr) -> bool {
+    if !e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) {
+        return false;
+    }
+    // SAFETY: callable from any thread, with or without the GIL (CPython's documentation).
+    unsafe { pyo3::ffi::PyErr_SetInterruptEx(libc::SIGINT) };
+    true
 }
 
 /// What a logging callback's stashed exception is named by (see [`callback_error`]).

@@ -48,7 +48,7 @@ pub(crate) fn _fast_path_calls() -> u32 {
 pub(crate) fn fast_path_settled(py: Python<'_>) {
     let calls = FAST_CALLS.load(Ordering::Relaxed).wrapping_add(1);
     FAST_CALLS.store(calls, Ordering::Relaxed);
-    if calls % OFFER_GIL_EVERY != 0 {
+    if !calls.is_multiple_of(OFFER_GIL_EVERY) {
         return;
     }
     let skip = SKIP.load(Ordering::Relaxed);

@@ -244,10 +244,16 @@ impl Arena {
                 self.pool.stats()
             );
             // At interpreter shutdown there is no logger to write to: the error still goes on.
-            let _ = crate::gil::try_attach(|py| -> PyResult<()> {
-                let logger = py.import("logging")?.call_method1("getLogger", ("streampool",))?;
-                logger.call_method1("error", ("%s", text))?;
-                Ok(())
+            crate::gil::try_attach(|py| {
+                let log = || -> PyResult<()> {
+                    let logger = py.import("logging")?.call_method1("getLogger", ("streampool",))?;
+                    logger.call_method1("error", ("%s", text))?;
+                    Ok(())
+                };
+                // A failing logger leaves the error to go on; Ctrl-C is not lost with it.
+                if let Err(e) = log() {
+                    crate::errors::redeliver_interrupt(py, &e);
+                }
             });
         }
         e

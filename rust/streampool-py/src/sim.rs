@@ -159,10 +159,26 @@ impl PySimDevice {
         py.detach(move || sim.step_any())
     }
 
-    /// Runs everything queued until no stream has work.
-    fn run(&self, py: Python<'_>) {
-        let sim = self.sim.clone();
-        py.detach(move || sim.run());
+    /// Runs everything queued until no stream has work. Ctrl-C stops it between two
+    /// operations (what is left stays queued).
+    fn run(&self, py: Python<'_>) -> PyResult<()> {
+        loop {
+            let sim = self.sim.clone();
+            // About 50 ms at a time, then a look for signals with the GIL held.
+            let more = py.detach(move || {
+                let start = std::time::Instant::now();
+                while sim.step_any() {
+                    if start.elapsed() > std::time::Duration::from_millis(50) {
+                        return true;
+                    }
+                }
+                false
+            });
+            if !more {
+                return Ok(());
+            }
+            py.check_signals()?;
+        }
     }
 
     /// Operations queued on all streams and not yet run.

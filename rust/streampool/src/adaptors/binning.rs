@@ -173,6 +173,18 @@ impl BinningMemoryResource {
                         b.describe()
                     ));
                 }
+                let (theirs, ours) = (mr.memory_kind(), self.upstream.memory_kind());
+                if theirs != ours {
+                    // Every allocation reports the resource's kind (DLPack, the CUDA array
+                    // interface, prefetch): one bin of another kind would misreport its memory.
+                    return refuse(format!(
+                        "the bin's {} hands out {} memory, but this resource's upstream {} hands out {} memory",
+                        mr.name(),
+                        theirs.words(),
+                        self.upstream.name(),
+                        ours.words()
+                    ));
+                }
                 (mr, None)
             }
             None => {
@@ -184,6 +196,7 @@ impl BinningMemoryResource {
         };
         // Asked before taking a lock: a bin over this resource asks this resource's depth.
         let depth = check_depth("BinningMemoryResource", [&self.upstream, &mr])?;
+        // `mr` and `fixed`, declared before the locks, are dropped after them on a refusal.
         let mut bins = write(&self.bins);
         let mut own = lock(&self.depth);
         if own.read && depth > own.value {
@@ -198,6 +211,10 @@ impl BinningMemoryResource {
         }
         let at = bins.partition_point(|b| b.bytes < allocation_size);
         if let Some(bin) = bins.get_mut(at).filter(|b| b.bytes == allocation_size) {
+            if fixed.is_some() {
+                // Asked for a bin that another thread added meanwhile: nothing changes.
+                return Ok(());
+            }
             // Replacing the bin's resource: only while nothing it handed out is outstanding,
             // since those frees would then reach the new resource.
             let n = bin.outstanding.load(Ordering::Relaxed);
@@ -207,8 +224,13 @@ impl BinningMemoryResource {
                      then go to the wrong resource; replace bins before allocating"
                 ));
             }
-            bin.mr = mr;
-            bin.fixed = fixed;
+            let replaced = (std::mem::replace(&mut bin.mr, mr), std::mem::replace(&mut bin.fixed, fixed));
+            // The replaced resource goes only after the locks: one this binning resource made
+            // gives its chunks back when dropped, through an upstream that may call Python,
+            // while other threads wait on these locks holding the GIL.
+            drop(own);
+            drop(bins);
+            drop(replaced);
             return Ok(());
         }
         let (donor, outstanding) = match bins.get(at) {

@@ -24,10 +24,11 @@ use crate::sync::{lock, Mutex};
 /// 3. Otherwise it grows: one chunk of `block_bytes * blocks_per_chunk` from the upstream
 ///    *on the allocating stream*, all of whose blocks go to that stream's list (memory
 ///    from a stream-ordered upstream is ordered for the stream it was allocated on only).
-/// 4. When the upstream is out of memory, it takes every free list, waits for the whole
-///    device once (`cuCtxSynchronize`: every free has then completed, so those blocks are
-///    safe for any stream), makes them usable by all (step 2), and tries steps 2 and 3
-///    again before failing.
+/// 4. When the upstream is out of memory, it waits for the whole device once
+///    (`cuCtxSynchronize`: every free made before has then completed, so those blocks are
+///    safe for any stream), makes the blocks freed before the wait usable by all (step 2),
+///    and tries steps 2 and 3 again before failing. The blocks stay on their lists during
+///    the wait, so that another thread short of memory meanwhile finds them too.
 ///
 /// Chunks go back to the upstream when the resource is dropped (after a device
 /// synchronisation, on the legacy default stream), and, those whose blocks are all free,
@@ -69,8 +70,11 @@ pub struct FixedSizeMemoryResource {
 
 #[derive(Default)]
 struct State {
-    /// Free blocks by the id of the stream that freed them.
-    by_stream: HashMap<u64, Vec<DevPtr>>,
+    /// Free blocks by the id of the stream that freed them, each with the number of the
+    /// free (oldest first: a list is a stack, so the numbers rise along it).
+    by_stream: HashMap<u64, Vec<(DevPtr, u64)>>,
+    /// The number the next free gets.
+    frees: u64,
     /// Free blocks whose frees have completed: any stream may take them.
     ready: Vec<DevPtr>,
     outstanding: HashSet<DevPtr>,
@@ -121,7 +125,8 @@ impl FixedSizeMemoryResource {
     fn take_free(&self, id: u64) -> Option<DevPtr> {
         let mut st = lock(&self.state);
         let st = &mut *st;
-        let ptr = st.by_stream.get_mut(&id).and_then(Vec::pop).or_else(|| st.ready.pop())?;
+        let own = st.by_stream.get_mut(&id).and_then(Vec::pop).map(|(p, _)| p);
+        let ptr = own.or_else(|| st.ready.pop())?;
         st.outstanding.insert(ptr);
         Some(ptr)
     }
@@ -131,72 +136,62 @@ impl FixedSizeMemoryResource {
         let chunk = self.upstream.allocate(self.chunk_bytes(), stream)?;
         let mut st = lock(&self.state);
         st.chunks.push(chunk);
-        let blocks = (1..self.blocks_per_chunk).rev().map(|i| chunk + (i * self.block_bytes) as u64);
+        let n = st.frees;
+        st.frees += 1;
+        let blocks = (1..self.blocks_per_chunk).rev().map(|i| (chunk + (i * self.block_bytes) as u64, n));
         st.by_stream.entry(id).or_default().extend(blocks);
         st.outstanding.insert(chunk);
         Ok(chunk)
     }
 
     /// Gives back to the upstream every chunk none of whose blocks is outstanding, after a
-    /// device synchronisation (every free has then completed); returns the bytes given
-    /// back. The free blocks of the chunks kept become usable by every stream (as in step
-    /// 4); blocks freed meanwhile stay on their lists. On a failed synchronisation nothing
-    /// changes.
+    /// device synchronisation (every free made before has then completed); returns the
+    /// bytes given back. The free blocks of the chunks kept become usable by every stream
+    /// (as in step 4); blocks freed meanwhile stay on their lists, and so do their chunks.
+    /// On a failed synchronisation nothing changes.
     pub fn release_free_chunks(&self) -> Result<usize> {
-        let (ready, by_stream) = {
-            let mut st = lock(&self.state);
-            (std::mem::take(&mut st.ready), std::mem::take(&mut st.by_stream))
-        };
-        let synced = self.upstream.backend().ctx_synchronize(self.upstream.device());
-        let released: Vec<DevPtr> = {
-            let mut st = lock(&self.state);
-            if synced.is_err() {
-                st.ready.extend(ready);
-                for (id, blocks) in by_stream {
-                    st.by_stream.entry(id).or_default().extend(blocks);
-                }
-                Vec::new()
-            } else {
-                let free: Vec<DevPtr> = ready.into_iter().chain(by_stream.into_values().flatten()).collect();
-                let mut chunks = st.chunks.clone();
-                chunks.sort_unstable();
-                // Every block lies in one chunk: the last that starts at or below it.
-                let chunk_of = |block: DevPtr| chunks[chunks.partition_point(|&c| c <= block) - 1];
-                let mut free_in: HashMap<DevPtr, usize> = HashMap::new();
-                for &block in &free {
-                    *free_in.entry(chunk_of(block)).or_default() += 1;
-                }
-                let whole: HashSet<DevPtr> = free_in
-                    .into_iter()
-                    .filter(|&(_, n)| n == self.blocks_per_chunk)
-                    .map(|(c, _)| c)
-                    .collect();
-                st.chunks.retain(|c| !whole.contains(c));
-                st.ready.extend(free.into_iter().filter(|&b| !whole.contains(&chunk_of(b))));
-                whole.into_iter().collect()
+        let released = self.after_sync(|st| {
+            let mut chunks = st.chunks.clone();
+            chunks.sort_unstable();
+            // Every block lies in one chunk: the last that starts at or below it.
+            let chunk_of = |block: DevPtr| chunks[chunks.partition_point(|&c| c <= block) - 1];
+            let mut free_in: HashMap<DevPtr, usize> = HashMap::new();
+            for &block in &st.ready {
+                *free_in.entry(chunk_of(block)).or_default() += 1;
             }
-        };
-        synced?;
+            let whole: HashSet<DevPtr> =
+                free_in.into_iter().filter(|&(_, n)| n == self.blocks_per_chunk).map(|(c, _)| c).collect();
+            st.chunks.retain(|c| !whole.contains(c));
+            st.ready.retain(|&b| !whole.contains(&chunk_of(b)));
+            whole.into_iter().collect::<Vec<DevPtr>>()
+        })?;
         for &chunk in &released {
             self.upstream.deallocate(chunk, self.chunk_bytes(), &Stream::legacy())?;
         }
         Ok(released.len() * self.chunk_bytes())
     }
 
-    /// Step 4: every block on a list before the device synchronisation is safe for all.
+    /// Step 4: every block freed before the device synchronisation is safe for all.
     fn reclaim(&self) -> Result<()> {
-        let taken = std::mem::take(&mut lock(&self.state).by_stream);
-        let synced = self.upstream.backend().ctx_synchronize(self.upstream.device());
+        self.after_sync(|_| ())
+    }
+
+    /// Synchronises the device, then, under the lock, makes every block freed before the
+    /// synchronisation began usable by all (its free has completed) and runs `then`.
+    /// Blocks freed meanwhile stay on their lists. On a failed synchronisation nothing
+    /// changes.
+    fn after_sync<T>(&self, then: impl FnOnce(&mut State) -> T) -> Result<T> {
+        let mark = lock(&self.state).frees;
+        self.upstream.backend().ctx_synchronize(self.upstream.device())?;
         let mut st = lock(&self.state);
-        match synced {
-            Ok(()) => st.ready.extend(taken.into_values().flatten()),
-            Err(_) => {
-                for (id, blocks) in taken {
-                    st.by_stream.entry(id).or_default().extend(blocks);
-                }
-            }
+        let st = &mut *st;
+        for list in st.by_stream.values_mut() {
+            let done = list.partition_point(|&(_, n)| n < mark);
+            st.ready.extend(list.drain(..done).map(|(p, _)| p));
         }
-        synced
+        // The lists of streams that are gone (and of any stream, once empty) leave.
+        st.by_stream.retain(|_, list| !list.is_empty());
+        Ok(then(st))
     }
 }
 
@@ -240,7 +235,9 @@ impl MemoryResource for FixedSizeMemoryResource {
                 "{ptr:#x} is not an outstanding block of this FixedSizeMemoryResource (double free, or not allocated here)"
             )));
         }
-        st.by_stream.entry(id).or_default().push(ptr);
+        let n = st.frees;
+        st.frees += 1;
+        st.by_stream.entry(id).or_default().push((ptr, n));
         Ok(())
     }
 }

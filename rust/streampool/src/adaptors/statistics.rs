@@ -49,12 +49,13 @@ pub struct Statistics {
 /// read as 0 below zero, so they never wrap.)
 ///
 /// What a reader of the numbers may miss: allocations and frees in flight on other
-/// threads (counted only once their upstream call has returned), and a consistent
-/// snapshot (the six numbers are read one by one while others update them; `peak` is
-/// reported as at least `current`).
+/// threads (counted only once their upstream call has returned). The six numbers are one
+/// moment's: [`statistics`](Self::statistics) takes the stack's lock exclusively, which
+/// waits for the updates in flight and holds off new ones while it reads (RMM's adaptor
+/// locks every call instead).
 ///
 /// Hot path: one shared (read) lock of the stack and a few atomic adds; the exclusive
-/// lock is taken only to push and pop.
+/// lock is taken only to read the numbers, push and pop.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -90,9 +91,9 @@ impl StatisticsAdaptor {
         Ok(StatisticsAdaptor { upstream, stack: RwLock::new(vec![Counters::default()]) })
     }
 
-    /// The counters on top of the stack.
+    /// The counters on top of the stack, as one moment has them (see the type's docs).
     pub fn statistics(&self) -> Statistics {
-        read(&self.stack).last().expect("the base counters are never popped").snapshot()
+        write(&self.stack).last().expect("the base counters are never popped").snapshot()
     }
 
     /// Pushes a fresh set of counters and returns the previous top.
@@ -321,6 +322,32 @@ mod loom_tests {
                 (base.current_bytes, base.total_bytes, base.peak_bytes, base.total_count),
                 (5, 5, 5, 1)
             );
+        });
+    }
+
+    /// A snapshot under the exclusive lock (as `statistics()` takes it) while two threads
+    /// allocate and free under the shared one (as the hot path does): bytes and counts
+    /// agree, and totals are at least the current numbers.
+    #[test]
+    fn loom_snapshot_is_one_moment() {
+        crate::sync::model(|| {
+            let stack = Arc::new(RwLock::new(vec![Counters::default()]));
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let s = stack.clone();
+                    loom::thread::spawn(move || {
+                        read(&s).last().unwrap().record(256);
+                        read(&s).last().unwrap().unrecord(256);
+                    })
+                })
+                .collect();
+            let st = write(&stack).last().unwrap().snapshot();
+            assert_eq!(st.current_bytes, 256 * st.current_count, "{st:?}");
+            assert_eq!(st.total_bytes, 256 * st.total_count, "{st:?}");
+            assert!(st.total_count >= st.current_count, "{st:?}");
+            for t in threads {
+                t.join().unwrap();
+            }
         });
     }
 }

@@ -707,9 +707,12 @@ impl ShardedPoolMemoryResource {
         } else {
             format!("maximum_pool_size {}", self.maximum)
         };
+        // As `out_of_memory` reports it: the room under the maximum and the free blocks.
+        let stats = self.stats();
+        let available = self.maximum.saturating_sub(stats.reserved_bytes).saturating_add(stats.free_bytes);
         Error::OutOfMemory {
             requested: size,
-            available: None,
+            available: Some(available),
             resource: format!("ShardedPoolMemoryResource ({why})"),
         }
     }
