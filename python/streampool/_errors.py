@@ -9,6 +9,8 @@ checks raise :class:`InvalidArgumentError`, which is both a ``ValueError`` and a
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CudaDriverNotFoundError",
     "CudaError",
@@ -30,8 +32,11 @@ class StreampoolError(Exception):
 class OutOfMemoryError(StreampoolError, MemoryError):
     """A resource could not meet an allocation.
 
+    Every argument is optional (``raise OutOfMemoryError`` works, as with ``MemoryError``);
+    it pickles and copies with its attributes, including notes (``add_note``).
+
     Attributes:
-        requested: bytes asked for.
+        requested: bytes asked for, or ``None`` where not given.
         available: bytes the resource that refused had free (what limited the request: a
             limit's room, a pool's room under its maximum, the device's free memory), or
             ``None`` where that is unknown (pinned host memory, the host refusing memory
@@ -41,17 +46,20 @@ class OutOfMemoryError(StreampoolError, MemoryError):
     requested: int | None
     available: int | None
 
-    def __init__(self, message: str, requested: int | None = None, available: int | None = None) -> None:
+    def __init__(self, message: str = "", requested: int | None = None, available: int | None = None) -> None:
         super().__init__(message)
         self.requested = requested
         self.available = available
 
-    def __reduce__(self) -> tuple[type[OutOfMemoryError], tuple[str, int | None, int | None]]:
-        return (type(self), (str(self), self.requested, self.available))
+    def __reduce__(self) -> tuple[type[OutOfMemoryError], tuple[str, int | None, int | None], dict[str, Any]]:
+        return (type(self), (str(self), self.requested, self.available), self.__dict__)
 
 
 class CudaError(StreampoolError):
     """A CUDA driver call failed.
+
+    Every argument is optional (``raise CudaError`` works); it pickles and copies with its
+    attributes, including notes (``add_note``).
 
     Attributes:
         call: the driver function, e.g. ``"cuMemAllocFromPoolAsync"`` (``None`` when no
@@ -65,28 +73,30 @@ class CudaError(StreampoolError):
     name: str | None
 
     def __init__(
-        self, message: str, call: str | None = None, code: int | None = None, name: str | None = None
+        self, message: str = "", call: str | None = None, code: int | None = None, name: str | None = None
     ) -> None:
         super().__init__(message)
         self.call = call
         self.code = code
         self.name = name
 
-    def __reduce__(self) -> tuple[type[CudaError], tuple[str, str | None, int | None, str | None]]:
-        return (type(self), (str(self), self.call, self.code, self.name))
+    def __reduce__(
+        self,
+    ) -> tuple[type[CudaError], tuple[str, str | None, int | None, str | None], dict[str, Any]]:
+        return (type(self), (str(self), self.call, self.code, self.name), self.__dict__)
 
 
 class CudaDriverNotFoundError(CudaError):
     """No usable CUDA driver on this machine (``libcuda.so.1`` missing, ``cuInit`` failed,
     or no device). Importing streampool never raises it; the first use of a GPU resource
     does. Use :class:`streampool.sim.SimulatedDevice` (or ``STREAMPOOL_DEVICE=sim``) to run
-    without a GPU."""
+    without a GPU. Its ``call``, ``code`` and ``name`` are ``None``; ``message`` is optional."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str = "") -> None:
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[type[CudaDriverNotFoundError], tuple[str]]:  # type: ignore[override]
-        return (type(self), (str(self),))
+    def __reduce__(self) -> tuple[type[CudaDriverNotFoundError], tuple[str], dict[str, Any]]:  # type: ignore[override]
+        return (type(self), (str(self),), self.__dict__)
 
 
 class UnsupportedError(StreampoolError):

@@ -5,8 +5,11 @@ Exit codes: 0 success; 1 a check failed (``stress`` found corruption, an overlap
 or an error); 2 bad usage (unknown command, workload, resource spec, option or parameter);
 3 bad input (a malformed, empty or unreadable log, a log or plot directory that cannot be
 written); 4 cannot run here (a peer or an extra not installed, a workload larger than the
-device, a resource that failed, nothing measured: every allocation of every resource
-ran out of memory in ``bench`` or ``replay``, nothing to recommend: every candidate ran out of memory,
+device, on a GPU managed memory asked to replay a log whose peak is above free memory (in
+``bench`` and ``replay`` the other resources are measured and printed first), a resource that
+failed, nothing measured: every allocation of every resource ran out of memory in ``bench``
+or ``replay``, nothing to recommend: every candidate ran out of memory, or on a GPU the log's
+peak is above free memory, which only managed memory fits, and nothing is replayed,
 nothing verified: ``stress`` checked no allocation, every one refused, and found nothing wrong);
 130 interrupted. ``profile`` (and ``recommend -- CMD`` when the program fails) exits with the
 program's own status, 127 when it could not start.
@@ -360,6 +363,17 @@ def _check_plot_dir(args: argparse.Namespace) -> None:
         ) from None
 
 
+def _refused(specs: list[str], params: dict[str, Any]) -> dict[str, str]:
+    """The specs whose replay of the log in ``params`` is refused here, each with why: on a
+    real GPU, managed memory for a log whose peak is above the device's free memory
+    (:func:`workloads.oversubscribes`)."""
+    log = params.get("log")
+    if not isinstance(log, trace.Trace):
+        return {}
+    found = {s: workloads.oversubscribes(make_resource(s), log) for s in specs}
+    return {s: why for s, why in found.items() if why is not None}
+
+
 def _measure_and_report(
     args: argparse.Namespace,
     out: Output,
@@ -373,6 +387,11 @@ def _measure_and_report(
     extra: dict[str, Any],
 ) -> int:
     repeats = args.repeats or (2 if args.quick else 3)
+    # Refused before anything runs, so that a refusal loses none of the others' results.
+    refused = _refused(specs, params)
+    if len(refused) == len(specs):
+        raise workloads.WorkloadError("; ".join(refused.values()))
+    specs = [s for s in specs if s not in refused]
     runs, summary = bench.measure(workload, specs, threads, streams, repeats, params, out.progress)
     _results_table(
         out,
@@ -401,6 +420,8 @@ def _measure_and_report(
                 **extra,
             )
         )
+    for why in refused.values():
+        print(f"streampool {args.command}: not measured: {why}", file=sys.stderr)
     bad = [r for r in summary if r["mismatches"]]
     for r in bad:
         print(
@@ -419,7 +440,7 @@ def _measure_and_report(
             file=sys.stderr,
         )
         return EXIT_CANNOT_RUN
-    return EXIT_OK
+    return EXIT_CANNOT_RUN if refused else EXIT_OK
 
 
 def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
@@ -572,6 +593,11 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
     repeats = args.repeats or (2 if args.quick else 3)
     _announce(out, dev)
     prof = recommend.analyse(t)
+    unmeasurable = recommend.unmeasurable(prof)
+    if unmeasurable is not None:
+        if args.json:
+            out.emit_json(_recommend_document(dev, log, repeats, [], [], prof, None, unmeasurable))
+        raise _Fail(EXIT_CANNOT_RUN, unmeasurable)
     runs, summary = bench.measure(
         "replay", prof.candidates, [t.threads], t.streams, repeats, {"log": t, "gap_scale": 0.0}, out.progress
     )
@@ -631,7 +657,7 @@ def _recommend_document(
     error: str | None,
 ) -> dict[str, Any]:
     """`recommend --json`'s document; ``choice`` None with ``error`` when nothing could be
-    recommended (every candidate ran out of memory)."""
+    recommended (every candidate ran out of memory, or none could be measured here)."""
     return document(
         "recommend",
         dev,

@@ -24,7 +24,7 @@ from .output import human_bytes
 from .specs import make_resource
 from .trace import ALLOCATE, FREE, Trace, quantile, recorded_peak
 
-__all__ = ["SIMPLER_FIRST", "NothingToRecommendError", "Profile", "analyse", "choose"]
+__all__ = ["SIMPLER_FIRST", "NothingToRecommendError", "Profile", "analyse", "choose", "unmeasurable"]
 
 # Memory handed from stream to stream (a producer/consumer pipeline): the sharded pool with
 # more headroom, whose streams record an event only once 8 frees are waiting, hands it over
@@ -193,6 +193,23 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
         preferred,
         candidates,
         reasons,
+    )
+
+
+def unmeasurable(profile: Profile) -> str | None:
+    """Why the candidates cannot be measured here, or None. On a real GPU, a peak above the
+    device's free memory leaves only managed memory, and the replay workload refuses to
+    replay such a log on it (the harness never oversubscribes a shared GPU): nothing would
+    be measured. On the simulated device the replays run (and run out of memory)."""
+    if using_simulated_device() or profile.peak_live_bytes <= profile.free_device_bytes:
+        return None
+    peak, free = human_bytes(profile.peak_live_bytes), human_bytes(profile.free_device_bytes)
+    return (
+        f"the log's peak live bytes ({peak}) are above the device's free memory ({free}): only "
+        "managed memory fits: use it with prefetching, `streampool.setup(larger_than_memory=True)`; "
+        "nothing was measured: replaying the log on managed memory would oversubscribe the GPU, and "
+        "the harness never oversubscribes a shared GPU (it can hang it); to measure the candidates, "
+        f"run recommend on a device with more free memory (at least {peak} free)"
     )
 
 

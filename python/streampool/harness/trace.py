@@ -49,8 +49,9 @@ _DAY_NS = 86_400 * 10**9
 
 
 class LogFormatError(ValueError):
-    """A log with malformed lines: ``errors`` lists ``(line number, message)`` for every
-    one, and ``trace`` holds the events of the good lines (nothing else is lost)."""
+    """A log with malformed lines: ``path`` is the log, ``errors`` lists ``(line number,
+    message)`` for every one, and ``trace`` holds the events of the good lines (nothing
+    else is lost). It pickles and copies whole (e.g. raised in a ``multiprocessing`` worker)."""
 
     def __init__(self, path: str, errors: list[tuple[int, str]], trace: Trace | None) -> None:
         shown = "\n".join(f"  line {n}: {why}" for n, why in errors[:10])
@@ -59,8 +60,16 @@ class LogFormatError(ValueError):
             f"{path}: {len(errors)} malformed line(s) in the allocation log:\n{shown}{more}\n"
             "(pass --skip-malformed to replay the other lines)"
         )
+        self.path = path
         self.errors = errors
         self.trace = trace
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[LogFormatError], tuple[str, list[tuple[int, str]], Trace | None], dict[str, Any]]:
+        # args holds only the message: rebuild from the constructor's arguments, then
+        # restore the rest of __dict__ (notes, attributes added later).
+        return (type(self), (self.path, self.errors, self.trace), self.__dict__)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from .. import _native
 from .._native import Stream, available_device_memory, parse_size, using_simulated_device
 from . import trace as _trace
 from ._threads import run_threads
+from .output import human_bytes
 from .specs import Candidate
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "WorkloadError",
     "check",
     "check_param",
+    "oversubscribes",
     "random_trace",
     "run",
     "window_trace",
@@ -129,7 +131,29 @@ def window_trace(
     return _trace.Trace(records)
 
 
+def oversubscribes(candidate: Candidate, t: _trace.Trace) -> str | None:
+    """Why replaying ``t`` on ``candidate`` is refused here, or None. On a real GPU, managed
+    memory (the resource's ``memory_kind``) for a trace whose recorded peak live bytes are
+    above the device's free memory is refused: the harness never oversubscribes a shared
+    GPU (it can hang it). On the simulated device managed memory is the device's own
+    memory: an over-large replay runs out of memory there."""
+    if candidate.resource.memory_kind != "managed" or using_simulated_device():
+        return None
+    peak, free = _trace.recorded_peak(t.records), available_device_memory()[0]
+    if peak <= free:
+        return None
+    return (
+        f"{candidate.spec}: the trace's peak live bytes ({human_bytes(peak)}) are above the "
+        f"device's free memory ({human_bytes(free)}): replaying it on managed memory would "
+        "oversubscribe the GPU, and the harness never oversubscribes a shared GPU (it can hang "
+        "it); replay it on a device with more free memory"
+    )
+
+
 def _replay_result(candidate: Candidate, t: _trace.Trace, gap_scale: float) -> dict[str, Any]:
+    refused = oversubscribes(candidate, t)
+    if refused is not None:
+        raise WorkloadError(refused)
     out = _trace.replay(candidate.resource, t, gap_scale=gap_scale, reserved=candidate.reserved)
     # The calls that succeeded: a failed allocation (and its skipped free) is no work done.
     out["throughput"] = out["events"] / out["seconds"] if out["seconds"] else 0.0
@@ -453,6 +477,11 @@ def pipeline(
     return out
 
 
+#: larger-than-memory's default total on the simulated device at most: its memory is the
+#: host's, which the kernels touch.
+SIM_DEFAULT_TOTAL = 1 << 30
+
+
 def larger_than_memory(
     candidate: Candidate,
     *,
@@ -463,7 +492,8 @@ def larger_than_memory(
     passes: int = 2,
 ) -> dict[str, Any]:
     """Work on a data set larger than what is resident: ``total`` bytes (default: half the
-    device's free memory) in chunks of ``chunk_size`` (the last one smaller when ``total``
+    device's free memory, at most 1 GiB on the simulated device, whose memory is the
+    host's) in chunks of ``chunk_size`` (the last one smaller when ``total``
     is not a whole number of chunks), all allocated, then ``passes``
     passes that fill and compute on each chunk in turn on one stream, then freed. Meant for
     ``managed`` against ``prefetch(managed)`` (prefetching migrates the pages before the
@@ -474,12 +504,21 @@ def larger_than_memory(
     than oversubscribing (``STREAMPOOL_SIM_CAPACITY`` sets the capacity)."""
     kernels = _kernels()
     free, _ = available_device_memory()
-    nbytes = parse_size(total) if total else free // 2
+    default = min(free // 2, SIM_DEFAULT_TOTAL) if using_simulated_device() else free // 2
+    nbytes = parse_size(total) or default  # a total of 0 bytes: the default
+    if nbytes <= 0:
+        raise WorkloadError(
+            f"larger-than-memory: no free device memory left for the data set ({human_bytes(free)} "
+            "free once the resource under test was made, and the default total is half of that); "
+            "pass --param total=SIZE"
+        )
+    if parse_size(chunk_size) <= 0:
+        raise WorkloadError(f"larger-than-memory: chunk_size must be at least 1 byte, not {chunk_size!r}")
     chunk = min(parse_size(chunk_size), nbytes)
     if nbytes > free and not using_simulated_device():
         raise WorkloadError(
             f"larger-than-memory: total={nbytes} bytes is above the device's free memory ({free} bytes); "
-            "choose a smaller --total"
+            "choose a smaller --param total=SIZE"
         )
     stream = Stream()
     meter = _Meter(candidate)
