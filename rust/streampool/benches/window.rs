@@ -372,7 +372,7 @@ fn run_mt(made: &Made, b: &BackendRef, threads: usize, a: &Args) -> MtResult {
                     // stream's work so far; at most WINDOW are in flight to a thread (a
                     // thread the OS runs less would otherwise collect blocks without end),
                     // beyond which this thread frees them itself.
-                    let handed = handoff && coin % 2 == 0 && {
+                    let handed = handoff && coin.is_multiple_of(2) && {
                         let ev = streampool::Event::new(&b, 0).unwrap();
                         ev.record(&stream).unwrap();
                         next.try_send((p, n, ev)).is_ok()

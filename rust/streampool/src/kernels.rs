@@ -305,7 +305,7 @@ fn loaded_slow(backend: &BackendRef, dev: i32) -> Result<&'static Loaded> {
 
 /// Words of `bytes` at `ptr`, refusing a pointer that is not 8-byte aligned.
 fn words(ptr: DevPtr, bytes: usize, what: &str) -> Result<u64> {
-    if ptr % 8 != 0 {
+    if !ptr.is_multiple_of(8) {
         return Err(Error::invalid(format!(
             "{what}: ptr {ptr:#x} is not 8-byte aligned (the kernels work on 8-byte words; every \
              allocation is 256-byte aligned)"

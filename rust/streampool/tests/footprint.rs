@@ -535,7 +535,7 @@ fn producers_handing_blocks_to_consumers_on_other_streams() {
                     }
                     if ring.len() == 16 {
                         let (x, n) = ring.remove(0);
-                        if rng.next() % 2 == 0 {
+                        if rng.next().is_multiple_of(2) {
                             let ev = Event::new(&b, 0).unwrap();
                             ev.record(&s).unwrap();
                             next.send((x, n, ev)).unwrap();
@@ -625,7 +625,7 @@ fn handoff_soak_stays_bounded_on_an_eager_device() {
                     for _ in 0..OPS {
                         if ring.len() == 16 {
                             let (x, n) = ring.remove(0);
-                            let handed = rng.next() % 2 == 0 && {
+                            let handed = rng.next().is_multiple_of(2) && {
                                 let ev = Event::new(&b, 0).unwrap();
                                 ev.record(&s).unwrap();
                                 next.try_send((x, n, ev)).is_ok()

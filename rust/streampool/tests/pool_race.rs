@@ -75,7 +75,8 @@ impl Shared {
 
     fn alloc(&self, n: usize, s: &Stream, who: &str) -> Option<DevPtr> {
         // Half the time the binding's fast path first (every lock tried, never waited for).
-        let fast = if (n ^ (s.handle() as usize)) % 2 == 0 { self.pool.try_allocate(n, s) } else { None };
+        let fast =
+            if (n ^ (s.handle() as usize)).is_multiple_of(2) { self.pool.try_allocate(n, s) } else { None };
         match fast.unwrap_or_else(|| self.pool.allocate(n, s)) {
             Ok(ptr) => {
                 self.claim(ptr, n, format!("{who} {n}B on {s:?}"));
@@ -90,7 +91,8 @@ impl Shared {
     fn free(&self, ptr: DevPtr, n: usize, s: &Stream, who: &str) {
         self.sim.read_labeled(s.handle(), ptr, n, &format!("{who} last read {ptr:#x}")).unwrap();
         self.unclaim(ptr);
-        let fast = if (ptr as usize / 256) % 2 == 0 { self.pool.try_deallocate(ptr, n, s) } else { None };
+        let fast =
+            if (ptr as usize / 256).is_multiple_of(2) { self.pool.try_deallocate(ptr, n, s) } else { None };
         fast.unwrap_or_else(|| self.pool.deallocate(ptr, n, s))
             .unwrap_or_else(|e| panic!("free {ptr:#x}+{n} on {s:?}: {e}"));
     }
@@ -171,7 +173,7 @@ fn short_lived(sh: Arc<Shared>, seed: u64, parent: usize) {
             }
         }
     }
-    if rng.next() % 2 == 0 {
+    if rng.next().is_multiple_of(2) {
         sh.sim.step_any();
     }
 }
@@ -216,7 +218,7 @@ fn worker(sh: Arc<Shared>, t: usize, seed: u64, ops: usize, mut live: Vec<Live>)
                 let ev = Event::new(&sh.b, 0).unwrap();
                 ev.record(&home_stream(&l.home)).unwrap();
                 to.wait(&ev).unwrap();
-                if rng.next() % 2 == 0 {
+                if rng.next().is_multiple_of(2) {
                     sh.sim
                         .write_labeled(to.handle(), l.ptr, l.n, &format!("{who} moved {:#x}", l.ptr))
                         .unwrap();
@@ -268,7 +270,7 @@ fn worker(sh: Arc<Shared>, t: usize, seed: u64, ops: usize, mut live: Vec<Live>)
                 }
             }
             86..=89 => {
-                if rng.next() % 2 == 0 && streams.len() < 5 {
+                if rng.next().is_multiple_of(2) && streams.len() < 5 {
                     streams.push(Stream::create(&sh.b, 0, false).unwrap());
                 } else if streams.len() > 1 {
                     // Destroyed once the last clone (held by live blocks or hand-offs) goes.
@@ -317,10 +319,10 @@ fn worker(sh: Arc<Shared>, t: usize, seed: u64, ops: usize, mut live: Vec<Live>)
 
 fn options_for(seed: u64) -> (PoolOptions, bool, &'static str) {
     let mut r = XorShift::new(seed ^ 0xabcdef);
-    let bit = |r: &mut XorShift| r.next() % 2 == 0;
+    let bit = |r: &mut XorShift| r.next().is_multiple_of(2);
     let expandable = bit(&mut r);
     let o = PoolOptions {
-        initial_pool_size: if r.next() % 4 == 0 { Some(3 * MIB + 512) } else { None },
+        initial_pool_size: if r.next().is_multiple_of(4) { Some(3 * MIB + 512) } else { None },
         maximum_pool_size: match r.next() % 4 {
             0 => Some(40 * MIB),
             3 => Some(20 * MIB + 256),

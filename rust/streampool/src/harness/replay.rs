@@ -91,7 +91,7 @@ pub fn encode(records: &[Record]) -> Vec<u8> {
 
 /// Reads packed records; an error names the record index of the first bad one.
 pub fn parse(bytes: &[u8]) -> Result<Vec<Record>> {
-    if bytes.len() % RECORD_BYTES != 0 {
+    if !bytes.len().is_multiple_of(RECORD_BYTES) {
         return Err(Error::invalid(format!(
             "records: {} bytes is not a multiple of {RECORD_BYTES} (the record size, \
              struct.Struct(\"<QQQIIB7x\")); the data is truncated or not a replay log",

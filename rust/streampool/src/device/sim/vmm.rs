@@ -156,7 +156,7 @@ fn refuse(call: &'static str, why: String) -> Error {
 
 /// `call`'s refusal of a size that is not a non-zero multiple of the granularity.
 fn granular(call: &'static str, bytes: usize) -> Result<()> {
-    if bytes == 0 || bytes % VMM_GRANULARITY != 0 {
+    if bytes == 0 || !bytes.is_multiple_of(VMM_GRANULARITY) {
         return Err(refuse(
             call,
             format!("{bytes} bytes is not a multiple of the granularity ({VMM_GRANULARITY} bytes)"),
@@ -219,7 +219,7 @@ impl State {
                 format!("[{ptr:#x}, +{bytes}) is not inside one reservation of {}", self.name),
             ));
         };
-        if ptr % VMM_GRANULARITY as u64 != 0 {
+        if !ptr.is_multiple_of(VMM_GRANULARITY as u64) {
             return Err(refuse(
                 MAP,
                 format!("{ptr:#x} is not a multiple of the granularity ({VMM_GRANULARITY} bytes)"),

@@ -31,7 +31,7 @@ impl ChunkTable {
         let after = self.sorted.partition_point(|c| c.start <= ptr);
         let c = &self.sorted[after.checked_sub(1)?];
         let end = ptr.checked_add(size as u64)?;
-        let fits = end <= c.start + c.size as u64 && (ptr - c.start) % ALIGNMENT as u64 == 0;
+        let fits = end <= c.start + c.size as u64 && (ptr - c.start).is_multiple_of(ALIGNMENT as u64);
         fits.then_some(c)
     }
 
@@ -243,7 +243,7 @@ mod tests {
                 let ptr = (1u64 << 40) + offset * 64;
                 let size = granules * 256;
                 let scan = chunks.iter().find(|c| {
-                    c.start <= ptr && ptr + size as u64 <= c.start + c.size as u64 && (ptr - c.start) % 256 == 0
+                    c.start <= ptr && ptr + size as u64 <= c.start + c.size as u64 && (ptr - c.start).is_multiple_of(256)
                 });
                 prop_assert_eq!(table.containing(ptr, size).map(|c| c.id), scan.map(|c| c.id));
             }
