@@ -53,18 +53,27 @@ def rate(stats: dict[str, float], unit: str) -> str:
     return f"{number(mid)}{suffix} ({number(lo)}{DASH}{number(hi)}{suffix})"
 
 
-def memory(row: dict[str, Any]) -> str | None:
+def memory(row: dict[str, Any], unit: str = " MiB") -> str | None:
+    """Peak reserved / peak live MiB, or None where the resource reports no reserved bytes."""
     reserved, live = row.get("peak_reserved_bytes"), row.get("peak_live_bytes")
     if reserved is None or not live:
         return None
-    return f"{reserved / MIB:.0f}/{live / MIB:.0f} MiB"
+    return f"{reserved / MIB:.0f}/{live / MIB:.0f}{unit}"
+
+
+def held_mib(row: dict[str, Any]) -> str:
+    """`memory` without its unit, with "—" for what the row does not report."""
+    live = row.get("peak_live_bytes")
+    if not live:
+        return "—"
+    return memory(row, unit="") or f"—/{live / MIB:.0f}"
 
 
 def bench_cell(row: dict[str, Any]) -> str:
     parts = [rate(row["throughput"], row["unit"])]
     if row["unit"] == "bytes/s":  # larger than memory: GB/s and the allocator's share
-        return "; ".join([*parts, f"{row['alloc_share']['median'] * 100:.0f} %"])
-    if row["unit"] == "chunks/s":  # the pipeline: the allocator's share and longest call
+        parts.append(f"{row['alloc_share']['median'] * 100:.0f} %")
+    elif row["unit"] == "chunks/s":  # the pipeline: the allocator's share and longest call
         parts.append(f"{row['alloc_share']['median'] * 100:.0f} %")
         parts.append(duration(row["longest_call_ns"]))
     else:
@@ -97,20 +106,27 @@ def bench_table(doc: dict[str, Any]) -> list[str]:
 def bench_table_one_column(doc: dict[str, Any]) -> list[str]:
     """A workload measured at one thread count: a row per resource."""
     unit = {"bytes/s": "GB/s"}.get(doc["summary"][0]["unit"], doc["summary"][0]["unit"])
-    lines = [f"| resource | {unit}, median (min{DASH}max); allocator share |", "|---|---|"]
+    lines = [
+        f"| resource | {unit}, median (min{DASH}max); allocator share; peak reserved / peak live |",
+        "|---|---|",
+    ]
     lines += [f"| `{row['resource']}` | {bench_cell(row)} |" for row in doc["summary"]]
     return lines
 
 
 def recommend_table(docs: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    """A row per profiled program: what it does, the choice, its margin, the figures."""
+    """A row per profiled program: what it does, the choice, its margin, the figures: the
+    median speed of the choice and of `async`, and beside it the peak reserved / peak live
+    MiB of each (the most over the repeats; "—" for reserved bytes a resource cannot report)."""
     lines = [
-        "| program | what it does | choice | margin over the runner-up | M events/s: choice, `async` |",
-        "|---|---|---|---|---|",
+        "| program | what it does | choice | margin over the runner-up | M events/s: choice, `async` "
+        "| peak reserved / peak live MiB: choice, `async` |",
+        "|---|---|---|---|---|---|",
     ]
     for name, doc in docs:
         prof, rec = doc["profile"], doc["recommendation"]
         rates = {row["resource"]: row["throughput"]["median"] / 1e6 for row in doc["summary"]}
+        held = {row["resource"]: held_mib(row) for row in doc["summary"]}
         what = (
             f"{prof['threads']} thread{'s' * (prof['threads'] != 1)}, {prof['streams']} "
             f"stream{'s' * (prof['streams'] != 1)}, {prof['allocations']:,} allocations of "
@@ -122,7 +138,8 @@ def recommend_table(docs: list[tuple[str, dict[str, Any]]]) -> list[str]:
         program = name.removeprefix("recommend-").removesuffix(".json")
         lines.append(
             f"| `{program}.py` | {what} | `{rec['choice']}` | {margin} | "
-            f"{number(rates[rec['choice']])}, {number(rates['async'])} |"
+            f"{number(rates[rec['choice']])}, {number(rates['async'])} | "
+            f"{held[rec['choice']]}, {held['async']} |"
         )
     return lines
 
