@@ -225,3 +225,34 @@ def test_ctrl_c_stops_a_simulated_device_run_between_operations() -> None:
         """
     )
     assert words == ["interrupted", "True", "True", "0"]
+
+
+@pytest.mark.nosim
+def test_a_keyboard_interrupt_raised_on_another_thread_stays_there() -> None:
+    # A logging sink that raises KeyboardInterrupt on a free, on a worker thread: reported
+    # there (the unraisable hook), never turned into a Ctrl-C of the main thread.
+    words = _run(
+        """
+        import sys, threading, time
+        from streampool import mr
+        from streampool.sim import SimulatedDevice
+        reports = []
+        sys.unraisablehook = lambda u: reports.append(u.exc_type.__name__)
+        def sink(line):
+            if ",free," in line:
+                raise KeyboardInterrupt
+        with SimulatedDevice(capacity_bytes="64MiB"):
+            logged = mr.LoggingResourceAdaptor(mr.CudaAsyncMemoryResource(), callback=sink)
+            def work():
+                logged.deallocate(logged.allocate(256), 256)
+            t = threading.Thread(target=work)
+            t.start()
+            t.join()
+            try:
+                time.sleep(0.3)
+                print("main-not-interrupted", reports)
+            except KeyboardInterrupt:
+                print("main-interrupted", reports)
+        """
+    )
+    assert words == ["main-not-interrupted", "['KeyboardInterrupt']"]

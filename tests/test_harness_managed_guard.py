@@ -108,6 +108,29 @@ def test_bench_replay_measures_the_others_then_exits_4(
 
 
 @pytest.mark.nosim
+def test_what_an_earlier_resource_freed_into_the_driver_pool_does_not_refuse_a_later_one(
+    on_a_gpu: None, command_line: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A 40 MiB peak fits the 64 MiB device once the driver's pool is trimmed; the pool
+    # spec before it leaves 32 MiB in the driver's default pool when it is made and dropped.
+    chunk = 10 * MiB
+    lines = [HEADER]
+    lines += [f"1,1.{i},allocate,{hex(0x100000 + i * chunk)},{chunk},0x0" for i in range(4)]
+    lines += [f"1,2.{i},free,{hex(0x100000 + i * chunk)},{chunk},0x0" for i in range(4)]
+    log = tmp_path / "fits.log"
+    log.write_text("\n".join(lines) + "\n")
+    status = cli.main(
+        ["replay", str(log), "--resources", "pool(async, initial=32MiB),managed", "--repeats", "1", "--json"]
+    )
+    out = capsys.readouterr()
+    assert status == cli.EXIT_OK, out.err
+    assert [row["resource"] for row in json.loads(out.out)["summary"]] == [
+        "pool(async, initial=32MiB)",
+        "managed",
+    ]
+
+
+@pytest.mark.nosim
 def test_a_replay_with_only_managed_resources_is_refused_before_it_runs(
     on_a_gpu: None,
     command_line: None,

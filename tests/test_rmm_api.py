@@ -235,9 +235,12 @@ def test_a_buffer_whose_free_fails_stays_open_and_closes_on_a_retry() -> None:
 
     stats = mr.StatisticsResourceAdaptor(mr.CallbackMemoryResource(base.allocate, deallocate))
     buf = streampool.DeviceBuffer(size=1000, mr=stats)
+    ptr = buf.ptr  # read by Python code: a hand free of it is refused while the buffer owns it
     with pytest.raises(KeyboardInterrupt):
         buf.close()
     assert not buf.closed and stats.allocation_counts.current_bytes == 1000
+    with pytest.raises(streampool.InvalidPointerError):
+        stats.deallocate(ptr, 1000)  # still refused: the buffer is open again
     refuse.append(False)
     buf.close()
     assert buf.closed and stats.allocation_counts.current_bytes == 0

@@ -370,7 +370,13 @@ def _refused(specs: list[str], params: dict[str, Any]) -> dict[str, str]:
     log = params.get("log")
     if not isinstance(log, trace.Trace):
         return {}
-    found = {s: workloads.oversubscribes(make_resource(s), log) for s in specs}
+    found = {}
+    for s in specs:
+        # As before a run: the device's own pools trimmed, so that what an earlier spec
+        # freed into them does not read as memory the device lacks.
+        bench.release_device_pools()
+        found[s] = workloads.oversubscribes(make_resource(s), log)
+    bench.release_device_pools()
     return {s: why for s, why in found.items() if why is not None}
 
 

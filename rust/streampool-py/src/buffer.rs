@@ -1133,6 +1133,7 @@ impl DeviceBuffer {
     /// not its own (freed by hand: InvalidPointerError) is closed.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         // Taken in a statement of its own: the lock is released before the GIL is.
+        let was_exposed = self.exposed.load(Ordering::Relaxed);
         let memory = self.take();
         let alloc = match memory {
             Memory::Own(alloc) => alloc,
@@ -1147,7 +1148,13 @@ impl DeviceBuffer {
             Ok(()) => Ok(()),
             Err((kept, e)) => {
                 if let Some(alloc) = kept {
-                    *self.slot() = Memory::Own(alloc);
+                    let mut slot = self.slot();
+                    // Open again, and guarded again: a hand free of an address Python
+                    // code has read is refused while the buffer owns it.
+                    if was_exposed {
+                        self.expose(alloc.ptr());
+                    }
+                    *slot = Memory::Own(alloc);
                 }
                 Err(to_pyerr(py, e))
             }

@@ -150,6 +150,15 @@ pub(crate) fn redeliver_interrupt(py: Python<'_>, e: &PyErr) -> bool {
     if !e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) {
         return false;
     }
+    // Ctrl-C reaches the main thread only: one raised by code on another thread is that
+    // code's own exception, reported as such by the caller.
+    let on_main = py.import("threading").and_then(|t| {
+        let (current, main) = (t.call_method0("current_thread")?, t.call_method0("main_thread")?);
+        Ok(current.is(&main))
+    });
+    if !on_main.unwrap_or(false) {
+        return false;
+    }
     // SAFETY: callable from any thread, with or without the GIL (CPython's documentation).
     unsafe { pyo3::ffi::PyErr_SetInterruptEx(libc::SIGINT) };
     true

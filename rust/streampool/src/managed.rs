@@ -68,7 +68,7 @@ fn check_location(backend: &crate::device::BackendRef, location: Location, used:
 /// The driver's `CUDA_ERROR_INVALID_DEVICE` for prefetch or advice, said plainly when the
 /// device has no concurrent managed access (Windows, WSL, some Jetson boards), where the
 /// driver takes neither a prefetch nor a GPU as preferred location.
-fn no_concurrent_access(e: Error, mr: &dyn MemoryResource) -> Error {
+pub(crate) fn no_concurrent_access(e: Error, mr: &dyn MemoryResource) -> Error {
     match e {
         Error::Driver { code: CUDA_ERROR_INVALID_DEVICE, call, .. }
             if mr.backend().device_info(mr.device()).is_ok_and(|i| !i.concurrent_managed_access) =>

@@ -202,7 +202,12 @@ fn without_concurrent_managed_access_prefetch_is_refused_plainly_and_the_adaptor
     let (sim, b) = sim();
     let mr: ResourceRef = Arc::new(ManagedMemoryResource::on(b.clone(), 0));
     let a = Allocation::new(mr.clone(), 1 << 20, Stream::legacy()).unwrap();
+    let made_before = streampool::PrefetchAdaptor::new(mr.clone()).unwrap();
     sim.set_concurrent_managed_access(false);
+    match made_before.allocate(4096, &Stream::legacy()) {
+        Err(Error::Unsupported(m)) => assert!(m.contains("has no concurrent managed access"), "{m}"),
+        other => panic!("{other:?}"),
+    }
     // As the driver documents: no prefetch, to the device or the host, and no GPU as
     // preferred location; the other advice is taken.
     for to in [None, Some(Location::Host)] {

@@ -28,7 +28,9 @@ use crate::sync::{lock, Mutex};
 ///    (`cuCtxSynchronize`: every free made before has then completed, so those blocks are
 ///    safe for any stream), makes the blocks freed before the wait usable by all (step 2),
 ///    and tries steps 2 and 3 again before failing. The blocks stay on their lists during
-///    the wait, so that another thread short of memory meanwhile finds them too.
+///    the wait, so that another thread short of memory meanwhile finds them too; and while
+///    other threads' growths are on their way or their frees change the lists, step 4 is
+///    tried again (a few times) rather than failing.
 ///
 /// Chunks go back to the upstream when the resource is dropped (after a device
 /// synchronisation, on the legacy default stream), and, those whose blocks are all free,
@@ -75,6 +77,8 @@ struct State {
     by_stream: HashMap<u64, Vec<(DevPtr, u64)>>,
     /// The number the next free gets.
     frees: u64,
+    /// Growths between their upstream call and their blocks' entry in a list.
+    growing: usize,
     /// Free blocks whose frees have completed: any stream may take them.
     ready: Vec<DevPtr>,
     outstanding: HashSet<DevPtr>,
@@ -133,8 +137,11 @@ impl FixedSizeMemoryResource {
 
     /// Step 3: a new chunk on `stream`; one block is returned, the rest go to its list.
     fn grow(&self, id: u64, stream: &Stream) -> Result<DevPtr> {
-        let chunk = self.upstream.allocate(self.chunk_bytes(), stream)?;
+        lock(&self.state).growing += 1;
+        let grown = self.upstream.allocate(self.chunk_bytes(), stream);
         let mut st = lock(&self.state);
+        st.growing -= 1;
+        let chunk = grown?;
         st.chunks.push(chunk);
         let n = st.frees;
         st.frees += 1;
@@ -195,6 +202,9 @@ impl FixedSizeMemoryResource {
     }
 }
 
+/// How many times step 4 is tried while other threads' growths and frees change the lists.
+const RECLAIMS: usize = 16;
+
 impl MemoryResource for FixedSizeMemoryResource {
     upstream_properties!("FixedSizeMemoryResource", depth);
 
@@ -209,16 +219,33 @@ impl MemoryResource for FixedSizeMemoryResource {
         if let Some(ptr) = self.take_free(id) {
             return Ok(ptr);
         }
-        match self.grow(id, stream) {
-            Err(e) if e.is_out_of_memory() => {
-                self.reclaim()?;
-                match self.take_free(id) {
-                    Some(ptr) => Ok(ptr),
-                    None => self.grow(id, stream).map_err(|e| as_own_oom(e, bytes, self)),
-                }
+        let mut failed = match self.grow(id, stream) {
+            Err(e) if e.is_out_of_memory() => e,
+            result => return result,
+        };
+        // Step 4, again while other threads change the lists meanwhile: a growth whose
+        // chunk is not on a list yet, or blocks freed since, may serve this request.
+        for _ in 0..RECLAIMS {
+            let before = {
+                let st = lock(&self.state);
+                (st.frees, st.growing)
+            };
+            self.reclaim()?;
+            if let Some(ptr) = self.take_free(id) {
+                return Ok(ptr);
             }
-            result => result,
+            failed = match self.grow(id, stream) {
+                Err(e) if e.is_out_of_memory() => e,
+                result => return result,
+            };
+            let st = lock(&self.state);
+            if (st.frees, st.growing) == before && before.1 == 0 {
+                break; // nothing changed and nothing is on its way: out of memory
+            }
+            drop(st);
+            std::thread::yield_now();
         }
+        Err(as_own_oom(failed, bytes, self))
     }
 
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {

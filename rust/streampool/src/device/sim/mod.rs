@@ -498,7 +498,8 @@ impl SimDevice {
     }
 
     /// Makes the device report (or not) concurrent managed access from now on; without it
-    /// there are no managed pools, as on the CUDA backend.
+    /// there are no managed pools, and prefetches and a GPU as preferred location are
+    /// refused (`CUDA_ERROR_INVALID_DEVICE`), as the driver does.
     pub fn set_concurrent_managed_access(&self, yes: bool) {
         self.concurrent_managed_access.store(yes, Ordering::SeqCst);
     }
