@@ -136,7 +136,9 @@ class SimulatedDevice:
     def write(self, stream: StreamLike, ptr: int, nbytes: int | str, label: str | None = None) -> None:
         """Enqueues a simulated kernel on ``stream`` that writes ``[ptr, ptr + nbytes)``;
         ``label`` names it in race reports. It runs later (:meth:`step`, :meth:`run`, or a
-        host synchronisation). ``ptr`` is a host address from this device."""
+        host synchronisation). ``ptr`` is a host address from this device. A default
+        stream (``None``, the legacy or per-thread one) is that of the device whose memory
+        ``ptr`` is."""
         self._dev.write(stream, ptr, nbytes, label)
 
     def read(self, stream: StreamLike, ptr: int, nbytes: int | str, label: str | None = None) -> None:

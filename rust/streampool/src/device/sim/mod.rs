@@ -562,7 +562,9 @@ impl SimDevice {
         self.kernel(stream, ptr, bytes, label, false)
     }
 
-    /// A simulated kernel on `stream` that writes (or reads) `[ptr, ptr + bytes)`.
+    /// A simulated kernel on `stream` that writes (or reads) `[ptr, ptr + bytes)`. A
+    /// default stream handle (legacy or per-thread) names that stream of the device whose
+    /// memory `ptr` is, as in a program that made that device current.
     pub fn kernel(
         &self,
         stream: RawStream,
@@ -572,7 +574,10 @@ impl SimDevice {
         writes: bool,
     ) -> Result<()> {
         self.with(None, |st| {
-            let sid = st.resolve(None, stream)?;
+            // A default stream is the one of the device whose memory the kernel touches (as
+            // a program makes that device current first); device 0's for a bad address.
+            let owner = st.alloc_containing(ptr, bytes.max(1)).map(|(_, a)| a.dev);
+            let sid = st.resolve(owner, stream).or_else(|_| st.resolve(None, stream))?;
             if bytes == 0 {
                 return Ok(());
             }

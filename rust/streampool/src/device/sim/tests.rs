@@ -210,6 +210,20 @@ fn an_event_wait_on_the_legacy_stream_is_a_barrier_whatever_the_event() {
 }
 
 #[test]
+fn a_kernel_on_a_default_stream_runs_on_the_device_of_its_memory() {
+    let sim = SimDevice::with_devices(MIB * 64, 2);
+    let p1 = sim.mem_alloc(1, 4096).unwrap();
+    let blocking1 = sim.stream_create(1, true).unwrap();
+    // Device 1's legacy stream, ordered with device 1's blocking streams.
+    sim.write(blocking1, p1, 4096).unwrap();
+    sim.write(LEGACY_STREAM, p1, 4096).unwrap();
+    sim.read(blocking1, p1, 4096).unwrap();
+    assert_eq!(sim.queued(blocking1).unwrap(), 2);
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
+
+#[test]
 fn stream_handles_are_reused_most_recent_first_and_dead_handles_are_refused() {
     let sim = sim();
     let s: Vec<RawStream> = (0..3).map(|_| stream(&sim, false)).collect();
