@@ -201,6 +201,34 @@ def test_ctrl_c_during_a_stack_capture_is_not_lost() -> None:
 
 
 @pytest.mark.nosim
+def test_ctrl_c_inside_a_stack_capture_reaches_the_program_every_time() -> None:
+    # The timing of the test above made deterministic: the capture itself raises what a
+    # Ctrl-C landing in it raises.
+    words = _run(
+        """
+        import sys, traceback
+        from streampool import mr
+        from streampool.sim import SimulatedDevice
+        unraisable = []
+        sys.unraisablehook = lambda u: unraisable.append(u.exc_type.__name__)
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+        with SimulatedDevice(capacity_bytes="64MiB"):
+            tracked = mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource(), capture_stacks=True)
+            traceback.format_stack = interrupted
+            try:
+                tracked.allocate(256)
+                for _ in range(10000):
+                    pass
+                print("lost", unraisable)
+            except KeyboardInterrupt:
+                print("interrupted", unraisable)
+        """
+    )
+    assert words == ["interrupted", "[]"]
+
+
+@pytest.mark.nosim
 def test_ctrl_c_stops_a_simulated_device_run_between_operations() -> None:
     words = _run(
         """

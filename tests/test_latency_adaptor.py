@@ -74,6 +74,57 @@ def test_nvtx_without_the_library_warns_once_and_works() -> None:
     assert out.stderr.count("no NVTX library could be loaded") == 1, out.stderr
 
 
+@pytest.mark.nosim
+@pytest.mark.parametrize(
+    ("value", "warning"),
+    [
+        ("TRUE", "no NVTX library could be loaded"),
+        ("On", "no NVTX library could be loaded"),
+        ("Off", None),
+        ("0", None),
+        ("enable", "is 'enable', which is neither on"),
+    ],
+)
+def test_nvtx_values_any_case_and_a_word_on_others(value: str, warning: str | None) -> None:
+    code = "from streampool import mr\nh = mr.LatencyHistogramAdaptor(mr.CudaAsyncMemoryResource())\nh.deallocate(h.allocate(64), 64)"
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim", STREAMPOOL_NVTX=value)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    if warning is None:
+        assert "STREAMPOOL_NVTX" not in out.stderr, out.stderr
+    else:
+        assert out.stderr.count(warning.replace("'", '"')) == 1, out.stderr
+
+
+@pytest.mark.nosim
+def test_nvtx_warning_on_a_broken_stderr_loses_the_warning_not_the_allocation() -> None:
+    # A daemon whose log collector has gone: its stderr is a pipe with no reader.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    code = textwrap.dedent(
+        """
+        from streampool import mr
+        h = mr.LatencyHistogramAdaptor(mr.CudaAsyncMemoryResource())
+        for _ in range(3):
+            h.deallocate(h.allocate(1 << 20), 1 << 20)
+        print("ok")
+        """
+    )
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim", STREAMPOOL_NVTX="1")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            stderr=write_end,
+            stdout=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert out.stdout.strip() == "ok"
+
+
 _FAKE_NVTX = r"""
 #include <stdio.h>
 static int pushes, pops, depth, deepest;

@@ -2,8 +2,10 @@
 
 Which device streampool runs on, the driver, the GPU, what it supports, an allocate/free
 round trip through every resource, and the recommended resource. On a machine without a
-CUDA driver it says so and reports on the simulated device instead; so does
-``STREAMPOOL_DEVICE=sim``.
+CUDA driver it says so and reports on the simulated device instead (of
+``STREAMPOOL_SIM_CAPACITY`` and ``STREAMPOOL_SIM_DEVICES``, as the harness's); so does
+``STREAMPOOL_DEVICE=sim``. A ``STREAMPOOL_DEVICE`` that names no backend, or a simulated
+device's variable the library would refuse, is bad usage: one line, exit status 2.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from . import __version__, mr
-from ._errors import CudaDriverNotFoundError, StreampoolError
+from ._env import simulated_device, simulated_settings
+from ._errors import CudaDriverNotFoundError, InvalidArgumentError, StreampoolError
 from ._native import (
     Stream,
     backend_description,
@@ -27,7 +30,6 @@ from ._native import (
     get_current_device,
     using_simulated_device,
 )
-from .sim import SimulatedDevice
 
 DEFAULT = "CudaAsyncMemoryResource"
 RESOURCES: dict[str, Callable[[], mr.MemoryResource]] = {
@@ -48,25 +50,31 @@ def _driver_missing_reason(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _device(out: Callable[[str], None]) -> Iterator[None]:
-    """The device to report on: the CUDA driver, else (said plainly) the simulated device."""
+def _device() -> Iterator[list[str]]:
+    """The device to report on, entered: the CUDA driver, else (said plainly) the simulated
+    device, of ``STREAMPOOL_SIM_CAPACITY`` and ``STREAMPOOL_SIM_DEVICES``; gives the lines
+    that say which. Before any line is printed, ValueError (bad usage) naming the variable
+    when ``STREAMPOOL_DEVICE`` names no backend (the library's InvalidArgumentError: falling
+    back to the simulated device would hide a typo) or a simulated device's variable holds
+    a value the library refuses."""
     if using_simulated_device():
-        out(f"Device:        {backend_description()} (selected by STREAMPOOL_DEVICE=sim)")
-        yield
+        # The library's own device, of the same variables: checked here as for the harness.
+        simulated_settings()
+        yield [f"Device:        {backend_description()} (selected by STREAMPOOL_DEVICE=sim)"]
         return
     try:
         description = backend_description()
     except CudaDriverNotFoundError as e:
-        out(f"No CUDA driver found ({_driver_missing_reason(e)}): running on the simulated device.")
+        why = f"No CUDA driver found ({_driver_missing_reason(e)}): running on the simulated device."
+    except InvalidArgumentError:
+        raise  # STREAMPOOL_DEVICE names no backend: bad usage, not a driver to fall back from
     except StreampoolError as e:
-        out(f"The CUDA driver is unusable ({e}): running on the simulated device.")
+        why = f"The CUDA driver is unusable ({e}): running on the simulated device."
     else:
-        out(f"Device:        {description}")
-        yield
+        yield [f"Device:        {description}"]
         return
-    with SimulatedDevice() as dev:
-        out(f"Device:        {dev.describe()}")
-        yield
+    with simulated_device() as dev:
+        yield [why, f"Device:        {dev.describe()}"]
 
 
 def _human(nbytes: int) -> str:
@@ -102,8 +110,10 @@ def _round_trip(make: Callable[[], mr.MemoryResource]) -> str:
 
 def report(out: Callable[[str], None] = print) -> None:
     """Prints the environment report through ``out``."""
-    out(f"streampool {__version__}: environment report")
-    with _device(out):
+    with _device() as device_lines:
+        out(f"streampool {__version__}: environment report")
+        for line in device_lines:
+            out(line)
         version = driver_version()
         simulated = using_simulated_device()
         modelled = ", as the simulated device reports it" if simulated else ""

@@ -2,9 +2,11 @@
 ``profile``, ``replay``, ``recommend``, ``plot``. See docs/harness.md for the reference.
 
 Exit codes: 0 success; 1 a check failed (``stress`` found corruption, an overlap, a race
-or an error); 2 bad usage (unknown command, workload, resource spec, option or parameter);
-3 bad input (a malformed, empty or unreadable log, a log or plot directory that cannot be
-written); 4 cannot run here (a peer or an extra not installed, a workload larger than the
+or an error); 2 bad usage (unknown command, workload, resource spec, option or parameter; a
+``STREAMPOOL_DEVICE`` that names no backend, a ``STREAMPOOL_SIM_CAPACITY`` or
+``STREAMPOOL_SIM_DEVICES`` the library refuses, in every command, ``info`` too); 3 bad input
+(a malformed, empty or unreadable log, a log or plot directory that cannot be written); 4
+cannot run here (a peer or an extra not installed, a workload larger than the
 device, on a GPU managed memory asked to replay a log whose peak is above free memory (in
 ``bench`` and ``replay`` the other resources are measured and printed first), a resource that
 failed, nothing measured: every allocation of every resource ran out of memory in ``bench``
@@ -37,6 +39,8 @@ from .specs import PeerMissingError, SpecError, make_resource, split_specs
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_BAD_INPUT, EXIT_CANNOT_RUN, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 EXIT_CANNOT_START = profile.CANNOT_START  # 127: the program to profile could not start
 DEFAULT_RESOURCES = "async,pool(async),binning(async)"
+JSON_HELP = "print the JSON document (schema streampool.harness/2)"
+SKIP_MALFORMED_HELP = "use the good lines of a malformed log (and say how many were left out)"
 
 
 class _Fail(Exception):
@@ -112,7 +116,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"streampool {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("info", help="the environment report (the default)")
+    sub.add_parser(
+        "info",
+        help="the environment report (the default)",
+        description="The environment report: the device, the driver, what the GPU supports, an "
+        "allocate/free round trip through every resource, and the default resource.",
+    )
 
     def measured(
         q: argparse.ArgumentParser, resources: str | None = DEFAULT_RESOURCES, default: str = ""
@@ -123,9 +132,7 @@ def _parser() -> argparse.ArgumentParser:
             help=f"comma-separated resource specs (default {default or resources}); see docs/harness.md",
         )
         q.add_argument("--repeats", type=_count, help="runs of each resource, interleaved (default 3)")
-        q.add_argument(
-            "--json", action="store_true", help="print the JSON document (schema streampool.harness/2)"
-        )
+        q.add_argument("--json", action="store_true", help=JSON_HELP)
         q.add_argument("--plot", metavar="DIR", help="write PNG plots to DIR (needs the harness extra)")
         q.add_argument("--quick", action="store_true", help="small sizes and 2 repeats (a smoke test)")
 
@@ -148,12 +155,19 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stress", help="a randomised run with data verification")
     s.add_argument("--resources", default="pool(async)", help="resource specs (default pool(async))")
     s.add_argument("--seconds", type=_seconds, help="how long, per resource (default 10; 2 with --quick)")
-    s.add_argument("--threads", type=_count, default=4)
+    s.add_argument(
+        "--threads", type=_count, default=4, help="threads, each with --streams streams (default %(default)s)"
+    )
     s.add_argument("--streams", type=_count, default=2, help="streams per thread (default 2)")
     s.add_argument("--max-size", type=_size, default="1MiB", help="the largest allocation (default 1MiB)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the seed of each thread's random operations and sizes (default %(default)s)",
+    )
     s.add_argument("--quick", action="store_true", help="2 seconds (unless --seconds is given)")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help=JSON_HELP)
 
     pr = sub.add_parser(
         "profile",
@@ -163,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("-o", "--output", default="streampool-profile.log", help="the log (default %(default)s)")
 
     r = sub.add_parser("replay", help="replay a log (streampool's or RMM's CSV) on resources")
-    r.add_argument("log")
+    r.add_argument("log", help="the log to replay: streampool's (profile -o LOG) or RMM's CSV")
     measured(r)
     r.add_argument(
         "--gap-scale",
@@ -171,25 +185,27 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="recorded gaps times this (default 0: as fast as possible; 1: as recorded)",
     )
-    r.add_argument("--skip-malformed", action="store_true", help="replay the good lines of a malformed log")
+    r.add_argument("--skip-malformed", action="store_true", help=SKIP_MALFORMED_HELP)
 
     rc = sub.add_parser("recommend", help="which resource suits a log (or a program, profiled first)")
     rc.add_argument("log", nargs="?", help="the log; or, instead, `-- python prog.py ARGS` to profile first")
     rc.add_argument("--repeats", type=_count, help="runs of each candidate (default 3)")
-    rc.add_argument("--json", action="store_true")
+    rc.add_argument("--json", action="store_true", help=JSON_HELP)
     rc.add_argument("--quick", action="store_true", help="2 repeats")
-    rc.add_argument("--skip-malformed", action="store_true")
+    rc.add_argument("--skip-malformed", action="store_true", help=SKIP_MALFORMED_HELP)
     rc.add_argument(
         "-o", "--output", help="with `-- prog`: where to keep the log (default: a temporary file)"
     )
 
     pl = sub.add_parser("plot", help="PNG of live and reserved bytes over time, and latencies, from a log")
-    pl.add_argument("log")
+    pl.add_argument("log", help="the log to plot: streampool's (profile -o LOG) or RMM's CSV")
     pl.add_argument("-o", "--output", help="the PNG (default LOG.png)")
     pl.add_argument(
         "--resource", default="async", help="replay on this spec for reserved bytes (default async)"
     )
-    pl.add_argument("--skip-malformed", action="store_true")
+    pl.add_argument("--skip-malformed", action="store_true", help=SKIP_MALFORMED_HELP)
+    for command_parser in sub.choices.values():  # a mistake is shown with its command's usage
+        command_parser.set_defaults(command_parser=command_parser)
     return p
 
 
@@ -199,18 +215,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--" in argv:  # everything after the first `--` is the program to profile
         cut = argv.index("--")
         argv, program = argv[:cut], argv[cut + 1 :]
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused by the command's parser, whose usage fits: `streampool info --json`
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     args.program = program
     command = args.command or "info"
     if program and command not in ("profile", "recommend"):
         print(f"streampool {command}: takes no program after `--`", file=sys.stderr)
         return EXIT_USAGE
-    if command == "info":
-        from ..__main__ import report
-
-        report()
-        return EXIT_OK
     try:
+        if command == "info":
+            from ..__main__ import report
+
+            report()
+            return EXIT_OK
         with device() as dev:
             return int(globals()[f"_cmd_{command}"](args, dev))
     except _Fail as e:

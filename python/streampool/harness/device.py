@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import CudaDriverNotFoundError, StreampoolError
-from .._native import backend_description, driver_version, parse_size, using_simulated_device
+from .._env import simulated_device
+from .._errors import CudaDriverNotFoundError, InvalidArgumentError, StreampoolError
+from .._native import backend_description, driver_version, using_simulated_device
 from ..sim import SimulatedDevice
 
 SIMULATED_NOTE = (
@@ -41,24 +41,24 @@ class Device:
 def device(capacity_bytes: int | str | None = None) -> Iterator[Device]:
     """The CUDA device when the driver works and ``STREAMPOOL_DEVICE=sim`` is not set;
     otherwise a fresh simulated device with its race detector, of ``capacity_bytes``
-    (default: ``STREAMPOOL_SIM_CAPACITY`` when set, else the simulator's default).
-    ValueError naming the variable when it is not a size."""
+    (default: ``STREAMPOOL_SIM_CAPACITY`` when set, else the simulator's default), and
+    ``STREAMPOOL_SIM_DEVICES`` devices (:func:`streampool._env.simulated_device`).
+    ValueError (bad usage) naming the variable when ``STREAMPOOL_DEVICE`` names no backend
+    (the library's InvalidArgumentError: falling back to the simulated device would pass
+    the simulator's figures off as the GPU's for a typo), or when a simulated device's
+    variable holds a value the library would refuse."""
     reason = "selected by STREAMPOOL_DEVICE=sim"
     if not using_simulated_device():
         try:
             description = backend_description()
         except CudaDriverNotFoundError as e:
             reason = str(e).split(". ")[0]
+        except InvalidArgumentError:
+            raise  # STREAMPOOL_DEVICE names no backend: bad usage, not a driver to fall back from
         except StreampoolError as e:
             reason = f"the CUDA driver is unusable: {e}"
         else:
             yield Device(description, simulated=False)
             return
-    if capacity_bytes is None and "STREAMPOOL_SIM_CAPACITY" in os.environ:
-        value = os.environ["STREAMPOOL_SIM_CAPACITY"]
-        try:
-            capacity_bytes = parse_size(value)
-        except ValueError as e:
-            raise ValueError(f"the environment variable STREAMPOOL_SIM_CAPACITY is {value!r}: {e}") from None
-    with SimulatedDevice(capacity_bytes) as sim:
+    with simulated_device(capacity_bytes) as sim:
         yield Device(sim.describe(), simulated=True, sim=sim, reason=reason)

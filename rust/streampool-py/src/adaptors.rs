@@ -202,20 +202,19 @@ fn python_thread() -> String {
 
 /// The Python stack of the thread that is allocating (`traceback.format_stack()`).
 fn python_stack() -> String {
-    let stack = crate::gil::try_attach(|py| -> PyResult<String> {
+    let stack = crate::gil::try_attach(|py| {
         let stack = || -> PyResult<String> {
             let frames = py.import("traceback")?.call_method0("format_stack")?;
             PyString::new(py, "").call_method1("join", (frames,))?.extract()
         };
-        stack().inspect_err(|e| {
-            crate::errors::redeliver_interrupt(py, e);
+        stack().unwrap_or_else(|e| {
+            // The text first: a Ctrl-C delivered again must be the last Python run here.
+            let text = format!("(the Python stack could not be captured: {e})\n");
+            crate::errors::redeliver_interrupt(py, &e);
+            text
         })
     });
-    match stack {
-        Some(Ok(text)) => text,
-        Some(Err(e)) => format!("(the Python stack could not be captured: {e})\n"),
-        None => "(no Python stack: the interpreter is not available)\n".into(),
-    }
+    stack.unwrap_or_else(|| "(no Python stack: the interpreter is not available)\n".into())
 }
 
 // ---------------------------------------------------------------------------------------

@@ -135,33 +135,47 @@ pub(crate) fn report_swallowed_log_errors<T>(py: Python<'_>, result: &streampool
         *stash = rest;
         log.into_iter().map(|(_, e)| e).collect()
     });
-    for e in swallowed {
-        if !redeliver_interrupt(py, &e) {
-            e.write_unraisable(py, None);
-        }
+    // The others reported first: Ctrl-C delivered again is the last Python this runs (a
+    // report after it could run the signal's handler inside itself, and lose it again).
+    let (interrupts, others): (Vec<PyErr>, Vec<PyErr>) =
+        swallowed.into_iter().partition(|e| is_redeliverable_interrupt(py, e));
+    for e in others {
+        e.write_unraisable(py, None);
+    }
+    if !interrupts.is_empty() {
+        redeliver_ctrl_c();
     }
 }
 
 /// A `KeyboardInterrupt` raised by Python code that the library ran for the user where it
 /// cannot pass an exception on (a stack capture, a log line of a free that succeeded, a
 /// log on failure): Ctrl-C is delivered again (`PyErr_SetInterruptEx`), so that the
-/// program gets it at its next chance instead of losing it. True when `e` was one.
+/// program gets it at its next chance instead of losing it. True when `e` was one. Call
+/// it last: Python code run after it may run the signal's handler, and lose it again.
 pub(crate) fn redeliver_interrupt(py: Python<'_>, e: &PyErr) -> bool {
+    let yes = is_redeliverable_interrupt(py, e);
+    if yes {
+        redeliver_ctrl_c();
+    }
+    yes
+}
+
+/// A `KeyboardInterrupt` on the main thread: Ctrl-C reaches the main thread only, so one
+/// raised by code on another thread is that code's own exception, reported as such.
+fn is_redeliverable_interrupt(py: Python<'_>, e: &PyErr) -> bool {
     if !e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) {
         return false;
     }
-    // Ctrl-C reaches the main thread only: one raised by code on another thread is that
-    // code's own exception, reported as such by the caller.
     let on_main = py.import("threading").and_then(|t| {
         let (current, main) = (t.call_method0("current_thread")?, t.call_method0("main_thread")?);
         Ok(current.is(&main))
     });
-    if !on_main.unwrap_or(false) {
-        return false;
-    }
+    on_main.unwrap_or(false)
+}
+
+fn redeliver_ctrl_c() {
     // SAFETY: callable from any thread, with or without the GIL (CPython's documentation).
     unsafe { pyo3::ffi::PyErr_SetInterruptEx(libc::SIGINT) };
-    true
 }
 
 /// What a logging callback's stashed exception is named by (see [`callback_error`]).

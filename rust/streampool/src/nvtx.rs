@@ -1,7 +1,8 @@
 //! Opt-in NVTX ranges around allocator calls, so that an Nsight Systems timeline shows
 //! allocator time next to kernels.
 //!
-//! With `STREAMPOOL_NVTX=1` in the environment (read once, at the first use), the NVTX
+//! With `STREAMPOOL_NVTX=1` (or `true`, `yes`, `on`, in any case) in the environment (read
+//! once, at the first use; a value that is neither on nor off gets a warning), the NVTX
 //! library is loaded at run time: `libnvToolsExt.so.1` (or `libnvToolsExt.so`), else
 //! `libnvtx3interop.so.1` (or `libnvtx3interop.so`), the CUDA toolkit's exports of the
 //! NVTX 3 API. Nothing is linked: without the variable nothing is loaded, and when no
@@ -29,10 +30,29 @@ const LIBRARIES: &[&str] =
 
 static NVTX: OnceLock<Option<Nvtx>> = OnceLock::new();
 
+/// Writes a warning to stderr, if it can: a closed or broken stderr loses the warning, never
+/// the allocation that asked for ranges (`eprintln!` panics there).
+fn warn(text: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "streampool: {text}");
+}
+
 fn load() -> Option<Nvtx> {
-    if std::env::var("STREAMPOOL_NVTX").ok().is_none_or(|v| !matches!(v.trim(), "1" | "true" | "yes" | "on"))
-    {
-        return None;
+    let value = match std::env::var("STREAMPOOL_NVTX") {
+        Err(std::env::VarError::NotPresent) => return None,
+        Ok(v) => v,
+        Err(std::env::VarError::NotUnicode(v)) => format!("{v:?}"),
+    };
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => {}
+        "" | "0" | "false" | "no" | "off" => return None,
+        _ => {
+            warn(&format!(
+                "the environment variable STREAMPOOL_NVTX is {value:?}, which is neither on (1, true, \
+                 yes, on) nor off (0, false, no, off, empty): NVTX ranges stay off"
+            ));
+            return None;
+        }
     }
     for name in LIBRARIES {
         // SAFETY: loading an NVTX library runs its initialisers, which is what asking for
@@ -46,11 +66,11 @@ fn load() -> Option<Nvtx> {
             return Some(Nvtx { push, pop, _lib: lib });
         }
     }
-    eprintln!(
-        "streampool: STREAMPOOL_NVTX=1, but no NVTX library could be loaded ({}); allocator calls get no \
+    warn(&format!(
+        "STREAMPOOL_NVTX is {value:?}, but no NVTX library could be loaded ({}); allocator calls get no \
          NVTX ranges (install the CUDA toolkit's NVTX, or put its directory on LD_LIBRARY_PATH)",
         LIBRARIES.join(", ")
-    );
+    ));
     None
 }
 

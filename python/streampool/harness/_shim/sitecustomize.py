@@ -2,13 +2,15 @@
 
 Wraps every device's resource in a LoggingResourceAdaptor writing to
 ``$STREAMPOOL_PROFILE_LOG`` (device N > 0 to ``.devN``), then runs the sitecustomize this
-one shadows, if there is one. Child processes of the program are not profiled: the
-variable is removed from the environment (for the programs it starts), and a child forked
-from it (``os.fork``, multiprocessing's ``fork`` start method) gets back each device's
-resource from before the adaptor, wherever the adaptor is still the device's resource
-(what the child frees of memory that its parent allocated through the adaptor is still
-logged). When the adaptor cannot be installed, the program does not run: exit status
-127, with the reason on stderr.
+one shadows, if there is one (that one also without a log). Child processes of the
+program are not profiled: the variable is removed from the environment and this
+directory from ``PYTHONPATH``, for the programs it starts, which start as they would
+unprofiled (their own sitecustomize runs, and their children's); a child forked from it
+(``os.fork``, multiprocessing's ``fork`` start method) gets back each device's resource
+from before the adaptor, wherever the adaptor is still the device's resource (what the
+child frees of memory that its parent allocated through the adaptor is still logged).
+When the adaptor cannot be installed, the program does not run: exit status 127, with
+the reason on stderr.
 """
 
 from __future__ import annotations
@@ -41,6 +43,23 @@ def _install(log: str) -> None:
     os.register_at_fork(after_in_child=uninstall_in_child)
 
 
+def _leave_pythonpath() -> None:
+    """Takes this directory out of ``PYTHONPATH`` (profile put it first, before what was
+    there), leaving the variable as it was before profile, unset if it was unset or empty."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    for i, entry in enumerate(entries):
+        if entry and os.path.abspath(entry) == here:
+            del entries[i]
+            break
+    else:
+        return
+    if entries:
+        os.environ["PYTHONPATH"] = os.pathsep.join(entries)
+    else:
+        del os.environ["PYTHONPATH"]
+
+
 def _chain() -> None:
     """Imports the sitecustomize that this one shadows."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -53,8 +72,10 @@ def _chain() -> None:
             sys.modules["sitecustomize"] = me
 
 
-# Popped: the program's own child processes would write over the same log.
+# Popped, and the shim taken off PYTHONPATH: the program's own child processes would
+# write over the same log; they run unprofiled, as they would without profile.
 _log = os.environ.pop("STREAMPOOL_PROFILE_LOG", None)
+_leave_pythonpath()
 if _log:
     try:
         _install(_log)
@@ -68,4 +89,4 @@ if _log:
             flush=True,
         )
         os._exit(127)
-    _chain()
+_chain()

@@ -538,22 +538,41 @@ fn env_sim() -> Result<Option<Arc<sim::SimDevice>>> {
     if !env_device().clone()? {
         return Ok(None);
     }
-    let capacity = match std::env::var("STREAMPOOL_SIM_CAPACITY") {
-        Ok(s) => crate::size::parse_size(&s)
-            .map_err(|e| Error::invalid(format!("STREAMPOOL_SIM_CAPACITY: {e}")))?,
-        Err(_) => sim::default_capacity(),
+    // Unset: the default; set but not UTF-8: refused, as any other value it cannot read.
+    let read = |name: &str| match std::env::var(name) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Ok(s) => Ok(Some(s)),
+        Err(std::env::VarError::NotUnicode(v)) => Err(format!("{v:?}")),
     };
-    let devices = match std::env::var("STREAMPOOL_SIM_DEVICES") {
-        Ok(s) => {
-            s.trim().parse::<i32>().ok().filter(|n| (1..=sim::MAX_DEVICES).contains(n)).ok_or_else(|| {
-                Error::invalid(format!(
-                "the environment variable STREAMPOOL_SIM_DEVICES is {s:?}; it must be a number of devices \
-                 from 1 to {}",
+    let capacity = match read("STREAMPOOL_SIM_CAPACITY") {
+        Ok(None) => sim::default_capacity(),
+        Ok(Some(s)) => crate::size::parse_size(&s).map_err(|e| {
+            let why = e.to_string();
+            let why = why.strip_prefix("invalid argument: ").unwrap_or(&why);
+            Error::invalid(format!(
+                "the environment variable STREAMPOOL_SIM_CAPACITY is {s:?}, which is not a size ({why})"
+            ))
+        })?,
+        Err(v) => {
+            return Err(Error::invalid(format!(
+                "the environment variable STREAMPOOL_SIM_CAPACITY is {v}, which is not a size"
+            )))
+        }
+    };
+    let devices = match read("STREAMPOOL_SIM_DEVICES") {
+        Ok(None) => 1,
+        Ok(Some(s)) => s.trim().parse::<i32>().ok().filter(|n| (1..=sim::MAX_DEVICES).contains(n)).ok_or_else(|| {
+            Error::invalid(format!(
+                "the environment variable STREAMPOOL_SIM_DEVICES is {s:?}; it must be a number of devices from 1 to {}",
                 sim::MAX_DEVICES
             ))
-            })?
+        })?,
+        Err(v) => {
+            return Err(Error::invalid(format!(
+                "the environment variable STREAMPOOL_SIM_DEVICES is {v}; it must be a number of devices from 1 to {}",
+                sim::MAX_DEVICES
+            )))
         }
-        Err(_) => 1,
     };
     Ok(ENV_SIM.get_or_init(|| Some(sim::SimDevice::with_devices(capacity, devices))).clone())
 }

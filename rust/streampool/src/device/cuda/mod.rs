@@ -378,13 +378,17 @@ fn probe() -> Result<CudaBackend> {
     // SAFETY: loaded, and `cuGetErrorName` is among the symbols just checked.
     unsafe { raw::enable_driver_error_names() };
     // SAFETY: loaded, and the symbol is present.
-    unsafe { raw::init() }.map_err(|e| not_found(e.to_string()))?;
+    unsafe { raw::init() }.map_err(|e| match e {
+        // The driver is there, but every GPU is hidden from it, or there is none.
+        Error::Driver { code: CUDA_ERROR_NO_DEVICE, .. } => not_found(no_device()),
+        e => not_found(e.to_string()),
+    })?;
     // SAFETY: loaded and initialised, symbols present (for these two calls).
     let driver_version = unsafe { raw::driver_get_version() }.map_err(|e| not_found(e.to_string()))?;
     // SAFETY: as above.
     let count = unsafe { raw::device_get_count() }.map_err(|e| not_found(e.to_string()))?;
     if count <= 0 {
-        return Err(not_found("no CUDA device"));
+        return Err(not_found(no_device()));
     }
     let symbols = OptionalSymbols {
         stream_get_id: has("cuStreamGetId"),
@@ -441,6 +445,21 @@ fn probe_device(ordinal: i32, driver_version: i32, symbols: OptionalSymbols) -> 
 
 fn not_found(reason: impl Into<String>) -> Error {
     Error::DriverNotFound(reason.into())
+}
+
+/// `CUDA_ERROR_NO_DEVICE`.
+const CUDA_ERROR_NO_DEVICE: i32 = 100;
+
+/// Why a driver that loads sees no device, naming `CUDA_VISIBLE_DEVICES` when it is set
+/// (empty or `-1` hides every GPU from the driver).
+fn no_device() -> String {
+    match std::env::var("CUDA_VISIBLE_DEVICES") {
+        Ok(v) => format!(
+            "the CUDA driver sees no device: CUDA_VISIBLE_DEVICES is {v:?}, which hides the GPUs that \
+             are not named in it (empty or -1 hides every one)"
+        ),
+        Err(_) => "the CUDA driver sees no device".to_string(),
+    }
 }
 
 /// "13.0" for 13000, "12.4" for 12040.
