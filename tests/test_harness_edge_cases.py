@@ -294,17 +294,21 @@ def test_a_program_that_fails_is_not_told_it_allocated_nothing(tmp_path: Path) -
 @pytest.mark.nosim
 def test_bench_and_replay_exit_4_when_every_allocation_ran_out_of_memory(tmp_path: Path) -> None:
     message = "nothing measured: every allocation ran out of memory on every resource"
-    out = cli(
-        "bench",
-        "multistream",
-        "--quick",
-        "--repeats",
-        "1",
-        "--param",
-        "size=1PiB",
-        "--resources",
-        "async,cuda",
-    )
+
+    def multistream(size: str, resources: str) -> subprocess.CompletedProcess[str]:
+        return cli(
+            "bench",
+            "multistream",
+            "--quick",
+            "--repeats",
+            "1",
+            "--param",
+            f"size={size}",
+            "--resources",
+            resources,
+        )
+
+    out = multistream("1PiB", "async,cuda")
     assert out.returncode == 4 and message in out.stderr, out.stderr
     log = tmp_path / "big.log"
     log.write_text(
@@ -314,17 +318,7 @@ def test_bench_and_replay_exit_4_when_every_allocation_ran_out_of_memory(tmp_pat
     assert out.returncode == 4 and message in out.stderr, out.stderr
     assert all(r["oom_events"] == 1 for r in valid(out.stdout)["summary"])  # the document stands
     # One resource that ran: exit 0.
-    out = cli(
-        "bench",
-        "multistream",
-        "--quick",
-        "--repeats",
-        "1",
-        "--param",
-        "size=64MiB",
-        "--resources",
-        "limit(async, limit=1MiB),async",
-    )
+    out = multistream("64MiB", "limit(async, limit=1MiB),async")
     assert out.returncode == 0, out.stderr
 
 

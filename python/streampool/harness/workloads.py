@@ -512,9 +512,9 @@ def larger_than_memory(
             "free once the resource under test was made, and the default total is half of that); "
             "pass --param total=SIZE"
         )
-    if parse_size(chunk_size) <= 0:
-        raise WorkloadError(f"larger-than-memory: chunk_size must be at least 1 byte, not {chunk_size!r}")
     chunk = min(parse_size(chunk_size), nbytes)
+    if chunk <= 0:
+        raise WorkloadError(f"larger-than-memory: chunk_size must be at least 1 byte, not {chunk_size!r}")
     if nbytes > free and not using_simulated_device():
         raise WorkloadError(
             f"larger-than-memory: total={nbytes} bytes is above the device's free memory ({free} bytes); "

@@ -161,7 +161,7 @@ fn plain_int(obj: &Bound<'_, PyAny>) -> Option<u64> {
 }
 
 /// `operator.index(obj)`, refusing bools and naming the argument in the TypeError.
-fn index<'py>(obj: &Bound<'py, PyAny>, what: &str, expected: &str) -> PyResult<Bound<'py, PyAny>> {
+pub(crate) fn index<'py>(obj: &Bound<'py, PyAny>, what: &str, expected: &str) -> PyResult<Bound<'py, PyAny>> {
     if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
         return Ok(obj.clone());
     }

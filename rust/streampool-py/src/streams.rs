@@ -64,18 +64,15 @@ const NON_BLOCKING: i64 = 1;
 fn blocking_from(blocking: Option<bool>, flags: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
     let Some(flags) = flags.filter(|f| !f.is_none()) else { return Ok(blocking.unwrap_or(false)) };
     // Any integer (CudaStreamFlags, a NumPy integer: whatever has `__index__`), not a bool.
-    let index = flags.py().import("operator")?.getattr("index")?;
-    let value = match index.call1((flags,)) {
-        Ok(i) if !flags.is_instance_of::<PyBool>() => i.extract::<i64>().ok(),
-        _ => {
-            return Err(PyTypeError::new_err(format!(
-                "flags must be an integer, CudaStreamFlags.SYNC_DEFAULT (0) or CudaStreamFlags.NON_BLOCKING (1), \
-                 got {} of type {}",
-                flags.repr()?,
-                flags.get_type().name()?
-            )))
-        }
+    let Ok(int) = crate::index(flags, "flags", "an integer") else {
+        return Err(PyTypeError::new_err(format!(
+            "flags must be an integer, CudaStreamFlags.SYNC_DEFAULT (0) or CudaStreamFlags.NON_BLOCKING (1), \
+             got {} of type {}",
+            flags.repr()?,
+            flags.get_type().name()?
+        )));
     };
+    let value = int.extract::<i64>().ok();
     let from_flags = match value {
         Some(SYNC_DEFAULT) => true,
         Some(NON_BLOCKING) => false,

@@ -547,8 +547,10 @@ fn env_sim() -> Result<Option<Arc<sim::SimDevice>>> {
     let capacity = match read("STREAMPOOL_SIM_CAPACITY") {
         Ok(None) => sim::default_capacity(),
         Ok(Some(s)) => crate::size::parse_size(&s).map_err(|e| {
-            let why = e.to_string();
-            let why = why.strip_prefix("invalid argument: ").unwrap_or(&why);
+            let why = match e {
+                Error::InvalidArgument(why) => why,
+                e => e.to_string(),
+            };
             Error::invalid(format!(
                 "the environment variable STREAMPOOL_SIM_CAPACITY is {s:?}, which is not a size ({why})"
             ))

@@ -19,10 +19,10 @@
 
 use std::collections::HashSet;
 
-use super::memory::AllocKind;
+use super::memory::{invalid_device, AllocKind};
 use super::State;
 use crate::device::DevPtr;
-use crate::error::{Error, Result, CUDA_ERROR_INVALID_DEVICE};
+use crate::error::{Error, Result};
 
 /// `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`.
 const CUDA_ERROR_PEER_ACCESS_UNSUPPORTED: i32 = 217;
@@ -66,7 +66,7 @@ impl State {
     pub(super) fn enable_peer_access(&mut self, dev: i32, peer: i32) -> Result<()> {
         const CALL: &str = "cuCtxEnablePeerAccess";
         if dev == peer {
-            return Err(driver(CALL, CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE"));
+            return Err(invalid_device(CALL));
         }
         if !self.peers.can_access(dev, peer) {
             return Err(driver(
@@ -88,7 +88,7 @@ impl State {
             return if enabled { Ok(()) } else { Err(super::memory::invalid_value(CALL)) };
         }
         if enabled && !self.peers.can_access(accessor, owner) {
-            return Err(driver(CALL, CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE"));
+            return Err(invalid_device(CALL));
         }
         let access = &mut self.pools.get_mut(&pool).expect("checked above").access;
         if enabled {
