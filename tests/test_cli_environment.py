@@ -307,3 +307,56 @@ def test_an_unknown_argument_is_refused_with_its_commands_usage(args: tuple[str,
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith(f"usage: streampool {command} "), out.stderr
     assert f"streampool {command}: error: unrecognized arguments: {args[-1]}" in out.stderr
+
+
+# --- a driver that sees no device ---------------------------------------------------------------
+
+CUDA_BACKEND = (
+    Path(__file__).resolve().parents[1] / "rust" / "streampool" / "src" / "device" / "cuda" / "mod.rs"
+)
+
+
+def _no_device_driver(directory: Path) -> Path:
+    """A stand-in ``libcuda.so.1`` in ``directory``: every symbol the library requires (read
+    from its list), ``cuInit`` answering ``CUDA_ERROR_NO_DEVICE`` (100), as the driver does
+    when ``CUDA_VISIBLE_DEVICES`` hides every GPU, and nothing else ever reached."""
+    source = CUDA_BACKEND.read_text()
+    listed = source.split("const REQUIRED_SYMBOLS: &[&str] = &[", 1)[1].split("];", 1)[0]
+    symbols = [s.strip().strip('",') for s in listed.splitlines() if s.strip().startswith('"')]
+    called = {"cuInit", "cuGetErrorName", "cuGetErrorString", "cuDriverGetVersion"}
+    c = [
+        "int cuInit(unsigned flags) { (void)flags; return 100; }",
+        'int cuGetErrorName(int e, const char **s) { *s = e == 100 ? "CUDA_ERROR_NO_DEVICE" : "CUDA_ERROR_UNKNOWN"; return 0; }',
+        'int cuGetErrorString(int e, const char **s) { (void)e; *s = "no CUDA-capable device is detected"; return 0; }',
+        "int cuDriverGetVersion(int *v) { *v = 13000; return 0; }",
+    ]
+    c += [f"int {name}(void) {{ return 999; }}" for name in symbols if name not in called]
+    src = directory / "libcuda.c"
+    src.write_text("\n".join(c) + "\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(directory / "libcuda.so.1"), str(src)], check=True)
+    return directory
+
+
+@pytest.mark.skipif(
+    not __import__("shutil").which("cc"), reason="needs a C compiler to build a stand-in driver"
+)
+@pytest.mark.skipif(GPU, reason="a machine with a driver of its own")
+@pytest.mark.parametrize("visible", [None, "", "-1"])
+def test_a_driver_that_sees_no_device_names_cuda_visible_devices(tmp_path: Path, visible: str | None) -> None:
+    env = {"LD_LIBRARY_PATH": str(_no_device_driver(tmp_path))}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    code = "import streampool\ntry:\n    streampool.DeviceBuffer(size=8)\nexcept streampool.CudaDriverNotFoundError as e:\n    print(e)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**{k: v for k, v in ENV.items() if k != "CUDA_VISIBLE_DEVICES"}, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "the CUDA driver sees no device" in out.stdout, out.stdout
+    if visible is None:
+        assert "CUDA_VISIBLE_DEVICES" not in out.stdout
+    else:
+        assert f"CUDA_VISIBLE_DEVICES is {visible!r}".replace("'", '"') in out.stdout, out.stdout
