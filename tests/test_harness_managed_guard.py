@@ -38,6 +38,7 @@ def big_trace(chunks: int = 6, size: int = CHUNK) -> Trace:
 def on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The harness takes its real-GPU branch (the simulated device still serves the memory)."""
     monkeypatch.setattr(workloads, "using_simulated_device", lambda: False)
+    monkeypatch.setattr(bench, "using_simulated_device", lambda: False)
     monkeypatch.setattr(recommend, "using_simulated_device", lambda: False)
 
 

@@ -15,6 +15,7 @@ A block without a marker fails the test, so that no example goes unrun.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -161,3 +162,23 @@ def test_the_guides_tables_are_read_from_the_committed_json() -> None:
         text=True,
     )
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.nosim
+def test_the_guide_shows_no_live_peak_that_a_replay_on_threads_did_not_measure() -> None:
+    """Documents of earlier versions gave a trace replay's peak on several threads as the
+    log's in recorded order (one thread's, for a generated log): the guide shows "—" there,
+    and the figures of replays that measured their own peak."""
+    sys.path.insert(0, str(README.parent / "scripts"))
+    try:
+        import guide_tables
+    finally:
+        sys.path.pop(0)
+    doc = json.loads((README.parent / "benchmarks" / "guide" / "window.json").read_text())
+    unmeasured = guide_tables.live_unmeasured(doc)
+    assert unmeasured and {t for _, t in unmeasured} == {4, 16}
+    assert "186/\u2014 MiB" in "\n".join(guide_tables.bench_table(doc))
+    for run in doc["runs"]:
+        run["peak_live_measured"] = True  # as the harness writes them now
+    assert guide_tables.live_unmeasured(doc) == set()
+    assert "\u2014 MiB" not in "\n".join(guide_tables.bench_table(doc))

@@ -1395,8 +1395,8 @@ def replay(resource: MemoryResource, records: bytes, *, gap_scale: float = 1.0) 
     skipped with its free; allocations the log never frees are freed after the run.
 
     Returns: ``events``, ``seconds`` (wall), ``alloc_seconds`` (inside allocator calls, all
-    threads), ``allocate_ns``/``free_ns`` percentiles, ``peak_live_bytes`` (in recorded
-    order), ``peak_reserved_bytes`` (where the resource, or the pool beneath its adaptors,
+    threads), ``allocate_ns``/``free_ns`` percentiles, ``peak_live_bytes`` (the most
+    live at once during the replay, over every thread), ``peak_reserved_bytes`` (where the resource, or the pool beneath its adaptors,
     reports it: the sharded pool, the driver's pool; else None), ``synchronizations`` and
     ``waits`` the resource made during the run (the sharded pool; else None), ``simulated``.
 

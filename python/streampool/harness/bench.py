@@ -19,10 +19,12 @@ from typing import Any
 
 from .. import mr
 from .._errors import StreampoolError
+from .._native import available_device_memory, using_simulated_device
 from . import workloads
 from .specs import make_resource
+from .trace import Trace
 
-__all__ = ["measure", "release_device_pools", "spread", "summarise"]
+__all__ = ["measure", "refused", "release_device_pools", "spread", "summarise"]
 
 #: Below this relative difference two medians are within noise when the repeats do not
 #: tell them apart better (see ``within_noise``).
@@ -50,8 +52,7 @@ def one_run(workload: str, spec: str, threads: int, streams: int, params: dict[s
     and a resource on the device's shared pool reports what that pool reserved beyond
     what others had allocated from it when the run started (which trimming cannot
     release). A resource that holds nothing beyond what is live (``reserves_live``)
-    reports its measured peak live bytes as reserved; not a log's (a trace replay on more
-    than one thread: its peak live bytes are the log's, ``peak_live_measured`` false)."""
+    reports its measured peak live bytes as reserved (where ``peak_live_measured``)."""
     release_device_pools()
     candidate = make_resource(spec)
     held = candidate.shared_pool.used_bytes if candidate.shared_pool is not None else 0
@@ -67,6 +68,29 @@ def one_run(workload: str, spec: str, threads: int, streams: int, params: dict[s
     return result
 
 
+def refused(
+    workload: str, specs: Sequence[str], threads: Iterable[int], params: dict[str, Any]
+) -> dict[str, str]:
+    """The specs on which ``workload`` (with ``params``, at the most of ``threads``) is
+    refused here, each with why: on a real GPU, managed memory when the workload's peak
+    live bytes (:func:`workloads.peak_live`) are above the device's free memory (the
+    harness never oversubscribes a shared GPU, :func:`workloads.oversubscribes`). Nothing
+    is made when the peak fits."""
+    if using_simulated_device():
+        return {}
+    release_device_pools()  # what earlier runs freed into them is not memory the device lacks
+    peak = workloads.peak_live(workload, params | {"threads": max(threads, default=1)})
+    if peak <= available_device_memory()[0]:
+        return {}
+    log = params.get("log")
+    subject = log if isinstance(log, Trace) else peak  # a log's refusal names the log
+    found = {}
+    for s in specs:
+        found[s] = workloads.oversubscribes(make_resource(s), subject)
+        release_device_pools()
+    return {s: why for s, why in found.items() if why is not None}
+
+
 def measure(
     workload: str,
     specs: Sequence[str],
@@ -78,11 +102,17 @@ def measure(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Runs ``workload`` on every spec, for every thread count, ``repeats`` times; returns
     the runs (one dict per run: resource, threads, streams, repeat and the workload's
-    metrics, without raw latencies) and their summary (see :func:`summarise`)."""
+    metrics, without raw latencies) and their summary (see :func:`summarise`). A spec on
+    which the workload is refused here (:func:`refused`) is refused before anything runs:
+    WorkloadError naming it."""
     params = params or {}
     threads = list(threads)
     for t in threads:  # before `streams or t` below makes a bad count read as a bad streams
         workloads.check_param(workload, "threads", t, "int")
+    workloads.check(workload, params)
+    why = refused(workload, specs, threads, params)
+    if why:
+        raise workloads.WorkloadError("; ".join(why.values()))
     plan = [
         (t, rep, specs[(i + rep) % len(specs)])
         for t in threads

@@ -382,23 +382,6 @@ def _check_plot_dir(args: argparse.Namespace) -> None:
         ) from None
 
 
-def _refused(specs: list[str], params: dict[str, Any]) -> dict[str, str]:
-    """The specs whose replay of the log in ``params`` is refused here, each with why: on a
-    real GPU, managed memory for a log whose peak is above the device's free memory
-    (:func:`workloads.oversubscribes`)."""
-    log = params.get("log")
-    if not isinstance(log, trace.Trace):
-        return {}
-    found = {}
-    for s in specs:
-        # As before a run: the device's own pools trimmed, so that what an earlier spec
-        # freed into them does not read as memory the device lacks.
-        bench.release_device_pools()
-        found[s] = workloads.oversubscribes(make_resource(s), log)
-    bench.release_device_pools()
-    return {s: why for s, why in found.items() if why is not None}
-
-
 def _measure_and_report(
     args: argparse.Namespace,
     out: Output,
@@ -413,7 +396,7 @@ def _measure_and_report(
 ) -> int:
     repeats = args.repeats or (2 if args.quick else 3)
     # Refused before anything runs, so that a refusal loses none of the others' results.
-    refused = _refused(specs, params)
+    refused = bench.refused(workload, specs, threads, params)
     if len(refused) == len(specs):
         raise workloads.WorkloadError("; ".join(refused.values()))
     specs = [s for s in specs if s not in refused]

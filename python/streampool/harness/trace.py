@@ -296,12 +296,13 @@ def replay(
     counted in oom_events and skipped with its free. Returns events (the allocator calls
     that succeeded), seconds, alloc_seconds (time inside the allocator's calls, all
     threads), allocate/free latency percentiles (ns, of the calls that succeeded),
-    peak_live_bytes (the log's, in recorded order, of the allocations that succeeded:
-    :func:`recorded_peak`; both replayers report the same; None when an allocation ran out
-    of memory in a replay of more than one thread, whose threads interleave otherwise than
-    logged), peak_live_measured (True when that is also the replay's own peak: one
-    thread), peak_reserved_bytes (None when ``reserved()`` cannot say), oom_events and, for
-    a sharded pool, its synchronisations and waits.
+    peak_live_bytes (the most bytes live at once during the replay, over every thread: an
+    allocation is live from its call's return to its free's call; each thread notes those
+    times, merged after the run; on several threads the log's own peak,
+    :func:`recorded_peak`, can differ: a generated log lists one thread after another),
+    peak_live_measured (True: the replay's own peak), peak_reserved_bytes (None when
+    ``reserved()`` cannot say), oom_events and, for a sharded pool, its synchronisations
+    and waits.
 
     ``native=None`` uses the native replayer (``streampool._native.replay``) when this build
     has it, else replays from Python threads (slower per event, same semantics)."""
@@ -315,14 +316,7 @@ def replay(
         out["replayer"] = "python"
     if out.get("peak_reserved_bytes") is None and reserved is not None:
         out["peak_reserved_bytes"] = reserved()
-    # On one thread the replay runs in recorded order: the log's peak is the replay's. On
-    # more, the threads interleave as they run, not as logged; with allocations that ran
-    # out of memory the log's peak less them can be one the replay never reached (above
-    # the device's memory, say): unavailable then.
-    one_thread = len({r[3] for r in trace.records}) <= 1
-    out["peak_live_measured"] = one_thread
-    if out["oom_events"] and not one_thread:
-        out["peak_live_bytes"] = None
+    out["peak_live_measured"] = True
     return out
 
 
@@ -345,6 +339,7 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
     peak_reserved = [0]
     stats = {"oom_events": 0}
     lat: list[list[int]] = [[], []]
+    live_notes: list[tuple[int, int]] = []
     errors: list[BaseException] = []
     start_barrier = threading.Barrier(max(1, len(per_thread)))
     stop = threading.Event()  # Ctrl-C: every thread stops at its next operation
@@ -357,6 +352,7 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
     def run(ops: list[tuple[int, int, int, int, int, int]]) -> None:
         a_lat: list[int] = []
         f_lat: list[int] = []
+        notes: list[tuple[int, int]] = []  # (when, bytes): see `peak_of_notes`
         # Looked up once: the timed spans hold the calls alone (as the kernel workloads').
         # The end is read before `append` is looked up, which would otherwise fall inside.
         clock, allocate, deallocate = time.perf_counter_ns, resource.allocate, resource.deallocate
@@ -384,6 +380,7 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
                         continue
                     end = clock()
                     a_lat.append(end - c)
+                    notes.append((end, size))
                     if alloc_id in cross:
                         with ready:
                             ptrs[alloc_id] = ptr
@@ -401,6 +398,7 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
                     deallocate(ptr, nbytes, stream)
                     end = clock()
                     f_lat.append(end - c)
+                    notes.append((c, -nbytes))
                 if reserved is not None and n % 64 == 0:
                     value = reserved()
                     if value is not None:
@@ -412,6 +410,7 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
             with lock:
                 lat[0].extend(a_lat)
                 lat[1].extend(f_lat)
+                live_notes.extend(notes)
 
     start = time.perf_counter()
     run_threads([functools.partial(run, ops) for ops in per_thread.values()], stop, wake, name="replay")
@@ -427,11 +426,22 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
         "alloc_seconds": (sum(lat[0]) + sum(lat[1])) / 1e9,
         "allocate": percentiles(lat[0]),
         "free": percentiles(lat[1]),
-        "peak_live_bytes": recorded_peak(trace.records, failed),
+        "peak_live_bytes": peak_of_notes(live_notes),
         "peak_reserved_bytes": max(peak_reserved[0], end_reserved) if end_reserved is not None else None,
         "oom_events": stats["oom_events"],
         "latencies_ns": {"allocate": lat[0], "free": lat[1]},
     }
+
+
+def peak_of_notes(notes: list[tuple[int, int]]) -> int:
+    """The most bytes live at once in ``(when, bytes)`` notes of every thread (``+size``
+    when an allocation returned, ``-size`` when its free was called), merged in time; at
+    the same time a free counts first (its memory could be the allocation's)."""
+    live = peak = 0
+    for _, nbytes in sorted(notes):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
 
 
 def recorded_peak(records: Iterable[tuple[int, ...]], left_out: Container[int] = frozenset()) -> int:

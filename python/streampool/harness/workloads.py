@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
 import queue
 import random as _random
@@ -36,12 +37,14 @@ from .output import human_bytes
 from .specs import Candidate
 
 __all__ = [
+    "HANDOFF_DEPTH",
     "WORKLOADS",
     "Workload",
     "WorkloadError",
     "check",
     "check_param",
     "oversubscribes",
+    "peak_live",
     "random_trace",
     "run",
     "window_trace",
@@ -76,14 +79,17 @@ def random_trace(
     uniformly random sizes in ``[1, max_size]``; at each step it allocates or (half the
     time, when it holds any) frees a random one of its live allocations; what is left is
     freed at the end. Thread ``t`` works on stream ``t % streams`` (``streams`` 0: one
-    stream per thread)."""
+    stream per thread). The log lists the threads' operations in turn, one of each at a
+    time, as threads running at one pace would make them."""
     rng = _random.Random(seed)
     top = parse_size(max_size)
-    records: list[tuple[int, int, int, int, int, int]] = []
+    per_thread: list[list[tuple[int, int, int, int, int, int]]] = []
     next_id = 0
     streams = streams or threads  # 0: one per thread, as on the command line
     for t in range(threads):
         s = t % streams
+        records: list[tuple[int, int, int, int, int, int]] = []
+        per_thread.append(records)
         live: list[tuple[int, int]] = []
         made = 0
         while made < allocations or live:
@@ -96,7 +102,17 @@ def random_trace(
             else:
                 alloc_id, size = live.pop(rng.randrange(len(live)))
                 records.append((0, size, alloc_id, t, s, _trace.FREE))
-    return _trace.Trace(records)
+    return _in_turn(per_thread)
+
+
+def _in_turn(per_thread: list[list[tuple[int, int, int, int, int, int]]]) -> _trace.Trace:
+    """The threads' operations listed in turn, the first of each thread, then the second
+    of each, and so on: the order of threads running at one pace, so that the log's own
+    peak of live bytes (:func:`~streampool.harness.trace.recorded_peak`) is that of threads
+    running together, not of one after another. (A replay keeps each thread's order; the
+    replay measures its own peak.)"""
+    merged = itertools.chain.from_iterable(itertools.zip_longest(*per_thread))
+    return _trace.Trace([r for r in merged if r is not None])
 
 
 def window_trace(
@@ -110,14 +126,17 @@ def window_trace(
     """Each thread keeps a ring of ``window`` live allocations: it allocates one (a size
     drawn from ``sizes``) and, once the ring is full, frees the oldest, ``allocations``
     times; then frees the rest. Thread ``t`` works on stream ``t % streams`` (``streams``
-    0: one stream per thread)."""
+    0: one stream per thread). The log lists the threads' operations in turn, one of each
+    at a time, as threads running at one pace would make them."""
     rng = _random.Random(seed)
     choices = [parse_size(s) for s in sizes]
-    records: list[tuple[int, int, int, int, int, int]] = []
+    per_thread: list[list[tuple[int, int, int, int, int, int]]] = []
     next_id = 0
     streams = streams or threads  # 0: one per thread, as on the command line
     for t in range(threads):
         s = t % streams
+        records: list[tuple[int, int, int, int, int, int]] = []
+        per_thread.append(records)
         ring: list[tuple[int, int]] = []
         for _ in range(allocations):
             size = rng.choice(choices)
@@ -128,32 +147,83 @@ def window_trace(
                 alloc_id, old = ring.pop(0)
                 records.append((0, old, alloc_id, t, s, _trace.FREE))
         records.extend((0, size, alloc_id, t, s, _trace.FREE) for alloc_id, size in ring)
-    return _trace.Trace(records)
+    return _in_turn(per_thread)
 
 
-def oversubscribes(candidate: Candidate, t: _trace.Trace) -> str | None:
-    """Why replaying ``t`` on ``candidate`` is refused here, or None. On a real GPU, managed
-    memory (the resource's ``memory_kind``) for a trace whose recorded peak live bytes are
-    above the device's free memory is refused: the harness never oversubscribes a shared
-    GPU (it can hang it). On the simulated device managed memory is the device's own
-    memory: an over-large replay runs out of memory there."""
+def oversubscribes(candidate: Candidate, t: _trace.Trace | int) -> str | None:
+    """Why running a workload whose peak live bytes are ``t`` (a trace: its recorded peak,
+    :func:`~streampool.harness.trace.recorded_peak`; see :func:`peak_live`) on
+    ``candidate`` is refused here, or None. On a real GPU, managed memory (the resource's
+    ``memory_kind``) for a peak above the device's free memory is refused: the harness
+    never oversubscribes a shared GPU (it can hang it). On the simulated device managed
+    memory is the device's own memory: an over-large workload runs out of memory there."""
     if candidate.resource.memory_kind != "managed" or using_simulated_device():
         return None
-    peak, free = _trace.recorded_peak(t.records), available_device_memory()[0]
+    peak = t if isinstance(t, int) else _trace.recorded_peak(t.records)
+    free = available_device_memory()[0]
     if peak <= free:
         return None
+    what = "workload's" if isinstance(t, int) else "trace's"
     return (
-        f"{candidate.spec}: the trace's peak live bytes ({human_bytes(peak)}) are above the "
-        f"device's free memory ({human_bytes(free)}): replaying it on managed memory would "
+        f"{candidate.spec}: the {what} peak live bytes ({human_bytes(peak)}) are above the "
+        f"device's free memory ({human_bytes(free)}): running it on managed memory would "
         "oversubscribe the GPU, and the harness never oversubscribes a shared GPU (it can hang "
-        "it); replay it on a device with more free memory"
+        "it); run it with smaller sizes or on a device with more free memory"
     )
 
 
-def _replay_result(candidate: Candidate, t: _trace.Trace, gap_scale: float) -> dict[str, Any]:
-    refused = oversubscribes(candidate, t)
+def _refuse_oversubscription(candidate: Candidate, peak: _trace.Trace | int) -> None:
+    refused = oversubscribes(candidate, peak)
     if refused is not None:
         raise WorkloadError(refused)
+
+
+#: Chunks a pipeline's producer may have handed over that its consumer has not taken.
+HANDOFF_DEPTH = 4
+
+
+def peak_live(name: str, params: dict[str, Any]) -> int:
+    """The most bytes workload ``name`` can have live at once with ``params`` (its own and
+    ``threads``; the defaults for those not given): what managed memory must find free on
+    a real GPU (:func:`oversubscribes`). random and window: the sum of the threads' own
+    peaks; multistream: one ``size`` per thread; pipeline: ``HANDOFF_DEPTH`` + 2 chunks per
+    pair (those handed over, the one being made and the one being consumed);
+    larger-than-memory: ``total`` (0: half the free memory); replay: the log's recorded
+    peak (what the program had live)."""
+    declared = WORKLOADS[name].declared()
+    p = {k: v.default for k, v in declared.items()} | params
+    threads: int = p["threads"]
+    common = {"threads": threads, "streams": p["streams"], "seed": p["seed"]} if "seed" in p else {}
+    if name == "random":
+        return _threads_peak(random_trace(p["allocations"], p["max_size"], **common))
+    if name == "window":
+        return _threads_peak(window_trace(p["allocations"], p["window"], **common))
+    if name == "multistream":
+        return threads * parse_size(p["size"])
+    if name == "pipeline":
+        return threads * (HANDOFF_DEPTH + 2) * parse_size(p["chunk_size"])
+    if name == "larger-than-memory":
+        return parse_size(p["total"]) or available_device_memory()[0] // 2
+    log = p["log"]
+    return _trace.recorded_peak((log if isinstance(log, _trace.Trace) else _trace.read_log(log)).records)
+
+
+def _threads_peak(t: _trace.Trace) -> int:
+    """The sum of the threads' own peaks of live bytes in ``t``: the most that a replay
+    keeping each thread's order can have live at once, when no thread frees another's
+    allocation (as in the generated logs)."""
+    per_thread: dict[int, list[tuple[int, ...]]] = {}
+    for r in t.records:
+        per_thread.setdefault(r[3], []).append(r)
+    return sum(_trace.recorded_peak(records) for records in per_thread.values())
+
+
+def _replay_result(
+    candidate: Candidate, t: _trace.Trace, gap_scale: float, peak: int | None = None
+) -> dict[str, Any]:
+    """``t`` replayed on ``candidate``, refused first where its peak (``peak``, else the
+    log's recorded one) would oversubscribe the GPU (:func:`oversubscribes`)."""
+    _refuse_oversubscription(candidate, t if peak is None else peak)
     out = _trace.replay(candidate.resource, t, gap_scale=gap_scale, reserved=candidate.reserved)
     # The calls that succeeded: a failed allocation (and its skipped free) is no work done.
     out["throughput"] = out["events"] / out["seconds"] if out["seconds"] else 0.0
@@ -172,7 +242,8 @@ def random(
 ) -> dict[str, Any]:
     """RMM's random_allocations bench, replayed (see :func:`random_trace`; ``streams`` 0:
     one per thread)."""
-    return _replay_result(candidate, random_trace(allocations, max_size, threads, streams, seed), 0.0)
+    t = random_trace(allocations, max_size, threads, streams, seed)
+    return _replay_result(candidate, t, 0.0, _threads_peak(t))
 
 
 def window(
@@ -186,9 +257,8 @@ def window(
 ) -> dict[str, Any]:
     """Per-thread rings of live allocations, replayed (see :func:`window_trace`; ``streams``
     0: one per thread)."""
-    return _replay_result(
-        candidate, window_trace(allocations, window, threads=threads, streams=streams, seed=seed), 0.0
-    )
+    t = window_trace(allocations, window, threads=threads, streams=streams, seed=seed)
+    return _replay_result(candidate, t, 0.0, _threads_peak(t))
 
 
 def replay(
@@ -319,6 +389,7 @@ def multistream(
     stream, fills it and computes on it there (kernels), and frees it on the same stream."""
     kernels = _kernels()
     nbytes = parse_size(size)
+    _refuse_oversubscription(candidate, threads * nbytes)
     streams = streams or threads  # 0: one per thread, as on the command line
     pool = [Stream() for _ in range(streams)]
     meter = _Meter(candidate)
@@ -399,6 +470,7 @@ def pipeline(
     a call of that length, whatever the allocator."""
     nbytes = parse_size(chunk_size)
     _check_pipeline(check_every, driver, long_call_us, null_call_us)
+    _refuse_oversubscription(candidate, threads * (HANDOFF_DEPTH + 2) * nbytes)
     native = getattr(_native, "pipeline", None)
     if (long_call_us or driver == "native") and native is None:
         raise WorkloadError("pipeline driver=native: this build of streampool has no native pipeline")
@@ -410,6 +482,7 @@ def pipeline(
                 chunk_bytes=nbytes,
                 chunks_per_pair=chunks,
                 kernel_us=kernel_us,
+                queue_depth=HANDOFF_DEPTH,
                 check_every=check_every,
                 long_call_us=long_call_us,
                 null_call_us=null_call_us,
@@ -430,7 +503,7 @@ def pipeline(
     stop = threading.Event()
 
     def pair(i: int) -> None:
-        handoff: queue.Queue[tuple[int, int] | None] = queue.Queue(maxsize=4)
+        handoff: queue.Queue[tuple[int, int] | None] = queue.Queue(maxsize=HANDOFF_DEPTH)
         produce, consume = Stream(), Stream()
         a: list[int] = []
         f: list[int] = []

@@ -23,6 +23,12 @@
 //! around it). The
 //! replayer's own cost per event, measured against a [`super::NullMemoryResource`], is
 //! what the `replay` bench reports.
+//!
+//! The peak of live bytes is the replay's own: each thread notes, beside its latencies,
+//! when each allocation returned and when each free was called, and after the run those
+//! notes of every thread are merged in time. On several threads that is what was live at
+//! once as they ran, which the log's recorded order does not say (a generated log lists
+//! one thread after another).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
@@ -155,7 +161,8 @@ pub struct ReplayReport {
     pub allocate: Percentiles,
     /// Latency of the deallocate calls.
     pub free: Percentiles,
-    /// The most bytes live at once, in recorded order (allocations that failed left out).
+    /// The most bytes live at once during the replay, over every thread: an allocation is
+    /// live from its call's return to its free's call (allocations that failed left out).
     pub peak_live_bytes: u64,
     /// The resource's peak reserved bytes over the run, where it reports them (see
     /// [`crate::Footprint`]).
@@ -203,8 +210,6 @@ struct Plan {
     slots: Vec<Slot>,
     threads: Vec<Vec<Step>>,
     streams: usize,
-    /// Slot per record, in recorded order (for the peak of live bytes).
-    order: Vec<(u32, bool)>,
 }
 
 fn plan(records: &[Record]) -> Result<Plan> {
@@ -215,7 +220,6 @@ fn plan(records: &[Record]) -> Result<Plan> {
     let mut live: HashMap<u64, u32> = HashMap::new();
     let mut slots: Vec<Slot> = Vec::new();
     let mut per_thread: Vec<Vec<Step>> = Vec::new();
-    let mut order = Vec::with_capacity(records.len());
     for (i, r) in records.iter().enumerate() {
         let n = threads.len();
         let t = *threads.entry(r.thread).or_insert(n);
@@ -275,7 +279,6 @@ fn plan(records: &[Record]) -> Result<Plan> {
             }
         };
         let free = r.op == Op::Free;
-        order.push((slot, free));
         per_thread[t].push(Step {
             at_ns: r.t_ns.saturating_sub(first),
             slot,
@@ -284,7 +287,7 @@ fn plan(records: &[Record]) -> Result<Plan> {
             record: i,
         });
     }
-    Ok(Plan { slots, threads: per_thread, streams: streams.len(), order })
+    Ok(Plan { slots, threads: per_thread, streams: streams.len() })
 }
 
 /// Waits until `deadline`, or until `stop` is set: sleeps while it is far (10 ms at a
@@ -323,7 +326,27 @@ impl Drop for AbortOnPanic<'_> {
 struct ThreadResult {
     allocs: Vec<u64>,
     frees: Vec<u64>,
+    /// `(tick, bytes)`: when an allocation returned (`+size`) or a free was called
+    /// (`-size`), for the peak of live bytes.
+    live: Vec<(u64, i64)>,
     ooms: u64,
+}
+
+/// The most bytes live at once in the threads' `live` notes merged in time; at the same
+/// tick a free counts first (its memory could be the allocation's).
+fn peak_live(mut notes: Vec<(u64, i64)>) -> u64 {
+    notes.sort_unstable();
+    let (mut live, mut peak) = (0i128, 0i128);
+    for (_, bytes) in notes {
+        live += i128::from(bytes);
+        peak = peak.max(live);
+    }
+    peak.min(i128::from(u64::MAX)) as u64
+}
+
+/// `size` as a signed note (no allocation reaches `i64::MAX` bytes).
+fn signed(size: usize) -> i64 {
+    i64::try_from(size).unwrap_or(i64::MAX)
 }
 
 /// Replays `records` (see the module docs) on `mr`. Bad records are refused before
@@ -391,6 +414,7 @@ pub fn replay_until(
                     let frees = steps.iter().filter(|s| s.free).count();
                     out.allocs.reserve_exact(steps.len() - frees);
                     out.frees.reserve_exact(frees);
+                    out.live.reserve_exact(steps.len());
                     wait_until(t0, stopped);
                     for step in steps {
                         if stopped() {
@@ -462,21 +486,11 @@ pub fn replay_until(
         return Err(Error::invalid("the replay was stopped before its end"));
     }
     let super::RunFootprint { peak_reserved_bytes, synchronizations, waits, .. } = baseline.finish(mr);
-    let mut live: i128 = 0;
-    let mut peak_live: i128 = 0;
-    for &(slot, free) in &plan.order {
-        // Allocations that ran out of memory are left out of the live bytes.
-        if plan.slots[slot as usize].state.load(Ordering::Relaxed) == OOM {
-            continue;
-        }
-        let size = plan.slots[slot as usize].size as i128;
-        live += if free { -size } else { size };
-        peak_live = peak_live.max(live);
-    }
-    let (mut allocs, mut frees, mut ooms) = (Vec::new(), Vec::new(), 0);
+    let (mut allocs, mut frees, mut notes, mut ooms) = (Vec::new(), Vec::new(), Vec::new(), 0);
     for r in results {
         allocs.extend(r.allocs);
         frees.extend(r.frees);
+        notes.extend(r.live);
         ooms += r.ooms;
     }
     let (allocate, free) = (Percentiles::of_ticks(allocs), Percentiles::of_ticks(frees));
@@ -488,7 +502,7 @@ pub fn replay_until(
         alloc_seconds: (allocate.total + free.total) as f64 * 1e-9,
         allocate,
         free,
-        peak_live_bytes: peak_live.min(u64::MAX as i128) as u64,
+        peak_live_bytes: peak_live(notes),
         peak_reserved_bytes,
         oom_events: ooms,
         synchronizations,
@@ -521,6 +535,7 @@ fn allocate(
     match r {
         Ok(ptr) => {
             out.allocs.push(took);
+            out.live.push((start.wrapping_add(took), signed(slot.size)));
             slot.ptr.store(ptr, Ordering::Relaxed);
             if slot.cross {
                 let event = Event::new(backend, mr.device())?;
@@ -574,6 +589,7 @@ fn free(
     let took = ticks_since(start);
     r?;
     out.frees.push(took);
+    out.live.push((start, -signed(slot.size)));
     slot.state.store(FREED, Ordering::Relaxed);
     Ok(())
 }
