@@ -21,7 +21,7 @@ from .. import mr
 from .._errors import StreampoolError
 from .._native import available_device_memory, using_simulated_device
 from . import workloads
-from .specs import make_resource
+from .specs import check_distinct, make_resource
 from .trace import Trace
 
 __all__ = ["measure", "refused", "release_device_pools", "spread", "summarise"]
@@ -110,6 +110,7 @@ def measure(
     for t in threads:  # before `streams or t` below makes a bad count read as a bad streams
         workloads.check_param(workload, "threads", t, "int")
     workloads.check(workload, params)
+    check_distinct(specs)
     why = refused(workload, specs, threads, params)
     if why:
         raise workloads.WorkloadError("; ".join(why.values()))
@@ -129,7 +130,9 @@ def measure(
                 **result,
                 "resource": spec,
                 "threads": t,
-                "streams": streams or t,
+                # The workload's own count where it makes its streams (two per pipeline pair,
+                # a log's), else the one asked for.
+                "streams": result.get("streams") or streams or t,
                 "repeat": rep,
                 "_latencies": latencies,
             }
@@ -140,7 +143,8 @@ def measure(
 def summarise(runs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, Any]]:
     """Per (resource, threads): min/median/max of throughput, of the allocator's share of
     host time (:func:`alloc_share`), of the ratio to the first
-    resource's throughput in the same repeat; the median run's latency percentiles; the
+    resource's throughput in the same repeat; the median run's latency percentiles (of an
+    even number of runs, the slower middle one's); the
     largest peaks of live and reserved bytes (of the runs that give them; None when none
     does), out-of-memory events, data mismatches, and the
     most synchronisations and waits the resource made in one run (None where it does not
@@ -157,7 +161,9 @@ def summarise(runs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, An
                 continue
             tp = [r["throughput"] for r in mine]
             by_repeat = [r["throughput"] for r in sorted(mine, key=lambda r: r["repeat"])]
-            median_run = sorted(mine, key=lambda r: r["throughput"])[len(mine) // 2]
+            # Of an even number of runs, the slower of the middle two (no run has the
+            # median throughput then; its latencies are not the faster run's).
+            median_run = sorted(mine, key=lambda r: r["throughput"])[(len(mine) - 1) // 2]
             shares = [alloc_share(r) for r in mine]
             ratios = [r["throughput"] / base[r["repeat"]] for r in mine if base.get(r["repeat"])]
             reserved = [r["peak_reserved_bytes"] for r in mine if r.get("peak_reserved_bytes") is not None]

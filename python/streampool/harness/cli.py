@@ -280,12 +280,10 @@ def _range(s: dict[str, float], fmt: Any = human_rate) -> str:
     return f"{fmt(s['median'])} [{fmt(s['min'])}-{fmt(s['max'])}]"
 
 
-def _results_table(out: Output, title: str, summary: list[dict[str, Any]], replayed: bool = False) -> None:
-    """The results table; ``replayed``: a log's replay, whose peak live bytes are the log's
-    (its threads do not wait for each other as the program's did, so they may run ahead and
-    hold more: reserved can read high against them; ``--gap-scale 1`` keeps the pace), less
-    the allocations that failed (n/a on more than one thread when any failed: the log's
-    peak less them is not one the replay reached). The throughput counts the work that
+def _results_table(out: Output, title: str, summary: list[dict[str, Any]]) -> None:
+    """The results table. The peak live bytes are the run's own (a replay's threads do not
+    wait for each other as the program's did, so they may run ahead and hold more than the
+    program had live; ``--gap-scale 1`` keeps the pace). The throughput counts the work that
     succeeded; the allocations that ran out of memory are beside it."""
     rows = []
     for r in summary:
@@ -313,7 +311,7 @@ def _results_table(out: Output, title: str, summary: list[dict[str, Any]], repla
         "alloc share",
         "alloc p50 / p99",
         "longest call",
-        "peak live (as logged) / reserved" if replayed else "peak live / reserved",
+        "peak live / reserved",
         "syncs/waits",
     ]
     # The resource's own driver calls per chunk: the native pipeline reports them.
@@ -406,7 +404,6 @@ def _measure_and_report(
         f"{title} ({repeats} runs each, interleaved; ratio to {specs[0]} in the same run)"
         + (" [simulated device]" if dev.simulated else ""),
         summary,
-        replayed=workload == "replay",
     )
     files = plots.bench_plots(workload, summary, runs, args.plot, dev.simulated) if args.plot else []
     for f in files:
@@ -614,7 +611,6 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
         f"recommend: {t.events} events replayed on each candidate, {repeats} runs"
         + (" [simulated device]" if dev.simulated else ""),
         summary,
-        replayed=True,
     )
     try:
         choice = recommend.choose(prof, summary)

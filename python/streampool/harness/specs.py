@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ __all__ = [
     "Candidate",
     "PeerMissingError",
     "SpecError",
+    "check_distinct",
     "make_resource",
     "parse_spec",
     "split_specs",
@@ -130,7 +131,24 @@ def split_specs(text: str) -> list[str]:
     parts.append(text[start:].strip())
     if any(not p for p in parts):
         raise SpecError(f"--resources {text!r}: an empty spec (two commas, or one at an end)")
+    check_distinct(parts)
     return parts
+
+
+def check_distinct(specs: Sequence[str]) -> None:
+    """SpecError naming a spec given twice (spaces aside): its runs could not be told apart
+    from the other's in a summary. To see how much a resource's runs vary, give
+    ``--repeats``; the min-max of each row is that spread."""
+    seen: dict[str, str] = {}
+    for text in specs:
+        key = str(parse_spec(text))
+        if key in seen:
+            raise SpecError(
+                f"{text!r} is given twice (as {seen[key]!r} before it); every resource is measured once a "
+                "repeat, so its runs could not be told apart: give each spec once (its min-max over "
+                "--repeats is the spread between its runs)"
+            )
+        seen[key] = text
 
 
 @dataclass

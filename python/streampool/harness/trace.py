@@ -24,7 +24,7 @@ from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _native
+from .. import _native, mr
 from .._native import LOG_HEADER, MAX_LOG_TIME_S, Stream
 from ..logs import parse_log_text
 from ._threads import run_threads
@@ -156,9 +156,14 @@ def from_events(events: Iterable[Any]) -> Trace:
         t = round(e.time * 1e9) + offset
         if t0 is None:
             t0 = last = t
-        if t < last - _DAY_NS // 2:  # RMM's times are since midnight: the log crossed one
+        # RMM's times are since midnight: a time far below the latest seen crossed one; one
+        # far above it is a line stamped before that midnight but written after a line
+        # stamped past it (threads stamp, then write, unlocked): the day before.
+        if t < last - _DAY_NS // 2:
             offset += _DAY_NS
             t += _DAY_NS
+        elif t > last + _DAY_NS // 2:
+            t -= _DAY_NS
         last = max(last, t)
         if e.action == "allocate failure":
             failures += 1
@@ -258,8 +263,11 @@ def percentiles(samples: Sequence[int]) -> dict[str, int]:
 
 
 def quantile(ordered: Sequence[int], q: float) -> int:
-    """The ``q`` quantile (nearest rank) of sorted ``ordered``; 0 when empty."""
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0
+    """The ``q`` quantile of sorted ``ordered`` by nearest rank: the ``ceil(q * n)``-th
+    smallest of ``n`` (at least the first), as the native replayer and the latency adaptor
+    rank theirs; 0 when empty."""
+    n = len(ordered)
+    return ordered[min(max(math.ceil(q * n), 1), n) - 1] if ordered else 0
 
 
 def native_report(report: Any) -> dict[str, Any]:
@@ -412,6 +420,7 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
                 lat[1].extend(f_lat)
                 live_notes.extend(notes)
 
+    counters = pool_counters(resource)
     start = time.perf_counter()
     run_threads([functools.partial(run, ops) for ops in per_thread.values()], stop, wake, name="replay")
     for s in streams.values():
@@ -429,8 +438,32 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
         "peak_live_bytes": peak_of_notes(live_notes),
         "peak_reserved_bytes": max(peak_reserved[0], end_reserved) if end_reserved is not None else None,
         "oom_events": stats["oom_events"],
+        **counted_since(counters, resource),
         "latencies_ns": {"allocate": lat[0], "free": lat[1]},
     }
+
+
+def pool_counters(resource: Any) -> tuple[int, int] | None:
+    """The synchronisations and cross-stream waits made so far by the pool of streampool's
+    own in ``resource``'s stack (itself, or beneath its adaptors: the sharded pool, the
+    arena), or None where there is none."""
+    while isinstance(resource, mr.UpstreamResourceAdaptor) and not isinstance(
+        resource, (mr.ShardedPoolMemoryResource, mr.ArenaMemoryResource)
+    ):
+        resource = resource.upstream
+    if not isinstance(resource, (mr.ShardedPoolMemoryResource, mr.ArenaMemoryResource)):
+        return None
+    stats = resource.stats
+    return stats["synchronizations"], stats["cross_stream_waits"]
+
+
+def counted_since(before: tuple[int, int] | None, resource: Any) -> dict[str, int | None]:
+    """``synchronizations`` and ``waits`` made by ``resource``'s pool since ``before``
+    (:func:`pool_counters`), None each where it has no pool of streampool's own."""
+    now = pool_counters(resource)
+    if before is None or now is None:
+        return {"synchronizations": None, "waits": None}
+    return {"synchronizations": now[0] - before[0], "waits": now[1] - before[1]}
 
 
 def peak_of_notes(notes: list[tuple[int, int]]) -> int:

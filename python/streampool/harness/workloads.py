@@ -295,6 +295,7 @@ class _Meter:
         self.lat: tuple[list[int], list[int]] = ([], [])
         self.live = self.peak_live = self.peak_reserved = 0
         self.oom = 0
+        self.counters = _trace.pool_counters(candidate.resource)
 
     def allocate(self, size: int, stream: Stream, mine: list[int]) -> int | None:
         allocate, clock = self._allocate, time.perf_counter_ns
@@ -349,6 +350,7 @@ class _Meter:
             "peak_live_bytes": self.peak_live,
             "peak_reserved_bytes": reserved,
             "oom_events": self.oom,
+            **_trace.counted_since(self.counters, self.candidate.resource),
             "latencies_ns": {"allocate": self.lat[0], "free": self.lat[1]},
         }
 
@@ -491,6 +493,7 @@ def pipeline(
         out["throughput"] = out["chunks_per_second"]
         out["unit"] = "chunks/s"
         out["driver"] = "native"
+        out["streams"] = 2 * threads  # a producer's and a consumer's per pair
         return out
     kernels = _kernels()
     meter = _Meter(candidate)
@@ -544,6 +547,7 @@ def pipeline(
     out = meter.result(seconds, len(meter.lat[1]), "chunks/s")  # each chunk made is freed
     out["driver"] = "python"
     out["host_threads"] = 2 * threads  # a producer and a consumer per pair
+    out["streams"] = 2 * threads  # and a stream each
     out["mismatches"] = mismatches[0]
     out["checked"] = checked[0]
     out["compute_iterations"] = iterations

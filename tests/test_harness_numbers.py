@@ -1,0 +1,144 @@
+"""The harness's figures against answers known in advance: percentile ranks, a log that
+crosses midnight, a spec given twice, the pool's synchronisations and waits on every path,
+the latencies of the median run, and the streams a pipeline uses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streampool.harness import bench, specs, trace, workloads
+from streampool.harness.specs import SpecError, make_resource
+from streampool.harness.trace import FREE
+
+
+def test_percentiles_are_nearest_rank_as_the_native_side_ranks_them() -> None:
+    hundred = list(range(1, 101))
+    assert trace.percentiles(hundred) == {"p50": 50, "p90": 90, "p99": 99, "p999": 100, "max": 100}
+    assert trace.quantile(list(range(1, 1001)), 0.999) == 999
+    assert trace.quantile([10, 20], 0.5) == 10
+    assert trace.quantile([7], 0.5) == trace.quantile([7], 0.999) == 7
+    assert trace.quantile([], 0.5) == 0
+
+
+def test_a_log_crossing_midnight_with_lines_out_of_order_spans_microseconds(tmp_path: Path) -> None:
+    # Threads stamp, then write, unlocked: a line stamped before midnight can follow one
+    # stamped after it.
+    log = tmp_path / "midnight.csv"
+    log.write_text(
+        "Thread,Time,Action,Pointer,Size,Stream\n"
+        "1,23:59:59.999990,allocate,0x1000,1024,0\n"
+        "2,00:00:00.000001,allocate,0x2000,1024,0\n"
+        "1,23:59:59.999995,free,0x1000,1024,0\n"
+        "2,00:00:00.000010,free,0x2000,1024,0\n"
+    )
+    t = trace.read_log(str(log))
+    times = {(r[2], r[5]): r[0] for r in t.records}
+    assert max(times.values()) == 20_000  # 23:59:59.999990 to 00:00:00.000010
+    assert times[(0, FREE)] == 5_000  # 5 µs after its allocation, not a day
+    # A log that crosses midnight in order still counts on.
+    log.write_text(
+        "Thread,Time,Action,Pointer,Size,Stream\n"
+        "1,23:59:59.5,allocate,0x1000,1024,0\n"
+        "1,00:00:00.5,free,0x1000,1024,0\n"
+    )
+    assert [r[0] for r in trace.read_log(str(log)).records] == [0, 1_000_000_000]
+
+
+@pytest.mark.parametrize(
+    "given", ["async,async", "pool(async),pool( async )", "stats(pool(async)),async,stats(pool(async))"]
+)
+def test_a_spec_given_twice_is_refused(given: str) -> None:
+    with pytest.raises(SpecError, match="is given twice"):
+        specs.split_specs(given)
+    with pytest.raises(SpecError, match="is given twice"):  # from Python too, before anything runs
+        bench.measure("window", _split_raw(given), repeats=1, params={"allocations": 10})
+
+
+def _split_raw(text: str) -> list[str]:
+    """``text`` split at top-level commas without the check."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
+def test_the_command_line_refuses_a_spec_given_twice() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "streampool", "bench", "window", "--resources", "async,async", "--quick"],
+        capture_output=True,
+        text=True,
+        env={"STREAMPOOL_DEVICE": "sim", "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 2, out.stderr
+    assert "'async' is given twice" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_pool_s_synchronisations_and_waits_are_reported_on_every_path() -> None:
+    # The kernel workloads (Python threads) and the Python replayer, as the native ones do.
+    out = workloads.run("multistream", make_resource("pool(async)"), threads=2, streams=3, iterations=20)
+    assert isinstance(out["synchronizations"], int) and isinstance(out["waits"], int)
+    out = workloads.run("multistream", make_resource("stats(pool(async))"), threads=2, iterations=5)
+    assert isinstance(out["waits"], int)
+    assert workloads.run("multistream", make_resource("async"), iterations=5)["waits"] is None
+    t = workloads.window_trace(allocations=50, threads=2)
+    for native in (True, False):
+        if native and not trace.native_replay_available():
+            continue
+        out = trace.replay(make_resource("pool(async)").resource, t, gap_scale=0.0, native=native)
+        assert isinstance(out["synchronizations"], int) and isinstance(out["waits"], int), native
+    # Counted from the run's start: a pool's earlier work is not the run's.
+    pool = make_resource("pool(async)")
+    workloads.run("multistream", pool, threads=2, streams=3, iterations=20)
+    before = trace.pool_counters(pool.resource)
+    again = workloads.run("multistream", pool, threads=1, iterations=1)
+    after = trace.pool_counters(pool.resource)
+    assert before is not None and after is not None
+    assert (again["synchronizations"], again["waits"]) == (after[0] - before[0], after[1] - before[1])
+
+
+def _run(resource: str, repeat: int, throughput: float, p50: int) -> dict[str, Any]:
+    lat = {"p50": p50, "p90": p50, "p99": p50, "p999": p50, "max": p50}
+    return {
+        "resource": resource,
+        "threads": 1,
+        "streams": 1,
+        "repeat": repeat,
+        "unit": "events/s",
+        "throughput": throughput,
+        "seconds": 1.0,
+        "alloc_seconds": 0.1,
+        "allocate": lat,
+        "free": lat,
+        "peak_live_bytes": 1,
+        "peak_reserved_bytes": 1,
+        "oom_events": 0,
+    }
+
+
+def test_of_two_runs_the_latencies_shown_are_the_slower_run_s() -> None:
+    (row,) = bench.summarise([_run("async", 0, 200.0, 100), _run("async", 1, 100.0, 900)], ["async"])
+    assert row["throughput"]["median"] == 150.0 and row["allocate"]["p50"] == 900
+    (row,) = bench.summarise(
+        [_run("async", i, tp, int(tp)) for i, tp in enumerate((3.0, 1.0, 2.0))], ["async"]
+    )
+    assert row["allocate"]["p50"] == 2  # of three, the median run's
+
+
+def test_a_pipeline_reports_its_two_streams_per_pair() -> None:
+    for driver in ("native", "python"):
+        runs, summary = bench.measure(
+            "pipeline",
+            ["pool(async)"],
+            threads=[2],
+            repeats=1,
+            params={"chunks": 4, "chunk_size": "64KiB", "kernel_us": 0, "driver": driver},
+        )
+        assert runs[0]["streams"] == summary[0]["streams"] == 4, driver
