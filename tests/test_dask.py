@@ -166,6 +166,31 @@ def test_bad_input_names_the_argument_and_the_devices(two_devices: SimulatedDevi
     streampool.DeviceBuffer(size=256, mr=streampool.get_per_device_resource(0))
 
 
+@pytest.mark.nosim
+def test_a_bad_spec_is_refused_on_the_client_and_a_failed_setup_leaves_no_plugin() -> None:
+    # The client refuses what the spec's form shows, before any worker sees it.
+    for bad in (
+        "pool(async, bogus=3)",
+        "pool(cuda, cuda)",
+        "limit(async)",
+        "pool(async, initial=abc)",
+        "stats(async, x=1)",
+    ):
+        with pytest.raises(ValueError, match=r"unknown resource|resource spec"):
+            StreampoolPlugin(bad)
+    # What only the resource judges fails on the worker: the plugin is not left behind.
+    with (
+        SimulatedDevice(capacity_bytes="64MiB"),
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        with pytest.raises(ValueError, match="gather_interval"):
+            streampool.dask.register(client, "pool(async, gather_interval=-1)", device=0)
+        plugins = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.worker_plugins))
+        assert "streampool" not in plugins
+        streampool.dask.register(client, "pool(async)", device=0)  # a good one still goes in
+
+
 def test_worker_resource_outside_a_worker_is_refused() -> None:
     for function in (streampool.dask.worker_resource, streampool.dask.worker_device):
         with pytest.raises(RuntimeError, match=r"worker_resource\(\) and worker_device\(\) are for tasks"):

@@ -9,7 +9,14 @@ import pytest
 import streampool
 from streampool import mr
 from streampool.harness import specs
-from streampool.harness.specs import PeerMissingError, SpecError, make_resource, split_specs
+from streampool.harness.specs import (
+    VALID_SPECS,
+    PeerMissingError,
+    SpecError,
+    check_spec,
+    make_resource,
+    split_specs,
+)
 
 OURS = {
     "async": mr.CudaAsyncMemoryResource,
@@ -89,6 +96,26 @@ def test_split_specs_at_top_level_commas_only() -> None:
 def test_bad_specs_are_refused_naming_the_valid_ones(text: str, match: str) -> None:
     with pytest.raises(SpecError, match=match):
         make_resource(text)
+    if "gather_interval" not in text:  # a value only the resource judges, when it is made
+        with pytest.raises(SpecError):
+            check_spec(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["limit(async)", "stats(pool(async), x=1)", "pool(async, initial=abc)", "latency(async, x=1)", "latency"],
+)
+def test_check_spec_refuses_what_make_resource_refuses(text: str) -> None:
+    with pytest.raises(SpecError) as made:
+        make_resource(text)
+    with pytest.raises(SpecError) as checked:
+        check_spec(text)
+    assert str(checked.value) == str(made.value)
+
+
+@pytest.mark.parametrize("text", VALID_SPECS)
+def test_check_spec_passes_every_valid_spec(text: str) -> None:
+    check_spec(text.replace("X", "pool(async)"))  # X: any upstream
 
 
 def test_peers_are_refused_on_the_simulated_device() -> None:

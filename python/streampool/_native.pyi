@@ -157,7 +157,7 @@ class Stream:
 
         s = streampool.Stream()                                       # new, non-blocking
         b = streampool.Stream(flags=mr.CudaStreamFlags.SYNC_DEFAULT)  # new, blocking
-        t = streampool.Stream(torch.cuda.current_stream())            # torch's, wrapped
+        t = streampool.Stream(torch.cuda.current_stream())            # torch's (PyTorch, a GPU)
     """
 
     def __new__(
@@ -814,6 +814,8 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
 
         Example::
 
+            pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())
+            pool.deallocate(pool.allocate(1 << 20), 1 << 20)
             pool.release()
             pool.upstream.trim_to(0)   # and the device's pool gives it to the system
         """
@@ -1580,10 +1582,10 @@ class LatencyHistogramResourceAdaptor(UpstreamResourceAdaptor):
 
     Example::
 
-        mr = streampool.mr.LatencyHistogramAdaptor(streampool.mr.CudaAsyncMemoryResource())
-        p = mr.allocate(1 << 20)
-        mr.deallocate(p, 1 << 20)
-        print(mr.histogram()["allocate"]["p99_ns"])
+        timed = mr.LatencyHistogramResourceAdaptor(mr.CudaAsyncMemoryResource())
+        p = timed.allocate(1 << 20)
+        timed.deallocate(p, 1 << 20)
+        print(timed.histogram()["allocate"]["p99_ns"])
     """
 
     def __new__(cls, upstream_mr: MemoryResource) -> LatencyHistogramResourceAdaptor: ...

@@ -215,8 +215,8 @@ def reinitialize(
 
     Example::
 
-        >>> streampool.reinitialize(pool_allocator=True, maximum_pool_size="8GiB", devices=[0, 1])
-        >>> type(streampool.mr.get_per_device_resource(1)).__name__
+        >>> streampool.reinitialize(pool_allocator=True, maximum_pool_size="8GiB", devices=[0])
+        >>> type(streampool.mr.get_per_device_resource(0)).__name__
         'PoolMemoryResource'
     """
     pool_allocator = _flag("pool_allocator", pool_allocator)
@@ -271,7 +271,11 @@ def register_reinitialize_hook(func: _F, *args: Any, **kwargs: Any) -> _F:
     (hooks run latest first), as RMM's; returns ``func``. TypeError when it is not
     callable::
 
-        >>> streampool.register_reinitialize_hook(cache.clear)
+        >>> cache = {"x": 1}
+        >>> _ = streampool.register_reinitialize_hook(cache.clear)  # returns cache.clear
+        >>> streampool.reinitialize()
+        >>> cache
+        {}
     """
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
@@ -282,6 +286,8 @@ def register_reinitialize_hook(func: _F, *args: Any, **kwargs: Any) -> _F:
 def unregister_reinitialize_hook(func: Callable[..., object]) -> None:
     """Removes every registration of ``func`` (nothing when it has none)::
 
+    >>> cache = {}
+    >>> _ = streampool.register_reinitialize_hook(cache.clear)
     >>> streampool.unregister_reinitialize_hook(cache.clear)
     """
     _reinitialize_hooks[:] = [h for h in _reinitialize_hooks if h[0] != func]
@@ -337,8 +343,8 @@ def get_log_filenames() -> dict[int, str | None]:
     """The log file of each configured device (None where it does not log), as RMM's::
 
     >>> streampool.reinitialize(devices=[0], logging=True, log_file_name="rmm.log")
-    >>> streampool.mr.get_log_filenames()
-    {0: '/home/me/rmm.dev0.log'}
+    >>> streampool.mr.get_log_filenames()  # doctest: +ELLIPSIS
+    {0: '.../rmm.dev0.log'}
     """
     out: dict[int, str | None] = {}
     for d in _logging_devices():

@@ -14,21 +14,24 @@ runs it on simulated devices instead)::
     import streampool
     import streampool.dask
 
-    with LocalCluster(n_workers=2, threads_per_worker=4) as cluster, Client(cluster) as client:
-        streampool.dask.register(client, "pool")  # one sharded pool per worker's GPU
 
-        def work(nbytes):
-            buf = streampool.DeviceBuffer(size=nbytes, mr=streampool.dask.worker_resource())
-            return buf.device
+    def work(nbytes):
+        buf = streampool.DeviceBuffer(size=nbytes, mr=streampool.dask.worker_resource())
+        return buf.device
 
-        print(client.gather(client.map(work, [1 << 20] * 8, pure=False)))
-        print(streampool.dask.statistics(client))
+
+    if __name__ == "__main__":  # the worker processes import this script: start the cluster once
+        with LocalCluster(n_workers=2, threads_per_worker=4) as cluster, Client(cluster) as client:
+            streampool.dask.register(client, "pool")  # one sharded pool per worker's GPU
+            print(client.gather(client.map(work, [1 << 20] * 8, pure=False)))
+            print(streampool.dask.statistics(client))
 
 Needs ``distributed`` (``pip install 'streampool[dask]'``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import threading
@@ -295,7 +298,14 @@ def register(
     """Registers a :class:`StreampoolPlugin` with ``client``'s cluster: the workers there now
     and those that join later install the resource. Returns the plugin."""
     plugin = StreampoolPlugin(resource, device=device, statistics=statistics)
-    client.register_plugin(plugin)
+    try:
+        client.register_plugin(plugin)
+    except BaseException:
+        # A worker's setup failed (a value only the resource judges, a device it lacks): the
+        # plugin would stay with the scheduler and fail every worker that joins later.
+        with contextlib.suppress(Exception):
+            client.unregister_worker_plugin(plugin.name)  # type: ignore[no-untyped-call]
+        raise
     return plugin
 
 

@@ -524,21 +524,42 @@ def make_resource(text: str) -> Candidate:
 
 def check_spec(text: str) -> None:
     """Checks a spec string without making anything: SpecError (a ValueError) naming what
-    does not parse or names no resource, listing the valid ones."""
+    does not parse, names no resource (listing the valid ones), has the wrong number of
+    upstreams, an option the resource does not take, lacks one it needs, or gives an
+    option a value of the wrong form (a size, a number, true or false), as
+    :func:`make_resource` would. What only the resource can judge (a value out of its
+    range) is found when it is made. Example::
 
-    def walk(spec: Spec) -> None:
+        from streampool.harness import check_spec
+        check_spec("pool(async, initial=1GiB)")  # fine
+        check_spec("pool(async, bogus=3)")  # SpecError: pool has no option 'bogus' (...)
+    """
+
+    def walk(spec: Spec, top: bool) -> None:
         if ":" in spec.name:
             lib, _, name = spec.name.partition(":")
             inner = str(Spec(name, spec.args, spec.options))
             if f"{lib}:{inner}" not in PEER_SPECS:
                 raise SpecError(f"unknown peer resource {str(spec)!r}. {_valid()}")
+            if not top:
+                raise SpecError(
+                    f"resource spec {spec}: a peer library's resource cannot be the upstream of "
+                    "streampool's pools and adaptors; measure it on its own"
+                )
             return
-        if spec.name not in _OURS and spec.name != "latency":
+        if spec.name == "latency":
+            n, allowed = 1, {}
+        elif spec.name in _OURS:
+            n, allowed = _OURS[spec.name][0], _OURS[spec.name][1]
+        else:
             raise SpecError(f"unknown resource {spec.name!r} in spec {str(spec)!r}. {_valid()}")
+        _arity(spec, n)
+        _options(spec, allowed)
+        _required(spec)
         for arg in spec.args:
-            walk(arg)
+            walk(arg, False)
 
-    walk(parse_spec(text))
+    walk(parse_spec(text), True)
 
 
 def resource_from_spec(text: str, device: int | None = None) -> mr.MemoryResource:

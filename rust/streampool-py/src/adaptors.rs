@@ -349,6 +349,13 @@ impl PyStatisticsResourceAdaptor {
 /// a list of (upper bound in ns, calls). With STREAMPOOL_NVTX=1 in the environment, each
 /// call is also an NVTX range, for Nsight Systems timelines (the NVTX library is loaded
 /// at run time; without it, a warning once).
+///
+/// Example::
+///
+///     timed = mr.LatencyHistogramResourceAdaptor(mr.CudaAsyncMemoryResource())
+///     p = timed.allocate(1 << 20)
+///     timed.deallocate(p, 1 << 20)
+///     print(timed.histogram()["allocate"]["p99_ns"])
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "LatencyHistogramResourceAdaptor")]
 pub struct PyLatencyHistogramResourceAdaptor {
@@ -893,6 +900,19 @@ impl MemoryResource for CallbackResource {
 /// unchanged; an allocate result that is not an int raises TypeError there, and an address
 /// that is not 256-byte aligned is given back to `deallocate_func` and refused
 /// (InvalidArgumentError).
+///
+/// Example::
+///
+///     base = mr.CudaAsyncMemoryResource()
+///
+///     def allocate(size, stream):
+///         print(f"allocating {size} bytes")
+///         return base.allocate(size, stream)
+///
+///     def deallocate(ptr, size, stream):
+///         base.deallocate(ptr, size, stream)
+///
+///     streampool.set_current_device_resource(mr.CallbackMemoryResource(allocate, deallocate))
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "CallbackMemoryResource")]
 pub struct PyCallbackMemoryResource {
@@ -1044,6 +1064,11 @@ impl PyBinningMemoryResource {
     /// `FixedSizeMemoryResource` of that block size when None. For a size that has a bin
     /// already: None changes nothing (as RMM), a resource replaces the bin's (ValueError
     /// while that bin has allocations outstanding).
+    ///
+    /// Example::
+    ///
+    ///     binning = mr.BinningMemoryResource(mr.CudaAsyncMemoryResource(), 10, 20)
+    ///     binning.add_bin(1 << 15, mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource()))
     #[pyo3(signature = (allocation_size, bin_resource=None))]
     fn add_bin(
         &self,

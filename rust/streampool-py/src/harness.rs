@@ -191,6 +191,14 @@ macro_rules! set_shared {
 /// alloc_id, thread, stream, op with 0 = allocate and 1 = free) on `resource`: one native
 /// thread per recorded thread, one stream per recorded stream, the recorded gaps scaled
 /// by `gap_scale` (0: as fast as possible). Returns the measurements as a dict.
+///
+/// Example::
+///
+///     import struct, streampool
+///     rec = struct.Struct("<QQQIIB7x")
+///     log = rec.pack(0, 1024, 1, 0, 0, 0) + rec.pack(5000, 1024, 1, 0, 0, 1)
+///     report = streampool._native.replay(streampool.mr.CudaAsyncMemoryResource(), log, gap_scale=0)
+///     print(report["allocate_ns"]["p50"])
 #[pyfunction]
 #[pyo3(signature = (resource, records, *, gap_scale = 1.0))]
 pub(crate) fn replay<'py>(

@@ -154,6 +154,13 @@ impl PyShardedPool {
     /// released. Over the device's default pool (`CudaAsyncMemoryResource()`), which keeps
     /// what is freed into it, warns how much that pool still holds: its `trim_to(0)` hands
     /// it to the system.
+    ///
+    /// Example::
+    ///
+    ///     pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())
+    ///     pool.deallocate(pool.allocate(1 << 20), 1 << 20)
+    ///     pool.release()
+    ///     pool.upstream.trim_to(0)   # and the device's pool gives it to the system
     fn release(slf: &Bound<'_, Self>) -> PyResult<usize> {
         release_and_warn(slf.as_any(), slf.get().inner.clone(), "ShardedPoolMemoryResource")
     }

@@ -644,6 +644,10 @@ pub(crate) fn _reset_device_resources(py: Python<'_>) -> PyResult<()> {
 
 /// `(free, total)` bytes of `device`'s memory (the current device when None), as the
 /// driver reports them (`cuMemGetInfo`): RMM's `available_device_memory()`.
+///
+/// Example::
+///
+///     free, total = mr.available_device_memory()
 #[pyfunction]
 #[pyo3(signature = (device=None))]
 pub(crate) fn available_device_memory(

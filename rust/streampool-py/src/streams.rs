@@ -26,6 +26,12 @@ use crate::errors::{detached, OrRaise};
 /// `Stream(obj)`, as RMM's: wraps another library's stream (an object with
 /// `__cuda_stream__`, a `torch.cuda.Stream`, a `cupy.cuda.Stream`, a Numba stream, or a
 /// `streampool.Stream`), keeping `obj` alive.
+///
+/// Example::
+///
+///     s = streampool.Stream()                                       # new, non-blocking
+///     b = streampool.Stream(flags=mr.CudaStreamFlags.SYNC_DEFAULT)  # new, blocking
+///     t = streampool.Stream(torch.cuda.current_stream())            # torch's (PyTorch, a GPU)
 #[derive(Debug)]
 #[pyclass(frozen, module = "streampool", name = "Stream")]
 pub struct PyStream {
