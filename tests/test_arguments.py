@@ -228,3 +228,100 @@ def test_buffer_argument_errors(args: tuple[object, ...], kwargs: dict[str, obje
         streampool.DeviceBuffer(*args, **kwargs)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=re.escape("size must be >= 0, got -1")):
         streampool.DeviceBuffer(size=-1)
+
+
+# --- what a hostile argument gets: the user's own exception, or one naming the argument ---
+
+
+class RaisingIndex:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __index__(self) -> int:
+        raise self.error
+
+
+class StrIndex:
+    def __index__(self) -> str:  # type: ignore[override]
+        return "5"
+
+
+def test_an_index_that_raises_reaches_the_caller_unchanged(res: mr.MemoryResource) -> None:
+    for error in (RuntimeError("mine"), KeyboardInterrupt()):
+        with pytest.raises(type(error)):
+            res.allocate(RaisingIndex(error))  # type: ignore[arg-type]
+        with pytest.raises(type(error)):
+            streampool.parse_size(RaisingIndex(error))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"__index__ returned non-int \(type str\)"):
+        res.allocate(StrIndex())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="__index__ returned non-int"):
+        streampool.DeviceBuffer(size=8).prefetch(device=StrIndex())  # type: ignore[arg-type]
+    res.deallocate(res.allocate(256), 256)  # still usable
+
+
+def test_the_native_pipeline_s_counts_are_named() -> None:
+    from streampool import _native
+
+    r = mr.CudaAsyncMemoryResource()
+    for kw, error, match in [
+        ({"pairs": -1}, ValueError, "pairs must be >= 1, got -1"),
+        ({"pairs": 2**64}, ValueError, "pairs must be <= 512"),
+        ({"pairs": True}, TypeError, "pairs must be an int, not bool"),
+        ({"check_every": True}, TypeError, "check_every must be an int, not bool"),
+        ({"queue_depth": 0}, ValueError, "queue_depth must be >= 1"),
+        ({"null_call_us": 1}, ValueError, "null_call_us needs long_call_us"),
+        ({"null_call_us": 101, "long_call_us": 1}, ValueError, "null_call_us must be at most 100"),
+    ]:
+        with pytest.raises(error, match=match):
+            _native.pipeline(r, chunks_per_pair=1, kernel_us=0, **kw)
+    assert _native.pipeline(r, pairs=1, chunks_per_pair=2, kernel_us=0)["chunks"] == 2
+
+
+def test_an_ipc_import_s_fd_and_pid_are_named() -> None:
+    from streampool.ipc import IpcImportedMemoryResource
+
+    for fd, pid, error, match in [
+        (2**31, 1, ValueError, "fd must be <= 2147483647"),
+        (3, -1, ValueError, "pid must be >= 0"),
+        (True, 1, TypeError, "fd must be an int, not bool"),
+    ]:
+        with pytest.raises(error, match=match):
+            IpcImportedMemoryResource(fd, b"x" * 64, 256, pid, 0)
+
+
+def test_a_log_parser_does_not_take_an_int_for_a_file_descriptor() -> None:
+    import os
+
+    from streampool import logs
+    from streampool.harness import trace
+
+    read, write = os.pipe()
+    os.write(write, b"x")
+    os.close(write)  # a parser that read it would not block
+    try:
+        for parse in (logs.parse_log, logs.parse_log_file, trace.read_log):
+            with pytest.raises(TypeError, match="must be a str"):
+                parse(read)  # type: ignore[arg-type]
+        assert os.read(read, 1) == b"x"  # neither read nor closed
+    finally:
+        os.close(read)
+
+
+def test_bench_measure_refuses_nonsense_arguments_naming_them() -> None:
+    from streampool.harness import bench, specs
+
+    for kwargs, error, match in [
+        ({"specs": "async"}, TypeError, "specs must be a non-empty list"),
+        ({"specs": []}, TypeError, "specs must be a non-empty list"),
+        ({"threads": b"24"}, TypeError, "threads must be an iterable"),
+        ({"threads": []}, ValueError, "at least one thread count"),
+        ({"repeats": 0}, ValueError, "repeats must be an int >= 1"),
+        ({"repeats": True}, ValueError, "repeats must be an int >= 1"),
+    ]:
+        args = {"specs": ["async"], "threads": [1], "repeats": 1} | kwargs
+        with pytest.raises(error, match=match):
+            bench.measure("window", params={"allocations": 10}, **args)
+    with pytest.raises(TypeError, match="a resource spec must be a str, not list"):
+        specs.make_resource(["async"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must be a str, not int"):
+        specs.split_specs(5)  # type: ignore[arg-type]

@@ -28,6 +28,8 @@ def parse_log_text(text: str | bytes) -> list[LogEvent]:
 def parse_log_file(path: str | os.PathLike[str]) -> list[LogEvent]:
     """The events of the log in the file ``path`` (see :func:`parse_log_text`); OSError
     when the file cannot be read."""
+    if not isinstance(path, (str, os.PathLike)):  # open() would take an int as a descriptor, and close it
+        raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
     with open(path, encoding="utf-8") as f:
         return parse_log_text(f.read())
 
@@ -40,8 +42,11 @@ def parse_log(source: str | bytes | os.PathLike[str]) -> list[LogEvent]:
     with the header). A log's text of one line without its header would be taken for a
     path: where it matters, say which it is with :func:`parse_log_text` or
     :func:`parse_log_file`. Raises InvalidArgumentError (a ValueError) naming the line
-    that does not parse, and OSError when the file cannot be read.
+    that does not parse, OSError when the file cannot be read, and TypeError for anything
+    else (an int is not taken for a file descriptor).
     """
+    if not isinstance(source, (str, bytes, os.PathLike)):
+        raise TypeError(f"source must be a str, bytes or os.PathLike, not {type(source).__name__}")
     if isinstance(source, bytes) or (
         isinstance(source, str) and ("\n" in source or source.lstrip("\ufeff").startswith(LOG_HEADER))
     ):

@@ -78,7 +78,10 @@ def _tokens(text: str) -> list[str]:
 
 
 def parse_spec(text: str) -> Spec:
-    """Parses one spec string (no resource is made); SpecError when it does not parse."""
+    """Parses one spec string (no resource is made); SpecError when it does not parse,
+    TypeError when it is not a str."""
+    if not isinstance(text, str):
+        raise TypeError(f"a resource spec must be a str, not {type(text).__name__}")
     tokens = _tokens(text)
 
     def parse(i: int) -> tuple[Spec, int]:
@@ -121,6 +124,8 @@ def parse_spec(text: str) -> Spec:
 def split_specs(text: str) -> list[str]:
     """Splits ``--resources`` at top-level commas: ``"async,pool(async, initial=1GiB)"``
     is two specs."""
+    if not isinstance(text, str):
+        raise TypeError(f"resource specs must be a str, not {type(text).__name__}")
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(text):
         depth += ch == "("

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import os
 import re
 import struct
 import threading
@@ -215,7 +216,10 @@ def read_log(path: str, *, skip_malformed: bool = False) -> Trace:
     bad line by number (its ``trace`` holds the rest); with ``skip_malformed`` the bad
     lines are left out and counted in the trace's ``malformed`` attribute instead. A time
     out of range (``MAX_LOG_TIME_S``) makes a line malformed. An empty log, or its header
-    alone, is a trace of no events. OSError when the file cannot be read."""
+    alone, is a trace of no events. OSError when the file cannot be read; TypeError when
+    ``path`` is not a path (an int is not taken for a file descriptor)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read()
     try:

@@ -802,12 +802,7 @@ fn stream_object(py: Python<'_>, stream: &Stream) -> PyResult<Py<PyStream>> {
 /// as a NumPy integer, but not a bool) in `0..2**64`, else TypeError or ValueError, naming
 /// what came back.
 fn returned_ptr(answer: &Bound<'_, PyAny>) -> PyResult<DevPtr> {
-    let int = match answer.is_instance_of::<PyBool>() {
-        true => None,
-        false if answer.is_instance_of::<PyInt>() => Some(answer.clone()),
-        false => answer.call_method0("__index__").ok(),
-    };
-    let Some(answer) = int else {
+    let Some(answer) = crate::as_index(answer)? else {
         let ty = answer.get_type().fully_qualified_name()?;
         return Err(PyTypeError::new_err(format!(
             "the allocate function of a CallbackMemoryResource must return the address as an int, not {ty}"

@@ -9,7 +9,7 @@ use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyByteArray, PyBytes, PyCapsule, PyDict, PyInt, PyString, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyCapsule, PyDict, PyString, PyTuple};
 use streampool::device::{self, Advice, BackendRef, DevPtr, Location};
 use streampool::{managed, Allocation, Error, Stream};
 
@@ -619,12 +619,7 @@ fn location_arg(obj: Option<&Bound<'_, PyAny>>, default: Location) -> PyResult<L
         };
     }
     // An int, or anything with `__index__` (numpy integers), but not a bool.
-    let int = match obj.is_instance_of::<PyBool>() {
-        false if obj.is_instance_of::<PyInt>() => Some(obj.clone()),
-        false => obj.call_method0("__index__").ok(),
-        true => None,
-    };
-    let Some(int) = int else {
+    let Some(int) = crate::as_index(obj)? else {
         let ty = obj.get_type().fully_qualified_name()?;
         return Err(PyTypeError::new_err(format!(
             "device must be a device ordinal (an int >= 0), \"host\" or None, not {ty}"

@@ -223,17 +223,22 @@ pub(crate) fn replay<'py>(
 /// The producer/consumer pipeline across streams, driven from native threads (see
 /// `streampool._native.pipeline` in the stubs). Returns the measurements as a dict.
 #[pyfunction]
-#[pyo3(signature = (resource, *, pairs = 1, chunk_bytes = None, chunks_per_pair = 1000, kernel_us = 20.0, queue_depth = 4, check_every = 1, long_call_us = 0.0, null_call_us = 0.0))]
+// The counts are taken as objects (None: the default shown) so that each is checked and
+// named by the binding's one count conversion.
+#[pyo3(
+    signature = (resource, *, pairs = None, chunk_bytes = None, chunks_per_pair = None, kernel_us = 20.0, queue_depth = None, check_every = None, long_call_us = 0.0, null_call_us = 0.0),
+    text_signature = "(resource, *, pairs=1, chunk_bytes=None, chunks_per_pair=1000, kernel_us=20.0, queue_depth=4, check_every=1, long_call_us=0.0, null_call_us=0.0)"
+)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn pipeline<'py>(
     py: Python<'py>,
     resource: &Bound<'py, PyMemoryResource>,
-    pairs: usize,
+    pairs: Option<&Bound<'py, PyAny>>,
     chunk_bytes: Option<&Bound<'py, PyAny>>,
-    chunks_per_pair: usize,
+    chunks_per_pair: Option<&Bound<'py, PyAny>>,
     kernel_us: f64,
-    queue_depth: usize,
-    check_every: usize,
+    queue_depth: Option<&Bound<'py, PyAny>>,
+    check_every: Option<&Bound<'py, PyAny>>,
     long_call_us: f64,
     null_call_us: f64,
 ) -> PyResult<Bound<'py, PyDict>> {
@@ -244,6 +249,26 @@ pub(crate) fn pipeline<'py>(
             )));
         }
     }
+    // In the caller's terms (µs), before the options in ns are checked.
+    if null_call_us > 0.0 && long_call_us == 0.0 {
+        return Err(PyValueError::new_err(
+            "pipeline: null_call_us needs long_call_us (the null calls are counted against it)",
+        ));
+    }
+    if null_call_us > 100.0 {
+        return Err(PyValueError::new_err(format!(
+            "pipeline: null_call_us must be at most 100 (0.1 ms), not {null_call_us}"
+        )));
+    }
+    let count = |obj: Option<&Bound<'py, PyAny>>, what: &str, default: usize, min: u64, max: usize| {
+        obj.filter(|o| !o.is_none())
+            .map_or(Ok(default), |o| count_arg(o, what, min, max as u64).map(|n| n as usize))
+    };
+    let pairs = count(pairs, "pairs", 1, 1, core::pipeline::MAX_PAIRS)?;
+    let chunks_per_pair =
+        count(chunks_per_pair, "chunks_per_pair", 1000, 0, core::pipeline::MAX_CHUNKS_PER_PAIR)?;
+    let queue_depth = count(queue_depth, "queue_depth", 4, 1, core::pipeline::MAX_QUEUE_DEPTH)?;
+    let check_every = count(check_every, "check_every", 1, 0, usize::MAX)?;
     let mr = resource.get().inner.clone();
     let o = PipelineOptions {
         pairs,

@@ -12,7 +12,7 @@ use streampool::Error;
 use crate::errors::{detached, OrRaise};
 use crate::resources::PyMemoryResource;
 use crate::streams::to_stream;
-use crate::{ptr_arg, required_device_arg, size_arg};
+use crate::{count_arg, ptr_arg, required_device_arg, size_arg};
 
 /// Exports `nbytes` at `ptr` (a buffer of `mr`, used on `stream`), after synchronising the
 /// stream: `(fd, export_data, nbytes, device, pid)`, where the caller owns `fd`.
@@ -52,12 +52,14 @@ impl PyIpcImportedMemoryResource {
     #[pyo3(signature = (fd, export_data, nbytes, pid, device))]
     fn new(
         py: Python<'_>,
-        fd: i32,
+        fd: &Bound<'_, PyAny>,
         export_data: &[u8],
         nbytes: &Bound<'_, PyAny>,
-        pid: u32,
+        pid: &Bound<'_, PyAny>,
         device: &Bound<'_, PyAny>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let fd = count_arg(fd, "fd", 0, i32::MAX as u64)? as i32;
+        let pid = count_arg(pid, "pid", 0, u32::MAX as u64)? as u32;
         let bytes = size_arg(nbytes, "nbytes")?;
         let device = required_device_arg(device, "device")?;
         // SAFETY: `fcntl(F_GETFD)` only asks whether the descriptor is open.

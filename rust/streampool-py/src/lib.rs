@@ -160,15 +160,33 @@ fn plain_int(obj: &Bound<'_, PyAny>) -> Option<u64> {
     u64::try_from(value).ok()
 }
 
+/// `obj` as an int, as `operator.index` takes it: an int, or what its type's `__index__`
+/// returns; None for a bool and for an object whose type has no `__index__`. An exception
+/// `__index__` raises (KeyboardInterrupt too) is the caller's, as it is; an `__index__`
+/// that returns something other than an int is a TypeError saying so.
+pub(crate) fn as_index<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    if obj.is_instance_of::<PyBool>() {
+        return Ok(None);
+    }
+    if obj.is_instance_of::<PyInt>() {
+        return Ok(Some(obj.clone()));
+    }
+    let ty = obj.get_type();
+    let Ok(method) = ty.getattr("__index__") else { return Ok(None) };
+    let int = method.call1((obj,))?;
+    if !int.is_instance_of::<PyInt>() {
+        return Err(PyTypeError::new_err(format!(
+            "__index__ returned non-int (type {})",
+            int.get_type().fully_qualified_name()?
+        )));
+    }
+    Ok(Some(int))
+}
+
 /// `operator.index(obj)`, refusing bools and naming the argument in the TypeError.
 pub(crate) fn index<'py>(obj: &Bound<'py, PyAny>, what: &str, expected: &str) -> PyResult<Bound<'py, PyAny>> {
-    if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
-        return Ok(obj.clone());
-    }
-    if !obj.is_instance_of::<PyBool>() {
-        if let Ok(int) = obj.call_method0("__index__") {
-            return Ok(int);
-        }
+    if let Some(int) = as_index(obj)? {
+        return Ok(int);
     }
     let ty = obj.get_type().fully_qualified_name()?;
     Err(PyTypeError::new_err(format!("{what} must be {expected}, not {ty}")))
