@@ -392,3 +392,20 @@ def test_no_deadlock_with_python_callbacks_in_the_stack() -> None:
     for p, n in spare:
         pool.deallocate(p, n)
     assert len(lines) > 100
+
+
+def test_a_stream_per_task_passed_as_a_handle_leaves_no_shard_per_task() -> None:
+    """Another library's streams (here: handles as ints) end unseen by the pool: their
+    shards leave once they hold nothing and no thread holds them, so a stream per task
+    keeps the shards, and each new stream's first allocation, bounded."""
+    pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())
+    most = 0
+    for _ in range(2000):
+        s = streampool.Stream()
+        ptr = pool.allocate(4096, s.handle)
+        pool.deallocate(ptr, 4096, s.handle)
+        s.synchronize()
+        most = max(most, len(pool.stats["shard_free_bytes"]))
+    assert most < 700, most
+    stats = pool.stats
+    assert stats["reserved_bytes"] == stats["used_bytes"] + stats["free_bytes"]

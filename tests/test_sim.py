@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -113,3 +116,23 @@ def test_environment_variable_selects_the_simulated_device(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "10"]
     assert out.stderr == ""
+
+
+@pytest.mark.nosim
+def test_the_simulator_s_variables_are_read_once_at_first_use() -> None:
+    """README: read once, at the library's first use; a later change to the environment
+    neither breaks nor changes the device (every lookup re-read them, and /proc, before)."""
+    code = (
+        "import os, streampool\n"
+        "first = streampool.backend_description()\n"
+        "os.environ['STREAMPOOL_SIM_CAPACITY'] = 'lots'\n"
+        "os.environ['STREAMPOOL_SIM_DEVICES'] = '9999'\n"
+        "streampool.Stream()\n"
+        "assert streampool.backend_description() == first, first\n"
+        "print(first)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMPOOL_")}
+    env |= {"STREAMPOOL_DEVICE": "sim", "STREAMPOOL_SIM_CAPACITY": "64MiB"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "64 MiB" in done.stdout

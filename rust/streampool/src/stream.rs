@@ -320,6 +320,12 @@ impl Stream {
         matches!(self.origin, Origin::Owned(_))
     }
 
+    /// True for a borrowed handle (another library's stream, or a handle given as a
+    /// number): neither streampool's own nor a default stream. Its end is not seen here.
+    pub fn is_borrowed(&self) -> bool {
+        matches!(self.origin, Origin::Borrowed { .. })
+    }
+
     /// Whether this is a borrowed handle whose stream its backend knows to be destroyed
     /// (see [`Backend::stream_destroyed`](crate::device::Backend::stream_destroyed)): a
     /// stream this crate made and destroyed, wrapped again by a stream object that outlived

@@ -1083,3 +1083,89 @@ fn resources_dropped_after_the_simulation_record_nothing() {
     let errors = streampool::drop_errors();
     assert!(!errors.recent.iter().any(|m| m.contains(&closed)), "{errors:?}");
 }
+
+/// A program that makes a stream per task and hands the pool its handle (another
+/// library's streams): the pool cannot see those streams end, but their shards leave once
+/// they hold nothing and no thread holds them, so shards stay bounded and a new stream's
+/// look through the others does not grow with every task.
+#[test]
+fn shards_of_borrowed_streams_that_hold_nothing_leave_the_pool() {
+    let (sim, b) = setup(256 * MIB);
+    let p = pool(&b, PoolOptions::default());
+    // A stream used by this thread throughout, borrowed too: its shard is in this thread's
+    // cache, so it stays while held, with its free block.
+    let kept = stream(&b);
+    let kept_view = Stream::borrowed(&b, kept.handle()).unwrap();
+    let held = p.allocate(4096, &kept_view).unwrap();
+    let mut most = 0;
+    for task in 0..3000 {
+        let own = stream(&b);
+        let view = Stream::borrowed(&b, own.handle()).unwrap();
+        let ptr = p.allocate(4096 + 256 * (task % 4), &view).unwrap();
+        sim.write(view.handle(), ptr, 256).unwrap();
+        p.deallocate(ptr, 4096 + 256 * (task % 4), &view).unwrap();
+        own.synchronize(&b, 0).unwrap();
+        most = most.max(p.stats().shard_free_bytes.len());
+        drop((view, own));
+    }
+    let st = p.stats();
+    assert!(most < 1000, "shards peaked at {most}");
+    assert_accounting(&st);
+    // The kept stream's shard is still there and works.
+    p.deallocate(held, 4096, &kept_view).unwrap();
+    let again = p.allocate(4096, &kept_view).unwrap();
+    p.deallocate(again, 4096, &kept_view).unwrap();
+    assert_accounting(&p.stats());
+    assert_no_races(&sim);
+}
+
+/// Threads that each keep one borrowed stream in use while they make a borrowed stream per
+/// task: the sweeps that the tasks' new shards start never take a shard a thread holds
+/// (the kept ones keep their blocks and records), the accounting stays exact, and a
+/// gathering leaves no shard of a borrowed stream that nobody holds.
+#[test]
+fn sweeping_borrowed_shards_under_threads_loses_nothing() {
+    let (sim, b) = setup(256 * MIB);
+    let p = Arc::new(pool(&b, PoolOptions::default()));
+    let barrier = Arc::new(Barrier::new(4));
+    let handles: Vec<_> = (0..4)
+        .map(|t| {
+            let (p, b, barrier) = (p.clone(), b.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let kept = stream(&b);
+                let view = Stream::borrowed(&b, kept.handle()).unwrap();
+                let mut live = Vec::new();
+                barrier.wait();
+                for task in 0..600 {
+                    let size = 512 * (1 + (task + t) % 8);
+                    live.push((p.allocate(size, &view).unwrap(), size));
+                    if live.len() > 4 {
+                        let (ptr, size) = live.remove(0);
+                        p.deallocate(ptr, size, &view).unwrap();
+                    }
+                    let own = stream(&b);
+                    let v = Stream::borrowed(&b, own.handle()).unwrap();
+                    let q = p.allocate(4096, &v).unwrap();
+                    p.deallocate(q, 4096, &v).unwrap();
+                }
+                for (ptr, size) in live {
+                    p.deallocate(ptr, size, &view).unwrap();
+                }
+                kept.synchronize(&b, 0).unwrap();
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let st = p.stats();
+    assert_eq!(st.used_bytes, 0);
+    assert_accounting(&st);
+    // The tasks' streams were never synchronised: their blocks wait in their shards for a
+    // gathering. After one (and with the threads, and their caches, gone) none is left.
+    p.release().unwrap();
+    let st = p.stats();
+    assert!(st.shard_free_bytes.len() <= 1, "{} shards", st.shard_free_bytes.len());
+    assert_accounting(&st);
+    assert_no_races(&sim);
+}

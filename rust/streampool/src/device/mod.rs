@@ -538,6 +538,11 @@ fn env_sim() -> Result<Option<Arc<sim::SimDevice>>> {
     if !env_device().clone()? {
         return Ok(None);
     }
+    // Read once, at the first use: the variables (and the host's memory, for the default
+    // capacity) are not read again on every lookup of the backend.
+    if let Some(sim) = ENV_SIM.get() {
+        return Ok(sim.clone());
+    }
     // Unset: the default; set but not UTF-8: refused, as any other value it cannot read.
     let read = |name: &str| match std::env::var(name) {
         Err(std::env::VarError::NotPresent) => Ok(None),

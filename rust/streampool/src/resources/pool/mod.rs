@@ -233,6 +233,9 @@ pub struct ShardedPoolMemoryResource {
     /// The most bytes seen live (rounded, with the request) when growth was considered:
     /// the footprint budget's base.
     peak_live: AtomicUsize,
+    /// Shards at which the next new one sweeps out the spent shards of borrowed streams
+    /// (`sweep_borrowed`).
+    sweep_at: AtomicUsize,
     counters: Counters,
 }
 
@@ -279,6 +282,8 @@ thread_local! {
 /// Shards a thread keeps (the oldest go first).
 #[cfg(not(loom))]
 const THREAD_CACHE: usize = 64;
+/// Shards at which a new one first sweeps out borrowed streams' spent ones (`sweep_borrowed`).
+const SWEEP_SHARDS: usize = 256;
 
 impl ShardedPoolMemoryResource {
     /// A pool over `upstream`. `maximum_pool_size` below `initial_pool_size` or below 256
@@ -336,6 +341,7 @@ impl ShardedPoolMemoryResource {
             reserved: AtomicUsize::new(0),
             demand: AtomicU64::new(0),
             peak_live: AtomicUsize::new(0),
+            sweep_at: AtomicUsize::new(SWEEP_SHARDS),
             counters: Counters::default(),
         };
         if initial > 0 {
@@ -465,8 +471,13 @@ impl ShardedPoolMemoryResource {
                 return s.clone();
             }
             let owner = stream.is_owned().then(|| stream.handle());
-            let shard = Arc::new(Shard::new(key, &self.options, owner, stream.sync_marks()));
+            let shard =
+                Arc::new(Shard::new(key, &self.options, owner, stream.is_borrowed(), stream.sync_marks()));
             map.insert(key, shard.clone());
+            if map.len() >= self.sweep_at.load(Ordering::Relaxed) {
+                drop(map);
+                self.sweep_borrowed();
+            }
             shard
         };
         let (weak, backend, device) = (Arc::downgrade(&shard), self.backend.clone(), self.device);
@@ -483,6 +494,35 @@ impl ShardedPoolMemoryResource {
             }
         }));
         shard
+    }
+
+    /// Drops the shards of borrowed streams (another library's streams, handles passed as
+    /// ints) that hold nothing, neither free blocks nor live ones, and that no thread
+    /// holds, in its cache of shards or in a call. The pool cannot see such a stream's end,
+    /// so a program that makes a stream per task would otherwise leave a shard per task,
+    /// and every new stream's look through the others would grow with them. Nothing can
+    /// enter a shard that no thread holds once it is out of the map (the map's write lock
+    /// keeps new holders out while it is checked; a look that reaches it through a hint only
+    /// takes from it); the stream's next use makes a new one. Runs when a new shard
+    /// brings the map to `sweep_at`, which then doubles what is left (at least
+    /// `SWEEP_SHARDS`): its cost per new shard stays constant; and after each gathering.
+    fn sweep_borrowed(&self) {
+        let gone: Vec<Arc<Shard>> = {
+            let mut map = write(&self.shards);
+            let spent: Vec<u64> = map
+                .values()
+                .filter(|s| {
+                    s.borrowed
+                        && Arc::strong_count(s) == 1
+                        && s.state.try_lock().is_some_and(|st| st.free.bytes() == 0 && st.used == 0)
+                })
+                .map(|s| s.key)
+                .collect();
+            let gone = spent.iter().filter_map(|k| map.remove(k)).collect();
+            self.sweep_at.store((2 * map.len()).max(SWEEP_SHARDS), Ordering::Relaxed);
+            gone
+        };
+        drop(gone); // their events are destroyed outside the map's lock
     }
 
     /// Every shard but the one of `key`.

@@ -618,9 +618,11 @@ impl ShardedPoolMemoryResource {
         for (shard, e) in shards.iter().zip(closed) {
             shard.state.lock().complete_through(e);
         }
+        drop(shards); // held no more here: the sweep below drops the shards nobody holds
         let mut common = self.common.lock();
         common.gathering();
         self.harvest_completed(&mut common);
+        self.sweep_borrowed();
         Ok(common)
     }
 

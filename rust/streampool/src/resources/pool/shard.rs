@@ -32,6 +32,10 @@ pub(super) struct Shard {
     /// record an event on it (policy step 5). None for the default streams and borrowed
     /// handles, whose end the pool cannot see.
     pub owner: Option<RawStream>,
+    /// The stream is a borrowed handle (another library's, or an int), whose end the pool
+    /// cannot see: the shard leaves the pool when it holds nothing and no thread holds it
+    /// (`ShardedPoolMemoryResource::sweep_borrowed`), and comes back on the stream's next use.
+    pub borrowed: bool,
     pub state: ShardLock<ShardState>,
 }
 
@@ -100,6 +104,7 @@ impl Shard {
         key: u64,
         options: &super::PoolOptions,
         owner: Option<RawStream>,
+        borrowed: bool,
         syncs: Option<Arc<SyncMarks>>,
     ) -> Self {
         let state = ShardState {
@@ -111,7 +116,7 @@ impl Shard {
             free: FreeList::new(options.expandable),
             ..Default::default()
         };
-        Shard { key, owner, state: ShardLock::new(state) }
+        Shard { key, owner, borrowed, state: ShardLock::new(state) }
     }
 
     /// Called as `stream` (this shard's, still alive) is destroyed: covers every free block
