@@ -252,6 +252,13 @@ class CudaAsyncMemoryResource(MemoryResource):
     the resource keeps no record per allocation, so ``deallocate(ptr, 1 << 40)`` is
     accepted and frees the allocation at ``ptr``, whatever its size. Wrap it in a
     TrackingResourceAdaptor to have wrong sizes refused.
+
+    Example::
+
+        pool = mr.CudaAsyncMemoryResource()  # the device's default pool, shared with other libraries
+        own = mr.CudaAsyncMemoryResource(initial_pool_size="1GiB", release_threshold="4GiB")  # a pool of its own
+        ptr = own.allocate(1 << 20)
+        own.deallocate(ptr, 1 << 20)
     """
 
     def __new__(
@@ -370,21 +377,41 @@ class CudaAsyncViewMemoryResource(MemoryResource):
 @final
 class CudaMemoryResource(MemoryResource):
     """Plain device memory (``cuMemAlloc``/``cuMemFree``); every free waits for the device.
-    Sizes are not checked on free (``cuMemFree`` takes no size)."""
+    Sizes are not checked on free (``cuMemFree`` takes no size).
+
+    Example::
+
+        plain = mr.CudaMemoryResource()
+        ptr = plain.allocate(4096)
+        plain.deallocate(ptr, 4096)
+    """
 
     def __new__(cls, device: int | None = None) -> CudaMemoryResource: ...
 
 @final
 class ManagedMemoryResource(MemoryResource):
     """Managed (unified) memory (``cuMemAllocManaged``), for work larger than device memory.
-    Sizes are not checked on free (``cuMemFree`` takes no size)."""
+    Sizes are not checked on free (``cuMemFree`` takes no size).
+
+    Example::
+
+        managed = mr.ManagedMemoryResource()
+        buf = streampool.DeviceBuffer(size=1 << 20, mr=managed)
+        buf.prefetch()  # to the buffer's device, on its stream
+    """
 
     def __new__(cls, device: int | None = None) -> ManagedMemoryResource: ...
 
 @final
 class PinnedHostMemoryResource(MemoryResource):
     """Page-locked host memory (``cuMemHostAlloc``). Sizes are not checked on free
-    (``cuMemFreeHost`` takes no size)."""
+    (``cuMemFreeHost`` takes no size).
+
+    Example::
+
+        pinned = mr.PinnedHostMemoryResource()
+        staging = streampool.DeviceBuffer(size=1 << 20, mr=pinned)
+    """
 
     def __new__(cls, device: int | None = None) -> PinnedHostMemoryResource: ...
 
@@ -397,7 +424,15 @@ def set_current_device_resource(mr: MemoryResource) -> MemoryResource | None:
     when there was none and the initial one cannot be made). ``mr`` must be bound to the
     current device of the current backend (ValueError otherwise). RuntimeWarning when
     memory allocated through the C entry points (PyTorch's allocator) is live on the
-    device: it would be freed through ``mr``, which did not make it."""
+    device: it would be freed through ``mr``, which did not make it.
+
+    Example::
+
+        pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())
+        previous = mr.set_current_device_resource(pool)
+        buf = streampool.DeviceBuffer(size=1 << 20)  # from the pool
+        mr.set_current_device_resource(previous)
+    """
 
 def get_per_device_resource(device: int) -> MemoryResource:
     """The resource of ``device`` (ValueError when it does not exist)."""
@@ -462,7 +497,15 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     It keeps no record per allocation, so it cannot check a free's size; a free of more
     bytes than are in use through it (all scopes together), or when nothing is, is
     certainly wrong and raises InvalidPointerError without reaching the upstream (nothing
-    changes). Takes the upstream's fast path (the GIL kept) where the upstream has one."""
+    changes). Takes the upstream's fast path (the GIL kept) where the upstream has one.
+
+    Example::
+
+        stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+        ptr = stats.allocate(1 << 20)
+        print(stats.allocation_counts.current_bytes)  # 1048576
+        stats.deallocate(ptr, 1 << 20)
+    """
 
     def __new__(cls, upstream_mr: MemoryResource) -> StatisticsResourceAdaptor: ...
     @property
@@ -504,7 +547,15 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
     did not hand out, a double free or a size that does not match raises
     InvalidPointerError, and the upstream is not called. Without ``capture_stacks``, takes
     the upstream's fast path (the GIL kept) where the upstream has one. Each allocation
-    records the Python thread's name and ident (a call into Python per allocation)."""
+    records the Python thread's name and ident (a call into Python per allocation).
+
+    Example::
+
+        tracked = mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource(), capture_stacks=True)
+        ptr = tracked.allocate(4096)
+        print(tracked.get_outstanding_allocations_str())  # where each live allocation was made
+        tracked.deallocate(ptr, 4096)
+    """
 
     def __new__(
         cls, upstream_mr: MemoryResource, capture_stacks: bool = False
@@ -573,7 +624,14 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
     fast path): a file write may block, and a free is logged before it happens. A log
     file that cannot be created raises OSError (FileNotFoundError, PermissionError, ...)
     naming it, at construction; one that cannot be written later raises it from
-    allocate, and is recorded in ``streampool.drop_errors()`` on a free."""
+    allocate, and is recorded in ``streampool.drop_errors()`` on a free.
+
+    Example::
+
+        logged = mr.LoggingResourceAdaptor(mr.CudaAsyncMemoryResource(), log_file_name="alloc.csv")
+        logged.deallocate(logged.allocate(4096), 4096)
+        logged.flush()  # alloc.csv: one line per call, RMM's CSV format
+    """
 
     def __new__(
         cls,
@@ -597,7 +655,15 @@ class LimitingResourceAdaptor(UpstreamResourceAdaptor):
     bytes than are allocated through it is certainly wrong and raises InvalidPointerError
     without reaching the upstream (nothing changes: free it again with the right size).
     The count never goes below 0. Takes the upstream's fast path (the GIL kept) where the
-    upstream has one."""
+    upstream has one.
+
+    Example::
+
+        limited = mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), allocation_limit="1GiB")
+        ptr = limited.allocate(1 << 20)
+        print(limited.get_allocated_bytes())  # 1048576
+        limited.deallocate(ptr, 1 << 20)
+    """
 
     def __new__(cls, upstream_mr: MemoryResource, allocation_limit: _Size) -> LimitingResourceAdaptor: ...
     def get_allocated_bytes(self) -> int:
@@ -614,7 +680,19 @@ class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
     false one (None included) lets the error reach the caller. The callback may free
     memory into the same stack (no lock is held). An exception it raises reaches the caller
     of allocate unchanged. TypeError when ``callback`` is not callable. Frees are passed on as given (the upstream checks
-    sizes where it can)."""
+    sizes where it can).
+
+    Example::
+
+        cache = []
+
+        def on_failure(nbytes):
+            freed = bool(cache)
+            cache.clear()  # give cached buffers back, then try again
+            return freed
+
+        upstream = mr.FailureCallbackResourceAdaptor(mr.CudaAsyncMemoryResource(), on_failure)
+    """
 
     def __new__(
         cls, upstream_mr: MemoryResource, callback: Callable[[int], object]
@@ -624,7 +702,13 @@ class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
 class PrefetchResourceAdaptor(UpstreamResourceAdaptor):
     """Prefetches every allocation to the device on the allocating stream
     (``cuMemPrefetchAsync``), for managed memory. Frees are passed on as given (the
-    upstream checks sizes where it can)."""
+    upstream checks sizes where it can).
+
+    Example::
+
+        prefetched = mr.PrefetchResourceAdaptor(mr.ManagedMemoryResource())
+        buf = streampool.DeviceBuffer(size=1 << 20, mr=prefetched)  # prefetched to the device
+    """
 
     def __new__(cls, upstream_mr: MemoryResource) -> PrefetchResourceAdaptor: ...
 
@@ -644,7 +728,14 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
     (threads short of memory meanwhile find those blocks too). A program
     that makes a stream per task holds a chunk per stream until then; chunks go back to
     the upstream when the resource is dropped (a BinningMemoryResource also gives back
-    its bins' wholly free chunks when a request finds the upstream out of memory)."""
+    its bins' wholly free chunks when a request finds the upstream out of memory).
+
+    Example::
+
+        blocks = mr.FixedSizeMemoryResource(mr.CudaAsyncMemoryResource(), block_size="1MiB")
+        ptr = blocks.allocate(1000)  # any size up to the block size takes one block
+        blocks.deallocate(ptr, 1000)
+    """
 
     def __new__(
         cls,
@@ -675,7 +766,15 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
     When a request finds the upstream out of memory, the bins it made give back their
     chunks whose blocks are all free (after a device synchronisation), and the request is
     tried again: memory a bin took for streams that are gone, or for sizes no longer asked
-    for, serves the other bins and the upstream."""
+    for, serves the other bins and the upstream.
+
+    Example::
+
+        upstream = mr.CudaAsyncMemoryResource()
+        binning = mr.BinningMemoryResource(upstream, 18, 22)  # bins of 256 KiB to 4 MiB
+        ptr = binning.allocate(300_000)  # from the 512 KiB bin
+        binning.deallocate(ptr, 300_000)
+    """
 
     def __new__(
         cls,
@@ -965,6 +1064,13 @@ class DeviceBuffer:
     On the simulated device, ``ptr`` is a host address, useless to real GPU libraries.
     Once that device has been exited the buffer is ``closed``: ``ptr`` and the exports
     raise, since the memory went with the device.
+
+    Example::
+
+        buf = streampool.DeviceBuffer(size=1 << 20)  # from the current device's resource
+        buf.copy_from_host(bytes(range(256)) * 4096)
+        print(list(buf.tobytes()[:4]))  # [0, 1, 2, 3]
+        copy = buf.copy()  # another buffer, its own memory
     """
 
     def __new__(
@@ -1252,7 +1358,13 @@ def parse_size(size: _Size) -> int:
     units (powers of 1000): kB, MB, GB, TB, PB, EB: ``"1GB"`` is 10**9 bytes. Units are
     case-insensitive. A fraction of a byte is dropped (``"1.5"`` is 1), as RMM's
     ``parse_bytes`` does. An int is returned as it is. ValueError for a negative,
-    unparsable or too large size."""
+    unparsable or too large size.
+
+    Example::
+
+        print(streampool.parse_size("1.5 GiB"))  # 1610612736
+        print(streampool.parse_size("1GB"))  # 1000000000
+    """
 
 def backend_description() -> str:
     """What new objects run on, e.g. ``"CUDA driver 13.0"``. CudaDriverNotFoundError when
@@ -1546,6 +1658,12 @@ def pipeline(
     above 100 or without ``long_call_us``) raise
     InvalidArgumentError; a negative or infinite ``long_call_us`` or ``null_call_us``,
     ValueError.
+
+    Example::
+
+        pool = streampool.mr.ShardedPoolMemoryResource(streampool.mr.CudaAsyncMemoryResource())
+        report = streampool._native.pipeline(pool, pairs=2, chunks_per_pair=100, kernel_us=0)
+        print(report["mismatches"])  # 0
     """
 
 @type_check_only

@@ -64,7 +64,11 @@ def setup(larger_than_memory: bool = False, device: int | None = None) -> Memory
 
     Buffers made afterwards without ``mr=`` use it; buffers made before keep theirs.
     TypeError when ``larger_than_memory`` is not True or False (a NumPy bool, 0 and 1 are
-    taken too).
+    taken too). Example::
+
+        >>> type(streampool.setup()).__name__
+        'CudaAsyncMemoryResource'
+        >>> buf = streampool.DeviceBuffer(size=1 << 20)  # from it
     """
     if not _flag("larger_than_memory", larger_than_memory):
         mr: MemoryResource = CudaAsyncMemoryResource(device=device)

@@ -43,7 +43,12 @@ def parse_log(source: str | bytes | os.PathLike[str]) -> list[LogEvent]:
     path: where it matters, say which it is with :func:`parse_log_text` or
     :func:`parse_log_file`. Raises InvalidArgumentError (a ValueError) naming the line
     that does not parse, OSError when the file cannot be read, and TypeError for anything
-    else (an int is not taken for a file descriptor).
+    else (an int is not taken for a file descriptor). Example::
+
+        >>> from streampool.logs import parse_log
+        >>> events = parse_log("Thread,Time,Action,Pointer,Size,Stream\\n1,10:00:00.000001,allocate,0x100,256,0\\n")
+        >>> events[0].action, events[0].size
+        ('allocate', 256)
     """
     if not isinstance(source, (str, bytes, os.PathLike)):
         raise TypeError(f"source must be a str, bytes or os.PathLike, not {type(source).__name__}")

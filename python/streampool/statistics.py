@@ -128,7 +128,13 @@ def statistics() -> Iterator[None]:
     go with the adaptor; read them inside the block with :func:`get_statistics`).
 
     Raises ValueError on exit when the current resource was changed inside the block (the
-    resource it set is left in place, and nothing is popped).
+    resource it set is left in place, and nothing is popped). Example::
+
+        >>> from streampool.statistics import get_statistics, statistics
+        >>> with statistics():
+        ...     buf = streampool.DeviceBuffer(size=1 << 20)
+        ...     print(get_statistics().peak_bytes)
+        1048576
     """
     prior = None
     if push_statistics() is None:
@@ -278,6 +284,13 @@ def profiler(*, records: ProfilerRecords = default_profiler_records, name: str =
     As a decorator, ``name`` defaults to ``path:line(qualified name)`` of the function; as
     a context manager it is required (ValueError). When statistics are not enabled (see
     :func:`enable_statistics`), nothing is recorded. Each run pushes counters on entry and
-    pops them on exit, so nested profiled blocks count into their enclosing ones.
+    pops them on exit, so nested profiled blocks count into their enclosing ones. Example::
+
+        >>> from streampool.statistics import default_profiler_records, enable_statistics, profiler
+        >>> enable_statistics()
+        >>> with profiler(name="load"):
+        ...     buf = streampool.DeviceBuffer(size=4096)
+        >>> default_profiler_records.records["load"].num_calls
+        1
     """
     return _Profiler(records, name)

@@ -86,7 +86,11 @@ def use_everywhere(*, verbose: bool = False) -> dict[str, str]:
     Returns ``{library: what was done}`` for each of the four (a library that is not
     installed, cannot be imported, or sees no GPU is listed as skipped, with the reason);
     prints it when ``verbose``. A library that is installed but cannot be configured any more
-    (PyTorch after its first CUDA tensor) raises, naming the fix.
+    (PyTorch after its first CUDA tensor) raises, naming the fix. Example::
+
+        >>> done = streampool.allocators.use_everywhere()  # first thing, before the libraries allocate
+        >>> sorted(done)
+        ['cupy', 'numba', 'rmm', 'torch']
     """
     done: dict[str, str] = {}
     simulated = _native.using_simulated_device()

@@ -122,8 +122,13 @@ def parse_spec(text: str) -> Spec:
 
 
 def split_specs(text: str) -> list[str]:
-    """Splits ``--resources`` at top-level commas: ``"async,pool(async, initial=1GiB)"``
-    is two specs."""
+    """Splits ``--resources`` at top-level commas; SpecError for an empty spec or one given
+    twice (:func:`check_distinct`). Example::
+
+        >>> from streampool.harness import split_specs
+        >>> split_specs("async,pool(async, initial=1GiB)")
+        ['async', 'pool(async, initial=1GiB)']
+    """
     if not isinstance(text, str):
         raise TypeError(f"resource specs must be a str, not {type(text).__name__}")
     parts, depth, start = [], 0, 0
@@ -570,7 +575,12 @@ def check_spec(text: str) -> None:
 def resource_from_spec(text: str, device: int | None = None) -> mr.MemoryResource:
     """The resource a spec string names (see :func:`make_resource`), on ``device`` (None:
     the current device). Peers' resources are made on the current device only (ValueError
-    naming it otherwise). Used by ``streampool.dask`` for spec strings."""
+    naming it otherwise). Used by ``streampool.dask`` for spec strings. Example::
+
+        >>> from streampool.harness import resource_from_spec
+        >>> resource_from_spec("stats(pool(async))")
+        <StatisticsResourceAdaptor over <ShardedPoolMemoryResource over <CudaAsyncMemoryResource(...)>>>
+    """
     import streampool
 
     spec = parse_spec(text)

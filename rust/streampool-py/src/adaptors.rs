@@ -288,6 +288,13 @@ fn statistics_object(py: Python<'_>, s: Statistics) -> PyResult<Py<PyAny>> {
 /// stack of counters (`push_counters`/`pop_counters`) for measuring code blocks. A free of
 /// more bytes than are in use through it raises InvalidPointerError (it keeps no record per
 /// allocation, so it cannot check sizes otherwise).
+///
+/// Example::
+///
+///     stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+///     ptr = stats.allocate(1 << 20)
+///     print(stats.allocation_counts.current_bytes)  # 1048576
+///     stats.deallocate(ptr, 1 << 20)
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "StatisticsResourceAdaptor")]
 pub struct PyStatisticsResourceAdaptor {
@@ -445,6 +452,13 @@ impl PyAllocationRecord {
 /// Tracks every outstanding allocation (address, size, stream, thread and, with
 /// `capture_stacks`, the Python stack). Frees of pointers it did not hand out, double
 /// frees and sizes that do not match raise InvalidPointerError.
+///
+/// Example::
+///
+///     tracked = mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource(), capture_stacks=True)
+///     ptr = tracked.allocate(4096)
+///     print(tracked.get_outstanding_allocations_str())  # where each live allocation was made
+///     tracked.deallocate(ptr, 4096)
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "TrackingResourceAdaptor")]
 pub struct PyTrackingResourceAdaptor {
@@ -583,6 +597,12 @@ pub(crate) fn _parse_log(py: Python<'_>, text: String) -> PyResult<Vec<PyLogEven
 
 /// Writes a CSV line per event (RMM's format) to a file, flushed after every line, and/or
 /// hands each line to a Python callback. Frees are logged and passed on with the size given.
+///
+/// Example::
+///
+///     logged = mr.LoggingResourceAdaptor(mr.CudaAsyncMemoryResource(), log_file_name="alloc.csv")
+///     logged.deallocate(logged.allocate(4096), 4096)
+///     logged.flush()  # alloc.csv: one line per call, RMM's CSV format
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "LoggingResourceAdaptor")]
 pub struct PyLoggingResourceAdaptor {
@@ -665,6 +685,13 @@ impl PyLoggingResourceAdaptor {
 /// `allocation_limit` (an int, or a string such as "2GiB"), with OutOfMemoryError. A free
 /// of more bytes than are allocated through it raises InvalidPointerError (it keeps no
 /// record per allocation, so it cannot check sizes otherwise).
+///
+/// Example::
+///
+///     limited = mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), allocation_limit="1GiB")
+///     ptr = limited.allocate(1 << 20)
+///     print(limited.get_allocated_bytes())  # 1048576
+///     limited.deallocate(ptr, 1 << 20)
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "LimitingResourceAdaptor")]
 pub struct PyLimitingResourceAdaptor {
@@ -708,6 +735,17 @@ impl PyLimitingResourceAdaptor {
 /// (as `bool()` reads it, RMM's rule) the allocation is tried again, else the error reaches
 /// the caller. The callback runs with no lock of the resource held, so it may free memory
 /// into the same stack. An exception it raises reaches the caller of `allocate` unchanged.
+///
+/// Example::
+///
+///     cache = []
+///
+///     def on_failure(nbytes):
+///         freed = bool(cache)
+///         cache.clear()  # give cached buffers back, then try again
+///         return freed
+///
+///     upstream = mr.FailureCallbackResourceAdaptor(mr.CudaAsyncMemoryResource(), on_failure)
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "FailureCallbackResourceAdaptor")]
 pub struct PyFailureCallbackResourceAdaptor {
@@ -743,6 +781,11 @@ impl PyFailureCallbackResourceAdaptor {
 /// Prefetches every allocation to the device on the allocating stream
 /// (`cuMemPrefetchAsync`): for managed memory, which otherwise migrates on first touch.
 /// Frees are passed on as given.
+///
+/// Example::
+///
+///     prefetched = mr.PrefetchResourceAdaptor(mr.ManagedMemoryResource())
+///     buf = streampool.DeviceBuffer(size=1 << 20, mr=prefetched)  # prefetched to the device
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "PrefetchResourceAdaptor")]
 pub struct PyPrefetchResourceAdaptor {
@@ -952,6 +995,12 @@ impl PyCallbackMemoryResource {
 /// `blocks_to_preallocate` blocks taken from the upstream as needed; allocations larger
 /// than a block are refused (ValueError). Not a general resource: the bins of
 /// `BinningMemoryResource` are made of these.
+///
+/// Example::
+///
+///     blocks = mr.FixedSizeMemoryResource(mr.CudaAsyncMemoryResource(), block_size="1MiB")
+///     ptr = blocks.allocate(1000)  # any size up to the block size takes one block
+///     blocks.deallocate(ptr, 1000)
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "FixedSizeMemoryResource")]
 pub struct PyFixedSizeMemoryResource {
@@ -1012,6 +1061,13 @@ impl PyFixedSizeMemoryResource {
 /// `[2**min_size_exponent, 2**max_size_exponent]`; `add_bin` adds more. A free with another
 /// size than allocated, a double free or a pointer it did not hand out raises
 /// InvalidPointerError.
+///
+/// Example::
+///
+///     upstream = mr.CudaAsyncMemoryResource()
+///     binning = mr.BinningMemoryResource(upstream, 18, 22)  # bins of 256 KiB to 4 MiB
+///     ptr = binning.allocate(300_000)  # from the 512 KiB bin
+///     binning.deallocate(ptr, 300_000)
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "BinningMemoryResource")]
 pub struct PyBinningMemoryResource {

@@ -28,6 +28,13 @@ use crate::{ptr_arg, size_arg};
 /// per-thread default stream stays ordered with the stream of the thread that made it:
 /// used, exported or collected on another thread, it is ordered through the legacy default
 /// stream. Exports: the CUDA array interface (v3) and DLPack (a 1-D uint8 tensor).
+///
+/// Example::
+///
+///     buf = streampool.DeviceBuffer(size=1 << 20)  # from the current device's resource
+///     buf.copy_from_host(bytes(range(256)) * 4096)
+///     print(list(buf.tobytes()[:4]))  # [0, 1, 2, 3]
+///     copy = buf.copy()  # another buffer, its own memory
 #[derive(Debug)]
 #[pyclass(frozen, weakref, module = "streampool", name = "DeviceBuffer")]
 pub struct DeviceBuffer {

@@ -197,6 +197,11 @@ pub(crate) fn index<'py>(obj: &Bound<'py, PyAny>, what: &str, expected: &str) ->
 /// units (powers of 1000): kB, MB, GB, TB, PB, EB ("1GB" is 10**9). Case-insensitive; a
 /// fraction of a byte is dropped ("1.5" is 1), as RMM's `parse_bytes` does. An int is
 /// returned as it is (after checking it is >= 0).
+///
+/// Example::
+///
+///     print(streampool.parse_size("1.5 GiB"))  # 1610612736
+///     print(streampool.parse_size("1GB"))  # 1000000000
 #[pyfunction]
 fn parse_size(size: &Bound<'_, PyAny>) -> PyResult<usize> {
     size_arg(size, "size")

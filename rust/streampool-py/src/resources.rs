@@ -266,6 +266,13 @@ async_pool_class! {
     /// Sizes are not checked on free: the driver's free takes no size, so
     /// `deallocate(ptr, 1 << 40)` frees the allocation at `ptr`, whatever its size. Wrap it
     /// in a TrackingResourceAdaptor to have wrong sizes refused.
+    ///
+    /// Example::
+    ///
+    ///     pool = mr.CudaAsyncMemoryResource()  # the device's default pool, shared with other libraries
+    ///     own = mr.CudaAsyncMemoryResource(initial_pool_size="1GiB", release_threshold="4GiB")  # a pool of its own
+    ///     ptr = own.allocate(1 << 20)
+    ///     own.deallocate(ptr, 1 << 20)
     PyCudaAsyncMemoryResource, "CudaAsyncMemoryResource", {
         #[new]
         #[pyo3(signature = (initial_pool_size=None, release_threshold=None, enable_ipc=false, device=None, peer_access=None))]
@@ -353,18 +360,35 @@ impl PyCudaAsyncViewMemoryResource {
 
 /// Plain device memory (`cuMemAlloc`/`cuMemFree`). Every free waits for the device. Sizes
 /// are not checked on free (`cuMemFree` takes none).
+///
+/// Example::
+///
+///     plain = mr.CudaMemoryResource()
+///     ptr = plain.allocate(4096)
+///     plain.deallocate(ptr, 4096)
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "CudaMemoryResource")]
 pub struct PyCudaMemoryResource;
 
 /// Managed (unified) memory (`cuMemAllocManaged`), for work larger than device memory.
 /// Sizes are not checked on free (`cuMemFree` takes none).
+///
+/// Example::
+///
+///     managed = mr.ManagedMemoryResource()
+///     buf = streampool.DeviceBuffer(size=1 << 20, mr=managed)
+///     buf.prefetch()  # to the buffer's device, on its stream
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "ManagedMemoryResource")]
 pub struct PyManagedMemoryResource;
 
 /// Page-locked host memory (`cuMemHostAlloc`). Sizes are not checked on free
 /// (`cuMemFreeHost` takes none).
+///
+/// Example::
+///
+///     pinned = mr.PinnedHostMemoryResource()
+///     staging = streampool.DeviceBuffer(size=1 << 20, mr=pinned)
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "PinnedHostMemoryResource")]
 pub struct PyPinnedHostMemoryResource;
@@ -601,6 +625,13 @@ pub(crate) fn get_current_device_resource(py: Python<'_>) -> PyResult<Py<PyMemor
 
 /// Makes `mr` the resource of the current device; returns the previous one (None only
 /// when there was none and the initial one cannot be made).
+///
+/// Example::
+///
+///     pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())
+///     previous = mr.set_current_device_resource(pool)
+///     buf = streampool.DeviceBuffer(size=1 << 20)  # from the pool
+///     mr.set_current_device_resource(previous)
 #[pyfunction]
 pub(crate) fn set_current_device_resource(
     py: Python<'_>,
