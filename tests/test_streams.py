@@ -83,3 +83,15 @@ def test_bad_stream_objects() -> None:
         streampool.DeviceBuffer(size=16, stream=0x12345)
     with pytest.raises(ValueError):
         streampool.DeviceBuffer(size=16, stream=-3)
+
+
+def test_a_cuda_stream_protocol_of_another_version_names_the_version() -> None:
+    class Future:
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (1, 4096)
+
+    with pytest.raises(
+        NotImplementedError,
+        match=r"protocol version 1 is not supported \(only version 0; it returned \(1, 4096\)\)",
+    ):
+        streampool.Stream(Future())

@@ -314,7 +314,8 @@ fn foreign_handle<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, Py
         })?;
         if pair.get_item(0)?.extract::<i64>().ok() != Some(0) {
             return Err(PyNotImplementedError::new_err(format!(
-                "__cuda_stream__ protocol version {} is not supported (only version 0)",
+                "__cuda_stream__ protocol version {} is not supported (only version 0; it returned {})",
+                pair.get_item(0)?.repr()?,
                 pair.repr()?
             )));
         }
