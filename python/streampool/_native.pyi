@@ -741,7 +741,7 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
         cls,
         upstream_mr: MemoryResource,
         block_size: _Size | None = None,
-        blocks_to_preallocate: SupportsIndex = 128,
+        blocks_to_preallocate: SupportsIndex | None = 128,
     ) -> FixedSizeMemoryResource: ...
     @property
     def block_size(self) -> int:
@@ -890,10 +890,10 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
         initial_pool_size: _Size | None = None,
         maximum_pool_size: _Size | None = None,
         release_threshold: _Size | None = None,
-        events_every: SupportsIndex = 64,
+        events_every: SupportsIndex | None = 64,
         headroom: float | None = 0.15,
         gather_interval: float = 0.0001,
-        event_batch: SupportsIndex = 1,
+        event_batch: SupportsIndex | None = 1,
         expandable: bool = False,
         steal_whole_blocks: bool = False,
     ) -> Self: ...
@@ -1075,7 +1075,7 @@ class DeviceBuffer:
 
     def __new__(
         cls,
-        size: _Size = 0,
+        size: _Size | None = 0,
         stream: _StreamLike = None,
         mr: MemoryResource | None = None,
         *,
