@@ -256,6 +256,17 @@ def test_an_index_that_raises_reaches_the_caller_unchanged(res: mr.MemoryResourc
         res.allocate(StrIndex())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="__index__ returned non-int"):
         streampool.DeviceBuffer(size=8).prefetch(device=StrIndex())  # type: ignore[arg-type]
+
+    class Meta(type):
+        def __index__(cls) -> int:
+            return 4096
+
+    class WithMeta(metaclass=Meta):
+        pass
+
+    # The instance's type's __index__, as operator.index looks it up: not its metaclass's.
+    with pytest.raises(TypeError, match="nbytes must be"):
+        res.allocate(WithMeta())  # type: ignore[arg-type]
     res.deallocate(res.allocate(256), 256)  # still usable
 
 
@@ -316,7 +327,13 @@ def test_bench_measure_refuses_nonsense_arguments_naming_them() -> None:
         ({"threads": b"24"}, TypeError, "threads must be an iterable"),
         ({"threads": []}, ValueError, "at least one thread count"),
         ({"repeats": 0}, ValueError, "repeats must be an int >= 1"),
-        ({"repeats": True}, ValueError, "repeats must be an int >= 1"),
+        ({"repeats": True}, TypeError, "repeats must be an int >= 1"),
+        ({"repeats": 2.0}, TypeError, "repeats must be an int >= 1"),
+        (
+            {"threads": 4},
+            TypeError,
+            r"threads must be an iterable of thread counts \(ints\), e\.g\. \[1, 4\]",
+        ),
     ]:
         args = {"specs": ["async"], "threads": [1], "repeats": 1} | kwargs
         with pytest.raises(error, match=match):

@@ -47,6 +47,13 @@ def test_a_log_crossing_midnight_with_lines_out_of_order_spans_microseconds(tmp_
         "1,00:00:00.5,free,0x1000,1024,0\n"
     )
     assert [r[0] for r in trace.read_log(str(log)).records] == [0, 1_000_000_000]
+    # A gap of more than 12 hours within one day is a gap, not a line of the day before.
+    log.write_text(
+        "Thread,Time,Action,Pointer,Size,Stream\n"
+        "1,01:00:00.0,allocate,0x1000,1024,0\n"
+        "1,14:00:00.0,free,0x1000,1024,0\n"
+    )
+    assert [r[0] for r in trace.read_log(str(log)).records] == [0, 13 * 3600 * 1_000_000_000]
 
 
 @pytest.mark.parametrize(
@@ -142,3 +149,19 @@ def test_a_pipeline_reports_its_two_streams_per_pair() -> None:
             params={"chunks": 4, "chunk_size": "64KiB", "kernel_us": 0, "driver": driver},
         )
         assert runs[0]["streams"] == summary[0]["streams"] == 4, driver
+
+
+def test_the_arena_s_counters_are_the_same_on_every_path() -> None:
+    """The arena reports its pool's synchronisations, waits and reserved bytes to the native
+    drivers as to the Python ones (the native replay and pipeline said nothing before)."""
+    t = workloads.window_trace(allocations=50, threads=2)
+    for native in (True, False):
+        if native and not trace.native_replay_available():
+            continue
+        out = trace.replay(make_resource("arena(async)").resource, t, gap_scale=0.0, native=native)
+        assert isinstance(out["synchronizations"], int) and isinstance(out["waits"], int), native
+    for driver in ("native", "python"):
+        out = workloads.run(
+            "pipeline", make_resource("arena(async)"), chunks=4, chunk_size="64KiB", kernel_us=0, driver=driver
+        )
+        assert out["peak_reserved_bytes"] is not None, driver

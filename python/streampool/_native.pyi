@@ -1623,12 +1623,12 @@ class PipelineReport(TypedDict):
 def pipeline(
     resource: MemoryResource,
     *,
-    pairs: int = 1,
+    pairs: int | None = 1,
     chunk_bytes: _Size | None = None,
-    chunks_per_pair: int = 1000,
+    chunks_per_pair: int | None = 1000,
     kernel_us: float = 20.0,
-    queue_depth: int = 4,
-    check_every: int = 1,
+    queue_depth: int | None = 4,
+    check_every: int | None = 1,
     long_call_us: float = 0.0,
     null_call_us: float = 0.0,
 ) -> PipelineReport:

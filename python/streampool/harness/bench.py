@@ -108,12 +108,14 @@ def measure(
     params = params or {}
     if isinstance(specs, (str, bytes)) or not specs:
         raise TypeError(f"specs must be a non-empty list of resource specs, not {specs!r}")
-    if isinstance(threads, (str, bytes)):
-        raise TypeError(f"threads must be an iterable of thread counts (ints), not {threads!r}")
+    if isinstance(threads, (str, bytes, int)):
+        raise TypeError(f"threads must be an iterable of thread counts (ints), e.g. [1, 4], not {threads!r}")
     threads = list(threads)
     if not threads:
         raise ValueError("threads must name at least one thread count")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    if isinstance(repeats, bool) or not isinstance(repeats, int):
+        raise TypeError(f"repeats must be an int >= 1, not {repeats!r}")
+    if repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, not {repeats!r}")
     for t in threads:  # before `streams or t` below makes a bad count read as a bad streams
         workloads.check_param(workload, "threads", t, "int")

@@ -47,6 +47,7 @@ ALLOCATE, FREE = 0, 1
 #: The per-thread default stream's handle (cudaStreamPerThread): a stream of each thread's own.
 PER_THREAD_HANDLE = 2
 _DAY_NS = 86_400 * 10**9
+_HOUR_NS = 3_600 * 10**9
 
 
 class LogFormatError(ValueError):
@@ -163,8 +164,8 @@ def from_events(events: Iterable[Any]) -> Trace:
         if t < last - _DAY_NS // 2:
             offset += _DAY_NS
             t += _DAY_NS
-        elif t > last + _DAY_NS // 2:
-            t -= _DAY_NS
+        elif t > last + _DAY_NS // 2 and t - _DAY_NS >= last - _HOUR_NS:
+            t -= _DAY_NS  # just behind the latest: a line of the day before, written late
         last = max(last, t)
         if e.action == "allocate failure":
             failures += 1

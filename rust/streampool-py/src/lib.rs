@@ -171,15 +171,15 @@ pub(crate) fn as_index<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'p
     if obj.is_instance_of::<PyInt>() {
         return Ok(Some(obj.clone()));
     }
-    let ty = obj.get_type();
-    let Ok(method) = ty.getattr("__index__") else { return Ok(None) };
-    let int = method.call1((obj,))?;
-    if !int.is_instance_of::<PyInt>() {
-        return Err(PyTypeError::new_err(format!(
-            "__index__ returned non-int (type {})",
-            int.get_type().fully_qualified_name()?
-        )));
+    // SAFETY: `obj` is a live object and the thread is attached; `PyIndex_Check` only
+    // reads its type's number slots.
+    if unsafe { pyo3::ffi::PyIndex_Check(obj.as_ptr()) } == 0 {
+        return Ok(None);
     }
+    // SAFETY: as above; `PyNumber_Index` returns a new reference (an exact int: a subclass
+    // such as a bool is converted, with Python's DeprecationWarning), or NULL with the
+    // exception set (the one `__index__` raised, or a TypeError for a result not an int).
+    let int = unsafe { Bound::from_owned_ptr_or_err(obj.py(), pyo3::ffi::PyNumber_Index(obj.as_ptr())) }?;
     Ok(Some(int))
 }
 
