@@ -162,6 +162,11 @@ def test_the_arena_s_counters_are_the_same_on_every_path() -> None:
         assert isinstance(out["synchronizations"], int) and isinstance(out["waits"], int), native
     for driver in ("native", "python"):
         out = workloads.run(
-            "pipeline", make_resource("arena(async)"), chunks=4, chunk_size="64KiB", kernel_us=0, driver=driver
+            "pipeline",
+            make_resource("arena(async)"),
+            chunks=4,
+            chunk_size="64KiB",
+            kernel_us=0,
+            driver=driver,
         )
         assert out["peak_reserved_bytes"] is not None, driver
