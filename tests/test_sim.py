@@ -136,3 +136,21 @@ def test_the_simulator_s_variables_are_read_once_at_first_use() -> None:
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "64 MiB" in done.stdout
+
+
+@pytest.mark.nosim
+def test_work_never_synchronised_keeps_a_bounded_backlog() -> None:
+    """A program on the simulated device that never synchronises (copies on a stream, a
+    stream per task) keeps at most 65,536 operations queued; the rest ran early, counted."""
+    with SimulatedDevice(capacity_bytes="64MiB") as dev:
+        buf = streampool.DeviceBuffer(size=256)
+        copies = [buf.copy() for _ in range(70_000)]
+        del copies
+        assert dev.pending <= 65_536
+        assert dev.ran_early > 0
+        dev.run()
+        assert dev.races() == []
+    with SimulatedDevice(capacity_bytes="64MiB") as dev:
+        streampool.DeviceBuffer(size=256).copy().copy()
+        dev.run()
+        assert dev.ran_early == 0  # below the bound nothing runs early

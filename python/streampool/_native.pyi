@@ -1325,6 +1325,10 @@ class _SimDevice:
     def races_dropped(self) -> int:
         """Races found beyond the number kept."""
     @property
+    def ran_early(self) -> int:
+        """Operations run early because too much work waited unrun (more than 65,536
+        operations, or their clocks over a million entries, never synchronised)."""
+    @property
     def capacity_bytes(self) -> int:
         """Device memory of each simulated device, in bytes."""
     def set_driver_version(self, version: int) -> None:

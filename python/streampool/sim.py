@@ -5,7 +5,10 @@ are testable; by default what the host can give, at most 16 GiB). Streams are qu
 :meth:`run`) or when the host waits for it (``Stream.synchronize()``, blocking copies),
 as on a GPU, where work runs later than it is enqueued. A happens-before race detector
 reports every access to memory that is not ordered after the previous conflicting
-access, naming both operations.
+access, naming both operations. The backlog is bounded as a GPU's queues are: a program
+that never synchronises keeps at most 65,536 operations queued, beyond which the work
+that may run does (:attr:`SimulatedDevice.ran_early` counts it, and races with work that
+ran so are not reported).
 
 Pointers on the simulated device are **host addresses**: the CUDA array interface and
 DLPack carry them, for testing those protocols, but they are useless to real GPU
@@ -179,6 +182,17 @@ class SimulatedDevice:
     def pending(self) -> int:
         """Operations queued on all streams and not yet run."""
         return self._dev.pending
+
+    @property
+    def ran_early(self) -> int:
+        """Operations run early because too much work waited unrun: a program that never
+        synchronises keeps at most 65,536 operations queued (and their clocks, which grow
+        with the streams in flight, at most a million entries); beyond, the work that may run
+        does, streams in turn, until half of that is left, as a GPU's full queue makes a
+        launch wait. Work queued afterwards is ordered after what ran, so a race between the
+        two is not reported: above 0, the program queued more between synchronisations than
+        the race detector follows (0 in a program that synchronises now and then)."""
+        return self._dev.ran_early
 
     def queued(self, stream: StreamLike) -> int:
         """Operations queued on ``stream`` and not yet run."""

@@ -230,6 +230,14 @@ impl PySimDevice {
         py.detach(move || sim.races_dropped())
     }
 
+    /// Operations run early because too much work waited unrun (more than 65,536
+    /// operations, or their clocks over a million entries, never synchronised).
+    #[getter]
+    fn ran_early(&self, py: Python<'_>) -> u64 {
+        let sim = self.sim.clone();
+        py.detach(move || sim.ran_early())
+    }
+
     /// Device memory of each simulated device, in bytes.
     #[getter]
     fn capacity_bytes(&self) -> usize {

@@ -44,6 +44,10 @@ impl VClock {
     pub(super) fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+
+    pub(super) fn len(&self) -> usize {
+        self.0.len()
+    }
 }
 
 #[cfg(test)]

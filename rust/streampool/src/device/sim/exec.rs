@@ -19,6 +19,15 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::clock::VClock;
+
+/// Operations queued and not run, on all streams, beyond which the oldest work that may
+/// run does ([`super::SimDevice::ran_early`]): a program that never synchronises keeps at
+/// most this backlog (about 30 MiB of operations).
+pub const MAX_BACKLOG_OPS: usize = 1 << 16;
+/// Entries of the queued operations' clocks beyond which work runs early as well: a chain
+/// of streams each waiting on the one before (a stream per task, handing memory on) gives
+/// each new operation a clock entry per stream still in flight, quadratic in the chain.
+pub const MAX_BACKLOG_ENTRIES: usize = 1 << 20;
 use super::detector::{OpInfo, OpKind, Stamp};
 use super::{State, StreamState};
 
@@ -138,6 +147,7 @@ impl State {
             thread: thread_name(),
         };
         st.clock = clock.clone();
+        self.clock_entries += clock.len();
         st.queue.push_back(Op {
             seq: st.seq,
             clock: clock.clone(),
@@ -146,7 +156,27 @@ impl State {
             info: Arc::new(info),
         });
         self.pending += 1;
+        if self.pending > MAX_BACKLOG_OPS || self.clock_entries > MAX_BACKLOG_ENTRIES {
+            self.run_backlog();
+        }
         clock
+    }
+
+    /// Runs queued work, streams in turn, until half the backlog's bounds are left (or
+    /// nothing may run): see [`super::SimDevice::ran_early`].
+    /// A stream's work runs on while it may (the next stream is looked for only then: in a
+    /// chain of streams each waiting on the last, the next one may run once this one's
+    /// work has, so the look finds it at once).
+    fn run_backlog(&mut self) {
+        while self.pending > MAX_BACKLOG_OPS / 2 || self.clock_entries > MAX_BACKLOG_ENTRIES / 2 {
+            let sid = self.cursor;
+            if self.streams.contains_key(&sid) && self.runnable(sid) {
+                self.execute_head(sid);
+            } else if !self.step_any() {
+                break;
+            }
+            self.ran_early += 1;
+        }
     }
 
     /// Makes later work on `sid` wait for `deps` (work on other streams), with a wait
@@ -178,6 +208,7 @@ impl State {
             self.streams.remove(&sid);
         }
         self.pending -= 1;
+        self.clock_entries -= op.clock.len();
         self.completions += 1;
         let me = Stamp {
             stream: sid,

@@ -78,6 +78,7 @@ mod vmm;
 use clock::VClock;
 pub use detector::{OpInfo, OpKind, Race, MAX_RACES};
 use exec::{Op, Work};
+pub use exec::{MAX_BACKLOG_ENTRIES, MAX_BACKLOG_OPS};
 use memory::{invalid_device, invalid_value, AllocKind};
 use pool::Pool;
 pub use vmm::VMM_GRANULARITY;
@@ -210,6 +211,11 @@ struct State {
     completions: u64,
     /// Operations queued on all streams.
     pending: usize,
+    /// Entries of the queued operations' clocks, summed (what the backlog costs beside
+    /// the operations themselves: `exec::MAX_BACKLOG_ENTRIES`).
+    clock_entries: usize,
+    /// Operations run early because the backlog was full (`exec::MAX_BACKLOG_OPS`).
+    ran_early: u64,
     /// Stream id last stepped by `step_any`.
     cursor: u64,
     /// Kernel writes enqueued so far (their fill pattern).
@@ -342,6 +348,8 @@ impl State {
             next_pool: pool::FIRST_POOL,
             completions: 0,
             pending: 0,
+            clock_entries: 0,
+            ran_early: 0,
             cursor: 0,
             writes: 0,
             modules: HashMap::new(),
@@ -665,6 +673,17 @@ impl SimDevice {
     /// Races found beyond [`MAX_RACES`], which were not kept.
     pub fn races_dropped(&self) -> usize {
         self.lock().races.dropped()
+    }
+
+    /// Operations run early because too much work waited unrun: more than
+    /// [`MAX_BACKLOG_OPS`] operations, or clocks of more than [`MAX_BACKLOG_ENTRIES`]
+    /// entries, queued and never synchronised. A GPU's queues are bounded too (a launch
+    /// waits when they are full); here the work that may run then runs, streams in turn,
+    /// until half of that is left. Work queued afterwards is ordered after what ran, so a
+    /// race between the two goes unreported: a count above 0 says the program queued more
+    /// than the detector follows between synchronisations.
+    pub fn ran_early(&self) -> u64 {
+        self.lock().ran_early
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
