@@ -28,6 +28,18 @@ The driver's rules, and what this module does about them:
 On the simulated device (``STREAMPOOL_DEVICE=sim``, or ``streampool.sim.SimulatedDevice``)
 the same code runs between two processes, each with its own simulated device: an
 exportable pool keeps its memory in shared memory that the importer maps.
+
+Examples, whole programs of two processes (a forked child over a socket pair, and
+:mod:`multiprocessing` queues): ``docs/ipc.md``, whose code the test suite runs on the
+simulated device. In short::
+
+    exporting = mr.CudaAsyncMemoryResource(enable_ipc=True)
+    buf = DeviceBuffer.to_device(b"hello", mr=exporting)
+    with ipc.export(buf) as handle:
+        ipc.send_handle(sock, handle)  # a Unix socket to the other process
+    # the other process:
+    with ipc.recv_handle(sock) as handle:
+        imported = ipc.import_buffer(handle)
 """
 
 from __future__ import annotations
