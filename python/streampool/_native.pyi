@@ -1327,7 +1327,7 @@ class _SimDevice:
     @property
     def ran_early(self) -> int:
         """Operations run early because too much work waited unrun (more than 65,536
-        operations, or their clocks over a million entries, never synchronised)."""
+        operations, or their clocks over two million entries, never synchronised)."""
     @property
     def capacity_bytes(self) -> int:
         """Device memory of each simulated device, in bytes."""

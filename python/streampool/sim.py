@@ -8,7 +8,8 @@ reports every access to memory that is not ordered after the previous conflictin
 access, naming both operations. The backlog is bounded as a GPU's queues are: a program
 that never synchronises keeps at most 65,536 operations queued, beyond which the work
 that may run does (:attr:`SimulatedDevice.ran_early` counts it, and races with work that
-ran so are not reported).
+ran so are not reported; a chain of streams each waiting on the last gets there after
+about 1,100 streams in flight).
 
 Pointers on the simulated device are **host addresses**: the CUDA array interface and
 DLPack carry them, for testing those protocols, but they are useless to real GPU
@@ -165,7 +166,8 @@ class SimulatedDevice:
 
     def races(self) -> list[Race]:
         """The races found so far (each a ``str`` naming both operations, see :class:`Race`),
-        in the order found. At most 1000 are kept: :attr:`races_dropped` counts the rest."""
+        in the order found. At most 1000 are kept: :attr:`races_dropped` counts the rest.
+        Races with work that ran early are not found: see :attr:`ran_early`."""
         return [Race(*record) for record in self._dev.race_records()]
 
     @property
@@ -187,11 +189,13 @@ class SimulatedDevice:
     def ran_early(self) -> int:
         """Operations run early because too much work waited unrun: a program that never
         synchronises keeps at most 65,536 operations queued (and their clocks, which grow
-        with the streams in flight, at most a million entries); beyond, the work that may run
+        with the streams in flight, at most two million entries); beyond, the work that may run
         does, streams in turn, until half of that is left, as a GPU's full queue makes a
         launch wait. Work queued afterwards is ordered after what ran, so a race between the
         two is not reported: above 0, the program queued more between synchronisations than
-        the race detector follows (0 in a program that synchronises now and then)."""
+        the race detector follows. A chain of streams, each waiting on the last and none
+        synchronised (a stream per task, handing memory on), reaches the bound on clock
+        entries first: after about 1,100 streams in flight, a few thousand operations."""
         return self._dev.ran_early
 
     def queued(self, stream: StreamLike) -> int:

@@ -231,7 +231,7 @@ impl PySimDevice {
     }
 
     /// Operations run early because too much work waited unrun (more than 65,536
-    /// operations, or their clocks over a million entries, never synchronised).
+    /// operations, or their clocks over two million entries, never synchronised).
     #[getter]
     fn ran_early(&self, py: Python<'_>) -> u64 {
         let sim = self.sim.clone();

@@ -165,6 +165,19 @@ impl Shadow {
         self.segs.clear();
     }
 
+    /// Forgets the accesses of operations that completed at or before `t` (the completion
+    /// counter): sound when every queued operation was enqueued at `t` or later, since it,
+    /// and every later one, is then ordered after them. Segments left with no access go.
+    pub(super) fn forget_completed_by(&mut self, t: u64) {
+        self.segs.retain(|_, seg| {
+            seg.reads.retain(|r| r.completed_at > t);
+            if seg.write.as_ref().is_some_and(|w| w.completed_at <= t) {
+                seg.write = None;
+            }
+            seg.write.is_some() || !seg.reads.is_empty()
+        });
+    }
+
     /// Splits the segment that strictly contains `at`, so that a segment starts there.
     fn split(&mut self, at: u64) {
         let Some((_, seg)) = self.segs.range_mut(..at).next_back() else { return };
@@ -242,6 +255,12 @@ impl Shadow {
     #[cfg(test)]
     pub(super) fn segments(&self) -> usize {
         self.segs.len()
+    }
+
+    /// Accesses recorded, over every segment.
+    #[cfg(test)]
+    pub(super) fn stamps(&self) -> usize {
+        self.segs.values().map(|s| s.reads.len() + s.write.is_some() as usize).sum()
     }
 }
 

@@ -27,7 +27,7 @@ pub const MAX_BACKLOG_OPS: usize = 1 << 16;
 /// Entries of the queued operations' clocks beyond which work runs early as well: a chain
 /// of streams each waiting on the one before (a stream per task, handing memory on) gives
 /// each new operation a clock entry per stream still in flight, quadratic in the chain.
-pub const MAX_BACKLOG_ENTRIES: usize = 1 << 20;
+pub const MAX_BACKLOG_ENTRIES: usize = 1 << 21;
 use super::detector::{OpInfo, OpKind, Stamp};
 use super::{State, StreamState};
 
@@ -177,6 +177,11 @@ impl State {
             }
             self.ran_early += 1;
         }
+        // What ran is ordered before everything queued now and later (each was enqueued
+        // after it completed, or will be): the race detector forgets it, as it forgets
+        // everything once nothing is queued, so that its state does not grow with what ran.
+        let oldest = self.streams.values().filter_map(|s| s.queue.front()).map(|op| op.enqueued_at).min();
+        self.shadow.forget_completed_by(oldest.unwrap_or(self.completions));
     }
 
     /// Makes later work on `sid` wait for `deps` (work on other streams), with a wait
