@@ -193,11 +193,9 @@ def peak_live(name: str, params: dict[str, Any]) -> int:
     declared = WORKLOADS[name].declared()
     p = {k: v.default for k, v in declared.items()} | params
     threads: int = p["threads"]
-    common = {"threads": threads, "streams": p["streams"], "seed": p["seed"]} if "seed" in p else {}
-    if name == "random":
-        return _threads_peak(random_trace(p["allocations"], p["max_size"], **common))
-    if name == "window":
-        return _threads_peak(window_trace(p["allocations"], p["window"], **common))
+    if name in ("random", "window"):
+        size = p["max_size"] if name == "random" else p["window"]
+        return _generated_peak(name, p["allocations"], size, threads, p["streams"], p["seed"])
     if name == "multistream":
         return threads * parse_size(p["size"])
     if name == "pipeline":
@@ -206,6 +204,17 @@ def peak_live(name: str, params: dict[str, Any]) -> int:
         return parse_size(p["total"]) or available_device_memory()[0] // 2
     log = p["log"]
     return _trace.recorded_peak((log if isinstance(log, _trace.Trace) else _trace.read_log(log)).records)
+
+
+@functools.lru_cache(maxsize=16)
+def _generated_peak(
+    name: str, allocations: int, size: int | str, threads: int, streams: int, seed: int
+) -> int:
+    """:func:`_threads_peak` of a generated log, made once per set of parameters (the
+    command line and :func:`~streampool.harness.bench.measure` both ask before a run)."""
+    if name == "random":
+        return _threads_peak(random_trace(allocations, size, threads=threads, streams=streams, seed=seed))
+    return _threads_peak(window_trace(allocations, int(size), threads=threads, streams=streams, seed=seed))
 
 
 def _threads_peak(t: _trace.Trace) -> int:
