@@ -25,10 +25,11 @@ from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _native, mr
+from .. import _native
 from .._native import LOG_HEADER, MAX_LOG_TIME_S, Stream
 from ..logs import parse_log_text
 from ._threads import run_threads
+from .specs import _OWN_POOLS, _holder
 
 __all__ = [
     "ALLOCATE",
@@ -452,13 +453,10 @@ def pool_counters(resource: Any) -> tuple[int, int] | None:
     """The synchronisations and cross-stream waits made so far by the pool of streampool's
     own in ``resource``'s stack (itself, or beneath its adaptors: the sharded pool, the
     arena), or None where there is none."""
-    while isinstance(resource, mr.UpstreamResourceAdaptor) and not isinstance(
-        resource, (mr.ShardedPoolMemoryResource, mr.ArenaMemoryResource)
-    ):
-        resource = resource.upstream
-    if not isinstance(resource, (mr.ShardedPoolMemoryResource, mr.ArenaMemoryResource)):
+    holder = _holder(resource)
+    if not isinstance(holder, _OWN_POOLS):
         return None
-    stats = resource.stats
+    stats = holder.stats
     return stats["synchronizations"], stats["cross_stream_waits"]
 
 

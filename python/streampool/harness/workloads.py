@@ -400,7 +400,7 @@ def multistream(
     stream, fills it and computes on it there (kernels), and frees it on the same stream."""
     kernels = _kernels()
     nbytes = parse_size(size)
-    _refuse_oversubscription(candidate, threads * nbytes)
+    _refuse_oversubscription(candidate, peak_live("multistream", {"threads": threads, "size": nbytes}))
     streams = streams or threads  # 0: one per thread, as on the command line
     pool = [Stream() for _ in range(streams)]
     meter = _Meter(candidate)
@@ -481,7 +481,7 @@ def pipeline(
     a call of that length, whatever the allocator."""
     nbytes = parse_size(chunk_size)
     _check_pipeline(check_every, driver, long_call_us, null_call_us)
-    _refuse_oversubscription(candidate, threads * (HANDOFF_DEPTH + 2) * nbytes)
+    _refuse_oversubscription(candidate, peak_live("pipeline", {"threads": threads, "chunk_size": nbytes}))
     native = getattr(_native, "pipeline", None)
     if (long_call_us or driver == "native") and native is None:
         raise WorkloadError("pipeline driver=native: this build of streampool has no native pipeline")

@@ -70,7 +70,7 @@ const NON_BLOCKING: i64 = 1;
 fn blocking_from(blocking: Option<bool>, flags: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
     let Some(flags) = flags.filter(|f| !f.is_none()) else { return Ok(blocking.unwrap_or(false)) };
     // Any integer (CudaStreamFlags, a NumPy integer: whatever has `__index__`), not a bool.
-    let Ok(int) = crate::index(flags, "flags", "an integer") else {
+    let Some(int) = crate::as_index(flags)? else {
         return Err(PyTypeError::new_err(format!(
             "flags must be an integer, CudaStreamFlags.SYNC_DEFAULT (0) or CudaStreamFlags.NON_BLOCKING (1), \
              got {} of type {}",

@@ -543,15 +543,16 @@ fn env_sim() -> Result<Option<Arc<sim::SimDevice>>> {
     if let Some(sim) = ENV_SIM.get() {
         return Ok(sim.clone());
     }
-    // Unset: the default; set but not UTF-8: refused, as any other value it cannot read.
+    // Unset: None, the default; set: its value, or, not UTF-8, its bytes as shown in the
+    // refusal (as any other value it cannot read).
     let read = |name: &str| match std::env::var(name) {
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Ok(s) => Ok(Some(s)),
-        Err(std::env::VarError::NotUnicode(v)) => Err(format!("{v:?}")),
+        Err(std::env::VarError::NotPresent) => None,
+        Ok(s) => Some(Ok(s)),
+        Err(std::env::VarError::NotUnicode(v)) => Some(Err(format!("{v:?}"))),
     };
     let capacity = match read("STREAMPOOL_SIM_CAPACITY") {
-        Ok(None) => sim::default_capacity(),
-        Ok(Some(s)) => crate::size::parse_size(&s).map_err(|e| {
+        None => sim::default_capacity(),
+        Some(Ok(s)) => crate::size::parse_size(&s).map_err(|e| {
             let why = match e {
                 Error::InvalidArgument(why) => why,
                 e => e.to_string(),
@@ -560,25 +561,22 @@ fn env_sim() -> Result<Option<Arc<sim::SimDevice>>> {
                 "the environment variable STREAMPOOL_SIM_CAPACITY is {s:?}, which is not a size ({why})"
             ))
         })?,
-        Err(v) => {
+        Some(Err(v)) => {
             return Err(Error::invalid(format!(
                 "the environment variable STREAMPOOL_SIM_CAPACITY is {v}, which is not a size"
             )))
         }
     };
     let devices = match read("STREAMPOOL_SIM_DEVICES") {
-        Ok(None) => 1,
-        Ok(Some(s)) => s.trim().parse::<i32>().ok().filter(|n| (1..=sim::MAX_DEVICES).contains(n)).ok_or_else(|| {
-            Error::invalid(format!(
-                "the environment variable STREAMPOOL_SIM_DEVICES is {s:?}; it must be a number of devices from 1 to {}",
-                sim::MAX_DEVICES
-            ))
-        })?,
-        Err(v) => {
-            return Err(Error::invalid(format!(
-                "the environment variable STREAMPOOL_SIM_DEVICES is {v}; it must be a number of devices from 1 to {}",
-                sim::MAX_DEVICES
-            )))
+        None => 1,
+        Some(value) => {
+            value.as_ref().ok().and_then(|s| s.trim().parse::<i32>().ok()).filter(|n| (1..=sim::MAX_DEVICES).contains(n)).ok_or_else(|| {
+                let shown = value.as_ref().map_or_else(Clone::clone, |s| format!("{s:?}"));
+                Error::invalid(format!(
+                    "the environment variable STREAMPOOL_SIM_DEVICES is {shown}; it must be a number of devices from 1 to {}",
+                    sim::MAX_DEVICES
+                ))
+            })?
         }
     };
     Ok(ENV_SIM.get_or_init(|| Some(sim::SimDevice::with_devices(capacity, devices))).clone())
