@@ -42,3 +42,82 @@ fn freed_on_the_legacy_stream_by_a_thread_local_destructor() {
 fn freed_on_the_per_thread_stream_by_a_thread_local_destructor() {
     freed_at_thread_exit(Stream::per_thread);
 }
+
+// Memory asked for on the per-thread stream from a thread-local destructor that runs after
+// the pool's exit hook retired the thread's shard: while a release runs on another thread
+// (which may drop that spent shard first), the destructor's allocation made a new shard
+// for the dead thread's stream that was never retired, and stayed in the pool for ever.
+
+struct Late(Option<Box<dyn FnOnce()>>);
+
+impl Drop for Late {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f()
+        }
+    }
+}
+
+thread_local! {
+    static LATE: RefCell<Late> = const { RefCell::new(Late(None)) };
+}
+
+fn allocated_by_a_late_destructor(pause: std::time::Duration, release_meanwhile: bool) {
+    use std::sync::Mutex;
+    use streampool::device::DevPtr;
+    use streampool::{CudaMemoryResource, MemoryResource};
+
+    let sim = SimDevice::new(1 << 30);
+    let b: BackendRef = sim.clone();
+    let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b, 0));
+    let pool = Arc::new(ShardedPoolMemoryResource::new(upstream, PoolOptions::default()).unwrap());
+    let late: Arc<Mutex<Vec<(DevPtr, usize)>>> = Arc::default();
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let (pool, late) = (pool.clone(), late.clone());
+            std::thread::spawn(move || {
+                let in_destructor = pool.clone();
+                // Touched first, so destroyed after the pool's thread-locals.
+                LATE.with(|l| {
+                    l.borrow_mut().0 = Some(Box::new(move || {
+                        std::thread::sleep(pause);
+                        let n = 4096 * (1 + t % 3);
+                        let ptr = in_destructor.allocate(n, &Stream::per_thread()).unwrap();
+                        late.lock().unwrap().push((ptr, n));
+                    }))
+                });
+                let s = Stream::per_thread();
+                let x = pool.allocate(1 << 20, &s).unwrap();
+                pool.deallocate(x, 1 << 20, &s).unwrap();
+            })
+        })
+        .collect();
+    if release_meanwhile {
+        let start = std::time::Instant::now();
+        while start.elapsed() < pause * 3 {
+            pool.release().unwrap();
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+    sim.run();
+    for (ptr, n) in late.lock().unwrap().drain(..) {
+        pool.deallocate(ptr, n, &Stream::legacy()).unwrap(); // found: no "double free?"
+    }
+    pool.release().unwrap();
+    let st = pool.stats();
+    assert_eq!((st.used_bytes, st.reserved_bytes), (0, st.free_bytes), "{st:?}");
+    assert!(st.shard_free_bytes.len() <= 1, "shards left after every thread exited and a release: {st:?}");
+}
+
+#[test]
+fn memory_asked_for_by_a_late_thread_local_destructor_is_found_again() {
+    allocated_by_a_late_destructor(std::time::Duration::ZERO, false);
+}
+
+#[test]
+fn a_late_thread_local_destructor_leaves_no_shard_behind_a_release() {
+    allocated_by_a_late_destructor(std::time::Duration::from_millis(30), true);
+}

@@ -487,12 +487,18 @@ impl ShardedPoolMemoryResource {
                 shard.retire(&backend, device, s);
             }
         }));
-        // A thread's per-thread default stream ends with the thread.
-        stream.on_thread_exit(Box::new(move || {
+        // A thread's per-thread default stream ends with the thread. Asked for from one of
+        // the thread's thread-local destructors, after its exit hooks ran (one that a
+        // release dropped the retired shard under), the shard is retired at once: else
+        // it would stay in the pool for ever, neither retired nor borrowed.
+        let hooked = stream.on_thread_exit(Box::new(move || {
             if let Some(shard) = at_exit.upgrade() {
                 shard.retire_at_thread_exit();
             }
         }));
+        if !hooked && stream.is_per_thread() {
+            shard.retire_at_thread_exit();
+        }
         shard
     }
 

@@ -544,6 +544,15 @@ impl ShardedPoolMemoryResource {
     fn forget(&self, shard: &Arc<Shard>) {
         {
             let mut map = write(&self.shards);
+            // Checked again under the map's lock (callers checked under the shard's alone,
+            // since released): a block that reached the retired shard meanwhile (memory
+            // asked for on a thread's per-thread stream from one of its thread-local
+            // destructors) keeps it in the pool, where its free finds it. Tried, as in
+            // `sweep_borrowed`: the locks' order puts a shard's before the map's, and a
+            // shard whose lock is held is in use, so it stays (a later look forgets it).
+            if !shard.state.try_lock().is_some_and(|st| st.is_spent()) {
+                return;
+            }
             if map.get(&shard.key).is_some_and(|s| Arc::ptr_eq(s, shard)) {
                 map.remove(&shard.key);
             }
