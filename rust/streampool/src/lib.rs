@@ -36,6 +36,24 @@
 //! drop(buf); // freed on `stream`, reusable by work ordered after it
 //! # Ok::<(), streampool::Error>(())
 //! ```
+//!
+//! Activation makes the simulated device the backend of the whole process, and only one
+//! may be active at a time: tests, which `cargo test` runs on several threads, give their
+//! own device to each resource and stream instead of activating it:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use streampool::{device::sim::SimDevice, Allocation, BackendRef, CudaAsyncMemoryResource, Stream};
+//!
+//! let sim = SimDevice::new(1 << 30);
+//! let backend: BackendRef = sim.clone();
+//! let mr = Arc::new(CudaAsyncMemoryResource::on(backend.clone(), 0, Default::default())?);
+//! let stream = Stream::create(&backend, 0, false)?;
+//! drop(Allocation::new(mr, 1 << 20, stream)?);
+//! sim.run();
+//! assert!(sim.races().is_empty());
+//! # Ok::<(), streampool::Error>(())
+//! ```
 
 pub mod adaptors;
 pub(crate) mod clock;
@@ -54,9 +72,11 @@ pub(crate) mod sync;
 
 pub use adaptors::{
     parse_log, AllocationRecord, BinningMemoryResource, FailureCallback, FailureCallbackAdaptor,
-    FixedSizeMemoryResource, LimitingAdaptor, LogAction, LogCallback, LogEvent, LogSink, LoggingAdaptor,
-    PrefetchAdaptor, StackCapture, Statistics, StatisticsAdaptor, TrackingAdaptor, LOG_HEADER,
+    FixedSizeMemoryResource, LatencyHistogramAdaptor, LimitingAdaptor, LogAction, LogCallback, LogEvent,
+    LogSink, LoggingAdaptor, PrefetchAdaptor, StackCapture, Statistics, StatisticsAdaptor, TrackingAdaptor,
+    LOG_HEADER,
 };
+pub use device::{Advice, BackendRef, Location};
 pub use error::{drop_errors, record_drop_error, DropErrors, Error, Result};
 pub use resource::{
     check_depth, Allocation, Footprint, MemoryKind, MemoryResource, ResourceRef, ALIGNMENT, MAX_DEPTH,

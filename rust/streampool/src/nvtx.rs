@@ -80,10 +80,17 @@ pub fn enabled() -> bool {
     NVTX.get_or_init(load).is_some()
 }
 
-/// An NVTX range, open until dropped; nothing when ranges are off.
+/// An NVTX range, open until dropped; nothing when ranges are off. Not `Send`: NVTX's
+/// push/pop ranges are per thread, and a range dropped on another thread would close
+/// that thread's innermost range instead.
+///
+/// ```compile_fail
+/// fn send<T: Send>(_: T) {}
+/// send(streampool::nvtx::Range::new(c"allocate"));
+/// ```
 #[must_use = "the range closes when this is dropped"]
 #[derive(Debug)]
-pub struct Range(bool);
+pub struct Range(bool, std::marker::PhantomData<*const ()>);
 
 impl Range {
     /// Opens a range named `name` (when ranges are on).
@@ -94,9 +101,9 @@ impl Range {
                 // SAFETY: `push` is the library's `nvtxRangePushA`, which copies the
                 // NUL-terminated name; the library stays loaded for the process.
                 unsafe { (n.push)(name.as_ptr()) };
-                Range(true)
+                Range(true, std::marker::PhantomData)
             }
-            None => Range(false),
+            None => Range(false, std::marker::PhantomData),
         }
     }
 }

@@ -343,6 +343,46 @@ impl Allocation {
         &self.mr
     }
 
+    /// Moves the memory to `stream` (RMM's `device_buffer::set_stream`): from now on it is
+    /// ordered on `stream`, and freed there. Unlike RMM's, the move is ordered itself:
+    /// `stream`'s later work waits for what was enqueued on the old stream so far (an event
+    /// recorded there), so a consumer may use the memory and free it on its own stream
+    /// with nothing more. An error, and nothing changed, for a stream of another device or
+    /// backend. A move to the stream it is on already records nothing.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use streampool::{device::{sim::SimDevice, BackendRef}, Allocation, CudaAsyncMemoryResource, Stream};
+    /// let sim = SimDevice::new(1 << 30);
+    /// let backend: BackendRef = sim.clone();
+    /// let mr = Arc::new(CudaAsyncMemoryResource::on(backend.clone(), 0, Default::default())?);
+    /// let (producer, consumer) = (Stream::create(&backend, 0, false)?, Stream::create(&backend, 0, false)?);
+    /// let mut chunk = Allocation::new(mr, 1 << 20, producer)?;
+    /// // ... the producer fills `chunk` on its stream, then hands it over:
+    /// chunk.set_stream(consumer)?;
+    /// drop(chunk); // freed on the consumer's stream, after the producer's work
+    /// sim.run();
+    /// assert!(sim.races().is_empty());
+    /// # Ok::<(), streampool::Error>(())
+    /// ```
+    pub fn set_stream(&mut self, stream: Stream) -> Result<()> {
+        let (backend, device) = (self.mr.backend(), self.mr.device());
+        stream.check(backend, device)?;
+        if self.ptr != 0 && stream.handle() != self.stream.handle() {
+            stream.wait_for(backend, device, &self.stream, device)?;
+        }
+        self.stream = stream.resolved();
+        Ok(())
+    }
+
+    /// Gives the memory up without freeing it: the resource, the address, the size and the
+    /// stream, for the caller to free (`mr.deallocate(ptr, bytes, &stream)`) or hand on.
+    /// Nothing frees it otherwise.
+    pub fn into_raw(mut self) -> (ResourceRef, DevPtr, usize, Stream) {
+        let ptr = std::mem::take(&mut self.ptr); // the drop that follows frees nothing
+        (self.mr.clone(), ptr, self.bytes, self.stream.clone())
+    }
+
     /// Frees now, on its stream, and reports a failure (dropping swallows it).
     pub fn free(mut self) -> Result<()> {
         // `release` leaves a null pointer, so the drop that follows frees nothing again;

@@ -492,6 +492,26 @@ pub fn active_sim() -> Option<Arc<sim::SimDevice>> {
     ACTIVE_SIM.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
+/// The simulated device that [`backend`] gives now: the one
+/// [activated](sim::SimDevice::activate), else the one `STREAMPOOL_DEVICE=sim` selects for
+/// the whole process (made at the first use); `None` when [`backend`] is the CUDA driver.
+/// How a program run with `STREAMPOOL_DEVICE=sim` reaches its device: to run its work
+/// (a host loop polling [`crate::Event::query`] waits for ever on a device whose work
+/// runs only when told, unless [`sim::SimDevice::set_eager`]) and to read its races.
+///
+/// ```
+/// if let Some(sim) = streampool::device::simulated()? {
+///     sim.set_eager(true); // work runs as soon as it may, as on a GPU
+/// }
+/// # Ok::<(), streampool::Error>(())
+/// ```
+pub fn simulated() -> Result<Option<Arc<sim::SimDevice>>> {
+    match active_sim() {
+        Some(active) => Ok(Some(active)),
+        None => env_sim(),
+    }
+}
+
 /// True when `STREAMPOOL_DEVICE=sim` selects the simulated device for the whole process
 /// (read once, at the first use: reading the environment takes a lock and a copy). False
 /// for any other value, including one that names no backend ([`backend`] refuses that).

@@ -21,7 +21,10 @@
 //!   [`SimDevice::step_any`], [`SimDevice::run`], or a host synchronisation (stream,
 //!   event, context; `cuMemFree` and `cuMemFreeHost`, which wait for the whole device).
 //!   A synchronisation runs only what it waits for. Event and stream queries never run
-//!   work. The ordering model (module `exec`) is the design's "ordered".
+//!   work, so a host loop that polls a query until the work is done waits for ever unless
+//!   something runs it: [`SimDevice::set_eager`] (the device of `STREAMPOOL_DEVICE=sim`
+//!   is reached through [`crate::device::simulated`]). The ordering model (module `exec`)
+//!   is the design's "ordered".
 //! * **Race detector.** Each memory access is checked when it executes against the
 //!   previous conflicting access to the same bytes (module `detector`); unordered pairs are
 //!   kept as [`Race`]s, each pair once.
