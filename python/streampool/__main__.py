@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import statistics
 import sys
 import time
@@ -164,18 +165,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     harness's commands (:mod:`streampool.harness.cli`)."""
     from .harness.cli import main as cli_main
 
+    # Started with stdout or stderr closed (`>&-`), Python has None for it: what would
+    # have been written there goes nowhere, as a write to a closed descriptor would.
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115  # for the whole process
     try:
         code = cli_main(argv)
         sys.stdout.flush()
     except BrokenPipeError:
-        # `streampool | head -1`: the reader stopped reading because it had what it
-        # wanted, which is no failure of the report, so the status stays 0. Python
-        # flushes stdout again at exit: pointing it at /dev/null keeps that flush from
-        # raising a second time (the recipe of the `signal` module's documentation).
+        # `streampool | head -1`: the reader stopped reading. Python flushes stdout again
+        # at exit: pointing it at /dev/null keeps that flush from raising a second time
+        # (the recipe of the `signal` module's documentation). For the environment
+        # report, which was only writing, that is no failure: status 0. Any other command
+        # stopped before its verdict: 141, a shell's status for a program that SIGPIPE
+        # stopped, so that `set -o pipefail` does not read it as a pass.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        code = 0
+        code = 0 if _is_report(sys.argv[1:] if argv is None else argv) else 128 + signal.SIGPIPE
     return code
+
+
+def _is_report(argv: Sequence[str]) -> bool:
+    """Whether the command line asks for the environment report (``info``, the default)."""
+    words = [a for a in argv if not a.startswith("-")]
+    return not words or words[0] == "info"
 
 
 if __name__ == "__main__":

@@ -199,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="PNG of live and reserved bytes over time, and latencies, from a log")
     pl.add_argument("log", help="the log to plot: streampool's (profile -o LOG) or RMM's CSV")
-    pl.add_argument("-o", "--output", help="the PNG (default LOG.png)")
+    pl.add_argument("-o", "--output", help="the PNG (default LOG.png; in a directory, LOG's name with .png)")
     pl.add_argument(
         "--resource", default="async", help="replay on this spec for reserved bytes (default async)"
     )
@@ -524,6 +524,10 @@ def _profile_into(
     removed after use (the messages say so)."""
     if not program:
         raise _Fail(EXIT_USAGE, "nothing to run: give the program after --, e.g. -- python prog.py ARGS")
+    try:
+        profile.check_program(program, log)  # before the old log is removed
+    except profile.CannotStartError as e:
+        raise _Fail(EXIT_CANNOT_START, str(e)) from None
     profile.check_log(log)  # before the program runs: an OSError naming the log, exit 3
     if dev.simulated:
         print(
@@ -535,6 +539,16 @@ def _profile_into(
         status = profile.run(program, log, dev.simulated, output_to_stderr)
     except profile.CannotStartError as e:
         raise _Fail(EXIT_CANNOT_START, str(e)) from None
+    if not os.path.exists(log):
+        # The shim claims the log as the first Python of the program starts: none did.
+        print(
+            f"streampool profile: the program exited with status {status} and nothing was logged: "
+            "no Python process of it started with profile's start-up hook (a Python run with -E "
+            "or -I ignores PYTHONPATH, which carries the hook; a program that is not Python and "
+            "starts no Python is not profiled)",
+            file=sys.stderr,
+        )
+        return status
     # One log per device (device N > 0 to LOG.devN): each is named, with its events.
     logs = [(device, path, profile.logged_events(path)) for device, path in profile.device_logs(log)]
     events = sum(n for _, _, n in logs)
@@ -548,7 +562,13 @@ def _profile_into(
         where = "one log per device: " + ", ".join(
             f"{n} to {path} (device {device})" for device, path, n in logs
         )
-    if status != 0:
+    if status != 0 and temporary:  # recommend stops here, and the log goes
+        print(
+            f"streampool profile: the program exited with status {status}, after {events} event(s); "
+            "nothing is replayed, and the temporary log is removed (-o LOG keeps it)",
+            file=sys.stderr,
+        )
+    elif status != 0:
         kept = "the log keeps" if len(logs) == 1 else "the logs keep"
         print(
             f"streampool profile: the program exited with status {status}; {kept} the "
@@ -574,6 +594,24 @@ def _cmd_profile(args: argparse.Namespace, dev: Device) -> int:
     return _profile_into(args.program, args.output, dev)
 
 
+def _busiest_log(log: str, keep: bool) -> str:
+    """Of a profile's logs (one per device), the one with the most events, which recommend
+    reads; a note on stderr names the others that have events (``keep``: they stay, for
+    ``recommend LOG.devN``)."""
+    logs = [(profile.logged_events(path), device, path) for device, path in profile.device_logs(log)]
+    events, device, chosen = max(logs, key=lambda x: (x[0], -x[1]))
+    others = [(n, d, p) for n, d, p in logs if n and p != chosen]
+    if others:
+        rest = ", ".join(f"{n} on device {d}" + (f" ({p})" if keep else "") for n, d, p in others)
+        how = "`streampool recommend` on each kept log" if keep else "-o LOG keeps every device's log"
+        print(
+            f"streampool recommend: the program allocated on several devices; recommending for "
+            f"device {device} ({events} events), the busiest; not replayed: {rest} ({how})",
+            file=sys.stderr,
+        )
+    return chosen
+
+
 def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
     if args.program and args.log is not None:
         raise _Fail(EXIT_USAGE, "give a log or `-- python prog.py ARGS`, not both")
@@ -594,6 +632,7 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
             status = _profile_into(args.program, log, dev, args.json, temporary=not args.output)
             if status != 0:
                 return status
+            log = _busiest_log(log, keep=bool(args.output))
         t = _read_log(out, log, args.skip_malformed)
     repeats = args.repeats or (2 if args.quick else 3)
     _announce(out, dev)
@@ -726,8 +765,14 @@ def _cmd_plot(args: argparse.Namespace, dev: Device) -> int:
     out = Output()
     t = _read_log(out, args.log, args.skip_malformed)
     target = args.output or f"{args.log}.png"
-    if not os.path.splitext(target)[1]:
+    if target.endswith(os.sep) or os.path.isdir(target):  # a directory: the log's name in it
+        target = os.path.join(target, os.path.basename(args.log) + ".png")
+    elif not os.path.splitext(target)[1]:
         target += ".png"  # what matplotlib writes for a name without a suffix; said so below
+    if not os.path.isdir(os.path.dirname(target) or "."):
+        raise _Fail(
+            EXIT_BAD_INPUT, f"-o {args.output}: the directory {os.path.dirname(target)} does not exist"
+        )
     plots._plt()  # before any work: a clear message when matplotlib is missing
     candidate = make_resource(args.resource)
     replayed = trace.sequential_replay(candidate.resource, t, candidate.reserved)

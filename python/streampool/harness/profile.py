@@ -118,13 +118,18 @@ def script(argv: Sequence[str]) -> str | None:
     return argv[i] if i < len(argv) and argv[i] != "-" else None
 
 
-def check_program(argv: Sequence[str]) -> None:
+def check_program(argv: Sequence[str], log: str | None = None) -> None:
     """CannotStartError when ``argv`` runs a Python script (:func:`script`) that does not
-    exist: the interpreter would start, say it cannot open the file and exit with status
-    2, which would read as the program's own failure."""
+    exist (the interpreter would start, say it cannot open the file and exit with status
+    2, which would read as the program's own failure), or that is ``log`` itself (which
+    profile would replace with the log)."""
     path = script(argv)
-    if path is not None and not os.path.exists(path):
+    if path is None:
+        return
+    if not os.path.exists(path):
         raise CannotStartError(f"cannot run {path!r}: No such file or directory")
+    if log is not None and os.path.exists(log) and os.path.samefile(path, log):
+        raise CannotStartError(f"the log {log} is the program {path!r}: name another log with -o")
 
 
 def run(argv: Sequence[str], log: str, simulated: bool, output_to_stderr: bool = False) -> int:
@@ -133,7 +138,7 @@ def run(argv: Sequence[str], log: str, simulated: bool, output_to_stderr: bool =
     standard output goes to stderr (so that stdout holds a JSON document alone).
     CannotStartError when the program cannot be started (not found, not executable, a
     Python script that does not exist: :func:`check_program`), before anything runs."""
-    check_program(argv)
+    check_program(argv, log)
     check_log(log)
     env = dict(os.environ)
     env[LOG_ENV] = os.path.abspath(log)

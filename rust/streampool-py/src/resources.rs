@@ -496,6 +496,25 @@ pub(crate) fn core_resource(backend: &BackendRef, device: i32) -> streampool::Re
     if let Some(mr) = find() {
         return Ok(mr);
     }
+    if HOOKED.load(Ordering::Acquire) {
+        // The initial resource is the hook's (a profiled program's logging adaptor): made
+        // by Python, once per device, so that Python and the C entry points share it.
+        return Python::attach(|py| {
+            let made = match resource_for(py, Some(device)) {
+                Ok(mr) => mr,
+                Err(e) => return Err(crate::errors::callback_error(py, "the initial-resource hook", e)),
+            };
+            let core = made.get().inner.clone();
+            if core.backend().id() == backend.id() {
+                Ok(core)
+            } else {
+                Err(streampool::Error::InvalidArgument(format!(
+                    "device {device} of {} is not the current backend's",
+                    backend.describe()
+                )))
+            }
+        });
+    }
     let made: ResourceRef =
         Arc::new(CudaAsyncMemoryResource::on(backend.clone(), device, Default::default())?);
     // Under the registry's lock, so that a resource Python sets meanwhile is not overwritten.
@@ -540,11 +559,67 @@ fn resource_for(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyMemoryReso
     Ok(mr)
 }
 
-/// The initial resource of every device: the driver's pool.
+/// The initial resource of every device: the driver's pool, or what the initial-resource
+/// hook makes of it (`_set_initial_resource_hook`).
 fn initial_resource(py: Python<'_>, backend: BackendRef, device: i32) -> PyResult<Py<PyMemoryResource>> {
+    let (backend_id, hook) = (backend.id(), initial_hook().map(|h| h.clone_ref(py)));
     let made = detached(py, move || CudaAsyncMemoryResource::on(backend, device, Default::default()))?;
-    let made = Bound::new(py, PyCudaAsyncMemoryResource::init(made))?;
-    Ok(made.into_super().unbind())
+    let made = Bound::new(py, PyCudaAsyncMemoryResource::init(made))?.into_super();
+    let Some(hook) = hook else { return Ok(made.unbind()) };
+    let wrapped = hook.bind(py).call1((device, made))?;
+    let wrapped = wrapped.cast_into::<PyMemoryResource>().map_err(|e| {
+        PyTypeError::new_err(format!(
+            "the initial-resource hook returned {}, not a memory resource",
+            e.into_inner().get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    })?;
+    let res = &wrapped.get().inner;
+    if res.backend().id() != backend_id || res.device() != device {
+        return Err(PyValueError::new_err(format!(
+            "the initial-resource hook returned {}, which belongs to device {}, for device {device}",
+            wrapped.repr()?,
+            res.device()
+        )));
+    }
+    Ok(wrapped.unbind())
+}
+
+// A hook that makes each device's initial resource from the driver's pool, as it is first
+// needed: how `streampool profile` wraps it in a logging adaptor without touching the
+// device at start-up (which would refuse the device to children forked before the
+// program's first use). `HOOKED` lets the C entry points, which run without the GIL,
+// see whether to ask Python for an initial resource instead of making their own.
+static INITIAL_HOOK: Mutex<Option<Py<PyAny>>> = Mutex::new(None);
+static HOOKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn initial_hook() -> Option<Py<PyAny>> {
+    if !HOOKED.load(Ordering::Acquire) {
+        return None;
+    }
+    Python::attach(|py| {
+        INITIAL_HOOK.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|h| h.clone_ref(py))
+    })
+}
+
+/// Sets (a callable) or clears (None) the hook that makes each device's initial resource:
+/// ``hook(device, resource)`` gets the driver's pool made for ``device`` and returns the
+/// resource to use instead (bound to that device). Resources made already stay. Threads
+/// that first use a device at once may each call it: the first result kept is every
+/// thread's. For ``streampool profile``; not a public API.
+#[pyfunction]
+pub(crate) fn _set_initial_resource_hook(hook: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    if let Some(h) = hook {
+        if !h.is_callable() {
+            return Err(PyTypeError::new_err("the initial-resource hook must be callable, or None"));
+        }
+    }
+    let previous = {
+        let mut slot = INITIAL_HOOK.lock().unwrap_or_else(|e| e.into_inner());
+        HOOKED.store(hook.is_some(), Ordering::Release);
+        std::mem::replace(&mut *slot, hook.map(|h| h.clone().unbind()))
+    };
+    drop(previous); // after the lock: dropping may run Python code
+    Ok(())
 }
 
 fn set_resource(

@@ -1,0 +1,286 @@
+"""``streampool profile`` with programs of several processes, and the command line's own
+output going nowhere: forks before the first use, a launcher starting several Pythons, a
+Python that ignores PYTHONPATH, a log named like the program, a program allocating on
+several devices, stdout closed or its reader gone (subprocesses on the simulated device)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .test_harness_cli import run
+
+pytestmark = pytest.mark.nosim
+
+ALLOCATE = """\
+import sys, streampool
+r, s = streampool.get_current_device_resource(), streampool.Stream()
+for _ in range(int(sys.argv[1])):
+    r.deallocate(r.allocate({size}, s), {size}, s)
+"""
+
+
+def sizes(log: Path) -> list[str]:
+    return [line.split(",")[4] for line in log.read_text().splitlines()[1:]]
+
+
+def test_a_program_that_forks_before_its_first_use_runs_as_unprofiled(tmp_path: Path) -> None:
+    # The start-up hook touches no device: the fork children may use it, as unprofiled.
+    program = tmp_path / "prog.py"
+    program.write_text(
+        "import multiprocessing, os, streampool\n"
+        "def work(size):\n"
+        "    r, s = streampool.get_current_device_resource(), streampool.Stream()\n"
+        "    r.deallocate(r.allocate(size, s), size, s)\n"
+        "    return size\n"
+        "if __name__ == '__main__':\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        work(111)\n"
+        "        os._exit(0)\n"
+        "    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0\n"
+        "    with multiprocessing.get_context('fork').Pool(2) as pool:\n"
+        "        assert pool.map(work, [222, 222]) == [222, 222]\n"
+        "    work(333)\n"
+        "    print('done')\n"
+    )
+    log = tmp_path / "app.log"
+    out = run("profile", "-o", str(log), "--", sys.executable, str(program))
+    assert out.returncode == 0, out.stderr
+    assert "done" in out.stdout
+    assert sizes(log) == ["333", "333"]  # the parent's; the children are not profiled
+
+
+def test_of_several_pythons_a_launcher_starts_the_first_is_profiled(tmp_path: Path) -> None:
+    first, second = tmp_path / "first.py", tmp_path / "second.py"
+    first.write_text(ALLOCATE.format(size=100))
+    second.write_text(ALLOCATE.format(size=200))
+    log = tmp_path / "app.log"
+    python = sys.executable
+    out = run("profile", "-o", str(log), "--", "sh", "-c", f"'{python}' {first} 3 && '{python}' {second} 5")
+    assert out.returncode == 0, out.stderr
+    assert sizes(log) == ["100"] * 6  # the second did not write over the first's log
+    assert "is not profiled: another Python process of the program writes the log" in out.stderr
+    assert "6 event(s) logged" in out.stderr
+
+
+def test_a_python_that_ignores_pythonpath_is_said_to_log_nothing(tmp_path: Path) -> None:
+    program, log = tmp_path / "prog.py", tmp_path / "app.log"
+    program.write_text(ALLOCATE.format(size=100))
+    out = run("profile", "-o", str(log), "--", sys.executable, "-I", str(program), "2")
+    assert out.returncode == 0, out.stderr
+    assert "nothing was logged: no Python process of it started with profile's start-up hook" in out.stderr
+    assert "event(s) logged" not in out.stderr and not log.exists()
+
+
+def test_a_log_named_like_the_program_is_refused_and_nothing_is_removed(tmp_path: Path) -> None:
+    program = tmp_path / "app.py"
+    program.write_text(ALLOCATE.format(size=100))
+    out = run("profile", "-o", "app.py", "--", sys.executable, "app.py", "1", cwd=tmp_path)
+    assert out.returncode == 127
+    assert "the log app.py is the program 'app.py': name another log with -o" in out.stderr
+    assert program.read_text() == ALLOCATE.format(size=100)
+    # A program that cannot start leaves the logs of an earlier run as they were.
+    old, old_dev = tmp_path / "old.log", tmp_path / "old.log.dev3"
+    old.write_text("earlier\n")
+    old_dev.write_text("earlier\n")
+    out = run("profile", "-o", str(old), "--", sys.executable, str(tmp_path / "typo.py"))
+    assert out.returncode == 127 and "No such file or directory" in out.stderr
+    assert old.read_text() == old_dev.read_text() == "earlier\n"
+
+
+def test_recommend_reads_the_busiest_devices_log_and_names_the_others(tmp_path: Path) -> None:
+    program, log = tmp_path / "prog.py", tmp_path / "app.log"
+    program.write_text(
+        "import streampool\n"
+        "for device, n in ((0, 2), (1, 40)):\n"
+        "    r = streampool.get_per_device_resource(device)\n"
+        "    s = streampool.Stream(device=device)\n"
+        "    for _ in range(n):\n"
+        "        r.deallocate(r.allocate(1 << 16, s), 1 << 16, s)\n"
+    )
+    out = run(
+        "recommend", "--quick", "-o", str(log), "--", sys.executable, str(program), STREAMPOOL_SIM_DEVICES="2"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "recommend: 80 events replayed" in out.stdout
+    assert (
+        "recommending for device 1 (80 events), the busiest; not replayed: 4 on device 0 "
+        f"({log})" in out.stderr
+    )
+    # Every allocation on device 1: its log, with no note (device 0's is empty).
+    program.write_text(program.read_text().replace("(0, 2)", "(0, 0)"))
+    out = run("recommend", "--quick", "--", sys.executable, str(program), STREAMPOOL_SIM_DEVICES="2")
+    assert out.returncode == 0, out.stderr
+    assert "recommend: 80 events replayed" in out.stdout and "busiest" not in out.stderr
+
+
+def test_a_closed_stdout_is_no_error(tmp_path: Path) -> None:
+    program, log = tmp_path / "prog.py", tmp_path / "app.log"
+    program.write_text(ALLOCATE.format(size=100) + "print('ran', file=sys.stderr)\n")
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim")
+    command = [
+        sys.executable,
+        "-m",
+        "streampool",
+        "profile",
+        "-o",
+        str(log),
+        "--",
+        sys.executable,
+        str(program),
+        "2",
+    ]
+    out = subprocess.run(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=120
+    )
+    assert out.returncode == 0  # the control: then with stdout closed
+    closed = subprocess.run(
+        [*command[:3], "replay", str(log), "--quick", "--resources", "async"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: os.close(1),
+    )
+    assert closed.returncode == 0, closed.stderr
+    assert "Traceback" not in closed.stderr
+    closed = subprocess.run(
+        command, env=env, stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(1)
+    )
+    assert closed.returncode == 0 and "ran" in closed.stderr, closed.stderr
+    assert sizes(log) == ["100"] * 4
+
+
+@pytest.mark.parametrize(
+    ("args", "status"), [((), 0), (("stress", "--seconds", "0.2", "--resources", "async"), 141)]
+)
+def test_a_reader_gone_stops_a_command_with_141_and_the_report_with_0(
+    args: tuple[str, ...], status: int
+) -> None:
+    reader, writer = os.pipe()
+    os.close(reader)  # gone before anything is written
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "streampool", *args],
+            env=env,
+            stdout=writer,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(writer)
+    assert out.returncode == status, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_plot_into_a_directory_names_the_png_after_the_log(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    program, log = tmp_path / "prog.py", tmp_path / "app.log"
+    program.write_text(ALLOCATE.format(size=100))
+    assert run("profile", "-o", str(log), "--", sys.executable, str(program), "3").returncode == 0
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    out = run("plot", str(log), "-o", str(plots))
+    assert out.returncode == 0, out.stderr
+    png = plots / "app.log.png"
+    assert f"wrote {png}" in out.stdout and png.read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "plots.png").exists()
+    # A directory that does not exist: refused before the replay, no hidden ".png" made.
+    missing = f"{tmp_path / 'new'}{os.sep}"
+    out = run("plot", str(log), "-o", missing)
+    assert (
+        out.returncode == 3 and f"-o {missing}: the directory {tmp_path / 'new'} does not exist" in out.stderr
+    )
+    assert not (tmp_path / "new").exists()
+
+
+HOOKED = """\
+import ctypes
+import streampool
+from streampool import _native, allocators, mr
+
+made = []
+def wrap(device, upstream):
+    made.append(mr.StatisticsResourceAdaptor(upstream))
+    return made[-1]
+_native._set_initial_resource_hook(wrap)
+# The C entry points (PyTorch's allocator) first: they take the hook's resource too.
+lib = ctypes.CDLL(allocators.library_path())
+lib.streampool_alloc.restype = ctypes.c_void_p
+lib.streampool_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+lib.streampool_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+ptr = lib.streampool_alloc(4096, 0, None)
+assert ptr and len(made) == 1 and made[0].allocation_counts.current_bytes == 4096
+assert streampool.get_current_device_resource() is made[0]
+lib.streampool_free(ptr, 4096, 0, None)
+assert made[0].allocation_counts.current_bytes == 0 and len(made) == 1
+_native._set_initial_resource_hook(None)
+_native._reset_device_resources()
+assert isinstance(streampool.get_current_device_resource(), mr.CudaAsyncMemoryResource)
+# A hook that returns what is not a resource: a TypeError saying so, and the device usable.
+_native._set_initial_resource_hook(lambda device, upstream: "not a resource")
+_native._reset_device_resources()
+try:
+    streampool.get_current_device_resource()
+except TypeError as e:
+    assert "the initial-resource hook returned str, not a memory resource" in str(e), e
+else:
+    raise AssertionError("accepted")
+_native._set_initial_resource_hook(None)
+assert isinstance(streampool.get_current_device_resource(), mr.CudaAsyncMemoryResource)
+try:
+    _native._set_initial_resource_hook(3)
+except TypeError as e:
+    assert "must be callable, or None" in str(e)
+else:
+    raise AssertionError("accepted")
+print("ok")
+"""
+
+
+def test_the_initial_resource_hook_serves_python_and_the_c_entry_points() -> None:
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim")
+    out = subprocess.run([sys.executable, "-c", HOOKED], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_threads_that_first_use_the_device_at_once_lose_no_event(tmp_path: Path) -> None:
+    # Each makes the device's initial resource; one logging adaptor is kept (a second
+    # opened the log again, truncating what the first had written).
+    program, log = tmp_path / "prog.py", tmp_path / "app.log"
+    program.write_text(
+        "import threading, streampool\n"
+        "start = threading.Barrier(8)\n"
+        "def work():\n"
+        "    start.wait()\n"
+        "    for _ in range(50):\n"
+        "        streampool.DeviceBuffer(size=4096)\n"
+        "threads = [threading.Thread(target=work) for _ in range(8)]\n"
+        "for t in threads: t.start()\n"
+        "for t in threads: t.join()\n"
+    )
+    out = run("profile", "-o", str(log), "--", sys.executable, str(program))
+    assert out.returncode == 0, out.stderr
+    assert len(sizes(log)) == 800 and "800 event(s) logged" in out.stderr, out.stderr
+    # The race itself, made certain: the hook asked again for a device it has served (as
+    # the losing thread asks) gives the same adaptor, and the log keeps what it had.
+    program.write_text(
+        "import streampool\n"
+        "from streampool import _native\n"
+        "first = streampool.get_current_device_resource()\n"
+        "streampool.DeviceBuffer(size=100)\n"
+        "_native._reset_device_resources()\n"
+        "assert streampool.get_current_device_resource() is first\n"
+        "streampool.DeviceBuffer(size=200)\n"
+    )
+    out = run("profile", "-o", str(log), "--", sys.executable, str(program))
+    assert out.returncode == 0, out.stderr
+    assert sizes(log) == ["100", "100", "200", "200"]
