@@ -9,9 +9,11 @@ The pattern: 8-byte word ``i`` of a buffer filled with ``seed`` is a hash of
 ``(seed, i)``, so data that lands at the wrong place, comes from another buffer or was
 overwritten is found by :func:`check`. A buffer of ``size`` bytes holds ``size // 8``
 words; its last ``size % 8`` bytes are neither filled nor checked. ``ptr`` must be 8-byte
-aligned (every allocation is) and be memory of at least ``size`` bytes, ordered for
-``stream``: the driver cannot check that (a bad address faults the context), the
-simulated device refuses it.
+aligned (every allocation is) and be device memory of at least ``size`` bytes that you
+own, ordered for ``stream``: the driver cannot check that (a bad address faults the
+context, and where the GPU reaches host memory, as pinned memory or on systems with HMM,
+the kernel writes whatever lies there, as a raw CuPy kernel would), the simulated device
+refuses it.
 
 Example::
 

@@ -327,10 +327,11 @@ impl DeviceBuffer {
         self.on_device(py, bytes, stream, move |alloc, backend, device, stream| {
             let (dst, src) = if to_host { (host, alloc.ptr()) } else { (alloc.ptr(), host) };
             // SAFETY: the host side is valid for `bytes` (checked by the callers) and stays
-            // so until this function returns, after the synchronisation below; the device
-            // side is this live allocation, at least `bytes` long.
+            // so until this function returns, after the synchronisation below (of the
+            // whole device, should the stream's fail); the device side is this live
+            // allocation, at least `bytes` long.
             unsafe { backend.memcpy_async(device, dst, src, bytes, stream.handle())? };
-            backend.stream_synchronize(device, stream.handle())
+            streampool::device::synchronize_after_copy(backend, device, stream.handle())
         })
     }
 

@@ -74,7 +74,10 @@ pub(crate) fn _kernel_fill(
 ) -> PyResult<()> {
     let (ptr, size, seed) = pattern_args(ptr, size, seed)?;
     let (b, dev, s) = kernel_target(py, stream, device)?;
-    detached(py, move || kernels::fill(&b, dev, ptr, size, seed, &s))
+    // SAFETY: Python has no unsafe: `streampool.kernels` documents that `ptr` must be
+    // device memory the caller owns (as a raw CuPy kernel's arguments must); the
+    // simulated device checks it, and the driver faults the context on a bad address.
+    detached(py, move || unsafe { kernels::fill(&b, dev, ptr, size, seed, &s) })
 }
 
 /// Checks `size` bytes at `ptr` against the pattern of `seed` on `stream`, synchronises
@@ -91,7 +94,8 @@ pub(crate) fn _kernel_check(
 ) -> PyResult<u64> {
     let (ptr, size, seed) = pattern_args(ptr, size, seed)?;
     let (b, dev, s) = kernel_target(py, stream, device)?;
-    detached(py, move || kernels::check(&b, dev, ptr, size, seed, &s))
+    // SAFETY: as for `_kernel_fill`.
+    detached(py, move || unsafe { kernels::check(&b, dev, ptr, size, seed, &s) })
 }
 
 /// Enqueues on `stream` a read-modify-write kernel of `iterations` passes over `size`
@@ -109,7 +113,8 @@ pub(crate) fn _kernel_compute(
     let (ptr, size): (DevPtr, usize) = (ptr_arg(ptr)?, size_arg(size, "size")?);
     let iterations = count_arg(iterations, "iterations", 0, u32::MAX as u64)? as u32;
     let (b, dev, s) = kernel_target(py, stream, device)?;
-    detached(py, move || kernels::compute(&b, dev, ptr, size, &s, iterations))
+    // SAFETY: as for `_kernel_fill`.
+    detached(py, move || unsafe { kernels::compute(&b, dev, ptr, size, &s, iterations) })
 }
 
 /// Runs `work` on a thread of its own, with the GIL released, while this thread looks

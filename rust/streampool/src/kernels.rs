@@ -21,10 +21,10 @@
 //! let mr = CudaAsyncMemoryResource::on(sim.clone(), 0, Default::default())?;
 //! let s = Stream::legacy();
 //! let p = mr.allocate(4096, &s)?;
-//! kernels::fill(mr.backend(), 0, p, 4096, 7, &s)?;
-//! kernels::compute(mr.backend(), 0, p, 4096, &s, 3)?; // reads and writes, leaves the data
-//! assert_eq!(kernels::check(mr.backend(), 0, p, 4096, 7, &s)?, 0);
-//! assert_eq!(kernels::check(mr.backend(), 0, p, 4096, 8, &s)?, 512); // another seed
+//! unsafe { kernels::fill(mr.backend(), 0, p, 4096, 7, &s) }?;
+//! unsafe { kernels::compute(mr.backend(), 0, p, 4096, &s, 3) }?; // reads and writes, leaves the data
+//! assert_eq!(unsafe { kernels::check(mr.backend(), 0, p, 4096, 7, &s) }?, 0);
+//! assert_eq!(unsafe { kernels::check(mr.backend(), 0, p, 4096, 8, &s) }?, 512); // another seed
 //! mr.deallocate(p, 4096, &s)?;
 //! # Ok::<(), streampool::Error>(())
 //! ```
@@ -326,7 +326,11 @@ fn grid(words: u64) -> u32 {
     words.div_ceil(BLOCK as u64).clamp(1, MAX_GRID as u64) as u32
 }
 
-fn launch(
+/// # Safety
+///
+/// `params` are `function`'s parameters, in order, and the memory they name is as
+/// [`fill`]'s contract says.
+unsafe fn launch(
     backend: &BackendRef,
     dev: i32,
     function: RawFunction,
@@ -334,18 +338,23 @@ fn launch(
     params: &[u64],
     stream: &Stream,
 ) -> Result<()> {
-    // SAFETY: `params` are the parameters the PTX above declares for `function`, in order
-    // (every caller below passes its kernel's list), and `words` 8-byte words at the
-    // pointer are the caller's memory on `dev` (the documented contract of the public
-    // functions; the simulated device checks it, the driver faults on a bad address).
+    // SAFETY: this function's contract: `params` are the parameters the PTX above declares
+    // for `function`, and the memory is the caller's (the public functions' contract).
     unsafe { backend.launch_kernel(dev, function, grid(words), BLOCK, params, stream.handle()) }
 }
 
 /// Enqueues on `stream` a kernel that fills `[ptr, ptr + bytes)` with the pattern of
-/// `seed` (see the module docs). `ptr` must be device memory of at least `bytes` bytes on
-/// `dev` of `backend`, ordered for `stream`: the driver cannot check this (a bad address
-/// faults the context); the simulated device refuses it.
-pub fn fill(
+/// `seed` (see the module docs).
+///
+/// # Safety
+///
+/// `ptr` must be memory of `dev` of `backend` that the caller owns, at least `bytes` bytes
+/// long, that nothing else reads or writes until the kernel has run (work ordered on
+/// `stream`, or after it). The driver cannot check an address: one that is not device
+/// memory faults the context, and where the GPU can reach host memory (pinned memory,
+/// and all of it on systems with HMM or ATS) the kernel writes whatever lies there. The
+/// simulated device checks it and refuses the launch.
+pub unsafe fn fill(
     backend: &BackendRef,
     dev: i32,
     ptr: DevPtr,
@@ -359,7 +368,8 @@ pub fn fill(
         return Ok(());
     }
     let k = loaded(backend, dev)?;
-    launch(backend, dev, k.fill, n, &[ptr, n, seed], stream)
+    // SAFETY: the fill kernel's parameters; the memory is as this function's contract says.
+    unsafe { launch(backend, dev, k.fill, n, &[ptr, n, seed], stream) }
 }
 
 /// Checks `[ptr, ptr + bytes)` against the pattern of `seed` with a kernel on `stream`,
@@ -368,7 +378,11 @@ pub fn fill(
 /// launched and 0 returned, but `stream` is still synchronised: callers free the memory on
 /// another stream after a check, which is ordered only if the memory's earlier work on
 /// `stream` has completed.
-pub fn check(
+///
+/// # Safety
+///
+/// As for [`fill`] (the kernel reads the memory and writes a counter of its own).
+pub unsafe fn check(
     backend: &BackendRef,
     dev: i32,
     ptr: DevPtr,
@@ -385,28 +399,30 @@ pub fn check(
     }
     let k = loaded(backend, dev)?;
     let counter = take_counter(backend, dev, k)?;
-    let mut mismatches: u64 = 0;
-    let host_ptr = &mut mismatches as *mut u64;
-    let host = host_ptr as usize as DevPtr;
+    // The count's host word is on the heap, not this frame: should the synchronisation
+    // fail with the copy still queued, the word is leaked, never reused (the copy would
+    // have written into whatever used this frame next).
+    let slot: *mut u64 = Box::into_raw(Box::new(0u64));
+    let host = slot as usize as DevPtr;
     let run = || -> Result<()> {
         backend.memset_d8_async(dev, counter, 0, 8, stream.handle())?;
-        launch(backend, dev, k.check, n, &[ptr, n, seed, counter], stream)?;
-        // SAFETY: `mismatches` outlives the copy: the stream is synchronised just below,
-        // before it goes out of scope, and on any error before that the copy was never
-        // enqueued or the synchronisation is what failed (then the counter is not reused
-        // and the host value not read).
+        // SAFETY: the check kernel's parameters; the memory is as this function's contract
+        // says, and `counter` is a word of this device's that this call holds.
+        unsafe { launch(backend, dev, k.check, n, &[ptr, n, seed, counter], stream) }?;
+        // SAFETY: `slot` is a live heap word, freed below only once the copy has completed
+        // (the stream synchronised), and leaked otherwise; `counter` is this device's.
         unsafe { backend.memcpy_async(dev, host, counter, 8, stream.handle()) }?;
-        stream.synchronize(backend, dev)
+        crate::device::synchronize_after_copy(backend, dev, stream.handle())
     };
     match run() {
         Ok(()) => {
             k.counters.lock().unwrap_or_else(|e| e.into_inner()).push(counter);
-            // SAFETY: `host_ptr` points to `mismatches`, alive; the copy that wrote it (behind
-            // the compiler's back, through the exposed address) has completed. Volatile, so
-            // that the read is not folded into the 0 stored above.
-            Ok(unsafe { host_ptr.read_volatile() })
+            // SAFETY: `slot` came from `Box::into_raw` above and the copy that wrote it
+            // (behind the compiler's back, through the exposed address) has completed.
+            Ok(*unsafe { Box::from_raw(slot) })
         }
-        // The counter may still be written by queued work: never hand it out again.
+        // The counter and the host word may still be written by queued work: neither is
+        // handed out again (8 bytes each, on a failure).
         Err(e) => Err(e),
     }
 }
@@ -415,7 +431,11 @@ pub fn check(
 /// `[ptr, ptr + bytes)` and leaves the data as it was (see [`COMPUTE`]): kernel time in
 /// proportion to `iterations × bytes`, for workloads that need some. Same memory contract
 /// as [`fill`]. Nothing is launched for 0 iterations.
-pub fn compute(
+///
+/// # Safety
+///
+/// As for [`fill`] (the kernel reads and writes the memory).
+pub unsafe fn compute(
     backend: &BackendRef,
     dev: i32,
     ptr: DevPtr,
@@ -430,7 +450,8 @@ pub fn compute(
     }
     let k = loaded(backend, dev)?;
     let params = [ptr, n, iterations as u64, COMPUTE_MULTIPLIER, COMPUTE_INVERSE];
-    launch(backend, dev, k.compute, n, &params, stream)
+    // SAFETY: the compute kernel's parameters; the memory is as this function's contract says.
+    unsafe { launch(backend, dev, k.compute, n, &params, stream) }
 }
 
 fn take_counter(backend: &BackendRef, dev: i32, k: &Loaded) -> Result<DevPtr> {

@@ -208,6 +208,16 @@ fn the_simulated_driver_refuses_what_the_driver_refuses() {
     // A descriptor that names no exported pool.
     let not_a_pool = std::fs::File::open("/dev/null").unwrap();
     invalid(other.pool_import_fd(0, not_a_pool.as_fd()).unwrap_err(), "does not name a pool");
+    // A file made to look like a pool's, not sealed against shrinking: imported, it could
+    // be cut short under the mappings of its allocations (a SIGBUS at the next access).
+    let mut forged = tempfile_in_tmp("forged-sim-pool");
+    let mut header = b"streampool-simip".to_vec();
+    header.extend_from_slice(&7u64.to_le_bytes());
+    header.extend_from_slice(&1u32.to_le_bytes()); // "exported" by another process
+    header.extend_from_slice(&0i32.to_le_bytes()); // device 0
+    std::io::Write::write_all(&mut forged, &header).unwrap();
+    forged.set_len(4 << 20).unwrap();
+    invalid(other.pool_import_fd(0, forged.as_fd()).unwrap_err(), "does not name a pool");
     // A pool without IPC handles, managed IPC pools.
     let plain = a.pool_create(0, &PoolProps::default()).unwrap();
     invalid(a.pool_export_fd(0, plain).unwrap_err(), "not created with POSIX");
@@ -242,4 +252,14 @@ fn an_exportable_pool_grows_releases_and_exports_like_any_pool() {
     let after = export(&b, 0, second, 3 << 20, &stream).unwrap();
     assert_ne!(before.data, after.data, "released file offsets are not reused");
     mr.deallocate(second, 3 << 20, &stream).unwrap();
+}
+
+/// A new file under the temporary directory, removed at once (it lives while open).
+fn tempfile_in_tmp(name: &str) -> std::fs::File {
+    let path =
+        std::env::temp_dir().join(format!("{name}-{}-{:?}", std::process::id(), std::thread::current().id()));
+    let file =
+        std::fs::File::options().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    file
 }

@@ -1,6 +1,10 @@
 //! The fill, check and compute kernels: on the simulated device (corruption found, races
 //! seen, bad launches refused), and on a GPU (`STREAMPOOL_GPU_TESTS=1`, `--include-ignored`).
 
+// Every kernel here runs on memory the test allocated for it (or, where a launch is to be
+// refused, on addresses the simulated device checks): the unsafe blocks all rest on that.
+#![allow(clippy::undocumented_unsafe_blocks)]
+
 mod common;
 
 use std::sync::Arc;
@@ -17,15 +21,19 @@ fn fill_compute_check_and_find_a_planted_word(b: &BackendRef, mr: &dyn MemoryRes
     let s = stream(b);
     let bytes = (1 << 20) + 12; // a tail of 4 bytes that is neither filled nor checked
     let p = mr.allocate(bytes, &s).unwrap();
-    kernels::fill(b, 0, p, bytes, 11, &s).unwrap();
-    kernels::compute(b, 0, p, bytes, &s, 4).unwrap();
-    assert_eq!(kernels::check(b, 0, p, bytes, 11, &s).unwrap(), 0);
-    assert_eq!(kernels::check(b, 0, p, bytes, 12, &s).unwrap(), (bytes / 8) as u64, "another seed");
+    unsafe { kernels::fill(b, 0, p, bytes, 11, &s) }.unwrap();
+    unsafe { kernels::compute(b, 0, p, bytes, &s, 4) }.unwrap();
+    assert_eq!(unsafe { kernels::check(b, 0, p, bytes, 11, &s) }.unwrap(), 0);
+    assert_eq!(
+        unsafe { kernels::check(b, 0, p, bytes, 12, &s) }.unwrap(),
+        (bytes / 8) as u64,
+        "another seed"
+    );
     // Word 1000 gets word 999's value: misplaced data.
     let planted = pattern_word(11, 999);
     // SAFETY: `planted` outlives the copy (the check below synchronises the stream first).
     unsafe { b.memcpy_async(0, p + 8000, &planted as *const u64 as u64, 8, s.handle()) }.unwrap();
-    assert_eq!(kernels::check(b, 0, p, bytes, 11, &s).unwrap(), 1);
+    assert_eq!(unsafe { kernels::check(b, 0, p, bytes, 11, &s) }.unwrap(), 1);
     // The words of a filled buffer read back as the pattern, little-endian.
     let mut host = [0u64; 4];
     // SAFETY: `host` outlives the copy: the stream is synchronised before it is read.
@@ -50,11 +58,11 @@ fn a_kernel_on_another_stream_races_the_reuse_after_a_free() {
     let (s1, s2) = (stream(&b), stream(&b));
     let p = mr.allocate(4096, &s1).unwrap();
     // Wrong: a kernel on s2 uses memory ordered on s1, which frees it without waiting.
-    kernels::fill(&b, 0, p, 4096, 1, &s2).unwrap();
+    unsafe { kernels::fill(&b, 0, p, 4096, 1, &s2) }.unwrap();
     mr.deallocate(p, 4096, &s1).unwrap();
     let q = mr.allocate(4096, &s1).unwrap();
     assert_eq!(q, p, "same-stream reuse");
-    kernels::fill(&b, 0, q, 4096, 2, &s1).unwrap();
+    unsafe { kernels::fill(&b, 0, q, 4096, 2, &s1) }.unwrap();
     sim.run();
     let races = sim.take_races();
     assert_eq!(races.len(), 1, "{races:?}");
@@ -69,13 +77,13 @@ fn a_kernel_on_another_stream_races_the_reuse_after_a_free() {
     let (to_s2, to_s1) = (streampool::Event::new(&b, 0).unwrap(), streampool::Event::new(&b, 0).unwrap());
     to_s2.record(&s1).unwrap();
     s2.wait(&to_s2).unwrap();
-    kernels::fill(&b, 0, q, 4096, 3, &s2).unwrap();
+    unsafe { kernels::fill(&b, 0, q, 4096, 3, &s2) }.unwrap();
     to_s1.record(&s2).unwrap();
     s1.wait(&to_s1).unwrap();
     mr.deallocate(q, 4096, &s1).unwrap();
     let r = mr.allocate(4096, &s1).unwrap();
-    kernels::fill(&b, 0, r, 4096, 4, &s1).unwrap();
-    assert_eq!(kernels::check(&b, 0, r, 4096, 4, &s1).unwrap(), 0);
+    unsafe { kernels::fill(&b, 0, r, 4096, 4, &s1) }.unwrap();
+    assert_eq!(unsafe { kernels::check(&b, 0, r, 4096, 4, &s1) }.unwrap(), 0);
     mr.deallocate(r, 4096, &s1).unwrap();
     assert_no_races(&sim);
 }
@@ -86,16 +94,16 @@ fn bad_launches_are_refused_and_change_nothing() {
     let mr = CudaMemoryResource::on(b.clone(), 0);
     let s = Stream::legacy();
     let p = mr.allocate(1024, &s).unwrap();
-    let e = kernels::fill(&b, 0, p + 4, 64, 1, &s).unwrap_err();
+    let e = unsafe { kernels::fill(&b, 0, p + 4, 64, 1, &s) }.unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("8-byte aligned"), "{e}");
-    let e = kernels::fill(&b, 0, p, 2048, 1, &s).unwrap_err();
+    let e = unsafe { kernels::fill(&b, 0, p, 2048, 1, &s) }.unwrap_err();
     assert!(e.to_string().contains("not inside a live allocation"), "{e}");
-    let e = kernels::check(&b, 0, 0, 64, 1, &s).unwrap_err();
+    let e = unsafe { kernels::check(&b, 0, 0, 64, 1, &s) }.unwrap_err();
     assert!(matches!(e, Error::InvalidPointer(_)), "{e}");
-    assert_eq!(kernels::check(&b, 0, p, 7, 1, &s).unwrap(), 0, "no whole word: nothing to check");
+    assert_eq!(unsafe { kernels::check(&b, 0, p, 7, 1, &s) }.unwrap(), 0, "no whole word: nothing to check");
     mr.deallocate(p, 1024, &s).unwrap();
     // Freed memory is refused (use after free), as the driver would fault.
-    assert!(kernels::fill(&b, 0, p, 1024, 1, &s).is_err());
+    assert!(unsafe { kernels::fill(&b, 0, p, 1024, 1, &s) }.is_err());
     // Another device's PTX: the simulated device runs only streampool's kernels.
     let other =
         std::ffi::CString::new(".version 7.0\n.target sm_52\n.visible .entry mine(\n)\n{ ret; }").unwrap();
@@ -118,22 +126,26 @@ fn a_check_of_no_whole_word_still_synchronises_its_stream() {
     // would make the pool order its reuse after s1's work.)
     let p = mr.allocate(64, &s1).unwrap();
     let n = mr.allocate(64, &s1).unwrap();
-    kernels::fill(&b, 0, p, 64, 1, &s1).unwrap();
-    kernels::compute(&b, 0, p, 64, &s1, 1).unwrap();
-    kernels::fill(&b, 0, p, 64, 2, &s1).unwrap();
+    unsafe { kernels::fill(&b, 0, p, 64, 1, &s1) }.unwrap();
+    unsafe { kernels::compute(&b, 0, p, 64, &s1, 1) }.unwrap();
+    unsafe { kernels::fill(&b, 0, p, 64, 2, &s1) }.unwrap();
     mr.deallocate(p, 64, &s1).unwrap();
     // The next owner, on s1 too (ordered after those kernels), holds 4 bytes: no word.
     let q = mr.allocate(4, &s1).unwrap();
     assert_eq!(q, p, "same-stream reuse");
-    kernels::fill(&b, 0, q, 4, 3, &s1).unwrap(); // launches nothing
-    assert_eq!(kernels::check(&b, 0, q, 4, 3, &s1).unwrap(), 0);
+    unsafe { kernels::fill(&b, 0, q, 4, 3, &s1) }.unwrap(); // launches nothing
+    assert_eq!(unsafe { kernels::check(&b, 0, q, 4, 3, &s1) }.unwrap(), 0);
     assert_eq!(sim.pending(), 0, "the check synchronised s1: nothing of s1 is left pending");
     // So the memory may be freed on s2 and reused there at once.
     mr.deallocate(q, 4, &s2).unwrap();
     let r = mr.allocate(64, &s2).unwrap();
     assert_eq!(r, p, "same-stream reuse on s2");
-    kernels::fill(&b, 0, r, 64, 4, &s2).unwrap();
-    assert_eq!(kernels::check(&b, 0, r, 64, 4, &s2).unwrap(), 0, "s1's pending fill overwrote s2's");
+    unsafe { kernels::fill(&b, 0, r, 64, 4, &s2) }.unwrap();
+    assert_eq!(
+        unsafe { kernels::check(&b, 0, r, 64, 4, &s2) }.unwrap(),
+        0,
+        "s1's pending fill overwrote s2's"
+    );
     mr.deallocate(r, 64, &s2).unwrap();
     mr.deallocate(n, 64, &s1).unwrap();
     assert_no_races(&sim);
@@ -147,7 +159,7 @@ fn kernels_take_their_simulated_duration() {
     let bytes = 8 << 20;
     let p = mr.allocate(bytes, &s).unwrap();
     // 8 MiB touched twice per pass, 4 passes: 64 MiB at 1 byte/ps, plus the launch.
-    kernels::compute(&b, 0, p, bytes, &s, 4).unwrap();
+    unsafe { kernels::compute(&b, 0, p, bytes, &s, 4) }.unwrap();
     let t = std::time::Instant::now();
     s.synchronize(&b, 0).unwrap();
     let floor = kernels::SIM_KERNEL_LAUNCH_NS + (64 << 20) / kernels::SIM_KERNEL_BYTES_PER_NS;
@@ -178,12 +190,314 @@ fn the_ptx_kernels_fill_compute_and_check_on_a_gpu() {
                 for round in 0..50u64 {
                     let bytes = 256 << 10;
                     let p = mr.allocate(bytes, &s).unwrap();
-                    kernels::fill(&b, 0, p, bytes, t * 1000 + round, &s).unwrap();
-                    kernels::compute(&b, 0, p, bytes, &s, 2).unwrap();
-                    assert_eq!(kernels::check(&b, 0, p, bytes, t * 1000 + round, &s).unwrap(), 0);
+                    unsafe { kernels::fill(&b, 0, p, bytes, t * 1000 + round, &s) }.unwrap();
+                    unsafe { kernels::compute(&b, 0, p, bytes, &s, 2) }.unwrap();
+                    assert_eq!(unsafe { kernels::check(&b, 0, p, bytes, t * 1000 + round, &s) }.unwrap(), 0);
                     mr.deallocate(p, bytes, &s).unwrap();
                 }
             });
         }
     });
+}
+
+/// A simulated device whose stream synchronisations fail on demand (as one does for a
+/// borrowed stream that its owner destroys meanwhile): everything else is the device's.
+mod failing_syncs {
+    use std::ffi::CStr;
+    use std::os::fd::{BorrowedFd, OwnedFd};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use streampool::device::sim::SimDevice;
+    use streampool::device::*;
+    use streampool::{Error, Result};
+
+    #[derive(Debug)]
+    pub struct FailingSyncs {
+        pub inner: Arc<SimDevice>,
+        pub fail_stream_syncs: AtomicBool,
+    }
+
+    impl Backend for FailingSyncs {
+        fn kind(&self) -> BackendKind {
+            self.inner.kind()
+        }
+        fn id(&self) -> u64 {
+            self.inner.id()
+        }
+        fn describe(&self) -> String {
+            self.inner.describe()
+        }
+        fn check_open(&self) -> Result<()> {
+            self.inner.check_open()
+        }
+        fn driver_version(&self) -> Result<i32> {
+            self.inner.driver_version()
+        }
+        fn device_count(&self) -> Result<i32> {
+            self.inner.device_count()
+        }
+        fn current_device(&self) -> Result<i32> {
+            self.inner.current_device()
+        }
+        fn device_info(&self, dev: i32) -> Result<DeviceInfo> {
+            self.inner.device_info(dev)
+        }
+        fn mem_get_info(&self, dev: i32) -> Result<(usize, usize)> {
+            self.inner.mem_get_info(dev)
+        }
+        fn mem_alloc(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
+            self.inner.mem_alloc(dev, bytes)
+        }
+        fn mem_free(&self, dev: i32, ptr: DevPtr) -> Result<()> {
+            self.inner.mem_free(dev, ptr)
+        }
+        fn mem_alloc_managed(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
+            self.inner.mem_alloc_managed(dev, bytes)
+        }
+        fn mem_host_alloc(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
+            self.inner.mem_host_alloc(dev, bytes)
+        }
+        fn mem_free_host(&self, dev: i32, ptr: DevPtr) -> Result<()> {
+            self.inner.mem_free_host(dev, ptr)
+        }
+        fn pool_default(&self, dev: i32, managed: bool) -> Result<RawPool> {
+            self.inner.pool_default(dev, managed)
+        }
+        fn pool_current(&self, dev: i32, managed: bool) -> Result<RawPool> {
+            self.inner.pool_current(dev, managed)
+        }
+        fn pool_set_current(&self, dev: i32, pool: RawPool) -> Result<()> {
+            self.inner.pool_set_current(dev, pool)
+        }
+        fn pool_create(&self, dev: i32, props: &PoolProps) -> Result<RawPool> {
+            self.inner.pool_create(dev, props)
+        }
+        fn pool_destroy(&self, dev: i32, pool: RawPool) -> Result<()> {
+            self.inner.pool_destroy(dev, pool)
+        }
+        fn pool_get_attr(&self, dev: i32, pool: RawPool, attr: PoolAttr) -> Result<u64> {
+            self.inner.pool_get_attr(dev, pool, attr)
+        }
+        fn pool_set_attr(&self, dev: i32, pool: RawPool, attr: PoolAttr, value: u64) -> Result<()> {
+            self.inner.pool_set_attr(dev, pool, attr, value)
+        }
+        fn pool_trim_to(&self, dev: i32, pool: RawPool, keep_bytes: usize) -> Result<()> {
+            self.inner.pool_trim_to(dev, pool, keep_bytes)
+        }
+        fn pool_alloc_async(
+            &self,
+            dev: i32,
+            pool: RawPool,
+            bytes: usize,
+            stream: RawStream,
+        ) -> Result<DevPtr> {
+            self.inner.pool_alloc_async(dev, pool, bytes, stream)
+        }
+        fn free_async(&self, dev: i32, ptr: DevPtr, stream: RawStream) -> Result<()> {
+            self.inner.free_async(dev, ptr, stream)
+        }
+        fn vmm_granularity(&self, dev: i32) -> Result<usize> {
+            self.inner.vmm_granularity(dev)
+        }
+        fn vmm_reserve(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
+            self.inner.vmm_reserve(dev, bytes)
+        }
+        fn vmm_free(&self, dev: i32, ptr: DevPtr, bytes: usize) -> Result<()> {
+            self.inner.vmm_free(dev, ptr, bytes)
+        }
+        fn vmm_map(&self, dev: i32, ptr: DevPtr, bytes: usize) -> Result<RawVmm> {
+            self.inner.vmm_map(dev, ptr, bytes)
+        }
+        fn vmm_unmap(&self, dev: i32, ptr: DevPtr, bytes: usize, handle: RawVmm) -> Result<()> {
+            self.inner.vmm_unmap(dev, ptr, bytes, handle)
+        }
+        fn pointer_pool(&self, dev: i32, ptr: DevPtr) -> Result<Option<RawPool>> {
+            self.inner.pointer_pool(dev, ptr)
+        }
+        fn pointer_range(&self, dev: i32, ptr: DevPtr) -> Result<(DevPtr, usize)> {
+            self.inner.pointer_range(dev, ptr)
+        }
+        fn stream_create(&self, dev: i32, blocking: bool) -> Result<RawStream> {
+            self.inner.stream_create(dev, blocking)
+        }
+        fn stream_destroy(&self, dev: i32, stream: RawStream) -> Result<()> {
+            self.inner.stream_destroy(dev, stream)
+        }
+        fn stream_id(&self, dev: i32, stream: RawStream) -> Result<u64> {
+            self.inner.stream_id(dev, stream)
+        }
+        fn stream_device(&self, stream: RawStream) -> Result<i32> {
+            self.inner.stream_device(stream)
+        }
+        fn stream_vouched(&self, stream: RawStream) {
+            self.inner.stream_vouched(stream)
+        }
+        fn stream_destroyed(&self, stream: RawStream) -> bool {
+            self.inner.stream_destroyed(stream)
+        }
+        fn stream_synchronize(&self, dev: i32, stream: RawStream) -> Result<()> {
+            if self.fail_stream_syncs.load(Ordering::SeqCst) {
+                return Err(Error::InvalidStream(format!("stream {stream:#x} was destroyed meanwhile")));
+            }
+            self.inner.stream_synchronize(dev, stream)
+        }
+        fn stream_query(&self, dev: i32, stream: RawStream) -> Result<bool> {
+            self.inner.stream_query(dev, stream)
+        }
+        fn stream_wait_event(&self, dev: i32, stream: RawStream, event: RawEvent) -> Result<()> {
+            self.inner.stream_wait_event(dev, stream, event)
+        }
+        fn event_create(&self, dev: i32) -> Result<RawEvent> {
+            self.inner.event_create(dev)
+        }
+        fn event_destroy(&self, dev: i32, event: RawEvent) -> Result<()> {
+            self.inner.event_destroy(dev, event)
+        }
+        fn event_record(&self, dev: i32, event: RawEvent, stream: RawStream) -> Result<()> {
+            self.inner.event_record(dev, event, stream)
+        }
+        fn event_query(&self, dev: i32, event: RawEvent) -> Result<bool> {
+            self.inner.event_query(dev, event)
+        }
+        fn event_synchronize(&self, dev: i32, event: RawEvent) -> Result<()> {
+            self.inner.event_synchronize(dev, event)
+        }
+        fn memset_d8_async(
+            &self,
+            dev: i32,
+            ptr: DevPtr,
+            value: u8,
+            bytes: usize,
+            stream: RawStream,
+        ) -> Result<()> {
+            self.inner.memset_d8_async(dev, ptr, value, bytes, stream)
+        }
+        unsafe fn memcpy_async(
+            &self,
+            dev: i32,
+            dst: DevPtr,
+            src: DevPtr,
+            bytes: usize,
+            stream: RawStream,
+        ) -> Result<()> {
+            unsafe { self.inner.memcpy_async(dev, dst, src, bytes, stream) }
+        }
+        fn prefetch_async(
+            &self,
+            dev: i32,
+            ptr: DevPtr,
+            bytes: usize,
+            to: Location,
+            stream: RawStream,
+        ) -> Result<()> {
+            self.inner.prefetch_async(dev, ptr, bytes, to, stream)
+        }
+        fn mem_advise(
+            &self,
+            dev: i32,
+            ptr: DevPtr,
+            bytes: usize,
+            advice: Advice,
+            location: Location,
+        ) -> Result<()> {
+            self.inner.mem_advise(dev, ptr, bytes, advice, location)
+        }
+        fn mem_range_last_prefetch_location(
+            &self,
+            dev: i32,
+            ptr: DevPtr,
+            bytes: usize,
+        ) -> Result<Option<Location>> {
+            self.inner.mem_range_last_prefetch_location(dev, ptr, bytes)
+        }
+        fn ctx_synchronize(&self, dev: i32) -> Result<()> {
+            self.inner.ctx_synchronize(dev)
+        }
+        fn pool_export_fd(&self, dev: i32, pool: RawPool) -> Result<OwnedFd> {
+            self.inner.pool_export_fd(dev, pool)
+        }
+        fn pool_import_fd(&self, dev: i32, fd: BorrowedFd<'_>) -> Result<RawPool> {
+            self.inner.pool_import_fd(dev, fd)
+        }
+        fn pool_export_pointer(&self, dev: i32, ptr: DevPtr) -> Result<PtrExportData> {
+            self.inner.pool_export_pointer(dev, ptr)
+        }
+        fn pool_import_pointer(&self, dev: i32, pool: RawPool, data: &PtrExportData) -> Result<DevPtr> {
+            self.inner.pool_import_pointer(dev, pool, data)
+        }
+        fn module_load_data(&self, dev: i32, image: &CStr) -> Result<RawModule> {
+            self.inner.module_load_data(dev, image)
+        }
+        fn module_get_function(&self, dev: i32, module: RawModule, name: &CStr) -> Result<RawFunction> {
+            self.inner.module_get_function(dev, module, name)
+        }
+        unsafe fn launch_kernel(
+            &self,
+            dev: i32,
+            function: RawFunction,
+            grid: u32,
+            block: u32,
+            params: &[u64],
+            stream: RawStream,
+        ) -> Result<()> {
+            unsafe { self.inner.launch_kernel(dev, function, grid, block, params, stream) }
+        }
+        fn device_can_access_peer(&self, dev: i32, peer: i32) -> Result<bool> {
+            self.inner.device_can_access_peer(dev, peer)
+        }
+        fn ctx_enable_peer_access(&self, dev: i32, peer: i32) -> Result<()> {
+            self.inner.ctx_enable_peer_access(dev, peer)
+        }
+        fn pool_set_access(&self, dev: i32, pool: RawPool, accessor: i32, enabled: bool) -> Result<()> {
+            self.inner.pool_set_access(dev, pool, accessor, enabled)
+        }
+        fn pool_get_access(&self, dev: i32, pool: RawPool, accessor: i32) -> Result<bool> {
+            self.inner.pool_get_access(dev, pool, accessor)
+        }
+        unsafe fn memcpy_peer_async(
+            &self,
+            dev: i32,
+            dst: DevPtr,
+            dst_dev: i32,
+            src: DevPtr,
+            src_dev: i32,
+            bytes: usize,
+            stream: RawStream,
+        ) -> Result<()> {
+            unsafe { self.inner.memcpy_peer_async(dev, dst, dst_dev, src, src_dev, bytes, stream) }
+        }
+    }
+}
+
+#[inline(never)]
+fn a_later_frame(sim: &streampool::device::sim::SimDevice) -> Vec<u64> {
+    let mut frame = [0u64; 4096];
+    std::hint::black_box(&mut frame);
+    sim.run();
+    std::hint::black_box(&mut frame);
+    frame.into_iter().filter(|&w| w != 0).collect()
+}
+
+#[test]
+fn a_check_whose_synchronisation_fails_leaves_no_copy_into_its_frame() {
+    use std::sync::atomic::Ordering;
+    let sim = streampool::device::sim::SimDevice::new(64 << 20);
+    let failing =
+        Arc::new(failing_syncs::FailingSyncs { inner: sim.clone(), fail_stream_syncs: false.into() });
+    let b: BackendRef = failing.clone();
+    let s = Stream::legacy();
+    let p = b.mem_alloc(0, 4096).unwrap();
+    unsafe { kernels::fill(&b, 0, p, 4096, 7, &s) }.unwrap();
+    assert_eq!(unsafe { kernels::check(&b, 0, p, 4096, 7, &s) }.unwrap(), 0);
+    failing.fail_stream_syncs.store(true, Ordering::SeqCst);
+    // Another seed: 512 words differ, and the count's copy to the host is queued when the
+    // synchronisation fails. The whole device is synchronised then: the copy has run (into
+    // a word of the heap, kept), and nothing is left to write into a later stack frame.
+    let err = unsafe { kernels::check(&b, 0, p, 4096, 8, &s) }.unwrap_err();
+    assert!(matches!(err, Error::InvalidStream(_)), "{err}");
+    assert_eq!(sim.pending(), 0, "work left queued after the failed check");
+    failing.fail_stream_syncs.store(false, Ordering::SeqCst);
+    assert_eq!(a_later_frame(&sim), Vec::<u64>::new());
+    b.mem_free(0, p).unwrap();
 }

@@ -94,8 +94,10 @@ fn peer_access_opens_a_pool_to_another_device_and_no_other_pool() {
         matches!(sim.read(s1.handle(), p, 4096), Err(Error::InvalidPointer(m)) if m.contains("device 1 cannot access"))
     );
     // The harness's kernels (cuLaunchKernel) follow the same grants as simulated work.
-    streampool::kernels::fill(&b, 1, a, 4096, 3, &s1).unwrap();
-    match streampool::kernels::fill(&b, 1, p, 4096, 3, &s1) {
+    // SAFETY: `a` is this test's 4 KiB, granted to device 1; nothing else uses it.
+    unsafe { streampool::kernels::fill(&b, 1, a, 4096, 3, &s1) }.unwrap();
+    // SAFETY: `p` is this test's too; the simulated device refuses device 1's access.
+    match unsafe { streampool::kernels::fill(&b, 1, p, 4096, 3, &s1) } {
         Err(Error::InvalidPointer(m)) => {
             assert!(m.contains("device 1 cannot access") && m.contains("fill"), "{m}")
         }

@@ -11,7 +11,17 @@
 //!   whose work runs only when told, and a happens-before race detector.
 //!
 //! Handles are plain integers on the host (`u64`), as the driver's are pointers: the
-//! bookkeeping above the seam needs no `unsafe`.
+//! bookkeeping above the seam needs no `unsafe`. The price: the [`Backend`] methods that
+//! take a handle or an address are safe functions, and hand what they are given to the
+//! driver, which cannot check it. On the CUDA driver a made-up stream, event or pool
+//! handle, or an address that is not the caller's device memory, is undefined behaviour
+//! (the driver dereferences handles, and a memset writes where it is told), as it is in
+//! C; the simulated device checks every one and refuses it. The resources, streams and
+//! allocations of this crate only ever pass handles and addresses they made; code that
+//! calls the seam itself, or [`Stream::borrowed`](crate::Stream::borrowed) with a handle
+//! from elsewhere, must do the same. The functions whose misuse writes memory as a
+//! matter of course ([`Backend::memcpy_async`], [`Backend::launch_kernel`], the
+//! [`crate::kernels`]) are `unsafe fn`.
 //!
 //! Which backend new objects use is decided by [`backend()`]: the simulated device that
 //! is active in this process (see [`sim::SimDevice::activate`]), else a process-wide
@@ -68,6 +78,21 @@ pub(crate) fn check_not_forked() -> Result<()> {
          fork before the first use"
             .into(),
     ))
+}
+
+/// Waits for `stream` after enqueuing on it a copy into host memory that the caller gives
+/// back when this returns. Where the stream's synchronisation fails (a borrowed stream
+/// destroyed meanwhile by its owner), the copy may still be queued: the whole device is
+/// synchronised then, so that it has run, or, where that fails too (a context broken for
+/// good), will never run. The stream's error is returned.
+pub fn synchronize_after_copy(backend: &BackendRef, dev: i32, stream: RawStream) -> Result<()> {
+    backend.stream_synchronize(dev, stream).inspect_err(|_| {
+        let settled = backend.ctx_synchronize(dev);
+        crate::error::record_if_failed(
+            || "synchronising the device after a failed copy's stream".into(),
+            settled,
+        );
+    })
 }
 
 /// A device address (or, for pinned and simulated memory, a host address).

@@ -216,12 +216,16 @@ fn calibrate(mr: &dyn MemoryResource, o: &PipelineOptions) -> Result<u32> {
     let s = Stream::create(b, dev, false)?;
     let p = mr.allocate(o.chunk_bytes, &s)?;
     let run = || -> Result<f64> {
-        kernels::fill(b, dev, p, o.chunk_bytes, 0, &s)?;
-        kernels::compute(b, dev, p, o.chunk_bytes, &s, 1)?; // JIT and warm-up
+        // SAFETY: `p` is `chunk_bytes` of `mr`'s device memory, allocated just above for
+        // this calibration alone and freed after it; its work is all on `s`.
+        unsafe { kernels::fill(b, dev, p, o.chunk_bytes, 0, &s) }?;
+        // SAFETY: as above.
+        unsafe { kernels::compute(b, dev, p, o.chunk_bytes, &s, 1) }?; // JIT and warm-up
         s.synchronize(b, dev)?;
         const PASSES: u32 = 8;
         let t = Instant::now();
-        kernels::compute(b, dev, p, o.chunk_bytes, &s, PASSES)?;
+        // SAFETY: as above.
+        unsafe { kernels::compute(b, dev, p, o.chunk_bytes, &s, PASSES) }?;
         s.synchronize(b, dev)?;
         Ok(t.elapsed().as_secs_f64() * 1e6 / PASSES as f64)
     };
@@ -360,7 +364,9 @@ fn produce(
             shared.peak_live.fetch_max(live, Ordering::Relaxed);
             let seed = ((pair as u64) << 32) | index as u64;
             let sent = (|| {
-                kernels::fill(b, dev, ptr, o.chunk_bytes, seed, s)?;
+                // SAFETY: `ptr` is `chunk_bytes` of `mr`'s memory, just allocated on `s` for
+                // this chunk; its consumer uses it only after the event recorded below.
+                unsafe { kernels::fill(b, dev, ptr, o.chunk_bytes, seed, s) }?;
                 let ready = match back.try_recv() {
                     Ok(e) => e,
                     Err(_) => Event::new(b, dev)?,
@@ -403,9 +409,12 @@ fn consume(
     for chunk in rx.iter() {
         let work = || -> Result<()> {
             s.wait(&chunk.ready)?;
-            kernels::compute(b, dev, chunk.ptr, o.chunk_bytes, s, iterations)?;
+            // SAFETY: the chunk is `chunk_bytes` of `mr`'s memory, handed over by its
+            // producer (whose fill `s` now waits for), this consumer's until it frees it.
+            unsafe { kernels::compute(b, dev, chunk.ptr, o.chunk_bytes, s, iterations) }?;
             if o.check_every > 0 && chunk.index % o.check_every == 0 {
-                let bad = kernels::check(b, dev, chunk.ptr, o.chunk_bytes, chunk.seed, s)?;
+                // SAFETY: as above.
+                let bad = unsafe { kernels::check(b, dev, chunk.ptr, o.chunk_bytes, chunk.seed, s) }?;
                 shared.checked.fetch_add(1, Ordering::Relaxed);
                 shared.mismatches.fetch_add(bad, Ordering::Relaxed);
             }

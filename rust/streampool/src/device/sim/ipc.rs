@@ -157,8 +157,17 @@ impl State {
             fd.try_clone_to_owned()
                 .map_err(|e| driver_refuses(CALL, format!("file descriptor {raw} cannot be used: {e}")))?,
         );
+        // A simulated pool's file is sealed against shrinking, which the mappings of its
+        // imported allocations rely on (a file cut short under a mapping is a SIGBUS on
+        // the next access): one without the seal is not a pool's.
+        // SAFETY: F_GET_SEALS reads the seals of an open descriptor; no memory is passed.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
         let mut header = [0u8; 32];
-        if file.read_exact_at(&mut header, 0).is_err() || &header[..16] != MAGIC {
+        if seals < 0
+            || seals & libc::F_SEAL_SHRINK == 0
+            || file.read_exact_at(&mut header, 0).is_err()
+            || &header[..16] != MAGIC
+        {
             return Err(driver_refuses(
                 CALL,
                 format!("file descriptor {raw} does not name a pool exported by a simulated device"),
