@@ -15,7 +15,7 @@ import threading
 import types
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Self
 
 import pytest
 
@@ -110,6 +110,30 @@ def test_a_bad_free_is_recorded_and_leaves_the_resource_usable() -> None:
     assert "size=0" in failed(lambda: free(ptr, 0))
     free(ptr, 1024)
     assert tracking.get_allocated_bytes() == 0
+
+
+@pytest.mark.nosim
+@pytest.mark.parametrize("pooled", [False, True])
+def test_memory_whose_stream_was_destroyed_is_freed(pooled: bool) -> None:
+    # PyTorch frees on the stream it recorded at allocation, however long after: a stream
+    # that its owner destroyed meanwhile (an ExternalStream's) made the free fail, the
+    # memory stay allocated, and every later change of resource warn of live memory.
+    with SimulatedDevice(capacity_bytes="64MiB"):
+        top = mr.CudaAsyncMemoryResource()
+        stats = mr.StatisticsResourceAdaptor(mr.ShardedPoolMemoryResource(top) if pooled else top)
+        streampool.set_current_device_resource(stats)
+        stream = streampool.Stream()
+        handle = stream.handle
+        ptr = alloc(1 << 20, stream=handle)
+        del stream
+        gc.collect()
+        failures = allocators.failure_count()
+        free(ptr, 1 << 20, stream=handle)
+        assert allocators.failure_count() == failures, allocators.last_error()
+        assert stats.allocation_counts.current_bytes == 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no live allocation left to warn of
+            streampool.set_current_device_resource(mr.CudaAsyncMemoryResource())
 
 
 def test_streams_are_honoured_and_ordered(sim: SimulatedDevice) -> None:
@@ -378,6 +402,19 @@ class FakeCupy:
             def __init__(self, ptr: int) -> None:
                 self.ptr = ptr
 
+        class ExternalStream(Stream):
+            """CuPy's wrapper of another library's stream: current inside ``with``; the
+            object goes at the end of the block, the stream does not."""
+
+            def __enter__(self) -> Self:
+                self.previous, fake.stream = fake.stream, self.ptr
+                fake.objects[self.ptr] = self
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                del fake.objects[self.ptr]
+                fake.stream = self.previous
+
         def get_current_stream() -> Stream:
             handle = fake.current()
             return fake.objects.setdefault(handle, Stream(handle))
@@ -401,6 +438,7 @@ class FakeCupy:
             {
                 "UnownedMemory": UnownedMemory,
                 "MemoryPointer": MemoryPointer,
+                "ExternalStream": ExternalStream,
                 "get_current_stream": staticmethod(get_current_stream),
                 "set_allocator": staticmethod(set_allocator),
                 "stream": type("stream", (), {"__pyx_capi__": {"get_current_stream_ptr": capsule}}),
@@ -500,6 +538,64 @@ def test_cupy_frees_are_ordered_after_the_work_on_the_allocation_stream(
         gc.collect()
         assert stats.allocation_counts.current_bytes == 0
         assert allocators.failure_count() == failures, allocators.last_error()
+
+
+@pytest.mark.nosim
+def test_cupy_memory_of_an_external_stream_is_freed_on_it_after_its_object_has_gone(
+    fake_cupy: tuple[FakeCupy, object],
+) -> None:
+    # `with cupy.cuda.ExternalStream(torch_stream_ptr):` is how CuPy runs on PyTorch's
+    # streams: the object goes with the block, the (non-blocking) stream stays, with the
+    # kernel still on it. Freed on the current (legacy) stream, the block was handed out
+    # again while that kernel could still write it.
+    fake, module = fake_cupy
+    allocator = module.streampool_cupy_allocator  # type: ignore[attr-defined]
+    with SimulatedDevice(capacity_bytes="64MiB") as dev:
+        streampool.set_current_device_resource(mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()))
+        theirs = streampool.Stream()  # PyTorch's stream, alive throughout
+        with fake.cuda.ExternalStream(theirs.handle):
+            first = allocator(1 << 20)
+            dev.write(theirs, first.ptr, 1 << 20, label="kernel on the external stream writes")
+        del first
+        gc.collect()
+        second = allocator(1 << 20)  # on the legacy default stream, current again
+        dev.write(0, second.ptr, 1 << 20, label="kernel on the legacy stream writes")
+        dev.run()
+        assert dev.races() == []
+        del second
+
+
+@pytest.mark.nosim
+def test_cupy_memory_of_a_per_thread_stream_let_go_on_another_thread_is_ordered(
+    fake_cupy: tuple[FakeCupy, object],
+) -> None:
+    # With CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1 every thread's current stream is handle 2,
+    # its own: memory let go of on another thread was freed on that thread's stream.
+    fake, module = fake_cupy
+    allocator = module.streampool_cupy_allocator  # type: ignore[attr-defined]
+    with SimulatedDevice(capacity_bytes="64MiB") as dev:
+        streampool.set_current_device_resource(mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()))
+        fake.stream = 2
+        made, done, box = threading.Event(), threading.Event(), {}
+
+        def allocating_thread() -> None:
+            box["a"] = allocator(1 << 20)
+            dev.write(2, box["a"].ptr, 1 << 20, label="thread A's kernel on its per-thread stream")
+            made.set()
+            done.wait(60)  # alive throughout
+
+        thread = threading.Thread(target=allocating_thread)
+        thread.start()
+        made.wait(60)
+        del box["a"]
+        gc.collect()
+        second = allocator(1 << 20)
+        dev.write(2, second.ptr, 1 << 20, label="this thread's kernel on its per-thread stream")
+        dev.run()
+        done.set()
+        thread.join()
+        assert dev.races() == []
+        del second
 
 
 def test_cupy_memory_is_freed_through_the_resource_that_made_it(

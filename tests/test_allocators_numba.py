@@ -4,17 +4,75 @@ not be installed."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import sys
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from streampool import allocators
+import streampool
+from streampool import allocators, mr
 
 PLUGIN = "streampool.allocators.numba"
+
+
+class PendingDeallocs:
+    """Numba's ``_PendingDeallocs`` as numba-cuda has it: ``add_item(dtor, handle, size)``
+    frees at once (its capacity unset) unless disabled, as inside ``defer_cleanup``."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Callable[[int], None], int]] = []
+        self.disabled = 0
+
+    def add_item(self, dtor: Callable[[int], None], handle: int, size: int = 0) -> None:
+        self.items.append((dtor, handle))
+        self.clear()
+
+    def clear(self) -> None:
+        while not self.disabled and self.items:
+            dtor, handle = self.items.pop(0)
+            dtor(handle)
+
+    @contextlib.contextmanager
+    def disable(self) -> Iterator[None]:
+        self.disabled += 1
+        try:
+            yield
+        finally:
+            self.disabled -= 1
+
+
+class HostOnlyCUDAMemoryManager:
+    """What the plugin inherits of Numba's: ``allocations``, ``deallocations``, ``reset``
+    (which forgets the records) and ``defer_cleanup``."""
+
+    def __init__(self, context: object = None) -> None:
+        self.context = context
+        self.allocations: dict[int, object] = {}
+        self.deallocations = PendingDeallocs()
+
+    def reset(self) -> None:
+        self.allocations.clear()
+        self.deallocations.clear()
+
+    @contextlib.contextmanager
+    def defer_cleanup(self) -> Iterator[None]:
+        with self.deallocations.disable():
+            yield
+
+
+class MemoryPointer:
+    """Numba's: its finalizer runs when the object goes."""
+
+    def __init__(self, context: object, pointer: Any, size: int, finalizer: Any = None) -> None:
+        self.device_pointer, self.size = pointer, size
+        if finalizer is not None:
+            weakref.finalize(self, finalizer)
 
 
 def fake_numba(monkeypatch: pytest.MonkeyPatch, *, gpu: bool = True, simulator: bool = False) -> list[object]:
@@ -30,9 +88,10 @@ def fake_numba(monkeypatch: pytest.MonkeyPatch, *, gpu: bool = True, simulator: 
     cudadrv: Any = types.ModuleType("numba.cuda.cudadrv")
     driver: Any = types.ModuleType("numba.cuda.cudadrv.driver")
     if not simulator:
-        cuda.HostOnlyCUDAMemoryManager = type("HostOnlyCUDAMemoryManager", (), {})
-        cuda.MemoryPointer = type("MemoryPointer", (), {})
+        cuda.HostOnlyCUDAMemoryManager = HostOnlyCUDAMemoryManager
+        cuda.MemoryPointer = MemoryPointer
         driver.MemoryInfo = type("MemoryInfo", (), {})
+        driver.USE_NV_BINDING = False
     numba.cuda, cuda.cudadrv, cudadrv.driver = cuda, cudadrv, driver
     for name, module in [
         ("numba", numba),
@@ -105,3 +164,41 @@ def test_numba_without_its_cuda_target_names_the_package(
     monkeypatch.delattr(sys.modules["numba.cuda"], "HostOnlyCUDAMemoryManager")
     with pytest.raises(ImportError, match="needs Numba's CUDA target: pip install numba-cuda"):
         fresh_plugin()
+
+
+def test_numbas_context_reset_frees_the_plugins_memory(
+    monkeypatch: pytest.MonkeyPatch, fresh_plugin: Callable[[], Any]
+) -> None:
+    # Numba's base manager only forgets its records at a reset: the plugin's memory stayed
+    # allocated for ever (RMM's plugin keeps buffers there, which the clearing frees).
+    fake_numba(monkeypatch)
+    stats = mr.StatisticsResourceAdaptor(streampool.get_current_device_resource())
+    streampool.set_current_device_resource(stats)
+    manager = fresh_plugin().StreampoolNumbaManager(context=None)
+    kept = [manager.memalloc(1 << 20) for _ in range(4)]
+    assert stats.allocation_counts.current_bytes == 4 << 20
+    manager.reset()
+    assert stats.allocation_counts.current_bytes == 0
+    del kept
+    gc.collect()  # their finalizers free nothing twice
+    assert stats.allocation_counts.current_bytes == 0 and stats.allocation_counts.total_count == 4
+
+
+def test_numbas_defer_cleanup_holds_the_plugins_frees(
+    monkeypatch: pytest.MonkeyPatch, fresh_plugin: Callable[[], Any]
+) -> None:
+    fake_numba(monkeypatch)
+    stats = mr.StatisticsResourceAdaptor(streampool.get_current_device_resource())
+    streampool.set_current_device_resource(stats)
+    manager = fresh_plugin().StreampoolNumbaManager(context=None)
+    pointer = manager.memalloc(4096)
+    del pointer
+    gc.collect()
+    assert stats.allocation_counts.current_bytes == 0  # outside the block, at once
+    with manager.defer_cleanup():
+        pointer = manager.memalloc(4096)
+        del pointer
+        gc.collect()
+        assert stats.allocation_counts.current_bytes == 4096  # held while the block runs
+    manager.deallocations.clear()  # Numba's next flush
+    assert stats.allocation_counts.current_bytes == 0

@@ -1423,10 +1423,12 @@ class CupyAllocator:
     ``allocator(nbytes)`` allocates on CuPy's current stream through the current resource of
     the current device and returns a ``cupy.cuda.MemoryPointer`` whose memory is freed, when
     CuPy lets go of it, through the resource that made it, on the stream it was allocated
-    on (on CuPy's current stream of the releasing thread once CuPy has destroyed that one).
-    Made from CuPy's ``UnownedMemory``, ``MemoryPointer`` and
-    ``get_current_stream``, and the capsule of ``cupy.cuda.stream.get_current_stream_ptr``
-    (None: the stream is read through ``get_current_stream``). A capsule of another
+    on (on CuPy's current stream of the releasing thread once CuPy has destroyed that one;
+    always on an ``ExternalStream``'s, whose stream CuPy never destroys; on the legacy
+    default stream for memory of another thread's per-thread default stream). Made from
+    CuPy's ``UnownedMemory``, ``MemoryPointer`` and ``get_current_stream``, the capsule of
+    ``cupy.cuda.stream.get_current_stream_ptr`` (None: the stream is read through
+    ``get_current_stream``) and ``cupy.cuda.ExternalStream``. A capsule of another
     signature raises TypeError."""
 
     def __new__(
@@ -1435,6 +1437,7 @@ class CupyAllocator:
         memory_pointer: Any,
         get_current_stream: Any,
         stream_capsule: Any = None,
+        external_stream: Any = None,
     ) -> Self: ...
     @property
     def native_stream_lookup(self) -> bool:

@@ -49,10 +49,12 @@ def _stream_capsule(cupy_module: Any) -> Any:
 def _make(cupy_module: Any) -> _native.CupyAllocator:
     cuda = cupy_module.cuda
     capsule = _stream_capsule(cupy_module)
+    external = getattr(cuda, "ExternalStream", None)
+    parts = (cuda.UnownedMemory, cuda.MemoryPointer, cuda.get_current_stream)
     try:
-        return _native.CupyAllocator(cuda.UnownedMemory, cuda.MemoryPointer, cuda.get_current_stream, capsule)
+        return _native.CupyAllocator(*parts, capsule, external)
     except TypeError:  # a capsule of another signature: read the stream through Python
-        return _native.CupyAllocator(cuda.UnownedMemory, cuda.MemoryPointer, cuda.get_current_stream)
+        return _native.CupyAllocator(*parts, None, external)
 
 
 #: Allocates ``nbytes`` on CuPy's current stream through streampool's current resource of

@@ -24,7 +24,7 @@ not available yet; for memory that another process can import, use a
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _native
 from . import SIMULATED
@@ -70,6 +70,13 @@ def _device_pointer(ptr: int) -> Any:
     return ctypes.c_uint64(ptr)
 
 
+class _Record(NamedTuple):
+    """What the plugin keeps of an allocation in Numba's ``allocations``: where it goes back."""
+
+    mr: Any
+    size: int
+
+
 class StreampoolNumbaManager(HostOnlyCUDAMemoryManager):  # type: ignore[misc]
     """Numba's EMM plugin over streampool: device memory from the current resource of the
     current device; host and pinned memory as Numba makes them itself."""
@@ -79,22 +86,39 @@ class StreampoolNumbaManager(HostOnlyCUDAMemoryManager):  # type: ignore[misc]
 
     def memalloc(self, size: int) -> Any:
         """Allocates ``size`` bytes on the legacy default stream through streampool's current
-        resource, freed there when Numba releases the returned ``MemoryPointer``."""
+        resource. When Numba releases the returned ``MemoryPointer``, the free is handed to
+        Numba's pending deallocations, as Numba's own memory's is: inside
+        ``numba.cuda.defer_cleanup()`` it waits for the block's end; it is made on the legacy
+        default stream."""
         mr = _native.get_current_device_resource()
         ptr = mr.allocate(size)
         if ptr == 0:  # 0 bytes: the null pointer, nothing to free
             return MemoryPointer(self.context, _device_pointer(0), size)
-        allocations = self.allocations
-        allocations[ptr] = (mr, size)
+        allocations, deallocations = self.allocations, self.deallocations
+        allocations[ptr] = _Record(mr, size)
+
+        def streampool_free(handle: int) -> None:
+            # Numba's reset frees the context's memory and forgets it (`reset` below): what is
+            # no longer recorded is not freed again.
+            record = allocations.pop(handle, None) if allocations else None
+            if isinstance(record, _Record):
+                record.mr.deallocate(handle, record.size)
 
         def finalizer() -> None:
-            # Numba clears `allocations` when its context is reset (and at exit): what was
-            # there then is no longer streampool's to free through this record.
-            record = allocations.pop(ptr, None) if allocations else None
-            if record is not None:
-                record[0].deallocate(ptr, record[1])
+            deallocations.add_item(streampool_free, ptr, size)
 
         return MemoryPointer(self.context, _device_pointer(ptr), size, finalizer=finalizer)
+
+    def reset(self) -> None:
+        """Numba's ``Context.reset()``: every allocation of the context goes. Frees the device
+        memory this plugin allocated (Numba's base manager only forgets its records, which
+        would leave that memory allocated for ever), then resets as Numba's manager does."""
+        ours = [(ptr, record) for ptr, record in self.allocations.items() if isinstance(record, _Record)]
+        for ptr, _ in ours:
+            del self.allocations[ptr]
+        for ptr, record in ours:
+            record.mr.deallocate(ptr, record.size)
+        super().reset()
 
     def get_memory_info(self) -> Any:
         """``(free, total)`` bytes of the device, as the driver reports them (the current
@@ -106,8 +130,11 @@ class StreampoolNumbaManager(HostOnlyCUDAMemoryManager):  # type: ignore[misc]
         """Not available for this plugin's memory: raises RuntimeError naming the way to
         share memory between processes."""
         raise RuntimeError(
-            "streampool's Numba plugin cannot export IPC handles of its memory: allocate memory "
-            "that other processes can import from a CudaAsyncMemoryResource(enable_ipc=True)"
+            "streampool's Numba plugin cannot export IPC handles of its memory (Numba's IPC "
+            "carries memory of cuMemAlloc, not of a stream-ordered pool): share a buffer between "
+            "processes with streampool.ipc (export and import_buffer, over a "
+            "CudaAsyncMemoryResource(enable_ipc=True)), and hand it to Numba through "
+            "numba.cuda.as_cuda_array"
         )
 
     @property

@@ -46,7 +46,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use pyo3::prelude::*;
-use streampool::device::{self, BackendRef, DevPtr, RawStream};
+use streampool::device::{self, BackendRef, DevPtr, RawStream, LEGACY_STREAM};
 use streampool::error::CUDA_ERROR_DEINITIALIZED;
 use streampool::stream::Stream;
 use streampool::{Error, Result};
@@ -99,6 +99,18 @@ pub extern "C" fn streampool_free(ptr: *mut c_void, size: usize, device: c_int, 
                 Some(settled) => settled,
                 None => mr.deallocate(ptr, size, stream),
             });
+        // The allocation's stream is gone (destroyed by its owner while the memory lived:
+        // PyTorch frees on the stream it recorded, however long after): once the device is
+        // synchronised nothing uses the memory, and the legacy default stream frees it.
+        let done = match done {
+            Err(Error::InvalidStream(_)) if handle != LEGACY_STREAM => {
+                with_current(Some(device), LEGACY_STREAM, |device, mr, legacy| {
+                    mr.backend().ctx_synchronize(device)?;
+                    mr.deallocate(ptr, size, legacy)
+                })
+            }
+            done => done,
+        };
         match done {
             Ok(()) => {
                 count_live(device, -1);

@@ -13,7 +13,11 @@
 //! allocator do), with no Python method in between. CuPy may destroy that stream first:
 //! the owner keeps a weak reference to CuPy's stream object (never to a default stream,
 //! which lives for the process) and, once it is gone, frees on CuPy's current stream, as
-//! CuPy does.
+//! CuPy does. Not for an external stream (`cupy.cuda.ExternalStream`, how CuPy runs on
+//! PyTorch's streams): CuPy never destroys it, and its object, gone at the end of a
+//! `with` block, says nothing of the stream, on which the memory is freed. Memory
+//! allocated on the per-thread default stream and let go of on another thread is freed
+//! on the legacy default stream, which is ordered after the allocating thread's.
 //!
 //! The fast path keeps the GIL (the resource's `try_allocate`); what may wait (growing a
 //! pool, waiting on another stream) releases it.
@@ -59,7 +63,10 @@ pub(crate) struct CupyAllocator {
     weak_ref: Py<PyAny>,
     /// A weak reference to CuPy's stream object, by handle, for the streams allocated on
     /// lately (at most [`MAX_STREAM_REFS`]; one dead is replaced when its handle comes back).
-    stream_refs: Mutex<HashMap<RawStream, Py<PyAny>>>,
+    stream_refs: Mutex<HashMap<RawStream, (Py<PyAny>, bool)>>,
+    /// `cupy.cuda.ExternalStream`, or None: an external stream's object says nothing of its
+    /// stream's life (CuPy never destroys it; its owner, PyTorch say, keeps it).
+    external_stream: Option<Py<PyAny>>,
 }
 
 /// How many streams' weak references an allocator keeps before it starts afresh.
@@ -78,15 +85,17 @@ fn alive(py: Python<'_>, weak: &Py<PyAny>) -> bool {
 #[pymethods]
 impl CupyAllocator {
     /// `stream_capsule` is `cupy.cuda.stream.__pyx_capi__["get_current_stream_ptr"]`, or
-    /// None to read the stream through `get_current_stream` (slower).
+    /// None to read the stream through `get_current_stream` (slower); `external_stream` is
+    /// `cupy.cuda.ExternalStream`.
     #[new]
-    #[pyo3(signature = (unowned_memory, memory_pointer, get_current_stream, stream_capsule=None))]
+    #[pyo3(signature = (unowned_memory, memory_pointer, get_current_stream, stream_capsule=None, external_stream=None))]
     fn new(
         py: Python<'_>,
         unowned_memory: Py<PyAny>,
         memory_pointer: Py<PyAny>,
         get_current_stream: Py<PyAny>,
         stream_capsule: Option<&Bound<'_, PyAny>>,
+        external_stream: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let current = match stream_capsule {
             Some(capsule) => CurrentStream::Native(stream_function(capsule)?),
@@ -99,6 +108,7 @@ impl CupyAllocator {
             get_current_stream,
             weak_ref: py.import("weakref")?.getattr("ref")?.unbind(),
             stream_refs: Mutex::new(HashMap::new()),
+            external_stream: external_stream.filter(|t| !t.is_none(py)),
         })
     }
 
@@ -115,7 +125,7 @@ impl CupyAllocator {
         // Before allocating: nothing to free if it fails.
         let origin = match is_default_stream(handle) || nbytes == 0 {
             true => None,
-            false => Some(this.stream_ref(py, handle)?),
+            false => this.stream_ref(py, handle)?,
         };
         let (device, mr, fast) = capi::with_current(None, handle, |device, mr, stream| {
             let fast = mr.try_allocate(nbytes, stream).ok_or_else(|| stream.clone());
@@ -137,7 +147,9 @@ impl CupyAllocator {
             0 => py.None(),
             _ => {
                 let allocator = slf.clone().unbind();
-                let memory = CupyMemory { allocator, mr, ptr, size: nbytes, device, stream: handle, origin };
+                let thread = (handle == PER_THREAD_STREAM).then(|| std::thread::current().id());
+                let memory =
+                    CupyMemory { allocator, mr, ptr, size: nbytes, device, stream: handle, origin, thread };
                 Py::new(py, memory)?.into_any()
             }
         };
@@ -148,15 +160,22 @@ impl CupyAllocator {
 
 impl CupyAllocator {
     /// A weak reference to CuPy's current stream object, whose handle is `handle`: the one
-    /// kept for that handle while its object lives, else a new one. The lock is never held
-    /// while Python code runs (which may let another thread take the GIL and wait for it).
-    fn stream_ref(&self, py: Python<'_>, handle: RawStream) -> PyResult<Py<PyAny>> {
+    /// kept for that handle while its object lives, else a new one; None for an external
+    /// stream (`cupy.cuda.ExternalStream`), whose memory is freed on its handle whatever
+    /// becomes of the object (the stream is its owner's, alive after the object is gone).
+    /// The lock is never held while Python code runs (which may let another thread take
+    /// the GIL and wait for it).
+    fn stream_ref(&self, py: Python<'_>, handle: RawStream) -> PyResult<Option<Py<PyAny>>> {
         let refs = || self.stream_refs.lock().unwrap_or_else(|e| e.into_inner());
-        let kept = refs().get(&handle).map(|w| w.clone_ref(py));
-        if let Some(weak) = kept.filter(|w| alive(py, w)) {
-            return Ok(weak);
+        let kept = refs().get(&handle).map(|(w, external)| (w.clone_ref(py), *external));
+        if let Some((weak, external)) = kept.filter(|(w, _)| alive(py, w)) {
+            return Ok((!external).then_some(weak));
         }
         let stream = self.get_current_stream.call0(py)?;
+        let external = match &self.external_stream {
+            Some(class) => stream.bind(py).is_instance(class.bind(py))?,
+            None => false,
+        };
         let weak = self.weak_ref.call1(py, (stream,))?;
         let gone = {
             let mut refs = refs();
@@ -164,10 +183,10 @@ impl CupyAllocator {
                 true => std::mem::take(&mut *refs),
                 false => HashMap::new(),
             };
-            (refs.insert(handle, weak.clone_ref(py)), cleared)
+            (refs.insert(handle, (weak.clone_ref(py), external)), cleared)
         };
         drop(gone); // after the lock: dropping may run Python code
-        Ok(weak)
+        Ok((!external).then_some(weak))
     }
 
     /// CuPy's current stream of the calling thread.
@@ -229,9 +248,11 @@ pub(crate) struct CupyMemory {
     size: usize,
     device: i32,
     /// The stream it was allocated on, and a weak reference to CuPy's object of it (None
-    /// for a default stream).
+    /// for a default stream and an external one).
     stream: RawStream,
     origin: Option<Py<PyAny>>,
+    /// The allocating thread, for memory allocated on its per-thread default stream.
+    thread: Option<std::thread::ThreadId>,
 }
 
 #[pymethods]
@@ -254,6 +275,9 @@ impl Drop for CupyMemory {
                     // At interpreter shutdown CuPy may be gone: the legacy stream then.
                     self.allocator.get().stream_handle(py).unwrap_or(LEGACY_STREAM)
                 }
+                // Another thread's per-thread default stream cannot be named here (handle 2
+                // is this thread's own): the legacy default stream is ordered after it.
+                _ if self.thread.is_some_and(|t| t != std::thread::current().id()) => LEGACY_STREAM,
                 _ => self.stream,
             };
             let free_on = |handle| {
