@@ -844,8 +844,14 @@ def test_fixed_size_blocks() -> None:
     a = fixed.allocate(1024, s)
     fixed.deallocate(a, 1024, s)
     assert fixed.allocate(10, s) == a  # same-stream reuse
-    with pytest.raises(streampool.InvalidArgumentError, match="more than its block size"):
+    # Above the block size: a MemoryError, as RMM's, which a failure callback hears of.
+    with pytest.raises(streampool.OutOfMemoryError, match="blocks of 1024 bytes are the most it serves"):
         fixed.allocate(1025, s)
+    asked: list[int] = []
+    retrying = mr.FailureCallbackResourceAdaptor(fixed, lambda nbytes: asked.append(nbytes) or False)
+    with pytest.raises(MemoryError):
+        retrying.allocate(1025, s)
+    assert asked == [1025]
     blocks = [fixed.allocate(512, s) for _ in range(9)]  # grows past one chunk
     assert len(set(blocks) | {a}) == 10
     fixed.deallocate(a, 10, s)

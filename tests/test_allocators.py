@@ -278,11 +278,30 @@ def test_use_everywhere_reports_what_is_missing(monkeypatch: pytest.MonkeyPatch)
     assert all(what.startswith("skipped:") and "not installed" in what for what in done.values())
 
 
+def test_the_torch_and_cupy_modules_import_without_their_library_as_rmms_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # RMM code checks `rmm_torch_allocator is not None`; its cupy allocator raises when called.
+    for library in ("torch", "cupy"):
+        monkeypatch.setitem(sys.modules, library, None)  # what an uninstalled library looks like
+        monkeypatch.delitem(sys.modules, f"streampool.allocators.{library}", raising=False)
+    sp_torch = importlib.import_module("streampool.allocators.torch")
+    sp_cupy = importlib.import_module("streampool.allocators.cupy")
+    try:
+        assert sp_torch.rmm_torch_allocator is None and sp_torch.streampool_torch_allocator is None
+        for call in (sp_torch.use, sp_torch.allocator, sp_torch.mem_pool, sp_cupy.use):
+            with pytest.raises(ImportError, match=r"pip install (torch|cupy)"):
+                call()
+        with pytest.raises(ModuleNotFoundError, match="pip install cupy"):
+            sp_cupy.rmm_cupy_allocator(1024)
+    finally:
+        for library in ("torch", "cupy"):
+            sys.modules.pop(f"streampool.allocators.{library}", None)
+
+
 @pytest.mark.parametrize(
     ("module", "library", "fix"),
     [
-        ("torch", "torch", "pip install torch"),
-        ("cupy", "cupy", "pip install cupy"),
         ("numba", "numba", "pip install numba-cuda"),
         ("rmm", "rmm", "pip install rmm-cu13"),
     ],
@@ -366,7 +385,8 @@ def test_use_everywhere_skips_a_library_that_cannot_be_imported(monkeypatch: pyt
     monkeypatch.delitem(sys.modules, "streampool.allocators.cupy", raising=False)
     monkeypatch.setattr(allocators._native, "using_simulated_device", lambda: False)
     done = allocators.use_everywhere(verbose=True)
-    assert done["cupy"].startswith("skipped: cupy cannot be imported (ImportError")
+    # The library's own reason, not streampool's wording of it.
+    assert done["cupy"].startswith("skipped: cupy cannot be imported (ModuleNotFoundError: import of cupy")
 
 
 # ---------------------------------------------------------------------------------------

@@ -111,7 +111,11 @@ def use_everywhere(*, verbose: bool = False) -> dict[str, str]:
         except Exception as e:  # installed, but not usable here (numba-cuda without CUDA)
             done[name] = f"skipped: {probe} cannot be imported ({type(e).__name__}: {e})"
             continue
-        done[name] = module.use()
+        try:
+            done[name] = module.use()
+        except ImportError as e:  # the torch and cupy modules import without their library
+            cause = e.__cause__ or e
+            done[name] = f"skipped: {probe} cannot be imported ({type(cause).__name__}: {cause})"
     if verbose:
         for name, what in done.items():
             print(f"streampool.allocators: {name}: {what}")

@@ -24,16 +24,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import _native
+from . import SIMULATED
+
+#: What the allocator and ``use()`` raise without CuPy (the module imports, as RMM's does).
+MISSING = (
+    "streampool.allocators.cupy needs CuPy: pip install cupy-cuda13x (or the CuPy build for your "
+    "CUDA version)"
+)
+
+_IMPORT_ERROR: ImportError | None = None
 try:
     import cupy
 except ImportError as e:  # pragma: no cover - depends on what is installed
-    raise ImportError(
-        "streampool.allocators.cupy needs CuPy: pip install cupy-cuda13x (or the CuPy build for "
-        "your CUDA version)"
-    ) from e
+    cupy = None
+    _IMPORT_ERROR = e
 
-from .. import _native
-from . import SIMULATED
 
 __all__ = ["rmm_cupy_allocator", "streampool_cupy_allocator", "use"]
 
@@ -63,7 +69,12 @@ def _make(cupy_module: Any) -> _native.CupyAllocator:
 #: the resource cannot serve it. A callable object of streampool's extension: no Python code
 #: runs on its path, and the memory is freed, when CuPy lets go of it, through the resource
 #: that made it, on the stream it was allocated on.
-streampool_cupy_allocator = _make(cupy)
+def _without_cupy(nbytes: int) -> Any:
+    """The allocator where CuPy is not installed: ModuleNotFoundError, as RMM's."""
+    raise ModuleNotFoundError(MISSING, name="cupy") from _IMPORT_ERROR
+
+
+streampool_cupy_allocator: Any = _without_cupy if cupy is None else _make(cupy)
 
 rmm_cupy_allocator = streampool_cupy_allocator
 
@@ -72,6 +83,8 @@ def use() -> str:
     """Makes :func:`streampool_cupy_allocator` CuPy's allocator (``cupy.cuda.set_allocator``)
     for the rest of the process, or until it is set again. Returns what it did (a
     ``"skipped: ..."`` line, changing nothing, on the simulated device)."""
+    if cupy is None:
+        raise ImportError(MISSING) from _IMPORT_ERROR
     if _native.using_simulated_device():
         return SIMULATED
     cupy.cuda.set_allocator(streampool_cupy_allocator)

@@ -20,21 +20,36 @@ Example (GPU only)::
     print(stats.allocation_counts.current_bytes)   # >= 4 MiB: the tensor's memory
 
 RMM's name: ``rmm_torch_allocator`` (``rmm.allocators.torch``) is
-:data:`streampool_torch_allocator` here, and both names work.
+:data:`streampool_torch_allocator` here, and both names work. As RMM's, the module imports
+without PyTorch: the allocator is then None, and ``use()`` raises ImportError naming the
+package.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .. import _native
+from . import ALLOC_FUNCTION, FREE_FUNCTION, SIMULATED, library_path
+
+#: What every function here raises without PyTorch (the module imports, as RMM's does, with
+#: its allocator None).
+MISSING = "streampool.allocators.torch needs PyTorch with CUDA support: pip install torch"
+
+_IMPORT_ERROR: ImportError | None = None
 try:
     import torch
     import torch.cuda.memory as _torch_memory
 except ImportError as e:  # pragma: no cover - depends on what is installed
-    raise ImportError("streampool.allocators.torch needs PyTorch with CUDA support: pip install torch") from e
+    torch = None
+    _torch_memory = None
+    _IMPORT_ERROR = e
 
-from .. import _native
-from . import ALLOC_FUNCTION, FREE_FUNCTION, SIMULATED, library_path
+
+def _need_torch() -> None:
+    if torch is None:
+        raise ImportError(MISSING) from _IMPORT_ERROR
+
 
 # Also `streampool_torch_allocator` and `rmm_torch_allocator`, made on first use (`__getattr__`).
 __all__ = ["allocator", "mem_pool", "use"]
@@ -47,6 +62,7 @@ def allocator() -> Any:
     """The ``torch.cuda.memory.CUDAPluggableAllocator`` over streampool's exported
     functions (made once). Raises RuntimeError where this PyTorch has no CUDA support."""
     global _ALLOCATOR
+    _need_torch()
     if _native.using_simulated_device():
         raise RuntimeError(
             f"no PyTorch allocator over streampool here: {SIMULATED.removeprefix('skipped: ')}"
@@ -68,6 +84,7 @@ def use() -> str:
     Calling it again is harmless. Returns what it did (a ``"skipped: ..."`` line, changing
     nothing, on the simulated device or where PyTorch sees no GPU)."""
     global _IN_USE
+    _need_torch()
     if _IN_USE:
         return "already allocating through streampool"
     if _native.using_simulated_device():
@@ -98,6 +115,7 @@ def mem_pool() -> Any:
             x = torch.empty(1 << 20, device="cuda")   # allocated through streampool
 
     Raises RuntimeError naming what is missing where PyTorch has no ``MemPool``."""
+    _need_torch()
     pool_type = getattr(torch.cuda, "MemPool", None)
     if pool_type is None or not hasattr(torch.cuda, "use_mem_pool"):
         raise RuntimeError(
@@ -112,5 +130,5 @@ def __getattr__(name: str) -> Any:
     # RMM's module attribute, made on first use: making it needs a CUDA build of PyTorch,
     # and importing this module must not.
     if name in ("streampool_torch_allocator", "rmm_torch_allocator"):
-        return allocator()
+        return None if torch is None else allocator()  # None without PyTorch, as RMM's
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -917,7 +917,13 @@ fn fixed_size_reuses_on_the_freeing_stream_only() {
     mr.deallocate(q, 4096, bb).unwrap();
     assert_no_races(&sim);
     // Bad input.
-    assert!(matches!(mr.allocate(4097, a), Err(Error::InvalidArgument(_))));
+    // Above the block size: out of memory, as RMM's ("maximum allocation size exceeded").
+    let too_large = mr.allocate(4097, a).unwrap_err();
+    assert!(
+        matches!(&too_large, Error::OutOfMemory { requested: 4097, available: Some(4096), .. }),
+        "{too_large:?}"
+    );
+    assert!(too_large.to_string().contains("blocks of 4096 bytes are the most it serves"), "{too_large}");
     assert!(matches!(mr.deallocate(p, 4096, a), Err(Error::InvalidPointer(m)) if m.contains("double free")));
     assert!(matches!(mr.deallocate(p, 8192, a), Err(Error::InvalidPointer(_))));
     assert!(matches!(FixedSizeMemoryResource::new(async_mr(&b), 0, 4), Err(Error::InvalidArgument(_))));

@@ -210,10 +210,16 @@ impl MemoryResource for FixedSizeMemoryResource {
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         if bytes > self.block_bytes {
-            return Err(Error::invalid(format!(
-                "FixedSizeMemoryResource: {bytes} bytes is more than its block size of {} bytes",
-                self.block_bytes
-            )));
+            // Out of memory, as RMM's ("maximum allocation size exceeded"): a failure
+            // callback above hears of it, and Python's `except MemoryError` catches it.
+            return Err(Error::OutOfMemory {
+                requested: bytes,
+                available: Some(self.block_bytes),
+                resource: format!(
+                    "FixedSizeMemoryResource, whose blocks of {} bytes are the most it serves,",
+                    self.block_bytes
+                ),
+            });
         }
         let id = stream.key(self.backend(), self.device());
         if let Some(ptr) = self.take_free(id) {
