@@ -297,9 +297,11 @@ import os, threading
 import streampool
 
 stop = threading.Event()
+started = threading.Barrier(3)
 
 def busy():
     s = streampool.Stream()
+    started.wait()  # the device is in use before the first fork
     while not stop.is_set():
         b = streampool.DeviceBuffer(size=4096, stream=s)
         del b
@@ -307,6 +309,7 @@ def busy():
 workers = [threading.Thread(target=busy) for _ in range(2)]
 for t in workers:
     t.start()
+started.wait()
 codes = []
 for _ in range(20):
     pid = os.fork()

@@ -284,3 +284,20 @@ def test_threads_that_first_use_the_device_at_once_lose_no_event(tmp_path: Path)
     out = run("profile", "-o", str(log), "--", sys.executable, str(program))
     assert out.returncode == 0, out.stderr
     assert sizes(log) == ["100", "100", "200", "200"]
+
+
+def test_a_python_without_streampool_is_said_to_be_stopped_in_one_line(tmp_path: Path) -> None:
+    from streampool.harness.profile import SHIM
+
+    fake = tmp_path / "fake" / "streampool"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('no streampool in this Python')\n")
+    log = tmp_path / "app.log"
+    path = os.pathsep.join([str(SHIM), str(fake.parent)])  # a Python whose streampool fails
+    out = run(
+        "profile", "-o", str(log), "--", "env", f"PYTHONPATH={path}", sys.executable, "-c", "print('ran')"
+    )
+    assert out.returncode == 127 and "ran" not in out.stdout
+    said = [line for line in out.stderr.splitlines() if "simulated device" not in line]
+    assert len(said) == 1 and "could not install the logging adaptor" in said[0], out.stderr
+    assert not log.exists()

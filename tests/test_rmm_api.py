@@ -607,3 +607,19 @@ def test_rmm_aliases() -> None:
         "available_device_memory",
     ):
         assert name in mr.__all__
+
+
+def test_a_view_takes_a_cuda_bindings_pool_handle_as_rmm_does() -> None:
+    class CUmemoryPool:  # what cuda.bindings.driver hands out: the handle is getPtr()
+        def __init__(self, handle: int) -> None:
+            self.handle = handle
+
+        def getPtr(self) -> int:  # cuda.bindings' name
+            return self.handle
+
+    owner = mr.CudaAsyncMemoryResource(initial_pool_size="2MiB")
+    view = mr.CudaAsyncViewMemoryResource(CUmemoryPool(int(owner.pool_handle)))
+    assert int(view.pool_handle) == int(owner.pool_handle)
+    view.deallocate(view.allocate(4096), 4096)
+    with pytest.raises(ValueError, match=r"is not a memory pool handle .* or a cuda.bindings CUmemoryPool"):
+        mr.CudaAsyncViewMemoryResource(object())

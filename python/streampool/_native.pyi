@@ -357,8 +357,10 @@ class CudaAsyncManagedMemoryResource(MemoryResource):
 @final
 class CudaAsyncViewMemoryResource(MemoryResource):
     """Allocates from a driver pool someone else owns (PyTorch's, CuPy's) and never
-    destroys it: the owner must outlive the view. A handle that is not a pool raises
-    ValueError. Sizes are not checked on free (the driver's free takes no size).
+    destroys it: the owner must outlive the view. ``pool_handle`` is an int, or a
+    ``cuda.bindings`` ``CUmemoryPool`` (as RMM takes it; read through its ``getPtr()``). A
+    handle that is not a pool raises ValueError. Sizes are not checked on free (the
+    driver's free takes no size).
 
     ``device`` is the device the pool lies on; by default the one the driver says it does
     (the only device that can use it, or the one whose current or default pool it is), else
@@ -366,7 +368,7 @@ class CudaAsyncViewMemoryResource(MemoryResource):
     InvalidArgumentError naming its device, since the view's buffers would name the wrong
     device."""
 
-    def __new__(cls, pool_handle: int, device: int | None = None) -> CudaAsyncViewMemoryResource: ...
+    def __new__(cls, pool_handle: int | Any, device: int | None = None) -> CudaAsyncViewMemoryResource: ...
     @property
     def pool_handle(self) -> PoolHandle:
         """The driver pool handle this resource allocates from; callable too, for RMM's

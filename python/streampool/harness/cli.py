@@ -124,7 +124,10 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     def measured(
-        q: argparse.ArgumentParser, resources: str | None = DEFAULT_RESOURCES, default: str = ""
+        q: argparse.ArgumentParser,
+        resources: str | None = DEFAULT_RESOURCES,
+        default: str = "",
+        quick: str = "small sizes and 2 repeats (a smoke test)",
     ) -> None:
         q.add_argument(
             "--resources",
@@ -134,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--repeats", type=_count, help="runs of each resource, interleaved (default 3)")
         q.add_argument("--json", action="store_true", help=JSON_HELP)
         q.add_argument("--plot", metavar="DIR", help="write PNG plots to DIR (needs the harness extra)")
-        q.add_argument("--quick", action="store_true", help="small sizes and 2 repeats (a smoke test)")
+        q.add_argument("--quick", action="store_true", help=quick)
 
     b = sub.add_parser("bench", help="run a workload on resources side by side")
     b.add_argument("workload", help=f"one of: {', '.join(workloads.WORKLOADS)}")
@@ -178,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("replay", help="replay a log (streampool's or RMM's CSV) on resources")
     r.add_argument("log", help="the log to replay: streampool's (profile -o LOG) or RMM's CSV")
-    measured(r)
+    measured(r, quick="2 repeats (the log is replayed whole)")
     r.add_argument(
         "--gap-scale",
         type=float,
@@ -540,6 +543,8 @@ def _profile_into(
     except profile.CannotStartError as e:
         raise _Fail(EXIT_CANNOT_START, str(e)) from None
     if not os.path.exists(log):
+        if status == EXIT_CANNOT_START:  # the shim stopped it, and said why in one line
+            return status
         # The shim claims the log as the first Python of the program starts: none did.
         print(
             f"streampool profile: the program exited with status {status} and nothing was logged: "

@@ -337,8 +337,16 @@ impl PyCudaAsyncViewMemoryResource {
         device: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let given = device_arg(device, "device")?;
-        let pool = pool_handle.extract::<u64>().map_err(|_| {
-            PyValueError::new_err(format!("{pool_handle} is not a memory pool handle (an int in 0..2**64)"))
+        // An int, or a `cuda.bindings` handle object (`CUmemoryPool`, what RMM takes),
+        // whose `getPtr()` is the handle.
+        let handle = match pool_handle.hasattr("getPtr")? {
+            true => pool_handle.call_method0("getPtr")?,
+            false => pool_handle.clone(),
+        };
+        let pool = handle.extract::<u64>().map_err(|_| {
+            PyValueError::new_err(format!(
+                "{pool_handle} is not a memory pool handle (an int in 0..2**64, or a cuda.bindings CUmemoryPool)"
+            ))
         })?;
         let mr = detached(py, move || CudaAsyncMemoryResource::view(device::backend()?, given, pool))?;
         Ok(PyMemoryResource::base(Arc::new(mr)).add_subclass(Self { pool }))

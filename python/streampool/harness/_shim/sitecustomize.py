@@ -115,7 +115,10 @@ if _log:
             )
     except Exception as e:
         # A program run without its log would be profiled for nothing: it does not start
-        # (127, as a program that cannot be started), and says why.
+        # (127, as a program that cannot be started), and says why; the log it claimed
+        # goes, so that profile adds nothing to this one line.
+        with contextlib.suppress(OSError):
+            os.unlink(_log)
         print(
             f"streampool profile: could not install the logging adaptor, so the program was not run: "
             f"{type(e).__name__}: {e}",
