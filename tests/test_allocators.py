@@ -561,23 +561,31 @@ def test_cupy_frees_are_ordered_after_the_work_on_the_allocation_stream(
 
 
 @pytest.mark.nosim
-def test_cupy_memory_of_an_external_stream_is_freed_on_it_after_its_object_has_gone(
-    fake_cupy: tuple[FakeCupy, object],
+@pytest.mark.parametrize("destroyed", [False, True])
+def test_cupy_memory_of_an_external_stream_is_freed_after_its_work(
+    fake_cupy: tuple[FakeCupy, object], destroyed: bool
 ) -> None:
     # `with cupy.cuda.ExternalStream(torch_stream_ptr):` is how CuPy runs on PyTorch's
     # streams: the object goes with the block, the (non-blocking) stream stays, with the
     # kernel still on it. Freed on the current (legacy) stream, the block was handed out
-    # again while that kernel could still write it.
+    # again while that kernel could still write it. `destroyed`: the stream's owner has
+    # destroyed it, the kernel still queued, before CuPy lets go of the memory, which
+    # cannot be freed on it then.
     fake, module = fake_cupy
     allocator = module.streampool_cupy_allocator  # type: ignore[attr-defined]
     with SimulatedDevice(capacity_bytes="64MiB") as dev:
         streampool.set_current_device_resource(mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()))
-        theirs = streampool.Stream()  # PyTorch's stream, alive throughout
+        theirs = streampool.Stream()
         with fake.cuda.ExternalStream(theirs.handle):
             first = allocator(1 << 20)
             dev.write(theirs, first.ptr, 1 << 20, label="kernel on the external stream writes")
+        if destroyed:
+            del theirs
+            gc.collect()
+        failures = allocators.failure_count()
         del first
         gc.collect()
+        assert allocators.failure_count() == failures, allocators.last_error()
         second = allocator(1 << 20)  # on the legacy default stream, current again
         dev.write(0, second.ptr, 1 << 20, label="kernel on the legacy stream writes")
         dev.run()

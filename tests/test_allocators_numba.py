@@ -202,3 +202,15 @@ def test_numbas_defer_cleanup_holds_the_plugins_frees(
         assert stats.allocation_counts.current_bytes == 4096  # held while the block runs
     manager.deallocations.clear()  # Numba's next flush
     assert stats.allocation_counts.current_bytes == 0
+
+
+def test_the_plugin_set_by_the_environment_refuses_the_simulated_device(
+    monkeypatch: pytest.MonkeyPatch, fresh_plugin: Callable[[], Any]
+) -> None:
+    # NUMBA_CUDA_MEMORY_MANAGER=streampool.allocators.numba bypasses use()'s check: Numba's
+    # kernels would have been given host addresses.
+    fake_numba(monkeypatch)
+    manager = fresh_plugin().StreampoolNumbaManager(context=None)
+    monkeypatch.setattr(allocators._native, "using_simulated_device", lambda: True)
+    with pytest.raises(RuntimeError, match=r"cannot serve Numba here: .*simulated device"):
+        manager.initialize()

@@ -6,6 +6,7 @@ several devices, stdout closed or its reader gone (subprocesses on the simulated
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -202,54 +203,88 @@ def test_plot_into_a_directory_names_the_png_after_the_log(tmp_path: Path) -> No
     assert not (tmp_path / "new").exists()
 
 
-HOOKED = """\
-import ctypes
+PROFILED = """\
+import ctypes, sys
 import streampool
-from streampool import _native, allocators, mr
+from streampool import _native, allocators
 
-made = []
-def wrap(device, upstream):
-    made.append(mr.StatisticsResourceAdaptor(upstream))
-    return made[-1]
-_native._set_initial_resource_hook(wrap)
-# The C entry points (PyTorch's allocator) first: they take the hook's resource too.
+_native._set_profile_log(sys.argv[1])
+# The C entry points (PyTorch's allocator) first: they take the logging adaptor too.
 lib = ctypes.CDLL(allocators.library_path())
 lib.streampool_alloc.restype = ctypes.c_void_p
 lib.streampool_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 lib.streampool_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 ptr = lib.streampool_alloc(4096, 0, None)
-assert ptr and len(made) == 1 and made[0].allocation_counts.current_bytes == 4096
-assert streampool.get_current_device_resource() is made[0]
 lib.streampool_free(ptr, 4096, 0, None)
-assert made[0].allocation_counts.current_bytes == 0 and len(made) == 1
-_native._set_initial_resource_hook(None)
+streampool.DeviceBuffer(size=100)  # Python finds the same adaptor: one log, not truncated
+_native._set_profile_log(None)
 _native._reset_device_resources()
-assert isinstance(streampool.get_current_device_resource(), mr.CudaAsyncMemoryResource)
-# A hook that returns what is not a resource: a TypeError saying so, and the device usable.
-_native._set_initial_resource_hook(lambda device, upstream: "not a resource")
-_native._reset_device_resources()
-try:
-    streampool.get_current_device_resource()
-except TypeError as e:
-    assert "the initial-resource hook returned str, not a memory resource" in str(e), e
-else:
-    raise AssertionError("accepted")
-_native._set_initial_resource_hook(None)
-assert isinstance(streampool.get_current_device_resource(), mr.CudaAsyncMemoryResource)
-try:
-    _native._set_initial_resource_hook(3)
-except TypeError as e:
-    assert "must be callable, or None" in str(e)
-else:
-    raise AssertionError("accepted")
-print("ok")
+streampool.DeviceBuffer(size=200)  # not logged
+print(type(streampool.get_current_device_resource()).__name__)
 """
 
 
-def test_the_initial_resource_hook_serves_python_and_the_c_entry_points() -> None:
+def test_the_profile_log_serves_python_and_the_c_entry_points(tmp_path: Path) -> None:
+    log = tmp_path / "app.log"
     env = dict(os.environ, STREAMPOOL_DEVICE="sim")
-    out = subprocess.run([sys.executable, "-c", HOOKED], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    out = subprocess.run(
+        [sys.executable, "-c", PROFILED, str(log)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "CudaAsyncMemoryResource", out.stderr
+    assert sizes(log) == ["4096", "4096", "100", "100"]
+
+
+WORKER = r"""
+#include <pthread.h>
+#include <stddef.h>
+typedef void *(*alloc_fn)(size_t, int, void *);
+typedef void (*free_fn)(void *, size_t, int, void *);
+static alloc_fn A;
+static free_fn F;
+static void *got;
+static void *work(void *unused) {
+    got = A(256, 0, NULL);
+    if (got) F(got, 256, 0, NULL);
+    return NULL;
+}
+/* Called with the GIL held (pybind11's default; ctypes.PyDLL): a worker thread allocates
+   through the C entry point, and this waits for it, the GIL still held. */
+int run_in_thread(alloc_fn a, free_fn f) {
+    pthread_t t;
+    A = a; F = f; got = NULL;
+    pthread_create(&t, NULL, work, NULL);
+    pthread_join(t, NULL);
+    return got != NULL;
+}
+"""
+
+GIL_HELD = """\
+import ctypes, faulthandler, sys
+from streampool import allocators
+faulthandler.dump_traceback_later(30, exit=True)  # a hang ends the program, saying where
+lib = ctypes.CDLL(allocators.library_path())
+worker = ctypes.PyDLL(sys.argv[1])
+ok = worker.run_in_thread(ctypes.cast(lib.streampool_alloc, ctypes.c_void_p),
+                          ctypes.cast(lib.streampool_free, ctypes.c_void_p))
+print("worker allocated:", bool(ok))
+"""
+
+
+def test_the_c_entry_points_take_no_gil_under_profile(tmp_path: Path) -> None:
+    # A C++ extension that runs a worker thread with the GIL held, the worker allocating
+    # through the C entry points: with the device's logging adaptor made through Python,
+    # the worker waited for the GIL and the extension for the worker, for ever.
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    source, library = tmp_path / "worker.c", tmp_path / "libworker.so"
+    source.write_text(WORKER)
+    subprocess.run([compiler, "-shared", "-fPIC", "-pthread", "-o", str(library), str(source)], check=True)
+    program, log = tmp_path / "prog.py", tmp_path / "app.log"
+    program.write_text(GIL_HELD)
+    out = run("profile", "-o", str(log), "--", sys.executable, str(program), str(library))
+    assert out.returncode == 0 and "worker allocated: True" in out.stdout, out.stderr
+    assert sizes(log) == ["256", "256"]
 
 
 def test_threads_that_first_use_the_device_at_once_lose_no_event(tmp_path: Path) -> None:
@@ -270,15 +305,13 @@ def test_threads_that_first_use_the_device_at_once_lose_no_event(tmp_path: Path)
     out = run("profile", "-o", str(log), "--", sys.executable, str(program))
     assert out.returncode == 0, out.stderr
     assert len(sizes(log)) == 800 and "800 event(s) logged" in out.stderr, out.stderr
-    # The race itself, made certain: the hook asked again for a device it has served (as
-    # the losing thread asks) gives the same adaptor, and the log keeps what it had.
+    # The race itself, made certain: the device's initial resource asked for again (as the
+    # losing thread asks) is the same adaptor, and the log keeps what it had.
     program.write_text(
         "import streampool\n"
         "from streampool import _native\n"
-        "first = streampool.get_current_device_resource()\n"
         "streampool.DeviceBuffer(size=100)\n"
         "_native._reset_device_resources()\n"
-        "assert streampool.get_current_device_resource() is first\n"
         "streampool.DeviceBuffer(size=200)\n"
     )
     out = run("profile", "-o", str(log), "--", sys.executable, str(program))
@@ -301,3 +334,22 @@ def test_a_python_without_streampool_is_said_to_be_stopped_in_one_line(tmp_path:
     said = [line for line in out.stderr.splitlines() if "simulated device" not in line]
     assert len(said) == 1 and "could not install the logging adaptor" in said[0], out.stderr
     assert not log.exists()
+
+
+def test_a_program_that_enters_a_simulated_device_of_its_own_runs_profiled(tmp_path: Path) -> None:
+    # The first backend to make a device's resource is the one logged: a simulated device
+    # the program enters afterwards keeps its own resources, unlogged (its device 0 was
+    # refused a second adaptor, naming neither backend).
+    program, log = tmp_path / "prog.py", tmp_path / "app.log"
+    program.write_text(
+        "import streampool\n"
+        "from streampool.sim import SimulatedDevice\n"
+        "streampool.DeviceBuffer(size=100)\n"
+        "with SimulatedDevice(capacity_bytes='64MiB'):\n"
+        "    streampool.DeviceBuffer(size=200)\n"
+        "streampool.DeviceBuffer(size=300)\n"
+        "print('done')\n"
+    )
+    out = run("profile", "-o", str(log), "--", sys.executable, str(program))
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr
+    assert sizes(log) == ["100", "100", "300", "300"]

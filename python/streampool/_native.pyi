@@ -78,7 +78,7 @@ __all__ = [
     "_parse_log",
     "_rebuild_device_buffer",
     "_reset_device_resources",
-    "_set_initial_resource_hook",
+    "_set_profile_log",
     "available_device_memory",
     "backend_description",
     "device_can_access_peer",
@@ -462,11 +462,10 @@ def _reset_device_resources() -> None:
     """Forgets the resource of every device of the current backend (each goes back to its
     initial resource); used by ``streampool.reinitialize``."""
 
-def _set_initial_resource_hook(hook: Callable[[int, MemoryResource], MemoryResource] | None) -> None:
-    """Sets (or clears, None) the hook that makes each device's initial resource from the
-    driver's pool made for it, as the device is first used; for ``streampool profile``.
-    Threads that first use a device at once may each call it: the first result kept is
-    every thread's."""
+def _set_profile_log(log: str | os.PathLike[str] | None) -> None:
+    """Sets (or clears, None) ``streampool profile``'s log: each device's initial resource,
+    as the device is first used, is then the driver's pool under a logging adaptor writing
+    there (device N > 0 to ``LOG.devN``); for ``streampool profile``'s start-up hook."""
 
 # --- adaptors -----------------------------------------------------------------------
 # Python callbacks (failure callbacks, logging callbacks, stack capture) run on the thread

@@ -82,7 +82,13 @@ class StreampoolNumbaManager(HostOnlyCUDAMemoryManager):  # type: ignore[misc]
     current device; host and pinned memory as Numba makes them itself."""
 
     def initialize(self) -> None:
-        """Nothing to set up: the resource is looked up at each allocation."""
+        """Refuses the simulated device, whose memory (host memory) Numba's kernels cannot
+        use, as ``use()`` does (``NUMBA_CUDA_MEMORY_MANAGER`` reaches here without it);
+        otherwise nothing to set up: the resource is looked up at each allocation."""
+        if _native.using_simulated_device():
+            raise RuntimeError(
+                f"streampool's Numba plugin cannot serve Numba here: {SIMULATED.removeprefix('skipped: ')}"
+            )
 
     def memalloc(self, size: int) -> Any:
         """Allocates ``size`` bytes on the legacy default stream through streampool's current

@@ -1,11 +1,11 @@
 """``profile``: runs a program unchanged with a logging adaptor as every device's resource.
 
 The program runs in a child process whose ``PYTHONPATH`` starts with the directory of a
-``sitecustomize`` shim (``_shim/``): at interpreter start-up it wraps every device's
-current resource in a :class:`~streampool.mr.LoggingResourceAdaptor` writing to the log
-(device 0 to ``LOG``, device N to ``LOG.devN``, :func:`device_logs`; the log is flushed
-line by line, so a crash leaves every event up to it), then runs the program's own
-``sitecustomize``, if any.
+``sitecustomize`` shim (``_shim/``): at interpreter start-up it claims the log and has each
+device's initial resource made, as the device is first used, as the driver's pool under a
+logging adaptor writing to the log (device 0 to ``LOG``, device N to ``LOG.devN``,
+:func:`device_logs`; the log is flushed line by line, so a crash leaves every event up to
+it), then runs the program's own ``sitecustomize``, if any.
 The program's output and exit status pass through. Ctrl-C is the program's to handle: the
 terminal sends SIGINT to the whole foreground process group, the program included, so
 while it runs this process does not stop on SIGINT (:func:`wait`); it waits for the

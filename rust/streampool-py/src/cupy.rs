@@ -285,9 +285,16 @@ impl Drop for CupyMemory {
                     Ok(mr.try_deallocate(ptr, size, stream).ok_or_else(|| stream.clone()))
                 })
             };
-            // A current stream of another device cannot order this device's free.
-            let fast = free_on(handle).or_else(|e| match handle {
-                LEGACY_STREAM => Err(e),
+            // A current stream of another device cannot order this device's free: the
+            // legacy stream then. A stream that is gone (an ExternalStream's, destroyed by
+            // its owner) orders nothing either: once the device is synchronised nothing uses
+            // the memory, and the legacy stream frees it.
+            let fast = free_on(handle).or_else(|e| match (handle, e) {
+                (LEGACY_STREAM, e) => Err(e),
+                (_, streampool::Error::InvalidStream(_)) => {
+                    py.detach(|| mr.backend().ctx_synchronize(device))?;
+                    free_on(LEGACY_STREAM)
+                }
                 _ => free_on(LEGACY_STREAM),
             });
             let freed = match fast {
@@ -295,6 +302,7 @@ impl Drop for CupyMemory {
                 Ok(Err(stream)) => py.detach(|| mr.deallocate(ptr, size, &stream)),
                 Err(e) => Err(e),
             };
+
             if let Err(e) = freed {
                 capi::failed::<()>(what, e);
             }

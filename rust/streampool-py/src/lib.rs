@@ -358,7 +358,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(resources::get_current_device, m)?)?;
     m.add_function(wrap_pyfunction!(resources::available_device_memory, m)?)?;
     m.add_function(wrap_pyfunction!(resources::_reset_device_resources, m)?)?;
-    m.add_function(wrap_pyfunction!(resources::_set_initial_resource_hook, m)?)?;
+    m.add_function(wrap_pyfunction!(resources::_set_profile_log, m)?)?;
 
     m.add_class::<adaptors::PyUpstreamResourceAdaptor>()?;
     m.add_class::<adaptors::PyStatisticsResourceAdaptor>()?;

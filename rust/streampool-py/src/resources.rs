@@ -15,7 +15,10 @@ use pyo3::types::PyType;
 use pyo3::PyClass;
 use streampool::device::{self, BackendRef, DevPtr};
 use streampool::resources::{check_device, ManagedMemoryResource, PinnedHostMemoryResource};
-use streampool::{AsyncPoolOptions, CudaAsyncMemoryResource, CudaMemoryResource, MemoryKind, ResourceRef};
+use streampool::{
+    AsyncPoolOptions, CudaAsyncMemoryResource, CudaMemoryResource, LogSink, LoggingAdaptor, MemoryKind,
+    ResourceRef,
+};
 
 use crate::buffer::refuse_buffer_pointer;
 use crate::errors::{detached, OrRaise};
@@ -504,27 +507,12 @@ pub(crate) fn core_resource(backend: &BackendRef, device: i32) -> streampool::Re
     if let Some(mr) = find() {
         return Ok(mr);
     }
-    if HOOKED.load(Ordering::Acquire) {
-        // The initial resource is the hook's (a profiled program's logging adaptor): made
-        // by Python, once per device, so that Python and the C entry points share it.
-        return Python::attach(|py| {
-            let made = match resource_for(py, Some(device)) {
-                Ok(mr) => mr,
-                Err(e) => return Err(crate::errors::callback_error(py, "the initial-resource hook", e)),
-            };
-            let core = made.get().inner.clone();
-            if core.backend().id() == backend.id() {
-                Ok(core)
-            } else {
-                Err(streampool::Error::InvalidArgument(format!(
-                    "device {device} of {} is not the current backend's",
-                    backend.describe()
-                )))
-            }
-        });
-    }
-    let made: ResourceRef =
-        Arc::new(CudaAsyncMemoryResource::on(backend.clone(), device, Default::default())?);
+    // Under `streampool profile`, the logging adaptor that Python's look-up finds too.
+    let made: Option<ResourceRef> = profiled_initial(backend, device)?;
+    let made: ResourceRef = match made {
+        Some(logged) => logged,
+        None => Arc::new(CudaAsyncMemoryResource::on(backend.clone(), device, Default::default())?),
+    };
     // Under the registry's lock, so that a resource Python sets meanwhile is not overwritten.
     let _reg = registry();
     if let Some(mr) = find() {
@@ -567,67 +555,75 @@ fn resource_for(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyMemoryReso
     Ok(mr)
 }
 
-/// The initial resource of every device: the driver's pool, or what the initial-resource
-/// hook makes of it (`_set_initial_resource_hook`).
+/// The initial resource of every device: the driver's pool (under `streampool profile`,
+/// the logging adaptor over it: [`profiled_initial`]).
 fn initial_resource(py: Python<'_>, backend: BackendRef, device: i32) -> PyResult<Py<PyMemoryResource>> {
-    let (backend_id, hook) = (backend.id(), initial_hook().map(|h| h.clone_ref(py)));
-    let made = detached(py, move || CudaAsyncMemoryResource::on(backend, device, Default::default()))?;
-    let made = Bound::new(py, PyCudaAsyncMemoryResource::init(made))?.into_super();
-    let Some(hook) = hook else { return Ok(made.unbind()) };
-    let wrapped = hook.bind(py).call1((device, made))?;
-    let wrapped = wrapped.cast_into::<PyMemoryResource>().map_err(|e| {
-        PyTypeError::new_err(format!(
-            "the initial-resource hook returned {}, not a memory resource",
-            e.into_inner().get_type().name().map(|n| n.to_string()).unwrap_or_default()
-        ))
-    })?;
-    let res = &wrapped.get().inner;
-    if res.backend().id() != backend_id || res.device() != device {
-        return Err(PyValueError::new_err(format!(
-            "the initial-resource hook returned {}, which belongs to device {}, for device {device}",
-            wrapped.repr()?,
-            res.device()
-        )));
-    }
-    Ok(wrapped.unbind())
-}
-
-// A hook that makes each device's initial resource from the driver's pool, as it is first
-// needed: how `streampool profile` wraps it in a logging adaptor without touching the
-// device at start-up (which would refuse the device to children forked before the
-// program's first use). `HOOKED` lets the C entry points, which run without the GIL,
-// see whether to ask Python for an initial resource instead of making their own.
-static INITIAL_HOOK: Mutex<Option<Py<PyAny>>> = Mutex::new(None);
-static HOOKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-fn initial_hook() -> Option<Py<PyAny>> {
-    if !HOOKED.load(Ordering::Acquire) {
-        return None;
-    }
-    Python::attach(|py| {
-        INITIAL_HOOK.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|h| h.clone_ref(py))
-    })
-}
-
-/// Sets (a callable) or clears (None) the hook that makes each device's initial resource:
-/// ``hook(device, resource)`` gets the driver's pool made for ``device`` and returns the
-/// resource to use instead (bound to that device). Resources made already stay. Threads
-/// that first use a device at once may each call it: the first result kept is every
-/// thread's. For ``streampool profile``; not a public API.
-#[pyfunction]
-pub(crate) fn _set_initial_resource_hook(hook: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-    if let Some(h) = hook {
-        if !h.is_callable() {
-            return Err(PyTypeError::new_err("the initial-resource hook must be callable, or None"));
-        }
-    }
-    let previous = {
-        let mut slot = INITIAL_HOOK.lock().unwrap_or_else(|e| e.into_inner());
-        HOOKED.store(hook.is_some(), Ordering::Release);
-        std::mem::replace(&mut *slot, hook.map(|h| h.clone().unbind()))
+    let profiled = {
+        let backend = backend.clone();
+        detached(py, move || profiled_initial(&backend, device))?
     };
-    drop(previous); // after the lock: dropping may run Python code
-    Ok(())
+    if let Some(logged) = profiled {
+        return Ok(Bound::new(py, PyMemoryResource::base(logged))?.unbind());
+    }
+    let made = detached(py, move || CudaAsyncMemoryResource::on(backend, device, Default::default()))?;
+    let made = Bound::new(py, PyCudaAsyncMemoryResource::init(made))?;
+    Ok(made.into_super().unbind())
+}
+
+// `streampool profile`'s log. Each device's initial resource is made, as the device is first
+// used (from Python or from the C entry points, whichever comes first), as the driver's pool
+// under a logging adaptor writing to the log (device N > 0 to `LOG.devN`): nothing touches
+// the device at start-up, so a program that forks before its first use runs as it would
+// unprofiled. Made natively, under a lock of its own and never with Python code, so that
+// the C entry points, which run without the GIL, need none; the first backend to make one
+// is the one profiled (a simulated device the program enters later keeps its own, unlogged).
+struct Profile {
+    log: std::path::PathBuf,
+    backend: Option<u64>,
+    made: HashMap<i32, ResourceRef>,
+}
+
+static PROFILE: Mutex<Option<Profile>> = Mutex::new(None);
+static PROFILING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Under `streampool profile`, device `device`'s initial resource on `backend`: the logging
+/// adaptor over the driver's pool, the same one every time; `None` otherwise.
+fn profiled_initial(backend: &BackendRef, device: i32) -> streampool::Result<Option<ResourceRef>> {
+    if !PROFILING.load(Ordering::Acquire) {
+        return Ok(None);
+    }
+    let mut slot = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(profile) = slot.as_mut() else { return Ok(None) };
+    if profile.backend.is_some_and(|b| b != backend.id()) {
+        return Ok(None);
+    }
+    if let Some(made) = profile.made.get(&device) {
+        return Ok(Some(made.clone()));
+    }
+    let mut path = profile.log.clone().into_os_string();
+    if device > 0 {
+        path.push(format!(".dev{device}"));
+    }
+    let upstream: ResourceRef =
+        Arc::new(CudaAsyncMemoryResource::on(backend.clone(), device, Default::default())?);
+    let logged: ResourceRef = Arc::new(LoggingAdaptor::new(upstream, vec![LogSink::File(path.into())])?);
+    profile.backend = Some(backend.id());
+    profile.made.insert(device, logged.clone());
+    Ok(Some(logged))
+}
+
+/// Sets (a path) or clears (None) `streampool profile`'s log: from now on, each device's
+/// initial resource, as the device is first used, is the driver's pool under a logging
+/// adaptor writing there (device N > 0 to ``LOG.devN``). Resources made already stay. For
+/// ``streampool profile``'s start-up hook; not a public API.
+#[pyfunction]
+pub(crate) fn _set_profile_log(log: Option<std::path::PathBuf>) {
+    let previous = {
+        let mut slot = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+        PROFILING.store(log.is_some(), Ordering::Release);
+        std::mem::replace(&mut *slot, log.map(|log| Profile { log, backend: None, made: HashMap::new() }))
+    };
+    drop(previous); // after the lock: the adaptors may be the last references
 }
 
 fn set_resource(

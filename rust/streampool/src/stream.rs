@@ -113,6 +113,13 @@ thread_local! {
     static EXIT_HOOKS: ExitHooks = const { ExitHooks(RefCell::new(Vec::new())) };
 }
 
+/// Whether the calling thread is exiting, its hooks run or running (see
+/// [`Stream::on_thread_exit`]): what its thread-local destructors do on its per-thread
+/// default stream comes after the state kept for that stream was retired.
+pub(crate) fn thread_exiting() -> bool {
+    EXIT_HOOKS.try_with(|_| ()).is_err()
+}
+
 /// Hooks run when the thread that registered them exits.
 struct ExitHooks(RefCell<Vec<Box<dyn FnOnce() + Send>>>);
 

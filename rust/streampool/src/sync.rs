@@ -56,9 +56,17 @@ pub(crate) fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
 /// `LOOM_MAX_PREEMPTIONS` in the environment overrides the bound.
 #[cfg(all(test, loom))]
 pub(crate) fn model(f: impl Fn() + Sync + Send + 'static) {
+    model_bounded(5, f)
+}
+
+/// [`model`] with at most `preemptions` preemptions per execution (unless
+/// `LOOM_MAX_PREEMPTIONS` says otherwise): for a model whose threads run long paths (a
+/// release), which a bound of 5 makes take minutes.
+#[cfg(all(test, loom))]
+pub(crate) fn model_bounded(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
     let mut builder = loom::model::Builder::new();
     if builder.preemption_bound.is_none() {
-        builder.preemption_bound = Some(5);
+        builder.preemption_bound = Some(preemptions);
     }
     // The pool's models run its real shard lock, whose waiters spin (yielding to loom on
     // every turn): more branches per execution than loom's default of 1000 allows.

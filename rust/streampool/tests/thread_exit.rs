@@ -103,6 +103,13 @@ fn allocated_by_a_late_destructor(pause: std::time::Duration, release_meanwhile:
         t.join().unwrap();
     }
     sim.run();
+    if !release_meanwhile {
+        // The late memory came from the legacy stream, not from the threads' retired
+        // per-thread shards: with it still live, a release leaves no shard but the legacy one.
+        pool.release().unwrap();
+        let shards: Vec<u64> = pool.stats().shard_free_bytes.iter().map(|&(k, _)| k).collect();
+        assert!(shards.iter().all(|&k| k == streampool::stream::LEGACY_KEY), "{shards:?}");
+    }
     for (ptr, n) in late.lock().unwrap().drain(..) {
         pool.deallocate(ptr, n, &Stream::legacy()).unwrap(); // found: no "double free?"
     }
@@ -113,11 +120,77 @@ fn allocated_by_a_late_destructor(pause: std::time::Duration, release_meanwhile:
 }
 
 #[test]
-fn memory_asked_for_by_a_late_thread_local_destructor_is_found_again() {
+fn memory_asked_for_by_a_late_thread_local_destructor_comes_from_the_legacy_stream() {
     allocated_by_a_late_destructor(std::time::Duration::ZERO, false);
 }
 
 #[test]
 fn a_late_thread_local_destructor_leaves_no_shard_behind_a_release() {
     allocated_by_a_late_destructor(std::time::Duration::from_millis(30), true);
+}
+
+/// Many rounds of the same while another thread releases the pool all along (a release
+/// forgets spent retired shards): a late allocation never lands in a shard that has left
+/// the pool, whose free would then be refused as a double free.
+#[test]
+fn late_thread_local_destructors_and_a_release_all_along() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
+    use streampool::device::DevPtr;
+    use streampool::{CudaMemoryResource, MemoryResource};
+
+    let sim = SimDevice::new(1 << 30);
+    let b: BackendRef = sim.clone();
+    let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b, 0));
+    let pool = Arc::new(ShardedPoolMemoryResource::new(upstream, PoolOptions::default()).unwrap());
+    let legacy = Stream::legacy();
+    // A live block keeps its chunk: after each release the common list holds the rest of it.
+    let pin = pool.allocate(256, &legacy).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let releaser = {
+        let (pool, stop) = (pool.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                pool.release().unwrap();
+            }
+        })
+    };
+    let mut refused = Vec::new();
+    for _ in 0..400 {
+        let late: Arc<Mutex<Vec<(DevPtr, usize)>>> = Arc::default();
+        let threads: Vec<_> = (0..2)
+            .map(|_| {
+                let (pool, late) = (pool.clone(), late.clone());
+                std::thread::spawn(move || {
+                    let in_destructor = pool.clone();
+                    LATE.with(|l| {
+                        l.borrow_mut().0 = Some(Box::new(move || {
+                            let ptr = in_destructor.allocate(4096, &Stream::per_thread()).unwrap();
+                            late.lock().unwrap().push((ptr, 4096));
+                        }))
+                    });
+                    let s = Stream::per_thread();
+                    let x = pool.allocate(4096, &s).unwrap();
+                    pool.deallocate(x, 4096, &s).unwrap();
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        sim.run();
+        for (ptr, n) in late.lock().unwrap().drain(..) {
+            if let Err(e) = pool.deallocate(ptr, n, &legacy) {
+                refused.push(e.to_string());
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    releaser.join().unwrap();
+    pool.deallocate(pin, 256, &legacy).unwrap();
+    sim.run();
+    pool.release().unwrap();
+    let st = pool.stats();
+    assert!(refused.is_empty(), "late frees refused: {refused:?}");
+    assert_eq!((st.used_bytes, st.reserved_bytes), (0, 0), "{st:?}");
 }

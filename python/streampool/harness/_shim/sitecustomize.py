@@ -1,11 +1,12 @@
 """``streampool profile``'s start-up hook (on the child's PYTHONPATH, never imported otherwise).
 
 Claims the log ``$STREAMPOOL_PROFILE_LOG`` (creates it, only if no other process of the
-program has), then sets the hook that makes each device's initial resource: as a device
-is first used, its driver pool is wrapped in a LoggingResourceAdaptor writing to the log
-(device N > 0 to ``.devN``). Nothing touches the device at start-up, so a program that
-forks before its first use works as it does unprofiled. Then runs the sitecustomize this
-one shadows, if there is one (that one also without a log).
+program has), then tells the extension: from then on, each device's initial resource, as
+the device is first used (from Python or through the C entry points PyTorch calls), is
+the driver's pool under a logging adaptor writing to the log (device N > 0 to
+``.devN``). Nothing touches the device at start-up, so a program that forks before its
+first use works as it does unprofiled. Then runs the sitecustomize this one shadows, if
+there is one (that one also without a log).
 
 Child processes of the program are not profiled: the variable is removed from the
 environment and this directory from ``PYTHONPATH``, for the programs it starts, which
@@ -13,11 +14,11 @@ start as they would unprofiled (their own sitecustomize runs, and their children
 command that starts several Pythons itself (a shell script, a launcher) has its first
 Python profiled, which claims the log; another finds the log claimed, runs unprofiled
 and says so on stderr. A child forked from the program (``os.fork``, multiprocessing's
-``fork`` start method) is not profiled either: the hook is cleared in it, and each
-device's resource from before the adaptor is put back wherever the adaptor is still the
-device's resource (what the child frees of memory that its parent allocated through the
-adaptor is still logged). When the log cannot be claimed for another reason, the
-program does not run: exit status 127, with the reason on stderr.
+``fork`` start method) is not profiled either: the log is forgotten in it (a child of a
+parent that had used the device cannot use it; one of a parent that had not gets
+unlogged resources). When the log cannot be claimed for another reason, or streampool
+cannot be imported, the program does not run: exit status 127, with the reason on
+stderr in one line.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
 
 
 def _claim(log: str) -> bool:
@@ -38,35 +38,10 @@ def _claim(log: str) -> bool:
 
 
 def _install(log: str) -> None:
-    import streampool
-    from streampool import _native, mr
+    from streampool import _native
 
-    installed = []  # (device, the adaptor, the resource it wraps)
-    made: dict[int, mr.MemoryResource] = {}
-    lock = threading.Lock()
-
-    def wrap(device: int, upstream: mr.MemoryResource) -> mr.MemoryResource:
-        # Threads that first use a device at once each make an initial resource (the
-        # first one made is kept): one adaptor per device, since a second would open the
-        # log again and truncate what the first wrote.
-        with lock:
-            if device not in made:
-                path = log if device == 0 else f"{log}.dev{device}"
-                made[device] = mr.LoggingResourceAdaptor(upstream, path)
-                installed.append((device, made[device], upstream))
-            return made[device]
-
-    def uninstall_in_child() -> None:
-        """A forked child would log into its parent's log, under its parent's thread ids."""
-        _native._set_initial_resource_hook(None)
-        # A child that cannot reach the device (CUDA in a forked child) allocates nothing.
-        with contextlib.suppress(Exception):
-            for device, adaptor, upstream in installed:
-                if streampool.get_per_device_resource(device) is adaptor:  # the program's own stays
-                    streampool.set_per_device_resource(device, upstream)
-
-    _native._set_initial_resource_hook(wrap)
-    os.register_at_fork(after_in_child=uninstall_in_child)
+    _native._set_profile_log(log)
+    os.register_at_fork(after_in_child=lambda: _native._set_profile_log(None))
 
 
 def _leave_pythonpath() -> None:

@@ -121,3 +121,89 @@ fn loom_fast_path_takes_completed_blocks_while_their_stream_allocates() {
         check(&p);
     });
 }
+
+// Paths of the pool that other threads change under a thread's feet: a borrowed stream's
+// shard swept, an owned stream's shard retired, a release.
+
+/// A borrowed stream's shard swept (`sweep_borrowed`, as a gathering or a new shard runs
+/// it) while another thread allocates and frees on that stream: nothing lost, nothing
+/// handed out twice, the block stays reachable.
+#[test]
+fn loom_a_borrowed_streams_shard_swept_while_its_stream_is_used() {
+    crate::sync::model(|| {
+        let (p, b) = pool(PoolOptions { initial_pool_size: Some(1 << 20), ..Default::default() });
+        let raw = b.stream_create(0, false).unwrap();
+        let s = Stream::borrowed(&b, raw).unwrap();
+        let t = use_once(&p, &s, 4096);
+        p.sweep_borrowed();
+        let x = t.join().unwrap();
+        p.sweep_borrowed();
+        check(&p);
+        assert_eq!(p.stats().reserved_bytes, 1 << 20);
+        // Still reachable by this stream: same block back (its shard, or a gathering).
+        let y = p.allocate(4096, &s).unwrap();
+        let _ = x;
+        p.deallocate(y, 4096, &s).unwrap();
+        check(&p);
+        drop(s);
+        b.stream_destroy(0, raw).unwrap();
+    });
+}
+
+/// A stream streampool owns is destroyed (its shard retired by the destroy hook) while
+/// another thread frees, on a second stream, a block allocated on the first one; then
+/// the second stream allocates again. No race on the simulated device, exact accounting.
+#[test]
+fn loom_a_shard_retired_while_its_block_is_freed_on_another_stream() {
+    crate::sync::model(|| {
+        let sim = SimDevice::new(64 << 20);
+        let b: BackendRef = sim.clone();
+        let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b.clone(), 0));
+        let options = PoolOptions { events_every: 1, maximum_pool_size: Some(2 << 20), ..Default::default() };
+        let p = Arc::new(ShardedPoolMemoryResource::new(upstream, options).unwrap());
+        let s = Stream::create(&b, 0, false).unwrap();
+        let r = Stream::create(&b, 0, false).unwrap();
+        let x = p.allocate(1 << 20, &s).unwrap();
+        sim.write(s.handle(), x, 1 << 20).unwrap();
+        let ev = crate::stream::Event::new(&b, 0).unwrap();
+        ev.record(&s).unwrap();
+        let t = {
+            let (p, r) = (p.clone(), r.clone());
+            loom::thread::spawn(move || {
+                r.wait(&ev).unwrap();
+                p.deallocate(x, 1 << 20, &r).unwrap();
+            })
+        };
+        drop(s); // destroy hook: retire
+        t.join().unwrap();
+        check(&p);
+        // The memory again, on r: its own block (freed on r) or the rest of s's chunk.
+        let y = p.allocate(1 << 20, &r).unwrap();
+        sim.write(r.handle(), y, 1 << 20).unwrap();
+        let z = p.allocate(1 << 20, &r).unwrap();
+        sim.write(r.handle(), z, 1 << 20).unwrap();
+        p.deallocate(y, 1 << 20, &r).unwrap();
+        p.deallocate(z, 1 << 20, &r).unwrap();
+        check(&p);
+        sim.run();
+        assert!(sim.races().is_empty(), "{:?}", sim.races().first().map(|r| r.to_string()));
+    });
+}
+
+/// `release()` (synchronise, harvest, sweep, trim) while another thread allocates and
+/// frees on its stream: exact accounting afterwards, and a release after everything is
+/// free gives back everything.
+#[test]
+fn loom_release_while_another_thread_allocates() {
+    crate::sync::model_bounded(3, || {
+        let (p, b) = pool(PoolOptions { initial_pool_size: Some(1 << 20), ..Default::default() });
+        let s = Stream::create(&b, 0, false).unwrap();
+        let t = use_once(&p, &s, 4096);
+        p.release().unwrap();
+        t.join().unwrap();
+        check(&p);
+        p.release().unwrap();
+        let st = p.stats();
+        assert_eq!((st.reserved_bytes, st.free_bytes), (0, 0), "{st:?}");
+    });
+}

@@ -691,6 +691,17 @@ impl ShardedPoolMemoryResource {
     }
 }
 
+/// Whether `stream` is the calling thread's per-thread default stream while the thread
+/// exits: a call from one of its thread-local destructors, after the pool's exit hook
+/// retired that stream's shard, which may leave the pool at any moment (a release, a
+/// look). Such calls go to the legacy default stream, ordered after the per-thread one
+/// (which is blocking), so that the retired shard gets nothing more. A compare for every
+/// other stream; for a per-thread one, a look at a thread-local.
+#[inline]
+fn exiting_per_thread(stream: &Stream) -> bool {
+    stream.is_per_thread() && crate::stream::thread_exiting()
+}
+
 /// What a free in its stream's own shard came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum OwnFree {
@@ -745,6 +756,9 @@ impl MemoryResource for ShardedPoolMemoryResource {
     // slower on the window bench.
     #[inline]
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        if exiting_per_thread(stream) {
+            return self.allocate_cold(bytes, &Stream::legacy());
+        }
         match self.allocate_own(bytes, stream, true) {
             Some(ptr) => Ok(ptr),
             None => self.allocate_cold(bytes, stream),
@@ -753,6 +767,9 @@ impl MemoryResource for ShardedPoolMemoryResource {
 
     #[inline]
     fn deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if exiting_per_thread(stream) {
+            return self.deallocate_cold(ptr, bytes, &Stream::legacy());
+        }
         if self.deallocate_own(ptr, bytes, stream) {
             return Ok(());
         }
@@ -760,6 +777,9 @@ impl MemoryResource for ShardedPoolMemoryResource {
     }
 
     fn try_allocate(&self, bytes: usize, stream: &Stream) -> Option<Result<DevPtr>> {
+        if exiting_per_thread(stream) {
+            return None; // the full path, on the legacy stream
+        }
         if let Some(ptr) = self.allocate_own(bytes, stream, false) {
             return Some(Ok(ptr));
         }
@@ -774,6 +794,9 @@ impl MemoryResource for ShardedPoolMemoryResource {
     }
 
     fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
+        if exiting_per_thread(stream) {
+            return None; // the full path, on the legacy stream
+        }
         // One look into the stream's own shard, whichever way the checks are passed.
         if !self.plainly_freeable(ptr, bytes, stream) {
             if let Some(settled) = settle_deallocate(self, ptr, bytes, stream) {
