@@ -353,3 +353,61 @@ def test_a_program_that_enters_a_simulated_device_of_its_own_runs_profiled(tmp_p
     out = run("profile", "-o", str(log), "--", sys.executable, str(program))
     assert out.returncode == 0 and "done" in out.stdout, out.stderr
     assert sizes(log) == ["100", "100", "300", "300"]
+
+
+FORK_WHILE_MAKING = """\\
+import os, signal, sys, threading, time
+import streampool
+from streampool import _native
+
+# The log a FIFO: making the device's logging adaptor blocks in opening it (as making a
+# driver pool can take long on a GPU), the profile's lock held, until a reader comes.
+_native._set_profile_log(sys.argv[1])
+os.register_at_fork(after_in_child=lambda: _native._set_profile_log(None))  # as the shim
+first_use = threading.Thread(target=streampool.get_current_device_resource, daemon=True)
+first_use.start()
+time.sleep(0.5)
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+reader = os.open(sys.argv[1], os.O_RDONLY | os.O_NONBLOCK)
+first_use.join(30)
+for _ in range(100):
+    if os.waitpid(pid, os.WNOHANG)[0]:
+        print("the child exited")
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, signal.SIGKILL)
+    print("the child hung in the at-fork handler")
+"""
+
+
+def test_a_fork_while_another_thread_makes_the_logged_resource_does_not_hang_the_child(
+    tmp_path: Path,
+) -> None:
+    fifo = tmp_path / "log"
+    os.mkfifo(fifo)
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim")
+    out = subprocess.run(
+        [sys.executable, "-c", FORK_WHILE_MAKING, str(fifo)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "the child exited", (out.stdout, out.stderr)
+
+
+def test_a_simulated_device_entered_first_leaves_the_programs_device_profiled(tmp_path: Path) -> None:
+    program, log = tmp_path / "prog.py", tmp_path / "app.log"
+    program.write_text(
+        "import streampool\n"
+        "from streampool.sim import SimulatedDevice\n"
+        "with SimulatedDevice(capacity_bytes='64MiB'):  # a dry run first\n"
+        "    streampool.DeviceBuffer(size=64)\n"
+        "streampool.DeviceBuffer(size=100)\n"
+    )
+    out = run("profile", "-o", str(log), "--", sys.executable, str(program))
+    assert out.returncode == 0, out.stderr
+    assert sizes(log) == ["100", "100"]

@@ -291,7 +291,7 @@ impl Drop for CupyMemory {
             // the memory, and the legacy stream frees it.
             let fast = free_on(handle).or_else(|e| match (handle, e) {
                 (LEGACY_STREAM, e) => Err(e),
-                (_, streampool::Error::InvalidStream(_)) => {
+                (h, streampool::Error::InvalidStream(_)) if h == self.stream => {
                     py.detach(|| mr.backend().ctx_synchronize(device))?;
                     free_on(LEGACY_STREAM)
                 }

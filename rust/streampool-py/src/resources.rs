@@ -575,8 +575,9 @@ fn initial_resource(py: Python<'_>, backend: BackendRef, device: i32) -> PyResul
 // under a logging adaptor writing to the log (device N > 0 to `LOG.devN`): nothing touches
 // the device at start-up, so a program that forks before its first use runs as it would
 // unprofiled. Made natively, under a lock of its own and never with Python code, so that
-// the C entry points, which run without the GIL, need none; the first backend to make one
-// is the one profiled (a simulated device the program enters later keeps its own, unlogged).
+// the C entry points, which run without the GIL, need none. The program's device is the one
+// profiled (the driver, or the simulated device of STREAMPOOL_DEVICE=sim): a simulated
+// device the program enters itself keeps its own resources, unlogged.
 struct Profile {
     log: std::path::PathBuf,
     backend: Option<u64>,
@@ -589,7 +590,14 @@ static PROFILING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool:
 /// Under `streampool profile`, device `device`'s initial resource on `backend`: the logging
 /// adaptor over the driver's pool, the same one every time; `None` otherwise.
 fn profiled_initial(backend: &BackendRef, device: i32) -> streampool::Result<Option<ResourceRef>> {
-    if !PROFILING.load(Ordering::Acquire) {
+    // A forked child: its parent's lock may be held for ever by a thread the child has not
+    // (the backend, made before the lock is taken, marks such a child).
+    if !PROFILING.load(Ordering::Acquire) || device::forked() {
+        return Ok(None);
+    }
+    // A simulated device the program enters itself (a dry run, a test fixture) is not the
+    // program's device: its resources stay unlogged, and the program's device is logged.
+    if device::active_sim().is_some_and(|sim| device::Backend::id(&*sim) == backend.id()) {
         return Ok(None);
     }
     let mut slot = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
@@ -616,14 +624,26 @@ fn profiled_initial(backend: &BackendRef, device: i32) -> streampool::Result<Opt
 /// initial resource, as the device is first used, is the driver's pool under a logging
 /// adaptor writing there (device N > 0 to ``LOG.devN``). Resources made already stay. For
 /// ``streampool profile``'s start-up hook; not a public API.
+/// Cleared (None) in a forked child, it never waits: a thread of the parent may have held
+/// the lock at the fork, and the state is then left as it is.
 #[pyfunction]
 pub(crate) fn _set_profile_log(log: Option<std::path::PathBuf>) {
+    let Some(log) = log else {
+        PROFILING.store(false, Ordering::Release);
+        let previous = match PROFILE.try_lock() {
+            Ok(mut slot) => slot.take(),
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().take(),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        drop(previous); // after the lock: the adaptors may be the last references
+        return;
+    };
     let previous = {
         let mut slot = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
-        PROFILING.store(log.is_some(), Ordering::Release);
-        std::mem::replace(&mut *slot, log.map(|log| Profile { log, backend: None, made: HashMap::new() }))
+        PROFILING.store(true, Ordering::Release);
+        slot.replace(Profile { log, backend: None, made: HashMap::new() })
     };
-    drop(previous); // after the lock: the adaptors may be the last references
+    drop(previous);
 }
 
 fn set_resource(
