@@ -206,6 +206,48 @@ pub struct PoolStats {
 /// path. No lock is held across a call into the upstream. Locks held together are taken in
 /// one order (gathering, common list, a shard, shard map), never two shards at once, and
 /// none of them on the hot path but the shard's own.
+///
+/// # Example
+/// Producers on threads of their own fill chunks on their streams and hand them to a
+/// consumer, which frees them on its stream; the pool orders the reuse:
+///
+/// ```
+/// use std::sync::Arc;
+/// use streampool::device::sim::SimDevice;
+/// use streampool::{
+///     Allocation, BackendRef, CudaAsyncMemoryResource, PoolOptions, ResourceRef, ShardedPoolMemoryResource, Stream,
+/// };
+///
+/// let sim = SimDevice::new(1 << 30);
+/// let backend: BackendRef = sim.clone();
+/// let upstream: ResourceRef = Arc::new(CudaAsyncMemoryResource::on(backend.clone(), 0, Default::default())?);
+/// let pool: ResourceRef = Arc::new(ShardedPoolMemoryResource::new(upstream, PoolOptions::default())?);
+/// let consumer = Stream::create(&backend, 0, false)?;
+/// let producers: Vec<_> = (0..4)
+///     .map(|_| {
+///         let (pool, backend, sim) = (pool.clone(), backend.clone(), sim.clone());
+///         std::thread::spawn(move || -> streampool::Result<Vec<Allocation>> {
+///             let stream = Stream::create(&backend, 0, false)?;
+///             (0..8)
+///                 .map(|_| {
+///                     let chunk = Allocation::new(pool.clone(), 1 << 20, stream.clone())?;
+///                     sim.write(stream.handle(), chunk.ptr(), 1 << 20)?; // the producer's kernel
+///                     Ok(chunk)
+///                 })
+///                 .collect()
+///         })
+///     })
+///     .collect();
+/// for producer in producers {
+///     for mut chunk in producer.join().unwrap()? {
+///         chunk.set_stream(consumer.clone())?; // ordered after the producer's work
+///         sim.read(consumer.handle(), chunk.ptr(), 1 << 20)?; // the consumer's kernel
+///     } // each chunk is freed on the consumer's stream as it goes
+/// }
+/// sim.run();
+/// assert!(sim.races().is_empty());
+/// # Ok::<(), streampool::Error>(())
+/// ```
 pub struct ShardedPoolMemoryResource {
     upstream: ResourceRef,
     /// This resource and the chain below it (`MemoryResource::depth`).
