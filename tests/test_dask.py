@@ -133,10 +133,12 @@ def test_device_from_the_argument_and_from_cuda_visible_devices(
     assert isinstance(installed, mr.CudaAsyncMemoryResource) and installed.release_threshold == 16 << 20
     numpy = pytest.importorskip("numpy")
     assert StreampoolPlugin(device=numpy.int64(1)).device == 1  # any integer, as elsewhere
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # dask-cuda: one GPU per worker, device 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # one GPU per worker: device 0
     assert StreampoolPlugin().pick_device(FakeWorker(1)) == 0
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert StreampoolPlugin().pick_device(FakeWorker(1)) == 1
+    # dask-cuda's LocalCUDACluster rotates the list, each worker's own GPU first: worker 1
+    # sees "1,0", and device 1 there was physical GPU 0, worker 0's.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    assert StreampoolPlugin().pick_device(FakeWorker(1)) == 0
 
 
 @pytest.mark.nosim
@@ -267,3 +269,49 @@ def test_a_cluster_on_two_gpus() -> None:
     if streampool.device_count() < 2:
         pytest.skip(f"needs two GPUs, found {streampool.device_count()}")
     run_on_cluster(2, {"STREAMPOOL_DEVICE": "cuda"}, resource="async")
+
+
+@pytest.mark.nosim
+def test_teardown_hands_the_driver_pools_memory_back(
+    two_devices: SimulatedDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The default pool keeps what it gets back: a plugin registered next found the device
+    # full (a 12 GiB pool's memory reserved after it was gone, on 16 GiB).
+    monkeypatch.setattr(streampool.dask, "_INSTALLED", {})  # as a fresh worker process has them
+    monkeypatch.setattr(streampool.dask, "_BEFORE", {})
+    free_before = mr.available_device_memory(0)[0]
+    plugin = StreampoolPlugin(functools.partial(_primed_pool, initial="48MiB"))
+    worker = FakeWorker(0)
+    plugin.setup(worker)
+    assert mr.available_device_memory(0)[0] <= free_before - (48 << 20)
+    plugin.teardown(worker)
+    assert mr.available_device_memory(0)[0] >= free_before  # earlier tests' leftovers too
+
+
+def _primed_pool(device: int, initial: str) -> mr.MemoryResource:
+    return mr.PoolMemoryResource(mr.CudaAsyncMemoryResource(device=device), initial_pool_size=initial)
+
+
+@pytest.mark.nosim
+def test_a_failed_setup_is_what_tasks_are_told(two_devices: SimulatedDevice) -> None:
+    # A worker that joins later logs its failed setup in its own log only: tasks asking for
+    # the resource were told to register the plugin, which was registered.
+    plugin = StreampoolPlugin(device=1)
+    worker = FakeWorker("late")
+    worker.plugins[StreampoolPlugin.name] = plugin
+    plugin.device = 5  # as a worker of a machine with fewer devices finds it
+    with pytest.raises(ValueError, match="was given device 5"):
+        plugin.setup(worker)
+    with pytest.raises(
+        RuntimeError, match="setup failed on worker 'late': ValueError: worker 'late' was given"
+    ):
+        streampool.dask._installed(worker)
+
+
+def test_an_asynchronous_client_is_refused_rather_than_dropped() -> None:
+    class AsyncClient:
+        asynchronous = True
+
+    for call in (streampool.dask.register, streampool.dask.statistics):
+        with pytest.raises(TypeError, match="needs a synchronous Client"):
+            call(AsyncClient())  # type: ignore[arg-type]

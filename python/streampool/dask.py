@@ -4,8 +4,13 @@ Run one worker process per GPU (as ``dask-cuda``'s ``LocalCUDACluster`` does, or
 ``LocalCluster`` with one worker per GPU) and register :class:`StreampoolPlugin`: at each
 worker's start-up it makes the chosen resource on the worker's device and sets it as that
 device's resource, so that every ``DeviceBuffer`` (and every library hooked to streampool)
-in the worker's tasks allocates from it. :func:`statistics` gathers what each worker's
-resource has allocated. It is the counterpart of ``dask-cuda``'s ``RMMSetup`` plugin.
+that the worker's tasks allocate on that device allocates from it. Where each worker sees
+its own GPU as device 0 (``dask-cuda``'s workers, or ``CUDA_VISIBLE_DEVICES`` set per
+worker) that is every allocation; a ``LocalCluster`` whose workers all see every GPU gives
+worker N device N (modulo the count), while its tasks' current device stays 0, so tasks
+there name the resource (``mr=streampool.dask.worker_resource()``, as below).
+:func:`statistics` gathers what each worker's resource has allocated. It is the
+counterpart of ``dask-cuda``'s ``RMMSetup`` plugin.
 
 Example (needs one GPU per worker; ``STREAMPOOL_DEVICE=sim`` in the workers' environment
 runs it on simulated devices instead)::
@@ -164,9 +169,10 @@ class StreampoolPlugin(WorkerPlugin):
             ``(device) -> MemoryResource`` (pickled to the workers: a module-level function
             or a ``functools.partial``).
         device: the device ordinal every worker uses; by default each worker picks its own:
-            device 0 when ``CUDA_VISIBLE_DEVICES`` shows it one GPU (``dask-cuda``'s
-            workers), else its worker name's index modulo the device count (a
-            ``LocalCluster``'s workers are named 0, 1, ...), else device 0.
+            device 0 when ``CUDA_VISIBLE_DEVICES`` is set (``dask-cuda`` gives each worker
+            the list with its own GPU first, as its ``RMMSetup`` assumes), else its worker
+            name's index modulo the device count (a ``LocalCluster``'s workers are named 0,
+            1, ...), else device 0.
         statistics: wrap the resource in a ``StatisticsResourceAdaptor`` (unless it is one),
             so that :func:`statistics` can report what each worker allocated.
 
@@ -199,6 +205,7 @@ class StreampoolPlugin(WorkerPlugin):
         self.device = device
         self.statistics = statistics
         self._installed: tuple[int, mr.MemoryResource] | None = None
+        self._setup_error: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # What a worker needs; resources installed here never travel.
@@ -207,20 +214,32 @@ class StreampoolPlugin(WorkerPlugin):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.resource, self.device, self.statistics = state["resource"], state["device"], state["statistics"]
         self._installed = None
+        self._setup_error = None
 
     def pick_device(self, worker: Any) -> int:
         """The device this plugin gives ``worker`` (see the class docs)."""
         if self.device is not None:
             return self.device
-        visible = _visible_devices()
-        if visible is not None and len(visible) == 1:
+        if _visible_devices():  # dask-cuda's workers: their own GPU first
             return 0
         index = _worker_index(getattr(worker, "name", None))
         return 0 if index is None else index % streampool.device_count()
 
     def setup(self, worker: Any) -> None:
-        device = self.pick_device(worker)
+        self._setup_error = None
+        try:
+            self._setup(worker)
+        except Exception as e:
+            # Kept for the tasks' and statistics()' error: a worker that joins later logs a
+            # failed setup only in its own log.
+            self._setup_error = f"{type(e).__name__}: {e}"
+            raise
+
+    def _setup(self, worker: Any) -> None:
         count = streampool.device_count()
+        if count == 0:
+            raise ValueError(f"worker {worker.name!r} sees no device ({streampool.backend_description()})")
+        device = self.pick_device(worker)
         if device >= count:
             raise ValueError(
                 f"worker {worker.name!r} was given device {device}, but this process sees {count} "
@@ -257,6 +276,12 @@ class StreampoolPlugin(WorkerPlugin):
             after = installed[-1] if installed else _BEFORE.pop(device, None)
             if streampool.get_per_device_resource(device) is made and after is not None:
                 streampool.set_per_device_resource(device, after)
+        del made  # a pool gives its memory back to the driver's pool as it goes
+        if not installed and isinstance(after, mr.CudaAsyncMemoryResource):
+            # The driver's default pool keeps what it gets back (its release threshold is
+            # the maximum): a plugin registered next would find the device full.
+            with contextlib.suppress(Exception):
+                after.trim_to(0)
 
 
 def _installed(worker: Any = None) -> tuple[int, mr.MemoryResource]:
@@ -272,6 +297,9 @@ def _installed(worker: Any = None) -> tuple[int, mr.MemoryResource]:
     for plugin in [named, *reversed(list(worker.plugins.values()))]:
         if isinstance(plugin, StreampoolPlugin) and plugin._installed is not None:
             return plugin._installed
+    failed = getattr(named, "_setup_error", None)
+    if failed is not None:
+        raise RuntimeError(f"the streampool plugin's setup failed on worker {worker.name!r}: {failed}")
     raise RuntimeError(
         f"worker {worker.name!r} has no streampool resource: register the plugin first "
         "(streampool.dask.register(client, ...))"
@@ -298,6 +326,7 @@ def register(
     """Registers a :class:`StreampoolPlugin` with ``client``'s cluster: the workers there now
     and those that join later install the resource. Returns the plugin."""
     plugin = StreampoolPlugin(resource, device=device, statistics=statistics)
+    _refuse_asynchronous(client, "register")
     try:
         client.register_plugin(plugin)
     except BaseException:
@@ -325,5 +354,17 @@ def statistics(client: Client) -> dict[str, dict[str, Any]]:
     """Each worker's device, resource, backend and (with the plugin's ``statistics=True``)
     allocation counters (``current_bytes``, ``peak_bytes``, ``total_bytes`` and the counts),
     by worker address. RuntimeError from a worker without the plugin."""
+    _refuse_asynchronous(client, "statistics")
     result: dict[str, dict[str, Any]] = client.run(_worker_statistics)
     return result
+
+
+def _refuse_asynchronous(client: Client, what: str) -> None:
+    """TypeError for an asynchronous Client, whose calls return awaitables that these
+    functions would drop (the plugin never registered, a coroutine for the statistics)."""
+    if getattr(client, "asynchronous", False):
+        raise TypeError(
+            f"streampool.dask.{what}() needs a synchronous Client; with an asynchronous one, "
+            "await client.register_plugin(streampool.dask.StreampoolPlugin(...)) and "
+            "await client.run(...) yourself"
+        )
