@@ -166,15 +166,23 @@ def test_numba_without_its_cuda_target_names_the_package(
         fresh_plugin()
 
 
+def counted_manager(
+    monkeypatch: pytest.MonkeyPatch, fresh_plugin: Callable[[], Any]
+) -> tuple[mr.StatisticsResourceAdaptor, Any]:
+    """The plugin's manager over stand-ins for Numba, with statistics over the device's
+    resource, current for the test."""
+    fake_numba(monkeypatch)
+    stats = mr.StatisticsResourceAdaptor(streampool.get_current_device_resource())
+    streampool.set_current_device_resource(stats)
+    return stats, fresh_plugin().StreampoolNumbaManager(context=None)
+
+
 def test_numbas_context_reset_frees_the_plugins_memory(
     monkeypatch: pytest.MonkeyPatch, fresh_plugin: Callable[[], Any]
 ) -> None:
     # Numba's base manager only forgets its records at a reset: the plugin's memory stayed
     # allocated for ever (RMM's plugin keeps buffers there, which the clearing frees).
-    fake_numba(monkeypatch)
-    stats = mr.StatisticsResourceAdaptor(streampool.get_current_device_resource())
-    streampool.set_current_device_resource(stats)
-    manager = fresh_plugin().StreampoolNumbaManager(context=None)
+    stats, manager = counted_manager(monkeypatch, fresh_plugin)
     kept = [manager.memalloc(1 << 20) for _ in range(4)]
     assert stats.allocation_counts.current_bytes == 4 << 20
     manager.reset()
@@ -187,10 +195,7 @@ def test_numbas_context_reset_frees_the_plugins_memory(
 def test_numbas_defer_cleanup_holds_the_plugins_frees(
     monkeypatch: pytest.MonkeyPatch, fresh_plugin: Callable[[], Any]
 ) -> None:
-    fake_numba(monkeypatch)
-    stats = mr.StatisticsResourceAdaptor(streampool.get_current_device_resource())
-    streampool.set_current_device_resource(stats)
-    manager = fresh_plugin().StreampoolNumbaManager(context=None)
+    stats, manager = counted_manager(monkeypatch, fresh_plugin)
     pointer = manager.memalloc(4096)
     del pointer
     gc.collect()

@@ -104,10 +104,7 @@ pub extern "C" fn streampool_free(ptr: *mut c_void, size: usize, device: c_int, 
         // synchronised nothing uses the memory, and the legacy default stream frees it.
         let done = match done {
             Err(Error::InvalidStream(_)) if handle != LEGACY_STREAM => {
-                with_current(Some(device), LEGACY_STREAM, |device, mr, legacy| {
-                    mr.backend().ctx_synchronize(device)?;
-                    mr.deallocate(ptr, size, legacy)
-                })
+                free_after_device_sync(device, ptr, size, None)
             }
             done => done,
         };
@@ -122,6 +119,22 @@ pub extern "C" fn streampool_free(ptr: *mut c_void, size: usize, device: c_int, 
             Err(e) => Err(e),
         }
     });
+}
+
+/// Frees `ptr` (`size` bytes of `device`) on the device's legacy default stream once the
+/// device is synchronised: for memory whose stream is gone (destroyed by its owner), which
+/// orders nothing any more. Through `mr` when given, else the device's current resource.
+pub(crate) fn free_after_device_sync(
+    device: c_int,
+    ptr: DevPtr,
+    size: usize,
+    mr: Option<&streampool::ResourceRef>,
+) -> Result<()> {
+    with_current(Some(device), LEGACY_STREAM, |device, current, legacy| {
+        let mr = mr.unwrap_or(current);
+        mr.backend().ctx_synchronize(device)?;
+        mr.deallocate(ptr, size, legacy)
+    })
 }
 
 /// Allocations made through the C entry points and not yet freed through them, per device:

@@ -292,8 +292,7 @@ impl Drop for CupyMemory {
             let fast = free_on(handle).or_else(|e| match (handle, e) {
                 (LEGACY_STREAM, e) => Err(e),
                 (h, streampool::Error::InvalidStream(_)) if h == self.stream => {
-                    py.detach(|| mr.backend().ctx_synchronize(device))?;
-                    free_on(LEGACY_STREAM)
+                    Ok(Ok(py.detach(|| capi::free_after_device_sync(device, ptr, size, Some(mr)))))
                 }
                 _ => free_on(LEGACY_STREAM),
             });
@@ -302,7 +301,6 @@ impl Drop for CupyMemory {
                 Ok(Err(stream)) => py.detach(|| mr.deallocate(ptr, size, &stream)),
                 Err(e) => Err(e),
             };
-
             if let Err(e) = freed {
                 capi::failed::<()>(what, e);
             }

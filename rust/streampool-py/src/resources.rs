@@ -580,7 +580,6 @@ fn initial_resource(py: Python<'_>, backend: BackendRef, device: i32) -> PyResul
 // device the program enters itself keeps its own resources, unlogged.
 struct Profile {
     log: std::path::PathBuf,
-    backend: Option<u64>,
     made: HashMap<i32, ResourceRef>,
 }
 
@@ -602,9 +601,6 @@ fn profiled_initial(backend: &BackendRef, device: i32) -> streampool::Result<Opt
     }
     let mut slot = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
     let Some(profile) = slot.as_mut() else { return Ok(None) };
-    if profile.backend.is_some_and(|b| b != backend.id()) {
-        return Ok(None);
-    }
     if let Some(made) = profile.made.get(&device) {
         return Ok(Some(made.clone()));
     }
@@ -615,7 +611,6 @@ fn profiled_initial(backend: &BackendRef, device: i32) -> streampool::Result<Opt
     let upstream: ResourceRef =
         Arc::new(CudaAsyncMemoryResource::on(backend.clone(), device, Default::default())?);
     let logged: ResourceRef = Arc::new(LoggingAdaptor::new(upstream, vec![LogSink::File(path.into())])?);
-    profile.backend = Some(backend.id());
     profile.made.insert(device, logged.clone());
     Ok(Some(logged))
 }
@@ -641,7 +636,7 @@ pub(crate) fn _set_profile_log(log: Option<std::path::PathBuf>) {
     let previous = {
         let mut slot = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
         PROFILING.store(true, Ordering::Release);
-        slot.replace(Profile { log, backend: None, made: HashMap::new() })
+        slot.replace(Profile { log, made: HashMap::new() })
     };
     drop(previous);
 }
