@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -86,6 +87,74 @@ def failed(call: object) -> str:
     message = allocators.last_error()
     assert message is not None
     return message
+
+
+# A C++ caller of streampool_alloc_cxx, as PyTorch's pluggable allocator is: it catches what
+# the call throws and says which kind it was (1: std::bad_alloc, 2: another std::exception,
+# 3: anything else, 0: nothing thrown).
+CXX_CALLER = r"""
+#include <cstddef>
+#include <cstring>
+#include <exception>
+#include <new>
+typedef void* (*alloc_fn)(std::size_t, int, void*);
+extern "C" int call(alloc_fn f, std::size_t size, int device, void** out, char* message, std::size_t cap) {
+  try {
+    *out = f(size, device, nullptr);
+    return 0;
+  } catch (const std::bad_alloc& e) {
+    std::strncpy(message, e.what(), cap - 1);
+    return 1;
+  } catch (const std::exception& e) {
+    std::strncpy(message, e.what(), cap - 1);
+    return 2;
+  } catch (...) {
+    return 3;
+  }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def cxx_call(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`call(size, device)` -> (kind, pointer, message): streampool_alloc_cxx from C++."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler here")
+    folder = tmp_path_factory.mktemp("cxx")
+    (folder / "caller.cpp").write_text(CXX_CALLER)
+    library = folder / "libcaller.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(folder / "caller.cpp")], check=True)
+    caller = ctypes.CDLL(str(library)).call
+    caller.restype = ctypes.c_int
+    function = ctypes.cast(getattr(LIB, allocators.CXX_ALLOC_FUNCTION), ctypes.c_void_p)
+
+    def call(size: int, device: int = 0) -> tuple[int, int, str]:
+        out, message = ctypes.c_void_p(), ctypes.create_string_buffer(512)
+        kind = caller(function, ctypes.c_size_t(size), device, ctypes.byref(out), message, 512)
+        return kind, out.value or 0, message.value.decode()
+
+    return call
+
+
+def test_the_cxx_entry_point_throws_what_failed(stats: mr.StatisticsResourceAdaptor, cxx_call: Any) -> None:
+    before = allocators.failure_count()
+    kind, ptr, message = cxx_call(1 << 40)
+    assert (kind, ptr) == (1, 0)  # a std::bad_alloc, with the reason
+    assert (
+        message.startswith("streampool: streampool_alloc(size=1099511627776") and "out of memory" in message
+    )
+    kind, ptr, message = cxx_call(16, device=7)
+    assert (kind, ptr) == (2, 0)  # a std::runtime_error
+    assert "device 7 does not exist" in message
+    assert allocators.failure_count() == before + 2 and "device 7" in (allocators.last_error() or "")
+    # Nothing thrown for a size of 0 (NULL, as streampool_alloc), and the resource is usable.
+    assert cxx_call(0)[:2] == (0, 0)
+    kind, ptr, message = cxx_call(4096)
+    assert kind == 0 and ptr != 0 and message == ""
+    assert stats.allocation_counts.current_bytes == 4096
+    free(ptr, 4096)
+    assert stats.allocation_counts.current_bytes == 0
 
 
 def test_failures_give_null_and_say_why(stats: mr.StatisticsResourceAdaptor) -> None:

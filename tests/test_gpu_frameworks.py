@@ -95,6 +95,34 @@ def test_torch_tensors_come_from_streampool_and_are_right_on_many_streams() -> N
     assert "OK" in out
 
 
+def test_torch_out_of_memory_is_an_error_and_the_context_lives_on() -> None:
+    # PyTorch's pluggable allocator does not check for NULL: streampool_alloc_cxx throws,
+    # and PyTorch raises the message. The context is not poisoned: kernels run after it.
+    pytest.importorskip("torch")
+    out = run_python(
+        """
+        from streampool import allocators
+        from streampool.allocators import torch as sp_torch
+        sp_torch.use()
+        import torch
+        x = torch.ones(1 << 20, device="cuda")
+        try:
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")   # 1 PiB
+        except RuntimeError as e:
+            message = str(e)
+        else:
+            raise AssertionError("a 1 PiB tensor was made")
+        assert "streampool_alloc(size=1125899906842624" in message and "out of memory" in message, message
+        assert "size=1125899906842624" in allocators.last_error()
+        y = x * 2 + 1                                   # a kernel after the failure
+        torch.cuda.synchronize()
+        assert float(y.sum()) == 3.0 * (1 << 20)
+        print("OK", message.splitlines()[0])
+        """
+    )
+    assert "OK" in out
+
+
 def test_torch_use_after_the_first_tensor_names_the_fix() -> None:
     pytest.importorskip("torch")
     out = run_python(
@@ -130,6 +158,16 @@ def test_torch_mem_pool_routes_a_region() -> None:
             inside = torch.ones(1 << 20, device="cuda")
         assert stats.allocation_counts.total_count >= 1, stats.allocation_counts
         assert int(inside.sum()) == 1 << 20 and int(outside.sum()) == 1 << 20
+        # A failure in the pool is PyTorch's own out-of-memory error, and the device lives on.
+        with torch.cuda.use_mem_pool(pool):
+            try:
+                torch.empty(1 << 50, dtype=torch.uint8, device="cuda")   # 1 PiB
+            except torch.cuda.OutOfMemoryError:
+                pass
+            else:
+                raise AssertionError("a 1 PiB tensor was made")
+            again = torch.ones(1 << 20, device="cuda")
+        assert int(again.sum()) == 1 << 20
         print("OK")
         """
     )

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import streampool
+
 from .test_harness_cli import run
 
 pytestmark = pytest.mark.nosim
@@ -71,7 +73,10 @@ def test_of_several_pythons_a_launcher_starts_the_first_is_profiled(tmp_path: Pa
 
 def test_a_python_that_ignores_pythonpath_is_said_to_log_nothing(tmp_path: Path) -> None:
     program, log = tmp_path / "prog.py", tmp_path / "app.log"
-    program.write_text(ALLOCATE.format(size=100))
+    # -I ignores PYTHONPATH: the program finds streampool itself, wherever it is installed
+    # (the GPU machine installs it with pip --target, on PYTHONPATH).
+    where = str(Path(streampool.__file__).parent.parent)
+    program.write_text(f"import sys; sys.path.insert(0, {where!r})\n" + ALLOCATE.format(size=100))
     out = run("profile", "-o", str(log), "--", sys.executable, "-I", str(program), "2")
     assert out.returncode == 0, out.stderr
     assert "nothing was logged: no Python process of it started with profile's start-up hook" in out.stderr

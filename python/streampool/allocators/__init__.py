@@ -20,11 +20,15 @@ resource that is current when it is freed, and a change while PyTorch's memory i
 warns (``RuntimeWarning``), since a resource that did not make the memory may accept it
 and hand live memory out again.
 
-PyTorch calls C functions exported by streampool's extension module (no GIL, no Python
-object on that path): ``void* streampool_alloc(size_t size, int device, cudaStream_t
-stream)`` and ``void streampool_free(void* ptr, size_t size, int device, cudaStream_t
-stream)``, in the file :func:`library_path` names. They return NULL (and free nothing) on
-failure; :func:`last_error` says why.
+streampool's extension module exports C functions for other libraries (no GIL, no Python
+object on that path), in the file :func:`library_path` names: ``void* streampool_alloc(size_t
+size, int device, cudaStream_t stream)`` and ``void streampool_free(void* ptr, size_t size,
+int device, cudaStream_t stream)``, which return NULL (and free nothing) on failure
+(:func:`last_error` says why), and, for C++ callers, ``streampool_alloc_cxx``, which throws
+a C++ exception instead of returning NULL (a ``std::bad_alloc`` with the message when out of
+memory, as RMM's allocator does). :func:`streampool.allocators.torch.use` gives PyTorch
+``streampool_alloc_cxx`` and ``streampool_free``; ``mem_pool()`` gives it
+``streampool_alloc``, whose NULL PyTorch's caching allocator checks.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from .. import _native
 
 __all__ = [
     "ALLOC_FUNCTION",
+    "CXX_ALLOC_FUNCTION",
     "FREE_FUNCTION",
     "SIMULATED",
     "failure_count",
@@ -46,13 +51,17 @@ __all__ = [
 
 #: The name of the exported allocation function in :func:`library_path`.
 ALLOC_FUNCTION = "streampool_alloc"
+#: The name of the exported allocation function that throws a C++ exception on failure
+#: (for C++ callers: PyTorch's ``CUDAPluggableAllocator`` is given it).
+CXX_ALLOC_FUNCTION = "streampool_alloc_cxx"
 #: The name of the exported free function in :func:`library_path`.
 FREE_FUNCTION = "streampool_free"
 
 
 def library_path() -> str:
-    """The file of streampool's extension module, which exports ``streampool_alloc`` and
-    ``streampool_free`` (for ``torch.cuda.memory.CUDAPluggableAllocator`` or ``ctypes``)."""
+    """The file of streampool's extension module, which exports ``streampool_alloc``,
+    ``streampool_alloc_cxx`` and ``streampool_free`` (for
+    ``torch.cuda.memory.CUDAPluggableAllocator`` or ``ctypes``)."""
     path = _native.__file__
     assert path is not None  # an extension module always has a file
     return path

@@ -2,10 +2,12 @@
 
 PyTorch's ``CUDAPluggableAllocator`` calls the C functions that streampool's extension
 module exports (no GIL, no Python object on that path), which allocate through the
-current resource of the tensor's device. A failed allocation returns NULL, says why on
-stderr and in :func:`streampool.allocators.last_error`; PyTorch's pluggable allocator does
-not check for NULL (it raises no ``torch.OutOfMemoryError``), so the tensor's first kernel
-is what fails.
+current resource of the tensor's device. A failed allocation raises ``RuntimeError`` with
+the reason (``streampool: streampool_alloc(size=..., ...): out of memory: ...``), as with
+RMM's allocator: the allocation function throws a C++ exception, which PyTorch turns into a
+Python error. It is not a ``torch.OutOfMemoryError`` (only PyTorch's own allocator raises
+that), so a program that catches that to retry with less memory catches ``RuntimeError``
+(or ``(torch.OutOfMemoryError, RuntimeError)``) under streampool.
 
 Example (GPU only)::
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _native
-from . import ALLOC_FUNCTION, FREE_FUNCTION, SIMULATED, library_path
+from . import ALLOC_FUNCTION, CXX_ALLOC_FUNCTION, FREE_FUNCTION, SIMULATED, library_path
 
 #: What every function here raises without PyTorch (the module imports, as RMM's does, with
 #: its allocator None).
@@ -54,27 +56,35 @@ def _need_torch() -> None:
 # Also `streampool_torch_allocator` and `rmm_torch_allocator`, made on first use (`__getattr__`).
 __all__ = ["allocator", "mem_pool", "use"]
 
-_ALLOCATOR: Any = None
+# The CUDAPluggableAllocator of each allocation function (made once each).
+_ALLOCATORS: dict[str, Any] = {}
 _IN_USE = False
 
 
 def allocator() -> Any:
     """The ``torch.cuda.memory.CUDAPluggableAllocator`` over streampool's exported
-    functions (made once). Raises RuntimeError where this PyTorch has no CUDA support."""
-    global _ALLOCATOR
+    functions (made once): ``streampool_alloc_cxx``, whose failures PyTorch raises as
+    ``RuntimeError``, and ``streampool_free``. Raises RuntimeError where this PyTorch has no
+    CUDA support."""
+    return _pluggable(CXX_ALLOC_FUNCTION)
+
+
+def _pluggable(alloc_function: str) -> Any:
     _need_torch()
     if _native.using_simulated_device():
         raise RuntimeError(
             f"no PyTorch allocator over streampool here: {SIMULATED.removeprefix('skipped: ')}"
         )
-    if _ALLOCATOR is None:
+    if alloc_function not in _ALLOCATORS:
         if not hasattr(_torch_memory, "CUDAPluggableAllocator") or not torch.backends.cuda.is_built():
             raise RuntimeError(
                 f"this PyTorch ({torch.__version__}) is built without CUDA, so it cannot take a CUDA "
                 "allocator: install a CUDA build of PyTorch (pip install torch)"
             )
-        _ALLOCATOR = _torch_memory.CUDAPluggableAllocator(library_path(), ALLOC_FUNCTION, FREE_FUNCTION)
-    return _ALLOCATOR
+        _ALLOCATORS[alloc_function] = _torch_memory.CUDAPluggableAllocator(
+            library_path(), alloc_function, FREE_FUNCTION
+        )
+    return _ALLOCATORS[alloc_function]
 
 
 def use() -> str:
@@ -103,7 +113,7 @@ def use() -> str:
             "program, or use mem_pool() to route one region's allocations through streampool."
         ) from e
     _IN_USE = True
-    return f"torch.cuda allocator: CUDAPluggableAllocator({library_path()!r}, {ALLOC_FUNCTION!r}, {FREE_FUNCTION!r})"
+    return f"torch.cuda allocator: CUDAPluggableAllocator({library_path()!r}, {CXX_ALLOC_FUNCTION!r}, {FREE_FUNCTION!r})"
 
 
 def mem_pool() -> Any:
@@ -114,7 +124,10 @@ def mem_pool() -> Any:
         with torch.cuda.use_mem_pool(pool):
             x = torch.empty(1 << 20, device="cuda")   # allocated through streampool
 
-    Raises RuntimeError naming what is missing where PyTorch has no ``MemPool``."""
+    PyTorch's caching allocator manages the pool and checks each allocation it asks of
+    streampool, so a failure there is its own ``torch.OutOfMemoryError`` (after it has
+    freed what it caches), as with PyTorch's allocator. Raises RuntimeError naming what is
+    missing where PyTorch has no ``MemPool``."""
     _need_torch()
     pool_type = getattr(torch.cuda, "MemPool", None)
     if pool_type is None or not hasattr(torch.cuda, "use_mem_pool"):
@@ -123,7 +136,8 @@ def mem_pool() -> Any:
             "PyTorch (pip install -U torch), or make streampool the allocator of the whole process "
             "with streampool.allocators.torch.use()"
         )
-    return pool_type(allocator=allocator().allocator())
+    # The function that returns NULL on failure: the caching allocator checks for it.
+    return pool_type(allocator=_pluggable(ALLOC_FUNCTION).allocator())
 
 
 def __getattr__(name: str) -> Any:

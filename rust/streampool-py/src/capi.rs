@@ -14,10 +14,21 @@
 //! What the path does not do: take the GIL or touch a Python object (it runs on any
 //! thread, attached to Python or not), or unwind into the caller (a panic is caught). A
 //! failure gives NULL (allocation), a line on stderr, and a record that
-//! `streampool.allocators.last_error()` reads. PyTorch's pluggable allocator has no error
-//! channel and does not check for NULL: a tensor whose allocation failed has a null
-//! pointer, so the line on stderr is often the first word of it. The backend makes the device's context
+//! `streampool.allocators.last_error()` reads. The backend makes the device's context
 //! current around every driver call, as for every other call of the library.
+//!
+//! For C++ callers there is a third entry point, which PyTorch is given:
+//!
+//! ```c
+//! void* streampool_alloc_cxx(size_t size, int device, cudaStream_t stream);
+//! ```
+//!
+//! It is `streampool_alloc`, but a failure throws a C++ exception (a `std::bad_alloc`
+//! carrying the message when out of memory, a `std::runtime_error` otherwise), as RMM's
+//! allocator for PyTorch does. PyTorch's pluggable allocator does not check for NULL: a
+//! tensor whose allocation failed got a null pointer, and the first kernel to touch it
+//! left the CUDA context unusable. PyTorch turns the exception into a Python
+//! `RuntimeError` with the message, and the program goes on.
 //!
 //! What it costs: each thread keeps the backend, the resource of each device and the
 //! streams it has seen, and looks them up again only when the current resource or the
@@ -39,7 +50,7 @@
 
 use std::any::Any;
 use std::cell::RefCell;
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_char, c_int, c_void};
 use std::io::Write;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -79,6 +90,48 @@ pub extern "C" fn streampool_alloc(size: usize, device: c_int, stream: *mut c_vo
     .unwrap_or(0);
     count_live(device, made(&ptr));
     ptr as *mut c_void
+}
+
+extern "C-unwind" {
+    /// Throws a C++ exception with the message (cxx/throw.cpp); never returns.
+    fn streampool_throw_allocation_failure(message: *const c_char, len: usize, is_out_of_memory: c_int) -> !;
+}
+
+/// [`streampool_alloc`] for C++ callers: a failure throws a C++ exception (see the module
+/// docs) instead of giving NULL; NULL only for a size of 0. The failure is recorded for
+/// `streampool.allocators.last_error()` and said on stderr as well.
+#[no_mangle]
+pub extern "C-unwind" fn streampool_alloc_cxx(
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    let ptr = streampool_alloc(size, device, stream);
+    if ptr.is_null() && size > 0 {
+        throw_this_threads_failure(size, device, stream as RawStream);
+    }
+    ptr
+}
+
+#[cold]
+#[inline(never)]
+fn throw_this_threads_failure(size: usize, device: c_int, handle: RawStream) -> ! {
+    let (message, out_of_memory) = MY_FAILURE
+        .try_with(|mine| mine.take())
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| (format!("{}: no memory was given", alloc_call(size, device, handle)), false));
+    let message = format!("streampool: {message}");
+    // SAFETY: the pointer and length are those of `message`, alive during the call, which
+    // copies them before it throws. The exception unwinds through this frame (declared
+    // "C-unwind"), dropping `message`, into the C++ caller.
+    unsafe {
+        streampool_throw_allocation_failure(
+            message.as_ptr().cast(),
+            message.len(),
+            c_int::from(out_of_memory),
+        )
+    }
 }
 
 /// Frees `ptr` (of `size` bytes, as allocated on `device`) for reuse after the work
@@ -234,7 +287,7 @@ fn panicked<T>(what: impl FnOnce() -> String, panic: Box<dyn Any + Send>) -> Opt
         .map(|s| s.to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "(no message)".into());
-    record(what, format!("panicked (a bug in streampool; please report it): {text}"), false)
+    record(what, format!("panicked (a bug in streampool; please report it): {text}"), false, false)
 }
 
 /// Records the failure `e` of the call `what` names; gives None.
@@ -244,7 +297,7 @@ pub(crate) fn failed<T>(what: impl FnOnce() -> String, e: Error) -> Option<T> {
     // The driver going away (process exit, a library freeing from a static destructor) is
     // recorded but not said: nothing is printed at shutdown.
     let quiet = matches!(e, Error::Driver { code: CUDA_ERROR_DEINITIALIZED, .. });
-    record(what, e.to_string(), quiet)
+    record(what, e.to_string(), quiet, e.is_out_of_memory())
 }
 
 fn alloc_call(size: usize, device: c_int, handle: RawStream) -> String {
@@ -255,17 +308,26 @@ fn free_call(ptr: DevPtr, size: usize, device: c_int, handle: RawStream) -> Stri
     format!("streampool_free(ptr={ptr:#x}, size={size}, device={device}, stream={handle:#x})")
 }
 
-/// Counts a failure and keeps its message (said on stderr unless `quiet`); gives None.
+thread_local! {
+    /// The calling thread's most recent failure and whether it was out of memory: what
+    /// [`streampool_alloc_cxx`] throws (`LAST_ERROR` may hold another thread's by then).
+    static MY_FAILURE: RefCell<Option<(String, bool)>> = const { RefCell::new(None) };
+}
+
+/// Counts a failure and keeps its message (said on stderr unless `quiet`), for every
+/// thread and for the calling one; gives None.
 #[cold]
-fn record<T>(what: impl FnOnce() -> String, message: String, quiet: bool) -> Option<T> {
+fn record<T>(what: impl FnOnce() -> String, message: String, quiet: bool, out_of_memory: bool) -> Option<T> {
     FAILURES.fetch_add(1, Ordering::Relaxed);
     let message = format!("{}: {message}", what());
-    // Said on stderr too: PyTorch's pluggable allocator does not check for NULL, so the
+    // Said on stderr too: a caller of the C functions may not check for NULL, so the
     // first sign of a failed allocation may be a kernel's illegal-address error.
     if !quiet {
         // Not `eprintln!`, which panics where stderr is closed: nothing may unwind from here.
         let _ = writeln!(std::io::stderr(), "streampool: {message}");
     }
+    // A thread that is exiting has no thread-locals left: its failure is kept only below.
+    let _ = MY_FAILURE.try_with(|mine| *mine.borrow_mut() = Some((message.clone(), out_of_memory)));
     *LAST_ERROR.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
     None
 }
