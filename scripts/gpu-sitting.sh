@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One GPU sitting's runs, for the device machine (no Rust, no network): install the wheel
+# that scripts/gpu-build.sh put in .gpu/, then run one part, logs under $OUT (default
+# /tmp/streampool-sitting). Each part fits in one 10-minute call:
+#   bash scripts/gpu-sitting.sh suite   the GPU suite (HANG_PROBE=0, -m gpu), a program that
+#                                       forks before its first use profiled on the driver, and
+#                                       the window bench at 1 and 16 threads, alternated with
+#                                       .gpu/bench/window-old where there is one (a binary of
+#                                       an earlier commit, copied there by hand)
+#   bash scripts/gpu-sitting.sh guide   the PyTorch/CuPy/Numba tests and the README's GPU
+#                                       examples, then the guide's recommend (handoff),
+#                                       latency, random and window parts (REPEATS=2)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PART=${1:?usage: gpu-sitting.sh suite|guide}
+OUT=${OUT:-/tmp/streampool-sitting}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 STREAMPOOL_GPU_TESTS=1
+python3 -m pip install -q --no-index --no-deps --target /tmp/sp .gpu/wheels/*.whl 2>&1 | tail -n 2
+export PYTHONPATH=/tmp/sp
+case $PART in
+suite)
+  HANG_PROBE=0 PYTEST_ARGS="-m gpu" RUST_TIMEOUT=120 SUITE_LOGS="$OUT/suite" timeout -k 10 400 \
+    bash scripts/gpu-suite.sh >"$OUT/suite-summary.txt" 2>&1
+  echo "suite rc=$?" >>"$OUT/suite-summary.txt"
+  tail -n 30 "$OUT/suite-summary.txt"
+  echo "===== a program that forks before its first use, profiled on the driver"
+  mkdir -p /tmp/sitting-fork
+  cat >/tmp/sitting-fork/prog.py <<'PY'
+import multiprocessing, os, streampool
+def work(size):
+    r, s = streampool.get_current_device_resource(), streampool.Stream()
+    r.deallocate(r.allocate(size, s), size, s)
+    return size
+if __name__ == '__main__':
+    pid = os.fork()
+    if pid == 0:
+        work(111)
+        os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    with multiprocessing.get_context('fork').Pool(2) as pool:
+        assert pool.map(work, [222, 222]) == [222, 222]
+    work(333)
+    print('done')
+PY
+  (cd /tmp/sitting-fork && timeout -k 5 60 python3 -m streampool profile -o fork.log -- python3 prog.py
+   echo "rc=$?"; cat fork.log) 2>&1 | tee "$OUT/fork-profile.txt" | tail -n 12
+  echo "===== the window bench"
+  binaries=window
+  [ -x .gpu/bench/window-old ] && binaries="window-old window"
+  for round in 1 2; do for b in $binaries; do
+    echo "===== $b, round $round"
+    timeout -k 5 60 .gpu/bench/$b --secs 0.4 --reps 3 --threads 1,16 --no-fixed --resources sharded
+  done; done 2>&1 | tee "$OUT/window-ab.txt" | grep -E "=====|T="
+  ;;
+guide)
+  timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_gpu_frameworks.py \
+    tests/test_readme.py tests/test_allocators.py >"$OUT/frameworks.txt" 2>&1
+  echo "frameworks rc=$?"; tail -n 8 "$OUT/frameworks.txt"
+  mkdir -p "$OUT/guide"
+  GUIDE_OUT="$OUT/guide" PARTS=recommend PROGRAMS=handoff REPEATS=2 timeout -k 10 90 \
+    bash benchmarks/guide.sh >"$OUT/guide-recommend-log.txt" 2>&1
+  echo "recommend rc=$?"; tail -n 12 "$OUT/guide-recommend-log.txt"
+  for part in latency random window; do
+    GUIDE_OUT="$OUT/guide" PARTS=$part REPEATS=2 timeout -k 10 300 bash benchmarks/guide.sh \
+      >"$OUT/guide-$part-log.txt" 2>&1
+    echo "guide $part rc=$? at ${SECONDS}s"
+  done
+  tail -n 25 "$OUT/guide-window-log.txt"
+  ;;
+*) echo "gpu-sitting: unknown part '$PART' (suite or guide)" >&2; exit 2 ;;
+esac
