@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("distributed")
 
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, wait
 
 import streampool
 import streampool.dask
@@ -237,7 +237,11 @@ def run_on_cluster(n_workers: int, env: dict[str, str], resource: str = "pool") 
         Client(cluster) as client,
     ):
         streampool.dask.register(client, resource)
-        results = client.gather(client.map(fill_and_check, range(4 * n_workers), [1 << 16] * (4 * n_workers)))
+        futures = client.map(fill_and_check, range(4 * n_workers), [1 << 16] * (4 * n_workers))
+        # A failure, not a hang, where the workers cannot run them (pytest run from outside the
+        # repository: the worker processes cannot import this module, and Dask waits for ever).
+        wait(futures, timeout=120)
+        results = client.gather(futures)
         assert all(ok for _, _, ok in results), results
         assert all(worker == buffer for worker, buffer, _ in results), results
         stats = streampool.dask.statistics(client)
