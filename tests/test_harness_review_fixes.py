@@ -275,8 +275,10 @@ def test_a_forked_child_is_not_logged(tmp_path: Path) -> None:
 # --- 7. the Python replayer reports the log's peak, in recorded order ---------------------
 
 
-def test_the_python_replayer_reports_the_logs_peak_in_recorded_order() -> None:
+def test_the_replayers_measure_their_own_peak_and_the_log_keeps_its_own() -> None:
     # Recorded: thread 0's 100 bytes are freed before thread 1 allocates 200: a peak of 200.
+    # Replayed on two threads with no gaps, the two may overlap or not: each replayer
+    # reports the peak it measured (200 or 300), never more than both, never less than one.
     records = [
         (0, 100, 0, 0, 0, ALLOCATE),
         (1, 100, 0, 0, 0, FREE),
@@ -295,7 +297,9 @@ def test_the_python_replayer_reports_the_logs_peak_in_recorded_order() -> None:
     held = mr.CallbackMemoryResource(base.allocate, deallocate)
     python = trace.replay(held, t, gap_scale=0, native=False)
     native = trace.replay(base, t, gap_scale=0, native=True)
-    assert python["peak_live_bytes"] == native["peak_live_bytes"] == trace.recorded_peak(records) == 200
+    assert trace.recorded_peak(records) == 200
+    assert python["peak_live_bytes"] in (200, 300) and native["peak_live_bytes"] in (200, 300)
+    assert python["peak_live_measured"] and native["peak_live_measured"]
 
 
 # --- 8. the workloads' streams: one per thread by default --------------------------------
