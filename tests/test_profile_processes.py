@@ -31,10 +31,20 @@ def sizes(log: Path) -> list[str]:
     return [line.split(",")[4] for line in log.read_text().splitlines()[1:]]
 
 
+def profiled(
+    tmp_path: Path, source: str, *args: str, python: tuple[str, ...] = ()
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Writes ``source`` to prog.py and runs it (with ``args``, the interpreter given the
+    options ``python``) under ``streampool profile -o app.log``: the run, and the log."""
+    program, log = tmp_path / "prog.py", tmp_path / "app.log"
+    program.write_text(source)
+    return run("profile", "-o", str(log), "--", sys.executable, *python, str(program), *args), log
+
+
 def test_a_program_that_forks_before_its_first_use_runs_as_unprofiled(tmp_path: Path) -> None:
     # The start-up hook touches no device: the fork children may use it, as unprofiled.
-    program = tmp_path / "prog.py"
-    program.write_text(
+    out, log = profiled(
+        tmp_path,
         "import multiprocessing, os, streampool\n"
         "def work(size):\n"
         "    r, s = streampool.get_current_device_resource(), streampool.Stream()\n"
@@ -49,10 +59,8 @@ def test_a_program_that_forks_before_its_first_use_runs_as_unprofiled(tmp_path: 
         "    with multiprocessing.get_context('fork').Pool(2) as pool:\n"
         "        assert pool.map(work, [222, 222]) == [222, 222]\n"
         "    work(333)\n"
-        "    print('done')\n"
+        "    print('done')\n",
     )
-    log = tmp_path / "app.log"
-    out = run("profile", "-o", str(log), "--", sys.executable, str(program))
     assert out.returncode == 0, out.stderr
     assert "done" in out.stdout
     assert sizes(log) == ["333", "333"]  # the parent's; the children are not profiled
@@ -72,12 +80,11 @@ def test_of_several_pythons_a_launcher_starts_the_first_is_profiled(tmp_path: Pa
 
 
 def test_a_python_that_ignores_pythonpath_is_said_to_log_nothing(tmp_path: Path) -> None:
-    program, log = tmp_path / "prog.py", tmp_path / "app.log"
     # -I ignores PYTHONPATH: the program finds streampool itself, wherever it is installed
     # (the GPU machine installs it with pip --target, on PYTHONPATH).
     where = str(Path(streampool.__file__).parent.parent)
-    program.write_text(f"import sys; sys.path.insert(0, {where!r})\n" + ALLOCATE.format(size=100))
-    out = run("profile", "-o", str(log), "--", sys.executable, "-I", str(program), "2")
+    source = f"import sys; sys.path.insert(0, {where!r})\n" + ALLOCATE.format(size=100)
+    out, log = profiled(tmp_path, source, "2", python=("-I",))
     assert out.returncode == 0, out.stderr
     assert "nothing was logged: no Python process of it started with profile's start-up hook" in out.stderr
     assert "event(s) logged" not in out.stderr and not log.exists()
@@ -189,9 +196,8 @@ def test_a_reader_gone_stops_a_command_with_141_and_the_report_with_0(
 
 def test_plot_into_a_directory_names_the_png_after_the_log(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    program, log = tmp_path / "prog.py", tmp_path / "app.log"
-    program.write_text(ALLOCATE.format(size=100))
-    assert run("profile", "-o", str(log), "--", sys.executable, str(program), "3").returncode == 0
+    out, log = profiled(tmp_path, ALLOCATE.format(size=100), "3")
+    assert out.returncode == 0, out.stderr
     plots = tmp_path / "plots"
     plots.mkdir()
     out = run("plot", str(log), "-o", str(plots))
@@ -285,9 +291,7 @@ def test_the_c_entry_points_take_no_gil_under_profile(tmp_path: Path) -> None:
     source, library = tmp_path / "worker.c", tmp_path / "libworker.so"
     source.write_text(WORKER)
     subprocess.run([compiler, "-shared", "-fPIC", "-pthread", "-o", str(library), str(source)], check=True)
-    program, log = tmp_path / "prog.py", tmp_path / "app.log"
-    program.write_text(GIL_HELD)
-    out = run("profile", "-o", str(log), "--", sys.executable, str(program), str(library))
+    out, log = profiled(tmp_path, GIL_HELD, str(library))
     assert out.returncode == 0 and "worker allocated: True" in out.stdout, out.stderr
     assert sizes(log) == ["256", "256"]
 
@@ -295,8 +299,8 @@ def test_the_c_entry_points_take_no_gil_under_profile(tmp_path: Path) -> None:
 def test_threads_that_first_use_the_device_at_once_lose_no_event(tmp_path: Path) -> None:
     # Each makes the device's initial resource; one logging adaptor is kept (a second
     # opened the log again, truncating what the first had written).
-    program, log = tmp_path / "prog.py", tmp_path / "app.log"
-    program.write_text(
+    out, log = profiled(
+        tmp_path,
         "import threading, streampool\n"
         "start = threading.Barrier(8)\n"
         "def work():\n"
@@ -305,21 +309,20 @@ def test_threads_that_first_use_the_device_at_once_lose_no_event(tmp_path: Path)
         "        streampool.DeviceBuffer(size=4096)\n"
         "threads = [threading.Thread(target=work) for _ in range(8)]\n"
         "for t in threads: t.start()\n"
-        "for t in threads: t.join()\n"
+        "for t in threads: t.join()\n",
     )
-    out = run("profile", "-o", str(log), "--", sys.executable, str(program))
     assert out.returncode == 0, out.stderr
     assert len(sizes(log)) == 800 and "800 event(s) logged" in out.stderr, out.stderr
     # The race itself, made certain: the device's initial resource asked for again (as the
     # losing thread asks) is the same adaptor, and the log keeps what it had.
-    program.write_text(
+    out, log = profiled(
+        tmp_path,
         "import streampool\n"
         "from streampool import _native\n"
         "streampool.DeviceBuffer(size=100)\n"
         "_native._reset_device_resources()\n"
-        "streampool.DeviceBuffer(size=200)\n"
+        "streampool.DeviceBuffer(size=200)\n",
     )
-    out = run("profile", "-o", str(log), "--", sys.executable, str(program))
     assert out.returncode == 0, out.stderr
     assert sizes(log) == ["100", "100", "200", "200"]
 
@@ -345,17 +348,16 @@ def test_a_program_that_enters_a_simulated_device_of_its_own_runs_profiled(tmp_p
     # The first backend to make a device's resource is the one logged: a simulated device
     # the program enters afterwards keeps its own resources, unlogged (its device 0 was
     # refused a second adaptor, naming neither backend).
-    program, log = tmp_path / "prog.py", tmp_path / "app.log"
-    program.write_text(
+    out, log = profiled(
+        tmp_path,
         "import streampool\n"
         "from streampool.sim import SimulatedDevice\n"
         "streampool.DeviceBuffer(size=100)\n"
         "with SimulatedDevice(capacity_bytes='64MiB'):\n"
         "    streampool.DeviceBuffer(size=200)\n"
         "streampool.DeviceBuffer(size=300)\n"
-        "print('done')\n"
+        "print('done')\n",
     )
-    out = run("profile", "-o", str(log), "--", sys.executable, str(program))
     assert out.returncode == 0 and "done" in out.stdout, out.stderr
     assert sizes(log) == ["100", "100", "300", "300"]
 
@@ -405,14 +407,13 @@ def test_a_fork_while_another_thread_makes_the_logged_resource_does_not_hang_the
 
 
 def test_a_simulated_device_entered_first_leaves_the_programs_device_profiled(tmp_path: Path) -> None:
-    program, log = tmp_path / "prog.py", tmp_path / "app.log"
-    program.write_text(
+    out, log = profiled(
+        tmp_path,
         "import streampool\n"
         "from streampool.sim import SimulatedDevice\n"
         "with SimulatedDevice(capacity_bytes='64MiB'):  # a dry run first\n"
         "    streampool.DeviceBuffer(size=64)\n"
-        "streampool.DeviceBuffer(size=100)\n"
+        "streampool.DeviceBuffer(size=100)\n",
     )
-    out = run("profile", "-o", str(log), "--", sys.executable, str(program))
     assert out.returncode == 0, out.stderr
     assert sizes(log) == ["100", "100"]

@@ -4,12 +4,16 @@
 //! newest first); the free still succeeds (it aborted the process).
 
 use std::cell::RefCell;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use streampool::device::sim::SimDevice;
-use streampool::device::BackendRef;
+use streampool::device::{BackendRef, DevPtr};
 use streampool::resource::ResourceRef;
-use streampool::{Allocation, CudaAsyncMemoryResource, PoolOptions, ShardedPoolMemoryResource, Stream};
+use streampool::{
+    Allocation, CudaAsyncMemoryResource, CudaMemoryResource, MemoryResource, PoolOptions,
+    ShardedPoolMemoryResource, Stream,
+};
 
 thread_local! {
     static HELD: RefCell<Option<Allocation>> = const { RefCell::new(None) };
@@ -62,41 +66,56 @@ thread_local! {
     static LATE: RefCell<Late> = const { RefCell::new(Late(None)) };
 }
 
-fn allocated_by_a_late_destructor(pause: std::time::Duration, release_meanwhile: bool) {
-    use std::sync::Mutex;
-    use streampool::device::DevPtr;
-    use streampool::{CudaMemoryResource, MemoryResource};
+/// What the late destructors allocated: (pointer, bytes).
+type LateAllocations = Arc<Mutex<Vec<(DevPtr, usize)>>>;
 
+/// A sharded pool over plain device memory of a simulated device of 1 GiB.
+fn pool_on_a_sim() -> (Arc<SimDevice>, Arc<ShardedPoolMemoryResource>) {
     let sim = SimDevice::new(1 << 30);
     let b: BackendRef = sim.clone();
     let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b, 0));
-    let pool = Arc::new(ShardedPoolMemoryResource::new(upstream, PoolOptions::default()).unwrap());
-    let late: Arc<Mutex<Vec<(DevPtr, usize)>>> = Arc::default();
-    let threads: Vec<_> = (0..8)
-        .map(|t| {
-            let (pool, late) = (pool.clone(), late.clone());
-            std::thread::spawn(move || {
-                let in_destructor = pool.clone();
-                // Touched first, so destroyed after the pool's thread-locals.
-                LATE.with(|l| {
-                    l.borrow_mut().0 = Some(Box::new(move || {
-                        std::thread::sleep(pause);
-                        let n = 4096 * (1 + t % 3);
-                        let ptr = in_destructor.allocate(n, &Stream::per_thread()).unwrap();
-                        late.lock().unwrap().push((ptr, n));
-                    }))
-                });
-                let s = Stream::per_thread();
-                let x = pool.allocate(1 << 20, &s).unwrap();
-                pool.deallocate(x, 1 << 20, &s).unwrap();
-            })
-        })
-        .collect();
+    (sim, Arc::new(ShardedPoolMemoryResource::new(upstream, PoolOptions::default()).unwrap()))
+}
+
+/// A thread that arms a thread-local destructor which, `pause` after the thread's exit
+/// began, allocates `late_bytes` on the thread's per-thread stream (kept in `late`); then
+/// allocates and frees `bytes` on that stream itself.
+fn spawn_late_allocator(
+    pool: &Arc<ShardedPoolMemoryResource>,
+    late: &LateAllocations,
+    bytes: usize,
+    late_bytes: usize,
+    pause: Duration,
+) -> std::thread::JoinHandle<()> {
+    let (pool, late) = (pool.clone(), late.clone());
+    std::thread::spawn(move || {
+        let in_destructor = pool.clone();
+        // Touched first, so destroyed after the pool's thread-locals.
+        LATE.with(|l| {
+            l.borrow_mut().0 = Some(Box::new(move || {
+                if !pause.is_zero() {
+                    std::thread::sleep(pause);
+                }
+                let ptr = in_destructor.allocate(late_bytes, &Stream::per_thread()).unwrap();
+                late.lock().unwrap().push((ptr, late_bytes));
+            }))
+        });
+        let s = Stream::per_thread();
+        let x = pool.allocate(bytes, &s).unwrap();
+        pool.deallocate(x, bytes, &s).unwrap();
+    })
+}
+
+fn allocated_by_a_late_destructor(pause: Duration, release_meanwhile: bool) {
+    let (sim, pool) = pool_on_a_sim();
+    let late = LateAllocations::default();
+    let threads: Vec<_> =
+        (0..8).map(|t| spawn_late_allocator(&pool, &late, 1 << 20, 4096 * (1 + t % 3), pause)).collect();
     if release_meanwhile {
         let start = std::time::Instant::now();
         while start.elapsed() < pause * 3 {
             pool.release().unwrap();
-            std::thread::sleep(std::time::Duration::from_micros(200));
+            std::thread::sleep(Duration::from_micros(200));
         }
     }
     for t in threads {
@@ -121,12 +140,12 @@ fn allocated_by_a_late_destructor(pause: std::time::Duration, release_meanwhile:
 
 #[test]
 fn memory_asked_for_by_a_late_thread_local_destructor_comes_from_the_legacy_stream() {
-    allocated_by_a_late_destructor(std::time::Duration::ZERO, false);
+    allocated_by_a_late_destructor(Duration::ZERO, false);
 }
 
 #[test]
 fn a_late_thread_local_destructor_leaves_no_shard_behind_a_release() {
-    allocated_by_a_late_destructor(std::time::Duration::from_millis(30), true);
+    allocated_by_a_late_destructor(Duration::from_millis(30), true);
 }
 
 /// Many rounds of the same while another thread releases the pool all along (a release
@@ -135,14 +154,8 @@ fn a_late_thread_local_destructor_leaves_no_shard_behind_a_release() {
 #[test]
 fn late_thread_local_destructors_and_a_release_all_along() {
     use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Mutex;
-    use streampool::device::DevPtr;
-    use streampool::{CudaMemoryResource, MemoryResource};
 
-    let sim = SimDevice::new(1 << 30);
-    let b: BackendRef = sim.clone();
-    let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b, 0));
-    let pool = Arc::new(ShardedPoolMemoryResource::new(upstream, PoolOptions::default()).unwrap());
+    let (sim, pool) = pool_on_a_sim();
     let legacy = Stream::legacy();
     // A live block keeps its chunk: after each release the common list holds the rest of it.
     let pin = pool.allocate(256, &legacy).unwrap();
@@ -157,24 +170,9 @@ fn late_thread_local_destructors_and_a_release_all_along() {
     };
     let mut refused = Vec::new();
     for _ in 0..400 {
-        let late: Arc<Mutex<Vec<(DevPtr, usize)>>> = Arc::default();
-        let threads: Vec<_> = (0..2)
-            .map(|_| {
-                let (pool, late) = (pool.clone(), late.clone());
-                std::thread::spawn(move || {
-                    let in_destructor = pool.clone();
-                    LATE.with(|l| {
-                        l.borrow_mut().0 = Some(Box::new(move || {
-                            let ptr = in_destructor.allocate(4096, &Stream::per_thread()).unwrap();
-                            late.lock().unwrap().push((ptr, 4096));
-                        }))
-                    });
-                    let s = Stream::per_thread();
-                    let x = pool.allocate(4096, &s).unwrap();
-                    pool.deallocate(x, 4096, &s).unwrap();
-                })
-            })
-            .collect();
+        let late = LateAllocations::default();
+        let threads: Vec<_> =
+            (0..2).map(|_| spawn_late_allocator(&pool, &late, 4096, 4096, Duration::ZERO)).collect();
         for t in threads {
             t.join().unwrap();
         }
