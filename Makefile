@@ -6,7 +6,7 @@ export PIP_ROOT_USER_ACTION := ignore
 # Pinned: ruff's format and rules change between releases.
 RUFF_VERSION ?= 0.17.6
 
-.PHONY: help install install-lint test test-rust test-python test-loom lint fmt bench profile-build gpu-build test-gpu gpu-bench peers clean
+.PHONY: help install install-lint test test-rust test-python test-loom test-torch-errors lint fmt bench profile-build gpu-build test-gpu gpu-bench peers clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -31,6 +31,10 @@ test-loom: ## loom models of the pool's shards and the adaptors' counters (a sep
 bench: ## the window and fixed workloads here (on the simulated device without a GPU: numbers of the simulator)
 	$(CARGO) bench -p streampool --bench window -- --secs 0.3 --reps 1
 	$(PYTHON) benchmarks/bench_pool.py --secs 0.3 --reps 1
+
+test-torch-errors: ## PyTorch's out-of-memory error made from two PyTorch releases' own libraries (fetches their headers and libc10 into .torch-c10/, about 1 GB of downloads)
+	STREAMPOOL_TEST_TORCH_DIRS="$$(PYTHON=$(PYTHON) bash scripts/fetch-torch-c10.sh .torch-c10)" \
+	  $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_torch_errors.py
 
 install-lint: ## install what lint uses: ruff, mypy, rustfmt and clippy; the package too when it is missing
 	$(PYTHON) -m pip install -q "ruff==$(RUFF_VERSION)" mypy

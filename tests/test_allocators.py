@@ -140,10 +140,9 @@ def cxx_call(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_the_cxx_entry_point_throws_what_failed(stats: mr.StatisticsResourceAdaptor, cxx_call: Any) -> None:
     before = allocators.failure_count()
     kind, ptr, message = cxx_call(1 << 40)
-    assert (kind, ptr) == (1, 0)  # a std::bad_alloc, with the reason
-    assert (
-        message.startswith("streampool: streampool_alloc(size=1099511627776") and "out of memory" in message
-    )
+    assert (kind, ptr) == (1, 0)  # a std::bad_alloc, with the reason, begun as PyTorch's
+    assert message.startswith("CUDA out of memory. streampool: streampool_alloc(size=1099511627776")
+    assert "out of memory: StatisticsResourceAdaptor (from CudaAsyncMemoryResource) could not" in message
     kind, ptr, message = cxx_call(16, device=7)
     assert (kind, ptr) == (2, 0)  # a std::runtime_error
     assert "device 7 does not exist" in message

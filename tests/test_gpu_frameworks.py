@@ -96,23 +96,31 @@ def test_torch_tensors_come_from_streampool_and_are_right_on_many_streams() -> N
 
 
 def test_torch_out_of_memory_is_an_error_and_the_context_lives_on() -> None:
-    # PyTorch's pluggable allocator does not check for NULL: streampool_alloc_cxx throws,
-    # and PyTorch raises the message. The context is not poisoned: kernels run after it.
+    # PyTorch's pluggable allocator does not check for NULL: streampool_alloc_cxx throws
+    # PyTorch's own out-of-memory error, and PyTorch raises it as torch.OutOfMemoryError,
+    # with streampool's message. The context is not poisoned: kernels run after it.
     pytest.importorskip("torch")
     out = run_python(
         """
         from streampool import allocators
         from streampool.allocators import torch as sp_torch
-        sp_torch.use()
+        said = sp_torch.use()
+        assert said.endswith("out of memory raises torch.OutOfMemoryError"), said
         import torch
         x = torch.ones(1 << 20, device="cuda")
         try:
             torch.empty(1 << 50, dtype=torch.uint8, device="cuda")   # 1 PiB
-        except RuntimeError as e:
+        except torch.cuda.OutOfMemoryError as e:
             message = str(e)
         else:
             raise AssertionError("a 1 PiB tensor was made")
-        assert "streampool_alloc(size=1125899906842624" in message and "out of memory" in message, message
+        assert message.startswith("CUDA out of memory. streampool: streampool_alloc(size=1125899906842624"), message
+        try:
+            torch.empty(16, device="cuda:7" if torch.cuda.device_count() < 8 else "cuda:99")
+        except torch.cuda.OutOfMemoryError as e:
+            raise AssertionError(f"not out of memory: {e}")
+        except RuntimeError:
+            pass                                        # another failure: a RuntimeError
         assert "size=1125899906842624" in allocators.last_error()
         y = x * 2 + 1                                   # a kernel after the failure
         torch.cuda.synchronize()

@@ -79,6 +79,7 @@ __all__ = [
     "_rebuild_device_buffer",
     "_reset_device_resources",
     "_set_profile_log",
+    "_use_torch_out_of_memory",
     "available_device_memory",
     "backend_description",
     "device_can_access_peer",
@@ -1448,6 +1449,12 @@ class CupyAllocator:
 @final
 class CupyMemory:
     """The owner of one allocation made by a ``CupyAllocator``: frees it when CuPy lets go."""
+
+def _use_torch_out_of_memory() -> bool:
+    """From now on, ``streampool_alloc_cxx`` out of memory throws PyTorch's
+    ``c10::OutOfMemoryError`` (``torch.OutOfMemoryError`` in Python), made from the PyTorch
+    libraries this process has loaded; False where it cannot, and the exception stays a
+    ``std::bad_alloc``. Looked for once per process."""
 
 def _capi_last_error() -> tuple[int, str | None]:
     """``(failures so far, the most recent failure's message)`` of the exported C entry

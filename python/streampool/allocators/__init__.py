@@ -26,7 +26,9 @@ size, int device, cudaStream_t stream)`` and ``void streampool_free(void* ptr, s
 int device, cudaStream_t stream)``, which return NULL (and free nothing) on failure
 (:func:`last_error` says why), and, for C++ callers, ``streampool_alloc_cxx``, which throws
 a C++ exception instead of returning NULL (a ``std::bad_alloc`` with the message when out of
-memory, as RMM's allocator does). :func:`streampool.allocators.torch.use` gives PyTorch
+memory, as RMM's allocator does; PyTorch's ``c10::OutOfMemoryError`` once
+:func:`streampool.allocators.torch.use` has found PyTorch's libraries in the process, see
+:mod:`streampool.allocators.torch`). :func:`streampool.allocators.torch.use` gives PyTorch
 ``streampool_alloc_cxx`` and ``streampool_free``; ``mem_pool()`` gives it
 ``streampool_alloc``, whose NULL PyTorch's caching allocator checks.
 """

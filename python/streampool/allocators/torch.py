@@ -2,12 +2,16 @@
 
 PyTorch's ``CUDAPluggableAllocator`` calls the C functions that streampool's extension
 module exports (no GIL, no Python object on that path), which allocate through the
-current resource of the tensor's device. A failed allocation raises ``RuntimeError`` with
-the reason (``streampool: streampool_alloc(size=..., ...): out of memory: ...``), as with
-RMM's allocator: the allocation function throws a C++ exception, which PyTorch turns into a
-Python error. It is not a ``torch.OutOfMemoryError`` (only PyTorch's own allocator raises
-that), so a program that catches that to retry with less memory catches ``RuntimeError``
-(or ``(torch.OutOfMemoryError, RuntimeError)``) under streampool.
+current resource of the tensor's device. A failed allocation raises a Python error with
+the reason, and the program goes on: the allocation function throws a C++ exception, which
+PyTorch turns into a Python error. Out of memory raises ``torch.OutOfMemoryError`` (as
+PyTorch's own allocator does, so a program that catches it to retry with less memory works
+unchanged), with a message that begins as PyTorch's does: ``CUDA out of memory. streampool:
+streampool_alloc(size=..., ...): out of memory: ...``. streampool does not link against
+PyTorch: it makes PyTorch's exception from the PyTorch libraries the process has loaded
+(PyTorch 2.x with CUDA, its C++11-ABI builds). Where it cannot (``use()``'s answer says so),
+out of memory is a ``RuntimeError`` with that message, as with RMM's allocator. Any other
+failure (a device that does not exist, for one) is a ``RuntimeError``.
 
 Example (GPU only)::
 
@@ -63,10 +67,12 @@ _IN_USE = False
 
 def allocator() -> Any:
     """The ``torch.cuda.memory.CUDAPluggableAllocator`` over streampool's exported
-    functions (made once): ``streampool_alloc_cxx``, whose failures PyTorch raises as
-    ``RuntimeError``, and ``streampool_free``. Raises RuntimeError where this PyTorch has no
-    CUDA support."""
-    return _pluggable(CXX_ALLOC_FUNCTION)
+    functions (made once): ``streampool_alloc_cxx``, whose failures PyTorch raises
+    (``torch.OutOfMemoryError`` when out of memory, see the module's docs), and
+    ``streampool_free``. Raises RuntimeError where this PyTorch has no CUDA support."""
+    made = _pluggable(CXX_ALLOC_FUNCTION)
+    _native._use_torch_out_of_memory()  # looked for once; PyTorch's libraries are loaded
+    return made
 
 
 def _pluggable(alloc_function: str) -> Any:
@@ -113,7 +119,15 @@ def use() -> str:
             "program, or use mem_pool() to route one region's allocations through streampool."
         ) from e
     _IN_USE = True
-    return f"torch.cuda allocator: CUDAPluggableAllocator({library_path()!r}, {CXX_ALLOC_FUNCTION!r}, {FREE_FUNCTION!r})"
+    raises = (
+        "torch.OutOfMemoryError"
+        if _native._use_torch_out_of_memory()
+        else "RuntimeError (PyTorch's out-of-memory error was not found in its libraries)"
+    )
+    return (
+        f"torch.cuda allocator: CUDAPluggableAllocator({library_path()!r}, {CXX_ALLOC_FUNCTION!r}, "
+        f"{FREE_FUNCTION!r}); out of memory raises {raises}"
+    )
 
 
 def mem_pool() -> Any:

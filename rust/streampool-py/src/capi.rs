@@ -28,7 +28,12 @@
 //! allocator for PyTorch does. PyTorch's pluggable allocator does not check for NULL: a
 //! tensor whose allocation failed got a null pointer, and the first kernel to touch it
 //! left the CUDA context unusable. PyTorch turns the exception into a Python
-//! `RuntimeError` with the message, and the program goes on.
+//! `RuntimeError` with the message, and the program goes on. Once
+//! [`_use_torch_out_of_memory`] has found PyTorch's libraries in the process (the Python
+//! module does that when it hands this function to PyTorch), out of memory throws
+//! PyTorch's own `c10::OutOfMemoryError` instead, which PyTorch raises as
+//! `torch.OutOfMemoryError`, the error a program catches to retry with less. An
+//! out-of-memory message begins "CUDA out of memory.", as PyTorch's does.
 //!
 //! What it costs: each thread keeps the backend, the resource of each device and the
 //! streams it has seen, and looks them up again only when the current resource or the
@@ -97,6 +102,22 @@ extern "C-unwind" {
     fn streampool_throw_allocation_failure(message: *const c_char, len: usize, is_out_of_memory: c_int) -> !;
 }
 
+extern "C" {
+    /// Makes out of memory throw PyTorch's `c10::OutOfMemoryError` where this process has
+    /// loaded PyTorch (cxx/throw.cpp); 1 when it does. Throws nothing out.
+    fn streampool_use_torch_out_of_memory() -> c_int;
+}
+
+/// From now on, [`streampool_alloc_cxx`] out of memory throws PyTorch's
+/// `c10::OutOfMemoryError` (`torch.OutOfMemoryError` in Python), made from the PyTorch
+/// libraries this process has loaded; returns False where it cannot (PyTorch not loaded,
+/// or a build whose symbols differ), and the exception stays a `std::bad_alloc`.
+#[pyfunction]
+pub(crate) fn _use_torch_out_of_memory() -> bool {
+    // SAFETY: no arguments; the C++ catches everything it throws itself.
+    unsafe { streampool_use_torch_out_of_memory() != 0 }
+}
+
 /// [`streampool_alloc`] for C++ callers: a failure throws a C++ exception (see the module
 /// docs) instead of giving NULL; NULL only for a size of 0. The failure is recorded for
 /// `streampool.allocators.last_error()` and said on stderr as well.
@@ -121,7 +142,13 @@ fn throw_this_threads_failure(size: usize, device: c_int, handle: RawStream) -> 
         .ok()
         .flatten()
         .unwrap_or_else(|| (format!("{}: no memory was given", alloc_call(size, device, handle)), false));
-    let message = format!("streampool: {message}");
+    // Out of memory begins as PyTorch's own message does, which programs and frameworks
+    // look for to retry with less (PyTorch Lightning's and Accelerate's batch-size finders).
+    let message = if out_of_memory {
+        format!("CUDA out of memory. streampool: {message}")
+    } else {
+        format!("streampool: {message}")
+    };
     // SAFETY: the pointer and length are those of `message`, alive during the call, which
     // copies them before it throws. The exception unwinds through this frame (declared
     // "C-unwind"), dropping `message`, into the C++ caller.

@@ -404,6 +404,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(enable_peer_access, m)?)?;
     m.add_function(wrap_pyfunction!(drop_errors, m)?)?;
     m.add_function(wrap_pyfunction!(capi::_capi_last_error, m)?)?;
+    m.add_function(wrap_pyfunction!(capi::_use_torch_out_of_memory, m)?)?;
     m.add_class::<cupy::CupyAllocator>()?;
     m.add_class::<cupy::CupyMemory>()?;
     m.add_function(wrap_pyfunction!(gil::_fast_path_calls, m)?)?;
