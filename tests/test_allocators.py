@@ -137,7 +137,9 @@ def cxx_call(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return call
 
 
-def test_the_cxx_entry_point_throws_what_failed(stats: mr.StatisticsResourceAdaptor, cxx_call: Any) -> None:
+def test_the_cxx_entry_point_throws_what_failed(
+    stats: mr.StatisticsResourceAdaptor, cxx_call: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
     before = allocators.failure_count()
     kind, ptr, message = cxx_call(1 << 40)
     assert (kind, ptr) == (1, 0)  # a std::bad_alloc, with the reason, begun as PyTorch's
@@ -149,6 +151,7 @@ def test_the_cxx_entry_point_throws_what_failed(stats: mr.StatisticsResourceAdap
     assert allocators.failure_count() == before + 2 and "device 7" in (allocators.last_error() or "")
     # Nothing thrown for a size of 0 (NULL, as streampool_alloc), and the resource is usable.
     assert cxx_call(0)[:2] == (0, 0)
+    assert capfd.readouterr().err == ""  # the exceptions said it, not stderr
     kind, ptr, message = cxx_call(4096)
     assert kind == 0 and ptr != 0 and message == ""
     assert stats.allocation_counts.current_bytes == 4096
@@ -156,15 +159,36 @@ def test_the_cxx_entry_point_throws_what_failed(stats: mr.StatisticsResourceAdap
     assert stats.allocation_counts.current_bytes == 0
 
 
-def test_failures_give_null_and_say_why(stats: mr.StatisticsResourceAdaptor) -> None:
+def test_failures_give_null_and_say_why(
+    stats: mr.StatisticsResourceAdaptor, capfd: pytest.CaptureFixture[str]
+) -> None:
     message = failed(lambda: alloc(1 << 40))
     assert "streampool_alloc(size=1099511627776" in message and "out of memory" in message
+    assert capfd.readouterr().err == f"streampool: {message}\n"  # said on stderr too
     assert "device 7 does not exist" in failed(lambda: alloc(16, device=7))
     assert "device -1 does not exist" in failed(lambda: alloc(16, device=-1))
     assert "0x3039" in failed(lambda: alloc(16, stream=0x3039))
     # The resource is still usable.
     ptr = alloc(4096)
     assert ptr != 0
+    free(ptr, 4096)
+    assert stats.allocation_counts.current_bytes == 0
+
+
+def test_try_alloc_gives_null_and_says_nothing(
+    stats: mr.StatisticsResourceAdaptor, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """streampool_try_alloc, for callers that check for NULL (PyTorch's MemPool): a failure
+    is recorded but not said on stderr; otherwise it is streampool_alloc."""
+    try_alloc = getattr(LIB, allocators.TRY_ALLOC_FUNCTION)
+    try_alloc.restype, try_alloc.argtypes = ALLOC.restype, ALLOC.argtypes
+    message = failed(lambda: try_alloc(1 << 40, 0, 0))
+    assert "streampool_alloc(size=1099511627776" in message and "out of memory" in message
+    assert "device 7 does not exist" in failed(lambda: try_alloc(16, 7, 0))
+    assert capfd.readouterr().err == ""
+    assert try_alloc(0, 0, 0) is None
+    ptr = try_alloc(4096, 0, 0)
+    assert ptr and stats.allocation_counts.current_bytes == 4096
     free(ptr, 4096)
     assert stats.allocation_counts.current_bytes == 0
 

@@ -24,13 +24,16 @@ streampool's extension module exports C functions for other libraries (no GIL, n
 object on that path), in the file :func:`library_path` names: ``void* streampool_alloc(size_t
 size, int device, cudaStream_t stream)`` and ``void streampool_free(void* ptr, size_t size,
 int device, cudaStream_t stream)``, which return NULL (and free nothing) on failure
-(:func:`last_error` says why), and, for C++ callers, ``streampool_alloc_cxx``, which throws
-a C++ exception instead of returning NULL (a ``std::bad_alloc`` with the message when out of
-memory, as RMM's allocator does; PyTorch's ``c10::OutOfMemoryError`` once
-:func:`streampool.allocators.torch.use` has found PyTorch's libraries in the process, see
-:mod:`streampool.allocators.torch`). :func:`streampool.allocators.torch.use` gives PyTorch
-``streampool_alloc_cxx`` and ``streampool_free``; ``mem_pool()`` gives it
-``streampool_alloc``, whose NULL PyTorch's caching allocator checks.
+(:func:`last_error` says why, and a line on stderr, for callers that may not check). Two
+more allocation functions say nothing on stderr, for callers that handle the failure:
+``streampool_try_alloc``, which returns NULL, and, for C++ callers,
+``streampool_alloc_cxx``, which throws a C++ exception instead (a ``std::bad_alloc`` with
+the message when out of memory, as RMM's allocator does; PyTorch's
+``c10::OutOfMemoryError`` once :func:`streampool.allocators.torch.use` has found PyTorch's
+libraries in the process, see :mod:`streampool.allocators.torch`).
+:func:`streampool.allocators.torch.use` gives PyTorch ``streampool_alloc_cxx`` and
+``streampool_free``; ``mem_pool()`` gives it ``streampool_try_alloc``, whose NULL
+PyTorch's caching allocator checks (it frees what it caches and tries again first).
 """
 
 from __future__ import annotations
@@ -45,14 +48,19 @@ __all__ = [
     "CXX_ALLOC_FUNCTION",
     "FREE_FUNCTION",
     "SIMULATED",
+    "TRY_ALLOC_FUNCTION",
     "failure_count",
     "last_error",
     "library_path",
     "use_everywhere",
 ]
 
-#: The name of the exported allocation function in :func:`library_path`.
+#: The name of the exported allocation function in :func:`library_path` (NULL on failure,
+#: said on stderr too).
 ALLOC_FUNCTION = "streampool_alloc"
+#: The name of the exported allocation function that returns NULL on failure and says
+#: nothing on stderr, for callers that check (PyTorch's ``MemPool`` is given it).
+TRY_ALLOC_FUNCTION = "streampool_try_alloc"
 #: The name of the exported allocation function that throws a C++ exception on failure
 #: (for C++ callers: PyTorch's ``CUDAPluggableAllocator`` is given it).
 CXX_ALLOC_FUNCTION = "streampool_alloc_cxx"
@@ -62,7 +70,7 @@ FREE_FUNCTION = "streampool_free"
 
 def library_path() -> str:
     """The file of streampool's extension module, which exports ``streampool_alloc``,
-    ``streampool_alloc_cxx`` and ``streampool_free`` (for
+    ``streampool_try_alloc``, ``streampool_alloc_cxx`` and ``streampool_free`` (for
     ``torch.cuda.memory.CUDAPluggableAllocator`` or ``ctypes``)."""
     path = _native.__file__
     assert path is not None  # an extension module always has a file

@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _native
-from . import ALLOC_FUNCTION, CXX_ALLOC_FUNCTION, FREE_FUNCTION, SIMULATED, library_path
+from . import CXX_ALLOC_FUNCTION, FREE_FUNCTION, SIMULATED, TRY_ALLOC_FUNCTION, library_path
 
 #: What every function here raises without PyTorch (the module imports, as RMM's does, with
 #: its allocator None).
@@ -150,8 +150,9 @@ def mem_pool() -> Any:
             "PyTorch (pip install -U torch), or make streampool the allocator of the whole process "
             "with streampool.allocators.torch.use()"
         )
-    # The function that returns NULL on failure: the caching allocator checks for it.
-    return pool_type(allocator=_pluggable(ALLOC_FUNCTION).allocator())
+    # The function that returns NULL on failure: the caching allocator checks for it, frees
+    # what it caches and tries again, so a failed attempt is said nowhere but in its error.
+    return pool_type(allocator=_pluggable(TRY_ALLOC_FUNCTION).allocator())
 
 
 def __getattr__(name: str) -> Any:

@@ -17,13 +17,19 @@
 //! `streampool.allocators.last_error()` reads. The backend makes the device's context
 //! current around every driver call, as for every other call of the library.
 //!
-//! For C++ callers there is a third entry point, which PyTorch is given:
+//! Two more allocation entry points, for callers that handle failures themselves, say
+//! nothing on stderr (the failure is still recorded):
 //!
 //! ```c
+//! void* streampool_try_alloc(size_t size, int device, cudaStream_t stream);
 //! void* streampool_alloc_cxx(size_t size, int device, cudaStream_t stream);
 //! ```
 //!
-//! It is `streampool_alloc`, but a failure throws a C++ exception (a `std::bad_alloc`
+//! `streampool_try_alloc` gives NULL, for callers that check for it (PyTorch's caching
+//! allocator in a `MemPool`, which frees what it caches and tries again before it raises:
+//! a line for each attempt would report failures the program never sees).
+//! `streampool_alloc_cxx`, which PyTorch is given otherwise, is `streampool_alloc`, but a
+//! failure throws a C++ exception (a `std::bad_alloc`
 //! carrying the message when out of memory, a `std::runtime_error` otherwise), as RMM's
 //! allocator for PyTorch does. PyTorch's pluggable allocator does not check for NULL: a
 //! tensor whose allocation failed got a null pointer, and the first kernel to touch it
@@ -76,17 +82,33 @@ static LEGACY: Stream = Stream::legacy();
 static PER_THREAD: Stream = Stream::per_thread();
 
 /// Allocates `size` bytes on `device` for use on `stream` through the device's current
-/// resource. NULL on failure (the error is kept for `streampool.allocators.last_error()`);
-/// NULL for a size of 0 too, as the resources give.
+/// resource. NULL on failure (the error is kept for `streampool.allocators.last_error()`,
+/// and said on stderr); NULL for a size of 0 too, as the resources give.
 #[no_mangle]
 pub extern "C" fn streampool_alloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    allocate(size, device, stream, true)
+}
+
+/// [`streampool_alloc`] for callers that check for NULL, such as PyTorch's caching
+/// allocator in a `MemPool` (which frees what it caches and tries again before it raises):
+/// a failure is kept for `streampool.allocators.last_error()` but not said on stderr.
+#[no_mangle]
+pub extern "C" fn streampool_try_alloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    allocate(size, device, stream, false)
+}
+
+/// The allocation entry points' path; a failure is said on stderr when `say`.
+#[inline(always)]
+fn allocate(size: usize, device: c_int, stream: *mut c_void, say: bool) -> *mut c_void {
     let handle = stream as RawStream;
     let what = || alloc_call(size, device, handle);
     let made = |&ptr: &DevPtr| i64::from(ptr != 0);
-    if let Some(ptr) = fast_path(device, handle, what, 0, made, |mr, stream| mr.try_allocate(size, stream)) {
+    if let Some(ptr) =
+        fast_path(device, handle, what, say, 0, made, |mr, stream| mr.try_allocate(size, stream))
+    {
         return ptr as *mut c_void;
     }
-    let ptr = guarded(what, || {
+    let ptr = guarded(what, say, || {
         with_current(Some(device), handle, |_, mr, stream| match mr.try_allocate(size, stream) {
             Some(settled) => settled,
             None => mr.allocate(size, stream),
@@ -120,14 +142,16 @@ pub(crate) fn _use_torch_out_of_memory() -> bool {
 
 /// [`streampool_alloc`] for C++ callers: a failure throws a C++ exception (see the module
 /// docs) instead of giving NULL; NULL only for a size of 0. The failure is recorded for
-/// `streampool.allocators.last_error()` and said on stderr as well.
+/// `streampool.allocators.last_error()`; the exception says it, not stderr (a caller may
+/// catch it and go on: PyTorch's cuDNN convolutions try smaller workspaces when out of
+/// memory).
 #[no_mangle]
 pub extern "C-unwind" fn streampool_alloc_cxx(
     size: usize,
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    let ptr = streampool_alloc(size, device, stream);
+    let ptr = allocate(size, device, stream, false);
     if ptr.is_null() && size > 0 {
         throw_this_threads_failure(size, device, stream as RawStream);
     }
@@ -169,11 +193,11 @@ pub extern "C" fn streampool_free(ptr: *mut c_void, size: usize, device: c_int, 
     let (ptr, handle) = (ptr as DevPtr, stream as RawStream);
     let what = || free_call(ptr, size, device, handle);
     if let Some(()) =
-        fast_path(device, handle, what, (), |()| -1, |mr, stream| mr.try_deallocate(ptr, size, stream))
+        fast_path(device, handle, what, true, (), |()| -1, |mr, stream| mr.try_deallocate(ptr, size, stream))
     {
         return;
     }
-    guarded(what, || {
+    guarded(what, true, || {
         let done =
             with_current(Some(device), handle, |_, mr, stream| match mr.try_deallocate(ptr, size, stream) {
                 Some(settled) => settled,
@@ -297,11 +321,12 @@ pub(crate) mod live {
 static FAILURES: AtomicU64 = AtomicU64::new(0);
 static LAST_ERROR: Mutex<Option<String>> = Mutex::new(None);
 
-/// Runs `f`, catching a panic; a failure is recorded (`what` names the call) and gives None.
-fn guarded<T>(what: impl FnOnce() -> String, f: impl FnOnce() -> Result<T>) -> Option<T> {
+/// Runs `f`, catching a panic; a failure is recorded (`what` names the call; said on
+/// stderr too when `say`) and gives None.
+fn guarded<T>(what: impl FnOnce() -> String, say: bool, f: impl FnOnce() -> Result<T>) -> Option<T> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(value)) => Some(value),
-        Ok(Err(e)) => failed(what, e),
+        Ok(Err(e)) => failed(what, e, say),
         Err(panic) => panicked(what, panic),
     }
 }
@@ -317,13 +342,14 @@ fn panicked<T>(what: impl FnOnce() -> String, panic: Box<dyn Any + Send>) -> Opt
     record(what, format!("panicked (a bug in streampool; please report it): {text}"), false, false)
 }
 
-/// Records the failure `e` of the call `what` names; gives None.
+/// Records the failure `e` of the call `what` names, said on stderr too when `say`; gives
+/// None.
 #[cold]
 #[inline(never)]
-pub(crate) fn failed<T>(what: impl FnOnce() -> String, e: Error) -> Option<T> {
+pub(crate) fn failed<T>(what: impl FnOnce() -> String, e: Error, say: bool) -> Option<T> {
     // The driver going away (process exit, a library freeing from a static destructor) is
     // recorded but not said: nothing is printed at shutdown.
-    let quiet = matches!(e, Error::Driver { code: CUDA_ERROR_DEINITIALIZED, .. });
+    let quiet = !say || matches!(e, Error::Driver { code: CUDA_ERROR_DEINITIALIZED, .. });
     record(what, e.to_string(), quiet, e.is_out_of_memory())
 }
 
@@ -401,7 +427,7 @@ fn count_live(device: c_int, delta: i64) {
 /// The common case in few instructions and small values: this thread's resource of
 /// `device` and the stream of `handle` as kept from an earlier call (both still current),
 /// and the resource's non-blocking path (`f`). `Some` when that settled the call (a failure
-/// recorded, giving `on_failure`); `None` leaves it to the full path. A success adds
+/// recorded, and said on stderr when `say`, giving `on_failure`); `None` leaves it to the full path. A success adds
 /// `live(value)` to the thread's count of live allocations. The full path's `Result` is
 /// large, and passing it up through the layers cost tens of nanoseconds a call in stores
 /// and reloads.
@@ -410,6 +436,7 @@ fn fast_path<T: Copy>(
     device: c_int,
     handle: RawStream,
     what: impl FnOnce() -> String + Copy,
+    say: bool,
     on_failure: T,
     live: impl FnOnce(&T) -> i64,
     f: impl FnOnce(&streampool::ResourceRef, &Stream) -> Option<Result<T>>,
@@ -427,7 +454,7 @@ fn fast_path<T: Copy>(
         match kept {
             Ok(Some(Ok(value))) => Some(value),
             Ok(Some(Err(e))) => {
-                failed::<T>(what, e);
+                failed::<T>(what, e, say);
                 Some(on_failure)
             }
             Ok(None) | Err(_) => None,

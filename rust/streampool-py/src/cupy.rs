@@ -302,7 +302,7 @@ impl Drop for CupyMemory {
                 Err(e) => Err(e),
             };
             if let Err(e) = freed {
-                capi::failed::<()>(what, e);
+                capi::failed::<()>(what, e, true);
             }
         });
     }
