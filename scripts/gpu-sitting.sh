@@ -7,8 +7,9 @@
 #                                       the window bench at 1 and 16 threads, alternated with
 #                                       .gpu/bench/window-old where there is one (a binary of
 #                                       an earlier commit, copied there by hand)
-#   bash scripts/gpu-sitting.sh guide   the PyTorch/CuPy/Numba tests and the README's GPU
-#                                       examples, then the guide's recommend (handoff),
+#   bash scripts/gpu-sitting.sh guide   the PyTorch/CuPy/Numba tests, the README's GPU
+#                                       examples and tests/test_torch_errors.py (against
+#                                       the installed PyTorch), then the guide's recommend (handoff),
 #                                       latency, random and window parts (REPEATS=2)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +58,9 @@ guide)
   timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_gpu_frameworks.py \
     tests/test_readme.py tests/test_allocators.py >"$OUT/frameworks.txt" 2>&1
   echo "frameworks rc=$?"; tail -n 8 "$OUT/frameworks.txt"
+  # PyTorch's out-of-memory error against the installed PyTorch's own headers and libraries.
+  timeout -k 5 60 python3 -m pytest -q -p no:cacheprovider -rs tests/test_torch_errors.py >"$OUT/torch-errors.txt" 2>&1
+  echo "torch errors rc=$?"; tail -n 3 "$OUT/torch-errors.txt"
   mkdir -p "$OUT/guide"
   GUIDE_OUT="$OUT/guide" PARTS=recommend PROGRAMS=handoff REPEATS=2 timeout -k 10 90 \
     bash benchmarks/guide.sh >"$OUT/guide-recommend-log.txt" 2>&1
