@@ -186,8 +186,10 @@ def test_a_bad_spec_is_refused_on_the_client_and_a_failed_setup_leaves_no_plugin
         LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster,
         Client(cluster) as client,
     ):
-        with pytest.raises(ValueError, match="gather_interval"):
+        with pytest.raises(ValueError, match="gather_interval") as failed:
             streampool.dask.register(client, "pool(async, gather_interval=-1)", device=0)
+        # The error names the worker and the device, in a note.
+        assert failed.value.__notes__ == ["(in streampool's plugin on worker 0, device 0)"]
         plugins = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.worker_plugins))
         assert "streampool" not in plugins
         streampool.dask.register(client, "pool(async)", device=0)  # a good one still goes in
@@ -307,7 +309,9 @@ def test_a_failed_setup_is_what_tasks_are_told(two_devices: SimulatedDevice) -> 
     with pytest.raises(ValueError, match="was given device 5"):
         plugin.setup(worker)
     with pytest.raises(
-        RuntimeError, match="setup failed on worker 'late': ValueError: worker 'late' was given"
+        RuntimeError,
+        match=r"setup failed on worker 'late': ValueError: worker 'late' was given device 5, .* "
+        r"\(in streampool's plugin on worker 'late', device 5\)",
     ):
         streampool.dask._installed(worker)
 

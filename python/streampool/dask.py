@@ -230,9 +230,14 @@ class StreampoolPlugin(WorkerPlugin):
         try:
             self._setup(worker)
         except Exception as e:
-            # Kept for the tasks' and statistics()' error: a worker that joins later logs a
-            # failed setup only in its own log.
-            self._setup_error = f"{type(e).__name__}: {e}"
+            # Where it failed, on the error itself (a note: register() raises it on the
+            # client, among several workers), and kept for the tasks' and statistics()'
+            # error: a worker that joins later logs a failed setup only in its own log.
+            where = f"streampool's plugin on worker {getattr(worker, 'name', None)!r}"
+            with contextlib.suppress(Exception):
+                where += f", device {self.pick_device(worker)}"
+            e.add_note(f"(in {where})")
+            self._setup_error = f"{type(e).__name__}: {e} (in {where})"
             raise
 
     def _setup(self, worker: Any) -> None:
