@@ -245,6 +245,26 @@ def test_the_profile_log_serves_python_and_the_c_entry_points(tmp_path: Path) ->
     assert sizes(log) == ["4096", "4096", "100", "100"]
 
 
+def test_the_profiled_resource_is_the_class_the_program_has_unprofiled(tmp_path: Path) -> None:
+    # A program that reaches the default resource's pool (trim_to, as the README advises)
+    # runs unchanged under profile: the class and its methods are the driver pool's, and
+    # what it allocates through it is logged.
+    out, log = profiled(
+        tmp_path,
+        "import streampool\n"
+        "from streampool import mr\n"
+        "r = streampool.get_current_device_resource()\n"
+        "assert type(r) is mr.CudaAsyncMemoryResource and r is streampool.get_current_device_resource()\n"
+        "s = streampool.Stream()\n"
+        "r.deallocate(r.allocate(300, s), 300, s)\n"
+        "assert r.pool_handle == mr.CudaAsyncMemoryResource().pool_handle and not r.owns_pool\n"
+        "r.trim_to(0)\n"
+        "print(repr(r).startswith('<LoggingAdaptor'))\n",
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stdout + out.stderr
+    assert sizes(log) == ["300", "300"]
+
+
 WORKER = r"""
 #include <pthread.h>
 #include <stddef.h>

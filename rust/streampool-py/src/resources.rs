@@ -143,6 +143,16 @@ macro_rules! async_pool_class {
                 let inner = Arc::new(inner);
                 PyMemoryResource::base(inner.clone()).add_subclass($ty { inner })
             }
+
+            /// The class over `inner` whose allocations go through `through` (an adaptor
+            /// over `inner`: `streampool profile`'s logging one), its pool methods `inner`'s.
+            #[allow(dead_code)] // one of the two classes has no such use
+            pub(crate) fn init_through(
+                inner: Arc<CudaAsyncMemoryResource>,
+                through: ResourceRef,
+            ) -> PyClassInitializer<Self> {
+                PyMemoryResource::base(through).add_subclass($ty { inner })
+            }
         }
 
         #[pymethods]
@@ -508,9 +518,8 @@ pub(crate) fn core_resource(backend: &BackendRef, device: i32) -> streampool::Re
         return Ok(mr);
     }
     // Under `streampool profile`, the logging adaptor that Python's look-up finds too.
-    let made: Option<ResourceRef> = profiled_initial(backend, device)?;
-    let made: ResourceRef = match made {
-        Some(logged) => logged,
+    let made: ResourceRef = match profiled_initial(backend, device)? {
+        Some(profiled) => profiled.logged,
         None => Arc::new(CudaAsyncMemoryResource::on(backend.clone(), device, Default::default())?),
     };
     // Under the registry's lock, so that a resource Python sets meanwhile is not overwritten.
@@ -556,14 +565,17 @@ fn resource_for(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyMemoryReso
 }
 
 /// The initial resource of every device: the driver's pool (under `streampool profile`,
-/// the logging adaptor over it: [`profiled_initial`]).
+/// a `CudaAsyncMemoryResource` whose allocations go through the logging adaptor over it,
+/// [`profiled_initial`], so that the program finds the class and the methods it would
+/// find unprofiled).
 fn initial_resource(py: Python<'_>, backend: BackendRef, device: i32) -> PyResult<Py<PyMemoryResource>> {
     let profiled = {
         let backend = backend.clone();
         detached(py, move || profiled_initial(&backend, device))?
     };
-    if let Some(logged) = profiled {
-        return Ok(Bound::new(py, PyMemoryResource::base(logged))?.unbind());
+    if let Some(Profiled { pool, logged }) = profiled {
+        let made = Bound::new(py, PyCudaAsyncMemoryResource::init_through(pool, logged))?;
+        return Ok(made.into_super().unbind());
     }
     let made = detached(py, move || CudaAsyncMemoryResource::on(backend, device, Default::default()))?;
     let made = Bound::new(py, PyCudaAsyncMemoryResource::init(made))?;
@@ -580,15 +592,23 @@ fn initial_resource(py: Python<'_>, backend: BackendRef, device: i32) -> PyResul
 // device the program enters itself keeps its own resources, unlogged.
 struct Profile {
     log: std::path::PathBuf,
-    made: HashMap<i32, ResourceRef>,
+    made: HashMap<i32, Profiled>,
+}
+
+/// A device's initial resource under `streampool profile`: the driver's pool, and the
+/// logging adaptor over it through which it is used.
+#[derive(Clone)]
+struct Profiled {
+    pool: Arc<CudaAsyncMemoryResource>,
+    logged: ResourceRef,
 }
 
 static PROFILE: Mutex<Option<Profile>> = Mutex::new(None);
 static PROFILING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Under `streampool profile`, device `device`'s initial resource on `backend`: the logging
-/// adaptor over the driver's pool, the same one every time; `None` otherwise.
-fn profiled_initial(backend: &BackendRef, device: i32) -> streampool::Result<Option<ResourceRef>> {
+/// Under `streampool profile`, device `device`'s initial resource on `backend`: the driver's
+/// pool and the logging adaptor over it, the same every time; `None` otherwise.
+fn profiled_initial(backend: &BackendRef, device: i32) -> streampool::Result<Option<Profiled>> {
     // A forked child: its parent's lock may be held for ever by a thread the child has not
     // (the backend, made before the lock is taken, marks such a child).
     if !PROFILING.load(Ordering::Acquire) || device::forked() {
@@ -608,11 +628,11 @@ fn profiled_initial(backend: &BackendRef, device: i32) -> streampool::Result<Opt
     if device > 0 {
         path.push(format!(".dev{device}"));
     }
-    let upstream: ResourceRef =
-        Arc::new(CudaAsyncMemoryResource::on(backend.clone(), device, Default::default())?);
-    let logged: ResourceRef = Arc::new(LoggingAdaptor::new(upstream, vec![LogSink::File(path.into())])?);
-    profile.made.insert(device, logged.clone());
-    Ok(Some(logged))
+    let pool = Arc::new(CudaAsyncMemoryResource::on(backend.clone(), device, Default::default())?);
+    let logged: ResourceRef = Arc::new(LoggingAdaptor::new(pool.clone(), vec![LogSink::File(path.into())])?);
+    let made = Profiled { pool, logged };
+    profile.made.insert(device, made.clone());
+    Ok(Some(made))
 }
 
 /// Sets (a path) or clears (None) `streampool profile`'s log: from now on, each device's
