@@ -32,7 +32,7 @@ bench: ## the window and fixed workloads here (on the simulated device without a
 	$(CARGO) bench -p streampool --bench window -- --secs 0.3 --reps 1
 	$(PYTHON) benchmarks/bench_pool.py --secs 0.3 --reps 1
 
-test-torch-errors: ## PyTorch's out-of-memory error made from two PyTorch releases' own libraries (fetches their headers and libc10 into .torch-c10/, about 1 GB of downloads)
+test-torch-errors: ## PyTorch's out-of-memory error made from three PyTorch releases' own libraries (fetches their headers and libc10 into .torch-c10/, about 2 GB of downloads)
 	STREAMPOOL_TEST_TORCH_DIRS="$$(PYTHON=$(PYTHON) bash scripts/fetch-torch-c10.sh .torch-c10)" \
 	  $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_torch_errors.py
 

@@ -5,9 +5,9 @@ headers catches what the entry point throws as PyTorch's handler does
 
 The PyTorch installations checked: the one installed here, if any, and each folder in
 ``STREAMPOOL_TEST_TORCH_DIRS`` (separated by ``:``) that holds ``torch/include`` and
-``torch/lib``, as ``make test-torch-errors`` fetches them (two PyTorch releases, one whose
-``libc10`` exports the error's constructor and one whose error is defined in
-``libc10_cuda``). Each check runs in a process of its own: the look for PyTorch's libraries
+``torch/lib``, as ``make test-torch-errors`` fetches them (three PyTorch releases: one whose
+``libc10`` exports the error's constructor, one whose error is defined in ``libc10_cuda``,
+and one built for the old C++ ABI). Each check runs in a process of its own: the look for PyTorch's libraries
 is made once per process."""
 
 from __future__ import annotations
@@ -64,11 +64,13 @@ def has(name, libraries=loaded):
     return any(hasattr(library, name) for library in libraries)
 
 # What the symbols say: the error's type, and either its own constructor in libc10, or
-# c10::Error's with the error's virtual table.
-STRING = "NSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"
+# c10::Error's with the error's virtual table (either taking the std::string of the C++11
+# ABI or that of the old one).
+STRINGS = ("NSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE", "Ss")
+def constructor(cls):
+    return any(has(f"_ZN3c10{cls}C1ENS_14SourceLocationE{string}", [c10]) for string in STRINGS)
 expected = has("_ZTIN3c1016OutOfMemoryErrorE") and (
-    has(f"_ZN3c1016OutOfMemoryErrorC1ENS_14SourceLocationE{STRING}", [c10])
-    or (has(f"_ZN3c105ErrorC1ENS_14SourceLocationE{STRING}", [c10]) and has("_ZTVN3c1016OutOfMemoryErrorE"))
+    constructor("16OutOfMemoryError") or (constructor("5Error") and has("_ZTVN3c1016OutOfMemoryErrorE"))
 )
 
 def call(size, device=0):
@@ -116,11 +118,12 @@ def test_out_of_memory_is_pytorchs_own_error(installation: Path, tmp_path: Path)
     lib = installation / "torch/lib"
     source, caller = tmp_path / "caller.cpp", tmp_path / "libcaller.so"
     source.write_text(CALLER)
+    # Built for the C++ ABI PyTorch was built for (the old one up to PyTorch 2.6).
+    cxx11 = b"_ZN3c105ErrorC1ENS_14SourceLocationENSt7__cxx11" in (lib / "libc10.so").read_bytes()
+    flags = ["-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11)}"]
     include = f"-I{installation / 'torch/include'}"
     link = [f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}"]
-    subprocess.run(
-        ["c++", "-std=c++17", "-shared", "-fPIC", include, "-o", str(caller), str(source), *link], check=True
-    )
+    subprocess.run(["c++", *flags, include, "-o", str(caller), str(source), *link], check=True)
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(caller), str(lib)], capture_output=True, text=True, timeout=120
     )

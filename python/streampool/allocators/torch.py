@@ -9,7 +9,7 @@ PyTorch's own allocator does, so a program that catches it to retry with less me
 unchanged), with a message that begins as PyTorch's does: ``CUDA out of memory. streampool:
 streampool_alloc(size=..., ...): out of memory: ...``. streampool does not link against
 PyTorch: it makes PyTorch's exception from the PyTorch libraries the process has loaded
-(PyTorch 2.x with CUDA, its C++11-ABI builds). Where it cannot (``use()``'s answer says so),
+(checked against the libraries of PyTorch 2.5.1, 2.11 and 2.15). Where it cannot (``use()``'s answer says so),
 out of memory is a ``RuntimeError`` with that message, as with RMM's allocator. Any other
 failure (a device that does not exist, for one) is a ``RuntimeError``.
 

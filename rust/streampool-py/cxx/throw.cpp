@@ -1,8 +1,11 @@
-// The one piece of C++ in streampool: throwing the exception that a C++ caller of the
-// allocation entry point (PyTorch's CUDAPluggableAllocator, which has no other error
-// channel) turns into an error of its own. See streampool_alloc_cxx in src/capi.rs.
+// The C++ in streampool (with throw_old_abi.cpp and c10_error.h): throwing the exception
+// that a C++ caller of the allocation entry point (PyTorch's CUDAPluggableAllocator, which
+// has no other error channel) turns into an error of its own. See streampool_alloc_cxx in
+// src/capi.rs.
 #include <cxxabi.h>
 #include <dlfcn.h>
+
+#include "c10_error.h"
 
 #include <atomic>
 #include <cstddef>
@@ -32,20 +35,11 @@ class out_of_memory : public std::bad_alloc {
 // (any other C++ exception becomes a RuntimeError). streampool does not link against
 // PyTorch: the exception is made from the symbols of PyTorch's own libc10, found at run
 // time in the process that loaded them (streampool_use_torch_out_of_memory).
-//
-// c10::SourceLocation's layout, which c10::Error's constructor takes by value.
-struct SourceLocation {
-  const char* function;
-  const char* file;
-  std::uint32_t line;
-};
-
-// c10::Error::Error(SourceLocation, std::string) or c10::OutOfMemoryError's own, called as
-// a function whose first argument is `this` (the Itanium C++ ABI's member calls).
-using ErrorConstructor = void (*)(void* self, SourceLocation, std::string);
-
 struct TorchOutOfMemory {
-  ErrorConstructor construct = nullptr;
+  // The constructor (c10::OutOfMemoryError's own, or c10::Error's), and how to call it:
+  // with a std::string of the C++11 ABI or of the old one (c10_error.h).
+  void* constructor = nullptr;
+  void (*construct)(void* constructor, void* self, const char* text, std::size_t len) = nullptr;
   // c10::OutOfMemoryError's virtual table, set after c10::Error's constructor (the class
   // adds no member to c10::Error, only its type); null with OutOfMemoryError's own
   // constructor (the libc10 of PyTorch 2.15 exports one; that of 2.11 does not).
@@ -53,8 +47,8 @@ struct TorchOutOfMemory {
   std::type_info* type = nullptr;
 };
 
-// Room for the exception object, 8 times what it needs: sizeof(c10::Error) and
-// sizeof(c10::OutOfMemoryError) are 128 bytes in PyTorch 2.11 and 2.15.
+// Room for the exception object, 8 times what it needs or more: sizeof(c10::Error) and
+// sizeof(c10::OutOfMemoryError) are 128 bytes in PyTorch 2.11 and 2.15, 80 in 2.5.1.
 constexpr std::size_t kTorchErrorSpace = 1024;
 
 TorchOutOfMemory torch_oom;  // written under `torch_once`, before `torch_ready` is set
@@ -67,11 +61,10 @@ void destroy(void* object) {
   static_cast<std::exception*>(object)->~exception();
 }
 
-[[noreturn]] void throw_torch_out_of_memory(std::string text) {
+[[noreturn]] void throw_torch_out_of_memory(const std::string& text) {
   void* object = abi::__cxa_allocate_exception(kTorchErrorSpace);
   try {
-    torch_oom.construct(object, SourceLocation{"streampool_alloc_cxx", "streampool/cxx/throw.cpp", __LINE__},
-                        std::move(text));
+    torch_oom.construct(torch_oom.constructor, object, text.data(), text.size());
   } catch (...) {
     abi::__cxa_free_exception(object);
     throw;
@@ -82,6 +75,12 @@ void destroy(void* object) {
   abi::__cxa_throw(object, torch_oom.type, destroy);
 }
 
+#if defined(__GLIBCXX__) && _GLIBCXX_USE_CXX11_ABI
+void construct_cxx11(void* constructor, void* self, const char* text, std::size_t len) {
+  streampool_c10::construct(constructor, self, text, len);
+}
+#endif
+
 void* symbol(void* first, void* second, const char* name) {
   void* found = first != nullptr ? dlsym(first, name) : nullptr;
   return found != nullptr || second == nullptr ? found : dlsym(second, name);
@@ -90,7 +89,7 @@ void* symbol(void* first, void* second, const char* name) {
 // Finds PyTorch's symbols in the libraries this process has loaded, and throws one such
 // exception to check what it is; leaves `torch_oom` empty when anything is missing or odd.
 bool find_torch_out_of_memory() {
-#if defined(__GLIBCXX__) && _GLIBCXX_USE_CXX11_ABI
+#if defined(__GLIBCXX__)
   // PyTorch's CUDA builds define c10::OutOfMemoryError's type in libc10_cuda, and from 2.15
   // in libc10 too. RTLD_NOLOAD: only libraries already loaded, PyTorch's own.
   void* c10 = dlopen("libc10.so", RTLD_NOW | RTLD_NOLOAD);
@@ -100,21 +99,39 @@ bool find_torch_out_of_memory() {
   void* c10_cuda = dlopen("libc10_cuda.so", RTLD_NOW | RTLD_NOLOAD);
   TorchOutOfMemory found;
   found.type = static_cast<std::type_info*>(symbol(c10, c10_cuda, "_ZTIN3c1016OutOfMemoryErrorE"));
-  found.construct = reinterpret_cast<ErrorConstructor>(
-      dlsym(c10, "_ZN3c1016OutOfMemoryErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_"
-                 "traitsIcESaIcEEE"));
-  if (found.construct == nullptr) {
-    found.construct = reinterpret_cast<ErrorConstructor>(
-        dlsym(c10, "_ZN3c105ErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"));
-    // The table's address point is two words in: its offset to the top (0 here) and its
-    // type, which must be OutOfMemoryError's.
-    auto* table = static_cast<void**>(symbol(c10_cuda, c10, "_ZTVN3c1016OutOfMemoryErrorE"));
-    if (table == nullptr || table[0] != nullptr || table[1] != found.type) {
-      return false;
+  // The constructors, by the C++ ABI of their std::string: OutOfMemoryError's own first.
+  struct Candidate {
+    const char* name;
+    decltype(TorchOutOfMemory::construct) construct;
+    bool own;
+  };
+  const Candidate candidates[] = {
+#if _GLIBCXX_USE_CXX11_ABI
+      {"_ZN3c1016OutOfMemoryErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE",
+       construct_cxx11, true},
+      {"_ZN3c105ErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE", construct_cxx11,
+       false},
+#endif
+      {"_ZN3c1016OutOfMemoryErrorC1ENS_14SourceLocationESs", streampool_construct_c10_error_old_abi, true},
+      {"_ZN3c105ErrorC1ENS_14SourceLocationESs", streampool_construct_c10_error_old_abi, false},
+  };
+  for (const Candidate& candidate : candidates) {
+    found.constructor = dlsym(c10, candidate.name);
+    if (found.constructor != nullptr) {
+      found.construct = candidate.construct;
+      if (!candidate.own) {
+        // The table's address point is two words in: its offset to the top (0 here) and
+        // its type, which must be OutOfMemoryError's.
+        auto* table = static_cast<void**>(symbol(c10_cuda, c10, "_ZTVN3c1016OutOfMemoryErrorE"));
+        if (table == nullptr || table[0] != nullptr || table[1] != found.type) {
+          return false;
+        }
+        found.vtable = table + 2;
+      }
+      break;
     }
-    found.vtable = table + 2;
   }
-  if (found.type == nullptr || found.construct == nullptr) {
+  if (found.type == nullptr || found.constructor == nullptr) {
     return false;
   }
   torch_oom = found;
@@ -129,7 +146,7 @@ bool find_torch_out_of_memory() {
   torch_oom = TorchOutOfMemory{};
   return false;
 #else
-  return false;  // PyTorch's libraries take std::string of the C++11 ABI
+  return false;  // PyTorch's libraries are built with libstdc++
 #endif
 }
 
@@ -152,7 +169,7 @@ extern "C" [[noreturn]] void streampool_throw_allocation_failure(const char* mes
   std::string text(message, len);
   if (is_out_of_memory != 0) {
     if (torch_ready.load(std::memory_order_acquire)) {
-      throw_torch_out_of_memory(std::move(text));
+      throw_torch_out_of_memory(text);
     }
     throw out_of_memory(std::move(text));
   }
