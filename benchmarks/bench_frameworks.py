@@ -25,7 +25,9 @@ Three parts, each printed as a table and written as JSON (the last line of the o
     streampool_free called from C (benchmarks/capi_pair.c, compiled with `cc` at run
     time; ctypes-bound timing, marked so, where there is no compiler), on 1 and 8 threads,
     each on its own stream, and on 1 thread on the legacy default stream, over the sharded
-    pool (its fast path) and the driver's pool.
+    pool (its fast path) and the driver's pool; beside them, alternated in every repeat,
+    the pair PyTorch is given (streampool_alloc_cxx and streampool_free_cxx, which count
+    PyTorch's memory statistics): the `functions` column.
 
     python3 benchmarks/bench_frameworks.py [--parts torch,cupy,capi] [--reps 3]
         [--iters 1000] [--threads 8] [--json FILE] [--sim]
@@ -300,10 +302,16 @@ def capi_part(reps: int, thread_counts: list[int]) -> list[dict[str, Any]]:
     from streampool import allocators, mr
 
     lib = ctypes.CDLL(allocators.library_path())
-    alloc, free = lib.streampool_alloc, lib.streampool_free
-    alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    fns = (alloc, free, ctypes.cast(alloc, ctypes.c_void_p).value, ctypes.cast(free, ctypes.c_void_p).value)
+    pairs = {}
+    for label, alloc_name, free_name in (
+        ("C", allocators.ALLOC_FUNCTION, allocators.FREE_FUNCTION),
+        ("C++, counted", allocators.CXX_ALLOC_FUNCTION, allocators.FREE_CXX_FUNCTION),
+    ):
+        alloc, free = getattr(lib, alloc_name), getattr(lib, free_name)
+        alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        addresses = (ctypes.cast(alloc, ctypes.c_void_p).value, ctypes.cast(free, ctypes.c_void_p).value)
+        pairs[label] = (alloc, free, *addresses)
     pair = compiled_pair()
     iters = 200_000 if pair is not None else 20_000
     device = streampool.get_current_device()
@@ -319,20 +327,26 @@ def capi_part(reps: int, thread_counts: list[int]) -> list[dict[str, Any]]:
                 streams = [
                     streampool.Stream() if kind == "own" else streampool.DEFAULT_STREAM for _ in range(n)
                 ]
-                time_pairs(pair, fns, size, device, streams, iters // 10)  # warm-up
-                per_rep = [time_pairs(pair, fns, size, device, streams, iters) for _ in range(reps)]
-                rows.append(
-                    {
-                        "resource": name,
-                        "size": size,
-                        "threads": n,
-                        "stream": kind,
-                        "ns_per_pair": statistics.median(per_rep),
-                        "timed_in": "C"
-                        if pair is not None
-                        else "ctypes (no C compiler: Python's call cost included)",
-                    }
-                )
+                per_rep: dict[str, list[float]] = {label: [] for label in pairs}
+                for fns in pairs.values():
+                    time_pairs(pair, fns, size, device, streams, iters // 10)  # warm-up
+                for _ in range(reps):
+                    for label, fns in pairs.items():
+                        per_rep[label].append(time_pairs(pair, fns, size, device, streams, iters))
+                for label, times in per_rep.items():
+                    rows.append(
+                        {
+                            "resource": name,
+                            "functions": label,
+                            "size": size,
+                            "threads": n,
+                            "stream": kind,
+                            "ns_per_pair": statistics.median(times),
+                            "timed_in": "C"
+                            if pair is not None
+                            else "ctypes (no C compiler: Python's call cost included)",
+                        }
+                    )
                 for s in streams:
                     s.synchronize()
         streampool.set_current_device_resource(base)
@@ -447,9 +461,10 @@ def main() -> None:
             rows = capi_part(args.reps, sorted({1, args.threads}))
         results["capi"] = rows
         table(
-            "(capi) streampool_alloc + streampool_free pairs",
+            "(capi) allocate + free pairs: streampool_alloc + streampool_free (C), "
+            "streampool_alloc_cxx + streampool_free_cxx (C++, counted)",
             rows,
-            ["resource", "size", "threads", "stream", "ns_per_pair"],
+            ["resource", "functions", "size", "threads", "stream", "ns_per_pair"],
         )
         print(f"  timed in: {rows[0]['timed_in']}")
     if args.json:

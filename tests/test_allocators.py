@@ -932,3 +932,123 @@ def test_gpu_libraries_are_left_alone_on_the_simulated_device(
     done = allocators.use_everywhere()
     assert set(done) == {"torch", "cupy", "numba", "rmm"}
     assert all(what.startswith("skipped: streampool runs on the simulated device") for what in done.values())
+
+
+# --- PyTorch's memory statistics (streampool_alloc_cxx / streampool_free_cxx) -------------
+
+ALLOC_CXX = getattr(LIB, allocators.CXX_ALLOC_FUNCTION)
+ALLOC_CXX.restype, ALLOC_CXX.argtypes = ALLOC.restype, ALLOC.argtypes
+FREE_CXX = getattr(LIB, allocators.FREE_CXX_FUNCTION)
+FREE_CXX.restype, FREE_CXX.argtypes = FREE.restype, FREE.argtypes
+
+# What torch.cuda.memory_summary() reads of torch.cuda.memory_stats() (PyTorch 2.x).
+SUMMARY_STATS = [
+    f"{metric}.{pool}.{field}"
+    for metric in (
+        "allocated_bytes",
+        "active_bytes",
+        "requested_bytes",
+        "reserved_bytes",
+        "inactive_split_bytes",
+        "allocation",
+        "active",
+        "segment",
+        "inactive_split",
+    )
+    for pool in ("all", "large_pool", "small_pool")
+    for field in ("current", "peak", "allocated", "freed")
+] + [
+    *(
+        f"{metric}.{field}"
+        for metric in ("oversize_allocations", "oversize_segments")
+        for field in ("current", "peak")
+    ),
+    "num_ooms",
+    "num_alloc_retries",
+]
+
+
+def flattened(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """torch.cuda.memory_stats()'s flattening of the nested form."""
+    flat: dict[str, Any] = {}
+    for key, value in nested.items():
+        if isinstance(value, dict):
+            flat.update(flattened(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def test_the_cxx_pair_keeps_pytorchs_memory_statistics(
+    stats: mr.StatisticsResourceAdaptor, cxx_call: Any
+) -> None:
+    sp_torch = importlib.import_module("streampool.allocators.torch")
+    sp_torch.reset_accumulated_memory_stats()
+    sp_torch.reset_peak_memory_stats(0)
+    before = sp_torch.memory_stats("cuda:0")
+    live, count = before["allocated_bytes"]["all"]["current"], before["allocation"]["all"]["current"]
+    assert before["allocated_bytes"]["all"] == {"current": live, "peak": live, "allocated": 0, "freed": 0}
+    a, b = ALLOC_CXX(1000, 0, None), ALLOC_CXX(3000, 0, None)
+    FREE_CXX(a, 1000, 0, None)
+    now = sp_torch.memory_stats()
+    assert now["allocated_bytes"]["all"] == {
+        "current": live + 3000,
+        "peak": live + 4000,
+        "allocated": 4000,
+        "freed": 1000,
+    }
+    assert now["allocation"]["all"] == {"current": count + 1, "peak": count + 2, "allocated": 2, "freed": 1}
+    assert now["active_bytes"] == now["requested_bytes"] == now["allocated_bytes"]
+    assert (now["num_device_alloc"], now["num_device_free"]) == (2, 1)
+    # What the resource holds from its upstream (here the statistics adaptor's driver pool).
+    reserved = now["reserved_bytes"]["all"]
+    assert (
+        reserved["current"] >= stats.allocation_counts.current_bytes > 0
+        and reserved["peak"] >= reserved["current"]
+    )
+    # Out of memory is counted; the peaks and the totals reset as PyTorch's do.
+    assert cxx_call(1 << 40)[0] == 1
+    assert sp_torch.memory_stats()["num_ooms"] == 1
+    sp_torch.reset_peak_memory_stats()
+    assert sp_torch.memory_stats()["allocated_bytes"]["all"]["peak"] == live + 3000
+    sp_torch.reset_accumulated_memory_stats()
+    after = sp_torch.memory_stats()
+    assert after["allocated_bytes"]["all"] == {
+        "current": live + 3000,
+        "peak": live + 3000,
+        "allocated": 0,
+        "freed": 0,
+    }
+    assert after["num_ooms"] == 0
+    FREE_CXX(b, 3000, 0, None)
+    # The form torch.cuda.memory_stats() flattens and memory_summary() reads; only "all"
+    # is filled, as PyTorch's cudaMallocAsync backend does.
+    flat = flattened(sp_torch.memory_stats(torch_device(0)))
+    assert set(SUMMARY_STATS) <= set(flat) and all(isinstance(v, int) for v in flat.values())
+    assert flat["allocated_bytes.all.current"] == live and flat["allocated_bytes.large_pool.peak"] == 0
+    # A device beyond the counted ones reads as zeros; the entry points on the simulated
+    # device's one device count nothing for another.
+    assert flattened(sp_torch.memory_stats(99))["allocated_bytes.all.allocated"] == 0
+
+
+def torch_device(index: int) -> Any:
+    """A stand-in for ``torch.device("cuda", index)``: what the statistics read of one."""
+    return types.SimpleNamespace(type="cuda", index=index)
+
+
+def test_use_makes_pytorchs_statistics_answer_from_streampool() -> None:
+    sp_torch = importlib.import_module("streampool.allocators.torch")
+
+    def raising(device: int) -> None:
+        raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
+
+    names = ("_cuda_memoryStats", "_cuda_resetPeakMemoryStats", "_cuda_resetAccumulatedMemoryStats")
+    torch_c = types.SimpleNamespace(**dict.fromkeys(names, raising))
+    assert sp_torch._answer_memory_stats(torch_c)
+    assert torch_c._cuda_memoryStats is sp_torch.memory_stats
+    assert torch_c._cuda_memoryStats(0)["allocation"]["all"]["current"] >= 0  # as torch.cuda calls it
+    torch_c._cuda_resetPeakMemoryStats(0)
+    torch_c._cuda_resetAccumulatedMemoryStats(0)
+    # A PyTorch without one of them is left as it is.
+    partial = types.SimpleNamespace(_cuda_memoryStats=raising)
+    assert not sp_torch._answer_memory_stats(partial) and partial._cuda_memoryStats is raising

@@ -131,6 +131,39 @@ def test_torch_out_of_memory_is_an_error_and_the_context_lives_on() -> None:
     assert "OK" in out
 
 
+def test_torch_memory_statistics_answer_under_streampool() -> None:
+    # PyTorch's pluggable allocator keeps no statistics (torch.cuda.memory_stats() raises
+    # under it); use() makes them answer from what streampool_alloc_cxx/free_cxx counted.
+    pytest.importorskip("torch")
+    out = run_python(
+        """
+        from streampool.allocators import torch as sp_torch
+        said = sp_torch.use()
+        assert said.endswith("torch.cuda.memory_stats() answers streampool's counts"), said
+        import torch
+        x = torch.empty(16, device="cuda")
+        before = torch.cuda.memory_allocated()
+        y = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.memory_allocated() == before + (1 << 20), torch.cuda.memory_stats()
+        assert torch.cuda.max_memory_allocated() >= before + (1 << 20)
+        del y
+        assert torch.cuda.memory_allocated() == before
+        torch.cuda.reset_peak_memory_stats()
+        assert torch.cuda.max_memory_allocated() == before
+        assert torch.cuda.memory_reserved() >= before and torch.cuda.max_memory_reserved() >= torch.cuda.memory_reserved()
+        assert torch.cuda.memory_stats()["num_ooms"] == 0
+        try:
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        except torch.cuda.OutOfMemoryError:
+            pass
+        assert torch.cuda.memory_stats()["num_ooms"] == 1
+        assert "PyTorch CUDA memory summary" in torch.cuda.memory_summary()
+        print("OK")
+        """
+    )
+    assert "OK" in out
+
+
 def test_torch_use_after_the_first_tensor_names_the_fix() -> None:
     pytest.importorskip("torch")
     out = run_python(

@@ -79,6 +79,8 @@ __all__ = [
     "_rebuild_device_buffer",
     "_reset_device_resources",
     "_set_profile_log",
+    "_torch_memory_stats",
+    "_torch_reset_memory_stats",
     "_use_torch_out_of_memory",
     "available_device_memory",
     "backend_description",
@@ -1449,6 +1451,18 @@ class CupyAllocator:
 @final
 class CupyMemory:
     """The owner of one allocation made by a ``CupyAllocator``: frees it when CuPy lets go."""
+
+def _torch_memory_stats(
+    device: int,
+) -> tuple[list[int], list[int], int, tuple[int, int] | None]:
+    """What PyTorch allocated through ``streampool_alloc_cxx`` and freed through
+    ``streampool_free_cxx`` on ``device``: ``(bytes, allocations, out-of-memory failures,
+    reserved)``, each stat ``[current, peak, allocated, freed]``, ``reserved`` the device's
+    current resource's ``(reserved bytes, their peak)`` where it reports them."""
+
+def _torch_reset_memory_stats(device: int, peak: bool) -> None:
+    """PyTorch's resets of those statistics: with ``peak``, the peaks to what is current
+    (the current resource's peak of reserved bytes too); otherwise the totals to 0."""
 
 def _use_torch_out_of_memory() -> bool:
     """From now on, ``streampool_alloc_cxx`` out of memory throws PyTorch's

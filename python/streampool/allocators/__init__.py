@@ -32,7 +32,7 @@ the message when out of memory, as RMM's allocator does; PyTorch's
 ``c10::OutOfMemoryError`` once :func:`streampool.allocators.torch.use` has found PyTorch's
 libraries in the process, see :mod:`streampool.allocators.torch`).
 :func:`streampool.allocators.torch.use` gives PyTorch ``streampool_alloc_cxx`` and
-``streampool_free``; ``mem_pool()`` gives it ``streampool_try_alloc``, whose NULL
+``streampool_free_cxx``, which count what PyTorch's memory statistics report; ``mem_pool()`` gives it ``streampool_try_alloc``, whose NULL
 PyTorch's caching allocator checks (it frees what it caches and tries again first).
 """
 
@@ -46,6 +46,7 @@ from .. import _native
 __all__ = [
     "ALLOC_FUNCTION",
     "CXX_ALLOC_FUNCTION",
+    "FREE_CXX_FUNCTION",
     "FREE_FUNCTION",
     "SIMULATED",
     "TRY_ALLOC_FUNCTION",
@@ -66,11 +67,15 @@ TRY_ALLOC_FUNCTION = "streampool_try_alloc"
 CXX_ALLOC_FUNCTION = "streampool_alloc_cxx"
 #: The name of the exported free function in :func:`library_path`.
 FREE_FUNCTION = "streampool_free"
+#: The name of the exported free function for what ``streampool_alloc_cxx`` gave: the pair
+#: keeps PyTorch's memory statistics (:func:`streampool.allocators.torch.memory_stats`).
+FREE_CXX_FUNCTION = "streampool_free_cxx"
 
 
 def library_path() -> str:
     """The file of streampool's extension module, which exports ``streampool_alloc``,
-    ``streampool_try_alloc``, ``streampool_alloc_cxx`` and ``streampool_free`` (for
+    ``streampool_try_alloc``, ``streampool_alloc_cxx``, ``streampool_free`` and
+    ``streampool_free_cxx`` (for
     ``torch.cuda.memory.CUDAPluggableAllocator`` or ``ctypes``)."""
     path = _native.__file__
     assert path is not None  # an extension module always has a file

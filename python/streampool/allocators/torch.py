@@ -36,7 +36,14 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _native
-from . import CXX_ALLOC_FUNCTION, FREE_FUNCTION, SIMULATED, TRY_ALLOC_FUNCTION, library_path
+from . import (
+    CXX_ALLOC_FUNCTION,
+    FREE_CXX_FUNCTION,
+    FREE_FUNCTION,
+    SIMULATED,
+    TRY_ALLOC_FUNCTION,
+    library_path,
+)
 
 #: What every function here raises without PyTorch (the module imports, as RMM's does, with
 #: its allocator None).
@@ -58,7 +65,14 @@ def _need_torch() -> None:
 
 
 # Also `streampool_torch_allocator` and `rmm_torch_allocator`, made on first use (`__getattr__`).
-__all__ = ["allocator", "mem_pool", "use"]
+__all__ = [
+    "allocator",
+    "mem_pool",
+    "memory_stats",
+    "reset_accumulated_memory_stats",
+    "reset_peak_memory_stats",
+    "use",
+]
 
 # The CUDAPluggableAllocator of each allocation function (made once each).
 _ALLOCATORS: dict[str, Any] = {}
@@ -70,12 +84,12 @@ def allocator() -> Any:
     functions (made once): ``streampool_alloc_cxx``, whose failures PyTorch raises
     (``torch.OutOfMemoryError`` when out of memory, see the module's docs), and
     ``streampool_free``. Raises RuntimeError where this PyTorch has no CUDA support."""
-    made = _pluggable(CXX_ALLOC_FUNCTION)
+    made = _pluggable(CXX_ALLOC_FUNCTION, FREE_CXX_FUNCTION)
     _native._use_torch_out_of_memory()  # looked for once; PyTorch's libraries are loaded
     return made
 
 
-def _pluggable(alloc_function: str) -> Any:
+def _pluggable(alloc_function: str, free_function: str = FREE_FUNCTION) -> Any:
     _need_torch()
     if _native.using_simulated_device():
         raise RuntimeError(
@@ -88,17 +102,25 @@ def _pluggable(alloc_function: str) -> Any:
                 "allocator: install a CUDA build of PyTorch (pip install torch)"
             )
         _ALLOCATORS[alloc_function] = _torch_memory.CUDAPluggableAllocator(
-            library_path(), alloc_function, FREE_FUNCTION
+            library_path(), alloc_function, free_function
         )
     return _ALLOCATORS[alloc_function]
 
 
-def use() -> str:
+def use(*, memory_stats: bool = True) -> str:
     """Makes streampool PyTorch's CUDA allocator for the rest of the process
     (``torch.cuda.memory.change_current_allocator``). Call it before the first CUDA tensor:
     PyTorch cannot swap an allocator it has used, and this raises RuntimeError saying so.
     Calling it again is harmless. Returns what it did (a ``"skipped: ..."`` line, changing
-    nothing, on the simulated device or where PyTorch sees no GPU)."""
+    nothing, on the simulated device or where PyTorch sees no GPU).
+
+    PyTorch's pluggable allocators keep no memory statistics: ``torch.cuda.memory_stats()``,
+    ``memory_allocated()``, ``max_memory_allocated()``, ``memory_reserved()``,
+    ``memory_summary()`` and ``reset_peak_memory_stats()`` raise RuntimeError under them,
+    and so does what calls them. With ``memory_stats=True`` (the default) they answer from
+    streampool's counts instead (:func:`memory_stats`): this replaces the three functions of
+    ``torch._C`` they call (``_cuda_memoryStats``, ``_cuda_resetPeakMemoryStats``,
+    ``_cuda_resetAccumulatedMemoryStats``); ``memory_stats=False`` leaves PyTorch's."""
     global _IN_USE
     _need_torch()
     if _IN_USE:
@@ -124,10 +146,110 @@ def use() -> str:
         if _native._use_torch_out_of_memory()
         else "RuntimeError (PyTorch's out-of-memory error was not found in its libraries)"
     )
+    stats = (
+        "streampool's counts" if memory_stats and _answer_memory_stats(torch._C) else "nothing (they raise)"
+    )
     return (
         f"torch.cuda allocator: CUDAPluggableAllocator({library_path()!r}, {CXX_ALLOC_FUNCTION!r}, "
-        f"{FREE_FUNCTION!r}); out of memory raises {raises}"
+        f"{FREE_CXX_FUNCTION!r}); out of memory raises {raises}; torch.cuda.memory_stats() answers {stats}"
     )
+
+
+# The functions of torch._C that PyTorch's memory statistics call, with what replaces each.
+_STATS_FUNCTIONS = {
+    "_cuda_memoryStats": "memory_stats",
+    "_cuda_resetPeakMemoryStats": "reset_peak_memory_stats",
+    "_cuda_resetAccumulatedMemoryStats": "reset_accumulated_memory_stats",
+}
+
+
+def _answer_memory_stats(torch_c: Any) -> bool:
+    """Makes PyTorch's memory statistics answer from streampool's counts, replacing the
+    functions of ``torch._C`` (``torch_c``) that they call; False, changing nothing, where
+    this PyTorch has not all of them."""
+    if not all(callable(getattr(torch_c, name, None)) for name in _STATS_FUNCTIONS):
+        return False
+    for name, ours in _STATS_FUNCTIONS.items():
+        setattr(torch_c, name, globals()[ours])
+    return True
+
+
+def _stat(current: int = 0, peak: int = 0, allocated: int = 0, freed: int = 0) -> dict[str, int]:
+    return {"current": current, "peak": peak, "allocated": allocated, "freed": freed}
+
+
+def _by_pool(stat: dict[str, int]) -> dict[str, dict[str, int]]:
+    # Only "all": streampool has no small and large pools (as PyTorch's cudaMallocAsync
+    # backend, which reports its statistics so).
+    return {"all": stat, "small_pool": _stat(), "large_pool": _stat()}
+
+
+def _device(device: Any) -> int:
+    """A device as PyTorch names one: None (the current device), an int, ``"cuda:1"`` or
+    ``"cuda"``, a ``torch.device``."""
+    index = (
+        (device.partition(":")[2] or None) if isinstance(device, str) else getattr(device, "index", device)
+    )
+    return int(_native.get_current_device()) if index is None else int(index)
+
+
+def memory_stats(device: Any = None) -> dict[str, Any]:
+    """What PyTorch allocated through streampool on ``device`` (the current device when
+    None), as PyTorch's ``torch.cuda.memory_stats_as_nested_dict()`` reports it: the bytes
+    (``allocated_bytes``, and ``active_bytes`` and ``requested_bytes``, the same here) and
+    the number of allocations (``allocation``, ``active``), each ``current``, ``peak``,
+    ``allocated`` and ``freed`` since the last reset; ``reserved_bytes``, what the device's
+    current resource holds from its upstream and its peak (for the driver's pool, which
+    other libraries may share, all of its reserved memory); ``num_ooms``, the out-of-memory
+    failures. Counted by ``streampool_alloc_cxx`` and ``streampool_free_cxx``, the functions
+    :func:`use` gives PyTorch (a ``mem_pool()`` region's memory is PyTorch's own, in its own
+    statistics). Statistics streampool has no part in (segments, inactive splits, oversize
+    allocations, retries) are 0, and only the ``all`` pool is filled, as PyTorch's
+    ``cudaMallocAsync`` backend does.
+
+    With :func:`use`, ``torch.cuda.memory_stats()`` and the functions built on it answer
+    from this. Example (GPU only)::
+
+        from streampool.allocators import torch as sp_torch
+        sp_torch.use()
+        import torch
+        x = torch.empty(1 << 20, device="cuda")
+        print(torch.cuda.memory_allocated())     # 1048576
+        print(sp_torch.memory_stats()["allocated_bytes"]["all"]["current"])   # the same
+    """
+    by_bytes, by_count, out_of_memory, reserved = _native._torch_memory_stats(_device(device))
+    allocated, allocations = _stat(*by_bytes), _stat(*by_count)
+    return {
+        "num_alloc_retries": 0,
+        "num_ooms": out_of_memory,
+        "max_split_size": -1,
+        "num_sync_all_streams": 0,
+        "num_device_alloc": by_count[2],
+        "num_device_free": by_count[3],
+        "allocation": _by_pool(allocations),
+        "segment": _by_pool(_stat()),
+        "active": _by_pool(dict(allocations)),
+        "inactive_split": _by_pool(_stat()),
+        "allocated_bytes": _by_pool(allocated),
+        "reserved_bytes": _by_pool(_stat(*reserved) if reserved is not None else _stat()),
+        "active_bytes": _by_pool(dict(allocated)),
+        "inactive_split_bytes": _by_pool(_stat()),
+        "requested_bytes": _by_pool(dict(allocated)),
+        "oversize_allocations": _stat(),
+        "oversize_segments": _stat(),
+    }
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Sets the peaks of :func:`memory_stats` to what is current (the device's current
+    resource's peak of reserved bytes too), as ``torch.cuda.reset_peak_memory_stats()``."""
+    _native._torch_reset_memory_stats(_device(device), True)
+
+
+def reset_accumulated_memory_stats(device: Any = None) -> None:
+    """Sets the totals of :func:`memory_stats` (``allocated``, ``freed``, ``num_ooms``) to 0,
+    as ``torch.cuda.reset_accumulated_memory_stats()``."""
+    _native._torch_reset_memory_stats(_device(device), False)
 
 
 def mem_pool() -> Any:

@@ -1,5 +1,6 @@
-//! C entry points exported by the extension module, for the allocators of other libraries:
-//! PyTorch's `torch.cuda.memory.CUDAPluggableAllocator` loads this module's file and calls
+//! C entry points exported by the extension module, for the allocators of other libraries
+//! (PyTorch's `torch.cuda.memory.CUDAPluggableAllocator` loads this module's file and calls
+//! two of them, the C++ pair below):
 //!
 //! ```c
 //! void* streampool_alloc(size_t size, int device, cudaStream_t stream);
@@ -28,8 +29,9 @@
 //! `streampool_try_alloc` gives NULL, for callers that check for it (PyTorch's caching
 //! allocator in a `MemPool`, which frees what it caches and tries again before it raises:
 //! a line for each attempt would report failures the program never sees).
-//! `streampool_alloc_cxx`, which PyTorch is given otherwise, is `streampool_alloc`, but a
-//! failure throws a C++ exception (a `std::bad_alloc`
+//! `streampool_alloc_cxx`, which PyTorch is given otherwise with `streampool_free_cxx`
+//! (`streampool_free`, counted: the pair keeps PyTorch's memory statistics, [`torch_stats`]),
+//! is `streampool_alloc`, but a failure throws a C++ exception (a `std::bad_alloc`
 //! carrying the message when out of memory, a `std::runtime_error` otherwise), as RMM's
 //! allocator for PyTorch does. PyTorch's pluggable allocator does not check for NULL: a
 //! tensor whose allocation failed got a null pointer, and the first kernel to touch it
@@ -145,6 +147,8 @@ pub(crate) fn _use_torch_out_of_memory() -> bool {
 /// `streampool.allocators.last_error()`; the exception says it, not stderr (a caller may
 /// catch it and go on: PyTorch's cuDNN convolutions try smaller workspaces when out of
 /// memory).
+///
+/// With [`streampool_free_cxx`] it keeps PyTorch's memory statistics ([`torch_stats`]).
 #[no_mangle]
 pub extern "C-unwind" fn streampool_alloc_cxx(
     size: usize,
@@ -155,7 +159,132 @@ pub extern "C-unwind" fn streampool_alloc_cxx(
     if ptr.is_null() && size > 0 {
         throw_this_threads_failure(size, device, stream as RawStream);
     }
+    if !ptr.is_null() {
+        torch_stats::allocated(device, size);
+    }
     ptr
+}
+
+/// [`streampool_free`] for the memory [`streampool_alloc_cxx`] gave, counted as freed in
+/// the statistics that pair keeps ([`torch_stats`]). PyTorch is given the two.
+#[no_mangle]
+pub extern "C" fn streampool_free_cxx(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
+    streampool_free(ptr, size, device, stream);
+    if !ptr.is_null() {
+        torch_stats::freed(device, size);
+    }
+}
+
+/// PyTorch's memory statistics for what it allocates through streampool: PyTorch's
+/// pluggable allocator keeps none (`torch.cuda.memory_stats()` raises under it), so the
+/// C++ pair counts, per device, the bytes and the allocations it gave and took back: now,
+/// at most (since the last reset), and in all (since the last reset), as PyTorch's own
+/// `Stat`s do. Shared counters: a pair costs a few atomic operations on its device's line,
+/// which PyTorch's own allocator (a mutex per call) does not notice.
+pub(crate) mod torch_stats {
+    use std::ffi::c_int;
+    use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+
+    /// Devices counted (ordinals from 0); the rest are not.
+    const DEVICES: usize = 64;
+
+    /// One of PyTorch's `Stat`s: `current`, `peak`, `allocated`, `freed`.
+    struct Stat {
+        current: AtomicI64,
+        peak: AtomicI64,
+        allocated: AtomicU64,
+        freed: AtomicU64,
+    }
+
+    impl Stat {
+        const fn new() -> Self {
+            Stat {
+                current: AtomicI64::new(0),
+                peak: AtomicI64::new(0),
+                allocated: AtomicU64::new(0),
+                freed: AtomicU64::new(0),
+            }
+        }
+
+        fn increase(&self, amount: i64) {
+            let now = self.current.fetch_add(amount, Relaxed) + amount;
+            // A locked write only for a new peak (`fetch_max` alone always writes).
+            if now > self.peak.load(Relaxed) {
+                self.peak.fetch_max(now, Relaxed);
+            }
+            self.allocated.fetch_add(amount as u64, Relaxed);
+        }
+
+        fn decrease(&self, amount: i64) {
+            self.current.fetch_sub(amount, Relaxed);
+            self.freed.fetch_add(amount as u64, Relaxed);
+        }
+
+        fn read(&self) -> [i64; 4] {
+            let [allocated, freed] = [&self.allocated, &self.freed].map(|c| c.load(Relaxed) as i64);
+            [self.current.load(Relaxed), self.peak.load(Relaxed), allocated, freed]
+        }
+    }
+
+    /// A device's counters, on cache lines of their own.
+    #[repr(align(128))]
+    struct Device {
+        bytes: Stat,
+        allocations: Stat,
+        out_of_memory: AtomicU64,
+    }
+
+    static COUNTS: [Device; DEVICES] =
+        [const { Device { bytes: Stat::new(), allocations: Stat::new(), out_of_memory: AtomicU64::new(0) } };
+            DEVICES];
+
+    fn of(device: c_int) -> Option<&'static Device> {
+        usize::try_from(device).ok().and_then(|d| COUNTS.get(d))
+    }
+
+    pub(super) fn allocated(device: c_int, size: usize) {
+        if let Some(d) = of(device) {
+            d.bytes.increase(size as i64);
+            d.allocations.increase(1);
+        }
+    }
+
+    pub(super) fn freed(device: c_int, size: usize) {
+        if let Some(d) = of(device) {
+            d.bytes.decrease(size as i64);
+            d.allocations.decrease(1);
+        }
+    }
+
+    pub(super) fn out_of_memory(device: c_int) {
+        if let Some(d) = of(device) {
+            d.out_of_memory.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// `(bytes, allocations, out-of-memory failures)` of `device`, each stat as
+    /// `[current, peak, allocated, freed]`; zeros for a device beyond those counted.
+    pub(crate) fn read(device: c_int) -> ([i64; 4], [i64; 4], u64) {
+        of(device).map_or(([0; 4], [0; 4], 0), |d| {
+            (d.bytes.read(), d.allocations.read(), d.out_of_memory.load(Relaxed))
+        })
+    }
+
+    /// PyTorch's resets: the peaks to what is current, or the totals to 0.
+    pub(crate) fn reset(device: c_int, peak: bool) {
+        let Some(d) = of(device) else { return };
+        for stat in [&d.bytes, &d.allocations] {
+            if peak {
+                stat.peak.store(stat.current.load(Relaxed), Relaxed);
+            } else {
+                stat.allocated.store(0, Relaxed);
+                stat.freed.store(0, Relaxed);
+            }
+        }
+        if !peak {
+            d.out_of_memory.store(0, Relaxed);
+        }
+    }
 }
 
 #[cold]
@@ -166,6 +295,9 @@ fn throw_this_threads_failure(size: usize, device: c_int, handle: RawStream) -> 
         .ok()
         .flatten()
         .unwrap_or_else(|| (format!("{}: no memory was given", alloc_call(size, device, handle)), false));
+    if out_of_memory {
+        torch_stats::out_of_memory(device);
+    }
     // Out of memory begins as PyTorch's own message does, which programs and frameworks
     // look for to retry with less (PyTorch Lightning's and Accelerate's batch-size finders).
     let message = if out_of_memory {
@@ -391,6 +523,38 @@ fn record<T>(what: impl FnOnce() -> String, message: String, quiet: bool, out_of
 pub(crate) fn _capi_last_error() -> (u64, Option<String>) {
     let last = LAST_ERROR.lock().unwrap_or_else(|e| e.into_inner()).clone();
     (FAILURES.load(Ordering::Relaxed), last)
+}
+
+/// PyTorch's memory statistics of `device` ([`torch_stats`]): `(bytes, allocations,
+/// out-of-memory failures, reserved)`, each stat `[current, peak, allocated, freed]`, and
+/// `reserved` the device's current resource's `(reserved bytes, their peak)` where it
+/// reports them (None otherwise, or where the device cannot be reached).
+#[pyfunction]
+pub(crate) fn _torch_memory_stats(py: Python<'_>, device: c_int) -> TorchStats {
+    let (bytes, allocations, out_of_memory) = torch_stats::read(device);
+    let reserved = py.detach(move || {
+        let backend = device::backend().ok()?;
+        let footprint = resources::core_resource(&backend, device).ok()?.footprint()?;
+        Some((footprint.reserved_bytes, footprint.peak_reserved_bytes))
+    });
+    (bytes, allocations, out_of_memory, reserved)
+}
+
+type TorchStats = ([i64; 4], [i64; 4], u64, Option<(usize, usize)>);
+
+/// PyTorch's resets of `device`'s statistics ([`torch_stats`]): with `peak`, the peaks to
+/// what is current (the current resource's peak of reserved bytes too); otherwise the
+/// totals and the count of out-of-memory failures to 0.
+#[pyfunction]
+pub(crate) fn _torch_reset_memory_stats(py: Python<'_>, device: c_int, peak: bool) {
+    torch_stats::reset(device, peak);
+    if peak {
+        py.detach(move || {
+            if let Some(mr) = device::backend().ok().and_then(|b| resources::core_resource(&b, device).ok()) {
+                mr.reset_peak_footprint();
+            }
+        });
+    }
 }
 
 /// What a thread keeps between calls (see the module docs).

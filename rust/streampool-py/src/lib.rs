@@ -405,6 +405,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(drop_errors, m)?)?;
     m.add_function(wrap_pyfunction!(capi::_capi_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(capi::_use_torch_out_of_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(capi::_torch_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(capi::_torch_reset_memory_stats, m)?)?;
     m.add_class::<cupy::CupyAllocator>()?;
     m.add_class::<cupy::CupyMemory>()?;
     m.add_function(wrap_pyfunction!(gil::_fast_path_calls, m)?)?;
