@@ -11,9 +11,11 @@
 #                                       examples and tests/test_torch_errors.py (against
 #                                       the installed PyTorch), then the guide's recommend (handoff),
 #                                       latency, random and window parts (REPEATS=2)
+#   bash scripts/gpu-sitting.sh frameworks   benchmarks/bench_frameworks.py: PyTorch, CuPy
+#                                       and the C entry points beside their own allocators
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-sitting.sh suite|guide}
+PART=${1:?usage: gpu-sitting.sh suite|guide|frameworks}
 OUT=${OUT:-/tmp/streampool-sitting}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 STREAMPOOL_GPU_TESTS=1
@@ -72,5 +74,12 @@ guide)
   done
   tail -n 25 "$OUT/guide-window-log.txt"
   ;;
-*) echo "gpu-sitting: unknown part '$PART' (suite or guide)" >&2; exit 2 ;;
+frameworks)
+  # PyTorch, CuPy and the C entry points beside their own allocators (the counted C++ pair
+  # beside the plain one), memory beside speed.
+  timeout -k 10 500 python3 benchmarks/bench_frameworks.py --parts torch,cupy,capi --reps 3 \
+    --json "$OUT/frameworks-bench.json" >"$OUT/frameworks-bench.txt" 2>&1
+  echo "frameworks bench rc=$?"; grep -v '^{' "$OUT/frameworks-bench.txt" | tail -n 45
+  ;;
+*) echo "gpu-sitting: unknown part '$PART' (suite, guide or frameworks)" >&2; exit 2 ;;
 esac
