@@ -9,9 +9,14 @@ PyTorch's own allocator does, so a program that catches it to retry with less me
 unchanged), with a message that begins as PyTorch's does: ``CUDA out of memory. streampool:
 streampool_alloc(size=..., ...): out of memory: ...``. streampool does not link against
 PyTorch: it makes PyTorch's exception from the PyTorch libraries the process has loaded
-(checked against the libraries of PyTorch 2.5.1, 2.11 and 2.15). Where it cannot (``use()``'s answer says so),
-out of memory is a ``RuntimeError`` with that message, as with RMM's allocator. Any other
-failure (a device that does not exist, for one) is a ``RuntimeError``.
+(checked against the libraries of PyTorch 2.5.1, 2.11 and 2.15). Where it cannot
+(``use()``'s answer says so), out of memory is a ``RuntimeError`` with that message, as
+with RMM's allocator. Any other failure (a device that does not exist, for one) is a
+``RuntimeError``.
+
+PyTorch's memory statistics (``torch.cuda.memory_allocated()`` and the rest), which raise
+under any pluggable allocator, answer from streampool's counts after ``use()``
+(:func:`memory_stats`).
 
 Example (GPU only)::
 
@@ -24,6 +29,7 @@ Example (GPU only)::
     import torch
     x = torch.ones(1 << 20, device="cuda")
     print(stats.allocation_counts.current_bytes)   # >= 4 MiB: the tensor's memory
+    print(torch.cuda.memory_allocated())           # 4194304: PyTorch's view of the same
 
 RMM's name: ``rmm_torch_allocator`` (``rmm.allocators.torch``) is
 :data:`streampool_torch_allocator` here, and both names work. As RMM's, the module imports
@@ -83,7 +89,8 @@ def allocator() -> Any:
     """The ``torch.cuda.memory.CUDAPluggableAllocator`` over streampool's exported
     functions (made once): ``streampool_alloc_cxx``, whose failures PyTorch raises
     (``torch.OutOfMemoryError`` when out of memory, see the module's docs), and
-    ``streampool_free``. Raises RuntimeError where this PyTorch has no CUDA support."""
+    ``streampool_free_cxx``; the two count what :func:`memory_stats` reports. Raises
+    RuntimeError where this PyTorch has no CUDA support."""
     made = _pluggable(CXX_ALLOC_FUNCTION, FREE_CXX_FUNCTION)
     _native._use_torch_out_of_memory()  # looked for once; PyTorch's libraries are loaded
     return made
