@@ -179,8 +179,9 @@ pub extern "C" fn streampool_free_cxx(ptr: *mut c_void, size: usize, device: c_i
 /// pluggable allocator keeps none (`torch.cuda.memory_stats()` raises under it), so the
 /// C++ pair counts, per device, the bytes and the allocations it gave and took back: now,
 /// at most (since the last reset), and in all (since the last reset), as PyTorch's own
-/// `Stat`s do. Shared counters: a pair costs a few atomic operations on its device's line,
-/// which PyTorch's own allocator (a mutex per call) does not notice.
+/// `Stat`s do. Shared counters: a pair costs a few atomic operations on its device's line
+/// (on the development machine, within its spread: `benchmarks/RESULTS.md`, "what
+/// counting PyTorch's statistics costs a pair").
 pub(crate) mod torch_stats {
     use std::ffi::c_int;
     use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
