@@ -979,6 +979,11 @@ def flattened(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def stat(current: int, peak: int, allocated: int, freed: int) -> dict[str, int]:
+    """One of PyTorch's statistics, as memory_stats_as_nested_dict() gives it."""
+    return {"current": current, "peak": peak, "allocated": allocated, "freed": freed}
+
+
 def test_the_cxx_pair_keeps_pytorchs_memory_statistics(
     stats: mr.StatisticsResourceAdaptor, cxx_call: Any
 ) -> None:
@@ -987,17 +992,12 @@ def test_the_cxx_pair_keeps_pytorchs_memory_statistics(
     sp_torch.reset_peak_memory_stats(0)
     before = sp_torch.memory_stats("cuda:0")
     live, count = before["allocated_bytes"]["all"]["current"], before["allocation"]["all"]["current"]
-    assert before["allocated_bytes"]["all"] == {"current": live, "peak": live, "allocated": 0, "freed": 0}
+    assert before["allocated_bytes"]["all"] == stat(live, live, 0, 0)
     a, b = ALLOC_CXX(1000, 0, None), ALLOC_CXX(3000, 0, None)
     FREE_CXX(a, 1000, 0, None)
     now = sp_torch.memory_stats()
-    assert now["allocated_bytes"]["all"] == {
-        "current": live + 3000,
-        "peak": live + 4000,
-        "allocated": 4000,
-        "freed": 1000,
-    }
-    assert now["allocation"]["all"] == {"current": count + 1, "peak": count + 2, "allocated": 2, "freed": 1}
+    assert now["allocated_bytes"]["all"] == stat(live + 3000, live + 4000, 4000, 1000)
+    assert now["allocation"]["all"] == stat(count + 1, count + 2, 2, 1)
     assert now["active_bytes"] == now["requested_bytes"] == now["allocated_bytes"]
     assert (now["num_device_alloc"], now["num_device_free"]) == (2, 1)
     # What the resource holds from its upstream (here the statistics adaptor's driver pool).
@@ -1013,12 +1013,7 @@ def test_the_cxx_pair_keeps_pytorchs_memory_statistics(
     assert sp_torch.memory_stats()["allocated_bytes"]["all"]["peak"] == live + 3000
     sp_torch.reset_accumulated_memory_stats()
     after = sp_torch.memory_stats()
-    assert after["allocated_bytes"]["all"] == {
-        "current": live + 3000,
-        "peak": live + 3000,
-        "allocated": 0,
-        "freed": 0,
-    }
+    assert after["allocated_bytes"]["all"] == stat(live + 3000, live + 3000, 0, 0)
     assert after["num_ooms"] == 0
     FREE_CXX(b, 3000, 0, None)
     # The form torch.cuda.memory_stats() flattens and memory_summary() reads; only "all"
