@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib
+import pickle
 import shutil
 import subprocess
 import sys
@@ -1047,3 +1048,58 @@ def test_use_makes_pytorchs_statistics_answer_from_streampool() -> None:
     # A PyTorch without one of them is left as it is.
     partial = types.SimpleNamespace(_cuda_memoryStats=raising)
     assert not sp_torch._answer_memory_stats(partial) and partial._cuda_memoryStats is raising
+
+
+class CupysOutOfMemoryError(MemoryError):
+    """CuPy's ``cupy.cuda.memory.OutOfMemoryError``, as CuPy defines it."""
+
+    def __init__(self, size: int, total: int, limit: int = 0) -> None:
+        self._size, self._total, self._limit = size, total, limit
+        super().__init__(f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes).")
+
+    def __reduce__(self) -> tuple[type[CupysOutOfMemoryError], tuple[int, int, int]]:
+        return (type(self), (self._size, self._total, self._limit))
+
+
+def test_cupy_out_of_memory_is_cupys_error_too(
+    monkeypatch: pytest.MonkeyPatch, stats: mr.StatisticsResourceAdaptor
+) -> None:
+    fake = FakeCupy()
+    fake.cuda.memory = types.SimpleNamespace(OutOfMemoryError=CupysOutOfMemoryError)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.delitem(sys.modules, "streampool.allocators.cupy", raising=False)
+    module: Any = importlib.import_module("streampool.allocators.cupy")
+    try:
+        streampool.set_current_device_resource(mr.LimitingResourceAdaptor(stats, 1 << 20))
+        with pytest.raises(CupysOutOfMemoryError) as raised:  # caught as CuPy's own pools' error
+            module.streampool_cupy_allocator(2 << 20)
+        error = raised.value
+        assert isinstance(error, streampool.OutOfMemoryError) and type(error) is module.OutOfMemoryError
+        assert (error.requested, error.available) == (2 << 20, 1 << 20)
+        assert str(error).startswith("out of memory: LimitingResourceAdaptor") and "2097152" in str(error)
+        assert error._size == 2 << 20  # what CuPy's error keeps
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is module.OutOfMemoryError and (str(copy), copy.requested) == (str(error), 2 << 20)
+        # Any other error stays as it was.
+        fake.stream = 0x3039
+        with pytest.raises(streampool.InvalidStreamError):
+            module.streampool_cupy_allocator(16)
+        fake.stream = 0
+        held = module.streampool_cupy_allocator(1 << 19)  # the resource is still usable
+        assert stats.allocation_counts.current_bytes == 1 << 19
+        del held
+        # Only a subclass of streampool's OutOfMemoryError may be given.
+        with pytest.raises(
+            TypeError, match=r"subclass of streampool\.OutOfMemoryError, not CupysOutOfMemoryError"
+        ):
+            streampool._native.CupyAllocator(
+                fake.cuda.UnownedMemory,
+                fake.cuda.MemoryPointer,
+                fake.cuda.get_current_stream,
+                None,
+                None,
+                CupysOutOfMemoryError,
+            )
+    finally:
+        sys.modules.pop("streampool.allocators.cupy", None)
+        gc.collect()

@@ -278,6 +278,21 @@ def test_cupy_arrays_come_from_streampool() -> None:
         streampool.set_current_device_resource(previous)
 
 
+def test_cupy_out_of_memory_is_cupys_error() -> None:
+    cupy = pytest.importorskip("cupy")
+    from streampool.allocators import cupy as sp_cupy
+
+    old_allocator = cupy.cuda.get_allocator()
+    try:
+        sp_cupy.use()
+        with pytest.raises(cupy.cuda.memory.OutOfMemoryError) as raised:
+            cupy.empty(1 << 50, dtype=cupy.uint8)  # 1 PiB
+        assert isinstance(raised.value, streampool.OutOfMemoryError) and raised.value.requested == 1 << 50
+        assert int(cupy.arange(10).sum()) == 45  # the device is still usable
+    finally:
+        cupy.cuda.set_allocator(old_allocator)
+
+
 def test_numba_kernels_run_on_streampool_memory() -> None:
     pytest.importorskip("numba")
     out = run_python(

@@ -29,6 +29,7 @@ from typing import (
 
 from typing_extensions import Buffer, CapsuleType, disjoint_base
 
+from streampool._errors import OutOfMemoryError
 from streampool._types import CudaStreamFlags, PoolHandle
 from streampool.statistics import Statistics
 
@@ -1432,8 +1433,9 @@ class CupyAllocator:
     default stream for memory of another thread's per-thread default stream). Made from
     CuPy's ``UnownedMemory``, ``MemoryPointer`` and ``get_current_stream``, the capsule of
     ``cupy.cuda.stream.get_current_stream_ptr`` (None: the stream is read through
-    ``get_current_stream``) and ``cupy.cuda.ExternalStream``. A capsule of another
-    signature raises TypeError."""
+    ``get_current_stream``), ``cupy.cuda.ExternalStream``, and the class out of memory
+    raises (a subclass of ``OutOfMemoryError``, made with its arguments; None: that class).
+    A capsule of another signature, or another class, raises TypeError."""
 
     def __new__(
         cls,
@@ -1442,6 +1444,7 @@ class CupyAllocator:
         get_current_stream: Any,
         stream_capsule: Any = None,
         external_stream: Any = None,
+        out_of_memory: type[OutOfMemoryError] | None = None,
     ) -> Self: ...
     @property
     def native_stream_lookup(self) -> bool:

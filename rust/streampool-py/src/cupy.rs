@@ -29,6 +29,7 @@ use std::sync::Mutex;
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::types::PyType;
 use streampool::device::{DevPtr, RawStream, LEGACY_STREAM, LEGACY_STREAM_ALIAS, PER_THREAD_STREAM};
 use streampool::ResourceRef;
 
@@ -67,6 +68,9 @@ pub(crate) struct CupyAllocator {
     /// `cupy.cuda.ExternalStream`, or None: an external stream's object says nothing of its
     /// stream's life (CuPy never destroys it; its owner, PyTorch say, keeps it).
     external_stream: Option<Py<PyAny>>,
+    /// The class out of memory raises, a subclass of streampool's `OutOfMemoryError` that
+    /// is CuPy's `cupy.cuda.memory.OutOfMemoryError` too; None: streampool's own.
+    out_of_memory: Option<Py<PyType>>,
 }
 
 /// How many streams' weak references an allocator keeps before it starts afresh.
@@ -86,9 +90,10 @@ fn alive(py: Python<'_>, weak: &Py<PyAny>) -> bool {
 impl CupyAllocator {
     /// `stream_capsule` is `cupy.cuda.stream.__pyx_capi__["get_current_stream_ptr"]`, or
     /// None to read the stream through `get_current_stream` (slower); `external_stream` is
-    /// `cupy.cuda.ExternalStream`.
+    /// `cupy.cuda.ExternalStream`; `out_of_memory` the class out of memory raises (a
+    /// subclass of streampool's `OutOfMemoryError`, made with its arguments).
     #[new]
-    #[pyo3(signature = (unowned_memory, memory_pointer, get_current_stream, stream_capsule=None, external_stream=None))]
+    #[pyo3(signature = (unowned_memory, memory_pointer, get_current_stream, stream_capsule=None, external_stream=None, out_of_memory=None))]
     fn new(
         py: Python<'_>,
         unowned_memory: Py<PyAny>,
@@ -96,7 +101,16 @@ impl CupyAllocator {
         get_current_stream: Py<PyAny>,
         stream_capsule: Option<&Bound<'_, PyAny>>,
         external_stream: Option<Py<PyAny>>,
+        out_of_memory: Option<Bound<'_, PyType>>,
     ) -> PyResult<Self> {
+        if let Some(class) = &out_of_memory {
+            if !class.is_subclass(crate::errors::out_of_memory_class(py)?)? {
+                return Err(PyTypeError::new_err(format!(
+                    "out_of_memory must be a subclass of streampool.OutOfMemoryError, not {}",
+                    class.name()?
+                )));
+            }
+        }
         let current = match stream_capsule {
             Some(capsule) => CurrentStream::Native(stream_function(capsule)?),
             None => CurrentStream::Python(get_current_stream.clone_ref(py)),
@@ -109,6 +123,7 @@ impl CupyAllocator {
             weak_ref: py.import("weakref")?.getattr("ref")?.unbind(),
             stream_refs: Mutex::new(HashMap::new()),
             external_stream: external_stream.filter(|t| !t.is_none(py)),
+            out_of_memory: out_of_memory.map(Bound::unbind),
         })
     }
 
@@ -135,13 +150,14 @@ impl CupyAllocator {
         let ptr = match fast {
             Ok(settled) => {
                 fast_path_settled(py);
-                settled.or_raise(py)?
+                settled.or_raise(py)
             }
             Err(stream) => {
                 let mr = mr.clone();
-                detached(py, move || mr.allocate(nbytes, &stream))?
+                detached(py, move || mr.allocate(nbytes, &stream))
             }
-        };
+        }
+        .map_err(|e| this.as_out_of_memory(py, e))?;
         // Made before CuPy's objects, so that a failure there frees the memory.
         let owner = match ptr {
             0 => py.None(),
@@ -159,6 +175,24 @@ impl CupyAllocator {
 }
 
 impl CupyAllocator {
+    /// An out-of-memory error made again as the class given for it (CuPy's too), with the
+    /// same message and attributes; any other error as it is.
+    fn as_out_of_memory(&self, py: Python<'_>, e: PyErr) -> PyErr {
+        let Some(class) = &self.out_of_memory else { return e };
+        let value = e.value(py);
+        let made = (|| {
+            if !value.is_instance(crate::errors::out_of_memory_class(py)?)? {
+                return Ok(None);
+            }
+            let args = (value.str()?, value.getattr("requested")?, value.getattr("available")?);
+            Ok::<_, PyErr>(Some(class.bind(py).call1(args)?))
+        })();
+        match made {
+            Ok(Some(made)) => PyErr::from_value(made),
+            _ => e,
+        }
+    }
+
     /// A weak reference to CuPy's current stream object, whose handle is `handle`: the one
     /// kept for that handle while its object lives, else a new one; None for an external
     /// stream (`cupy.cuda.ExternalStream`), whose memory is freed on its handle whatever

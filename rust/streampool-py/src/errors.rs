@@ -73,6 +73,11 @@ pub(crate) fn buffer_error(msg: impl Into<String>) -> PyErr {
     PyBufferError::new_err(msg.into())
 }
 
+/// `streampool.OutOfMemoryError`, the class of [`Error::OutOfMemory`]'s exception.
+pub(crate) fn out_of_memory_class(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    OUT_OF_MEMORY.import(py, "streampool._errors", "OutOfMemoryError")
+}
+
 fn raise<'py, A>(py: Python<'py>, class: &PyOnceLock<Py<PyType>>, name: &str, args: A) -> PyErr
 where
     A: PyCallArgs<'py>,
