@@ -1038,16 +1038,52 @@ def test_use_makes_pytorchs_statistics_answer_from_streampool() -> None:
     def raising(device: int) -> None:
         raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
 
-    names = ("_cuda_memoryStats", "_cuda_resetPeakMemoryStats", "_cuda_resetAccumulatedMemoryStats")
+    names = (
+        "_cuda_memoryStats",
+        "_cuda_resetPeakMemoryStats",
+        "_cuda_resetAccumulatedMemoryStats",
+        "_cuda_emptyCache",
+    )
     torch_c = types.SimpleNamespace(**dict.fromkeys(names, raising))
     assert sp_torch._answer_memory_stats(torch_c)
-    assert torch_c._cuda_memoryStats is sp_torch.memory_stats
+    assert (
+        torch_c._cuda_memoryStats is sp_torch.memory_stats
+        and torch_c._cuda_emptyCache is sp_torch.empty_cache
+    )
     assert torch_c._cuda_memoryStats(0)["allocation"]["all"]["current"] >= 0  # as torch.cuda calls it
     torch_c._cuda_resetPeakMemoryStats(0)
     torch_c._cuda_resetAccumulatedMemoryStats(0)
     # A PyTorch without one of them is left as it is.
     partial = types.SimpleNamespace(_cuda_memoryStats=raising)
     assert not sp_torch._answer_memory_stats(partial) and partial._cuda_memoryStats is raising
+
+
+def test_empty_cache_hands_back_what_the_resources_hold_free(sim: SimulatedDevice) -> None:
+    """torch.cuda.empty_cache() after use(): down the current resource's chain, a pool gives
+    back its free chunks and the driver's pool beneath is trimmed to what is in use."""
+    sp_torch = importlib.import_module("streampool.allocators.torch")
+    top = mr.CudaAsyncMemoryResource()
+    pool = mr.ShardedPoolMemoryResource(top)
+    stats = mr.StatisticsResourceAdaptor(pool)
+    stream = streampool.Stream()
+    ptrs = [stats.allocate(4 << 20, stream) for _ in range(8)]
+    kept = ptrs.pop()
+    for ptr in ptrs:
+        stats.deallocate(ptr, 4 << 20, stream)
+    held = pool.stats["reserved_bytes"]
+    assert held >= 8 * (4 << 20) and top.reserved_bytes >= held
+    synchronized: list[bool] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the pool's advice to trim is taken, not shown
+        sp_torch._hand_back(stats, lambda: synchronized.append(True))
+    assert pool.stats["reserved_bytes"] < held and top.reserved_bytes == pool.stats["reserved_bytes"]
+    assert synchronized == []  # the pool's release synchronised the device itself
+    stats.deallocate(kept, 4 << 20, stream)
+    with pytest.warns(UserWarning, match="trim_to"):  # what empty_cache takes care of
+        pool.release()
+    # The driver's pool alone: synchronised first, then trimmed.
+    sp_torch._hand_back(top, lambda: synchronized.append(True))
+    assert synchronized == [True] and top.reserved_bytes == 0
 
 
 class CupysOutOfMemoryError(MemoryError):

@@ -158,6 +158,11 @@ def test_torch_memory_statistics_answer_under_streampool() -> None:
             pass
         assert torch.cuda.memory_stats()["num_ooms"] == 1
         assert "PyTorch CUDA memory summary" in torch.cuda.memory_summary()
+        z = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        del z
+        reserved = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()                        # the driver's pool trimmed
+        assert torch.cuda.memory_reserved() < reserved, (reserved, torch.cuda.memory_reserved())
         print("OK")
         """
     )

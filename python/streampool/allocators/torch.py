@@ -39,6 +39,7 @@ package.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from .. import _native
@@ -73,6 +74,7 @@ def _need_torch() -> None:
 # Also `streampool_torch_allocator` and `rmm_torch_allocator`, made on first use (`__getattr__`).
 __all__ = [
     "allocator",
+    "empty_cache",
     "mem_pool",
     "memory_stats",
     "reset_accumulated_memory_stats",
@@ -124,10 +126,13 @@ def use(*, memory_stats: bool = True) -> str:
     PyTorch's pluggable allocators keep no memory statistics: ``torch.cuda.memory_stats()``,
     ``memory_allocated()``, ``max_memory_allocated()``, ``memory_reserved()``,
     ``memory_summary()`` and ``reset_peak_memory_stats()`` raise RuntimeError under them,
-    and so does what calls them. With ``memory_stats=True`` (the default) they answer from
-    streampool's counts instead (:func:`memory_stats`): this replaces the three functions of
-    ``torch._C`` they call (``_cuda_memoryStats``, ``_cuda_resetPeakMemoryStats``,
-    ``_cuda_resetAccumulatedMemoryStats``); ``memory_stats=False`` leaves PyTorch's."""
+    and so does what calls them; ``torch.cuda.empty_cache()`` does nothing. With
+    ``memory_stats=True`` (the default) they answer from streampool's counts instead
+    (:func:`memory_stats`), and ``empty_cache()`` hands back what the resource holds free
+    (:func:`empty_cache`): this replaces the four functions of ``torch._C`` they call
+    (``_cuda_memoryStats``, ``_cuda_resetPeakMemoryStats``,
+    ``_cuda_resetAccumulatedMemoryStats``, ``_cuda_emptyCache``); ``memory_stats=False``
+    leaves PyTorch's."""
     global _IN_USE
     _need_torch()
     if _IN_USE:
@@ -162,11 +167,13 @@ def use(*, memory_stats: bool = True) -> str:
     )
 
 
-# The functions of torch._C that PyTorch's memory statistics call, with what replaces each.
+# The functions of torch._C that PyTorch's memory statistics and empty_cache() call, with
+# what replaces each.
 _STATS_FUNCTIONS = {
     "_cuda_memoryStats": "memory_stats",
     "_cuda_resetPeakMemoryStats": "reset_peak_memory_stats",
     "_cuda_resetAccumulatedMemoryStats": "reset_accumulated_memory_stats",
+    "_cuda_emptyCache": "empty_cache",
 }
 
 
@@ -245,6 +252,37 @@ def memory_stats(device: Any = None) -> dict[str, Any]:
         "oversize_allocations": _stat(),
         "oversize_segments": _stat(),
     }
+
+
+def empty_cache() -> None:
+    """What ``torch.cuda.empty_cache()`` does after :func:`use`: hands the free memory that
+    the current device's resource holds back to the system, as PyTorch's own allocator does
+    with its cache (under a pluggable allocator, PyTorch's does nothing). Down the resource's
+    chain of upstreams: a ``ShardedPoolMemoryResource`` (or ``PoolMemoryResource``) or an
+    ``ArenaMemoryResource`` gives back its free chunks (``release()``), and the driver's pool
+    beneath, a ``CudaAsyncMemoryResource``, is trimmed to what is in use (``trim_to(0)``)
+    once the device is synchronised, as PyTorch's ``cudaMallocAsync`` backend does (for the
+    device's default pool, shared with other libraries, their free memory too). Other
+    resources hold nothing to hand back."""
+    _need_torch()
+    _hand_back(_native.get_current_device_resource(), torch.cuda.synchronize)
+
+
+def _hand_back(resource: Any, synchronize: Any) -> None:
+    """:func:`empty_cache` for ``resource``'s chain, ``synchronize`` waiting for the device."""
+    synchronized = False
+    while resource is not None:
+        if isinstance(resource, (_native.ShardedPoolMemoryResource, _native.ArenaMemoryResource)):
+            with warnings.catch_warnings():
+                # It says how much the driver's pool beneath still holds: trimmed below.
+                warnings.simplefilter("ignore", UserWarning)
+                resource.release()  # synchronises the device itself
+            synchronized = True
+        elif isinstance(resource, _native.CudaAsyncMemoryResource):
+            if not synchronized:
+                synchronize()
+            resource.trim_to(0)
+        resource = resource.upstream if isinstance(resource, _native.UpstreamResourceAdaptor) else None
 
 
 def reset_peak_memory_stats(device: Any = None) -> None:
