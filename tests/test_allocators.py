@@ -1048,7 +1048,7 @@ def test_use_makes_pytorchs_statistics_answer_from_streampool() -> None:
     assert sp_torch._answer_memory_stats(torch_c)
     assert (
         torch_c._cuda_memoryStats is sp_torch.memory_stats
-        and torch_c._cuda_emptyCache is sp_torch.empty_cache
+        and torch_c._cuda_emptyCache is sp_torch._empty_cache_of_torch
     )
     assert torch_c._cuda_memoryStats(0)["allocation"]["all"]["current"] >= 0  # as torch.cuda calls it
     torch_c._cuda_resetPeakMemoryStats(0)

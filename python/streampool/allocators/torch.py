@@ -173,7 +173,7 @@ _STATS_FUNCTIONS = {
     "_cuda_memoryStats": "memory_stats",
     "_cuda_resetPeakMemoryStats": "reset_peak_memory_stats",
     "_cuda_resetAccumulatedMemoryStats": "reset_accumulated_memory_stats",
-    "_cuda_emptyCache": "empty_cache",
+    "_cuda_emptyCache": "_empty_cache_of_torch",
 }
 
 
@@ -266,6 +266,12 @@ def empty_cache() -> None:
     resources hold nothing to hand back."""
     _need_torch()
     _hand_back(_native.get_current_device_resource(), torch.cuda.synchronize)
+
+
+def _empty_cache_of_torch(*_: Any) -> None:
+    """``torch._C._cuda_emptyCache``'s replacement: :func:`empty_cache`, whatever PyTorch
+    passes (a memory pool, in some versions: there is one here)."""
+    empty_cache()
 
 
 def _hand_back(resource: Any, synchronize: Any) -> None:
