@@ -139,7 +139,7 @@ def test_torch_memory_statistics_answer_under_streampool() -> None:
         """
         from streampool.allocators import torch as sp_torch
         said = sp_torch.use()
-        assert said.endswith("torch.cuda.memory_stats() answers streampool's counts"), said
+        assert "memory_stats() and the functions built on it answer from streampool's counts" in said, said
         import torch
         x = torch.empty(16, device="cuda")
         before = torch.cuda.memory_allocated()

@@ -159,11 +159,14 @@ def use(*, memory_stats: bool = True) -> str:
         else "RuntimeError (PyTorch's out-of-memory error was not found in its libraries)"
     )
     stats = (
-        "streampool's counts" if memory_stats and _answer_memory_stats(torch._C) else "nothing (they raise)"
+        "answer from streampool's counts, and empty_cache() hands back what it holds free"
+        if memory_stats and _answer_memory_stats(torch._C)
+        else "raise, and empty_cache() does nothing (memory_stats=False)"
     )
     return (
         f"torch.cuda allocator: CUDAPluggableAllocator({library_path()!r}, {CXX_ALLOC_FUNCTION!r}, "
-        f"{FREE_CXX_FUNCTION!r}); out of memory raises {raises}; torch.cuda.memory_stats() answers {stats}"
+        f"{FREE_CXX_FUNCTION!r}); out of memory raises {raises}; torch.cuda.memory_stats() and the "
+        f"functions built on it {stats}"
     )
 
 
