@@ -292,7 +292,9 @@ def test_cupy_out_of_memory_is_cupys_error() -> None:
         sp_cupy.use()
         with pytest.raises(cupy.cuda.memory.OutOfMemoryError) as raised:
             cupy.empty(1 << 50, dtype=cupy.uint8)  # 1 PiB
-        assert isinstance(raised.value, streampool.OutOfMemoryError) and raised.value.requested == 1 << 50
+        assert (
+            isinstance(raised.value, streampool.OutOfMemoryError) and (raised.value.requested or 0) >= 1 << 50
+        )
         assert int(cupy.arange(10).sum()) == 45  # the device is still usable
     finally:
         cupy.cuda.set_allocator(old_allocator)
