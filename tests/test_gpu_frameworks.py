@@ -36,6 +36,14 @@ def run_python(code: str, env: dict[str, str] | None = None) -> str:
     return done.stdout
 
 
+def run_under_use(answer: str, code: str) -> str:
+    """Runs `code` in a fresh interpreter after ``sp_torch.use()``, whose answer must contain
+    `answer`, and ``import torch``."""
+    prologue = "from streampool.allocators import torch as sp_torch\n"
+    prologue += f"said = sp_torch.use()\nassert {answer!r} in said, said\nimport torch\n"
+    return run_python(prologue + textwrap.dedent(code))
+
+
 def test_torch_tensors_come_from_streampool_and_are_right_on_many_streams() -> None:
     pytest.importorskip("torch")
     out = run_python(
@@ -100,13 +108,10 @@ def test_torch_out_of_memory_is_an_error_and_the_context_lives_on() -> None:
     # PyTorch's own out-of-memory error, and PyTorch raises it as torch.OutOfMemoryError,
     # with streampool's message. The context is not poisoned: kernels run after it.
     pytest.importorskip("torch")
-    out = run_python(
+    out = run_under_use(
+        "; out of memory raises torch.OutOfMemoryError;",
         """
         from streampool import allocators
-        from streampool.allocators import torch as sp_torch
-        said = sp_torch.use()
-        assert "; out of memory raises torch.OutOfMemoryError;" in said, said
-        import torch
         x = torch.ones(1 << 20, device="cuda")
         try:
             torch.empty(1 << 50, dtype=torch.uint8, device="cuda")   # 1 PiB
@@ -126,7 +131,7 @@ def test_torch_out_of_memory_is_an_error_and_the_context_lives_on() -> None:
         torch.cuda.synchronize()
         assert float(y.sum()) == 3.0 * (1 << 20)
         print("OK", message.splitlines()[0])
-        """
+        """,
     )
     assert "OK" in out
 
@@ -135,12 +140,9 @@ def test_torch_memory_statistics_answer_under_streampool() -> None:
     # PyTorch's pluggable allocator keeps no statistics (torch.cuda.memory_stats() raises
     # under it); use() makes them answer from what streampool_alloc_cxx/free_cxx counted.
     pytest.importorskip("torch")
-    out = run_python(
+    out = run_under_use(
+        "memory_stats() and the functions built on it answer from streampool's counts",
         """
-        from streampool.allocators import torch as sp_torch
-        said = sp_torch.use()
-        assert "memory_stats() and the functions built on it answer from streampool's counts" in said, said
-        import torch
         x = torch.empty(16, device="cuda")
         before = torch.cuda.memory_allocated()
         y = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
@@ -164,7 +166,7 @@ def test_torch_memory_statistics_answer_under_streampool() -> None:
         torch.cuda.empty_cache()                        # the driver's pool trimmed
         assert torch.cuda.memory_reserved() < reserved, (reserved, torch.cuda.memory_reserved())
         print("OK")
-        """
+        """,
     )
     assert "OK" in out
 

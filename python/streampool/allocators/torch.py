@@ -82,8 +82,8 @@ __all__ = [
     "use",
 ]
 
-# The CUDAPluggableAllocator of each allocation function (made once each).
-_ALLOCATORS: dict[str, Any] = {}
+# The CUDAPluggableAllocator of each pair of functions (made once each).
+_ALLOCATORS: dict[tuple[str, str], Any] = {}
 _IN_USE = False
 
 
@@ -98,22 +98,22 @@ def allocator() -> Any:
     return made
 
 
-def _pluggable(alloc_function: str, free_function: str = FREE_FUNCTION) -> Any:
+def _pluggable(alloc_function: str, free_function: str) -> Any:
     _need_torch()
     if _native.using_simulated_device():
         raise RuntimeError(
             f"no PyTorch allocator over streampool here: {SIMULATED.removeprefix('skipped: ')}"
         )
-    if alloc_function not in _ALLOCATORS:
+    if (alloc_function, free_function) not in _ALLOCATORS:
         if not hasattr(_torch_memory, "CUDAPluggableAllocator") or not torch.backends.cuda.is_built():
             raise RuntimeError(
                 f"this PyTorch ({torch.__version__}) is built without CUDA, so it cannot take a CUDA "
                 "allocator: install a CUDA build of PyTorch (pip install torch)"
             )
-        _ALLOCATORS[alloc_function] = _torch_memory.CUDAPluggableAllocator(
+        _ALLOCATORS[alloc_function, free_function] = _torch_memory.CUDAPluggableAllocator(
             library_path(), alloc_function, free_function
         )
-    return _ALLOCATORS[alloc_function]
+    return _ALLOCATORS[alloc_function, free_function]
 
 
 def use(*, memory_stats: bool = True) -> str:
@@ -170,16 +170,6 @@ def use(*, memory_stats: bool = True) -> str:
     )
 
 
-# The functions of torch._C that PyTorch's memory statistics and empty_cache() call, with
-# what replaces each.
-_STATS_FUNCTIONS = {
-    "_cuda_memoryStats": "memory_stats",
-    "_cuda_resetPeakMemoryStats": "reset_peak_memory_stats",
-    "_cuda_resetAccumulatedMemoryStats": "reset_accumulated_memory_stats",
-    "_cuda_emptyCache": "_empty_cache_of_torch",
-}
-
-
 def _answer_memory_stats(torch_c: Any) -> bool:
     """Makes PyTorch's memory statistics answer from streampool's counts, replacing the
     functions of ``torch._C`` (``torch_c``) that they call; False, changing nothing, where
@@ -187,7 +177,7 @@ def _answer_memory_stats(torch_c: Any) -> bool:
     if not all(callable(getattr(torch_c, name, None)) for name in _STATS_FUNCTIONS):
         return False
     for name, ours in _STATS_FUNCTIONS.items():
-        setattr(torch_c, name, globals()[ours])
+        setattr(torch_c, name, ours)
     return True
 
 
@@ -328,7 +318,17 @@ def mem_pool() -> Any:
         )
     # The function that returns NULL on failure: the caching allocator checks for it, frees
     # what it caches and tries again, so a failed attempt is said nowhere but in its error.
-    return pool_type(allocator=_pluggable(TRY_ALLOC_FUNCTION).allocator())
+    return pool_type(allocator=_pluggable(TRY_ALLOC_FUNCTION, FREE_FUNCTION).allocator())
+
+
+# The functions of torch._C that PyTorch's memory statistics and empty_cache() call, with
+# what replaces each.
+_STATS_FUNCTIONS: dict[str, Any] = {
+    "_cuda_memoryStats": memory_stats,
+    "_cuda_resetPeakMemoryStats": reset_peak_memory_stats,
+    "_cuda_resetAccumulatedMemoryStats": reset_accumulated_memory_stats,
+    "_cuda_emptyCache": _empty_cache_of_torch,
+}
 
 
 def __getattr__(name: str) -> Any:

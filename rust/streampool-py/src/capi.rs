@@ -296,12 +296,10 @@ fn throw_this_threads_failure(size: usize, device: c_int, handle: RawStream) -> 
         .ok()
         .flatten()
         .unwrap_or_else(|| (format!("{}: no memory was given", alloc_call(size, device, handle)), false));
-    if out_of_memory {
-        torch_stats::out_of_memory(device);
-    }
     // Out of memory begins as PyTorch's own message does, which programs and frameworks
     // look for to retry with less (PyTorch Lightning's and Accelerate's batch-size finders).
     let message = if out_of_memory {
+        torch_stats::out_of_memory(device);
         format!("CUDA out of memory. streampool: {message}")
     } else {
         format!("streampool: {message}")
@@ -534,8 +532,7 @@ pub(crate) fn _capi_last_error() -> (u64, Option<String>) {
 pub(crate) fn _torch_memory_stats(py: Python<'_>, device: c_int) -> TorchStats {
     let (bytes, allocations, out_of_memory) = torch_stats::read(device);
     let reserved = py.detach(move || {
-        let backend = device::backend().ok()?;
-        let footprint = resources::core_resource(&backend, device).ok()?.footprint()?;
+        let footprint = current_resource(device)?.footprint()?;
         Some((footprint.reserved_bytes, footprint.peak_reserved_bytes))
     });
     (bytes, allocations, out_of_memory, reserved)
@@ -550,12 +547,14 @@ type TorchStats = ([i64; 4], [i64; 4], u64, Option<(usize, usize)>);
 pub(crate) fn _torch_reset_memory_stats(py: Python<'_>, device: c_int, peak: bool) {
     torch_stats::reset(device, peak);
     if peak {
-        py.detach(move || {
-            if let Some(mr) = device::backend().ok().and_then(|b| resources::core_resource(&b, device).ok()) {
-                mr.reset_peak_footprint();
-            }
-        });
+        py.detach(move || current_resource(device).map(|mr| mr.reset_peak_footprint()));
     }
+}
+
+/// `device`'s current resource as the C entry points use it; None where there is no
+/// backend or no such device.
+fn current_resource(device: c_int) -> Option<streampool::ResourceRef> {
+    resources::core_resource(&device::backend().ok()?, device).ok()
 }
 
 /// What a thread keeps between calls (see the module docs).
