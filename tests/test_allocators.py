@@ -1022,9 +1022,17 @@ def test_the_cxx_pair_keeps_pytorchs_memory_statistics(
     flat = flattened(sp_torch.memory_stats(torch_device(0)))
     assert set(SUMMARY_STATS) <= set(flat) and all(isinstance(v, int) for v in flat.values())
     assert flat["allocated_bytes.all.current"] == live and flat["allocated_bytes.large_pool.peak"] == 0
-    # A device beyond the counted ones reads as zeros; the entry points on the simulated
-    # device's one device count nothing for another.
-    assert flattened(sp_torch.memory_stats(99))["allocated_bytes.all.allocated"] == 0
+    # A device the machine does not have, or one that is not a CUDA device, is refused by
+    # name, as PyTorch refuses it; the statistics are left as they were.
+    for bad in (99, -1, "cuda:99", "cuda:x", "cpu", "cpu:0", torch_device(99), 1.5, True):
+        with pytest.raises(streampool.InvalidArgumentError, match=r"streampool: .*CUDA device"):
+            sp_torch.memory_stats(bad)
+        with pytest.raises(streampool.InvalidArgumentError):
+            sp_torch.reset_peak_memory_stats(bad)
+    cpu = types.SimpleNamespace(type="cpu", index=None)
+    with pytest.raises(streampool.InvalidArgumentError, match="namespace"):
+        sp_torch.reset_accumulated_memory_stats(cpu)
+    assert flattened(sp_torch.memory_stats("cuda"))["allocated_bytes.all.current"] == live
 
 
 def torch_device(index: int) -> Any:

@@ -39,10 +39,11 @@ package.
 
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import Any
 
-from .. import _native
+from .. import _errors, _native
 from . import (
     CXX_ALLOC_FUNCTION,
     FREE_CXX_FUNCTION,
@@ -193,11 +194,33 @@ def _by_pool(stat: dict[str, int]) -> dict[str, dict[str, int]]:
 
 def _device(device: Any) -> int:
     """A device as PyTorch names one: None (the current device), an int, ``"cuda:1"`` or
-    ``"cuda"``, a ``torch.device``."""
-    index = (
-        (device.partition(":")[2] or None) if isinstance(device, str) else getattr(device, "index", device)
-    )
-    return int(_native.get_current_device()) if index is None else int(index)
+    ``"cuda"``, a ``torch.device``; ``InvalidArgumentError`` for anything else, or a device
+    this machine does not have."""
+    kind, index = "cuda", device
+    if isinstance(device, str):
+        kind, _, number = device.partition(":")
+        index = number or None
+        if number and not (number.isascii() and number.isdigit()):
+            kind = device  # "cuda:x": named whole in the error
+    elif hasattr(device, "type"):  # a torch.device
+        kind, index = str(device.type), device.index
+    if index is None and kind == "cuda":
+        return int(_native.get_current_device())
+    if (
+        kind != "cuda"
+        or isinstance(index, bool)
+        or (not isinstance(index, str) and not hasattr(index, "__index__"))
+    ):
+        raise _errors.InvalidArgumentError(
+            f"streampool: {device!r} is not a CUDA device: give None (the current device), "
+            "an index, 'cuda', 'cuda:N' or a torch.device of type 'cuda'"
+        )
+    ordinal, count = int(index) if isinstance(index, str) else operator.index(index), _native.device_count()
+    if not 0 <= ordinal < count:
+        raise _errors.InvalidArgumentError(
+            f"streampool: there is no CUDA device {device!r} (this machine has {count}: 0 to {count - 1})"
+        )
+    return ordinal
 
 
 def memory_stats(device: Any = None) -> dict[str, Any]:
