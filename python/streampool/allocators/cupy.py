@@ -118,7 +118,9 @@ rmm_cupy_allocator = streampool_cupy_allocator
 
 def use() -> str:
     """Makes :func:`streampool_cupy_allocator` CuPy's allocator (``cupy.cuda.set_allocator``)
-    for the rest of the process, or until it is set again. Returns what it did (a
+    for the rest of the process, or until it is set again (for one block of code, CuPy's
+    ``with cupy.cuda.using_allocator(streampool_cupy_allocator):`` puts the previous
+    allocator back at its end). Returns what it did (a
     ``"skipped: ..."`` line, changing nothing, on the simulated device)."""
     if cupy is None:
         raise ImportError(MISSING) from _IMPORT_ERROR
