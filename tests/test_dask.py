@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -228,6 +229,17 @@ def fill_and_check(value: int, nbytes: int) -> tuple[int, int, bool]:
 
 
 def run_on_cluster(n_workers: int, env: dict[str, str], resource: str = "pool") -> None:
+    # The worker processes unpickle the tasks by this module's name (``tests.test_dask``
+    # under pytest's importlib mode), from the folder that holds that package; they start
+    # with this process's sys.path, which has that folder only when pytest runs from the
+    # repository.
+    here = str(Path(__file__).resolve().parents[fill_and_check.__module__.count(".")])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(here)
+        on_cluster(n_workers, env, resource)
+
+
+def on_cluster(n_workers: int, env: dict[str, str], resource: str) -> None:
     with (
         LocalCluster(
             n_workers=n_workers,
@@ -240,8 +252,8 @@ def run_on_cluster(n_workers: int, env: dict[str, str], resource: str = "pool") 
     ):
         streampool.dask.register(client, resource)
         futures = client.map(fill_and_check, range(4 * n_workers), [1 << 16] * (4 * n_workers))
-        # A failure, not a hang, where the workers cannot run them (pytest run from outside the
-        # repository: the worker processes cannot import this module, and Dask waits for ever).
+        # A failure, not a hang, where the workers cannot run them (when the worker processes
+        # cannot import this module, Dask waits for ever).
         wait(futures, timeout=120)
         results = client.gather(futures)
         assert all(ok for _, _, ok in results), results
