@@ -5,8 +5,9 @@ export PYTHONUNBUFFERED := 1
 export PIP_ROOT_USER_ACTION := ignore
 # Pinned: ruff's format and rules change between releases.
 RUFF_VERSION ?= 0.17.6
+NUMBA_CUDA_VERSION ?= 0.30.4
 
-.PHONY: help install install-lint test test-rust test-python test-loom test-torch-errors lint fmt bench profile-build gpu-build test-gpu gpu-bench peers clean
+.PHONY: help install install-lint test test-rust test-python test-loom test-torch-errors test-numba lint fmt bench profile-build gpu-build test-gpu gpu-bench peers clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -35,6 +36,10 @@ bench: ## the window and fixed workloads here (on the simulated device without a
 test-torch-errors: ## PyTorch's out-of-memory error made from three PyTorch releases' own libraries (fetches their headers and libc10 into .torch-c10/, about 2 GB of downloads)
 	STREAMPOOL_TEST_TORCH_DIRS="$$(PYTHON=$(PYTHON) bash scripts/fetch-torch-c10.sh .torch-c10)" \
 	  $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_torch_errors.py
+
+test-numba: ## the Numba plugin's tests against Numba's own CUDA target (numba-cuda, installed into .numba/; no GPU needed)
+	[ -d .numba/numba_cuda ] || $(PYTHON) -m pip install -q --target .numba "numba-cuda==$(NUMBA_CUDA_VERSION)"
+	PYTHONPATH=.numba STREAMPOOL_TEST_NUMBA=1 $(PYTHON) -m pytest -q -p no:cacheprovider -rs tests/test_allocators.py tests/test_allocators_numba.py -k numba
 
 install-lint: ## install what lint uses: ruff, mypy, rustfmt and clippy; the package too when it is missing
 	$(PYTHON) -m pip install -q "ruff==$(RUFF_VERSION)" mypy
