@@ -194,6 +194,17 @@ def test_a_bad_spec_is_refused_on_the_client_and_a_failed_setup_leaves_no_plugin
         plugins = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.worker_plugins))
         assert "streampool" not in plugins
         streampool.dask.register(client, "pool(async)", device=0)  # a good one still goes in
+        # A failed registration after it puts it back (Dask tore it down first), and says so.
+        with pytest.raises(ValueError, match="gather_interval") as failed:
+            streampool.dask.register(client, "pool(async, gather_interval=-1)", device=0)
+        assert failed.value.__notes__[-1].startswith(
+            "(the streampool plugin registered before is registered again"
+        )
+        [stats] = streampool.dask.statistics(client).values()
+        assert stats["resource"].startswith("<StatisticsResourceAdaptor over <ShardedPoolMemoryResource"), (
+            stats
+        )
+        assert client.submit(lambda: streampool.dask.worker_device()).result(timeout=30) == 0
 
 
 def test_worker_resource_outside_a_worker_is_refused() -> None:

@@ -329,18 +329,56 @@ def register(
     statistics: bool = True,
 ) -> StreampoolPlugin:
     """Registers a :class:`StreampoolPlugin` with ``client``'s cluster: the workers there now
-    and those that join later install the resource. Returns the plugin."""
+    and those that join later install the resource. Returns the plugin.
+
+    Where a worker's setup fails (a value only the resource judges, a device the worker
+    lacks), the worker's error is raised here, with a note naming the worker and its device,
+    and the plugin is not left with the scheduler. Dask has by then torn down a plugin that
+    this process registered before with the same scheduler: that one is registered again
+    (a note says so), so a mistake in a second registration leaves the workers with the
+    first one's resources, made anew."""
     plugin = StreampoolPlugin(resource, device=device, statistics=statistics)
     _refuse_asynchronous(client, "register")
+    scheduler = str(getattr(client.scheduler, "address", ""))
+    before = _REGISTERED.get(scheduler)
+    if before is not None and not client.run_on_scheduler(_has_plugin, name=plugin.name):  # type: ignore[no-untyped-call]
+        before = None  # unregistered since
     try:
         client.register_plugin(plugin)
-    except BaseException:
+    except BaseException as e:
         # A worker's setup failed (a value only the resource judges, a device it lacks): the
         # plugin would stay with the scheduler and fail every worker that joins later.
         with contextlib.suppress(Exception):
             client.unregister_worker_plugin(plugin.name)  # type: ignore[no-untyped-call]
+        # Dask tore down the plugin registered before under the same name, on every worker,
+        # before setting this one up: register it again rather than leave the workers bare.
+        if before is not None and isinstance(e, Exception):
+            _REGISTERED.pop(scheduler, None)
+            try:
+                client.register_plugin(before)
+            except Exception as again:
+                e.add_note(
+                    "(the streampool plugin registered before could not be registered again "
+                    f"({type(again).__name__}: {again}): the workers have no streampool resource)"
+                )
+            else:
+                _REGISTERED[scheduler] = before
+                e.add_note(
+                    "(the streampool plugin registered before is registered again: its resources "
+                    "are new ones, whose statistics start from zero)"
+                )
         raise
+    _REGISTERED[scheduler] = plugin
     return plugin
+
+
+#: The plugin :func:`register` registered last with each scheduler (by address), put back
+#: when a later registration fails.
+_REGISTERED: dict[str, StreampoolPlugin] = {}
+
+
+def _has_plugin(dask_scheduler: Any, name: str) -> bool:
+    return name in dask_scheduler.worker_plugins
 
 
 def _worker_statistics(dask_worker: Any) -> dict[str, Any]:
