@@ -1011,6 +1011,12 @@ def test_the_cxx_pair_keeps_pytorchs_memory_statistics(
     assert before["allocated_bytes"]["all"] == stat(live, live, 0, 0)
     a, b = ALLOC_CXX(1000, 0, None), ALLOC_CXX(3000, 0, None)
     FREE_CXX(a, 1000, 0, None)
+    # Frees the resource refuses count nothing: a double free, a pointer inside an
+    # allocation, a size no allocation has.
+    failures = allocators.failure_count()
+    for pointer, size in ((a, 1000), (b + 256, 3000), (b, 1 << 63)):
+        FREE_CXX(pointer, size, 0, None)
+    assert allocators.failure_count() == failures + 3
     now = sp_torch.memory_stats()
     assert now["allocated_bytes"]["all"] == stat(live + 3000, live + 4000, 4000, 1000)
     assert now["allocation"]["all"] == stat(count + 1, count + 2, 2, 1)
@@ -1039,7 +1045,7 @@ def test_the_cxx_pair_keeps_pytorchs_memory_statistics(
     assert flat["allocated_bytes.all.current"] == live and flat["allocated_bytes.large_pool.peak"] == 0
     # A device the machine does not have, or one that is not a CUDA device, is refused by
     # name, as PyTorch refuses it; the statistics are left as they were.
-    for bad in (99, -1, "cuda:99", "cuda:x", "cpu", "cpu:0", torch_device(99), 1.5, True):
+    for bad in (99, -1, "cuda:99", "cuda:x", "cuda:", "cpu", "cpu:0", torch_device(99), 1.5, True):
         with pytest.raises(streampool.InvalidArgumentError, match=r"streampool: .*CUDA device"):
             sp_torch.memory_stats(bad)
         with pytest.raises(streampool.InvalidArgumentError):
@@ -1079,6 +1085,29 @@ def test_use_makes_pytorchs_statistics_answer_from_streampool() -> None:
     # A PyTorch without one of them is left as it is.
     partial = types.SimpleNamespace(_cuda_memoryStats=raising)
     assert not sp_torch._answer_memory_stats(partial) and partial._cuda_memoryStats is raising
+
+
+def test_use_again_with_memory_stats_makes_the_statistics_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    sp_torch = importlib.import_module("streampool.allocators.torch")
+
+    def raising(device: int) -> None:
+        raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
+
+    names = list(sp_torch._STATS_FUNCTIONS)
+    torch_c = types.SimpleNamespace(**dict.fromkeys(names, raising))
+    # After use(memory_stats=False): streampool allocates, PyTorch's statistics raise.
+    monkeypatch.setattr(sp_torch, "torch", types.SimpleNamespace(_C=torch_c))
+    monkeypatch.setattr(sp_torch, "_need_torch", lambda: None)
+    monkeypatch.setattr(sp_torch, "_IN_USE", True)
+    assert sp_torch.use(memory_stats=False) == "already allocating through streampool"
+    assert torch_c._cuda_memoryStats is raising
+    said = sp_torch.use()
+    assert said.startswith("already allocating through streampool; torch.cuda.memory_stats() and the")
+    assert torch_c._cuda_memoryStats is sp_torch.memory_stats
+    assert sp_torch.use() == "already allocating through streampool"  # nothing more to do
+    for bad in ("no", 1, None):
+        with pytest.raises(TypeError, match="memory_stats must be True or False"):
+            sp_torch.use(memory_stats=bad)
 
 
 def test_empty_cache_hands_back_what_the_resources_hold_free(sim: SimulatedDevice) -> None:

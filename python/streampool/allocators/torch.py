@@ -121,7 +121,8 @@ def use(*, memory_stats: bool = True) -> str:
     """Makes streampool PyTorch's CUDA allocator for the rest of the process
     (``torch.cuda.memory.change_current_allocator``). Call it before the first CUDA tensor:
     PyTorch cannot swap an allocator it has used, and this raises RuntimeError saying so.
-    Calling it again is harmless. Returns what it did (a ``"skipped: ..."`` line, changing
+    Calling it again is harmless (with ``memory_stats=True`` after ``False``, the statistics
+    then answer). Returns what it did (a ``"skipped: ..."`` line, changing
     nothing, on the simulated device or where PyTorch sees no GPU).
 
     PyTorch's pluggable allocators keep no memory statistics: ``torch.cuda.memory_stats()``,
@@ -135,8 +136,18 @@ def use(*, memory_stats: bool = True) -> str:
     ``_cuda_resetAccumulatedMemoryStats``, ``_cuda_emptyCache``); ``memory_stats=False``
     leaves PyTorch's."""
     global _IN_USE
+    if not isinstance(memory_stats, bool):
+        raise TypeError(f"memory_stats must be True or False, not {memory_stats!r}")
     _need_torch()
     if _IN_USE:
+        # use(memory_stats=False) before: the statistics are PyTorch's still.
+        ours = _STATS_FUNCTIONS["_cuda_memoryStats"]
+        if (
+            memory_stats
+            and getattr(torch._C, "_cuda_memoryStats", None) is not ours
+            and _answer_memory_stats(torch._C)
+        ):
+            return f"already allocating through streampool; torch.cuda.memory_stats() and the functions built on it {_ANSWERED}"
         return "already allocating through streampool"
     if _native.using_simulated_device():
         return SIMULATED
@@ -160,7 +171,7 @@ def use(*, memory_stats: bool = True) -> str:
         else "RuntimeError (PyTorch's out-of-memory error was not found in its libraries)"
     )
     stats = (
-        "answer from streampool's counts, and empty_cache() hands back what it holds free"
+        _ANSWERED
         if memory_stats and _answer_memory_stats(torch._C)
         else "raise, and empty_cache() does nothing (memory_stats=False)"
     )
@@ -169,6 +180,9 @@ def use(*, memory_stats: bool = True) -> str:
         f"{FREE_CXX_FUNCTION!r}); out of memory raises {raises}; torch.cuda.memory_stats() and the "
         f"functions built on it {stats}"
     )
+
+
+_ANSWERED = "answer from streampool's counts, and empty_cache() hands back what it holds free"
 
 
 def _answer_memory_stats(torch_c: Any) -> bool:
@@ -198,10 +212,10 @@ def _device(device: Any) -> int:
     this machine does not have."""
     kind, index = "cuda", device
     if isinstance(device, str):
-        kind, _, number = device.partition(":")
+        kind, colon, number = device.partition(":")
         index = number or None
-        if number and not (number.isascii() and number.isdigit()):
-            kind = device  # "cuda:x": named whole in the error
+        if colon and not (number.isascii() and number.isdigit()):
+            kind = device  # "cuda:x", "cuda:": named whole in the error
     elif hasattr(device, "type"):  # a torch.device
         kind, index = str(device.type), device.index
     if index is None and kind == "cuda":

@@ -169,8 +169,9 @@ pub extern "C-unwind" fn streampool_alloc_cxx(
 /// the statistics that pair keeps ([`torch_stats`]). PyTorch is given the two.
 #[no_mangle]
 pub extern "C" fn streampool_free_cxx(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
-    streampool_free(ptr, size, device, stream);
-    if !ptr.is_null() {
+    // A refused free (a double free, a pointer or size the resource did not hand out)
+    // changes no count: the counts never go below what is live.
+    if free(ptr, size, device, stream) && !ptr.is_null() {
         torch_stats::freed(device, size);
     }
 }
@@ -221,9 +222,12 @@ pub(crate) mod torch_stats {
             self.freed.fetch_add(amount as u64, Relaxed);
         }
 
+        /// Never below 0 nor wrapped: a free of a wrong size, which a resource that does not
+        /// track sizes (the driver's pool) accepts, cannot show as negative or huge counts.
         fn read(&self) -> [i64; 4] {
-            let [allocated, freed] = [&self.allocated, &self.freed].map(|c| c.load(Relaxed) as i64);
-            [self.current.load(Relaxed), self.peak.load(Relaxed), allocated, freed]
+            let [allocated, freed] =
+                [&self.allocated, &self.freed].map(|c| i64::try_from(c.load(Relaxed)).unwrap_or(i64::MAX));
+            [self.current.load(Relaxed).max(0), self.peak.load(Relaxed).max(0), allocated, freed]
         }
     }
 
@@ -245,16 +249,22 @@ pub(crate) mod torch_stats {
 
     pub(super) fn allocated(device: c_int, size: usize) {
         if let Some(d) = of(device) {
-            d.bytes.increase(size as i64);
+            d.bytes.increase(bytes(size));
             d.allocations.increase(1);
         }
     }
 
     pub(super) fn freed(device: c_int, size: usize) {
         if let Some(d) = of(device) {
-            d.bytes.decrease(size as i64);
+            d.bytes.decrease(bytes(size));
             d.allocations.decrease(1);
         }
+    }
+
+    /// A size as a count: sizes beyond `i64::MAX` are refused by every resource, and count
+    /// as that most.
+    fn bytes(size: usize) -> i64 {
+        i64::try_from(size).unwrap_or(i64::MAX)
     }
 
     pub(super) fn out_of_memory(device: c_int) {
@@ -276,7 +286,7 @@ pub(crate) mod torch_stats {
         let Some(d) = of(device) else { return };
         for stat in [&d.bytes, &d.allocations] {
             if peak {
-                stat.peak.store(stat.current.load(Relaxed), Relaxed);
+                stat.peak.store(stat.current.load(Relaxed).max(0), Relaxed);
             } else {
                 stat.allocated.store(0, Relaxed);
                 stat.freed.store(0, Relaxed);
@@ -321,12 +331,20 @@ fn throw_this_threads_failure(size: usize, device: c_int, handle: RawStream) -> 
 /// for `streampool.allocators.last_error()`.
 #[no_mangle]
 pub extern "C" fn streampool_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
+    free(ptr, size, device, stream);
+}
+
+/// [`streampool_free`]: true when the resource took the memory back, false when it refused
+/// (the failure recorded).
+#[inline]
+fn free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) -> bool {
     let (ptr, handle) = (ptr as DevPtr, stream as RawStream);
     let what = || free_call(ptr, size, device, handle);
-    if let Some(()) =
-        fast_path(device, handle, what, true, (), |()| -1, |mr, stream| mr.try_deallocate(ptr, size, stream))
-    {
-        return;
+    let taken = |mr: &streampool::ResourceRef, stream: &Stream| {
+        mr.try_deallocate(ptr, size, stream).map(|settled| settled.map(|()| true))
+    };
+    if let Some(freed) = fast_path(device, handle, what, true, false, |_| -1, taken) {
+        return freed;
     }
     guarded(what, true, || {
         let done =
@@ -353,7 +371,8 @@ pub extern "C" fn streampool_free(ptr: *mut c_void, size: usize, device: c_int, 
             Err(Error::DriverNotFound(_)) if device::backend_epoch() > 0 => Ok(()),
             Err(e) => Err(e),
         }
-    });
+    })
+    .is_some()
 }
 
 /// Frees `ptr` (`size` bytes of `device`) on the device's legacy default stream once the
