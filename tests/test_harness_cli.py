@@ -166,7 +166,7 @@ def test_bench_table_is_plain_text_when_piped_and_says_simulated_device() -> Non
         (
             ("bench", "random", "--param", "bogus=1", "--quick"),
             2,
-            "takes no parameter 'bogus'; its parameters: ",
+            "takes no parameter 'bogus'; its --param parameters: allocations, ",
         ),
         (("bench", "random", "--param", "threads=2", "--quick"), 2, "give it as --threads"),
         (

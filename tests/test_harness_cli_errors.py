@@ -245,6 +245,16 @@ def test_skip_malformed_says_how_many_lines_it_skipped(tmp_path: Path) -> None:
     assert f"{log}: 1 malformed line(s) skipped" in out.stdout
 
 
+def test_bench_replay_skips_malformed_lines_as_replay_does(tmp_path: Path) -> None:
+    log = write(
+        tmp_path, "app.log", f"{HEADER}\n1,1.0,allocate,0x1000,64,0\nnot a line\n1,2.0,free,0x1000,64,0\n"
+    )
+    failed(run("bench", "replay", "--log", log, "--quick"), 3, "pass --skip-malformed")
+    out = run("bench", "replay", "--log", log, "--quick", "--resources", "async", "--skip-malformed")
+    assert out.returncode == 0, out.stderr
+    assert f"{log}: 1 malformed line(s) skipped" in out.stdout
+
+
 def test_stress_seconds_win_over_quick() -> None:
     out = run("stress", "--seconds", "0.2", "--quick", "--threads", "1")
     assert out.returncode == 0, out.stderr
@@ -262,6 +272,26 @@ def test_stress_seconds_win_over_quick() -> None:
             "--threads does not apply to the larger-than-memory workload",
         ),
         (("bench", "window", "--log", "LOG"), "--log is for the replay workload"),
+        (("bench", "window", "--skip-malformed"), "--skip-malformed is for the replay workload"),
+        # As --param: refused as the option is, not sent to the option.
+        (
+            ("bench", "replay", "--log", "LOG", "--param", "streams=2"),
+            "--param streams=... does not apply to the replay workload",
+        ),
+        (
+            ("bench", "larger-than-memory", "--param", "threads=2"),
+            "--param threads=... does not apply to the larger-than-memory workload",
+        ),
+        (
+            ("bench", "replay", "--log", "LOG", "--param", "log=x.log"),
+            "give the replay workload's log as --log LOG",
+        ),
+        # What --param takes is listed without what options give.
+        (
+            ("bench", "larger-than-memory", "--param", "allocations=1"),
+            "its --param parameters: total, chunk_size, passes",
+        ),
+        (("bench", "replay", "--log", "LOG", "--param", "x=1"), "its --param parameters: gap_scale"),
     ],
 )
 def test_options_a_workload_ignores_are_refused(tmp_path: Path, args: tuple[str, ...], message: str) -> None:

@@ -154,6 +154,9 @@ def _parser() -> argparse.ArgumentParser:
         help="a workload parameter, e.g. allocations=100000 (repeatable)",
     )
     b.add_argument("--log", help="the log, for the replay workload")
+    b.add_argument(
+        "--skip-malformed", action="store_true", help=f"for the replay workload: {SKIP_MALFORMED_HELP}"
+    )
 
     s = sub.add_parser("stress", help="a randomised run with data verification")
     s.add_argument("--resources", default="pool(async)", help="resource specs (default pool(async))")
@@ -460,16 +463,32 @@ def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
     w = workloads.WORKLOADS[args.workload]
     given = dict(args.param)
     for own, how in (("threads", "--threads (a list: each value is measured)"), ("streams", "--streams N")):
+        if own in w.ignores and (own in given or getattr(args, own) is not None):
+            option = f"--param {own}=..." if own in given else f"--{own}"
+            raise _Fail(EXIT_USAGE, f"{option} does not apply to the {w.name} workload: {w.ignores[own]}")
         if own in given:
             raise _Fail(EXIT_USAGE, f"--param {own}=...: give it as {how}")
-        if getattr(args, own) is not None and own in w.ignores:
-            raise _Fail(EXIT_USAGE, f"--{own} does not apply to the {w.name} workload: {w.ignores[own]}")
+    if "log" in given and w.name == "replay":
+        raise _Fail(EXIT_USAGE, "--param log=...: give the replay workload's log as --log LOG")
+    # What --param takes: the workload's own parameters, less those given as options.
+    takes = [p for p in w.parameters if p not in ("threads", "streams") and (p, w.name) != ("log", "replay")]
+    unknown = [p for p in given if p not in takes]
+    if unknown:
+        raise _Fail(
+            EXIT_USAGE,
+            f"workload {w.name!r} takes no parameter {', '.join(map(repr, unknown))}; its --param "
+            f"parameters: {', '.join(takes) or 'none'}",
+        )
     if (args.log is not None) != (w.name == "replay"):
         raise _Fail(
             EXIT_USAGE,
             "the replay workload needs --log LOG"
             if w.name == "replay"
             else f"--log is for the replay workload; the {w.name} workload reads no log",
+        )
+    if args.skip_malformed and w.name != "replay":
+        raise _Fail(
+            EXIT_USAGE, f"--skip-malformed is for the replay workload; the {w.name} workload reads no log"
         )
     params = dict(w.quick) if args.quick else {}
     params.update(given)
@@ -480,7 +499,7 @@ def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
     out = Output(args.json)
     threads, streams = args.threads or [1], args.streams or 0
     if w.name == "replay":  # the log's own threads and streams
-        t = _read_log(out, args.log)
+        t = _read_log(out, args.log, args.skip_malformed)
         params["log"] = t
         threads, streams = [t.threads], t.streams
     _announce(out, dev)

@@ -155,8 +155,8 @@ def check_distinct(specs: Sequence[str]) -> None:
         if key in seen:
             raise SpecError(
                 f"{text!r} is given twice (as {seen[key]!r} before it); every resource is measured once a "
-                "repeat, so its runs could not be told apart: give each spec once (its min-max over "
-                "--repeats is the spread between its runs)"
+                "repeat (stress: once), so its runs could not be told apart: give each spec once (in bench, "
+                "replay and recommend, its min-max over --repeats is the spread between its runs)"
             )
         seen[key] = text
 
