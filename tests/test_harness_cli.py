@@ -318,6 +318,10 @@ def test_plot_a_log(tmp_path: Path, log: Path) -> None:
     out = run("plot", str(log), "-o", str(tmp_path / "plots"))
     assert out.returncode == 0, out.stderr
     assert f"wrote {tmp_path / 'plots.png'}" in out.stdout and (tmp_path / "plots.png").exists()
+    # A resource too small for the log: the plot is drawn, and what it leaves out is said.
+    out = run("plot", str(log), "-o", str(png), "--resource", "limit(async, limit=256)")
+    assert out.returncode == 0, out.stderr
+    assert "of the log's allocations ran out of memory on limit(async, limit=256)" in out.stderr
 
 
 def test_bench_plots(tmp_path: Path) -> None:

@@ -803,6 +803,13 @@ def _cmd_plot(args: argparse.Namespace, dev: Device) -> int:
     plots.log_plot(t, replayed, candidate.spec, target, dev.simulated)
     note = " (simulated device)" if dev.simulated else ""
     out.line(f"wrote {target}{note}")
+    if replayed["oom_events"]:
+        print(
+            f"streampool plot: {replayed['oom_events']} of the log's allocations ran out of memory on "
+            f"{candidate.spec}: its live and reserved curve leaves them out (the recorded curves above "
+            "it are whole); --resource with more memory replays them",
+            file=sys.stderr,
+        )
     return EXIT_OK
 
 

@@ -179,7 +179,9 @@ def log_plot(trace: Trace, replayed: dict[str, Any], spec: str, out: str, simula
             where="post",
             label=f"reserved ({spec})",
         )
-    ax.set_title(f"live and reserved MiB, replayed on {spec}")
+    failed = replayed.get("oom_events", 0)
+    left_out = f"\n({failed} allocations out of memory, left out)" if failed else ""
+    ax.set_title(f"live and reserved MiB, replayed on {spec}{left_out}")
     ax.set_xlabel("event")
     ax.legend(fontsize="small")
     ax = axes[1][1]

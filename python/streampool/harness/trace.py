@@ -511,17 +511,24 @@ def live_intervals_overlap(live: list[tuple[int, int]], ptr: int, size: int) -> 
 
 def sequential_replay(resource: Any, trace: Trace, reserved: Any = None) -> dict[str, Any]:
     """Replays ``trace`` from one thread in recorded order (one stream per recorded stream),
-    recording after every event the live bytes and ``reserved()``; for plots."""
+    recording after every event the live bytes and ``reserved()``; for plots. An allocation
+    that runs out of memory is left out, with its free, and counted (``oom_events``)."""
     streams = _streams(trace)
     ptrs: dict[int, int] = {}
     live = 0
-    out: dict[str, Any] = {"live": [], "reserved": [], "latencies_ns": {"allocate": [], "free": []}}
+    out: dict[str, Any] = {
+        "live": [],
+        "reserved": [],
+        "latencies_ns": {"allocate": [], "free": []},
+        "oom_events": 0,
+    }
     for _t, size, alloc_id, _th, s, op in trace.records:
         c = time.perf_counter_ns()
         if op == ALLOCATE:
             try:
                 ptrs[alloc_id] = resource.allocate(size, streams[s])
             except MemoryError:
+                out["oom_events"] += 1
                 continue
             out["latencies_ns"]["allocate"].append(time.perf_counter_ns() - c)
             live += size
