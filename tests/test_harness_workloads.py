@@ -97,6 +97,15 @@ def test_unknown_workloads_and_parameters_are_refused() -> None:
     ):
         workloads.run("random", make_resource("async"), bogus=1)
     assert workloads.WORKLOADS["pipeline"].parameters[:3] == ["threads", "streams", "chunks"]
+    with pytest.raises(TypeError, match=r"a resource spec \(e\.g\. 'pool\(async\)'\), what make_resource"):
+        workloads.run("random", 42, allocations=10)  # type: ignore[arg-type]
+
+
+def test_a_workload_runs_on_a_spec_string_or_a_resource() -> None:
+    by_spec = workloads.run("random", "pool(async)", allocations=50)
+    assert by_spec["events"] == 100 and by_spec["peak_reserved_bytes"] >= by_spec["peak_live_bytes"] > 0
+    resource = workloads.run("random", mr.CudaAsyncMemoryResource(), allocations=50)
+    assert resource["events"] == 100
     assert "null_call_us" in workloads.WORKLOADS["pipeline"].parameters
     with pytest.raises(ValueError, match="driver must be"):
         workloads.pipeline(make_resource("async"), driver="gpu")

@@ -34,7 +34,7 @@ from .._native import Stream, available_device_memory, parse_size, using_simulat
 from . import trace as _trace
 from ._threads import run_threads
 from .output import human_bytes
-from .specs import Candidate
+from .specs import Candidate, make_resource
 
 __all__ = [
     "HANDOFF_DEPTH",
@@ -775,7 +775,18 @@ def check(name: str, params: dict[str, Any]) -> None:
         _check_pipeline(given["check_every"], given["driver"], given["long_call_us"], given["null_call_us"])
 
 
-def run(name: str, candidate: Candidate, **params: Any) -> dict[str, Any]:
-    """Runs workload ``name`` on ``candidate``, its ``params`` checked first (:func:`check`)."""
+def run(name: str, candidate: Candidate | str | _native.MemoryResource, **params: Any) -> dict[str, Any]:
+    """Runs workload ``name`` on ``candidate``, its ``params`` checked first (:func:`check`):
+    what ``make_resource(spec)`` made, a spec string (made so), or a resource (whose reserved
+    bytes are then not reported)."""
     check(name, params)
+    if isinstance(candidate, str):
+        candidate = make_resource(candidate)
+    elif isinstance(candidate, _native.MemoryResource):
+        candidate = Candidate(type(candidate).__name__, candidate, "")
+    elif not isinstance(candidate, Candidate):
+        raise TypeError(
+            "workloads.run() measures a resource spec (e.g. 'pool(async)'), what "
+            f"make_resource(spec) made, or a MemoryResource, not {type(candidate).__name__}"
+        )
     return WORKLOADS[name].run(candidate, **params)
