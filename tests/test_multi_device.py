@@ -278,6 +278,13 @@ def test_memory_and_streams_of_another_device_are_refused(dev: SimulatedDevice) 
         streampool.InvalidStreamError, match="belongs to device 1, but is used here with device 0"
     ):
         streampool.DeviceBuffer(size=4096, stream=s1, mr=res0)
+    # With the current device's resource, not given: the error names the way out.
+    with pytest.raises(
+        streampool.InvalidStreamError,
+        match=r"give a stream of device 0, or a resource of device 1 \(in Python, "
+        r"streampool\.get_per_device_resource\(1\)\)",
+    ):
+        streampool.DeviceBuffer(size=4096, stream=s1)
     with pytest.raises(streampool.InvalidStreamError, match="belongs to device 1"):
         buf0.copy_to_host(stream=s1)
     with pytest.raises(streampool.InvalidStreamError, match="belongs to device 1"):

@@ -384,7 +384,9 @@ impl Stream {
         if my_device != device {
             return Err(Error::InvalidStream(format!(
                 "stream {:#x} belongs to device {my_device}, but is used here with device {device} (the \
-                 device of the resource, buffer or event it is given with)",
+                 device of the resource, buffer or event it is given with): give a stream of device \
+                 {device}, or a resource of device {my_device} (in Python, \
+                 streampool.get_per_device_resource({my_device}))",
                 self.handle
             )));
         }
