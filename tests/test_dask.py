@@ -150,6 +150,9 @@ def test_bad_input_names_the_argument_and_the_devices(two_devices: SimulatedDevi
         StreampoolPlugin(42)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="has no function 'nothing'"):
         StreampoolPlugin("streampool.mr:nothing")
+    for path in (":", "nosuch_module_here:f"):
+        with pytest.raises(ValueError, match=r'"module:function" path, whose module cannot be imported'):
+            StreampoolPlugin(path)
     with pytest.raises(ValueError, match="device must be a device ordinal"):
         StreampoolPlugin(device=-1)
     for device in (1.5, True):

@@ -126,7 +126,13 @@ def _resolve(resource: str | ResourceFactory) -> ResourceFactory:
         return RESOURCE_NAMES[spec]
     if ":" in spec and "(" not in spec:
         module, _, name = spec.partition(":")
-        factory = getattr(importlib.import_module(module), name, None)
+        try:
+            factory = getattr(importlib.import_module(module), name, None)
+        except (ImportError, ValueError) as e:  # ValueError: an empty module name
+            raise ValueError(
+                f'resource {resource!r}: a "module:function" path, whose module cannot be imported '
+                f"({type(e).__name__}: {e})"
+            ) from e
         if not callable(factory):
             raise ValueError(f"resource {resource!r}: {module} has no function {name!r}")
         return cast(ResourceFactory, factory)
