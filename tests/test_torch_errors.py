@@ -51,7 +51,11 @@ import ctypes, sys
 from streampool import _native, allocators
 from streampool.sim import SimulatedDevice
 
-caller = ctypes.CDLL(sys.argv[1]).call  # loads PyTorch's libc10, as `import torch` does
+# Loads PyTorch's libc10, as `import torch` does; into the global scope, where PyTorch's
+# libraries put copies of the error's type (a weak symbol, defined by every library that
+# uses it, this one too): libc10_cuda's virtual table then points at this library's copy,
+# not at the one libc10_cuda itself defines.
+caller = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL).call
 lib = sys.argv[2]
 c10 = ctypes.CDLL(f"{lib}/libc10.so")
 try:  # CUDA builds define the error's type here (it needs the CUDA runtime's library)

@@ -121,9 +121,12 @@ bool find_torch_out_of_memory() {
       found.construct = candidate.construct;
       if (!candidate.own) {
         // The table's address point is two words in: its offset to the top (0 here) and
-        // its type, which must be OutOfMemoryError's.
+        // its type, which must be OutOfMemoryError's. Compared as types, not addresses: the
+        // type is a weak symbol that PyTorch's other libraries define too, and the table
+        // points at whichever copy the loader bound first (libtorch's, in a PyTorch process).
         auto* table = static_cast<void**>(symbol(c10_cuda, c10, "_ZTVN3c1016OutOfMemoryErrorE"));
-        if (table == nullptr || table[0] != nullptr || table[1] != found.type) {
+        if (table == nullptr || table[0] != nullptr || table[1] == nullptr ||
+            !(*static_cast<const std::type_info*>(table[1]) == *found.type)) {
           return false;
         }
         found.vtable = table + 2;
