@@ -19,7 +19,9 @@ PART=${1:?usage: gpu-sitting.sh suite|guide|frameworks}
 OUT=${OUT:-/tmp/streampool-sitting}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 STREAMPOOL_GPU_TESTS=1
-python3 -m pip install -q --no-index --no-deps --target /tmp/sp .gpu/wheels/*.whl 2>&1 | tail -n 2
+# RMM too where `make peers` put its wheels in .peers/ (carried beside .gpu/): the guide's
+# tables keep their RMM columns only when RMM is measured in the same run.
+python3 -m pip install -q --no-index --no-deps --target /tmp/sp .gpu/wheels/*.whl $(ls .peers/*.whl 2>/dev/null) 2>&1 | tail -n 2
 export PYTHONPATH=/tmp/sp
 case $PART in
 suite)
