@@ -210,31 +210,37 @@ def _device(device: Any) -> int:
     """A device as PyTorch names one: None (the current device), an int, ``"cuda:1"`` or
     ``"cuda"``, a ``torch.device``; ``InvalidArgumentError`` for anything else, or a device
     this machine does not have."""
-    kind, index = "cuda", device
-    if isinstance(device, str):
+    index: int | None
+    if device is None:
+        index = None
+    elif isinstance(device, str):
         kind, colon, number = device.partition(":")
-        index = number or None
-        if colon and not (number.isascii() and number.isdigit()):
-            kind = device  # "cuda:x", "cuda:": named whole in the error
+        if kind != "cuda" or (colon and not (number.isascii() and number.isdigit())):
+            raise _not_a_cuda_device(device)  # "cpu", "cuda:x", "cuda:"
+        index = int(number) if colon else None
     elif hasattr(device, "type"):  # a torch.device
-        kind, index = str(device.type), device.index
-    if index is None and kind == "cuda":
+        if str(device.type) != "cuda":
+            raise _not_a_cuda_device(device)
+        index = device.index
+    elif isinstance(device, bool) or not hasattr(device, "__index__"):
+        raise _not_a_cuda_device(device)
+    else:
+        index = operator.index(device)
+    if index is None:
         return int(_native.get_current_device())
-    if (
-        kind != "cuda"
-        or isinstance(index, bool)
-        or (not isinstance(index, str) and not hasattr(index, "__index__"))
-    ):
-        raise _errors.InvalidArgumentError(
-            f"streampool: {device!r} is not a CUDA device: give None (the current device), "
-            "an index, 'cuda', 'cuda:N' or a torch.device of type 'cuda'"
-        )
-    ordinal, count = int(index) if isinstance(index, str) else operator.index(index), _native.device_count()
-    if not 0 <= ordinal < count:
+    count = _native.device_count()
+    if not 0 <= index < count:
         raise _errors.InvalidArgumentError(
             f"streampool: there is no CUDA device {device!r} (this machine has {count}: 0 to {count - 1})"
         )
-    return ordinal
+    return index
+
+
+def _not_a_cuda_device(device: Any) -> _errors.InvalidArgumentError:
+    return _errors.InvalidArgumentError(
+        f"streampool: {device!r} is not a CUDA device: give None (the current device), "
+        "an index, 'cuda', 'cuda:N' or a torch.device of type 'cuda'"
+    )
 
 
 def memory_stats(device: Any = None) -> dict[str, Any]:

@@ -471,7 +471,7 @@ def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
     if "log" in given and w.name == "replay":
         raise _Fail(EXIT_USAGE, "--param log=...: give the replay workload's log as --log LOG")
     # What --param takes: the workload's own parameters, less those given as options.
-    takes = [p for p in w.parameters if p not in ("threads", "streams") and (p, w.name) != ("log", "replay")]
+    takes = [p for p in w.parameters if p not in ("threads", "streams", "log")]
     unknown = [p for p in given if p not in takes]
     if unknown:
         raise _Fail(

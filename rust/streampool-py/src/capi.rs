@@ -224,10 +224,11 @@ pub(crate) mod torch_stats {
 
         /// Never below 0 nor wrapped: a free of a wrong size, which a resource that does not
         /// track sizes (the driver's pool) accepts, cannot show as negative or huge counts.
+        /// (The peak is never below 0: it starts there, and a reset clamps what it copies.)
         fn read(&self) -> [i64; 4] {
             let [allocated, freed] =
                 [&self.allocated, &self.freed].map(|c| i64::try_from(c.load(Relaxed)).unwrap_or(i64::MAX));
-            [self.current.load(Relaxed).max(0), self.peak.load(Relaxed).max(0), allocated, freed]
+            [self.current.load(Relaxed).max(0), self.peak.load(Relaxed), allocated, freed]
         }
     }
 
