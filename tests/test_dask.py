@@ -22,6 +22,7 @@ import streampool
 import streampool.dask
 from streampool import mr
 from streampool.dask import StreampoolPlugin
+from streampool.harness import PeerMissingError
 from streampool.sim import SimulatedDevice
 
 
@@ -153,6 +154,12 @@ def test_bad_input_names_the_argument_and_the_devices(two_devices: SimulatedDevi
     for path in (":", "nosuch_module_here:f"):
         with pytest.raises(ValueError, match=r'"module:function" path, whose module cannot be imported'):
             StreampoolPlugin(path)
+    # A peer's spec is a spec, not an import path of the peer's module: made on the worker
+    # (where, here, the simulated device refuses peers), and checked in the client.
+    with pytest.raises(PeerMissingError, match="cannot run on the simulated device"):
+        StreampoolPlugin("rmm:async").setup(FakeWorker(0))
+    with pytest.raises(ValueError, match="unknown peer resource 'cupy:bogus'"):
+        StreampoolPlugin("cupy:bogus")
     with pytest.raises(ValueError, match="device must be a device ordinal"):
         StreampoolPlugin(device=-1)
     for device in (1.5, True):

@@ -109,11 +109,14 @@ _BEFORE: dict[int, mr.MemoryResource | None] = {}
 _INSTALLED: dict[int, list[mr.MemoryResource]] = {}
 
 
+_PEER_LIBRARIES = ("rmm", "cupy", "torch")
+
+
 def _resolve(resource: str | ResourceFactory) -> ResourceFactory:
     """The factory behind a resource argument: a callable as it is, a name of
     :data:`RESOURCE_NAMES`, a ``"module:function"`` import path, or a resource spec of
-    the harness (``"stats(pool(async))"``: docs/harness.md), made on the worker's current
-    device."""
+    the harness (``"stats(pool(async))"``, or a peer's, ``"rmm:async"``: docs/harness.md),
+    made on the worker's current device."""
     if callable(resource):
         return resource
     if not isinstance(resource, str):
@@ -124,8 +127,9 @@ def _resolve(resource: str | ResourceFactory) -> ResourceFactory:
     spec = resource.strip()
     if spec in RESOURCE_NAMES:
         return RESOURCE_NAMES[spec]
-    if ":" in spec and "(" not in spec:
-        module, _, name = spec.partition(":")
+    module, colon, name = spec.partition(":")
+    # "rmm:async", "cupy:pool", ...: a peer's resource spec of the harness, not an import path.
+    if colon and "(" not in spec and module.strip() not in _PEER_LIBRARIES:
         try:
             factory = getattr(importlib.import_module(module), name, None)
         except (ImportError, ValueError) as e:  # ValueError: an empty module name
@@ -171,7 +175,8 @@ class StreampoolPlugin(WorkerPlugin):
     Args:
         resource: what to install: a name (``"async"``: the driver's pool, the default;
             ``"pool"`` or ``"pool(async)"``: a sharded pool over it; ``"cuda"``,
-            ``"managed"``, ``"async-managed"``), a ``"module:function"`` path, or a function
+            ``"managed"``, ``"async-managed"``), a resource spec of the harness
+            (``"stats(pool(async))"``, ``"rmm:async"``), a ``"module:function"`` path, or a function
             ``(device) -> MemoryResource`` (pickled to the workers: a module-level function
             or a ``functools.partial``).
         device: the device ordinal every worker uses; by default each worker picks its own:
