@@ -32,7 +32,7 @@ pub enum Error {
         context: String,
     },
     /// No usable CUDA driver on this machine (library missing, `cuInit` failed, no device).
-    #[error("no CUDA driver found: {0}. To run without a GPU, use the simulated device: `with streampool.sim.SimulatedDevice(): ...` in Python, or STREAMPOOL_DEVICE=sim in the environment")]
+    #[error("no CUDA driver found: {0}. To run without a GPU, use the simulated device: `with streampool.sim.SimulatedDevice(): ...` in Python, `let _guard = SimDevice::new(capacity).activate()?;` in Rust, or STREAMPOOL_DEVICE=sim in the environment")]
     DriverNotFound(String),
     /// The driver is present but lacks something this call needs (e.g. a CUDA 13 feature).
     #[error("unsupported: {0}")]
@@ -201,6 +201,19 @@ pub(crate) fn record_if_failed(what: impl FnOnce() -> String, result: Result<()>
     if let Err(e) = result {
         record_drop_error(&what(), &e);
     }
+}
+
+/// Records, on a resource's drop, the allocations never freed whose memory goes back to
+/// the upstream with the resource's own (`what`: how many bytes or blocks): a leak the
+/// program should hear of, since any later use of them is a use after free.
+pub(crate) fn record_leak_on_drop(resource: &str, what: &str) {
+    record_drop_error(
+        &format!("dropping a {resource}"),
+        &Error::InvalidPointer(format!(
+            "{what} still allocated from it (never freed); their memory goes back to the upstream with the \
+             {resource}'s, so using or freeing them now is a use after free"
+        )),
+    );
 }
 
 /// The device synchronisation a resource makes before it gives its memory back on drop,

@@ -228,7 +228,9 @@ impl Stream {
     /// its last clone is dropped), so that state kept per stream (a pool's shard) can
     /// record a last event on it and be retired. Only for streams this crate owns: for the
     /// default streams and borrowed handles, whose end cannot be seen, `hook` is dropped
-    /// and the answer is false.
+    /// and the answer is false. The hook is handed the stream: it must not keep a clone of
+    /// it (move one into the closure), or the stream's last clone is never dropped and the
+    /// stream never destroyed.
     pub fn on_destroy(&self, hook: DestroyHook) -> bool {
         match &self.origin {
             Origin::Owned(o) => {

@@ -21,6 +21,8 @@ fn activation_is_process_wide_and_objects_stay_on_their_device() {
     // A second one cannot be entered at the same time.
     let second = SimDevice::new(64 << 20);
     assert!(matches!(second.activate(), Err(Error::InvalidArgument(_))));
+    let again = first.activate().unwrap_err().to_string();
+    assert!(again.contains("is already active in this process (this one: activated twice)"), "{again}");
 
     let mr = Arc::new(CudaAsyncMemoryResource::new(None, Default::default()).unwrap());
     let stream = Stream::create(&backend().unwrap(), 0, false).unwrap();

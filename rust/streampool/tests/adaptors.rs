@@ -1472,6 +1472,7 @@ fn a_failure_in_drop_is_recorded() {
 
 #[test]
 fn drop_errors_keep_the_last_16_messages() {
+    let _one = RECENT_DROP_ERRORS.lock().unwrap_or_else(|e| e.into_inner());
     for i in 0..20 {
         streampool::record_drop_error(&format!("test message {i}"), &Error::invalid("x"));
     }
@@ -1539,4 +1540,44 @@ fn fixed_size_releases_its_wholly_free_chunks_and_keeps_the_rest() {
     assert_eq!(mr.release_free_chunks().unwrap(), 4 * 4096);
     assert_eq!(upstream.statistics().current_bytes, 0);
     assert_no_races(&sim);
+}
+
+/// Held by the tests that read [`streampool::drop_errors`]'s recent messages after
+/// recording several, and by the one that records 20: those would push theirs out.
+static RECENT_DROP_ERRORS: Mutex<()> = Mutex::new(());
+
+/// Whether one of the recent drop errors contains `text`.
+fn drop_error_said(text: &str) -> bool {
+    streampool::drop_errors().recent.iter().any(|m| m.contains(text))
+}
+
+#[test]
+fn dropping_a_resource_with_blocks_outstanding_is_recorded() {
+    let _one = RECENT_DROP_ERRORS.lock().unwrap_or_else(|e| e.into_inner());
+    // Their chunks go back upstream with the resource: what was never freed now dangles.
+    let (_sim, b) = sim(64 << 20);
+    let s = Stream::create(&b, 0, false).unwrap();
+    let fixed = FixedSizeMemoryResource::new(async_mr(&b), 4864, 8).unwrap();
+    fixed.allocate(4000, &s).unwrap();
+    let freed = fixed.allocate(4000, &s).unwrap();
+    fixed.deallocate(freed, 4000, &s).unwrap();
+    drop(fixed);
+    let said = "dropping a FixedSizeMemoryResource: invalid pointer: 1 block of 4864 bytes was still allocated from it";
+    assert!(drop_error_said(said), "{:#?}", streampool::drop_errors());
+    let binning = BinningMemoryResource::new(async_mr(&b), None, None).unwrap();
+    binning.add_bin(7936, None).unwrap();
+    for _ in 0..2 {
+        binning.allocate(7000, &s).unwrap();
+    }
+    drop(binning);
+    assert!(
+        drop_error_said("2 blocks of 7936 bytes were still allocated"),
+        "{:#?}",
+        streampool::drop_errors()
+    );
+    let pool = streampool::ShardedPoolMemoryResource::new(async_mr(&b), Default::default()).unwrap();
+    pool.allocate(1 << 20, &s).unwrap();
+    drop(pool);
+    let said = "dropping a ShardedPoolMemoryResource: invalid pointer: 1048576 bytes were still allocated";
+    assert!(drop_error_said(said), "{:#?}", streampool::drop_errors());
 }

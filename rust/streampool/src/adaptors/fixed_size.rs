@@ -281,7 +281,15 @@ impl Drop for FixedSizeMemoryResource {
         // driver torn down at exit) has nobody to report to: it is recorded.
         let what = || "dropping a FixedSizeMemoryResource".to_string();
         synchronize_on_drop(self.upstream.backend(), self.upstream.device(), what);
-        let chunks = std::mem::take(&mut lock(&self.state).chunks);
+        let mut st = lock(&self.state);
+        let live = st.outstanding.len();
+        if live > 0 {
+            let (blocks, were) = if live == 1 { ("block", "was") } else { ("blocks", "were") };
+            let what = format!("{live} {blocks} of {} bytes {were}", self.block_bytes);
+            crate::error::record_leak_on_drop("FixedSizeMemoryResource", &what);
+        }
+        let chunks = std::mem::take(&mut st.chunks);
+        drop(st);
         for chunk in chunks {
             record_if_failed(what, self.upstream.deallocate(chunk, self.chunk_bytes(), &Stream::legacy()));
         }

@@ -629,9 +629,10 @@ fn env_sim() -> Result<Option<Arc<sim::SimDevice>>> {
 
 pub(crate) fn set_active_sim(sim: Option<Arc<sim::SimDevice>>) -> Result<()> {
     let mut slot = ACTIVE_SIM.lock().unwrap_or_else(|e| e.into_inner());
-    if let (Some(current), Some(_)) = (slot.as_ref(), sim.as_ref()) {
+    if let (Some(current), Some(new)) = (slot.as_ref(), sim.as_ref()) {
+        let again = if Arc::ptr_eq(current, new) { " (this one: activated twice)" } else { "" };
         return Err(Error::invalid(format!(
-            "{} is already active in this process; exit it before entering another",
+            "{} is already active in this process{again}; exit it before entering another",
             current.describe()
         )));
     }

@@ -882,17 +882,9 @@ impl Drop for ShardedPoolMemoryResource {
         crate::error::synchronize_on_drop(self.backend(), self.device(), || {
             "ShardedPoolMemoryResource's synchronisation on drop".into()
         });
-        // Allocations never freed go back to the upstream with their chunks: a leak the
-        // program should hear of, since any later use of them is a use after free.
         let live = self.stats().used_bytes;
         if live > 0 {
-            crate::error::record_drop_error(
-                "dropping a ShardedPoolMemoryResource",
-                &Error::InvalidPointer(format!(
-                    "{live} bytes were still allocated from it (never freed); their memory goes back to the \
-                     upstream with the pool's, so using or freeing them now is a use after free"
-                )),
-            );
+            crate::error::record_leak_on_drop("ShardedPoolMemoryResource", &format!("{live} bytes were"));
         }
         let table = self.table();
         for c in table.sorted.iter().filter(|c| c.id != region::REGION_CHUNK) {
@@ -914,12 +906,12 @@ impl Drop for ShardedPoolMemoryResource {
 
 impl fmt::Debug for ShardedPoolMemoryResource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "ShardedPoolMemoryResource(reserved={}, maximum={}, upstream={:?})",
-            self.reserved.load(Ordering::Relaxed),
-            self.maximum,
-            self.upstream
-        )
+        let reserved = self.reserved.load(Ordering::Relaxed);
+        write!(f, "ShardedPoolMemoryResource(reserved={reserved}, maximum=")?;
+        match self.maximum {
+            usize::MAX => write!(f, "none")?,
+            maximum => write!(f, "{maximum}")?,
+        }
+        write!(f, ", upstream={:?})", self.upstream)
     }
 }
