@@ -169,6 +169,12 @@ def test_profile_of_a_program_that_is_not_executable(tmp_path: Path) -> None:
         (("stress", "--max-size", "0"), "expected a size of at least 1 byte, e.g. 1MiB, not '0'"),
         (("stress", "--seconds", "inf"), "positive number of seconds (a finite one), not 'inf'"),
         (("stress", "--seconds", "nan"), "positive number of seconds (a finite one), not 'nan'"),
+        (
+            ("replay", "app.log", "--max-lead", "-1"),
+            "expected milliseconds (finite, 0 or more) or none, not '-1'",
+        ),
+        (("recommend", "app.log", "--max-lead", "inf"), "expected milliseconds (finite, 0 or more) or none"),
+        (("bench", "replay", "--log", "app.log", "--param", "max_lead=-1"), "max_lead must be at least 0"),
     ],
 )
 def test_parameters_out_of_range_are_usage_errors(args: tuple[str, ...], message: str) -> None:
@@ -243,6 +249,16 @@ def test_skip_malformed_says_how_many_lines_it_skipped(tmp_path: Path) -> None:
     out = run("replay", log, "--resources", "async", "--repeats", "1", "--skip-malformed")
     assert out.returncode == 0, out.stderr
     assert f"{log}: 1 malformed line(s) skipped" in out.stdout
+
+
+def test_the_replays_lead_is_in_milliseconds_and_in_the_json(tmp_path: Path) -> None:
+    log = write(tmp_path, "app.log", f"{HEADER}\n1,1.0,allocate,0x1000,64,0\n2,1.1,free,0x1000,64,0\n")
+    for given, seconds in (("0.5", 0.0005), ("none", None)):
+        out = run("replay", log, "--resources", "async", "--repeats", "1", "--json", "--max-lead", given)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["params"]["max_lead"] == seconds
+    out = run("recommend", log, "--repeats", "1", "--json")
+    assert json.loads(out.stdout)["params"]["max_lead"] == 0.001, out.stderr
 
 
 def test_bench_replay_skips_malformed_lines_as_replay_does(tmp_path: Path) -> None:

@@ -179,3 +179,31 @@ def test_measure_refuses_before_anything_runs(on_a_gpu: None, monkeypatch: pytes
 
 def test_on_the_simulated_device_nothing_is_refused() -> None:
     assert bench.refused("multistream", ["managed"], [4], {"size": "1TiB"}) == {}
+
+
+def producer_consumer(chunks: int) -> Trace:
+    """A producer thread allocates a 1 MiB chunk every 2 µs on its stream; a consumer
+    thread frees each 1 µs later on its own: the program never had two chunks live."""
+    records = []
+    for i in range(chunks):
+        records.append((2000 * i, MiB, i, 0, 0, ALLOCATE))
+        records.append((2000 * i + 1000, MiB, i, 1, 1, FREE))
+    return Trace(records)
+
+
+@pytest.mark.parametrize("native", REPLAYERS)
+def test_no_replay_thread_runs_further_ahead_than_the_lead(native: bool) -> None:
+    # The program's queue is not in its log: left to itself, the producer runs ahead of
+    # the consumer and holds many chunks live; kept to the recorded order across threads,
+    # as the program's queue kept it, one chunk is live at a time.
+    t = producer_consumer(300)
+    resource = make_resource("async").resource
+    assert trace.replay(resource, t, gap_scale=0, max_lead=0, native=native)["peak_live_bytes"] == MiB
+    # 10 µs of lead: the producer is at most 5 chunks ahead, and one more in its call.
+    peak = trace.replay(resource, t, gap_scale=0, max_lead=10e-6, native=native)["peak_live_bytes"]
+    assert MiB <= peak <= 7 * MiB, peak
+    # The default keeps it to 1 ms (the whole of this log) and replays every event.
+    assert trace.replay(resource, t, gap_scale=0, native=native)["events"] == 600
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="max_lead must be a number of seconds >= 0"):
+            trace.replay(resource, t, gap_scale=0, max_lead=bad, native=native)

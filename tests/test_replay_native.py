@@ -252,3 +252,13 @@ def test_ctrl_c_stops_a_native_replay_at_once(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["interrupted", "0"], out.stdout
+
+
+def test_the_default_lead_is_one_figure_everywhere() -> None:
+    # The native replayer's default, its signature's (which the stubs copy) and the
+    # harness's are the same 1 ms.
+    import inspect
+
+    from streampool.harness import trace
+
+    assert inspect.signature(_native.replay).parameters["max_lead"].default == trace.MAX_LEAD == 0.001

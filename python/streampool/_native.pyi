@@ -1533,7 +1533,9 @@ class ReplayReport(TypedDict):
     synchronizations: int | None
     waits: int | None
 
-def replay(resource: MemoryResource, records: bytes, *, gap_scale: float = 1.0) -> ReplayReport:
+def replay(
+    resource: MemoryResource, records: bytes, *, gap_scale: float = 1.0, max_lead: float | None = 0.001
+) -> ReplayReport:
     """Replays an allocation log on ``resource`` from native threads, with the GIL released.
 
     ``records``: packed little-endian 40-byte records, ``struct.Struct("<QQQIIB7x")`` =
@@ -1541,7 +1543,12 @@ def replay(resource: MemoryResource, records: bytes, *, gap_scale: float = 1.0) 
     order. ``thread`` and ``stream`` are labels: one native thread per recorded thread, one
     new (non-blocking) stream per recorded stream. Each thread replays its events in
     recorded order, waiting the recorded gaps times ``gap_scale`` (0: as fast as possible),
-    from the earliest recorded time. Ctrl-C stops it within 50 ms (what it holds is freed,
+    from the earliest recorded time. No thread runs more than ``max_lead`` seconds of
+    recorded time ahead of another (default 1 ms; None: no bound): before an event
+    recorded at ``t``, a thread waits until every other has done its events recorded
+    before ``t - max_lead``. The program's queues and locks are not in the log; that keeps
+    the order they gave across threads, so that a producer does not run ahead of its
+    consumer and hold more memory live than the program had. Ctrl-C stops it within 50 ms (what it holds is freed,
     and KeyboardInterrupt raised). A free of another thread's allocation waits until it exists, and when its stream
     differs, waits on an event recorded after the allocation (as a real program orders a
     hand-off). An allocation that runs out of memory is counted (``oom_events``) and
@@ -1556,7 +1563,8 @@ def replay(resource: MemoryResource, records: bytes, *, gap_scale: float = 1.0) 
     Raises InvalidArgumentError, naming the record, for a length that is not a multiple of
     40, an unknown op, a free of an id that is not live, an id allocated twice while live,
     a free whose size differs from the allocation's, a negative ``gap_scale``, or gaps
-    that ``gap_scale`` would stretch past ``MAX_LOG_TIME_S`` seconds.
+    that ``gap_scale`` would stretch past ``MAX_LOG_TIME_S`` seconds; ValueError for a
+    negative or NaN ``max_lead``.
 
     Example::
 

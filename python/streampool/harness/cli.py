@@ -97,12 +97,34 @@ def _param(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    if value.lower() == "none":
+        return key, None
     for convert in (int, float):
         try:
             return key, convert(value)
         except ValueError:
             pass
     return key, value
+
+
+def _lead(text: str) -> float | None:
+    """``--max-lead``: milliseconds (finite, 0 or more), or ``none``; in seconds."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = math.nan
+    if not (0 <= ms < math.inf):
+        raise argparse.ArgumentTypeError(f"expected milliseconds (finite, 0 or more) or none, not {text!r}")
+    return ms / 1000
+
+
+MAX_LEAD_HELP = (
+    "how far (ms of recorded time) a replay thread may run ahead of the others (default "
+    f"{trace.MAX_LEAD * 1000:g}; none: no bound): the program's queues and locks are not in "
+    "the log, and a producer left to run ahead of its consumer holds more memory than the program did"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -191,6 +213,7 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="recorded gaps times this (default 0: as fast as possible; 1: as recorded)",
     )
+    r.add_argument("--max-lead", type=_lead, default=trace.MAX_LEAD, metavar="MS", help=MAX_LEAD_HELP)
     r.add_argument("--skip-malformed", action="store_true", help=SKIP_MALFORMED_HELP)
 
     rc = sub.add_parser("recommend", help="which resource suits a log (or a program, profiled first)")
@@ -199,6 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--json", action="store_true", help=JSON_HELP)
     rc.add_argument("--quick", action="store_true", help="2 repeats")
     rc.add_argument("--skip-malformed", action="store_true", help=SKIP_MALFORMED_HELP)
+    rc.add_argument("--max-lead", type=_lead, default=trace.MAX_LEAD, metavar="MS", help=MAX_LEAD_HELP)
     rc.add_argument(
         "-o", "--output", help="with `-- prog`: where to keep the log (default: a temporary file)"
     )
@@ -507,7 +531,7 @@ def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace, dev: Device) -> int:
-    params: dict[str, Any] = {"gap_scale": args.gap_scale}
+    params: dict[str, Any] = {"gap_scale": args.gap_scale, "max_lead": args.max_lead}
     workloads.check("replay", params)
     specs = _specs(args.resources)
     _check_plot_dir(args)
@@ -664,10 +688,18 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
     unmeasurable = recommend.unmeasurable(prof)
     if unmeasurable is not None:
         if args.json:
-            out.emit_json(_recommend_document(dev, log, repeats, [], [], prof, None, unmeasurable))
+            out.emit_json(
+                _recommend_document(dev, log, args.max_lead, repeats, [], [], prof, None, unmeasurable)
+            )
         raise _Fail(EXIT_CANNOT_RUN, unmeasurable)
     runs, summary = bench.measure(
-        "replay", prof.candidates, [t.threads], t.streams, repeats, {"log": t, "gap_scale": 0.0}, out.progress
+        "replay",
+        prof.candidates,
+        [t.threads],
+        t.streams,
+        repeats,
+        {"log": t, "gap_scale": 0.0, "max_lead": args.max_lead},
+        out.progress,
     )
     _results_table(
         out,
@@ -680,7 +712,9 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
     except recommend.NothingToRecommendError as e:
         # The measurements stand: --json still prints them, with no recommendation.
         if args.json:
-            out.emit_json(_recommend_document(dev, log, repeats, runs, summary, prof, None, str(e)))
+            out.emit_json(
+                _recommend_document(dev, log, args.max_lead, repeats, runs, summary, prof, None, str(e))
+            )
         raise
     margin = choice["margin"]
     if margin is None:
@@ -709,13 +743,16 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
     for code_line in choice["code"].splitlines():
         out.line(f"    {code_line}")
     if args.json:
-        out.emit_json(_recommend_document(dev, log, repeats, runs, summary, prof, choice, None))
+        out.emit_json(
+            _recommend_document(dev, log, args.max_lead, repeats, runs, summary, prof, choice, None)
+        )
     return EXIT_OK
 
 
 def _recommend_document(
     dev: Device,
     log: str,
+    max_lead: float | None,
     repeats: int,
     runs: list[dict[str, Any]],
     summary: list[dict[str, Any]],
@@ -729,7 +766,7 @@ def _recommend_document(
         "recommend",
         dev,
         workload="replay",
-        params={"log": log, "gap_scale": 0.0},
+        params={"log": log, "gap_scale": 0.0, "max_lead": max_lead},
         repeats=repeats,
         runs=_strip(runs),
         summary=summary,

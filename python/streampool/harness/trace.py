@@ -34,6 +34,7 @@ from .specs import _OWN_POOLS, _holder
 __all__ = [
     "ALLOCATE",
     "FREE",
+    "MAX_LEAD",
     "RECORD",
     "LogFormatError",
     "Trace",
@@ -45,6 +46,10 @@ __all__ = [
 
 RECORD = struct.Struct("<QQQIIB7x")
 ALLOCATE, FREE = 0, 1
+#: How far (seconds of recorded time) a replay thread may run ahead of the others by
+#: default: a program's queues, locks and joins are not in its log, and a producer thread
+#: left to run ahead of its consumer would hold more memory live than the program had.
+MAX_LEAD = 0.001
 #: The per-thread default stream's handle (cudaStreamPerThread): a stream of each thread's own.
 PER_THREAD_HANDLE = 2
 _DAY_NS = 86_400 * 10**9
@@ -300,12 +305,15 @@ def replay(
     trace: Trace,
     *,
     gap_scale: float = 1.0,
+    max_lead: float | None = MAX_LEAD,
     reserved: Any = None,
     native: bool | None = None,
 ) -> dict[str, Any]:
     """Replays ``trace`` on ``resource``: one thread per recorded thread, one new stream
     per recorded stream, each thread's operations in recorded order, the recorded gaps
-    between them scaled by ``gap_scale`` (0: as fast as possible). A free waits for its
+    between them scaled by ``gap_scale`` (0: as fast as possible), and no thread more than
+    ``max_lead`` seconds of recorded time ahead of another (None: no bound; see
+    :data:`MAX_LEAD`). A free waits for its
     allocation when another thread made it; an allocation that runs out of memory is
     counted in oom_events and skipped with its free. Returns events (the allocator calls
     that succeeded), seconds, alloc_seconds (time inside the allocator's calls, all
@@ -320,13 +328,15 @@ def replay(
 
     ``native=None`` uses the native replayer (``streampool._native.replay``) when this build
     has it, else replays from Python threads (slower per event, same semantics)."""
+    if max_lead is not None and not max_lead >= 0:
+        raise ValueError(f"max_lead must be a number of seconds >= 0 (or None: no bound), got {max_lead}")
     if native is None:
         native = native_replay_available()
     if native:
-        out = native_report(_native.replay(resource, trace.pack(), gap_scale=gap_scale))
+        out = native_report(_native.replay(resource, trace.pack(), gap_scale=gap_scale, max_lead=max_lead))
         out["replayer"] = "native"
     else:
-        out = _python_replay(resource, trace, gap_scale, reserved)
+        out = _python_replay(resource, trace, gap_scale, max_lead, reserved)
         out["replayer"] = "python"
     if out.get("peak_reserved_bytes") is None and reserved is not None:
         out["peak_reserved_bytes"] = reserved()
@@ -334,16 +344,33 @@ def replay(
     return out
 
 
-def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any) -> dict[str, Any]:
+def _python_replay(
+    resource: Any, trace: Trace, gap_scale: float, max_lead: float | None, reserved: Any
+) -> dict[str, Any]:
     per_thread: dict[int, list[tuple[int, int, int, int, int, int]]] = {}
     alloc_thread: dict[int, int] = {}
     alloc_size: dict[int, int] = {}  # a free's size may be 0: the allocation's is used
+    origin = min((r[0] for r in trace.records), default=0)  # the earliest time, as the native one
+    # The times the threads keep to within the lead, as the native replayer's: a thread's
+    # latest so far, a free's never before its allocation's.
+    paces: dict[int, list[int]] = {}
+    latest: dict[int, int] = {}
+    alloc_pace: dict[int, int] = {}
     for r in trace.records:
         per_thread.setdefault(r[3], []).append(r)
+        pace = max(latest.get(r[3], 0), r[0] - origin)
         if r[5] == ALLOCATE:
             alloc_thread[r[2]] = r[3]
             alloc_size[r[2]] = r[1]
-    origin = min((r[0] for r in trace.records), default=0)  # the earliest time, as the native one
+            alloc_pace[r[2]] = pace
+        else:
+            pace = max(pace, alloc_pace.get(r[2], 0))
+        latest[r[3]] = pace
+        paces.setdefault(r[3], []).append(pace)
+    lead = None if max_lead is None or max_lead == float("inf") else int(max_lead * 1e9)
+    done = 1 << 64  # a finished thread's time: it holds no other back
+    labels = list(per_thread)
+    progress = [paces[label][0] for label in labels]
     cross = {r[2] for r in trace.records if r[5] == FREE and alloc_thread.get(r[2]) != r[3]}
     streams = _streams(trace)
     ptrs: dict[int, int] = {}
@@ -363,7 +390,16 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
         with ready:
             ready.notify_all()
 
-    def run(ops: list[tuple[int, int, int, int, int, int]]) -> None:
+    def keep_pace(me: int, at: int) -> None:
+        """Waits until no other thread is at a time before ``at - lead``."""
+        assert lead is not None
+        while (
+            not stop.is_set()
+            and min((p for i, p in enumerate(progress) if i != me), default=done) + lead < at
+        ):
+            time.sleep(0)  # lets the other threads (and their GIL) go on
+
+    def run(me: int, ops: list[tuple[int, int, int, int, int, int]]) -> None:
         a_lat: list[int] = []
         f_lat: list[int] = []
         notes: list[tuple[int, int]] = []  # (when, bytes): see `peak_of_notes`
@@ -373,9 +409,13 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
         try:
             start_barrier.wait()
             t0 = clock()
+            pace = paces[labels[me]]
             for n, (t, size, alloc_id, _th, s, op) in enumerate(ops):
                 if stop.is_set():
                     break
+                progress[me] = pace[n]
+                if lead is not None:
+                    keep_pace(me, pace[n])
                 if gap_scale > 0:
                     due = t0 + int((t - origin) * gap_scale)
                     now = clock()
@@ -403,8 +443,11 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
                         ptrs[alloc_id] = ptr
                 else:
                     if alloc_id in cross:
+                        # Meanwhile at the allocation's time: its thread may wait for this one.
+                        progress[me] = alloc_pace[alloc_id]
                         with ready:
                             ready.wait_for(lambda i=alloc_id: i in ptrs or i in failed or stop.is_set())  # type: ignore[misc]
+                        progress[me] = pace[n]
                     if alloc_id not in ptrs:  # it failed (or Ctrl-C stopped its thread)
                         continue
                     ptr, nbytes = ptrs.pop(alloc_id), size or alloc_size[alloc_id]
@@ -421,6 +464,7 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
         except BaseException as e:
             errors.append(e)
         finally:
+            progress[me] = done
             with lock:
                 lat[0].extend(a_lat)
                 lat[1].extend(f_lat)
@@ -428,7 +472,12 @@ def _python_replay(resource: Any, trace: Trace, gap_scale: float, reserved: Any)
 
     counters = pool_counters(resource)
     start = time.perf_counter()
-    run_threads([functools.partial(run, ops) for ops in per_thread.values()], stop, wake, name="replay")
+    run_threads(
+        [functools.partial(run, i, per_thread[label]) for i, label in enumerate(labels)],
+        stop,
+        wake,
+        name="replay",
+    )
     for s in streams.values():
         s.synchronize()
     seconds = time.perf_counter() - start

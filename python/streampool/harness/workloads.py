@@ -228,12 +228,18 @@ def _threads_peak(t: _trace.Trace) -> int:
 
 
 def _replay_result(
-    candidate: Candidate, t: _trace.Trace, gap_scale: float, peak: int | None = None
+    candidate: Candidate,
+    t: _trace.Trace,
+    gap_scale: float,
+    peak: int | None = None,
+    max_lead: float | None = _trace.MAX_LEAD,
 ) -> dict[str, Any]:
     """``t`` replayed on ``candidate``, refused first where its peak (``peak``, else the
     log's recorded one) would oversubscribe the GPU (:func:`oversubscribes`)."""
     _refuse_oversubscription(candidate, t if peak is None else peak)
-    out = _trace.replay(candidate.resource, t, gap_scale=gap_scale, reserved=candidate.reserved)
+    out = _trace.replay(
+        candidate.resource, t, gap_scale=gap_scale, max_lead=max_lead, reserved=candidate.reserved
+    )
     # The calls that succeeded: a failed allocation (and its skipped free) is no work done.
     out["throughput"] = out["events"] / out["seconds"] if out["seconds"] else 0.0
     out["unit"] = "events/s"
@@ -275,14 +281,17 @@ def replay(
     *,
     log: str | _trace.Trace,
     gap_scale: float = 0.0,
+    max_lead: float | None = _trace.MAX_LEAD,
     threads: int = 0,
     streams: int = 0,
 ) -> dict[str, Any]:
     """Replays a log (a path, or a Trace): each recorded thread and stream in recorded
-    order, the gaps scaled by ``gap_scale`` (0: as fast as possible). ``threads`` and
-    ``streams`` are ignored (the log's own are replayed)."""
+    order, the gaps scaled by ``gap_scale`` (0: as fast as possible), no thread more than
+    ``max_lead`` seconds of recorded time ahead of another (None: no bound;
+    :func:`streampool.harness.trace.replay`). ``threads`` and ``streams`` are ignored
+    (the log's own are replayed)."""
     t = _trace.read_log(log) if isinstance(log, str) else log
-    return _replay_result(candidate, t, gap_scale)
+    return _replay_result(candidate, t, gap_scale, max_lead=max_lead)
 
 
 # --- kernel workloads -------------------------------------------------------------------
@@ -707,6 +716,7 @@ _LEAST: dict[str, int] = {
     "total": 0,  # 0: the default, half the device's free memory
     "passes": 1,
     "gap_scale": 0,
+    "max_lead": 0,
     "streams": 0,  # 0: one per thread
     "threads": 1,
 }
@@ -733,9 +743,13 @@ def _check_pipeline(check_every: int, driver: str, long_call_us: float, null_cal
 
 def check_param(workload: str, key: str, value: Any, kind: str) -> None:
     """Refuses ``value`` for parameter ``key`` of ``workload`` (declared as ``kind``:
-    ``int``, ``float``, or ``int | str`` for a size) when it is of the wrong type or below
+    ``int``, ``float``, ``float | None``, or ``int | str`` for a size) when it is of the wrong type or below
     its least value (``_LEAST``): ValueError naming the parameter and what it takes."""
     where = f"workload {workload!r}: {key}"
+    if kind == "float | None":
+        if value is None:
+            return
+        kind = "float"
     if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
         raise ValueError(f"{where} must be an integer, not {value!r}")
     if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):

@@ -192,10 +192,15 @@ macro_rules! set_shared {
     }};
 }
 
+/// [`core::replay::DEFAULT_MAX_LEAD_NS`] in seconds, `replay`'s default `max_lead` (its
+/// text signature says 0.001: a test holds them equal).
+const MAX_LEAD_S: f64 = core::replay::DEFAULT_MAX_LEAD_NS as f64 * 1e-9;
+
 /// Replays a log of packed 40-byte records (`struct.Struct("<QQQIIB7x")`: t_ns, size,
 /// alloc_id, thread, stream, op with 0 = allocate and 1 = free) on `resource`: one native
 /// thread per recorded thread, one stream per recorded stream, the recorded gaps scaled
-/// by `gap_scale` (0: as fast as possible). Returns the measurements as a dict.
+/// by `gap_scale` (0: as fast as possible), no thread more than `max_lead` seconds of
+/// recorded time ahead of another (None: no bound). Returns the measurements as a dict.
 ///
 /// Example::
 ///
@@ -205,16 +210,30 @@ macro_rules! set_shared {
 ///     report = streampool._native.replay(streampool.mr.CudaAsyncMemoryResource(), log, gap_scale=0)
 ///     print(report["allocate_ns"]["p50"])
 #[pyfunction]
-#[pyo3(signature = (resource, records, *, gap_scale = 1.0))]
+#[pyo3(
+    signature = (resource, records, *, gap_scale = 1.0, max_lead = Some(MAX_LEAD_S)),
+    text_signature = "(resource, records, *, gap_scale=1.0, max_lead=0.001)"
+)]
 pub(crate) fn replay<'py>(
     py: Python<'py>,
     resource: &Bound<'py, PyMemoryResource>,
     records: &[u8],
     gap_scale: f64,
+    max_lead: Option<f64>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let max_lead_ns = match max_lead {
+        None => None,
+        Some(s) if s.is_infinite() && s > 0.0 => None,
+        Some(s) if s >= 0.0 => Some((s * 1e9).round() as u64), // saturates
+        Some(s) => {
+            return Err(PyValueError::new_err(format!(
+                "max_lead must be a number of seconds >= 0 (or None: no bound), got {s}"
+            )))
+        }
+    };
     let mr = resource.get().inner.clone();
     let records = core::replay::parse(records).or_raise(py)?;
-    let options = core::replay::ReplayOptions { gap_scale };
+    let options = core::replay::ReplayOptions { gap_scale, max_lead_ns };
     let r = interruptible(py, |stop| core::replay::replay_until(&*mr, &records, options, stop))?;
     let d = report_base(py, &mr)?;
     d.set_item("events", r.events)?;

@@ -112,7 +112,8 @@ fn main() {
                     ),
                     other => panic!("unknown resource {other} (null, sharded, async)"),
                 };
-                let r = replay(&*mr, &records, ReplayOptions { gap_scale: 0.0 }).unwrap();
+                let r =
+                    replay(&*mr, &records, ReplayOptions { gap_scale: 0.0, ..Default::default() }).unwrap();
                 ns.push(r.seconds * 1e9 / per_thread);
             }
             ns.sort_by(f64::total_cmp);

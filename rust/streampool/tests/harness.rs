@@ -7,9 +7,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{assert_no_races, sim};
+use proptest::prelude::*;
 use streampool::device::{BackendRef, DevPtr, RawStream};
 use streampool::harness::pipeline::{pipeline, pipeline_until, LongCalls, PipelineOptions};
-use streampool::harness::replay::{encode, parse, replay, replay_until, Op, Record, ReplayOptions};
+use streampool::harness::replay::{
+    encode, parse, replay, replay_until, Op, Record, ReplayOptions, ReplayReport,
+};
 use streampool::harness::NullMemoryResource;
 use streampool::resource::ResourceRef;
 use streampool::{
@@ -134,7 +137,12 @@ fn replay_keeps_the_recorded_sequence_of_operations_per_stream() {
     let pool = sharded_pool(&b);
     for gap_scale in [0.0, 1.0] {
         let mr = Recorder::new(pool.clone());
-        let report = replay(&mr, &parse(&encode(&records)).unwrap(), ReplayOptions { gap_scale }).unwrap();
+        let report = replay(
+            &mr,
+            &parse(&encode(&records)).unwrap(),
+            ReplayOptions { gap_scale, ..Default::default() },
+        )
+        .unwrap();
         let calls = mr.calls.into_inner().unwrap();
         assert_eq!(per_stream(calls.into_iter()), expected, "gap_scale {gap_scale}");
         assert_eq!((report.events, report.threads, report.streams), (400, 3, 3));
@@ -187,7 +195,7 @@ fn replay_refuses_bad_logs_naming_the_record() {
         let e = replay(&mr, &records, ReplayOptions::default()).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(words), "{e}");
     }
-    let e = replay(&mr, &[], ReplayOptions { gap_scale: -1.0 }).unwrap_err();
+    let e = replay(&mr, &[], ReplayOptions { gap_scale: -1.0, ..Default::default() }).unwrap_err();
     assert!(e.to_string().contains("gap_scale"), "{e}");
     // An id may come back once freed; an empty log replays to nothing.
     let again = [
@@ -215,7 +223,7 @@ fn replay_skips_allocations_that_run_out_of_memory_and_their_frees() {
         rec(3, Op::Free, 0, 1, 1, 1),
         rec(4, Op::Allocate, 128 << 10, 3, 0, 0), // fits before or after that free; never freed
     ];
-    let r = replay(&limited, &records, ReplayOptions { gap_scale: 0.0 }).unwrap();
+    let r = replay(&limited, &records, ReplayOptions { gap_scale: 0.0, ..Default::default() }).unwrap();
     assert_eq!((r.oom_events, r.allocate.count, r.free.count), (1, 2, 1));
     // The replay's own peak: record 4 on thread 0 may come before record 3's free on thread 1.
     assert!([768 << 10, 896 << 10].contains(&r.peak_live_bytes), "{}", r.peak_live_bytes);
@@ -237,7 +245,7 @@ fn replay_measures_what_its_threads_had_live_at_once() {
         rec(10 * ms, Op::Allocate, 5 << 20, 2, 1, 1),
         rec(110 * ms, Op::Free, 0, 2, 1, 1),
     ];
-    let r = replay(&mr, &records, ReplayOptions { gap_scale: 1.0 }).unwrap();
+    let r = replay(&mr, &records, ReplayOptions { gap_scale: 1.0, ..Default::default() }).unwrap();
     assert_eq!(r.peak_live_bytes, 8 << 20);
     // A free on another thread waits for its allocation: both are live when it is called.
     let records = [
@@ -246,7 +254,83 @@ fn replay_measures_what_its_threads_had_live_at_once() {
         rec(0, Op::Free, 0, 1, 1, 1),
         rec(0, Op::Free, 0, 2, 1, 1),
     ];
-    assert_eq!(replay(&mr, &records, ReplayOptions { gap_scale: 0.0 }).unwrap().peak_live_bytes, 8 << 20);
+    assert_eq!(
+        replay(&mr, &records, ReplayOptions { gap_scale: 0.0, ..Default::default() })
+            .unwrap()
+            .peak_live_bytes,
+        8 << 20
+    );
+}
+
+/// A producer thread allocates a chunk every 2 µs on its stream; a consumer thread frees
+/// each 1 µs later on its own. The program never had two chunks live.
+fn producer_consumer(chunks: u64) -> Vec<Record> {
+    let mut out = Vec::new();
+    for i in 0..chunks {
+        out.push(rec(2_000 * i, Op::Allocate, 1 << 20, i, 0, 0));
+        out.push(rec(2_000 * i + 1_000, Op::Free, 0, i, 1, 1));
+    }
+    out
+}
+
+/// Replays on another thread, failing (rather than hanging the suite) if it has not ended
+/// within 20 s.
+fn replay_in_time(mr: ResourceRef, records: Vec<Record>, options: ReplayOptions) -> ReplayReport {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let log = format!("{records:?}");
+    std::thread::spawn(move || {
+        let _ = tx.send(replay(&*mr, &records, options));
+    });
+    match rx.recv_timeout(Duration::from_secs(20)) {
+        Ok(report) => report.unwrap(),
+        Err(_) => panic!("the replay did not end within 20 s ({options:?}): {log}"),
+    }
+}
+
+#[test]
+fn no_replay_thread_runs_further_ahead_of_the_others_than_the_lead() {
+    let (_sim, b) = sim();
+    let mr: ResourceRef = Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
+    let flat = |lead| ReplayOptions { gap_scale: 0.0, max_lead_ns: lead };
+    // In recorded order (no lead): the producer's next allocation waits for the free before
+    // it, so one chunk is live at a time, as in the program.
+    let peak = replay_in_time(mr.clone(), producer_consumer(2000), flat(Some(0))).peak_live_bytes;
+    assert_eq!(peak, 1 << 20);
+    // 10 µs of lead: the producer is at most 10 µs (5 chunks) ahead, and one more in the call.
+    let peak = replay_in_time(mr.clone(), producer_consumer(2000), flat(Some(10_000))).peak_live_bytes;
+    assert!((1 << 20..=7 << 20).contains(&peak), "{peak}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, max_shrink_iters: 32, ..ProptestConfig::default() })]
+
+    /// Whatever the times (a thread's may go back, threads may be far apart) and whichever
+    /// thread frees what, a replay with a lead ends: the thread with the earliest time can
+    /// always go on, and a free waiting for another thread's allocation does not hold that
+    /// thread back.
+    #[test]
+    fn a_replay_with_a_lead_always_ends(
+        ops in proptest::collection::vec((0u32..4, 0u64..5_000, any::<bool>(), 0u32..4), 1..120),
+        lead in prop_oneof![Just(0u64), Just(1_000u64), Just(1_000_000u64)],
+    ) {
+        // (thread, time, free the oldest live allocation?, the freeing thread)
+        let (mut records, mut live, mut next) = (Vec::new(), std::collections::VecDeque::new(), 0u64);
+        for (thread, t, free, freer) in ops {
+            if free && !live.is_empty() {
+                let id = live.pop_front().unwrap();
+                records.push(rec(t, Op::Free, 0, id, freer, freer));
+            } else {
+                records.push(rec(t, Op::Allocate, 256, next, thread, thread));
+                live.push_back(next);
+                next += 1;
+            }
+        }
+        let (_sim, b) = sim();
+        let mr: ResourceRef = Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap());
+        let n = records.len() as u64;
+        let events = replay_in_time(mr, records, ReplayOptions { gap_scale: 0.0, max_lead_ns: Some(lead) }).events;
+        prop_assert_eq!(events, n);
+    }
 }
 
 /// The sharded pool over the simulated device's pool, and the pipeline's options for
@@ -429,7 +513,7 @@ fn replay_and_pipeline_on_a_gpu() {
     let records = log();
     for mr in [driver, sharded] {
         let recorder = Recorder::new(mr.clone());
-        let r = replay(&recorder, &records, ReplayOptions { gap_scale: 0.0 }).unwrap();
+        let r = replay(&recorder, &records, ReplayOptions { gap_scale: 0.0, ..Default::default() }).unwrap();
         assert_eq!((r.events, r.oom_events, r.allocate.count, r.free.count), (400, 0, 200, 200));
         let sizes: BTreeMap<u64, u64> =
             records.iter().filter(|r| r.op == Op::Allocate).map(|r| (r.alloc_id, r.size)).collect();
@@ -463,7 +547,9 @@ fn replay_refuses_more_threads_than_it_runs() {
     let e = replay(&mr, &records, ReplayOptions::default()).unwrap_err();
     assert!(e.to_string().contains(&format!("record {MAX_THREADS}: thread {MAX_THREADS}")), "{e}");
     assert_eq!(
-        replay(&mr, &records[..MAX_THREADS], ReplayOptions { gap_scale: 0.0 }).unwrap().threads,
+        replay(&mr, &records[..MAX_THREADS], ReplayOptions { gap_scale: 0.0, ..Default::default() })
+            .unwrap()
+            .threads,
         MAX_THREADS
     );
 }
@@ -476,7 +562,7 @@ fn a_panicking_resource_stops_the_replay_and_nothing_waits_for_it() {
     // Thread 1's allocation panics; thread 0 would wait for it to free it.
     let records = [rec(0, Op::Allocate, 256, 1, 1, 1), rec(1, Op::Free, 0, 1, 0, 0)];
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        replay(&recorder, &records, ReplayOptions { gap_scale: 0.0 })
+        replay(&recorder, &records, ReplayOptions { gap_scale: 0.0, ..Default::default() })
     }));
     let payload = result.expect_err("the panic is resumed");
     let text = payload.downcast_ref::<String>().cloned().unwrap_or_default();
@@ -491,7 +577,9 @@ fn a_replay_stops_when_asked_and_frees_what_it_holds() {
     let records = [rec(0, Op::Allocate, 4096, 1, 0, 0), rec(3_600_000_000_000, Op::Free, 0, 1, 0, 0)];
     let stop = std::sync::atomic::AtomicBool::new(false);
     let result = std::thread::scope(|s| {
-        let replaying = s.spawn(|| replay_until(&limited, &records, ReplayOptions { gap_scale: 1.0 }, &stop));
+        let replaying = s.spawn(|| {
+            replay_until(&limited, &records, ReplayOptions { gap_scale: 1.0, ..Default::default() }, &stop)
+        });
         while limited.allocated_bytes() == 0 {
             std::thread::yield_now();
         }
@@ -504,7 +592,7 @@ fn a_replay_stops_when_asked_and_frees_what_it_holds() {
     }
     assert_eq!(limited.allocated_bytes(), 0);
     // A replay that would outlast the log format's times is refused before it starts.
-    match replay(&limited, &records, ReplayOptions { gap_scale: 1e300 }) {
+    match replay(&limited, &records, ReplayOptions { gap_scale: 1e300, ..Default::default() }) {
         Err(Error::InvalidArgument(m)) => assert!(m.contains("the replay would take"), "{m}"),
         other => panic!("expected a refusal, got {other:?}"),
     }

@@ -12,7 +12,14 @@
 //!
 //! # What a replay does
 //! Each thread waits until `t0 + (t_ns - earliest t_ns) × gap_scale` before each event
-//! (sleeping, then spinning the last 100 µs), or runs flat out when `gap_scale` is 0. A
+//! (sleeping, then spinning the last 100 µs), or runs flat out when `gap_scale` is 0.
+//! No thread runs more than [`ReplayOptions::max_lead_ns`] of recorded time ahead of
+//! another: before an event recorded at `t`, a thread waits until every other thread has
+//! done its events recorded before `t - max_lead_ns`. A program's queues, locks and joins
+//! are not in the log; that keeps the order they gave across threads to within the lead,
+//! so that a producer does not run ahead of its consumer and hold more memory live than
+//! the program ever had (a thread's times are taken as never going back, each counting as
+//! the latest of its thread so far, and a free's as never before its allocation's). A
 //! free of an allocation made by another thread waits until that allocation exists, and
 //! when it was made on another stream, the freeing stream waits on an event recorded on
 //! the allocating stream just after the allocation, as a real program must order the
@@ -136,11 +143,65 @@ pub fn parse(bytes: &[u8]) -> Result<Vec<Record>> {
 pub struct ReplayOptions {
     /// The recorded gaps are multiplied by this; 0 runs every thread flat out.
     pub gap_scale: f64,
+    /// How far, in recorded nanoseconds, a thread may run ahead of the others (see the
+    /// module docs); `None`: no bound, each thread at its own pace. Default
+    /// [`DEFAULT_MAX_LEAD_NS`].
+    pub max_lead_ns: Option<u64>,
 }
+
+/// [`ReplayOptions::max_lead_ns`]'s default: 1 ms of recorded time.
+pub const DEFAULT_MAX_LEAD_NS: u64 = 1_000_000;
 
 impl Default for ReplayOptions {
     fn default() -> Self {
-        ReplayOptions { gap_scale: 1.0 }
+        ReplayOptions { gap_scale: 1.0, max_lead_ns: Some(DEFAULT_MAX_LEAD_NS) }
+    }
+}
+
+/// Where each replay thread is in recorded time, for [`ReplayOptions::max_lead_ns`]: the
+/// time ([`Step::pace_ns`]) of the event it does or waits to do next (while it waits for
+/// another thread's allocation, that allocation's, which the other thread must be let
+/// reach), `u64::MAX` once it has finished. A thread's time never goes back, and a free's
+/// is never before its allocation's: so the thread with the earliest time can always go
+/// on, or waits for an allocation whose thread can (no replay waits forever).
+struct Progress(Vec<PaddedTime>);
+
+/// A thread's recorded time, alone on its cache lines (each thread writes its own often).
+#[repr(align(128))]
+struct PaddedTime(AtomicU64);
+
+impl Progress {
+    /// Waits until no other thread than `me` is at a recorded time before `at - lead` (or
+    /// until `stopped`), and returns the time up to which `me` may then go on without
+    /// looking again: the others' earliest plus `lead`.
+    fn wait_for_others(&self, me: usize, at: u64, lead: u64, stopped: &dyn Fn() -> bool) -> u64 {
+        let mut spins = 0u32;
+        loop {
+            let earliest = self
+                .0
+                .iter()
+                .enumerate()
+                .filter(|&(t, _)| t != me)
+                .map(|(_, p)| p.0.load(Ordering::Acquire))
+                .min()
+                .unwrap_or(u64::MAX);
+            let allowed = earliest.saturating_add(lead);
+            if allowed >= at || stopped() {
+                return allowed;
+            }
+            // Spin briefly (the other thread is usually a call away), then give up the core:
+            // the replay may run more threads than the machine has.
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    fn set(&self, me: usize, at: u64) {
+        self.0[me].0.store(at, Ordering::Release);
     }
 }
 
@@ -193,12 +254,17 @@ struct Slot {
     /// The free is on another stream than the allocation.
     cross: bool,
     alloc_stream: usize,
+    /// The allocation's [`Step::pace_ns`].
+    alloc_at: u64,
 }
 
 /// One event of a thread's plan.
 #[derive(Clone, Copy)]
 struct Step {
     at_ns: u64,
+    /// The time [`Progress`] goes by: the latest of this thread's times so far, and for a
+    /// free not before its allocation's.
+    pace_ns: u64,
     slot: u32,
     stream: u32,
     free: bool,
@@ -220,6 +286,8 @@ fn plan(records: &[Record]) -> Result<Plan> {
     let mut live: HashMap<u64, u32> = HashMap::new();
     let mut slots: Vec<Slot> = Vec::new();
     let mut per_thread: Vec<Vec<Step>> = Vec::new();
+    // Each thread's latest time so far (`Progress`).
+    let mut latest: Vec<u64> = Vec::new();
     for (i, r) in records.iter().enumerate() {
         let n = threads.len();
         let t = *threads.entry(r.thread).or_insert(n);
@@ -233,7 +301,10 @@ fn plan(records: &[Record]) -> Result<Plan> {
         }
         if t == per_thread.len() {
             per_thread.push(Vec::new());
+            latest.push(0);
         }
+        let at_ns = r.t_ns.saturating_sub(first);
+        latest[t] = latest[t].max(at_ns);
         let n = streams.len();
         let s = *streams.entry(r.stream).or_insert(n);
         let slot = match r.op {
@@ -256,6 +327,7 @@ fn plan(records: &[Record]) -> Result<Plan> {
                     event: Mutex::new(None),
                     cross: false,
                     alloc_stream: s,
+                    alloc_at: latest[t],
                 });
                 slot
             }
@@ -275,17 +347,12 @@ fn plan(records: &[Record]) -> Result<Plan> {
                     )));
                 }
                 sl.cross = sl.alloc_stream != s;
+                latest[t] = latest[t].max(sl.alloc_at);
                 slot
             }
         };
         let free = r.op == Op::Free;
-        per_thread[t].push(Step {
-            at_ns: r.t_ns.saturating_sub(first),
-            slot,
-            stream: s as u32,
-            free,
-            record: i,
-        });
+        per_thread[t].push(Step { at_ns, pace_ns: latest[t], slot, stream: s as u32, free, record: i });
     }
     Ok(Plan { slots, threads: per_thread, streams: streams.len() })
 }
@@ -318,6 +385,16 @@ impl Drop for AbortOnPanic<'_> {
         if std::thread::panicking() {
             self.0.store(true, Ordering::Release);
         }
+    }
+}
+
+/// Marks its thread finished in [`Progress`] when dropped (at its end, on an error, or
+/// in a panic).
+struct Finished<'a>(&'a Progress, usize);
+
+impl Drop for Finished<'_> {
+    fn drop(&mut self) {
+        self.0.set(self.1, u64::MAX);
     }
 }
 
@@ -384,6 +461,14 @@ pub fn replay_until(
             crate::adaptors::MAX_LOG_TIME_S
         )));
     }
+    // Each thread starts at its first event's time: none waits for a thread not yet started.
+    let progress = Progress(
+        plan.threads
+            .iter()
+            .map(|steps| PaddedTime(AtomicU64::new(steps.first().map_or(u64::MAX, |s| s.pace_ns))))
+            .collect(),
+    );
+    let lead = options.max_lead_ns;
     let (backend, device) = (mr.backend().clone(), mr.device());
     let streams: Vec<Stream> =
         (0..plan.streams).map(|_| Stream::create(&backend, device, false)).collect::<Result<_>>()?;
@@ -405,12 +490,17 @@ pub fn replay_until(
     let joined: Vec<std::thread::Result<ThreadResult>> = std::thread::scope(|scope| {
         let mut handles = Vec::with_capacity(plan.threads.len());
         for (t, steps) in plan.threads.iter().enumerate() {
-            let (plan, streams, abort, fail, backend, stopped) =
-                (&plan, &streams, &abort, &fail, &backend, &stopped);
+            let (plan, streams, abort, fail, backend, stopped, progress) =
+                (&plan, &streams, &abort, &fail, &backend, &stopped, &progress);
             let spawned =
                 std::thread::Builder::new().name(format!("replay-{t}")).spawn_scoped(scope, move || {
                     let _guard = AbortOnPanic(abort);
+                    // Whatever ends this thread, the others no longer wait for it.
+                    let _done = Finished(progress, t);
                     let mut out = ThreadResult::default();
+                    // This thread's recorded time (`Step::pace_ns`) and how far it may go
+                    // before it looks at the others again.
+                    let (mut at, mut allowed) = (0u64, 0u64);
                     let frees = steps.iter().filter(|s| s.free).count();
                     out.allocs.reserve_exact(steps.len() - frees);
                     out.frees.reserve_exact(frees);
@@ -419,6 +509,13 @@ pub fn replay_until(
                     for step in steps {
                         if stopped() {
                             break;
+                        }
+                        if let Some(lead) = lead {
+                            at = step.pace_ns;
+                            progress.set(t, at);
+                            if at > allowed {
+                                allowed = progress.wait_for_others(t, at, lead, stopped);
+                            }
                         }
                         if scale > 0.0 {
                             wait_until(
@@ -432,7 +529,7 @@ pub fn replay_until(
                         let slot = &plan.slots[step.slot as usize];
                         let stream = &streams[step.stream as usize];
                         let r = if step.free {
-                            free(mr, slot, stream, stopped, &mut out)
+                            free(mr, slot, stream, stopped, (progress, t, at), &mut out)
                         } else {
                             allocate(mr, backend, slot, stream, &mut out)
                         };
@@ -563,15 +660,23 @@ fn free(
     slot: &Slot,
     stream: &Stream,
     stopped: &dyn Fn() -> bool,
+    (progress, me, at): (&Progress, usize, u64),
     out: &mut ThreadResult,
 ) -> Result<()> {
-    // Another thread's allocation: wait until it exists (or failed).
-    let state = loop {
-        match slot.state.load(Ordering::Acquire) {
-            PENDING if !stopped() => std::thread::yield_now(),
-            s => break s,
-        }
-    };
+    // Another thread's allocation: wait until it exists (or failed). Meanwhile this thread
+    // stands at the allocation's time (not after this free's), so that the allocating
+    // thread, which may be waiting for this one to go on, goes on at least to it.
+    let mut state = slot.state.load(Ordering::Acquire);
+    if state == PENDING {
+        progress.set(me, slot.alloc_at);
+        state = loop {
+            match slot.state.load(Ordering::Acquire) {
+                PENDING if !stopped() => std::thread::yield_now(),
+                s => break s,
+            }
+        };
+        progress.set(me, at);
+    }
     if state != LIVE {
         return Ok(());
     }
