@@ -175,6 +175,15 @@ def test_profile_of_a_program_that_is_not_executable(tmp_path: Path) -> None:
         ),
         (("recommend", "app.log", "--max-lead", "inf"), "expected milliseconds (finite, 0 or more) or none"),
         (("bench", "replay", "--log", "app.log", "--param", "max_lead=-1"), "max_lead must be at least 0"),
+        # Thread counts: bounded (each is a thread), each once (each is a run), none empty.
+        (("bench", "window", "--threads", "99999999999"), "threads must be at most 1024, not 99999999999"),
+        (("bench", "random", "--threads", "1,1025"), "threads must be at most 1024, not 1025"),
+        (("bench", "window", "--threads", "4,4"), "expected distinct integers (each is one run), not '4,4'"),
+        (
+            ("bench", "window", "--threads", "1,,4"),
+            "expected comma-separated integers, e.g. 1,4,16, not '1,,4'",
+        ),
+        (("stress", "--threads", "1025"), "expected at most 1024 threads, not '1025'"),
     ],
 )
 def test_parameters_out_of_range_are_usage_errors(args: tuple[str, ...], message: str) -> None:

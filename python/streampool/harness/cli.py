@@ -51,13 +51,15 @@ class _Fail(Exception):
 
 def _int_list(text: str) -> list[int]:
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, e.g. 1,4,16, not {text!r}"
         ) from None
-    if not values or min(values) < 1:
+    if min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers of at least 1, not {text!r}")
+    if len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct integers (each is one run), not {text!r}")
     return values
 
 
@@ -68,6 +70,13 @@ def _count(text: str) -> int:
         value = -1
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer of at least 1, not {text!r}")
+    return value
+
+
+def _thread_count(text: str) -> int:
+    value = _count(text)
+    if value > workloads.MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected at most {workloads.MAX_THREADS} threads, not {text!r}")
     return value
 
 
@@ -184,7 +193,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--resources", default="pool(async)", help="resource specs (default pool(async))")
     s.add_argument("--seconds", type=_seconds, help="how long, per resource (default 10; 2 with --quick)")
     s.add_argument(
-        "--threads", type=_count, default=4, help="threads, each with --streams streams (default %(default)s)"
+        "--threads",
+        type=_thread_count,
+        default=4,
+        help="threads, each with --streams streams (default %(default)s)",
     )
     s.add_argument("--streams", type=_count, default=2, help="streams per thread (default 2)")
     s.add_argument("--max-size", type=_size, default="1MiB", help="the largest allocation (default 1MiB)")
@@ -517,6 +529,8 @@ def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
     params = dict(w.quick) if args.quick else {}
     params.update(given)
     workloads.check(w.name, params)
+    for n in args.threads or []:
+        workloads.check_param(w.name, "threads", n, "int")
     default = w.resources or DEFAULT_RESOURCES
     specs = _specs(default if args.resources is None else args.resources)
     _check_plot_dir(args)

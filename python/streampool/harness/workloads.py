@@ -722,6 +722,13 @@ _LEAST: dict[str, int] = {
 }
 
 
+#: The most threads a workload runs (the native replayer's bound: one thread each).
+MAX_THREADS = 1024
+
+#: The greatest value of each numeric parameter that has one.
+_MOST: dict[str, int] = {"threads": MAX_THREADS}
+
+
 def _check_pipeline(check_every: int, driver: str, long_call_us: float, null_call_us: float) -> None:
     """The pipeline's parameters that take more than a least value: ValueError naming them."""
     if check_every < 0:
@@ -744,7 +751,8 @@ def _check_pipeline(check_every: int, driver: str, long_call_us: float, null_cal
 def check_param(workload: str, key: str, value: Any, kind: str) -> None:
     """Refuses ``value`` for parameter ``key`` of ``workload`` (declared as ``kind``:
     ``int``, ``float``, ``float | None``, or ``int | str`` for a size) when it is of the wrong type or below
-    its least value (``_LEAST``): ValueError naming the parameter and what it takes."""
+    its least value (``_LEAST``) or above its greatest (``_MOST``): ValueError naming the
+    parameter and what it takes."""
     where = f"workload {workload!r}: {key}"
     if kind == "float | None":
         if value is None:
@@ -765,6 +773,9 @@ def check_param(workload: str, key: str, value: Any, kind: str) -> None:
     if least is not None and not least <= number < math.inf:  # NaN fails every comparison
         finite = ", and finite" if kind == "float" else ""
         raise ValueError(f"{where} must be at least {least}{unit}{finite}, not {value!r}")
+    most = _MOST.get(key)
+    if most is not None and number > most:
+        raise ValueError(f"{where} must be at most {most}, not {value!r}")
 
 
 def check(name: str, params: dict[str, Any]) -> None:
