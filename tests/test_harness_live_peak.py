@@ -181,13 +181,14 @@ def test_on_the_simulated_device_nothing_is_refused() -> None:
     assert bench.refused("multistream", ["managed"], [4], {"size": "1TiB"}) == {}
 
 
-def producer_consumer(chunks: int) -> Trace:
-    """A producer thread allocates a 1 MiB chunk every 2 µs on its stream; a consumer
-    thread frees each 1 µs later on its own: the program never had two chunks live."""
+def producer_consumer(chunks: int, every_ns: int = 2000) -> Trace:
+    """A producer thread allocates a 1 MiB chunk every ``every_ns`` on its stream; a
+    consumer thread frees each half that later on its own: the program never had two
+    chunks live."""
     records = []
     for i in range(chunks):
-        records.append((2000 * i, MiB, i, 0, 0, ALLOCATE))
-        records.append((2000 * i + 1000, MiB, i, 1, 1, FREE))
+        records.append((every_ns * i, MiB, i, 0, 0, ALLOCATE))
+        records.append((every_ns * i + every_ns // 2, MiB, i, 1, 1, FREE))
     return Trace(records)
 
 
@@ -202,8 +203,9 @@ def test_no_replay_thread_runs_further_ahead_than_the_lead(native: bool) -> None
     # 10 µs of lead: the producer is at most 5 chunks ahead, and one more in its call.
     peak = trace.replay(resource, t, gap_scale=0, max_lead=10e-6, native=native)["peak_live_bytes"]
     assert MiB <= peak <= 7 * MiB, peak
-    # The default keeps it to 1 ms (the whole of this log) and replays every event.
-    assert trace.replay(resource, t, gap_scale=0, native=native)["events"] == 600
+    # The default keeps it to 1 ms: with a chunk every 20 µs, at most 50 chunks ahead.
+    out = trace.replay(resource, producer_consumer(300, every_ns=20_000), gap_scale=0, native=native)
+    assert out["events"] == 600 and MiB <= out["peak_live_bytes"] <= 52 * MiB, out
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="max_lead must be a number of seconds >= 0"):
             trace.replay(resource, t, gap_scale=0, max_lead=bad, native=native)

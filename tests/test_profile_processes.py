@@ -125,6 +125,22 @@ def test_recommend_reads_the_busiest_devices_log_and_names_the_others(tmp_path: 
         "recommending for device 1 (80 events), the busiest; not replayed: 4 on device 0 "
         f"({log})" in out.stderr
     )
+    # The code it prints makes the choice device 1's resource, made on device 1; it runs.
+    code = out.stdout.split("Apply it (before your program allocates):\n", 1)[1]
+    code = "\n".join(line.removeprefix("    ") for line in code.splitlines() if line.startswith("    "))
+    assert "set_per_device_resource(1, " in code and "device=1)" in code, code
+    check = (
+        code
+        + "\nr = streampool.get_per_device_resource(1)\nprint(r.device, r is not streampool.get_per_device_resource(0))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", "import streampool\n" + check],
+        env=dict(os.environ, STREAMPOOL_DEVICE="sim", STREAMPOOL_SIM_DEVICES="2"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.split() == ["1", "True"], (code, done.stderr)
     # Every allocation on device 1: its log, with no note (device 0's is empty).
     program.write_text(program.read_text().replace("(0, 2)", "(0, 0)"))
     out = run("recommend", "--quick", "--", sys.executable, str(program), STREAMPOOL_SIM_DEVICES="2")

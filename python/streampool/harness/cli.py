@@ -722,7 +722,7 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
         summary,
     )
     try:
-        choice = recommend.choose(prof, summary)
+        choice = recommend.choose(prof, summary, device=profile.log_device(log))
     except recommend.NothingToRecommendError as e:
         # The measurements stand: --json still prints them, with no recommendation.
         if args.json:

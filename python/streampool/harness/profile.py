@@ -73,6 +73,12 @@ def _other_device_logs(log: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def log_device(log: str) -> int:
+    """The device a profile's log is of: N for ``LOG.devN`` (:func:`device_logs`), else 0."""
+    match = re.search(r"\.dev([0-9]+)$", log)
+    return int(match.group(1)) if match else 0
+
+
 def device_logs(log: str) -> list[tuple[int, str]]:
     """The logs of a profile, ``(device, path)`` by device: ``log`` for device 0, then the
     ``log.devN`` the program's other devices wrote (the shim makes one for every device)."""

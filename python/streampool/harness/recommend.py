@@ -21,7 +21,7 @@ from typing import Any
 from .._native import available_device_memory, using_simulated_device
 from . import bench
 from .output import human_bytes
-from .specs import make_resource
+from .specs import setup_code
 from .trace import ALLOCATE, FREE, Trace, quantile, recorded_peak
 
 __all__ = ["SIMPLER_FIRST", "NothingToRecommendError", "Profile", "analyse", "choose", "unmeasurable"]
@@ -213,7 +213,7 @@ def unmeasurable(profile: Profile) -> str | None:
     )
 
 
-def choose(profile: Profile, summary: list[dict[str, Any]]) -> dict[str, Any]:
+def choose(profile: Profile, summary: list[dict[str, Any]], device: int = 0) -> dict[str, Any]:
     """The recommendation from measured ``summary`` rows (one per candidate): the fastest
     by median throughput, unless a simpler candidate (the rules' choice first, then
     SIMPLER_FIRST order) is one that no candidate measurably beats
@@ -221,7 +221,8 @@ def choose(profile: Profile, summary: list[dict[str, Any]]) -> dict[str, Any]:
     the median of the repeats' ratios). A candidate that ran out of
     memory in any run is never recommended; NothingToRecommendError when every one did.
     Returns choice, runner_up, margin (the choice's median over the runner-up's, minus 1),
-    within_noise and the reasoning."""
+    within_noise, the reasoning and the code that makes the choice ``device``'s resource (the
+    device the log was recorded on: :func:`~streampool.harness.specs.setup_code`)."""
     candidates = [r for r in summary if r["resource"] != BASELINE]
     rows = {r["resource"]: r for r in candidates if not r["oom_events"]}
     out_of_memory = [
@@ -274,7 +275,7 @@ def choose(profile: Profile, summary: list[dict[str, Any]]) -> dict[str, Any]:
         "runner_up": runner["resource"] if runner else None,
         "margin": margin,
         "within_noise": noise,
-        "code": make_resource(pick["resource"]).code,
+        "code": setup_code(pick["resource"], device),
         "reasons": why,
         "throughput_median": pick["throughput"]["median"],
         "unit": pick["unit"],

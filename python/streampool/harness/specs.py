@@ -344,9 +344,10 @@ def _ours(spec: Spec, device: int | None = None) -> tuple[mr.MemoryResource, str
         kwargs = {**BINNING_DEFAULT, **kwargs}
     opts = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     if n == 0:
-        upstreams, code = [], template.format(opts=opts)
         if device is not None:
             kwargs["device"] = device
+            opts = ", ".join(filter(None, [opts, f"device={device}"]))
+        upstreams, code = [], template.format(opts=opts)
     else:
         upstream, up_code = _ours(spec.args[0], device)
         upstreams, code = [upstream], template.format(up=up_code, opts=f", {opts}" if opts else "")
@@ -530,6 +531,18 @@ def make_resource(text: str) -> Candidate:
         reserves_live=not _names(spec) & _CACHING,
         shared_pool=driver if driver is not None and not driver.owns_pool else None,
     )
+
+
+def setup_code(text: str, device: int = 0) -> str:
+    """The Python lines that make the resource a spec string names the resource of
+    ``device``: ``set_current_device_resource(...)`` for device 0 (a program's current
+    device unless it sets another), else ``set_per_device_resource(device, ...)`` with the
+    resource made on that device. A peer's lines are its library's own (device 0's)."""
+    spec = parse_spec(text)
+    if device == 0 or ":" in spec.name:
+        return make_resource(text).code
+    _resource, code = _ours(spec, device)
+    return f"from streampool import mr, set_per_device_resource\nset_per_device_resource({device}, {code})"
 
 
 def check_spec(text: str) -> None:
