@@ -260,6 +260,26 @@ def test_skip_malformed_says_how_many_lines_it_skipped(tmp_path: Path) -> None:
     assert f"{log}: 1 malformed line(s) skipped" in out.stdout
 
 
+def test_a_file_that_is_no_log_is_said_to_be_none(tmp_path: Path) -> None:
+    text = write(tmp_path, "passwd", "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/:/bin/sh\n")
+    binary = tmp_path / "data.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    for path in (text, str(binary)):
+        out = run("replay", path, "--resources", "async")
+        failed(
+            out,
+            3,
+            f"{path}: not an allocation log (streampool's, from `streampool profile -o LOG`, or RMM's CSV)",
+        )
+        assert "pass --skip-malformed" not in out.stderr
+        assert all(c.isprintable() for line in out.stderr.splitlines() for c in line), out.stderr
+    # A log with some good lines still lists its bad ones.
+    log = write(tmp_path, "app.log", f"{HEADER}\n1,1.0,allocate,0x1000,64,0\n\x01\x02junk\n")
+    out = run("replay", log, "--resources", "async")
+    failed(out, 3, "1 malformed line(s) in the allocation log")
+    assert "line 3: " in out.stderr and "\x01" not in out.stderr
+
+
 def test_the_replays_lead_is_in_milliseconds_and_in_the_json(tmp_path: Path) -> None:
     log = write(tmp_path, "app.log", f"{HEADER}\n1,1.0,allocate,0x1000,64,0\n2,1.1,free,0x1000,64,0\n")
     for given, seconds in (("0.5", 0.0005), ("none", None)):

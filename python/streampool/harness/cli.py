@@ -284,7 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         raise  # `streampool ... | head`: handled (quietly, status 0) by __main__
     except OSError as e:
-        print(f"streampool {command}: {e}", file=sys.stderr)
+        # "app.log: No such file or directory", not Python's "[Errno 2] ...: 'app.log'".
+        said = f"{e.filename}: {e.strerror}" if e.filename is not None and e.strerror else str(e)
+        print(f"streampool {command}: {said}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except TypeError as e:  # a --param the workload cannot use
         print(f"streampool {command}: {e}", file=sys.stderr)

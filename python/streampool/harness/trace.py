@@ -56,18 +56,33 @@ _DAY_NS = 86_400 * 10**9
 _HOUR_NS = 3_600 * 10**9
 
 
+def _printable(text: str, limit: int = 160) -> str:
+    """``text`` for a terminal: control and other unprintable characters as ``?``, cut at
+    ``limit`` characters."""
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class LogFormatError(ValueError):
     """A log with malformed lines: ``path`` is the log, ``errors`` lists ``(line number,
     message)`` for every one, and ``trace`` holds the events of the good lines (nothing
     else is lost). It pickles and copies whole (e.g. raised in a ``multiprocessing`` worker)."""
 
     def __init__(self, path: str, errors: list[tuple[int, str]], trace: Trace | None) -> None:
-        shown = "\n".join(f"  line {n}: {why}" for n, why in errors[:10])
-        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
-        super().__init__(
-            f"{path}: {len(errors)} malformed line(s) in the allocation log:\n{shown}{more}\n"
-            "(pass --skip-malformed to replay the other lines)"
-        )
+        if errors and errors[0][0] == 1 and (trace is None or not trace.records):
+            # No header and not one good line: another kind of file, whose lines say nothing.
+            message = (
+                f"{path}: not an allocation log (streampool's, from `streampool profile -o LOG`, or "
+                f"RMM's CSV): no line is an allocation or a free; line 1: {_printable(errors[0][1])}"
+            )
+        else:
+            shown = "\n".join(f"  line {n}: {_printable(why)}" for n, why in errors[:10])
+            more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
+            message = (
+                f"{path}: {len(errors)} malformed line(s) in the allocation log:\n{shown}{more}\n"
+                "(pass --skip-malformed to replay the other lines)"
+            )
+        super().__init__(message)
         self.path = path
         self.errors = errors
         self.trace = trace
