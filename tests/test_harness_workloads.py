@@ -266,13 +266,18 @@ def test_choose_takes_the_fastest_and_prefers_the_simpler_within_noise() -> None
     )
     assert clear["choice"] == "pool(async)" and clear["runner_up"] == "async"
     assert clear["margin"] == pytest.approx(1.0) and not clear["within_noise"]
+    assert clear["headline"] == "pool(async) (+100.0% over async, median of 3 runs)"
     assert "ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())" in clear["code"]
     close = recommend.choose(profile, [_row("async", 95, 100, 105), _row("pool(async)", 98, 102, 106)])
     assert close["choice"] == "async" and close["fastest"] == "pool(async)"
     assert any("within noise" in r for r in close["reasons"])
+    assert close["headline"] == (
+        "async (no candidate was measurably faster: pool(async)'s median is +2.0%, within noise; see why below)"
+    )
     # the baseline is measured, never recommended
     only = recommend.choose(profile, [_row("async", 1, 1, 1), _row("cuda", 9, 9, 9)])
     assert only["choice"] == "async"
+    assert only["headline"] == "async (the only candidate that fits)"
     # Within noise of a noisy fastest, but measurably beaten by another candidate: not
     # chosen (the hand-off program on the H200: binning 360k-549k, the pool 374k-393k,
     # the pool with batched events 430k-467k).
@@ -284,6 +289,9 @@ def test_choose_takes_the_fastest_and_prefers_the_simpler_within_noise() -> None
     handoff = recommend.choose(profile, noisy)
     assert handoff["choice"] == "binning(async)" and handoff["runner_up"] == recommend.HANDOFF
     assert handoff["within_noise"]
+    assert (
+        handoff["headline"] == f"binning(async) (+17.8% over {recommend.HANDOFF} at the median, within noise)"
+    )
     # Without the noisy one, the measurably faster candidate wins over the simpler one.
     assert recommend.choose(profile, noisy[::2])["choice"] == recommend.HANDOFF
 

@@ -732,24 +732,7 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
                 _recommend_document(dev, log, args.max_lead, repeats, runs, summary, prof, None, str(e))
             )
         raise
-    margin = choice["margin"]
-    if margin is None:
-        out.line(f"Recommended: {choice['choice']} (the only candidate that fits)")
-    elif choice["fastest"] != choice["choice"]:
-        out.line(
-            f"Recommended: {choice['choice']} (within noise of the fastest, {choice['fastest']}; "
-            "see why below)"
-        )
-    elif choice["within_noise"]:
-        out.line(
-            f"Recommended: {choice['choice']} ({100 * margin:+.1f}% over {choice['runner_up']} at the "
-            "median, within noise)"
-        )
-    else:
-        out.line(
-            f"Recommended: {choice['choice']} ({100 * margin:+.1f}% over {choice['runner_up']}, "
-            f"median of {repeats} runs)"
-        )
+    out.line(f"Recommended: {choice['headline']}")
     if dev.simulated:
         out.line(f"  ({SIMULATED_NOTE})")
     out.line("Why:")

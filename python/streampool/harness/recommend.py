@@ -221,7 +221,7 @@ def choose(profile: Profile, summary: list[dict[str, Any]], device: int = 0) -> 
     the median of the repeats' ratios). A candidate that ran out of
     memory in any run is never recommended; NothingToRecommendError when every one did.
     Returns choice, runner_up, margin (the choice's median over the runner-up's, minus 1),
-    within_noise, the reasoning and the code that makes the choice ``device``'s resource (the
+    within_noise, a one-line headline, the reasoning and the code that makes the choice ``device``'s resource (the
     device the log was recorded on: :func:`~streampool.harness.specs.setup_code`)."""
     candidates = [r for r in summary if r["resource"] != BASELINE]
     rows = {r["resource"]: r for r in candidates if not r["oom_events"]}
@@ -270,7 +270,22 @@ def choose(profile: Profile, summary: list[dict[str, Any]], device: int = 0) -> 
         why.append(f"measured: {pick['resource']} was the fastest of {len(ranked)} candidate(s)")
     if pick["resource"] != profile.preferred and profile.preferred in rows and pick is fastest:
         why.append(f"the rules expected {profile.preferred}; the measurement overrules them")
+    if runner is None or margin is None:
+        headline = f"{pick['resource']} (the only candidate that fits)"
+    elif pick is not fastest:
+        gain = fastest["throughput"]["median"] / pick["throughput"]["median"] - 1
+        headline = (
+            f"{pick['resource']} (no candidate was measurably faster: {fastest['resource']}'s median is "
+            f"{100 * gain:+.1f}%, within noise; see why below)"
+        )
+    elif noise:
+        headline = (
+            f"{pick['resource']} ({100 * margin:+.1f}% over {runner['resource']} at the median, within noise)"
+        )
+    else:
+        headline = f"{pick['resource']} ({100 * margin:+.1f}% over {runner['resource']}, median of {pick['repeats']} runs)"
     return {
+        "headline": headline,
         "choice": pick["resource"],
         "runner_up": runner["resource"] if runner else None,
         "margin": margin,
