@@ -242,6 +242,13 @@ def test_plot_directory_that_cannot_be_written_is_refused_before_the_benchmark(t
     assert out.stdout == ""
 
 
+def test_recommend_of_a_program_that_allocates_nothing_names_no_temporary_file(tmp_path: Path) -> None:
+    quiet = write(tmp_path, "quiet.py", "print('nothing allocated')\n")
+    out = run("recommend", "--quick", "--", sys.executable, quiet)
+    failed(out, 3, "recommend: the program's profile: no events: no allocations to replay")
+    assert "streampool-" not in out.stderr.splitlines()[-1], out.stderr
+
+
 def test_recommend_of_a_program_leaves_no_temporary_log(tmp_path: Path, program: Path) -> None:
     scratch = tmp_path / "tmp"
     scratch.mkdir()

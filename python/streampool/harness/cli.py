@@ -393,19 +393,21 @@ def _strip(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs]
 
 
-def _read_log(out: Output, log: str, skip_malformed: bool = False) -> trace.Trace:
+def _read_log(out: Output, log: str, skip_malformed: bool = False, name: str | None = None) -> trace.Trace:
     """The trace of ``log``, refused (exit 3) when it has no allocation to replay; with
-    ``skip_malformed``, the report says how many lines were left out."""
+    ``skip_malformed``, the report says how many lines were left out. ``name``: what the
+    messages call the log (a temporary one's path would name a file already gone)."""
     t = trace.read_log(log, skip_malformed=skip_malformed)
+    name = name or log
     if t.malformed:
-        out.line(f"{log}: {t.malformed} malformed line(s) skipped (--skip-malformed)")
+        out.line(f"{name}: {t.malformed} malformed line(s) skipped (--skip-malformed)")
     if t.events:
         return t
     if not (t.recorded_failures or t.unmatched_frees):
-        raise _Fail(EXIT_BAD_INPUT, f"{log}: no events: no allocations to replay")
+        raise _Fail(EXIT_BAD_INPUT, f"{name}: no events: no allocations to replay")
     raise _Fail(
         EXIT_BAD_INPUT,
-        f"{log}: no allocations to replay (only {t.recorded_failures} failed allocation(s) and "
+        f"{name}: no allocations to replay (only {t.recorded_failures} failed allocation(s) and "
         f"{t.unmatched_frees} free(s) of memory allocated before the log began)",
     )
 
@@ -697,7 +699,8 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
             if status != 0:
                 return status
             log = _busiest_log(log, keep=bool(args.output))
-        t = _read_log(out, log, args.skip_malformed)
+        temporary = bool(args.program) and not args.output
+        t = _read_log(out, log, args.skip_malformed, name="the program's profile" if temporary else None)
     repeats = args.repeats or (2 if args.quick else 3)
     _announce(out, dev)
     prof = recommend.analyse(t)
