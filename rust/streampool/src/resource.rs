@@ -383,6 +383,55 @@ impl Allocation {
         (self.mr.clone(), ptr, self.bytes, self.stream.clone())
     }
 
+    /// Copies `src` to the start of the memory, on its stream (after the work enqueued
+    /// there before), and waits for the copy: `src` may change once this returns. An
+    /// error, and nothing copied, when `src` is longer than the allocation.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use streampool::{device::{sim::SimDevice, BackendRef}, Allocation, CudaAsyncMemoryResource, Stream};
+    /// let sim = SimDevice::new(1 << 30);
+    /// let backend: BackendRef = sim.clone();
+    /// let mr = Arc::new(CudaAsyncMemoryResource::on(backend.clone(), 0, Default::default())?);
+    /// let memory = Allocation::new(mr, 4, Stream::create(&backend, 0, false)?)?;
+    /// memory.copy_from_host(&[1, 2, 3, 4])?;
+    /// let mut back = [0u8; 4];
+    /// memory.copy_to_host(&mut back)?;
+    /// assert_eq!(back, [1, 2, 3, 4]);
+    /// # Ok::<(), streampool::Error>(())
+    /// ```
+    pub fn copy_from_host(&self, src: &[u8]) -> Result<()> {
+        self.copy_host(src.as_ptr() as DevPtr, src.len(), false)
+    }
+
+    /// Copies the first `dst.len()` bytes of the memory into `dst`, on its stream (after
+    /// the work enqueued there before), and waits for the copy. An error, and nothing
+    /// copied, when `dst` is longer than the allocation.
+    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
+        self.copy_host(dst.as_mut_ptr() as DevPtr, dst.len(), true)
+    }
+
+    fn copy_host(&self, host: DevPtr, bytes: usize, to_host: bool) -> Result<()> {
+        if bytes > self.bytes {
+            let what = if to_host { "into" } else { "from" };
+            return Err(Error::invalid(format!(
+                "a copy of {bytes} bytes {what} host memory is longer than the allocation ({} bytes)",
+                self.bytes
+            )));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        let (backend, device) = (self.mr.backend(), self.mr.device());
+        let (dst, src) = if to_host { (host, self.ptr) } else { (self.ptr, host) };
+        // SAFETY: the host side is a slice of `bytes` bytes, borrowed (mutably when it is
+        // written) until this returns, after the synchronisation below (of the whole
+        // device, should the stream's fail); the device side is this live allocation, at
+        // least `bytes` long.
+        unsafe { backend.memcpy_async(device, dst, src, bytes, self.stream.handle())? };
+        crate::device::synchronize_after_copy(backend, device, self.stream.handle())
+    }
+
     /// Frees now, on its stream, and reports a failure (dropping swallows it).
     pub fn free(mut self) -> Result<()> {
         // `release` leaves a null pointer, so the drop that follows frees nothing again;

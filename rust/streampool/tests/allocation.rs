@@ -88,3 +88,40 @@ fn the_simulated_device_of_the_process_is_reachable() {
         assert_eq!(streampool::device::Backend::id(&*sim), streampool::device::backend().unwrap().id());
     }
 }
+
+#[test]
+fn an_allocation_copies_to_and_from_host_memory_in_its_streams_order() {
+    let (sim, backend, mr) = setup();
+    let stream = Stream::create(&backend, 0, false).unwrap();
+    let memory = Allocation::new(mr.clone(), 1000, stream.clone()).unwrap();
+    let data: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+    memory.copy_from_host(&data).unwrap();
+    let mut back = vec![0u8; 1000];
+    memory.copy_to_host(&mut back).unwrap();
+    assert_eq!(back, data);
+    let mut head = [0u8; 10];
+    memory.copy_to_host(&mut head).unwrap(); // a prefix
+    assert_eq!(head, data[..10]);
+    // Longer than the allocation: refused, nothing copied; empty: nothing to do.
+    let e = memory.copy_from_host(&[9u8; 1001]).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert!(
+        e.to_string()
+            .contains("a copy of 1001 bytes from host memory is longer than the allocation (1000 bytes)"),
+        "{e}"
+    );
+    let e = memory.copy_to_host(&mut [0u8; 1001]).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("a copy of 1001 bytes into host memory is longer than the allocation (1000 bytes)"),
+        "{e}"
+    );
+    memory.copy_from_host(&[]).unwrap();
+    memory.copy_to_host(&mut back).unwrap();
+    assert_eq!(back, data);
+    // Ordered on the allocation's stream: no race with the work before or after it.
+    sim.write_labeled(stream.handle(), memory.ptr(), 1000, "a kernel writes").unwrap();
+    memory.copy_to_host(&mut back).unwrap();
+    drop(memory);
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
