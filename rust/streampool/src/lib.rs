@@ -72,9 +72,9 @@ pub(crate) mod sync;
 
 pub use adaptors::{
     parse_log, AllocationRecord, BinningMemoryResource, FailureCallback, FailureCallbackAdaptor,
-    FixedSizeMemoryResource, LatencyHistogramAdaptor, LimitingAdaptor, LogAction, LogCallback, LogEvent,
-    LogSink, LoggingAdaptor, PrefetchAdaptor, StackCapture, Statistics, StatisticsAdaptor, TrackingAdaptor,
-    LOG_HEADER,
+    FixedSizeMemoryResource, Histogram, LatencyHistogramAdaptor, LatencyHistograms, LimitingAdaptor,
+    LogAction, LogCallback, LogEvent, LogSink, LoggingAdaptor, PrefetchAdaptor, StackCapture, Statistics,
+    StatisticsAdaptor, ThreadLabel, TrackingAdaptor, LOG_HEADER,
 };
 pub use device::{Advice, BackendRef, Location};
 pub use error::{drop_errors, record_drop_error, DropErrors, Error, Result};
