@@ -143,7 +143,8 @@ def _parser() -> argparse.ArgumentParser:
         "that measures resources on your workload. Without a CUDA driver (or with STREAMPOOL_DEVICE=sim) "
         "everything runs on the simulated device, and says so.",
         epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 bad input, 4 cannot run here, "
-        "127 the program to profile could not start, 130 interrupted; profile exits with the program's status.",
+        "127 the program to profile could not start, 130 interrupted, 141 the output's reader went away; "
+        "profile exits with the program's status.",
     )
     p.add_argument("--version", action="version", version=f"streampool {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
