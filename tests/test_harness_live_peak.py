@@ -209,3 +209,44 @@ def test_no_replay_thread_runs_further_ahead_than_the_lead(native: bool) -> None
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="max_lead must be a number of seconds >= 0"):
             trace.replay(resource, t, gap_scale=0, max_lead=bad, native=native)
+
+
+def random_log(seed: int) -> Trace:
+    """Four threads; times that go back; frees on any thread; ids allocated again once
+    freed (as logs that use addresses as ids)."""
+    import random
+
+    rng = random.Random(seed)
+    records, live, free_ids, next_id = [], [], [], 0
+    for _ in range(rng.randrange(1, 80)):
+        thread, t = rng.randrange(4), rng.randrange(5000)
+        if live and rng.random() < 0.5:
+            alloc_id = live.pop(0)
+            records.append((t, 256, alloc_id, thread, thread, FREE))
+            free_ids.append(alloc_id)
+        else:
+            alloc_id = free_ids.pop() if free_ids else (next_id := next_id + 1)
+            records.append((t, 256, alloc_id, thread, thread, ALLOCATE))
+            live.append(alloc_id)
+    return Trace(records)
+
+
+@pytest.mark.parametrize("native", REPLAYERS)
+def test_a_replay_with_a_lead_always_ends(native: bool) -> None:
+    # Whatever the times and whoever frees what, the thread with the earliest time can go
+    # on: no replay waits forever (a daemon thread, so that a hang fails the test).
+    import threading
+
+    resource = make_resource("async").resource
+
+    def replay(t: Trace, lead: float, done: list[int]) -> None:
+        done.append(trace.replay(resource, t, gap_scale=0, max_lead=lead, native=native)["events"])
+
+    for seed in range(40):
+        t = random_log(seed)
+        for lead in (0, 1e-6, 1e-3):
+            done: list[int] = []
+            runner = threading.Thread(target=replay, args=(t, lead, done), daemon=True)
+            runner.start()
+            runner.join(20)
+            assert done, f"the replay did not end within 20 s (seed {seed}, lead {lead}): {t.records}"

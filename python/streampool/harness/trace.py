@@ -362,31 +362,41 @@ def replay(
 def _python_replay(
     resource: Any, trace: Trace, gap_scale: float, max_lead: float | None, reserved: Any
 ) -> dict[str, Any]:
+    # Each allocation of the log is a slot (an id may be allocated again once freed: logs
+    # that use addresses as ids do), and its free names the slot, as the native replayer's.
     per_thread: dict[int, list[tuple[int, int, int, int, int, int]]] = {}
-    alloc_thread: dict[int, int] = {}
-    alloc_size: dict[int, int] = {}  # a free's size may be 0: the allocation's is used
+    alloc_thread: dict[int, int] = {}  # by slot
+    alloc_size: dict[int, int] = {}  # by slot: a free's size may be 0, the allocation's is used
     origin = min((r[0] for r in trace.records), default=0)  # the earliest time, as the native one
     # The times the threads keep to within the lead, as the native replayer's: a thread's
     # latest so far, a free's never before its allocation's.
     paces: dict[int, list[int]] = {}
     latest: dict[int, int] = {}
-    alloc_pace: dict[int, int] = {}
-    for r in trace.records:
-        per_thread.setdefault(r[3], []).append(r)
-        pace = max(latest.get(r[3], 0), r[0] - origin)
-        if r[5] == ALLOCATE:
-            alloc_thread[r[2]] = r[3]
-            alloc_size[r[2]] = r[1]
-            alloc_pace[r[2]] = pace
+    alloc_pace: dict[int, int] = {}  # by slot
+    live: dict[int, int] = {}  # id -> slot
+    cross: set[int] = set()  # slots freed on another thread than the allocating one
+    for i, (t, size, alloc_id, thread, stream, op) in enumerate(trace.records):
+        pace = max(latest.get(thread, 0), t - origin)
+        if op == ALLOCATE:
+            slot = len(alloc_size)
+            if alloc_id in live:
+                raise ValueError(f"record {i}: allocation id {alloc_id} is allocated again while still live")
+            live[alloc_id] = slot
+            alloc_thread[slot], alloc_size[slot], alloc_pace[slot] = thread, size, pace
         else:
-            pace = max(pace, alloc_pace.get(r[2], 0))
-        latest[r[3]] = pace
-        paces.setdefault(r[3], []).append(pace)
-    lead = None if max_lead is None or max_lead == float("inf") else int(max_lead * 1e9)
+            slot = live.pop(alloc_id, -1)
+            if slot < 0:
+                raise ValueError(f"record {i}: free of allocation id {alloc_id}, which is not live")
+            pace = max(pace, alloc_pace[slot])
+            if alloc_thread[slot] != thread:
+                cross.add(slot)
+        latest[thread] = pace
+        paces.setdefault(thread, []).append(pace)
+        per_thread.setdefault(thread, []).append((t, size, slot, thread, stream, op))
+    lead = None if max_lead is None or max_lead == float("inf") else round(max_lead * 1e9)
     done = 1 << 64  # a finished thread's time: it holds no other back
     labels = list(per_thread)
     progress = [paces[label][0] for label in labels]
-    cross = {r[2] for r in trace.records if r[5] == FREE and alloc_thread.get(r[2]) != r[3]}
     streams = _streams(trace)
     ptrs: dict[int, int] = {}
     ready = threading.Condition()
@@ -405,13 +415,14 @@ def _python_replay(
         with ready:
             ready.notify_all()
 
-    def keep_pace(me: int, at: int) -> None:
-        """Waits until no other thread is at a time before ``at - lead``."""
+    def keep_pace(me: int, at: int) -> int:
+        """Waits until no other thread is at a time before ``at - lead``; returns the time
+        up to which ``me`` may go on without looking again (the others' earliest + lead)."""
         assert lead is not None
-        while (
-            not stop.is_set()
-            and min((p for i, p in enumerate(progress) if i != me), default=done) + lead < at
-        ):
+        while True:
+            allowed = min((p for i, p in enumerate(progress) if i != me), default=done) + lead
+            if allowed >= at or stop.is_set():
+                return allowed
             time.sleep(0)  # lets the other threads (and their GIL) go on
 
     def run(me: int, ops: list[tuple[int, int, int, int, int, int]]) -> None:
@@ -425,12 +436,14 @@ def _python_replay(
             start_barrier.wait()
             t0 = clock()
             pace = paces[labels[me]]
-            for n, (t, size, alloc_id, _th, s, op) in enumerate(ops):
+            allowed = -1
+            for n, (t, size, slot, _th, s, op) in enumerate(ops):
                 if stop.is_set():
                     break
-                progress[me] = pace[n]
                 if lead is not None:
-                    keep_pace(me, pace[n])
+                    progress[me] = pace[n]
+                    if pace[n] > allowed:
+                        allowed = keep_pace(me, pace[n])
                 if gap_scale > 0:
                     due = t0 + int((t - origin) * gap_scale)
                     now = clock()
@@ -444,28 +457,25 @@ def _python_replay(
                     except MemoryError:
                         with ready:
                             stats["oom_events"] += 1
-                            failed.add(alloc_id)
+                            failed.add(slot)
                             ready.notify_all()
                         continue
                     end = clock()
                     a_lat.append(end - c)
                     notes.append((end, size))
-                    if alloc_id in cross:
+                    if slot in cross:
                         with ready:
-                            ptrs[alloc_id] = ptr
+                            ptrs[slot] = ptr
                             ready.notify_all()
                     else:
-                        ptrs[alloc_id] = ptr
+                        ptrs[slot] = ptr
                 else:
-                    if alloc_id in cross:
-                        # Meanwhile at the allocation's time: its thread may wait for this one.
-                        progress[me] = alloc_pace[alloc_id]
+                    if slot in cross:
                         with ready:
-                            ready.wait_for(lambda i=alloc_id: i in ptrs or i in failed or stop.is_set())  # type: ignore[misc]
-                        progress[me] = pace[n]
-                    if alloc_id not in ptrs:  # it failed (or Ctrl-C stopped its thread)
+                            ready.wait_for(lambda i=slot: i in ptrs or i in failed or stop.is_set())  # type: ignore[misc]
+                    if slot not in ptrs:  # it failed (or Ctrl-C stopped its thread)
                         continue
-                    ptr, nbytes = ptrs.pop(alloc_id), size or alloc_size[alloc_id]
+                    ptr, nbytes = ptrs.pop(slot), size or alloc_size[slot]
                     c = clock()
                     deallocate(ptr, nbytes, stream)
                     end = clock()
@@ -477,7 +487,11 @@ def _python_replay(
                         with lock:
                             peak_reserved[0] = max(peak_reserved[0], value)
         except BaseException as e:
+            # As the native replayer: an error stops every thread (none waits for what this
+            # one will not do).
             errors.append(e)
+            stop.set()
+            wake()
         finally:
             progress[me] = done
             with lock:

@@ -274,16 +274,16 @@ fn producer_consumer(chunks: u64) -> Vec<Record> {
 }
 
 /// Replays on another thread, failing (rather than hanging the suite) if it has not ended
-/// within a minute.
+/// within 20 s (a replay of these logs takes milliseconds, a few seconds on a loaded host).
 fn replay_in_time(mr: ResourceRef, records: Vec<Record>, options: ReplayOptions) -> ReplayReport {
     let (tx, rx) = std::sync::mpsc::channel();
     let log = format!("{records:?}");
     std::thread::spawn(move || {
         let _ = tx.send(replay(&*mr, &records, options));
     });
-    match rx.recv_timeout(Duration::from_secs(60)) {
+    match rx.recv_timeout(Duration::from_secs(20)) {
         Ok(report) => report.unwrap(),
-        Err(_) => panic!("the replay did not end within a minute ({options:?}): {log}"),
+        Err(_) => panic!("the replay did not end within 20 s ({options:?}): {log}"),
     }
 }
 
@@ -302,7 +302,7 @@ fn no_replay_thread_runs_further_ahead_of_the_others_than_the_lead() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, max_shrink_iters: 32, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 64, max_shrink_iters: 8, ..ProptestConfig::default() })]
 
     /// Whatever the times (a thread's may go back, threads may be far apart) and whichever
     /// thread frees what, a replay with a lead ends: the thread with the earliest time can
@@ -313,16 +313,22 @@ proptest! {
         ops in proptest::collection::vec((0u32..4, 0u64..5_000, any::<bool>(), 0u32..4), 1..120),
         lead in prop_oneof![Just(0u64), Just(1_000u64), Just(1_000_000u64)],
     ) {
-        // (thread, time, free the oldest live allocation?, the freeing thread)
-        let (mut records, mut live, mut next) = (Vec::new(), std::collections::VecDeque::new(), 0u64);
+        // (thread, time, free the oldest live allocation?, the freeing thread); a freed
+        // id is allocated again (as logs that use addresses as ids do).
+        let (mut records, mut live, mut ids) = (Vec::new(), std::collections::VecDeque::new(), Vec::new());
+        let mut next = 0u64;
         for (thread, t, free, freer) in ops {
             if free && !live.is_empty() {
                 let id = live.pop_front().unwrap();
                 records.push(rec(t, Op::Free, 0, id, freer, freer));
+                ids.push(id);
             } else {
-                records.push(rec(t, Op::Allocate, 256, next, thread, thread));
-                live.push_back(next);
-                next += 1;
+                let id = ids.pop().unwrap_or_else(|| {
+                    next += 1;
+                    next
+                });
+                records.push(rec(t, Op::Allocate, 256, id, thread, thread));
+                live.push_back(id);
             }
         }
         let (_sim, b) = sim();

@@ -159,11 +159,12 @@ impl Default for ReplayOptions {
 }
 
 /// Where each replay thread is in recorded time, for [`ReplayOptions::max_lead_ns`]: the
-/// time ([`Step::pace_ns`]) of the event it does or waits to do next (while it waits for
-/// another thread's allocation, that allocation's, which the other thread must be let
-/// reach), `u64::MAX` once it has finished. A thread's time never goes back, and a free's
-/// is never before its allocation's: so the thread with the earliest time can always go
-/// on, or waits for an allocation whose thread can (no replay waits forever).
+/// time ([`Step::pace_ns`]) of the event it does or waits to do next, `u64::MAX` once it
+/// has finished. A thread's time never goes back, and a free's is never before its
+/// allocation's. So no replay waits forever: the thread with the earliest time either goes
+/// on, or waits in a free for an allocation whose thread is at that time or before, so at
+/// the earliest too, and that chain of frees waiting for allocations ends (each allocation
+/// comes before its free in the log).
 struct Progress(Vec<PaddedTime>);
 
 /// A thread's recorded time, alone on its cache lines (each thread writes its own often).
@@ -511,8 +512,12 @@ pub fn replay_until(
                             break;
                         }
                         if let Some(lead) = lead {
-                            at = step.pace_ns;
-                            progress.set(t, at);
+                            if step.pace_ns != at {
+                                // Written only when it moves: another thread may be
+                                // reading it in a loop.
+                                at = step.pace_ns;
+                                progress.set(t, at);
+                            }
                             if at > allowed {
                                 allowed = progress.wait_for_others(t, at, lead, stopped);
                             }
@@ -529,7 +534,7 @@ pub fn replay_until(
                         let slot = &plan.slots[step.slot as usize];
                         let stream = &streams[step.stream as usize];
                         let r = if step.free {
-                            free(mr, slot, stream, stopped, (progress, t, at), &mut out)
+                            free(mr, slot, stream, stopped, &mut out)
                         } else {
                             allocate(mr, backend, slot, stream, &mut out)
                         };
@@ -660,23 +665,17 @@ fn free(
     slot: &Slot,
     stream: &Stream,
     stopped: &dyn Fn() -> bool,
-    (progress, me, at): (&Progress, usize, u64),
     out: &mut ThreadResult,
 ) -> Result<()> {
-    // Another thread's allocation: wait until it exists (or failed). Meanwhile this thread
-    // stands at the allocation's time (not after this free's), so that the allocating
-    // thread, which may be waiting for this one to go on, goes on at least to it.
-    let mut state = slot.state.load(Ordering::Acquire);
-    if state == PENDING {
-        progress.set(me, slot.alloc_at);
-        state = loop {
-            match slot.state.load(Ordering::Acquire) {
-                PENDING if !stopped() => std::thread::yield_now(),
-                s => break s,
-            }
-        };
-        progress.set(me, at);
-    }
+    // Another thread's allocation: wait until it exists (or failed). This thread's time
+    // (`Step::pace_ns`) is not before the allocation's, so it holds back no thread that
+    // has yet to make it.
+    let state = loop {
+        match slot.state.load(Ordering::Acquire) {
+            PENDING if !stopped() => std::thread::yield_now(),
+            s => break s,
+        }
+    };
     if state != LIVE {
         return Ok(());
     }
