@@ -109,9 +109,6 @@ _BEFORE: dict[int, mr.MemoryResource | None] = {}
 _INSTALLED: dict[int, list[mr.MemoryResource]] = {}
 
 
-_PEER_LIBRARIES = ("rmm", "cupy", "torch")
-
-
 def _resolve(resource: str | ResourceFactory) -> ResourceFactory:
     """The factory behind a resource argument: a callable as it is, a name of
     :data:`RESOURCE_NAMES`, a ``"module:function"`` import path, or a resource spec of
@@ -127,9 +124,12 @@ def _resolve(resource: str | ResourceFactory) -> ResourceFactory:
     spec = resource.strip()
     if spec in RESOURCE_NAMES:
         return RESOURCE_NAMES[spec]
+    from streampool.harness import specs
+
     module, colon, name = spec.partition(":")
     # "rmm:async", "cupy:pool", ...: a peer's resource spec of the harness, not an import path.
-    if colon and "(" not in spec and module.strip() not in _PEER_LIBRARIES:
+    peers = {p.partition(":")[0] for p in specs.PEER_SPECS}
+    if colon and "(" not in spec and module.strip() not in peers:
         try:
             factory = getattr(importlib.import_module(module), name, None)
         except (ImportError, ValueError) as e:  # ValueError: an empty module name
@@ -140,17 +140,15 @@ def _resolve(resource: str | ResourceFactory) -> ResourceFactory:
         if not callable(factory):
             raise ValueError(f"resource {resource!r}: {module} has no function {name!r}")
         return cast(ResourceFactory, factory)
-    from streampool import harness
-
     try:
-        harness.check_spec(spec)  # here, in the client: a bad spec fails before any worker
-    except harness.SpecError as e:
+        specs.check_spec(spec)  # here, in the client: a bad spec fails before any worker
+    except specs.SpecError as e:
         names = ", ".join(repr(n) for n in RESOURCE_NAMES)
         raise ValueError(
             f'unknown resource {resource!r}; expected one of {names}, a "module:function" path, '
             f"a function (device) -> MemoryResource, or a resource spec ({e})"
         ) from None
-    return lambda device: harness.resource_from_spec(spec, device=device)
+    return lambda device: specs.resource_from_spec(spec, device=device)
 
 
 def _worker_index(name: object) -> int | None:

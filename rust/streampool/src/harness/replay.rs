@@ -255,8 +255,6 @@ struct Slot {
     /// The free is on another stream than the allocation.
     cross: bool,
     alloc_stream: usize,
-    /// The allocation's [`Step::pace_ns`].
-    alloc_at: u64,
 }
 
 /// One event of a thread's plan.
@@ -287,8 +285,8 @@ fn plan(records: &[Record]) -> Result<Plan> {
     let mut live: HashMap<u64, u32> = HashMap::new();
     let mut slots: Vec<Slot> = Vec::new();
     let mut per_thread: Vec<Vec<Step>> = Vec::new();
-    // Each thread's latest time so far (`Progress`).
-    let mut latest: Vec<u64> = Vec::new();
+    // Each thread's latest time so far, and each slot's allocation's (`Step::pace_ns`).
+    let (mut latest, mut alloc_pace): (Vec<u64>, Vec<u64>) = Default::default();
     for (i, r) in records.iter().enumerate() {
         let n = threads.len();
         let t = *threads.entry(r.thread).or_insert(n);
@@ -328,8 +326,8 @@ fn plan(records: &[Record]) -> Result<Plan> {
                     event: Mutex::new(None),
                     cross: false,
                     alloc_stream: s,
-                    alloc_at: latest[t],
                 });
+                alloc_pace.push(latest[t]);
                 slot
             }
             Op::Free => {
@@ -348,7 +346,7 @@ fn plan(records: &[Record]) -> Result<Plan> {
                     )));
                 }
                 sl.cross = sl.alloc_stream != s;
-                latest[t] = latest[t].max(sl.alloc_at);
+                latest[t] = latest[t].max(alloc_pace[slot as usize]);
                 slot
             }
         };
