@@ -295,6 +295,23 @@ def test_the_replays_lead_is_in_milliseconds_and_in_the_json(tmp_path: Path) -> 
         assert json.loads(out.stdout)["params"]["max_lead"] == seconds
     out = run("recommend", log, "--repeats", "1", "--json")
     assert json.loads(out.stdout)["params"]["max_lead"] == 0.001, out.stderr
+    # `bench replay` takes it as a workload parameter, in seconds, `none` for no lead.
+    for given, seconds in (("0.002", 0.002), ("none", None)):
+        out = run(
+            "bench",
+            "replay",
+            "--log",
+            log,
+            "--resources",
+            "async",
+            "--repeats",
+            "1",
+            "--json",
+            "--param",
+            f"max_lead={given}",
+        )
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["params"]["max_lead"] == seconds, out.stdout
 
 
 def test_bench_replay_skips_malformed_lines_as_replay_does(tmp_path: Path) -> None:
