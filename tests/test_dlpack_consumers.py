@@ -11,6 +11,9 @@ GPU consumers: PyTorch, CuPy, JAX)."""
 from __future__ import annotations
 
 import gc
+import sys
+import types
+import weakref
 
 import pytest
 
@@ -128,6 +131,74 @@ def test_the_free_follows_the_consumers_work_once_it_lets_go(
     assert again.ptr == ptr, "the memory is reused on the buffer's stream"
     sim.write(producer, again.ptr, 4096, label="next owner writes")
     sim.run()  # the fixture fails the test on any race
+
+
+class _OtherLibrarysStream:
+    """A stream object of another library (CuPy's has the handle as ``.ptr``, PyTorch's as
+    ``.cuda_stream``) that, as CuPy's does, destroys its stream when it dies."""
+
+    def __init__(self) -> None:
+        self.stream = streampool.Stream()
+        self.ptr = self.cuda_stream = self.stream.handle
+
+
+@pytest.mark.parametrize("how", ["cupy", "torch", "object"])
+def test_the_consumers_stream_lives_until_the_consumer_lets_go(
+    sim: SimulatedDevice, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """CuPy's and PyTorch's ``from_dlpack`` pass their current stream's handle; CuPy destroys
+    a stream when its object dies, maybe before the arrays made on it (a ``with
+    cupy.cuda.Stream():`` block). The export keeps that stream's object alive until the
+    deleter has ordered the free after it: on the CUDA driver, ordering after a destroyed
+    stream's handle crashed the process."""
+    current = [_OtherLibrarysStream()]
+    if how == "cupy":
+        cupy = types.ModuleType("cupy")
+        cupy.cuda = types.SimpleNamespace(get_current_stream=lambda: current[0])  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "cupy", cupy)
+    elif how == "torch":
+        torch = types.ModuleType("torch")
+        torch.cuda = types.SimpleNamespace(is_initialized=lambda: True, current_stream=lambda: current[0])  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "torch", torch)
+    consumer = current[0]
+    producer = streampool.Stream()
+    buf = streampool.DeviceBuffer(size=4096, stream=producer)
+    ptr = buf.ptr
+    capsule = buf.__dlpack__(stream=consumer if how == "object" else consumer.ptr, max_version=(1, 0))
+    sim.read(consumer.stream, ptr, 4096, label="consumer's kernel reads, queued")
+    alive = weakref.ref(consumer)
+    del buf, consumer
+    current.clear()  # the library's stream object is gone: only the export holds it
+    gc.collect()
+    assert alive() is not None, "the export keeps the consumer's stream alive"
+    errors = streampool.drop_errors()[0]
+    del capsule  # the consumer lets go
+    gc.collect()
+    assert alive() is None, "and lets it go with the tensor"
+    assert streampool.drop_errors()[0] == errors, streampool.drop_errors()[1][-1:]
+    again = streampool.DeviceBuffer(size=4096, stream=producer)
+    assert again.ptr == ptr
+    sim.write(producer, again.ptr, 4096, label="next owner writes")
+    sim.run()  # the fixture fails the test on any race
+
+
+def test_pytorchs_stream_is_not_asked_for_before_its_cuda_is_initialised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Looking for the owner of a bare handle initialises nothing: PyTorch's current stream
+    is asked for only once PyTorch's CUDA is initialised."""
+    asked: list[bool] = []
+    torch = types.ModuleType("torch")
+    torch.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
+        is_initialized=lambda: asked.append(False) or False, current_stream=lambda: asked.append(True)
+    )
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    consumer = streampool.Stream()
+    buf = streampool.DeviceBuffer(size=64, stream=streampool.Stream())
+    capsule = buf.__dlpack__(stream=consumer.handle, max_version=(1, 0))
+    assert asked == [False]
+    del capsule, buf
+    gc.collect()
 
 
 @pytest.mark.nosim

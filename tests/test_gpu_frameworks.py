@@ -455,6 +455,39 @@ def test_cupy_reads_through_dlpack(resource: type[mr.MemoryResource]) -> None:
     assert int(c[255]) == 255 and int(c[256]) == 0  # the array keeps the memory alive
 
 
+def test_cupy_arrays_outlive_the_stream_they_were_made_on() -> None:
+    """``with cupy.cuda.Stream(): c = cupy.from_dlpack(buf)``: CuPy destroys its stream at
+    the end of the block, while ``c`` lives on. When ``c`` dies, the buffer's free follows
+    that stream's work: the export keeps CuPy's stream object alive until then (ordering
+    after the destroyed stream's handle crashed the process). In a fresh interpreter, so
+    that a crash fails this test alone."""
+    pytest.importorskip("cupy")
+    out = run_python(
+        """
+        import gc, cupy, streampool
+        from streampool import mr
+        data = bytes(range(256)) * 16
+        for resource in (mr.CudaAsyncMemoryResource(), mr.ManagedMemoryResource()):
+            for _ in range(300):
+                buf = streampool.DeviceBuffer.to_device(data, stream=streampool.Stream(), mr=resource)
+                with cupy.cuda.Stream(non_blocking=True):
+                    c = cupy.from_dlpack(buf)
+                    c[:4] = 9
+                del buf
+                # Other streams, made and destroyed, take the place of the one that ended.
+                others = [cupy.cuda.Stream(non_blocking=True) for _ in range(4)]
+                del others
+                gc.collect()
+                assert int(c[255]) == 255 and int(c[0]) == 9
+                del c
+                gc.collect()
+        assert streampool.drop_errors()[0] == 0, streampool.drop_errors()
+        print("OK")
+        """
+    )
+    assert "OK" in out
+
+
 def test_a_consumer_on_another_device_is_refused() -> None:
     if streampool.device_count() < 2:
         pytest.skip("needs two GPUs")

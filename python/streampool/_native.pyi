@@ -1056,7 +1056,9 @@ class DeviceBuffer:
 
     ``__dlpack__(stream=s)`` orders ``s`` after the buffer's stream, and, when the consumer
     lets go of the tensor, the buffer's stream after ``s`` (its kernels may still be
-    queued): the memory's free follows the consumer's work. ``stream=-1`` leaves both to
+    queued): the memory's free follows the consumer's work; the export keeps ``s``'s
+    stream object alive until then (the object given, or, for a handle, CuPy's or
+    PyTorch's current stream where it has that handle). ``stream=-1`` leaves both to
     the consumer. An export to the host (``dl_device=(1, 0)``) takes ``stream=None`` only,
     and waits.
 

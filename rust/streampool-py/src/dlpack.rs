@@ -18,7 +18,7 @@ use streampool::{Allocation, Event, MemoryKind, Stream};
 
 use crate::buffer::{self, DeviceBuffer};
 use crate::errors::{buffer_error, detached};
-use crate::streams::to_stream;
+use crate::streams::consumer_stream;
 
 /// `kDLCPU`: host memory.
 pub(crate) const KDL_CPU: i32 = 1;
@@ -186,7 +186,17 @@ impl Managed for DLManagedTensorVersioned {
 struct Keep {
     owner: Py<DeviceBuffer>,
     alloc: Arc<Allocation>,
-    consumer: Option<Stream>,
+    consumer: Option<Consumer>,
+}
+
+/// The consumer's stream, which the memory's free follows, and the Python object that owns
+/// that stream, kept alive with the export so that the stream still exists when the
+/// deleter orders the free after it: a stream used after it was destroyed is undefined
+/// behaviour on the CUDA driver (it crashed the process on the H200), and CuPy destroys a
+/// stream when its object dies, with arrays made on it maybe still alive.
+pub(crate) struct Consumer {
+    stream: Stream,
+    owner: Option<Py<PyAny>>,
 }
 
 /// One export: the managed tensor (first, so that its address is the export's), the
@@ -212,18 +222,19 @@ unsafe extern "C" fn delete<M: Managed>(managed: *mut M) {
     let Keep { owner, alloc, consumer } = export.keep;
     // The consumer lets go on the host, maybe with its kernels still queued: the buffer's
     // stream, on which the memory is freed (now, or by the buffer later), waits for them.
-    if let Some(consumer) = consumer {
-        order_after_consumer(&alloc, &consumer);
-    }
+    let stream_owner = consumer.and_then(|Consumer { stream, owner }| {
+        order_after_consumer(&alloc, &stream);
+        owner
+    });
     // The last holder frees the memory, reporting a refused (double) free.
     if let Some(alloc) = Arc::into_inner(alloc) {
         buffer::release(alloc);
     }
-    let mut owner = Some(owner);
+    let mut owners = Some((owner, stream_owner));
     // Dropping a Python reference needs the interpreter; at shutdown it may be gone, and a
     // leaked reference is the only safe outcome then.
-    if crate::gil::try_attach(|_py| drop(owner.take())).is_none() {
-        std::mem::forget(owner);
+    if crate::gil::try_attach(|_py| drop(owners.take())).is_none() {
+        std::mem::forget(owners);
     }
 }
 
@@ -271,7 +282,7 @@ pub(crate) fn export<'py>(
     len: usize,
     device: (i32, i32),
     versioned: bool,
-    consumer: Option<Stream>,
+    consumer: Option<Consumer>,
 ) -> PyResult<Bound<'py, PyCapsule>> {
     if versioned {
         make::<DLManagedTensorVersioned>(owner, alloc, len, device, consumer)
@@ -285,7 +296,7 @@ fn make<'py, M: Managed>(
     alloc: Arc<Allocation>,
     len: usize,
     (device_type, device_id): (i32, i32),
-    consumer: Option<Stream>,
+    consumer: Option<Consumer>,
 ) -> PyResult<Bound<'py, PyCapsule>> {
     let py = owner.py();
     let len = i64::try_from(len).map_err(|_| buffer_error("buffer too large for DLPack"))?;
@@ -334,14 +345,15 @@ fn make<'py, M: Managed>(
 ///
 /// Returns the consumer's stream where the memory's free must follow its work: not for
 /// -1 (the consumer keeps its own order), the host (it has waited), or the buffer's own
-/// stream.
+/// stream; with it, the Python object that owns that stream, where one is known
+/// ([`stream_owner`]).
 pub(crate) fn order_consumer(
     py: Python<'_>,
     alloc: &Arc<Allocation>,
     stream: Option<&Bound<'_, PyAny>>,
     host_may_read: bool,
     to_host: bool,
-) -> PyResult<Option<Stream>> {
+) -> PyResult<Option<Consumer>> {
     let backend = alloc.resource().backend().clone();
     let device = alloc.resource().device();
     let given = stream.filter(|s| !s.is_none());
@@ -370,7 +382,7 @@ pub(crate) fn order_consumer(
                     _ => {}
                 }
             }
-            to_stream(py, Some(s), || &backend)?.into_owned()
+            consumer_stream(py, s, &backend)?
         }
     };
     if let Some((_, theirs)) = consumer.binding().filter(|(_, d)| *d != device) {
@@ -384,7 +396,8 @@ pub(crate) fn order_consumer(
     if producer.handle() == consumer.handle() && !host_waits {
         return Ok(None);
     }
-    detached(py, move || {
+    let owner = if host_waits { None } else { given.and_then(|s| stream_owner(s, consumer.handle())) };
+    let consumer = detached(py, move || {
         let event = Event::new(&backend, device)?;
         event.record(&producer)?;
         if host_waits {
@@ -393,5 +406,40 @@ pub(crate) fn order_consumer(
         consumer.wait(&event)?;
         // Past the check above, the host waited or the consumer's stream is another.
         Ok((!host_waits).then_some(consumer))
-    })
+    })?;
+    Ok(consumer.map(|stream| Consumer { stream, owner }))
+}
+
+/// The Python object that owns the consumer's stream `handle`, to keep alive until the
+/// consumer lets go: the stream object given, where one was (a `streampool.Stream` keeps
+/// its stream alive itself); for a bare handle (DLPack's convention, as CuPy's and
+/// PyTorch's `from_dlpack` pass their current stream), CuPy's or PyTorch's current stream
+/// where it has that handle (only where the library is already imported, and PyTorch's
+/// CUDA initialised: nothing is imported or initialised here). None otherwise: a bare
+/// handle of another library's stream is trusted to outlive the tensor made on it.
+fn stream_owner(given: &Bound<'_, PyAny>, handle: u64) -> Option<Py<PyAny>> {
+    if given.is_instance_of::<crate::streams::PyStream>() || handle <= 2 {
+        return None;
+    }
+    if !given.is_instance_of::<PyInt>() {
+        return Some(given.clone().unbind());
+    }
+    let modules = given.py().import("sys").and_then(|sys| sys.getattr("modules")).ok()?;
+    let imported = |name: &str| modules.get_item(name).ok().filter(|m| !m.is_none());
+    let has_handle = |s: &Bound<'_, PyAny>, attr: &str| {
+        s.getattr(attr).and_then(|h| h.extract::<u64>()).ok() == Some(handle)
+    };
+    if let Some(cupy) = imported("cupy") {
+        if let Ok(current) = cupy.getattr("cuda").and_then(|cuda| cuda.call_method0("get_current_stream")) {
+            if has_handle(&current, "ptr") {
+                return Some(current.unbind());
+            }
+        }
+    }
+    let cuda = imported("torch")?.getattr("cuda").ok()?;
+    if cuda.call_method0("is_initialized").and_then(|b| b.extract::<bool>()).ok() != Some(true) {
+        return None;
+    }
+    let current = cuda.call_method0("current_stream").ok()?;
+    has_handle(&current, "cuda_stream").then(|| current.unbind())
 }

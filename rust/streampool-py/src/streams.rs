@@ -274,6 +274,22 @@ pub(crate) fn to_stream<'a, 'b>(
     foreign_stream(py, obj, backend()).map(Cow::Owned)
 }
 
+/// A DLPack consumer's `stream`: as [`to_stream`], but a bare handle is taken as live, as
+/// DLPack's contract has it (the consumer passes a stream of its own, current), even where
+/// its value is that of a stream streampool destroyed: the driver reuses handle values, and
+/// another library's new stream may carry one (`cupy.from_dlpack` inside `with
+/// cupy.cuda.Stream():` was refused so on the H200).
+pub(crate) fn consumer_stream(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    backend: &BackendRef,
+) -> PyResult<Stream> {
+    if obj.is_instance_of::<PyInt>() {
+        return Stream::borrowed_live(backend, handle_value(obj, obj)?).or_raise(py);
+    }
+    to_stream(py, Some(obj), || backend).map(Cow::into_owned)
+}
+
 fn foreign_stream(py: Python<'_>, obj: &Bound<'_, PyAny>, backend: &BackendRef) -> PyResult<Stream> {
     let handle = match foreign_handle(obj)? {
         Some(h) => h,

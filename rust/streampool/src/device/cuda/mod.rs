@@ -903,7 +903,11 @@ impl Backend for CudaBackend {
             )));
         }
         if self.destroyed().contains(&stream) {
-            return Err(Error::InvalidStream(format!("stream {stream:#x} was destroyed")));
+            return Err(Error::InvalidStream(format!(
+                "stream {stream:#x} was destroyed (by streampool); if that handle is another \
+                 library's live stream now (the driver reuses handle values), pass that library's \
+                 stream object rather than its handle"
+            )));
         }
         let handle = if self.symbols.stream_get_device {
             // SAFETY: the probe found `cuStreamGetDevice`; not a default stream handle.
