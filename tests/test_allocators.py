@@ -231,18 +231,21 @@ def test_memory_whose_stream_was_destroyed_is_freed(pooled: bool) -> None:
 
 
 def test_streams_are_honoured_and_ordered(sim: SimulatedDevice) -> None:
-    """Memory freed on one stream and reused on another through the sharded pool is
-    ordered (the fixture's race detector checks it), and each stream is its own."""
+    """Each allocation through the C entry point is made on the stream it is given (the
+    tracking adaptor over the pool records that stream's handle), and memory freed on one
+    stream and reused on another through the sharded pool is ordered (the fixture's race
+    detector checks it)."""
     pool = mr.ShardedPoolMemoryResource(streampool.get_current_device_resource())
-    streampool.set_current_device_resource(pool)
+    tracked = mr.TrackingResourceAdaptor(pool)
+    streampool.set_current_device_resource(tracked)
     a, b = streampool.Stream(), streampool.Stream()
     for _ in range(3):
-        ptr = alloc(1 << 16, stream=a.handle)
-        sim.write(a, ptr, 1 << 16, "written on a")
-        free(ptr, 1 << 16, stream=a.handle)
-        ptr = alloc(1 << 16, stream=b.handle)
-        sim.write(b, ptr, 1 << 16, "written on b")
-        free(ptr, 1 << 16, stream=b.handle)
+        for s in (a, b):
+            ptr = alloc(1 << 16, stream=s.handle)
+            assert [(r.ptr, r.stream) for r in tracked.outstanding()] == [(ptr, s.handle)]
+            sim.write(s, ptr, 1 << 16, f"written on {'a' if s is a else 'b'}")
+            free(ptr, 1 << 16, stream=s.handle)
+            assert tracked.outstanding() == []
     for handle in (1, 2):  # the legacy stream's other name, and the per-thread one
         ptr = alloc(512, stream=handle)
         sim.write(handle, ptr, 512)

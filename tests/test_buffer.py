@@ -150,21 +150,21 @@ def test_dlpack_legacy_capsule_without_max_version() -> None:
 
 
 def test_dlpack_keeps_the_buffer_alive() -> None:
-    import gc
-    import weakref
-
-    buf = streampool.DeviceBuffer.to_device(b"z" * 32)
+    """An unconsumed capsule keeps the buffer's memory allocated after the buffer itself
+    is deleted (its tensor still points there), and its destructor frees it."""
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    buf = streampool.DeviceBuffer.to_device(b"z" * 32, mr=stats)
+    assert stats.allocation_counts.current_bytes == 32
     capsule = buf.__dlpack__(max_version=(1, 0))
-    ref = weakref.ref(buf) if hasattr(buf, "__weakref__") else None
     ptr = buf.ptr
     del buf
     gc.collect()
-    if ref is not None:
-        assert ref() is not None
+    assert stats.allocation_counts.current_bytes == 32, "freed while the capsule holds it"
     t = DLManagedTensorVersioned.from_address(_capsule_pointer(capsule, b"dltensor_versioned"))
     assert t.dl_tensor.data == ptr
-    del capsule
+    del t, capsule
     gc.collect()
+    assert stats.allocation_counts.current_bytes == 0, "the capsule's destructor frees the memory"
 
 
 def test_dlpack_consumer_stream_is_ordered(sim: SimulatedDevice) -> None:

@@ -56,14 +56,29 @@ def _check_same(r: BaseException, e: BaseException, attrs: tuple[str, ...] = ())
             assert getattr(r, attr) == getattr(e, attr), attr
 
 
+#: Every exception class ``streampool`` exports, by name: a new one must be added here, and
+#: to ATTRIBUTES when its constructor takes more than a message.
+KNOWN_EXCEPTIONS = {
+    "CudaDriverNotFoundError",
+    "CudaError",
+    "InvalidArgumentError",
+    "InvalidPointerError",
+    "InvalidStreamError",
+    "OutOfMemoryError",
+    "SimulatedDeviceActiveError",
+    "StreampoolError",
+    "UnsupportedError",
+}
+
+
 def test_every_exported_exception_is_tested() -> None:
-    assert {c.__name__ for c in EXPORTED} >= {
-        "CudaDriverNotFoundError",
-        "CudaError",
-        "InvalidArgumentError",
-        "OutOfMemoryError",
-        "StreampoolError",
-    }
+    """The exception classes in ``streampool.__all__`` (which the round-trip tests take,
+    EXPORTED) are exactly those listed here, each once: an exception added or removed
+    fails this test until the list, and ATTRIBUTES where it has attributes, say so."""
+    names = [c.__name__ for c in EXPORTED]
+    assert len(names) == len(set(names)), names
+    assert set(names) == KNOWN_EXCEPTIONS
+    assert set(ATTRIBUTES) <= set(EXPORTED)
 
 
 @pytest.mark.parametrize("how", ROUND_TRIPS)

@@ -112,14 +112,22 @@ def test_notes_at_the_same_time_count_the_free_first() -> None:
 
 
 def test_each_workload_s_peak_bound() -> None:
+    """Each workload's bound from its parameters: multistream, pipeline and
+    larger-than-memory by formula; window and random the sum of the threads' own peaks in a
+    log generated here with the same parameters; replay the log's recorded peak."""
     assert workloads.peak_live("multistream", {"threads": 3, "size": "2MiB"}) == 6 * MiB
     assert workloads.peak_live("multistream", {}) == MiB  # the defaults: one thread, 1 MiB
     depth = workloads.HANDOFF_DEPTH + 2
     assert workloads.peak_live("pipeline", {"threads": 2, "chunk_size": "1MiB"}) == 2 * depth * MiB
     assert workloads.peak_live("larger-than-memory", {"total": "3MiB"}) == 3 * MiB
     w = workloads.window_trace(allocations=10, window=4, sizes=("1MiB",), threads=4)
-    assert workloads.peak_live("window", {"threads": 4, "allocations": 10, "window": 4}) > 0
-    assert sum(thread_peaks(w)) == 20 * MiB
+    assert sum(thread_peaks(w)) == 20 * MiB  # one size: 5 live per thread at its peak
+    # The workload's own sizes (256 B to 1 MiB): each window's bound differs from the next.
+    for window in (3, 4, 5):
+        w = workloads.window_trace(allocations=30, window=window, threads=2, seed=5)
+        assert workloads.peak_live(
+            "window", {"threads": 2, "allocations": 30, "window": window, "seed": 5}
+        ) == sum(thread_peaks(w)), window
     r = workloads.random_trace(allocations=30, max_size="64KiB", threads=2, seed=3)
     assert workloads.peak_live(
         "random", {"threads": 2, "allocations": 30, "max_size": "64KiB", "seed": 3}

@@ -13,7 +13,7 @@ import pytest
 
 from streampool.harness import bench, specs, trace, workloads
 from streampool.harness.specs import SpecError, make_resource
-from streampool.harness.trace import FREE
+from streampool.harness.trace import ALLOCATE, FREE
 
 
 def test_percentiles_are_nearest_rank_as_the_native_side_ranks_them() -> None:
@@ -88,27 +88,70 @@ def test_the_command_line_refuses_a_spec_given_twice() -> None:
     assert "'async' is given twice" in out.stderr and "Traceback" not in out.stderr
 
 
+MiB = 1 << 20
+#: A pool that must synchronise or wait to serve :func:`_short_trace`: at its maximum,
+#: memory freed on one stream serves the next allocation on another only after a wait on
+#: that stream's event, or a device synchronisation where no event covers it.
+SHORT_POOL = "pool(async, maximum=4MiB, gather_interval=0)"
+
+
+def _short_trace(rounds: int = 10) -> trace.Trace:
+    """One thread: 2 MiB held on stream 0 throughout, and ``rounds`` 2 MiB allocations,
+    each freed at once, on streams 0 and 1 in turn. With 4 MiB at most, each one takes the
+    memory the one before freed on the other stream: on the sharded pool and the arena
+    (seen on the simulated device, the same on both replayers) 1 synchronisation and 8
+    waits."""
+    records = [(0, 2 * MiB, rounds, 0, 0, ALLOCATE)]
+    for i in range(rounds):
+        records += [(0, 2 * MiB, i, 0, i % 2, ALLOCATE), (0, 2 * MiB, i, 0, i % 2, FREE)]
+    records.append((0, 2 * MiB, rounds, 0, 0, FREE))
+    return trace.Trace(records)
+
+
+def _replayers() -> list[bool]:
+    """The replayers this build has: the native one (when built) and the Python one."""
+    return [native for native in (True, False) if not native or trace.native_replay_available()]
+
+
 def test_the_pool_s_synchronisations_and_waits_are_reported_on_every_path() -> None:
-    # The kernel workloads (Python threads) and the Python replayer, as the native ones do.
-    out = workloads.run("multistream", make_resource("pool(async)"), threads=2, streams=3, iterations=20)
-    assert isinstance(out["synchronizations"], int) and isinstance(out["waits"], int)
-    out = workloads.run("multistream", make_resource("stats(pool(async))"), threads=2, iterations=5)
-    assert isinstance(out["waits"], int)
+    """A pool at its maximum, which must wait or synchronise to reuse memory across
+    streams, reports more than none of each on every path: the kernel workloads (Python
+    threads), directly and beneath an adaptor, and both replayers; a resource with no pool
+    of streampool's own reports None. Each run counts from its own start, not the pool's."""
+    # One thread on two streams in turn, each iteration taking the memory the one before
+    # freed on the other stream: by a wait on its event (9 of them).
+    kernels = {"threads": 1, "streams": 2, "iterations": 10, "size": "1MiB"}
+    out = workloads.run(
+        "multistream", make_resource("pool(async, maximum=1MiB, gather_interval=0)"), **kernels
+    )
+    assert out["waits"] > 0, out
+    out = workloads.run("multistream", make_resource("stats(pool(async, maximum=1MiB))"), **kernels)
+    assert out["waits"] > 0, out
     assert workloads.run("multistream", make_resource("async"), iterations=5)["waits"] is None
-    t = workloads.window_trace(allocations=50, threads=2)
-    for native in (True, False):
-        if native and not trace.native_replay_available():
-            continue
-        out = trace.replay(make_resource("pool(async)").resource, t, gap_scale=0.0, native=native)
-        assert isinstance(out["synchronizations"], int) and isinstance(out["waits"], int), native
-    # Counted from the run's start: a pool's earlier work is not the run's.
-    pool = make_resource("pool(async)")
-    workloads.run("multistream", pool, threads=2, streams=3, iterations=20)
+    for native in _replayers():
+        out = trace.replay(make_resource(SHORT_POOL).resource, _short_trace(), gap_scale=0.0, native=native)
+        assert out["oom_events"] == 0, (native, out)
+        assert out["synchronizations"] > 0 and out["waits"] > 0, (native, out)
+    # Counted from the run's start: a pool's earlier work is not the run's. The pool has
+    # waited before each run, and waits again in it.
+    pool = make_resource("pool(async, maximum=1MiB, gather_interval=0)")
+    workloads.run("multistream", pool, **kernels)
     before = trace.pool_counters(pool.resource)
-    again = workloads.run("multistream", pool, threads=1, iterations=1)
+    again = workloads.run("multistream", pool, **kernels)
     after = trace.pool_counters(pool.resource)
-    assert before is not None and after is not None
+    assert before is not None and after is not None and before[1] > 0
+    assert again["waits"] > 0
     assert (again["synchronizations"], again["waits"]) == (after[0] - before[0], after[1] - before[1])
+    for native in _replayers():
+        pool = make_resource(SHORT_POOL)
+        trace.replay(pool.resource, _short_trace(), gap_scale=0.0, native=native)
+        before = trace.pool_counters(pool.resource)
+        again = trace.replay(pool.resource, _short_trace(), gap_scale=0.0, native=native)
+        after = trace.pool_counters(pool.resource)
+        assert before is not None and after is not None and before[0] > 0 and before[1] > 0, native
+        assert again["waits"] > 0, (native, again)
+        since = (after[0] - before[0], after[1] - before[1])
+        assert (again["synchronizations"], again["waits"]) == since, native
 
 
 def _run(resource: str, repeat: int, throughput: float, p50: int) -> dict[str, Any]:
@@ -153,20 +196,30 @@ def test_a_pipeline_reports_its_two_streams_per_pair() -> None:
 
 def test_the_arena_s_counters_are_the_same_on_every_path() -> None:
     """The arena reports its pool's synchronisations, waits and reserved bytes to the native
-    drivers as to the Python ones (the native replay and pipeline said nothing before)."""
-    t = workloads.window_trace(allocations=50, threads=2)
-    for native in (True, False):
-        if native and not trace.native_replay_available():
-            continue
-        out = trace.replay(make_resource("arena(async)").resource, t, gap_scale=0.0, native=native)
-        assert isinstance(out["synchronizations"], int) and isinstance(out["waits"], int), native
+    drivers as to the Python ones (the native replay and pipeline said nothing before): the
+    two replayers report the same counts, more than none of each, for one single-threaded
+    trace that makes an arena at its size wait and synchronise, and the two pipeline
+    drivers the same reserved bytes (the arena's size)."""
+    counts: dict[bool, tuple[int, int]] = {}
+    for native in _replayers():
+        out = trace.replay(
+            make_resource("arena(async, size=4MiB)").resource, _short_trace(), gap_scale=0.0, native=native
+        )
+        assert out["oom_events"] == 0, (native, out)
+        counts[native] = (out["synchronizations"], out["waits"])
+        assert counts[native][0] > 0 and counts[native][1] > 0, (native, out)
+    if trace.native_replay_available():
+        assert counts[True] == counts[False]
+    reserved: dict[str, int] = {}
     for driver in ("native", "python"):
         out = workloads.run(
             "pipeline",
-            make_resource("arena(async)"),
+            make_resource("arena(async, size=8MiB)"),
             chunks=4,
             chunk_size="64KiB",
             kernel_us=0,
             driver=driver,
         )
-        assert out["peak_reserved_bytes"] is not None, driver
+        reserved[driver] = out["peak_reserved_bytes"]
+        assert isinstance(out["synchronizations"], int) and isinstance(out["waits"], int), (driver, out)
+    assert reserved == {"native": 8 * MiB, "python": 8 * MiB}  # the arena's size, on both

@@ -56,11 +56,21 @@ def test_race_between_unordered_streams_is_found(sim: SimulatedDevice) -> None:
 
 
 def test_event_ordering_or_completion_removes_the_race(sim: SimulatedDevice) -> None:
+    """A read on stream b of what stream a wrote is no race when b waits on an event
+    recorded on a after the write (a DLPack export to b's stream records one on a and makes
+    b wait on it), nor when a's work completed before the read was enqueued."""
     a, b = streampool.Stream(), streampool.Stream()
     buf = streampool.DeviceBuffer(size=4096, stream=a)
-    sim.write(a, buf.ptr, 4096)
+    sim.write(a, buf.ptr, 4096, label="written on a")
+    capsule = buf.__dlpack__(stream=b.handle, max_version=(1, 0))  # b waits on a's event
+    assert sim.queued(a) > 0, "a's write is still queued: the event orders it, not completion"
+    sim.read(b, buf.ptr, 4096, label="read on b after the event")
+    sim.run()
+    assert sim.races() == []
+    del capsule
+    sim.write(a, buf.ptr, 4096, label="written on a again")
     a.synchronize()  # completion orders everything enqueued later
-    sim.read(b, buf.ptr, 4096)
+    sim.read(b, buf.ptr, 4096, label="read on b after completion")
     sim.run()
     assert sim.races() == []
 

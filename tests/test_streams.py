@@ -29,12 +29,19 @@ def test_default_streams() -> None:
     streampool.PER_THREAD_DEFAULT_STREAM.synchronize()
 
 
-def _check_accepted(obj: object) -> None:
-    resource = mr.CudaAsyncMemoryResource()
+def _check_accepted(obj: object, stream: streampool.Stream) -> None:
+    """``obj`` is read as ``stream`` wherever a stream is taken: allocations through it are
+    on that stream, and a buffer keeps the object it was given. (``Stream(obj)`` takes
+    stream objects only: an int there would read as a device.)"""
+    if not isinstance(obj, int):
+        assert streampool.Stream(obj) == stream, obj  # type: ignore[arg-type]
+    resource = mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource())
     ptr = resource.allocate(256, obj)  # type: ignore[arg-type]
+    assert [r.stream for r in resource.outstanding()] == [stream.handle], obj
     resource.deallocate(ptr, 256, obj)  # type: ignore[arg-type]
-    buf = streampool.DeviceBuffer(size=16, stream=obj)  # type: ignore[arg-type]
+    buf = streampool.DeviceBuffer(size=16, stream=obj, mr=resource)  # type: ignore[arg-type]
     assert buf.stream is obj
+    assert [r.stream for r in resource.outstanding()] == [stream.handle], obj
 
 
 def test_foreign_stream_objects() -> None:
@@ -48,7 +55,7 @@ def test_foreign_stream_objects() -> None:
     cupy_like = types.SimpleNamespace(ptr=s.handle)
     numba_like = types.SimpleNamespace(handle=types.SimpleNamespace(value=s.handle))
     for obj in (CudaCoreLike(), torch_like, cupy_like, numba_like, s.handle, s):
-        _check_accepted(obj)
+        _check_accepted(obj, s)
 
 
 def test_bad_stream_objects() -> None:
