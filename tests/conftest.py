@@ -24,6 +24,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (runs with STREAMPOOL_GPU_TESTS=1)")
     config.addinivalue_line("markers", "nosim: the test manages simulated devices itself")
     config.addinivalue_line("markers", "races_expected: the test provokes races on purpose")
+    config.addinivalue_line(
+        "markers", "drop_errors_expected: the test provokes failures recorded in streampool.drop_errors()"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -41,10 +44,16 @@ def sim(request: pytest.FixtureRequest) -> Iterator[SimulatedDevice | None]:
     if request.node.get_closest_marker("gpu") or request.node.get_closest_marker("nosim"):
         yield None
         return
+    before = streampool.drop_errors()[0]
     with SimulatedDevice(capacity_bytes=SIM_CAPACITY) as dev:
         yield dev
         races = dev.races()
     assert not races or request.node.get_closest_marker("races_expected"), f"unexpected races: {races}"
+    # A failure where nobody could be told (a free or a stream's destruction when its last
+    # reference went) is a test failure unless the test provokes one.
+    count, recent = streampool.drop_errors()
+    if count != before and not request.node.get_closest_marker("drop_errors_expected"):
+        pytest.fail(f"{count - before} unexpected drop error(s), the last: {recent[-1]}")
 
 
 _OWNERS: list[mr.MemoryResource] = []

@@ -1127,6 +1127,7 @@ def test_adaptors_over_the_pool_take_its_fast_path(
 # --- failures in Drop are recorded
 
 
+@pytest.mark.drop_errors_expected
 def test_a_failed_log_line_when_a_buffer_is_collected_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
     unraisable: list[BaseException | None] = []
     monkeypatch.setattr(sys, "unraisablehook", lambda info: unraisable.append(info.exc_value))

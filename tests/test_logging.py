@@ -183,6 +183,7 @@ class SinkFailed(Exception):
     pass
 
 
+@pytest.mark.drop_errors_expected
 def test_raising_callback_reaches_the_caller_and_nothing_leaks() -> None:
     failure = SinkFailed("disk full")
     fail_on: set[str] = set()
@@ -214,6 +215,7 @@ def test_raising_callback_reaches_the_caller_and_nothing_leaks() -> None:
         logged.deallocate(ptr, 1000)  # its own error, not a stale SinkFailed
 
 
+@pytest.mark.drop_errors_expected
 def test_a_failing_sink_on_a_free_leaves_the_counts_above_right(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "unraisablehook", lambda info: None)
     failing = [False]
@@ -243,6 +245,7 @@ def test_raising_callback_on_the_header_fails_the_constructor() -> None:
         mr.LoggingResourceAdaptor(mr.CudaAsyncMemoryResource(), callback=sink)
 
 
+@pytest.mark.drop_errors_expected
 def test_swallowed_callback_error_does_not_leak_into_later_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     """A buffer freed by the collector cannot raise the sink's exception (it goes to
     sys.unraisablehook); it must not surface later in an unrelated call on the same thread."""

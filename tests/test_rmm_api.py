@@ -327,6 +327,7 @@ def test_callback_allocate_may_return_any_integer_type() -> None:
     assert bytes(buf) == b"integer types"
 
 
+@pytest.mark.drop_errors_expected
 def test_an_exception_of_deallocate_func_at_collection_reaches_the_unraisable_hook(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
