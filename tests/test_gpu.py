@@ -352,3 +352,20 @@ def test_per_thread_stream_threads_exit_then_device_sync(variant: str, tmp_path:
     if result.status == "SKIP":
         pytest.skip(result.detail)
     assert result.status == "PASS", result.describe()
+
+
+def test_wait_stream_orders_another_streams_kernels() -> None:
+    """A check on stream b after ``b.wait_stream(a)`` sees a's fill, queued behind a long
+    kernel on a: the driver orders b after a without the host waiting."""
+    from streampool import kernels
+
+    resource = mr.CudaAsyncMemoryResource()
+    a, b = streampool.Stream(), streampool.Stream()
+    size = 64 << 20
+    p = resource.allocate(size, a)
+    kernels.fill(p, size, seed=1, stream=a)
+    kernels.compute(p, size, a, iterations=64)  # keeps a busy; the data stays
+    kernels.fill(p, size, seed=2, stream=a)
+    b.wait_stream(a)
+    assert kernels.check(p, size, seed=2, stream=b) == 0
+    resource.deallocate(p, size, b)

@@ -10,6 +10,7 @@ import pytest
 
 import streampool
 from streampool import mr
+from streampool.sim import SimulatedDevice
 
 
 def test_owned_stream() -> None:
@@ -102,3 +103,54 @@ def test_a_cuda_stream_protocol_of_another_version_names_the_version() -> None:
         match=r"protocol version 1 is not supported \(only version 0; it returned \(1, 4096\)\)",
     ):
         streampool.Stream(Future())
+
+
+def test_wait_stream_orders_one_stream_after_another(sim: SimulatedDevice) -> None:
+    """``b.wait_stream(a)``: what b does from then on follows what a had enqueued, whatever
+    form ``a`` comes in (ours, another library's object, a handle, the default stream); the
+    host does not wait."""
+    a, b = streampool.Stream(), streampool.Stream()
+    buf = streampool.DeviceBuffer(size=4096, stream=a)
+    forms: list[object] = [a, types.SimpleNamespace(cuda_stream=a.handle), a.handle]
+    for other in forms:
+        sim.write(a, buf.ptr, 4096, label="written on a")
+        b.wait_stream(other)  # type: ignore[arg-type]
+        assert sim.queued(a) > 0, "the host did not wait"
+        sim.read(b, buf.ptr, 4096, label="read on b after the wait")
+        sim.run()
+    sim.write(streampool.DEFAULT_STREAM, buf.ptr, 4096, label="written on the legacy stream")
+    b.wait_stream(None)  # None: the legacy default stream, as every stream= argument
+    sim.read(b, buf.ptr, 4096, label="read on b after the wait")
+    sim.run()  # the fixture fails the test on any race
+
+
+@pytest.mark.races_expected
+def test_without_wait_stream_the_detector_finds_the_race(sim: SimulatedDevice) -> None:
+    a, b = streampool.Stream(), streampool.Stream()
+    buf = streampool.DeviceBuffer(size=4096, stream=a)
+    sim.write(a, buf.ptr, 4096, label="written on a")
+    sim.read(b, buf.ptr, 4096, label="read on b, unordered")
+    sim.run()
+    assert sim.races()
+    sim.clear_races()
+
+
+def test_wait_stream_refuses_what_is_not_a_stream() -> None:
+    s = streampool.Stream()
+    with pytest.raises(TypeError, match="cannot use a str as a stream"):
+        s.wait_stream("nope")  # type: ignore[arg-type]
+    with pytest.raises(streampool.InvalidStreamError):
+        s.wait_stream(0xDEAD0)  # no live stream has that handle (the simulated device knows)
+    s.wait_stream(streampool.Stream())  # and the stream is still usable
+
+
+@pytest.mark.nosim
+def test_wait_stream_orders_streams_of_two_devices() -> None:
+    with SimulatedDevice(capacity_bytes="64MiB", devices=2) as dev:
+        a, b = streampool.Stream(device=0), streampool.Stream(device=1)
+        buf = streampool.DeviceBuffer(size=4096, stream=a, mr=mr.ManagedMemoryResource(device=0))
+        dev.write(a, buf.ptr, 4096, label="written on device 0")
+        b.wait_stream(a)
+        dev.read(b, buf.ptr, 4096, label="read on device 1 after the wait")
+        dev.run()
+        assert not dev.races(), dev.races()

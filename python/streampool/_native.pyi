@@ -187,6 +187,20 @@ class Stream:
         stream before it have completed: other streams reuse that memory with no event."""
     def is_default(self) -> bool:
         """True for the legacy and the per-thread default streams (RMM's ``is_default()``)."""
+    def wait_stream(self, other: _StreamLike) -> None:
+        """Orders the work enqueued on this stream from now on after the work enqueued on
+        ``other`` so far: an event recorded on ``other``, which this stream waits for; the
+        host does not wait (as ``torch.cuda.Stream.wait_stream``). ``other`` is any stream a
+        ``stream=`` argument takes, of this stream's device or another. Use it to hand
+        memory between streams: before memory written on ``other`` is read on this stream,
+        and before memory that ``other`` still reads is freed on this one.
+
+        Example::
+
+            producer, consumer = streampool.Stream(), streampool.Stream()
+            buf = streampool.DeviceBuffer.to_device(b"data", stream=producer)
+            consumer.wait_stream(producer)  # the consumer's kernels see the copy
+        """
     def __cuda_stream__(self) -> tuple[int, int]:
         """cuda.core's stream protocol: ``(0, handle)``."""
     def __int__(self) -> int: ...

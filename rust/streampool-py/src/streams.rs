@@ -206,6 +206,27 @@ impl PyStream {
         detached(py, move || stream.synchronize(&backend, device))
     }
 
+    /// Orders the work enqueued on this stream from now on after the work enqueued on
+    /// `other` so far: an event recorded on `other`, which this stream waits for; the host
+    /// does not wait (as `torch.cuda.Stream.wait_stream`). `other` is any stream a
+    /// `stream=` argument takes (a `streampool.Stream`, another library's stream object, a
+    /// handle), of this stream's device or another. Use it to hand memory between streams:
+    /// before memory written on `other` is read on this stream, and before memory that
+    /// `other` still reads is freed on this one.
+    ///
+    /// Example::
+    ///
+    ///     producer, consumer = streampool.Stream(), streampool.Stream()
+    ///     buf = streampool.DeviceBuffer.to_device(b"data", stream=producer)
+    ///     consumer.wait_stream(producer)  # the consumer's kernels see the copy
+    fn wait_stream(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (backend, device) = self.placement().or_raise(py)?;
+        let other = to_stream(py, Some(other), || &backend)?.into_owned();
+        let other_device = other.binding().map_or(device, |(_, d)| d);
+        let this = self.inner.clone();
+        detached(py, move || this.wait_for(&backend, device, &other, other_device))
+    }
+
     /// The cuda.core stream protocol: `(version, handle)`.
     fn __cuda_stream__(&self) -> (i32, RawStream) {
         (0, self.inner.handle())
