@@ -40,20 +40,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def sim(request: pytest.FixtureRequest) -> Iterator[SimulatedDevice | None]:
-    """The simulated device every non-GPU test runs on."""
-    if request.node.get_closest_marker("gpu") or request.node.get_closest_marker("nosim"):
+    """The simulated device every non-GPU test runs on (a `nosim` test makes its own). A
+    test fails on a race the detector found, and on a failure recorded where nobody could
+    be told (a new entry in streampool.drop_errors(): a free or a stream's destruction
+    when its last reference went), unless it provokes them on purpose (`races_expected`,
+    `drop_errors_expected`)."""
+    if request.node.get_closest_marker("gpu"):
         yield None
         return
     before = streampool.drop_errors()[0]
-    with SimulatedDevice(capacity_bytes=SIM_CAPACITY) as dev:
-        yield dev
-        races = dev.races()
-    assert not races or request.node.get_closest_marker("races_expected"), f"unexpected races: {races}"
-    # A failure where nobody could be told (a free or a stream's destruction when its last
-    # reference went) is a test failure unless the test provokes one.
+    if request.node.get_closest_marker("nosim"):
+        yield None
+    else:
+        with SimulatedDevice(capacity_bytes=SIM_CAPACITY) as dev:
+            yield dev
+            races = dev.races()
+        assert not races or request.node.get_closest_marker("races_expected"), f"unexpected races: {races}"
     count, recent = streampool.drop_errors()
     if count != before and not request.node.get_closest_marker("drop_errors_expected"):
-        pytest.fail(f"{count - before} unexpected drop error(s), the last: {recent[-1]}")
+        pytest.fail(
+            f"{count - before} unexpected drop error(s) (this test's, or an earlier test's garbage "
+            f"collected now), the last: {recent[-1]}"
+        )
 
 
 _OWNERS: list[mr.MemoryResource] = []

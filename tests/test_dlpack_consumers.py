@@ -142,7 +142,7 @@ class _OtherLibrarysStream:
         self.ptr = self.cuda_stream = self.stream.handle
 
 
-@pytest.mark.parametrize("how", ["cupy", "torch", "object"])
+@pytest.mark.parametrize("how", ["cupy", "torch", "object", "wrapped"])
 def test_the_consumers_stream_lives_until_the_consumer_lets_go(
     sim: SimulatedDevice, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
@@ -150,7 +150,8 @@ def test_the_consumers_stream_lives_until_the_consumer_lets_go(
     a stream when its object dies, maybe before the arrays made on it (a ``with
     cupy.cuda.Stream():`` block). The export keeps that stream's object alive until the
     deleter has ordered the free after it: on the CUDA driver, ordering after a destroyed
-    stream's handle crashed the process."""
+    stream's handle crashed the process. The same for a stream object given, and for a
+    ``streampool.Stream`` wrapping one."""
     current = [_OtherLibrarysStream()]
     if how == "cupy":
         cupy = types.ModuleType("cupy")
@@ -158,16 +159,19 @@ def test_the_consumers_stream_lives_until_the_consumer_lets_go(
         monkeypatch.setitem(sys.modules, "cupy", cupy)
     elif how == "torch":
         torch = types.ModuleType("torch")
-        torch.cuda = types.SimpleNamespace(is_initialized=lambda: True, current_stream=lambda: current[0])  # type: ignore[attr-defined]
+        torch.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
+            is_initialized=lambda: True, current_stream=lambda device=None: current[0]
+        )
         monkeypatch.setitem(sys.modules, "torch", torch)
     consumer = current[0]
     producer = streampool.Stream()
     buf = streampool.DeviceBuffer(size=4096, stream=producer)
     ptr = buf.ptr
-    capsule = buf.__dlpack__(stream=consumer if how == "object" else consumer.ptr, max_version=(1, 0))
+    given: object = {"object": consumer, "wrapped": streampool.Stream(consumer)}.get(how, consumer.ptr)
+    capsule = buf.__dlpack__(stream=given, max_version=(1, 0))
     sim.read(consumer.stream, ptr, 4096, label="consumer's kernel reads, queued")
     alive = weakref.ref(consumer)
-    del buf, consumer
+    del buf, consumer, given
     current.clear()  # the library's stream object is gone: only the export holds it
     gc.collect()
     assert alive() is not None, "the export keeps the consumer's stream alive"
@@ -190,7 +194,8 @@ def test_pytorchs_stream_is_not_asked_for_before_its_cuda_is_initialised(
     asked: list[bool] = []
     torch = types.ModuleType("torch")
     torch.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
-        is_initialized=lambda: asked.append(False) or False, current_stream=lambda: asked.append(True)
+        is_initialized=lambda: asked.append(False) or False,
+        current_stream=lambda device=None: asked.append(True),
     )
     monkeypatch.setitem(sys.modules, "torch", torch)
     consumer = streampool.Stream()
@@ -234,3 +239,21 @@ def test_a_buffer_of_an_exited_simulated_device_exports_nothing() -> None:
     ):
         with pytest.raises(ValueError, match="closed"):
             export()
+
+
+def test_a_librarys_current_stream_of_another_handle_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the current stream whose handle the consumer gave is kept alive with the export:
+    CuPy's current stream, another stream, is not."""
+    current = [_OtherLibrarysStream()]
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(get_current_stream=lambda: current[0])  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    alive = weakref.ref(current[0])
+    consumer = streampool.Stream()
+    buf = streampool.DeviceBuffer(size=64, stream=streampool.Stream())
+    capsule = buf.__dlpack__(stream=consumer.handle, max_version=(1, 0))
+    current.clear()
+    gc.collect()
+    assert alive() is None, "a stream the consumer did not name is not kept"
+    del capsule, buf
+    gc.collect()

@@ -473,6 +473,7 @@ def test_cupy_arrays_outlive_the_stream_they_were_made_on() -> None:
                 with cupy.cuda.Stream(non_blocking=True):
                     c = cupy.from_dlpack(buf)
                     c[:4] = 9
+                    cupy.cuda.get_current_stream().synchronize()  # before reading c elsewhere
                 del buf
                 # Other streams, made and destroyed, take the place of the one that ended.
                 others = [cupy.cuda.Stream(non_blocking=True) for _ in range(4)]

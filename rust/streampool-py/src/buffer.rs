@@ -795,7 +795,8 @@ impl DeviceBuffer {
     /// the buffer's stream waits for the consumer's, so that the memory's free follows its
     /// work; the consumer's stream object is kept alive until then (the object given, or,
     /// for a handle, CuPy's or PyTorch's current stream where it has that handle: their
-    /// `from_dlpack` passes it, and CuPy destroys a stream with its object). `dl_device=(1, 0)` (the CPU) is accepted for managed and pinned memory, with
+    /// `from_dlpack` passes it, and CuPy destroys a stream with its object).
+    /// `dl_device=(1, 0)` (the CPU) is accepted for managed and pinned memory, with
     /// `stream=None` only (the host waits), refused for device memory; a device other than
     /// the buffer's is refused (DLPack does not copy).
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]

@@ -396,7 +396,8 @@ pub(crate) fn order_consumer(
     if producer.handle() == consumer.handle() && !host_waits {
         return Ok(None);
     }
-    let owner = if host_waits { None } else { given.and_then(|s| stream_owner(s, consumer.handle())) };
+    let owner =
+        if host_waits { None } else { given.and_then(|s| stream_owner(s, consumer.handle(), device)) };
     let consumer = detached(py, move || {
         let event = Event::new(&backend, device)?;
         event.record(&producer)?;
@@ -410,15 +411,16 @@ pub(crate) fn order_consumer(
     Ok(consumer.map(|stream| Consumer { stream, owner }))
 }
 
-/// The Python object that owns the consumer's stream `handle`, to keep alive until the
-/// consumer lets go: the stream object given, where one was (a `streampool.Stream` keeps
-/// its stream alive itself); for a bare handle (DLPack's convention, as CuPy's and
-/// PyTorch's `from_dlpack` pass their current stream), CuPy's or PyTorch's current stream
-/// where it has that handle (only where the library is already imported, and PyTorch's
-/// CUDA initialised: nothing is imported or initialised here). None otherwise: a bare
+/// The Python object that owns the consumer's stream `handle` (of `device`), to keep alive
+/// until the consumer lets go: the stream object given, where one was (a
+/// `streampool.Stream` too: one that wraps another library's stream keeps that alive); for
+/// a bare handle (DLPack's convention, as CuPy's and PyTorch's `from_dlpack` pass their
+/// current stream), CuPy's or PyTorch's current stream where it has that handle (only
+/// where the library is already imported, and PyTorch's CUDA initialised: nothing is
+/// imported here). None for the default streams, which never end, and otherwise: a bare
 /// handle of another library's stream is trusted to outlive the tensor made on it.
-fn stream_owner(given: &Bound<'_, PyAny>, handle: u64) -> Option<Py<PyAny>> {
-    if given.is_instance_of::<crate::streams::PyStream>() || handle <= 2 {
+fn stream_owner(given: &Bound<'_, PyAny>, handle: u64, device: i32) -> Option<Py<PyAny>> {
+    if handle <= 2 {
         return None;
     }
     if !given.is_instance_of::<PyInt>() {
@@ -440,6 +442,6 @@ fn stream_owner(given: &Bound<'_, PyAny>, handle: u64) -> Option<Py<PyAny>> {
     if cuda.call_method0("is_initialized").and_then(|b| b.extract::<bool>()).ok() != Some(true) {
         return None;
     }
-    let current = cuda.call_method0("current_stream").ok()?;
+    let current = cuda.call_method1("current_stream", (device,)).ok()?;
     has_handle(&current, "cuda_stream").then(|| current.unbind())
 }
