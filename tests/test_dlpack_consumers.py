@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 import types
 import weakref
 
@@ -257,3 +258,29 @@ def test_a_librarys_current_stream_of_another_handle_is_not_kept(monkeypatch: py
     assert alive() is None, "a stream the consumer did not name is not kept"
     del capsule, buf
     gc.collect()
+
+
+def test_a_per_thread_consumer_let_go_on_another_thread_is_still_followed(sim: SimulatedDevice) -> None:
+    """A consumer on its thread's per-thread default stream (handle 2) lets go of the tensor
+    on another thread, where handle 2 names another stream: the free still follows the
+    consumer's work (the legacy default stream, which every per-thread stream synchronises
+    with, stands for it there)."""
+    producer = streampool.Stream()
+    buf = streampool.DeviceBuffer(size=4096, stream=producer)
+    ptr = buf.ptr
+    held: list[object] = []
+
+    def consumer_thread(exported: streampool.DeviceBuffer) -> None:
+        held.append(exported.__dlpack__(stream=2, max_version=(1, 0)))
+        sim.read(2, ptr, 4096, label="consumer's kernel on its per-thread stream, queued")
+
+    worker = threading.Thread(target=consumer_thread, args=(buf,))
+    worker.start()
+    worker.join()
+    del buf
+    held.clear()  # the deleter runs on this thread
+    gc.collect()
+    again = streampool.DeviceBuffer(size=4096, stream=producer)
+    assert again.ptr == ptr
+    sim.write(producer, again.ptr, 4096, label="next owner writes")
+    sim.run()  # the fixture fails the test on any race

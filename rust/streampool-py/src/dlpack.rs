@@ -408,7 +408,9 @@ pub(crate) fn order_consumer(
         // Past the check above, the host waited or the consumer's stream is another.
         Ok((!host_waits).then_some(consumer))
     })?;
-    Ok(consumer.map(|stream| Consumer { stream, owner }))
+    // Resolved: handle 2 names the calling thread's per-thread stream, and the deleter may
+    // run on another thread, where the legacy default stream stands for this one.
+    Ok(consumer.map(|stream| Consumer { stream: stream.resolved(), owner }))
 }
 
 /// The Python object that owns the consumer's stream `handle` (of `device`), to keep alive
