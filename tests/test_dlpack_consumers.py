@@ -15,6 +15,8 @@ import sys
 import threading
 import types
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -128,10 +130,27 @@ def test_the_free_follows_the_consumers_work_once_it_lets_go(
         buf.close()
     del capsule  # the consumer lets go: the deleter runs now
     gc.collect()
+    _reuse_and_write(sim, producer, ptr, res)
+
+
+def _reuse_and_write(
+    sim: SimulatedDevice, producer: streampool.Stream, ptr: int, res: mr.MemoryResource | None = None
+) -> None:
+    """The next owner of the freed 4 KiB at ``ptr`` (reused on the buffer's stream,
+    ``producer``) writes it: the fixture fails the test on any race with the consumer's
+    work."""
     again = streampool.DeviceBuffer(size=4096, stream=producer, mr=res)
     assert again.ptr == ptr, "the memory is reused on the buffer's stream"
     sim.write(producer, again.ptr, 4096, label="next owner writes")
-    sim.run()  # the fixture fails the test on any race
+    sim.run()
+
+
+def _fake_library(monkeypatch: pytest.MonkeyPatch, name: str, **cuda: Callable[..., Any]) -> None:
+    """An imported module ``name`` whose ``cuda`` namespace has these functions: CuPy's or
+    PyTorch's, as the export looks up their current stream."""
+    module = types.ModuleType(name)
+    module.cuda = types.SimpleNamespace(**cuda)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, name, module)
 
 
 class _OtherLibrarysStream:
@@ -155,15 +174,11 @@ def test_the_consumers_stream_lives_until_the_consumer_lets_go(
     ``streampool.Stream`` wrapping one."""
     current = [_OtherLibrarysStream()]
     if how == "cupy":
-        cupy = types.ModuleType("cupy")
-        cupy.cuda = types.SimpleNamespace(get_current_stream=lambda: current[0])  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, "cupy", cupy)
+        _fake_library(monkeypatch, "cupy", get_current_stream=lambda: current[0])
     elif how == "torch":
-        torch = types.ModuleType("torch")
-        torch.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
-            is_initialized=lambda: True, current_stream=lambda device=None: current[0]
+        _fake_library(
+            monkeypatch, "torch", is_initialized=lambda: True, current_stream=lambda device=None: current[0]
         )
-        monkeypatch.setitem(sys.modules, "torch", torch)
     consumer = current[0]
     producer = streampool.Stream()
     buf = streampool.DeviceBuffer(size=4096, stream=producer)
@@ -181,10 +196,7 @@ def test_the_consumers_stream_lives_until_the_consumer_lets_go(
     gc.collect()
     assert alive() is None, "and lets it go with the tensor"
     assert streampool.drop_errors()[0] == errors, streampool.drop_errors()[1][-1:]
-    again = streampool.DeviceBuffer(size=4096, stream=producer)
-    assert again.ptr == ptr
-    sim.write(producer, again.ptr, 4096, label="next owner writes")
-    sim.run()  # the fixture fails the test on any race
+    _reuse_and_write(sim, producer, ptr)
 
 
 def test_pytorchs_stream_is_not_asked_for_before_its_cuda_is_initialised(
@@ -193,12 +205,12 @@ def test_pytorchs_stream_is_not_asked_for_before_its_cuda_is_initialised(
     """Looking for the owner of a bare handle initialises nothing: PyTorch's current stream
     is asked for only once PyTorch's CUDA is initialised."""
     asked: list[bool] = []
-    torch = types.ModuleType("torch")
-    torch.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
+    _fake_library(
+        monkeypatch,
+        "torch",
         is_initialized=lambda: asked.append(False) or False,
         current_stream=lambda device=None: asked.append(True),
     )
-    monkeypatch.setitem(sys.modules, "torch", torch)
     consumer = streampool.Stream()
     buf = streampool.DeviceBuffer(size=64, stream=streampool.Stream())
     capsule = buf.__dlpack__(stream=consumer.handle, max_version=(1, 0))
@@ -246,9 +258,7 @@ def test_a_librarys_current_stream_of_another_handle_is_not_kept(monkeypatch: py
     """Only the current stream whose handle the consumer gave is kept alive with the export:
     CuPy's current stream, another stream, is not."""
     current = [_OtherLibrarysStream()]
-    cupy = types.ModuleType("cupy")
-    cupy.cuda = types.SimpleNamespace(get_current_stream=lambda: current[0])  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    _fake_library(monkeypatch, "cupy", get_current_stream=lambda: current[0])
     alive = weakref.ref(current[0])
     consumer = streampool.Stream()
     buf = streampool.DeviceBuffer(size=64, stream=streampool.Stream())
@@ -280,7 +290,4 @@ def test_a_per_thread_consumer_let_go_on_another_thread_is_still_followed(sim: S
     del buf
     held.clear()  # the deleter runs on this thread
     gc.collect()
-    again = streampool.DeviceBuffer(size=4096, stream=producer)
-    assert again.ptr == ptr
-    sim.write(producer, again.ptr, 4096, label="next owner writes")
-    sim.run()  # the fixture fails the test on any race
+    _reuse_and_write(sim, producer, ptr)
