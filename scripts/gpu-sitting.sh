@@ -13,9 +13,13 @@
 #                                       latency, random and window parts (REPEATS=2)
 #   bash scripts/gpu-sitting.sh frameworks   benchmarks/bench_frameworks.py: PyTorch, CuPy
 #                                       and the C entry points beside their own allocators
+#   bash scripts/gpu-sitting.sh guide-part NAME   one part of benchmarks/guide.sh alone
+#                                       (REPEATS=2), for a call of its own: the window part
+#                                       with every peer takes most of one. Stopped at 540 s,
+#                                       its JSON keeps the runs that had finished
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-sitting.sh suite|guide|frameworks}
+PART=${1:?usage: gpu-sitting.sh suite|guide|frameworks|guide-part NAME}
 OUT=${OUT:-/tmp/streampool-sitting}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 STREAMPOOL_GPU_TESTS=1
@@ -83,5 +87,12 @@ frameworks)
     --json "$OUT/frameworks-bench.json" >"$OUT/frameworks-bench.txt" 2>&1
   echo "frameworks bench rc=$?"; grep -v '^{' "$OUT/frameworks-bench.txt" | tail -n 45
   ;;
-*) echo "gpu-sitting: unknown part '$PART' (suite, guide or frameworks)" >&2; exit 2 ;;
+guide-part)
+  name=${2:?usage: gpu-sitting.sh guide-part NAME (a part of benchmarks/guide.sh)}
+  mkdir -p "$OUT/guide"
+  GUIDE_OUT="$OUT/guide" PARTS=$name REPEATS=2 timeout -k 20 540 bash benchmarks/guide.sh \
+    >"$OUT/guide-$name-log.txt" 2>&1
+  echo "guide $name rc=$? at ${SECONDS}s"; tail -n 25 "$OUT/guide-$name-log.txt"
+  ;;
+*) echo "gpu-sitting: unknown part '$PART' (suite, guide, frameworks or guide-part NAME)" >&2; exit 2 ;;
 esac

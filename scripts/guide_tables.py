@@ -83,8 +83,12 @@ def held_mib(row: dict[str, Any]) -> str:
     return memory(row, unit="") or f"—/{live / MIB:.0f}"
 
 
-def bench_cell(row: dict[str, Any]) -> str:
+def bench_cell(row: dict[str, Any], planned: int) -> str:
+    """A row's figures; ``planned``: the runs each row was to have (a measurement that was
+    stopped part-way, ``"interrupted"``, has fewer in some rows, and the cell says so)."""
     parts = [rate(row["throughput"], row["unit"])]
+    if row["repeats"] < planned:
+        parts[0] += f" ({row['repeats']} of {planned} runs: stopped)"
     # Larger than memory (bytes/s) and the pipeline (chunks/s): the allocator's share, and
     # for the pipeline its longest call; the others: the 99th percentile allocation.
     if row["unit"] in ("bytes/s", "chunks/s"):
@@ -116,7 +120,7 @@ def bench_table(doc: dict[str, Any]) -> list[str]:
     head = [f"{t} {noun}{'' if t == 1 else 's'}" for t in counts]
     lines = ["| resource | " + " | ".join(head) + " |", "|---" * (len(counts) + 1) + "|"]
     for resource, by in rows.items():
-        cells = [bench_cell(by[t]) if t in by else "—" for t in counts]
+        cells = [bench_cell(by[t], doc["repeats"]) if t in by else "—" for t in counts]
         lines.append(f"| `{resource}` | " + " | ".join(cells) + " |")
     return lines
 
@@ -128,7 +132,7 @@ def bench_table_one_column(doc: dict[str, Any]) -> list[str]:
         f"| resource | {unit}, median (min{DASH}max); allocator share; peak reserved / peak live |",
         "|---|---|",
     ]
-    lines += [f"| `{row['resource']}` | {bench_cell(row)} |" for row in doc["summary"]]
+    lines += [f"| `{row['resource']}` | {bench_cell(row, doc['repeats'])} |" for row in doc["summary"]]
     return lines
 
 

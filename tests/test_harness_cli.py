@@ -462,3 +462,71 @@ def test_the_guide_script_refuses_an_unknown_part_before_running_anything(tmp_pa
     assert done.returncode == 2
     assert "unknown part 'bogus' in PARTS" in done.stderr
     assert not out.exists()  # nothing measured, nothing written
+
+
+# bench and replay stopped part-way: a signal lands in the third run (the runs are patched
+# so that it lands there every time), in a process of its own.
+STOPPED = """\
+import os, signal, sys, time
+from streampool.harness import bench, cli
+real, calls = bench.one_run, []
+def one_run(*args, **kwargs):
+    calls.append(args)
+    if len(calls) == 3:
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        time.sleep(30)  # the handler's exception ends the sleep
+        print("the signal did not stop the run", file=sys.stderr)
+    return real(*args, **kwargs)
+bench.one_run = one_run
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize(("signal_name", "status"), [("SIGINT", 130), ("SIGTERM", 143)])
+@pytest.mark.parametrize("command", ["bench", "replay"])
+def test_a_stopped_bench_or_replay_reports_the_runs_that_finished(
+    signal_name: str, status: int, command: str, log: Path
+) -> None:
+    what = ["bench", "window", "--param", "allocations=50"] if command == "bench" else ["replay", str(log)]
+    args = [*what, "--resources", "async,pool(async)", "--repeats", "3"]
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim")
+    for json_out in (True, False):
+        out = subprocess.run(
+            [sys.executable, "-c", STOPPED, signal_name, *args, *(["--json"] if json_out else [])],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == status, out.stderr
+        assert f"streampool {command}: interrupted after 2 of 6 runs" in out.stderr
+        assert "did not stop" not in out.stderr
+        if json_out:
+            doc = valid(out.stdout)
+            assert doc["interrupted"] is True
+            assert [(r["resource"], r["repeat"]) for r in doc["runs"]] == [("async", 0), ("pool(async)", 0)]
+            assert [row["repeats"] for row in doc["summary"]] == [1, 1]
+        else:
+            assert "INTERRUPTED after 2 of 6 runs" in out.stdout
+            assert "pool(async)" in out.stdout
+
+
+BENCH = ["bench", "window", "--param", "allocations=50", "--json"]
+
+
+def test_a_bench_stopped_before_any_run_finished_says_interrupted() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", STOPPED.replace("len(calls) == 3", "len(calls) == 1"), "SIGTERM", *BENCH],
+        env=dict(os.environ, STREAMPOOL_DEVICE="sim"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (out.returncode, out.stdout) == (143, "")
+    assert out.stderr.strip().splitlines()[-1] == "streampool bench: interrupted"
+
+
+def test_a_finished_bench_says_it_was_not_interrupted() -> None:
+    out = run("bench", "window", "--param", "allocations=50", "--repeats", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    assert valid(out.stdout)["interrupted"] is False

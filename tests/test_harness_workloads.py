@@ -462,6 +462,29 @@ def test_ctrl_c_stops_the_worker_threads_before_it_goes_on(sim: Any) -> None:
             gc.enable()
 
 
+def test_an_interrupted_measurement_keeps_the_runs_that_finished() -> None:
+    def two_then_ctrl_c(plan: Any, total: int, label: str) -> Any:
+        yield from list(plan)[:2]
+        raise KeyboardInterrupt
+
+    with pytest.raises(bench.Interrupted) as stopped:
+        bench.measure(
+            "window",
+            ["async", "pool(async)"],
+            [1, 2],
+            repeats=2,
+            params={"allocations": 20},
+            progress=two_then_ctrl_c,
+        )
+    assert isinstance(stopped.value, KeyboardInterrupt) and stopped.value.planned == 8
+    assert [(r["resource"], r["threads"], r["repeat"]) for r in stopped.value.runs] == [
+        ("async", 1, 0),
+        ("pool(async)", 1, 0),
+    ]
+    assert stopped.value.summary == bench.summarise(stopped.value.runs, ["async", "pool(async)"])
+    assert str(stopped.value) == "interrupted after 2 of 8 runs"
+
+
 @pytest.mark.parametrize("name", ["window", "random", "multistream", "pipeline"])
 def test_a_thread_count_below_one_is_refused_naming_threads(name: str) -> None:
     pool = make_resource("async")

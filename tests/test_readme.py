@@ -21,7 +21,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -164,16 +164,35 @@ def test_the_guides_tables_are_read_from_the_committed_json() -> None:
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.nosim
-def test_the_guide_shows_no_live_peak_that_a_replay_on_threads_did_not_measure() -> None:
-    """Documents of earlier versions gave a trace replay's peak on several threads as the
-    log's in recorded order (one thread's, for a generated log): the guide shows "—" there,
-    and the figures of replays that measured their own peak."""
+def _guide_tables() -> Any:
     sys.path.insert(0, str(README.parent / "scripts"))
     try:
         import guide_tables
     finally:
         sys.path.pop(0)
+    return guide_tables
+
+
+@pytest.mark.nosim
+def test_the_guide_marks_rows_of_a_measurement_stopped_part_way() -> None:
+    guide_tables = _guide_tables()
+    doc = json.loads((README.parent / "benchmarks" / "guide" / "window.json").read_text())
+    whole = guide_tables.bench_table(doc)
+    assert "stopped" not in "\n".join(whole)
+    last = doc["summary"][-1]
+    last["repeats"] = 1
+    cut = guide_tables.bench_table(doc)
+    changed = [line for line in cut if line not in whole]
+    assert len(changed) == 1 and changed[0].startswith(f"| `{last['resource']}` |")
+    assert changed[0].count(f"(1 of {doc['repeats']} runs: stopped)") == 1
+
+
+@pytest.mark.nosim
+def test_the_guide_shows_no_live_peak_that_a_replay_on_threads_did_not_measure() -> None:
+    """Documents of earlier versions gave a trace replay's peak on several threads as the
+    log's in recorded order (one thread's, for a generated log): the guide shows "—" there,
+    and the figures of replays that measured their own peak."""
+    guide_tables = _guide_tables()
     doc = json.loads((README.parent / "benchmarks" / "guide" / "window.json").read_text())
     unmeasured = guide_tables.live_unmeasured(doc)
     assert unmeasured and {t for _, t in unmeasured} == {4, 16}

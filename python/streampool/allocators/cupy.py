@@ -94,13 +94,6 @@ def _make(cupy_module: Any, out_of_memory: type[_errors.OutOfMemoryError] | None
         return _native.CupyAllocator(*parts, None, external, out_of_memory)
 
 
-#: Allocates ``nbytes`` on CuPy's current stream through streampool's current resource of
-#: the current device: the allocator function for ``cupy.cuda.set_allocator``. Returns a
-#: ``cupy.cuda.MemoryPointer``; raises :data:`OutOfMemoryError` (streampool's
-#: ``OutOfMemoryError`` and CuPy's ``cupy.cuda.memory.OutOfMemoryError`` at once, both
-#: MemoryErrors) when the resource cannot serve it. A callable object of streampool's extension: no Python code
-#: runs on its path, and the memory is freed, when CuPy lets go of it, through the resource
-#: that made it, on the stream it was allocated on.
 def _without_cupy(nbytes: int) -> Any:
     """The allocator where CuPy is not installed: ModuleNotFoundError, as RMM's."""
     raise ModuleNotFoundError(MISSING, name="cupy") from _IMPORT_ERROR
@@ -111,6 +104,13 @@ def _without_cupy(nbytes: int) -> Any:
 #: without CuPy).
 OutOfMemoryError = None if cupy is None else _out_of_memory_error(cupy)
 
+#: Allocates ``nbytes`` on CuPy's current stream through streampool's current resource of
+#: the current device: the allocator function for ``cupy.cuda.set_allocator``. Returns a
+#: ``cupy.cuda.MemoryPointer``; raises :data:`OutOfMemoryError` (streampool's
+#: ``OutOfMemoryError`` and CuPy's ``cupy.cuda.memory.OutOfMemoryError`` at once, both
+#: MemoryErrors) when the resource cannot serve it. A callable object of streampool's
+#: extension: no Python code runs on its path, and the memory is freed, when CuPy lets go
+#: of it, through the resource that made it, on the stream it was allocated on.
 streampool_cupy_allocator: Any = _without_cupy if cupy is None else _make(cupy, OutOfMemoryError)
 
 rmm_cupy_allocator = streampool_cupy_allocator

@@ -24,7 +24,7 @@ from . import workloads
 from .specs import check_distinct, make_resource
 from .trace import Trace
 
-__all__ = ["measure", "refused", "release_device_pools", "spread", "summarise"]
+__all__ = ["Interrupted", "measure", "refused", "release_device_pools", "spread", "summarise"]
 
 #: Below this relative difference two medians are within noise when the repeats do not
 #: tell them apart better (see ``within_noise``).
@@ -44,6 +44,17 @@ def release_device_pools() -> None:
     for make in makers:
         with contextlib.suppress(StreampoolError):  # no managed pool on this device or driver
             make().trim_to(0)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A :func:`measure` that Ctrl-C stopped: a ``KeyboardInterrupt`` that keeps what had
+    been measured. ``runs`` and ``summary`` are those of the runs that had finished (the
+    run in progress is lost), and ``planned`` the number of runs the measurement was to
+    make."""
+
+    def __init__(self, runs: list[dict[str, Any]], summary: list[dict[str, Any]], planned: int) -> None:
+        super().__init__(f"interrupted after {len(runs)} of {planned} runs")
+        self.runs, self.summary, self.planned = runs, summary, planned
 
 
 def one_run(workload: str, spec: str, threads: int, streams: int, params: dict[str, Any]) -> dict[str, Any]:
@@ -104,7 +115,8 @@ def measure(
     the runs (one dict per run: resource, threads, streams, repeat and the workload's
     metrics, without raw latencies) and their summary (see :func:`summarise`). A spec on
     which the workload is refused here (:func:`refused`) is refused before anything runs:
-    WorkloadError naming it."""
+    WorkloadError naming it. Ctrl-C raises :class:`Interrupted`, which keeps the runs that
+    had finished."""
     params = params or {}
     if isinstance(specs, (str, bytes)) or not specs:
         raise TypeError(f"specs must be a non-empty list of resource specs, not {specs!r}")
@@ -132,21 +144,26 @@ def measure(
     ]
     runs: list[dict[str, Any]] = []
     items: Iterable[Any] = plan if progress is None else progress(plan, len(plan), f"{workload}")
-    for t, rep, spec in items:
-        result = one_run(workload, spec, t, streams, params)
-        latencies = result.pop("latencies_ns", None)
-        runs.append(
-            {
-                **result,
-                "resource": spec,
-                "threads": t,
-                # The workload's own count where it makes its streams (two per pipeline pair,
-                # a log's), else the one asked for.
-                "streams": result.get("streams") or streams or t,
-                "repeat": rep,
-                "_latencies": latencies,
-            }
-        )
+    try:
+        for t, rep, spec in items:
+            result = one_run(workload, spec, t, streams, params)
+            latencies = result.pop("latencies_ns", None)
+            runs.append(
+                {
+                    **result,
+                    "resource": spec,
+                    "threads": t,
+                    # The workload's own count where it makes its streams (two per pipeline
+                    # pair, a log's), else the one asked for.
+                    "streams": result.get("streams") or streams or t,
+                    "repeat": rep,
+                    "_latencies": latencies,
+                }
+            )
+    except KeyboardInterrupt as e:
+        if isinstance(e, Interrupted):
+            raise
+        raise Interrupted(runs, summarise(runs, list(specs)), len(plan)) from e
     return runs, summarise(runs, list(specs))
 
 

@@ -13,7 +13,8 @@ failed, nothing measured: every allocation of every resource ran out of memory i
 or ``replay``, nothing to recommend: every candidate ran out of memory, or on a GPU the log's
 peak is above free memory, which only managed memory fits, and nothing is replayed,
 nothing verified: ``stress`` checked no allocation, every one refused, and found nothing wrong);
-130 interrupted. ``profile`` (and ``recommend -- CMD`` when the program fails) exits with the
+130 interrupted (143 ``bench`` or ``replay`` stopped by SIGTERM, as ``timeout`` sends; both
+print the runs that had finished first). ``profile`` (and ``recommend -- CMD`` when the program fails) exits with the
 program's own status, 127 when it could not start.
 """
 
@@ -23,8 +24,10 @@ import argparse
 import contextlib
 import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +41,7 @@ from .specs import PeerMissingError, SpecError, make_resource, split_specs
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_BAD_INPUT, EXIT_CANNOT_RUN, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 EXIT_CANNOT_START = profile.CANNOT_START  # 127: the program to profile could not start
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: bench or replay stopped by SIGTERM
 DEFAULT_RESOURCES = "async,pool(async),binning(async)"
 JSON_HELP = "print the JSON document (schema streampool.harness/2)"
 SKIP_MALFORMED_HELP = "use the good lines of a malformed log (and say how many were left out)"
@@ -427,6 +431,33 @@ def _check_plot_dir(args: argparse.Namespace) -> None:
         ) from None
 
 
+class _Terminated:
+    """Whether SIGTERM arrived while :func:`_sigterm_interrupts` was in force."""
+
+    signalled = False
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Any:
+    """SIGTERM (what ``timeout`` and job schedulers send) stops the block as Ctrl-C does, so
+    that the worker threads are stopped and the runs that finished are reported; the
+    previous handler is put back after. In the main thread only (signals go there)."""
+    seen = _Terminated()
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+
+    def terminated(signum: int, frame: Any) -> None:
+        seen.signalled = True
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _measure_and_report(
     args: argparse.Namespace,
     out: Output,
@@ -445,10 +476,18 @@ def _measure_and_report(
     if len(refused) == len(specs):
         raise workloads.WorkloadError("; ".join(refused.values()))
     specs = [s for s in specs if s not in refused]
-    runs, summary = bench.measure(workload, specs, threads, streams, repeats, params, out.progress)
+    stopped: bench.Interrupted | None = None
+    with _sigterm_interrupts() as term:
+        try:
+            runs, summary = bench.measure(workload, specs, threads, streams, repeats, params, out.progress)
+        except bench.Interrupted as e:
+            stopped, runs, summary = e, e.runs, e.summary
+    if stopped is not None and not runs:
+        raise _Fail(EXIT_TERMINATED if term.signalled else EXIT_INTERRUPTED, "interrupted")
+    done = f"; INTERRUPTED after {len(runs)} of {stopped.planned} runs" if stopped else ""
     _results_table(
         out,
-        f"{title} ({repeats} runs each, interleaved; ratio to {specs[0]} in the same run)"
+        f"{title} ({repeats} runs each, interleaved; ratio to {specs[0]} in the same run{done})"
         + (" [simulated device]" if dev.simulated else ""),
         summary,
     )
@@ -469,6 +508,7 @@ def _measure_and_report(
                 runs=_strip(runs),
                 summary=summary,
                 plots=files,
+                interrupted=stopped is not None,
                 **extra,
             )
         )
@@ -483,6 +523,13 @@ def _measure_and_report(
         )
     if bad:
         return EXIT_CHECK_FAILED
+    if stopped is not None:
+        print(
+            f"streampool {args.command}: interrupted after {len(runs)} of {stopped.planned} runs: "
+            "the results above are of the runs that finished",
+            file=sys.stderr,
+        )
+        return EXIT_TERMINATED if term.signalled else EXIT_INTERRUPTED
     if runs and all(r["oom_events"] and not r["events"] for r in runs):
         failed = sum(r["oom_events"] for r in runs)
         print(
