@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -370,6 +371,68 @@ def test_use_everywhere_configures_every_installed_library() -> None:
         """
     )
     assert "OK" in out and "streampool.allocators: torch:" in out
+
+
+def test_profile_logs_what_an_unchanged_torch_program_allocates(tmp_path: Path) -> None:
+    """`streampool profile` routes PyTorch as the program imports it: the program, which
+    never names streampool, has its tensors logged, and still forks a child that uses CUDA
+    (routing touched no device); recommend's code routes PyTorch too."""
+    import os
+
+    pytest.importorskip("torch")
+    program = tmp_path / "prog.py"
+    program.write_text(
+        textwrap.dedent(
+            """
+            import os
+            import torch
+            pid = os.fork()
+            if pid == 0:  # CUDA is usable in a child forked before the parent's first use
+                os._exit(0 if torch.ones(8, device="cuda").sum().item() == 8 else 3)
+            assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                kept = [torch.ones(1 << 16, device="cuda") for _ in range(50)]
+                del kept[::2]
+            torch.cuda.synchronize()
+            print("done", torch.cuda.memory_allocated() > 0)
+            """
+        )
+    )
+    log = tmp_path / "app.log"
+    done = subprocess.run(
+        [sys.executable, "-m", "streampool", "profile", "-o", str(log), "--", sys.executable, str(program)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["done", "True"]
+    assert "PyTorch allocated through the logged resource" in done.stderr
+    events = log.read_text().splitlines()[1:]
+    assert len(events) >= 50, done.stderr  # the tensors of the parent (the child is not logged)
+    rec = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "streampool",
+            "recommend",
+            "--quick",
+            "--json",
+            "--",
+            sys.executable,
+            str(program),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+    assert rec.returncode == 0, rec.stderr
+    import json
+
+    assert "allocators.use_everywhere()" in json.loads(rec.stdout)["recommendation"]["code"]
 
 
 def test_rmm_allocates_from_streampools_driver_pool() -> None:

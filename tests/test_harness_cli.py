@@ -530,3 +530,80 @@ def test_a_finished_bench_says_it_was_not_interrupted() -> None:
     out = run("bench", "window", "--param", "allocations=50", "--repeats", "1", "--json")
     assert out.returncode == 0, out.stderr
     assert valid(out.stdout)["interrupted"] is False
+
+
+@pytest.fixture
+def torch_program(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A program that imports a stand-in `torch` (the PYTHONPATH to give it), allocates
+    through streampool and prints what profile's variables its environment holds."""
+    (tmp_path / "lib" / "torch").mkdir(parents=True)
+    (tmp_path / "lib" / "torch" / "__init__.py").write_text("")
+    path = tmp_path / "torch_prog.py"
+    path.write_text(
+        "import os, torch, streampool\n"
+        "streampool.DeviceBuffer(size=4096)\n"
+        "print(sorted(k for k in os.environ if k.startswith('STREAMPOOL_PROFILE')))\n"
+    )
+    pythonpath = os.pathsep.join([str(tmp_path / "lib"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return path, {"PYTHONPATH": pythonpath}
+
+
+def test_profile_routes_the_frameworks_a_program_imports(
+    tmp_path: Path, torch_program: tuple[Path, dict[str, str]]
+) -> None:
+    program, env = torch_program
+    log = str(tmp_path / "app.log")
+    out = run("profile", "-o", log, "--", sys.executable, str(program), **env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"  # the program's own children see none of profile's variables
+    # On the simulated device PyTorch keeps its allocator (its memory is host memory), and
+    # says so; on a GPU it allocates through the logged resource (tests/test_gpu_frameworks.py).
+    assert (
+        "streampool profile: PyTorch kept its own allocator, so what it allocated is not logged: "
+        "skipped: streampool runs on the simulated device"
+    ) in out.stderr
+    assert f"2 event(s) logged to {log}" in out.stderr  # the buffer's allocation and free
+    quiet = run("profile", "--no-frameworks", "-o", log, "--", sys.executable, str(program), **env)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "PyTorch" not in quiet.stderr
+
+
+# profile and recommend where a framework was routed (as on a GPU): the shim's notes stand in.
+ROUTED = """\
+import sys
+from streampool.harness import cli, profile
+profile.read_notes = lambda path: [("PyTorch", "torch.cuda allocator: CUDAPluggableAllocator(...)"),
+                                   ("Numba", "failed: RuntimeError: no CUDA")]
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_recommend_routes_what_the_profile_routed(program: Path, log: Path) -> None:
+    env = dict(os.environ, STREAMPOOL_DEVICE="sim")
+    out = subprocess.run(
+        [sys.executable, "-c", ROUTED, "recommend", "--quick", "--json", "--", sys.executable, str(program)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "streampool profile: PyTorch allocated through the logged resource" in out.stderr
+    assert (
+        "streampool profile: Numba kept its own allocator, so what it allocated is not logged: failed"
+        in out.stderr
+    )
+    rec = valid(out.stdout)["recommendation"]
+    assert rec["code"].splitlines()[-2:] == [
+        "from streampool import allocators",
+        "allocators.use_everywhere()  # PyTorch allocates through it, as when profiled",
+    ]
+    assert any("PyTorch allocated through the logged resource in the profile" in r for r in rec["reasons"])
+    # A log given: its profile is not known, so the code is the resource's alone, and a
+    # line says what to add for the frameworks.
+    given = run("recommend", "--quick", str(log))
+    assert given.returncode == 0, given.stderr
+    assert "use_everywhere" not in given.stdout.split("Apply it")[1].split("(a program whose")[0]
+    assert "add `allocators.use_everywhere()` after these lines" in given.stdout
+    refused = run("recommend", "--no-frameworks", str(log))
+    assert refused.returncode == 2 and "--no-frameworks is for a program profiled first" in refused.stderr

@@ -182,5 +182,11 @@ def use() -> str:
             "context, which keeps its memory manager. Call use() before Numba's first CUDA use, "
             "or set NUMBA_CUDA_MEMORY_MANAGER=streampool.allocators.numba in the environment."
         )
+    return _install()
+
+
+def _install() -> str:
+    """:func:`use` without its checks of the device: touches none (``streampool profile``
+    routes Numba as the program imports it, before it could fork)."""
     cuda.set_memory_manager(StreampoolNumbaManager)
     return "numba.cuda.set_memory_manager(streampool.allocators.numba.StreampoolNumbaManager)"

@@ -135,7 +135,6 @@ def use(*, memory_stats: bool = True) -> str:
     (``_cuda_memoryStats``, ``_cuda_resetPeakMemoryStats``,
     ``_cuda_resetAccumulatedMemoryStats``, ``_cuda_emptyCache``); ``memory_stats=False``
     leaves PyTorch's."""
-    global _IN_USE
     if not isinstance(memory_stats, bool):
         raise TypeError(f"memory_stats must be True or False, not {memory_stats!r}")
     _need_torch()
@@ -153,6 +152,13 @@ def use(*, memory_stats: bool = True) -> str:
         return SIMULATED
     if not torch.cuda.is_available():
         return "skipped: PyTorch sees no CUDA device (torch.cuda.is_available() is False)"
+    return _install(memory_stats)
+
+
+def _install(memory_stats: bool = True) -> str:
+    """:func:`use` without its checks of the device: touches none (``streampool profile``
+    routes PyTorch as the program imports it, before it could fork)."""
+    global _IN_USE
     try:
         _torch_memory.change_current_allocator(allocator())
     except RuntimeError as e:

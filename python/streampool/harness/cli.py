@@ -45,6 +45,10 @@ EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: bench or replay stopped by SIGTER
 DEFAULT_RESOURCES = "async,pool(async),binning(async)"
 JSON_HELP = "print the JSON document (schema streampool.harness/2)"
 SKIP_MALFORMED_HELP = "use the good lines of a malformed log (and say how many were left out)"
+NO_FRAMEWORKS_HELP = (
+    "leave PyTorch, CuPy and Numba their own allocators (by default the program's PyTorch, CuPy "
+    "and Numba allocate through the logged resource, so that their allocations are logged)"
+)
 
 
 class _Fail(Exception):
@@ -220,6 +224,7 @@ def _parser() -> argparse.ArgumentParser:
         usage="streampool profile [-o LOG] -- python prog.py ARGS",
     )
     pr.add_argument("-o", "--output", default="streampool-profile.log", help="the log (default %(default)s)")
+    pr.add_argument("--no-frameworks", action="store_true", help=NO_FRAMEWORKS_HELP)
 
     r = sub.add_parser("replay", help="replay a log (streampool's or RMM's CSV) on resources")
     r.add_argument("log", help="the log to replay: streampool's (profile -o LOG) or RMM's CSV")
@@ -243,6 +248,7 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument(
         "-o", "--output", help="with `-- prog`: where to keep the log (default: a temporary file)"
     )
+    rc.add_argument("--no-frameworks", action="store_true", help="with `-- prog`: " + NO_FRAMEWORKS_HELP)
 
     pl = sub.add_parser("plot", help="PNG of live and reserved bytes over time, and latencies, from a log")
     pl.add_argument("log", help="the log to plot: streampool's (profile -o LOG) or RMM's CSV")
@@ -629,11 +635,18 @@ def _cmd_replay(args: argparse.Namespace, dev: Device) -> int:
 
 
 def _profile_into(
-    program: list[str], log: str, dev: Device, output_to_stderr: bool = False, temporary: bool = False
-) -> int:
-    """Profiles ``program`` into ``log``; its status. ``output_to_stderr``: the program's
-    stdout goes to stderr (a JSON document alone goes to stdout); ``temporary``: the log is
-    removed after use (the messages say so)."""
+    program: list[str],
+    log: str,
+    dev: Device,
+    output_to_stderr: bool = False,
+    temporary: bool = False,
+    frameworks: bool = True,
+) -> tuple[int, list[str]]:
+    """Profiles ``program`` into ``log``; its status, and the libraries among PyTorch, CuPy
+    and Numba that allocated through the logged resource. ``output_to_stderr``: the
+    program's stdout goes to stderr (a JSON document alone goes to stdout); ``temporary``:
+    the log is removed after use (the messages say so); ``frameworks``: route those
+    libraries (:func:`streampool.harness.profile.run`)."""
     if not program:
         raise _Fail(EXIT_USAGE, "nothing to run: give the program after --, e.g. -- python prog.py ARGS")
     try:
@@ -647,13 +660,30 @@ def _profile_into(
             "(STREAMPOOL_DEVICE=sim)",
             file=sys.stderr,
         )
-    try:
-        status = profile.run(program, log, dev.simulated, output_to_stderr)
-    except profile.CannotStartError as e:
-        raise _Fail(EXIT_CANNOT_START, str(e)) from None
+    with tempfile.TemporaryDirectory(prefix="streampool-") as scratch:
+        notes_file = os.path.join(scratch, "frameworks")
+        try:
+            status = profile.run(program, log, dev.simulated, output_to_stderr, frameworks, notes_file)
+        except profile.CannotStartError as e:
+            raise _Fail(EXIT_CANNOT_START, str(e)) from None
+        notes = profile.read_notes(notes_file)
+    routed = profile.routed(notes)
+    if routed:
+        print(
+            f"streampool profile: {_and(routed)} allocated through the logged resource, so that "
+            "what they allocated is logged (--no-frameworks leaves them their own allocators)",
+            file=sys.stderr,
+        )
+    for library, done in notes:
+        if library not in routed:
+            print(
+                f"streampool profile: {library} kept its own allocator, so what it allocated is not "
+                f"logged: {done}",
+                file=sys.stderr,
+            )
     if not os.path.exists(log):
         if status == EXIT_CANNOT_START:  # the shim stopped it, and said why in one line
-            return status
+            return status, routed
         # The shim claims the log as the first Python of the program starts: none did.
         print(
             f"streampool profile: the program exited with status {status} and nothing was logged: "
@@ -662,7 +692,7 @@ def _profile_into(
             "starts no Python is not profiled)",
             file=sys.stderr,
         )
-        return status
+        return status, routed
     # One log per device (device N > 0 to LOG.devN): each is named, with its events.
     logs = [(device, path, profile.logged_events(path)) for device, path in profile.device_logs(log)]
     events = sum(n for _, _, n in logs)
@@ -697,15 +727,21 @@ def _profile_into(
             "streampool profile: nothing allocated through the devices' resources, which profile "
             "logs: the program allocates through a resource it sets itself "
             "(set_current_device_resource, as recommend's code does), through another library's "
-            "own allocator, or not at all. Profile it without its own set-up lines; to see what "
-            "a resource of its own does, wrap it in mr.StatisticsResourceAdaptor",
+            "own allocator (RMM's, as cuDF does; PyTorch's, CuPy's or Numba's under --no-frameworks), "
+            "or not at all. Profile it without its own set-up lines; to see what a resource of its "
+            "own does, wrap it in mr.StatisticsResourceAdaptor",
             file=sys.stderr,
         )
-    return status
+    return status, routed
+
+
+def _and(names: list[str]) -> str:
+    """``A``, ``A and B``, ``A, B and C``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _cmd_profile(args: argparse.Namespace, dev: Device) -> int:
-    return _profile_into(args.program, args.output, dev)
+    return _profile_into(args.program, args.output, dev, frameworks=not args.no_frameworks)[0]
 
 
 def _busiest_log(log: str, keep: bool) -> str:
@@ -735,7 +771,14 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
         raise _Fail(
             EXIT_USAGE, "-o names where a profiled program's log goes: it is for `-- python prog.py ARGS`"
         )
+    if args.no_frameworks and not args.program:
+        raise _Fail(
+            EXIT_USAGE,
+            "--no-frameworks is for a program profiled first (`-- python prog.py ARGS`): a log was "
+            "profiled already",
+        )
     out = Output(args.json)
+    routed: list[str] | None = None  # the libraries routed in the profile (None: a log given)
     with contextlib.ExitStack() as cleanup:
         log = args.log
         if args.program:
@@ -743,7 +786,14 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
             log = args.output or os.path.join(
                 cleanup.enter_context(tempfile.TemporaryDirectory(prefix="streampool-")), "profile.log"
             )
-            status = _profile_into(args.program, log, dev, args.json, temporary=not args.output)
+            status, routed = _profile_into(
+                args.program,
+                log,
+                dev,
+                args.json,
+                temporary=not args.output,
+                frameworks=not args.no_frameworks,
+            )
             if status != 0:
                 return status
             log = _busiest_log(log, keep=bool(args.output))
@@ -775,7 +825,7 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
         summary,
     )
     try:
-        choice = recommend.choose(prof, summary, device=profile.log_device(log))
+        choice = recommend.choose(prof, summary, device=profile.log_device(log), frameworks=routed)
     except recommend.NothingToRecommendError as e:
         # The measurements stand: --json still prints them, with no recommendation.
         if args.json:
@@ -792,6 +842,12 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
     out.line("Apply it (before your program allocates):")
     for code_line in choice["code"].splitlines():
         out.line(f"    {code_line}")
+    if routed is None and ":" not in choice["choice"]:
+        out.line(
+            "  (a program whose PyTorch, CuPy or Numba allocated through the logged resource, as "
+            "`streampool profile` has them do unless --no-frameworks: add "
+            "`allocators.use_everywhere()` after these lines)"
+        )
     if args.json:
         out.emit_json(
             _recommend_document(dev, log, args.max_lead, repeats, runs, summary, prof, choice, None)

@@ -10,8 +10,10 @@ The program's output and exit status pass through. Ctrl-C is the program's to ha
 terminal sends SIGINT to the whole foreground process group, the program included, so
 while it runs this process does not stop on SIGINT (:func:`wait`); it waits for the
 program to exit, its clean-up logged too. SIGTERM, SIGHUP and SIGQUIT sent to this
-process are sent on to the program, whose exit is awaited as well. What it allocates through PyTorch,
-CuPy or a resource it sets itself is not logged. A log that cannot be written is refused
+process are sent on to the program, whose exit is awaited as well. PyTorch, CuPy and
+Numba allocate through the logged resource, each routed as the program imports it
+(``streampool.allocators._on_import``), unless ``frameworks`` is off. What it allocates
+through RMM or a resource it sets itself is not logged. A log that cannot be written is refused
 before the program runs (:func:`check_log`); should the shim still fail to install the
 adaptor, it stops the program with status 127 (it could not start profiled).
 """
@@ -31,6 +33,8 @@ from typing import Any
 
 SHIM = Path(__file__).with_name("_shim")
 LOG_ENV = "STREAMPOOL_PROFILE_LOG"
+FRAMEWORKS_ENV = "STREAMPOOL_PROFILE_FRAMEWORKS"
+NOTES_ENV = "STREAMPOOL_PROFILE_NOTES"
 #: The status of a program that could not start (the shell's): not found, not executable,
 #: or the logging adaptor could not be installed in it.
 CANNOT_START = 127
@@ -138,16 +142,30 @@ def check_program(argv: Sequence[str], log: str | None = None) -> None:
         raise CannotStartError(f"the log {log} is the program {path!r}: name another log with -o")
 
 
-def run(argv: Sequence[str], log: str, simulated: bool, output_to_stderr: bool = False) -> int:
+def run(
+    argv: Sequence[str],
+    log: str,
+    simulated: bool,
+    output_to_stderr: bool = False,
+    frameworks: bool = True,
+    notes: str | None = None,
+) -> int:
     """Runs ``argv`` with the logging shim (the log checked first, :func:`check_log`);
     returns its exit status (128 + N for a signal). ``output_to_stderr``: the program's
     standard output goes to stderr (so that stdout holds a JSON document alone).
-    CannotStartError when the program cannot be started (not found, not executable, a
-    Python script that does not exist: :func:`check_program`), before anything runs."""
+    ``frameworks``: PyTorch, CuPy and Numba allocate through the logged resource, each
+    routed as the program imports it; ``notes``: a file that gets a line
+    ``LIBRARY<tab>what was done`` for each (:func:`read_notes`). CannotStartError when the
+    program cannot be started (not found, not executable, a Python script that does not
+    exist: :func:`check_program`), before anything runs."""
     check_program(argv, log)
     check_log(log)
     env = dict(os.environ)
     env[LOG_ENV] = os.path.abspath(log)
+    env[FRAMEWORKS_ENV] = "1" if frameworks else "0"
+    env.pop(NOTES_ENV, None)
+    if notes is not None:
+        env[NOTES_ENV] = os.path.abspath(notes)
     env["PYTHONPATH"] = os.pathsep.join([str(SHIM), *filter(None, [env.get("PYTHONPATH")])])
     if simulated:
         env["STREAMPOOL_DEVICE"] = "sim"
@@ -209,6 +227,22 @@ def wait(command: list[str], env: dict[str, str], stdout: Any = None) -> int:
 
 def _interrupted(signum: int, frame: Any) -> None:
     """SIGINT while the program runs: the program has it too, and decides."""
+
+
+def read_notes(notes: str) -> list[tuple[str, str]]:
+    """What the shim said of each library it routed (``(library, what was done)``, in the
+    order the program imported them); none when the file is missing."""
+    try:
+        with open(notes, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    return [(library, done) for library, _, done in (line.partition("\t") for line in lines) if done]
+
+
+def routed(notes: list[tuple[str, str]]) -> list[str]:
+    """The libraries of ``notes`` that allocated through streampool."""
+    return [library for library, done in notes if not done.startswith(("skipped", "failed"))]
 
 
 def logged_events(log: str) -> int:

@@ -15,6 +15,7 @@ or the default), the simpler one is recommended, and the report says so. Example
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,7 +214,9 @@ def unmeasurable(profile: Profile) -> str | None:
     )
 
 
-def choose(profile: Profile, summary: list[dict[str, Any]], device: int = 0) -> dict[str, Any]:
+def choose(
+    profile: Profile, summary: list[dict[str, Any]], device: int = 0, frameworks: Sequence[str] | None = None
+) -> dict[str, Any]:
     """The recommendation from measured ``summary`` rows (one per candidate): the fastest
     by median throughput, unless a simpler candidate (the rules' choice first, then
     SIMPLER_FIRST order) is one that no candidate measurably beats
@@ -222,7 +225,10 @@ def choose(profile: Profile, summary: list[dict[str, Any]], device: int = 0) -> 
     memory in any run is never recommended; NothingToRecommendError when every one did.
     Returns choice, runner_up, margin (the choice's median over the runner-up's, minus 1),
     within_noise, a one-line headline, the reasoning and the code that makes the choice ``device``'s resource (the
-    device the log was recorded on: :func:`~streampool.harness.specs.setup_code`)."""
+    device the log was recorded on: :func:`~streampool.harness.specs.setup_code`). ``frameworks``:
+    the libraries that allocated through the logged resource when the program was profiled
+    (PyTorch, CuPy, Numba; None when unknown, as for a log given): for streampool's
+    resource, the code then routes them too, as the profile did (:func:`framework_code`)."""
     candidates = [r for r in summary if r["resource"] != BASELINE]
     rows = {r["resource"]: r for r in candidates if not r["oom_events"]}
     out_of_memory = [
@@ -290,9 +296,28 @@ def choose(profile: Profile, summary: list[dict[str, Any]], device: int = 0) -> 
         "runner_up": runner["resource"] if runner else None,
         "margin": margin,
         "within_noise": noise,
-        "code": setup_code(pick["resource"], device),
+        "code": framework_code(setup_code(pick["resource"], device), pick["resource"], frameworks, why),
         "reasons": why,
         "throughput_median": pick["throughput"]["median"],
         "unit": pick["unit"],
         "fastest": fastest["resource"],
     }
+
+
+def framework_code(code: str, resource: str, frameworks: Sequence[str] | None, why: list[str]) -> str:
+    """``code`` that applies streampool's ``resource``, followed, when ``frameworks`` (the
+    libraries that allocated through the logged resource in the profile) names any, by
+    the call that routes them through it again; the reason is added to ``why``. A peer's
+    code is left as it is: the libraries then keep their own allocators."""
+    if not frameworks or ":" in resource:
+        return code
+    names = ", ".join(frameworks)
+    why.append(
+        f"{names} allocated through the logged resource in the profile (what profile does unless "
+        "--no-frameworks), so the code routes them through the choice too"
+    )
+    return (
+        f"{code}\nfrom streampool import allocators\n"
+        f"allocators.use_everywhere()  # {names} allocate{'s' * (len(frameworks) == 1)} through it, "
+        "as when profiled"
+    )

@@ -8,6 +8,11 @@ the driver's pool under a logging adaptor writing to the log (device N > 0 to
 first use works as it does unprofiled. Then runs the sitecustomize this one shadows, if
 there is one (that one also without a log).
 
+Unless ``$STREAMPOOL_PROFILE_FRAMEWORKS`` is ``0``, PyTorch, CuPy and Numba allocate
+through that resource too, each routed as the program imports it
+(``streampool.allocators._on_import``); what each routing did goes, a line each, to the
+file ``$STREAMPOOL_PROFILE_NOTES``, which profile reads once the program has exited.
+
 Child processes of the program are not profiled: the variable is removed from the
 environment and this directory from ``PYTHONPATH``, for the programs it starts, which
 start as they would unprofiled (their own sitecustomize runs, and their children's). A
@@ -37,11 +42,24 @@ def _claim(log: str) -> bool:
     return True
 
 
-def _install(log: str) -> None:
+def _install(log: str, frameworks: bool, notes: str | None) -> None:
     from streampool import _native
 
     _native._set_profile_log(log)
     os.register_at_fork(after_in_child=lambda: _native._set_profile_log(None))
+    if frameworks:
+        from streampool.allocators._on_import import route_on_import
+
+        route_on_import(lambda library, done: _note(notes, library, done))
+
+
+def _note(notes: str | None, library: str, done: str) -> None:
+    """Tells profile what routing ``library`` did (a line of the notes file)."""
+    if notes is None:
+        return
+    line = " ".join(done.split())  # one line
+    with contextlib.suppress(OSError), open(notes, "a", encoding="utf-8") as f:
+        f.write(f"{library}\t{line}\n")
 
 
 def _leave_pythonpath() -> None:
@@ -76,11 +94,13 @@ def _chain() -> None:
 # Popped, and the shim taken off PYTHONPATH: the program's own child processes would
 # write over the same log; they run unprofiled, as they would without profile.
 _log = os.environ.pop("STREAMPOOL_PROFILE_LOG", None)
+_frameworks = os.environ.pop("STREAMPOOL_PROFILE_FRAMEWORKS", "1") != "0"
+_notes = os.environ.pop("STREAMPOOL_PROFILE_NOTES", None)
 _leave_pythonpath()
 if _log:
     try:
         if _claim(_log):
-            _install(_log)
+            _install(_log, _frameworks, _notes)
         else:
             print(
                 f"streampool profile: process {os.getpid()} is not profiled: another Python process "
