@@ -11,6 +11,11 @@
 # Takes about 10-20 minutes on an H200 with every peer installed (the peers run behind
 # Python callbacks, so the many-thread workloads are slower on them): PARTS splits it.
 set -euo pipefail
+# Stopped (timeout's SIGTERM, Ctrl-C): wait for the command running, which writes the runs
+# it finished into its JSON document, then stop (bash runs a trap once its foreground
+# command has exited).
+trap 'exit 143' TERM
+trap 'exit 130' INT
 cd "$(dirname "$0")/.."
 PARTS=${PARTS:-pipeline,headroom,window,random,multistream,larger-than-memory,latency,recommend,stress}
 for part in ${PARTS//,/ }; do

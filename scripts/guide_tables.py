@@ -116,11 +116,16 @@ def bench_table(doc: dict[str, Any]) -> list[str]:
             row = row | {"peak_live_bytes": None, "live_unmeasured": True}
         rows.setdefault(row["resource"], {})[row["threads"]] = row
     counts = sorted({t for by in rows.values() for t in by})
+    missing = "—"
+    if doc.get("interrupted") and "planned" in doc:  # stopped part-way: what it did not run
+        counts = sorted({*counts, *doc["planned"]["threads"]})
+        rows = {r: rows.get(r, {}) for r in [*doc["planned"]["resources"], *rows]}
+        missing = "stopped before its runs"
     noun = "pair" if doc["workload"] == "pipeline" else "thread"
     head = [f"{t} {noun}{'' if t == 1 else 's'}" for t in counts]
     lines = ["| resource | " + " | ".join(head) + " |", "|---" * (len(counts) + 1) + "|"]
     for resource, by in rows.items():
-        cells = [bench_cell(by[t], doc["repeats"]) if t in by else "—" for t in counts]
+        cells = [bench_cell(by[t], doc["repeats"]) if t in by else missing for t in counts]
         lines.append(f"| `{resource}` | " + " | ".join(cells) + " |")
     return lines
 

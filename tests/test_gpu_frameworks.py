@@ -432,7 +432,43 @@ def test_profile_logs_what_an_unchanged_torch_program_allocates(tmp_path: Path) 
     assert rec.returncode == 0, rec.stderr
     import json
 
-    assert "allocators.use_everywhere()" in json.loads(rec.stdout)["recommendation"]["code"]
+    assert "allocators.use_on_import('torch')" in json.loads(rec.stdout)["recommendation"]["code"]
+
+
+def test_profile_says_when_a_program_replaces_cupys_routed_allocator(tmp_path: Path) -> None:
+    import os
+
+    pytest.importorskip("cupy")
+    program = tmp_path / "prog.py"
+    program.write_text(
+        "import cupy\n"
+        "a = cupy.ones(1 << 16)  # through the logged resource\n"
+        "cupy.cuda.set_allocator(cupy.cuda.MemoryPool().malloc)  # the program's own from here\n"
+        "b = cupy.ones(1 << 16)\n"
+        "print(int(a.sum() + b.sum()))\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "streampool",
+            "profile",
+            "-o",
+            str(tmp_path / "app.log"),
+            "--",
+            sys.executable,
+            str(program),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(2 << 16)]
+    assert (
+        "not all of what CuPy allocated is logged: replaced: the program set its own allocator" in done.stderr
+    )
 
 
 def test_rmm_allocates_from_streampools_driver_pool() -> None:

@@ -33,7 +33,7 @@ def _run(tmp_path: Path, code: str) -> list[str]:
         import sys
         from streampool.allocators import _on_import
         said = []
-        def router(module):
+        def router(module, report):
             if module == "numba.cuda":
                 raise RuntimeError("no GPU for Numba")
             return f"routed after its body: {getattr(sys.modules[module], 'BODY_DONE', False)}"
@@ -111,13 +111,32 @@ def test_on_the_simulated_device_nothing_is_routed(tmp_path: Path) -> None:
     assert lines == ["True"]
 
 
+def test_use_on_import_is_quiet_on_the_simulated_device(tmp_path: Path) -> None:
+    lines = _run(
+        tmp_path,
+        """
+        import warnings
+        warnings.simplefilter("error")
+        from streampool import allocators
+        allocators.use_on_import()
+        import torch
+        print("quiet", [type(f).__name__ for f in sys.meta_path].count("_Finder"))
+        """,
+    )
+    assert lines == ["quiet 1"]  # still waiting for CuPy and Numba
+
+
 def test_an_unknown_library_is_refused() -> None:
     from streampool.allocators import _on_import
 
     with pytest.raises(ValueError, match="no routing for 'jax'"):
         _on_import.route_on_import(lambda library, done: None, ["jax"])
     with pytest.raises(ValueError, match="no routing for module 'jax'"):
-        _on_import.route("jax")
+        _on_import.route("jax", lambda library, done: None)
+    from streampool import allocators
+
+    with pytest.raises(ValueError, match="use_on_import\\(\\) takes 'torch', 'cupy', 'numba', not 'jax'"):
+        allocators.use_on_import("torch", "jax")
 
 
 def test_a_library_imported_by_streampools_own_module_is_routed_once_that_module_has_run(
@@ -128,7 +147,7 @@ def test_a_library_imported_by_streampools_own_module_is_routed_once_that_module
     lines = _run(
         tmp_path,
         """
-        def whole(module):
+        def whole(module, report):
             ours = sys.modules.get("streampool.allocators.torch")
             return f"streampool's module whole: {hasattr(ours, 'use')}"
         _on_import.route_on_import(report, ["torch"], router=whole)
@@ -137,3 +156,95 @@ def test_a_library_imported_by_streampools_own_module_is_routed_once_that_module
         """,
     )
     assert lines == ["1 PyTorch: streampool's module whole: True"]
+
+
+def test_a_forked_child_routes_and_reports_nothing(tmp_path: Path) -> None:
+    lines = _run(
+        tmp_path,
+        """
+        import os
+        _on_import.route_on_import(report, router=router)
+        os.register_at_fork(after_in_child=_on_import.stop)
+        pid = os.fork()
+        if pid == 0:
+            import torch
+            print("child", said, flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        import torch
+        print("parent", said)
+        """,
+    )
+    assert lines == ["child []", "parent ['PyTorch: routed after its body: True']"]
+
+
+# PyTorch is routed at its first CUDA initialisation: a stand-in torch.cuda whose
+# `_lazy_init` PyTorch's C++ looks up on the module, as PyTorch's does.
+TORCH_CUDA = """\
+import os
+_initialized = False
+def is_initialized():
+    return _initialized
+def _lazy_init():
+    global _initialized
+    _initialized = True
+def first_cuda_tensor():  # as PyTorch's C++ does: the function looked up on the module
+    import torch.cuda
+    torch.cuda._lazy_init()
+from . import memory
+"""
+TORCH_MEMORY = """\
+import os
+def get_allocator_backend():
+    return os.environ.get("BACKEND", "native")
+"""
+
+
+@pytest.mark.parametrize(
+    ("case", "said"),
+    [
+        ("swapped", "PyTorch: swapped"),
+        (
+            "backend",
+            "PyTorch: skipped: the program chose PyTorch's cudaMallocAsync allocator (PYTORCH_CUDA_ALLOC_CONF)",
+        ),
+        ("own", "PyTorch: skipped: the program set its own PyTorch allocator (change_current_allocator)"),
+        (
+            "initialised",
+            "PyTorch: skipped: PyTorch had initialised CUDA (and its allocator) before its first allocation",
+        ),
+        ("stopped", None),
+    ],
+)
+def test_pytorch_is_routed_at_its_first_cuda_initialisation(
+    tmp_path: Path, case: str, said: str | None
+) -> None:
+    (tmp_path / "lib" / "torch" / "cuda").mkdir(parents=True)
+    (tmp_path / "lib" / "torch" / "cuda" / "__init__.py").write_text(TORCH_CUDA)
+    (tmp_path / "lib" / "torch" / "cuda" / "memory.py").write_text(TORCH_MEMORY)
+    lines = _run(
+        tmp_path,
+        f"""
+        import os
+        case = {case!r}
+        if case == "backend":
+            os.environ["BACKEND"] = "cudaMallocAsync"
+        import torch, torch.cuda
+        from streampool.allocators import torch as ours
+        def install():
+            if case == "own":
+                raise RuntimeError("came too late") from RuntimeError("Can't swap an already initialized allocator")
+            return "swapped"
+        ours._install = install
+        print(_on_import._route_torch(report), said)  # deferred: nothing yet
+        if case == "initialised":
+            torch.cuda._initialized = True
+        if case == "stopped":
+            _on_import.stop()
+        torch.cuda.first_cuda_tensor()
+        torch.cuda.first_cuda_tensor()  # routed once, and PyTorch's own _lazy_init is back
+        print(said, torch.cuda._lazy_init.__module__, torch.cuda.is_initialized())
+        """,
+    )
+    assert lines[0] == "None []"
+    assert lines[1] == f"{[said] if said else []} torch.cuda True"

@@ -185,6 +185,14 @@ def test_the_guide_marks_rows_of_a_measurement_stopped_part_way() -> None:
     changed = [line for line in cut if line not in whole]
     assert len(changed) == 1 and changed[0].startswith(f"| `{last['resource']}` |")
     assert changed[0].count(f"(1 of {doc['repeats']} runs: stopped)") == 1
+    # A resource and a thread count that no run reached: shown, and said to be stopped.
+    doc["summary"] = [row for row in doc["summary"] if row["threads"] != 16 and row["resource"] != "async"]
+    doc["interrupted"] = True
+    doc["planned"] = {"resources": ["async", "pool(async)"], "threads": [1, 4, 16]}
+    stopped = guide_tables.bench_table(doc)
+    assert stopped[0].endswith("| 16 threads |")
+    assert stopped[2].startswith("| `async` |") and stopped[2].count("stopped before its runs") == 3
+    assert stopped[3].startswith("| `pool(async)` |") and stopped[3].endswith("| stopped before its runs |")
 
 
 @pytest.mark.nosim

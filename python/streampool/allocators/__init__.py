@@ -12,7 +12,9 @@ moving from RMM is a change of import:
 * :mod:`streampool.allocators.rmm`: ``use()`` makes RMM (and so cuDF) allocate from the
   same driver pool as streampool's default resource, rather than through streampool.
 
-:func:`use_everywhere` configures every one of them that is installed, in one call.
+:func:`use_everywhere` configures every one of them that is installed, in one call;
+:func:`use_on_import` has each allocate through streampool as the program imports it,
+touching no device (what ``streampool profile`` does in the program it runs).
 Every allocation goes through the current resource of its device
 (:func:`streampool.set_current_device_resource`), so pools, adaptors and statistics
 apply to the libraries' memory. Set the resource first: memory is freed through the
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 
 from .. import _native
 
@@ -54,6 +57,7 @@ __all__ = [
     "last_error",
     "library_path",
     "use_everywhere",
+    "use_on_import",
 ]
 
 #: The name of the exported allocation function in :func:`library_path` (NULL on failure,
@@ -144,3 +148,47 @@ def use_everywhere(*, verbose: bool = False) -> dict[str, str]:
         for name, what in done.items():
             print(f"streampool.allocators: {name}: {what}")
     return done
+
+
+def use_on_import(*libraries: str) -> None:
+    """Makes PyTorch, CuPy and Numba (or those named: ``"torch"``, ``"cupy"``,
+    ``"numba"``) allocate through streampool as the program imports them, touching no
+    device: CuPy and Numba as soon as their import has finished, PyTorch at its first CUDA
+    initialisation, so that a program that chooses its own allocator before (PyTorch's
+    ``change_current_allocator``, ``PYTORCH_CUDA_ALLOC_CONF``, ``NUMBA_CUDA_MEMORY_MANAGER``)
+    keeps it. A library imported already is routed at once (PyTorch still at its first CUDA
+    use). What ``streampool profile`` does in the program it runs, and what ``streampool
+    recommend -- prog`` puts in its code for the libraries it routed.
+
+    Unlike :func:`use_everywhere`, it never asks a library whether it sees a GPU (PyTorch's
+    ``torch.cuda.is_available()`` initialises CUDA, after which a forked child cannot use
+    it), and it leaves RMM alone. A library that keeps its own allocator (a routing that
+    failed, or the program's own choice) is named in a ``RuntimeWarning`` with the reason;
+    on the simulated device nothing is routed (its memory is host memory), silently.
+    Example::
+
+        from streampool import allocators
+
+        allocators.use_on_import("torch")  # first thing in the program
+        import torch
+
+        x = torch.ones(4, device="cuda")  # allocated through streampool's current resource
+    """
+    from . import _on_import
+
+    unknown = [name for name in libraries if name not in _on_import.NAMES]
+    if unknown:
+        raise ValueError(
+            f"use_on_import() takes {', '.join(map(repr, _on_import.NAMES))}, not {', '.join(map(repr, unknown))}"
+        )
+
+    def report(library: str, done: str) -> None:
+        if done.startswith(("skipped", "failed")) and done != SIMULATED:
+            warnings.warn(
+                f"streampool.allocators.use_on_import: {library} keeps its own allocator: {done}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    names = libraries or tuple(_on_import.NAMES)
+    _on_import.route_on_import(report, [_on_import.NAMES[name] for name in names])

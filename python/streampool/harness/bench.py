@@ -56,6 +56,9 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(f"interrupted after {len(runs)} of {planned} runs")
         self.runs, self.summary, self.planned = runs, summary, planned
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles and copies whole
+        return (type(self), (self.runs, self.summary, self.planned), self.__dict__)
+
 
 def one_run(workload: str, spec: str, threads: int, streams: int, params: dict[str, Any]) -> dict[str, Any]:
     """Runs ``workload`` once on a fresh resource made from ``spec``. Runs are independent:
@@ -160,11 +163,16 @@ def measure(
                     "_latencies": latencies,
                 }
             )
+        summary = summarise(runs, list(specs))
     except KeyboardInterrupt as e:
+        close = getattr(items, "close", None)
+        if close is not None:  # a progress display stops drawing before the report
+            close()
         if isinstance(e, Interrupted):
             raise
-        raise Interrupted(runs, summarise(runs, list(specs)), len(plan)) from e
-    return runs, summarise(runs, list(specs))
+        # Not chained: the interrupted run's frames (its resource, its buffers) go now.
+        raise Interrupted(runs, summarise(runs, list(specs)), len(plan)) from None
+    return runs, summary
 
 
 def summarise(runs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, Any]]:

@@ -438,30 +438,39 @@ def _check_plot_dir(args: argparse.Namespace) -> None:
 
 
 class _Terminated:
-    """Whether SIGTERM arrived while :func:`_sigterm_interrupts` was in force."""
+    """SIGTERM's arrival while :func:`_sigterm_interrupts` is in force (``signalled``).
+    While ``raising``, its handler raises KeyboardInterrupt, which stops a measurement;
+    after, it only records, so that a report being written is finished."""
 
-    signalled = False
+    def __init__(self) -> None:
+        self.signalled, self.raising = False, True
 
 
 @contextlib.contextmanager
 def _sigterm_interrupts() -> Any:
-    """SIGTERM (what ``timeout`` and job schedulers send) stops the block as Ctrl-C does, so
-    that the worker threads are stopped and the runs that finished are reported; the
-    previous handler is put back after. In the main thread only (signals go there)."""
+    """SIGTERM (what ``timeout`` and job schedulers send) stops the block's measurement as
+    Ctrl-C does, so that the worker threads are stopped and the runs that finished are
+    reported; the previous handler is put back after. In the main thread only (signals go
+    there), and not where SIGTERM is ignored (as the program was started)."""
     seen = _Terminated()
-    if threading.current_thread() is not threading.main_thread():
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    ):
         yield seen
         return
 
     def terminated(signum: int, frame: Any) -> None:
         seen.signalled = True
-        raise KeyboardInterrupt
+        if seen.raising:
+            raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
         yield seen
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        # A handler set outside Python (None) cannot be put back: the default, then.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _measure_and_report(
@@ -476,20 +485,53 @@ def _measure_and_report(
     title: str,
     extra: dict[str, Any],
 ) -> int:
-    repeats = args.repeats or (2 if args.quick else 3)
     # Refused before anything runs, so that a refusal loses none of the others' results.
     refused = bench.refused(workload, specs, threads, params)
     if len(refused) == len(specs):
         raise workloads.WorkloadError("; ".join(refused.values()))
     specs = [s for s in specs if s not in refused]
-    stopped: bench.Interrupted | None = None
     with _sigterm_interrupts() as term:
+        return _report(args, out, dev, workload, specs, threads, streams, params, title, extra, refused, term)
+
+
+def _report(
+    args: argparse.Namespace,
+    out: Output,
+    dev: Device,
+    workload: str,
+    specs: list[str],
+    threads: list[int],
+    streams: int,
+    params: dict[str, Any],
+    title: str,
+    extra: dict[str, Any],
+    refused: dict[str, str],
+    term: _Terminated,
+) -> int:
+    """:func:`_measure_and_report`'s measurement and report, with SIGTERM stopping the first
+    (``term``) and waiting for the second."""
+    repeats = args.repeats or (2 if args.quick else 3)
+
+    def progress(items: Any, total: int, label: str) -> Any:
+        shown = out.progress(items, total, label)
         try:
-            runs, summary = bench.measure(workload, specs, threads, streams, repeats, params, out.progress)
-        except bench.Interrupted as e:
-            stopped, runs, summary = e, e.runs, e.summary
+            for item in shown:
+                if term.signalled:  # its KeyboardInterrupt was lost (raised in a finaliser)
+                    raise KeyboardInterrupt
+                yield item
+        finally:
+            getattr(shown, "close", lambda: None)()
+
+    stopped: bench.Interrupted | None = None
+    try:
+        runs, summary = bench.measure(workload, specs, threads, streams, repeats, params, progress)
+    except bench.Interrupted as e:
+        stopped, runs, summary = e, e.runs, e.summary
+    finally:
+        term.raising = False
+    status = EXIT_TERMINATED if term.signalled else EXIT_INTERRUPTED
     if stopped is not None and not runs:
-        raise _Fail(EXIT_TERMINATED if term.signalled else EXIT_INTERRUPTED, "interrupted")
+        raise _Fail(status, "interrupted")
     done = f"; INTERRUPTED after {len(runs)} of {stopped.planned} runs" if stopped else ""
     _results_table(
         out,
@@ -515,6 +557,7 @@ def _measure_and_report(
                 summary=summary,
                 plots=files,
                 interrupted=stopped is not None,
+                planned={"resources": specs, "threads": threads},
                 **extra,
             )
         )
@@ -535,7 +578,10 @@ def _measure_and_report(
             "the results above are of the runs that finished",
             file=sys.stderr,
         )
-        return EXIT_TERMINATED if term.signalled else EXIT_INTERRUPTED
+        return status
+    if term.signalled:  # after the last run: every run finished, and the report is whole
+        print(f"streampool {args.command}: terminated after its last run", file=sys.stderr)
+        return EXIT_TERMINATED
     if runs and all(r["oom_events"] and not r["events"] for r in runs):
         failed = sum(r["oom_events"] for r in runs)
         print(
@@ -674,12 +720,11 @@ def _profile_into(
             "what they allocated is logged (--no-frameworks leaves them their own allocators)",
             file=sys.stderr,
         )
-    for library, done in notes:
+    for library, done in notes.items():
         if library not in routed:
+            what = "not all" if done.startswith("replaced") else "nothing"
             print(
-                f"streampool profile: {library} kept its own allocator, so what it allocated is not "
-                f"logged: {done}",
-                file=sys.stderr,
+                f"streampool profile: {what} of what {library} allocated is logged: {done}", file=sys.stderr
             )
     if not os.path.exists(log):
         if status == EXIT_CANNOT_START:  # the shim stopped it, and said why in one line
@@ -846,7 +891,7 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
         out.line(
             "  (a program whose PyTorch, CuPy or Numba allocated through the logged resource, as "
             "`streampool profile` has them do unless --no-frameworks: add "
-            "`allocators.use_everywhere()` after these lines)"
+            "`allocators.use_on_import()` after these lines)"
         )
     if args.json:
         out.emit_json(

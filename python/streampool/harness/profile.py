@@ -229,20 +229,27 @@ def _interrupted(signum: int, frame: Any) -> None:
     """SIGINT while the program runs: the program has it too, and decides."""
 
 
-def read_notes(notes: str) -> list[tuple[str, str]]:
-    """What the shim said of each library it routed (``(library, what was done)``, in the
-    order the program imported them); none when the file is missing."""
+def read_notes(notes: str) -> dict[str, str]:
+    """What the shim said last of each library it routed (``{library: what was done}``, in
+    the order the program imported them; a later line, such as CuPy's allocator replaced by
+    the program, overrides an earlier one); empty when the file is missing."""
     try:
         with open(notes, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
     except OSError:
-        return []
-    return [(library, done) for library, _, done in (line.partition("\t") for line in lines) if done]
+        return {}
+    said: dict[str, str] = {}
+    for library, _, done in (line.partition("\t") for line in lines):
+        if done:
+            said[library] = done
+    return said
 
 
-def routed(notes: list[tuple[str, str]]) -> list[str]:
-    """The libraries of ``notes`` that allocated through streampool."""
-    return [library for library, done in notes if not done.startswith(("skipped", "failed"))]
+def routed(notes: dict[str, str]) -> list[str]:
+    """The libraries of ``notes`` (:func:`read_notes`) that allocated through streampool."""
+    return [
+        library for library, done in notes.items() if not done.startswith(("skipped", "failed", "replaced"))
+    ]
 
 
 def logged_events(log: str) -> int:

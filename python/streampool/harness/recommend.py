@@ -307,7 +307,8 @@ def choose(
 def framework_code(code: str, resource: str, frameworks: Sequence[str] | None, why: list[str]) -> str:
     """``code`` that applies streampool's ``resource``, followed, when ``frameworks`` (the
     libraries that allocated through the logged resource in the profile) names any, by
-    the call that routes them through it again; the reason is added to ``why``. A peer's
+    the call that routes them through it again as the profile did
+    (:func:`streampool.allocators.use_on_import`); the reason is added to ``why``. A peer's
     code is left as it is: the libraries then keep their own allocators."""
     if not frameworks or ":" in resource:
         return code
@@ -316,8 +317,10 @@ def framework_code(code: str, resource: str, frameworks: Sequence[str] | None, w
         f"{names} allocated through the logged resource in the profile (what profile does unless "
         "--no-frameworks), so the code routes them through the choice too"
     )
+    modules = {"PyTorch": "torch", "CuPy": "cupy", "Numba": "numba"}
+    args = ", ".join(repr(modules[f]) for f in frameworks if f in modules)
     return (
         f"{code}\nfrom streampool import allocators\n"
-        f"allocators.use_everywhere()  # {names} allocate{'s' * (len(frameworks) == 1)} through it, "
+        f"allocators.use_on_import({args})  # {names} allocate{'s' * (len(frameworks) == 1)} through it, "
         "as when profiled"
     )

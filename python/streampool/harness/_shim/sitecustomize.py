@@ -9,9 +9,10 @@ first use works as it does unprofiled. Then runs the sitecustomize this one shad
 there is one (that one also without a log).
 
 Unless ``$STREAMPOOL_PROFILE_FRAMEWORKS`` is ``0``, PyTorch, CuPy and Numba allocate
-through that resource too, each routed as the program imports it
-(``streampool.allocators._on_import``); what each routing did goes, a line each, to the
-file ``$STREAMPOOL_PROFILE_NOTES``, which profile reads once the program has exited.
+through that resource too, each routed as the program imports it (PyTorch at its first
+CUDA initialisation; ``streampool.allocators._on_import``); what each routing did goes, a
+line each, to the file ``$STREAMPOOL_PROFILE_NOTES``, which profile reads once the program
+has exited (with a last line for CuPy where the program set its own allocator after).
 
 Child processes of the program are not profiled: the variable is removed from the
 environment and this directory from ``PYTHONPATH``, for the programs it starts, which
@@ -28,6 +29,7 @@ stderr in one line.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -46,20 +48,43 @@ def _install(log: str, frameworks: bool, notes: str | None) -> None:
     from streampool import _native
 
     _native._set_profile_log(log)
-    os.register_at_fork(after_in_child=lambda: _native._set_profile_log(None))
-    if frameworks:
-        from streampool.allocators._on_import import route_on_import
-
-        route_on_import(lambda library, done: _note(notes, library, done))
-
-
-def _note(notes: str | None, library: str, done: str) -> None:
-    """Tells profile what routing ``library`` did (a line of the notes file)."""
-    if notes is None:
+    if not frameworks:
+        os.register_at_fork(after_in_child=lambda: _native._set_profile_log(None))
         return
-    line = " ".join(done.split())  # one line
-    with contextlib.suppress(OSError), open(notes, "a", encoding="utf-8") as f:
-        f.write(f"{library}\t{line}\n")
+    from streampool.allocators import _on_import
+
+    routed: set[str] = set()
+
+    def note(library: str, done: str) -> None:
+        """Tells profile what routing ``library`` did (a line of the notes file)."""
+        if not done.startswith(("skipped", "failed", "replaced")):
+            routed.add(library)
+        if notes is None or _on_import._STOPPED.is_set():
+            return
+        line = " ".join(done.split())  # one line
+        with contextlib.suppress(OSError), open(notes, "a", encoding="utf-8") as f:
+            f.write(f"{library}\t{line}\n")
+
+    def check_cupy() -> None:
+        """At exit: a program that set its own CuPy allocator after CuPy was routed."""
+        cupy, ours = sys.modules.get("cupy"), sys.modules.get("streampool.allocators.cupy")
+        if "CuPy" not in routed or cupy is None or ours is None:
+            return
+        with contextlib.suppress(Exception):
+            if cupy.cuda.get_allocator() is not ours.streampool_cupy_allocator:
+                note(
+                    "CuPy",
+                    "replaced: the program set its own allocator (cupy.cuda.set_allocator) after "
+                    "CuPy was routed, and what that allocated is not logged",
+                )
+
+    def forget() -> None:  # a forked child runs unprofiled: no log, no more routing
+        _native._set_profile_log(None)
+        _on_import.stop()
+
+    os.register_at_fork(after_in_child=forget)
+    atexit.register(check_cupy)
+    _on_import.route_on_import(note)
 
 
 def _leave_pythonpath() -> None:
