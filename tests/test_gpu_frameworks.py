@@ -37,6 +37,13 @@ def run_python(code: str, env: dict[str, str] | None = None) -> str:
     return done.stdout
 
 
+def streampool_command(*args: str) -> subprocess.CompletedProcess[str]:
+    """The `streampool` command, with this interpreter."""
+    return subprocess.run(
+        [sys.executable, "-m", "streampool", *args], capture_output=True, text=True, timeout=300
+    )
+
+
 def run_under_use(answer: str, code: str) -> str:
     """Runs `code` in a fresh interpreter after ``sp_torch.use()``, whose answer must contain
     `answer`, and ``import torch``."""
@@ -374,11 +381,9 @@ def test_use_everywhere_configures_every_installed_library() -> None:
 
 
 def test_profile_logs_what_an_unchanged_torch_program_allocates(tmp_path: Path) -> None:
-    """`streampool profile` routes PyTorch as the program imports it: the program, which
-    never names streampool, has its tensors logged, and still forks a child that uses CUDA
-    (routing touched no device); recommend's code routes PyTorch too."""
-    import os
-
+    """`streampool profile` routes PyTorch at its first CUDA use: the program, which never
+    names streampool, has its tensors logged, and still forks a child that uses CUDA
+    (routing touched no device before); recommend's code routes PyTorch too."""
     pytest.importorskip("torch")
     program = tmp_path / "prog.py"
     program.write_text(
@@ -400,35 +405,13 @@ def test_profile_logs_what_an_unchanged_torch_program_allocates(tmp_path: Path) 
         )
     )
     log = tmp_path / "app.log"
-    done = subprocess.run(
-        [sys.executable, "-m", "streampool", "profile", "-o", str(log), "--", sys.executable, str(program)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ),
-    )
+    done = streampool_command("profile", "-o", str(log), "--", sys.executable, str(program))
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["done", "True"]
     assert "PyTorch allocated through the logged resource" in done.stderr
     events = log.read_text().splitlines()[1:]
     assert len(events) >= 50, done.stderr  # the tensors of the parent (the child is not logged)
-    rec = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "streampool",
-            "recommend",
-            "--quick",
-            "--json",
-            "--",
-            sys.executable,
-            str(program),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ),
-    )
+    rec = streampool_command("recommend", "--quick", "--json", "--", sys.executable, str(program))
     assert rec.returncode == 0, rec.stderr
     import json
 
@@ -436,8 +419,6 @@ def test_profile_logs_what_an_unchanged_torch_program_allocates(tmp_path: Path) 
 
 
 def test_profile_says_when_a_program_replaces_cupys_routed_allocator(tmp_path: Path) -> None:
-    import os
-
     pytest.importorskip("cupy")
     program = tmp_path / "prog.py"
     program.write_text(
@@ -447,23 +428,7 @@ def test_profile_says_when_a_program_replaces_cupys_routed_allocator(tmp_path: P
         "b = cupy.ones(1 << 16)\n"
         "print(int(a.sum() + b.sum()))\n"
     )
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "streampool",
-            "profile",
-            "-o",
-            str(tmp_path / "app.log"),
-            "--",
-            sys.executable,
-            str(program),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ),
-    )
+    done = streampool_command("profile", "-o", str(tmp_path / "app.log"), "--", sys.executable, str(program))
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(2 << 16)]
     assert (

@@ -490,108 +490,91 @@ def _measure_and_report(
     if len(refused) == len(specs):
         raise workloads.WorkloadError("; ".join(refused.values()))
     specs = [s for s in specs if s not in refused]
+    # SIGTERM stops the measurement as Ctrl-C does, and waits for the report.
     with _sigterm_interrupts() as term:
-        return _report(args, out, dev, workload, specs, threads, streams, params, title, extra, refused, term)
+        repeats = args.repeats or (2 if args.quick else 3)
 
+        def progress(items: Any, total: int, label: str) -> Any:
+            shown = out.progress(items, total, label)
+            try:
+                for item in shown:
+                    if term.signalled:  # its KeyboardInterrupt was lost (raised in a finaliser)
+                        raise KeyboardInterrupt
+                    yield item
+            finally:
+                getattr(shown, "close", lambda: None)()
 
-def _report(
-    args: argparse.Namespace,
-    out: Output,
-    dev: Device,
-    workload: str,
-    specs: list[str],
-    threads: list[int],
-    streams: int,
-    params: dict[str, Any],
-    title: str,
-    extra: dict[str, Any],
-    refused: dict[str, str],
-    term: _Terminated,
-) -> int:
-    """:func:`_measure_and_report`'s measurement and report, with SIGTERM stopping the first
-    (``term``) and waiting for the second."""
-    repeats = args.repeats or (2 if args.quick else 3)
-
-    def progress(items: Any, total: int, label: str) -> Any:
-        shown = out.progress(items, total, label)
+        stopped: bench.Interrupted | None = None
         try:
-            for item in shown:
-                if term.signalled:  # its KeyboardInterrupt was lost (raised in a finaliser)
-                    raise KeyboardInterrupt
-                yield item
+            runs, summary = bench.measure(workload, specs, threads, streams, repeats, params, progress)
+        except bench.Interrupted as e:
+            stopped, runs, summary = e, e.runs, e.summary
         finally:
-            getattr(shown, "close", lambda: None)()
-
-    stopped: bench.Interrupted | None = None
-    try:
-        runs, summary = bench.measure(workload, specs, threads, streams, repeats, params, progress)
-    except bench.Interrupted as e:
-        stopped, runs, summary = e, e.runs, e.summary
-    finally:
-        term.raising = False
-    status = EXIT_TERMINATED if term.signalled else EXIT_INTERRUPTED
-    if stopped is not None and not runs:
-        raise _Fail(status, "interrupted")
-    done = f"; INTERRUPTED after {len(runs)} of {stopped.planned} runs" if stopped else ""
-    _results_table(
-        out,
-        f"{title} ({repeats} runs each, interleaved; ratio to {specs[0]} in the same run{done})"
-        + (" [simulated device]" if dev.simulated else ""),
-        summary,
-    )
-    files = plots.bench_plots(workload, summary, runs, args.plot, dev.simulated) if args.plot else []
-    for f in files:
-        out.line(f"wrote {f}")
-    if args.json:
-        shown = {
-            k: (getattr(args, "log", None) if isinstance(v, trace.Trace) else v) for k, v in params.items()
-        }
-        out.emit_json(
-            document(
-                args.command,
-                dev,
-                workload=workload,
-                params=shown,
-                repeats=repeats,
-                runs=_strip(runs),
-                summary=summary,
-                plots=files,
-                interrupted=stopped is not None,
-                planned={"resources": specs, "threads": threads},
-                **extra,
+            term.raising = False
+        status = EXIT_TERMINATED if term.signalled else EXIT_INTERRUPTED
+        if stopped is not None and not runs:
+            raise _Fail(status, "interrupted")
+        done = f"; INTERRUPTED after {len(runs)} of {stopped.planned} runs" if stopped else ""
+        _results_table(
+            out,
+            f"{title} ({repeats} runs each, interleaved; ratio to {specs[0]} in the same run{done})"
+            + (" [simulated device]" if dev.simulated else ""),
+            summary,
+        )
+        files = plots.bench_plots(workload, summary, runs, args.plot, dev.simulated) if args.plot else []
+        for f in files:
+            out.line(f"wrote {f}")
+        if args.json:
+            shown = {
+                k: (getattr(args, "log", None) if isinstance(v, trace.Trace) else v)
+                for k, v in params.items()
+            }
+            out.emit_json(
+                document(
+                    args.command,
+                    dev,
+                    workload=workload,
+                    params=shown,
+                    repeats=repeats,
+                    runs=_strip(runs),
+                    summary=summary,
+                    plots=files,
+                    interrupted=stopped is not None,
+                    planned={"resources": specs, "threads": threads},
+                    **extra,
+                )
             )
-        )
-    for why in refused.values():
-        print(f"streampool {args.command}: not measured: {why}", file=sys.stderr)
-    bad = [r for r in summary if r["mismatches"]]
-    for r in bad:
-        print(
-            f"streampool {args.command}: DATA CORRUPTION: {r['mismatches']} chunk(s) with wrong data on "
-            f"{r['resource']} at {r['threads']} thread(s)",
-            file=sys.stderr,
-        )
-    if bad:
-        return EXIT_CHECK_FAILED
-    if stopped is not None:
-        print(
-            f"streampool {args.command}: interrupted after {len(runs)} of {stopped.planned} runs: "
-            "the results above are of the runs that finished",
-            file=sys.stderr,
-        )
-        return status
-    if term.signalled:  # after the last run: every run finished, and the report is whole
-        print(f"streampool {args.command}: terminated after its last run", file=sys.stderr)
-        return EXIT_TERMINATED
-    if runs and all(r["oom_events"] and not r["events"] for r in runs):
-        failed = sum(r["oom_events"] for r in runs)
-        print(
-            f"streampool {args.command}: nothing measured: every allocation ran out of memory on every "
-            f"resource ({failed} failed allocation(s) in {len(runs)} run(s)); smaller sizes or a "
-            "larger device may let it run",
-            file=sys.stderr,
-        )
-        return EXIT_CANNOT_RUN
-    return EXIT_CANNOT_RUN if refused else EXIT_OK
+        for why in refused.values():
+            print(f"streampool {args.command}: not measured: {why}", file=sys.stderr)
+        bad = [r for r in summary if r["mismatches"]]
+        for r in bad:
+            print(
+                f"streampool {args.command}: DATA CORRUPTION: {r['mismatches']} chunk(s) with wrong data on "
+                f"{r['resource']} at {r['threads']} thread(s)",
+                file=sys.stderr,
+            )
+        if bad:
+            return EXIT_CHECK_FAILED
+        if stopped is not None:
+            print(
+                f"streampool {args.command}: interrupted after {len(runs)} of {stopped.planned} runs: "
+                "the results above are of the runs that finished",
+                file=sys.stderr,
+            )
+            return status
+        if term.signalled:  # after the last run: every run finished, and the report is whole
+            print(f"streampool {args.command}: terminated after its last run", file=sys.stderr)
+            return EXIT_TERMINATED
+        if runs and all(r["oom_events"] and not r["events"] for r in runs):
+            failed = sum(r["oom_events"] for r in runs)
+            print(
+                f"streampool {args.command}: nothing measured: every allocation ran out of memory on every "
+                f"resource ({failed} failed allocation(s) in {len(runs)} run(s)); smaller sizes or a "
+                "larger device may let it run",
+                file=sys.stderr,
+            )
+            return EXIT_CANNOT_RUN
+        return EXIT_CANNOT_RUN if refused else EXIT_OK
 
 
 def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
