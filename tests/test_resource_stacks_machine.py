@@ -184,6 +184,9 @@ class StackMachine(RuleBasedStateMachine):
         self.stats: StatsModel | None = None
         self.limit = limit
         rnd = random.Random(seed)
+        # A 1 MiB request that an added bin with a resource of its own serves, above the
+        # failure callback: it never reaches the callback (failure_callback_retry).
+        self.bin_bypasses_failure = False
         if base == "fixed":
             # a bin's chunks (blocks_to_preallocate blocks) are larger than the base's blocks
             layers = [k for k in layers if k != "binning"]
@@ -209,6 +212,14 @@ class StackMachine(RuleBasedStateMachine):
                     plain = (
                         mr.ManagedMemoryResource if res.memory_kind == "managed" else mr.CudaMemoryResource
                     )
+                    automatic_serves = exps is not None and (1 << exps[1]) >= MiB
+                    if (
+                        add_bin_res != "fixed"
+                        and add_bin >= MiB
+                        and not automatic_serves
+                        and "failure" in self.desc
+                    ):
+                        self.bin_bypasses_failure = True
                     if add_bin_res == "fixed":
                         res.add_bin(add_bin)
                     elif add_bin_res == "tracking":
@@ -609,6 +620,8 @@ class StackMachine(RuleBasedStateMachine):
             return  # the limit, not the device, refuses
         if self.base_name in ("arena",):
             return  # a fixed reservation: spare memory on the device does not help
+        if self.bin_bypasses_failure:
+            return  # an added bin's own resource serves it, out of the callback's reach
         self.dev.run()
         # take the device's whole free memory in spare MiB blocks
         while True:
