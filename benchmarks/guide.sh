@@ -14,8 +14,14 @@ set -euo pipefail
 # Stopped (timeout's SIGTERM, Ctrl-C): wait for the command running, which writes the runs
 # it finished into its JSON document, then stop (bash runs a trap once its foreground
 # command has exited).
-trap 'exit 143' TERM
-trap 'exit 130' INT
+trap 'settle; exit 143' TERM
+trap 'settle; exit 130' INT
+PENDING=""  # the JSON document being written (run), kept only when it holds one
+settle() {
+  [ -n "$PENDING" ] || return 0
+  if [ -s "$PENDING.tmp" ]; then mv "$PENDING.tmp" "$PENDING"; else rm -f "$PENDING.tmp"; fi
+  PENDING=""
+}
 cd "$(dirname "$0")/.."
 PARTS=${PARTS:-pipeline,headroom,window,random,multistream,larger-than-memory,latency,recommend,stress}
 for part in ${PARTS//,/ }; do
@@ -55,9 +61,14 @@ if grep -q "simulated device" "$OUT/info.txt" && [ -z "${GUIDE_ALLOW_SIM:-}" ]; 
 fi
 
 run() {  # run NAME ARGS...: one JSON document, the table on stderr's side
-  local name=$1; shift
+  local name=$1 status=0; shift
   echo "== $name: streampool $*" >&2
-  $SP "$@" --json >"$OUT/$name.json"
+  # Into a new file, which replaces the old one once it holds a document: one stopped
+  # before its first run prints none, and the committed one stays.
+  PENDING="$OUT/$name.json"
+  $SP "$@" --json >"$PENDING.tmp" || status=$?
+  settle
+  return "$status"
 }
 
 # The pipeline of the context issue, driven from Rust and from Python threads; with the

@@ -107,6 +107,14 @@ def bench_cell(row: dict[str, Any], planned: int) -> str:
     return "; ".join(parts)
 
 
+def _planned(doc: dict[str, Any]) -> dict[str, list[Any]]:
+    """What a measurement stopped part-way (``"interrupted"``) was to run; nothing for a
+    whole one."""
+    if doc.get("interrupted") and "planned" in doc:
+        return dict(doc["planned"])
+    return {"resources": [], "threads": []}
+
+
 def bench_table(doc: dict[str, Any]) -> list[str]:
     """Resources down, thread counts (pairs for the pipeline) across."""
     rows: dict[str, dict[int, dict[str, Any]]] = {}
@@ -117,9 +125,9 @@ def bench_table(doc: dict[str, Any]) -> list[str]:
         rows.setdefault(row["resource"], {})[row["threads"]] = row
     counts = sorted({t for by in rows.values() for t in by})
     missing = "—"
-    if doc.get("interrupted") and "planned" in doc:  # stopped part-way: what it did not run
-        counts = sorted({*counts, *doc["planned"]["threads"]})
-        rows = {r: rows.get(r, {}) for r in [*doc["planned"]["resources"], *rows]}
+    if _planned(doc)["resources"]:  # stopped part-way: what it did not run
+        counts = sorted({*counts, *_planned(doc)["threads"]})
+        rows = {r: rows.get(r, {}) for r in [*_planned(doc)["resources"], *rows]}
         missing = "stopped before its runs"
     noun = "pair" if doc["workload"] == "pipeline" else "thread"
     head = [f"{t} {noun}{'' if t == 1 else 's'}" for t in counts]
@@ -138,6 +146,8 @@ def bench_table_one_column(doc: dict[str, Any]) -> list[str]:
         "|---|---|",
     ]
     lines += [f"| `{row['resource']}` | {bench_cell(row, doc['repeats'])} |" for row in doc["summary"]]
+    shown = {row["resource"] for row in doc["summary"]}
+    lines += [f"| `{r}` | stopped before its runs |" for r in _planned(doc)["resources"] if r not in shown]
     return lines
 
 
@@ -193,10 +203,15 @@ def table(names: list[str]) -> list[str]:
     if len(docs) != 1:
         raise SystemExit(f"{names}: several files make a table of `recommend` documents only")
     name, doc = docs[0]
+    return table_of(doc, name)
+
+
+def table_of(doc: dict[str, Any], name: str = "the document") -> list[str]:
+    """The table of one `bench` or `stress` document."""
     if doc.get("command") == "stress":
         return stress_table(doc)
     if doc.get("command") == "bench":
-        if len({row["threads"] for row in doc["summary"]}) == 1:
+        if len({row["threads"] for row in doc["summary"]} | set(_planned(doc)["threads"])) == 1:
             return bench_table_one_column(doc)
         return bench_table(doc)
     raise SystemExit(f"{name}: no table for a {doc.get('command')!r} document")

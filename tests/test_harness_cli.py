@@ -657,6 +657,9 @@ def test_recommend_routes_what_the_profile_routed(program: Path, log: Path) -> N
     given = run("recommend", "--quick", str(log))
     assert given.returncode == 0, given.stderr
     assert "use_on_import" not in given.stdout.split("Apply it")[1].split("(a program whose")[0]
-    assert "add `allocators.use_on_import()` after these lines" in given.stdout
+    assert (
+        "add `from streampool import allocators; allocators.use_on_import()` after these lines"
+        in given.stdout
+    )
     refused = run("recommend", "--no-frameworks", str(log))
     assert refused.returncode == 2 and "--no-frameworks is for a program profiled first" in refused.stderr

@@ -85,17 +85,18 @@ def test_each_library_is_routed_once_its_import_has_run(tmp_path: Path) -> None:
     ]
 
 
-def test_a_library_imported_already_is_routed_at_once_and_the_finder_leaves(tmp_path: Path) -> None:
+def test_a_library_imported_already_is_routed_at_once(tmp_path: Path) -> None:
     lines = _run(
         tmp_path,
         """
         import torch
-        before = list(sys.meta_path)
         _on_import.route_on_import(report, ["torch"], router=router)
-        print(said, sys.meta_path == before)
+        finder = sys.meta_path[0]
+        # Nothing is waited for now: the finder stays on sys.meta_path, answering nothing.
+        print(said, finder.find_spec("torch") is None, finder.find_spec("numba.cuda") is None)
         """,
     )
-    assert lines == ["['PyTorch: routed after its body: True'] True"]
+    assert lines == ["['PyTorch: routed after its body: True'] True True"]
 
 
 def test_on_the_simulated_device_nothing_is_routed(tmp_path: Path) -> None:
@@ -195,8 +196,11 @@ from . import memory
 """
 TORCH_MEMORY = """\
 import os
+from . import _lazy_init  # bound by name, as PyTorch's torch.cuda.memory does
 def get_allocator_backend():
     return os.environ.get("BACKEND", "native")
+def set_per_process_memory_fraction(fraction):
+    _lazy_init()
 """
 
 
@@ -204,14 +208,18 @@ def get_allocator_backend():
     ("case", "said"),
     [
         ("swapped", "PyTorch: swapped"),
+        ("by-name", "PyTorch: swapped"),  # first initialised by a function that bound it by name
         (
             "backend",
-            "PyTorch: skipped: the program chose PyTorch's cudaMallocAsync allocator (PYTORCH_CUDA_ALLOC_CONF)",
+            "PyTorch: skipped: the program chose PyTorch's cudaMallocAsync allocator (PYTORCH_ALLOC_CONF or "
+            "PYTORCH_CUDA_ALLOC_CONF)",
         ),
         ("own", "PyTorch: skipped: the program set its own PyTorch allocator (change_current_allocator)"),
+        ("already", "PyTorch: already allocating through streampool"),
+        ("fails", "PyTorch: failed: OSError: no allocator here"),
         (
             "initialised",
-            "PyTorch: skipped: PyTorch had initialised CUDA (and its allocator) before its first allocation",
+            "PyTorch: skipped: PyTorch had initialised CUDA, and its allocator, before its first allocation",
         ),
         ("stopped", None),
     ],
@@ -227,24 +235,61 @@ def test_pytorch_is_routed_at_its_first_cuda_initialisation(
         f"""
         import os
         case = {case!r}
-        if case == "backend":
-            os.environ["BACKEND"] = "cudaMallocAsync"
+        os.environ["BACKEND"] = {{"backend": "cudaMallocAsync", "own": "pluggable"}}.get(case, "native")
         import torch, torch.cuda
         from streampool.allocators import torch as ours
         def install():
-            if case == "own":
-                raise RuntimeError("came too late") from RuntimeError("Can't swap an already initialized allocator")
+            if case == "fails":
+                raise OSError("no allocator here")
+            ours._IN_USE = True
             return "swapped"
         ours._install = install
         print(_on_import._route_torch(report), said)  # deferred: nothing yet
+        if case == "already":
+            ours._IN_USE = True
         if case == "initialised":
             torch.cuda._initialized = True
         if case == "stopped":
             _on_import.stop()
-        torch.cuda.first_cuda_tensor()
+        if case == "by-name":
+            torch.cuda.memory.set_per_process_memory_fraction(0.5)
+        torch.cuda.first_cuda_tensor()  # PyTorch initialises all the same
         torch.cuda.first_cuda_tensor()  # routed once, and PyTorch's own _lazy_init is back
-        print(said, torch.cuda._lazy_init.__module__, torch.cuda.is_initialized())
+        back = [m._lazy_init.__module__ for m in (torch.cuda, torch.cuda.memory)]
+        print(said, back, torch.cuda.is_initialized())
         """,
     )
     assert lines[0] == "None []"
-    assert lines[1] == f"{[said] if said else []} torch.cuda True"
+    assert lines[1] == f"{[said] if said else []} ['torch.cuda', 'torch.cuda'] True"
+
+
+def test_no_thread_initialises_pytorch_before_the_swap(tmp_path: Path) -> None:
+    (tmp_path / "lib" / "torch" / "cuda").mkdir(parents=True)
+    (tmp_path / "lib" / "torch" / "cuda" / "__init__.py").write_text(
+        TORCH_CUDA.replace("    _initialized = True\n", "    _initialized = True\n    ORDER.append('init')\n")
+        + "ORDER = []\n"
+    )
+    (tmp_path / "lib" / "torch" / "cuda" / "memory.py").write_text(TORCH_MEMORY)
+    lines = _run(
+        tmp_path,
+        """
+        import threading, time
+        import torch, torch.cuda
+        from streampool.allocators import torch as ours
+        def install():
+            torch.cuda.ORDER.append("swap")
+            time.sleep(0.3)  # the other thread's first tensor comes meanwhile
+            torch.cuda.ORDER.append("swapped")
+            return "swapped"
+        ours._install = install
+        _on_import._route_torch(report)
+        threads = [threading.Thread(target=torch.cuda.first_cuda_tensor) for _ in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        print(torch.cuda.ORDER, said)
+        """,
+    )
+    assert lines == ["['swap', 'swapped', 'init', 'init'] ['PyTorch: swapped']"]

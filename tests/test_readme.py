@@ -176,7 +176,8 @@ def _guide_tables() -> Any:
 @pytest.mark.nosim
 def test_the_guide_marks_rows_of_a_measurement_stopped_part_way() -> None:
     guide_tables = _guide_tables()
-    doc = json.loads((README.parent / "benchmarks" / "guide" / "window.json").read_text())
+    window = README.parent / "benchmarks" / "guide" / "window.json"
+    doc = json.loads(window.read_text())
     whole = guide_tables.bench_table(doc)
     assert "stopped" not in "\n".join(whole)
     last = doc["summary"][-1]
@@ -193,6 +194,12 @@ def test_the_guide_marks_rows_of_a_measurement_stopped_part_way() -> None:
     assert stopped[0].endswith("| 16 threads |")
     assert stopped[2].startswith("| `async` |") and stopped[2].count("stopped before its runs") == 3
     assert stopped[3].startswith("| `pool(async)` |") and stopped[3].endswith("| stopped before its runs |")
+    # Stopped after every run at one thread of a measurement of two: two columns still.
+    doc["summary"] = [row for row in json.loads(window.read_text())["summary"] if row["threads"] == 1]
+    doc["planned"] = {"resources": ["async", "pool(async)", "stats(async)"], "threads": [1, 4]}
+    two = guide_tables.table_of(doc)
+    assert two[0] == "| resource | 1 thread | 4 threads |"
+    assert two[4] == "| `stats(async)` | stopped before its runs | stopped before its runs |"
 
 
 @pytest.mark.nosim

@@ -61,6 +61,8 @@ def route(module: str, report: Report) -> str | None:
     import numba.core.config
 
     chosen = getattr(numba.core.config, "CUDA_MEMORY_MANAGER", "default")
+    if chosen == f"{__package__}.numba":
+        return f"NUMBA_CUDA_MEMORY_MANAGER={chosen}, the program's own setting"
     if chosen != "default":
         return f"skipped: the program chose Numba's memory manager {chosen} (NUMBA_CUDA_MEMORY_MANAGER)"
     from . import numba
@@ -68,45 +70,75 @@ def route(module: str, report: Report) -> str | None:
     return str(numba._install())
 
 
+#: What routing PyTorch says when streampool is its allocator already.
+_ALREADY = "already allocating through streampool"
+
+
 def _route_torch(report: Report) -> str | None:
-    """PyTorch's allocator is swapped as PyTorch first initialises CUDA: a program that
-    chooses its own before (``change_current_allocator``, ``PYTORCH_CUDA_ALLOC_CONF``)
-    keeps it, and is told so."""
+    """PyTorch's allocator is swapped as PyTorch first initialises CUDA
+    (``torch.cuda._lazy_init``, which PyTorch's C++ calls before its first CUDA tensor; the
+    modules of ``torch.cuda`` that bound it by name get the wrapper too): a program that
+    chooses its own allocator before keeps it, and is told so."""
     import torch
 
     from . import torch as ours
 
     cuda = torch.cuda
-    if cuda.is_initialized():  # too late: the error says so
-        return ours._install()
+    if ours._IN_USE:
+        return _ALREADY
+    if cuda.is_initialized():
+        return "skipped: PyTorch had initialised CUDA, and its allocator, before it could be routed"
     first = cuda._lazy_init
-    once = threading.Lock()
+    holders: list[Any] = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith("torch.cuda") and getattr(m, "_lazy_init", None) is first
+    ]
+    lock = threading.RLock()
+    state = {"done": False, "busy": False}
 
     def _lazy_init() -> None:
-        with once:  # PyTorch's first initialisation may come from several threads at once
-            if cuda._lazy_init is _lazy_init:
-                cuda._lazy_init = first
-                if not _STOPPED.is_set():
-                    report(LIBRARIES["torch"], _swap_torch(ours, cuda))
+        if not state["done"]:
+            with lock:  # PyTorch's first initialisation may come from several threads at once
+                if not state["done"] and not state["busy"]:
+                    state["busy"] = True
+                    try:
+                        if not _STOPPED.is_set():
+                            done = _swap_torch(ours, cuda)
+                            with contextlib.suppress(Exception):  # a warning raised as an error
+                                report(LIBRARIES["torch"], done)
+                    finally:
+                        state["done"] = True  # swapped before anyone runs PyTorch's own
+                        for module in holders:
+                            if getattr(module, "_lazy_init", None) is _lazy_init:
+                                module._lazy_init = first
         first()
 
-    cuda._lazy_init = _lazy_init
+    for module in holders:
+        module._lazy_init = _lazy_init
     return None
 
 
 def _swap_torch(ours: ModuleType, cuda: Any) -> str:
-    if cuda.is_initialized():  # by a path that bound PyTorch's own _lazy_init
-        return "skipped: PyTorch had initialised CUDA (and its allocator) before its first allocation"
-    backend = (
-        cuda.memory.get_allocator_backend() if hasattr(cuda.memory, "get_allocator_backend") else "native"
-    )
-    if backend != "native":
-        return f"skipped: the program chose PyTorch's {backend} allocator (PYTORCH_CUDA_ALLOC_CONF)"
+    """Swaps PyTorch's allocator for streampool's where the program has not chosen one;
+    what was done. Never raises: PyTorch then initialises with its own allocator."""
     try:
-        return str(ours._install())
-    except RuntimeError as e:
-        if "initialized" in str(e.__cause__ or ""):
+        if ours._IN_USE:
+            return _ALREADY
+        if cuda.is_initialized():  # by a path that called PyTorch's own initialisation
+            return "skipped: PyTorch had initialised CUDA, and its allocator, before its first allocation"
+        backend = (
+            cuda.memory.get_allocator_backend() if hasattr(cuda.memory, "get_allocator_backend") else "native"
+        )
+        if backend == "pluggable":
             return "skipped: the program set its own PyTorch allocator (change_current_allocator)"
+        if backend != "native":
+            return (
+                f"skipped: the program chose PyTorch's {backend} allocator (PYTORCH_ALLOC_CONF or "
+                "PYTORCH_CUDA_ALLOC_CONF)"
+            )
+        return str(ours._install())
+    except Exception as e:
         return f"failed: {type(e).__name__}: {e}"
 
 
@@ -116,24 +148,32 @@ _STOPPED = threading.Event()
 
 class _Finder(importlib.abc.MetaPathFinder):
     """Finds the waited-for modules with the finders after it, and routes each once its
-    module has run."""
+    module has run. It stays on ``sys.meta_path`` once nothing is waited for (or after
+    :func:`stop`), answering nothing: taking it off could make another thread's look-up,
+    walking the list then, skip the finder after it."""
 
     def __init__(self, modules: Iterable[str], report: Report, router: Router) -> None:
         self.waiting = set(modules)
         self.report, self.router = report, router
-        self._finding: set[str] = set()
+        self._finding = threading.local()  # this thread's look-ups in progress (find_spec)
         self._running: set[str] = set()  # streampool's modules (_OURS) being imported
         self._lock = threading.Lock()
 
+    def _waited(self) -> set[str]:
+        with self._lock:
+            return set() if _STOPPED.is_set() else set(self.waiting)
+
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        ours = {_OURS[m] for m in self.waiting}
-        if (fullname not in self.waiting and fullname not in ours) or fullname in self._finding:
+        waited = self._waited()
+        ours = {_OURS[m] for m in waited}
+        finding: set[str] = self._finding.__dict__.setdefault("names", set())
+        if (fullname not in waited and fullname not in ours) or fullname in finding:
             return None
-        self._finding.add(fullname)  # the finders after this one answer the look-up below
+        finding.add(fullname)  # the finders after this one answer the look-up below
         try:
             spec = importlib.util.find_spec(fullname)
         finally:
-            self._finding.discard(fullname)
+            finding.discard(fullname)
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
@@ -154,7 +194,7 @@ class _Finder(importlib.abc.MetaPathFinder):
                 failed = None
             finally:
                 self._running.discard(fullname)
-                for library in [m for m in self.waiting if _OURS[m] == fullname and m in sys.modules]:
+                for library in [m for m in self._waited() if _OURS[m] == fullname and m in sys.modules]:
                     # imported by it, and waiting for it to finish
                     if failed is None:
                         self.routed(library)
@@ -165,15 +205,11 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
     def _take(self, module: str) -> bool:
-        """Whether ``module`` is to be routed now (then no longer waited for); leaves
-        ``sys.meta_path`` once nothing is."""
+        """Whether ``module`` is to be routed now (then no longer waited for)."""
         with self._lock:
             if _STOPPED.is_set() or module not in self.waiting or _OURS[module] in self._running:
                 return False
             self.waiting.discard(module)
-            if not self.waiting:
-                with contextlib.suppress(ValueError):
-                    sys.meta_path.remove(self)
         return True
 
     def routed(self, module: str) -> None:
@@ -197,9 +233,6 @@ def stop() -> None:
     """Nothing more is routed or reported in this process (a forked child of a profiled
     program runs as it would unprofiled, save what was routed before the fork)."""
     _STOPPED.set()
-    for finder in [f for f in sys.meta_path if isinstance(f, _Finder)]:
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(finder)
 
 
 def route_on_import(

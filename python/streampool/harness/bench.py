@@ -170,8 +170,12 @@ def measure(
             close()
         if isinstance(e, Interrupted):
             raise
-        # Not chained: the interrupted run's frames (its resource, its buffers) go now.
-        raise Interrupted(runs, summarise(runs, list(specs)), len(plan)) from None
+        stopped = True
+    else:
+        stopped = False
+    if stopped:  # raised here, with no context: the interrupted run's frames (its
+        # resource, its buffers) went with the KeyboardInterrupt
+        raise Interrupted(runs, summarise(runs, list(specs)), len(plan))
     return runs, summary
 
 

@@ -874,7 +874,7 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
         out.line(
             "  (a program whose PyTorch, CuPy or Numba allocated through the logged resource, as "
             "`streampool profile` has them do unless --no-frameworks: add "
-            "`allocators.use_on_import()` after these lines)"
+            "`from streampool import allocators; allocators.use_on_import()` after these lines)"
         )
     if args.json:
         out.emit_json(

@@ -12,7 +12,7 @@ Unless ``$STREAMPOOL_PROFILE_FRAMEWORKS`` is ``0``, PyTorch, CuPy and Numba allo
 through that resource too, each routed as the program imports it (PyTorch at its first
 CUDA initialisation; ``streampool.allocators._on_import``); what each routing did goes, a
 line each, to the file ``$STREAMPOOL_PROFILE_NOTES``, which profile reads once the program
-has exited (with a last line for CuPy where the program set its own allocator after).
+has exited (with a last line for CuPy or Numba where the program set its own allocator after).
 
 Child processes of the program are not profiled: the variable is removed from the
 environment and this directory from ``PYTHONPATH``, for the programs it starts, which
@@ -65,17 +65,36 @@ def _install(log: str, frameworks: bool, notes: str | None) -> None:
         with contextlib.suppress(OSError), open(notes, "a", encoding="utf-8") as f:
             f.write(f"{library}\t{line}\n")
 
-    def check_cupy() -> None:
-        """At exit: a program that set its own CuPy allocator after CuPy was routed."""
-        cupy, ours = sys.modules.get("cupy"), sys.modules.get("streampool.allocators.cupy")
-        if "CuPy" not in routed or cupy is None or ours is None:
-            return
+    def check_replaced() -> None:
+        """At exit: a program that set its own CuPy allocator or Numba memory manager after
+        the library was routed (PyTorch refuses a second swap)."""
         with contextlib.suppress(Exception):
-            if cupy.cuda.get_allocator() is not ours.streampool_cupy_allocator:
+            cupy, ours = sys.modules.get("cupy"), sys.modules.get("streampool.allocators.cupy")
+            if (
+                "CuPy" in routed
+                and cupy
+                and ours
+                and cupy.cuda.get_allocator() is not ours.streampool_cupy_allocator
+            ):
                 note(
                     "CuPy",
                     "replaced: the program set its own allocator (cupy.cuda.set_allocator) after "
                     "CuPy was routed, and what that allocated is not logged",
+                )
+        with contextlib.suppress(Exception):
+            driver = sys.modules.get("numba.cuda.cudadrv.driver")
+            ours = sys.modules.get("streampool.allocators.numba")
+            manager = getattr(driver, "_memory_manager", None)
+            if (
+                "Numba" in routed
+                and ours
+                and manager is not None
+                and manager is not ours.StreampoolNumbaManager
+            ):
+                note(
+                    "Numba",
+                    "replaced: the program set its own memory manager (numba.cuda.set_memory_manager) "
+                    "after Numba was routed, and what that allocated is not logged",
                 )
 
     def forget() -> None:  # a forked child runs unprofiled: no log, no more routing
@@ -83,7 +102,7 @@ def _install(log: str, frameworks: bool, notes: str | None) -> None:
         _on_import.stop()
 
     os.register_at_fork(after_in_child=forget)
-    atexit.register(check_cupy)
+    atexit.register(check_replaced)
     _on_import.route_on_import(note)
 
 
