@@ -183,7 +183,7 @@ def use_on_import(*libraries: str) -> None:
         )
 
     def report(library: str, done: str) -> None:
-        if done.startswith(("skipped", "failed")) and done != SIMULATED:
+        if _on_import.kept_own(done) and done != SIMULATED:
             warnings.warn(
                 f"streampool.allocators.use_on_import: {library} keeps its own allocator: {done}",
                 RuntimeWarning,

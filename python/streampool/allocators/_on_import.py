@@ -32,6 +32,18 @@ from . import SIMULATED
 LIBRARIES = {"torch": "PyTorch", "cupy": "CuPy", "numba.cuda": "Numba"}
 #: The names :func:`streampool.allocators.use_on_import` takes, with their modules.
 NAMES = {"torch": "torch", "cupy": "cupy", "numba": "numba.cuda"}
+#: Those names by the libraries' names (``"PyTorch"``: ``"torch"``).
+NAME_OF = {LIBRARIES[module]: name for name, module in NAMES.items()}
+#: How what a routing did begins when the library keeps its own allocator: skipped (the
+#: program's choice, the simulated device), failed, or replaced by the program after.
+KEPT = ("skipped", "failed", "replaced")
+
+
+def kept_own(done: str) -> bool:
+    """Whether a routing's report (``done``) says the library keeps its own allocator."""
+    return done.startswith(KEPT)
+
+
 #: streampool's module for each library, which imports it at its top: a library imported
 #: by it (a program calling ``use()`` itself) is routed once that module has run, since
 #: routing needs the whole module.

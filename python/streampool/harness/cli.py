@@ -469,8 +469,7 @@ def _sigterm_interrupts() -> Any:
     try:
         yield seen
     finally:
-        # A handler set outside Python (None) cannot be put back: the default, then.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        profile.put_back(signal.SIGTERM, previous)
 
 
 def _measure_and_report(

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..allocators._on_import import kept_own
+
 SHIM = Path(__file__).with_name("_shim")
 LOG_ENV = "STREAMPOOL_PROFILE_LOG"
 FRAMEWORKS_ENV = "STREAMPOOL_PROFILE_FRAMEWORKS"
@@ -220,9 +222,14 @@ def wait(command: list[str], env: dict[str, str], stdout: Any = None) -> int:
         raise CannotStartError(f"cannot run {command[0]!r}: {e.strerror or e}") from None
     finally:
         for s, handler in previous.items():
-            # A handler set outside Python (None) cannot be put back: the default, then.
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+            put_back(s, handler)
     return status if status >= 0 else 128 - status
+
+
+def put_back(signum: int, handler: Any) -> None:
+    """Puts ``handler`` back as ``signum``'s (what ``signal.signal`` returned). A handler set
+    outside Python (None) cannot be put back: the default, then."""
+    signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def _interrupted(signum: int, frame: Any) -> None:
@@ -247,9 +254,7 @@ def read_notes(notes: str) -> dict[str, str]:
 
 def routed(notes: dict[str, str]) -> list[str]:
     """The libraries of ``notes`` (:func:`read_notes`) that allocated through streampool."""
-    return [
-        library for library, done in notes.items() if not done.startswith(("skipped", "failed", "replaced"))
-    ]
+    return [library for library, done in notes.items() if not kept_own(done)]
 
 
 def logged_events(log: str) -> int:

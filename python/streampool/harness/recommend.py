@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._native import available_device_memory, using_simulated_device
+from ..allocators._on_import import NAME_OF
 from . import bench
 from .output import human_bytes
 from .specs import setup_code
@@ -317,8 +318,7 @@ def framework_code(code: str, resource: str, frameworks: Sequence[str] | None, w
         f"{names} allocated through the logged resource in the profile (what profile does unless "
         "--no-frameworks), so the code routes them through the choice too"
     )
-    modules = {"PyTorch": "torch", "CuPy": "cupy", "Numba": "numba"}
-    args = ", ".join(repr(modules[f]) for f in frameworks if f in modules)
+    args = ", ".join(repr(NAME_OF[f]) for f in frameworks if f in NAME_OF)
     return (
         f"{code}\nfrom streampool import allocators\n"
         f"allocators.use_on_import({args})  # {names} allocate{'s' * (len(frameworks) == 1)} through it, "

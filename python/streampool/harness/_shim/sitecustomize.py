@@ -33,6 +33,8 @@ import atexit
 import contextlib
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
 def _claim(log: str) -> bool:
@@ -57,7 +59,7 @@ def _install(log: str, frameworks: bool, notes: str | None) -> None:
 
     def note(library: str, done: str) -> None:
         """Tells profile what routing ``library`` did (a line of the notes file)."""
-        if not done.startswith(("skipped", "failed", "replaced")):
+        if not _on_import.kept_own(done):
             routed.add(library)
         if notes is None or _on_import._STOPPED.is_set():
             return
@@ -65,37 +67,35 @@ def _install(log: str, frameworks: bool, notes: str | None) -> None:
         with contextlib.suppress(OSError), open(notes, "a", encoding="utf-8") as f:
             f.write(f"{library}\t{line}\n")
 
+    # What the program can set after routing, in place of streampool's: the library, its
+    # setting now, streampool's, and what the setting is.
+    replaceable: list[tuple[str, Callable[[], Any], Callable[[], Any], str]] = [
+        (
+            "CuPy",
+            lambda: sys.modules["cupy"].cuda.get_allocator(),
+            lambda: sys.modules["streampool.allocators.cupy"].streampool_cupy_allocator,
+            "allocator (cupy.cuda.set_allocator)",
+        ),
+        (
+            "Numba",
+            lambda: sys.modules["numba.cuda.cudadrv.driver"]._memory_manager,
+            lambda: sys.modules["streampool.allocators.numba"].StreampoolNumbaManager,
+            "memory manager (numba.cuda.set_memory_manager)",
+        ),
+    ]
+
     def check_replaced() -> None:
         """At exit: a program that set its own CuPy allocator or Numba memory manager after
         the library was routed (PyTorch refuses a second swap)."""
-        with contextlib.suppress(Exception):
-            cupy, ours = sys.modules.get("cupy"), sys.modules.get("streampool.allocators.cupy")
-            if (
-                "CuPy" in routed
-                and cupy
-                and ours
-                and cupy.cuda.get_allocator() is not ours.streampool_cupy_allocator
-            ):
-                note(
-                    "CuPy",
-                    "replaced: the program set its own allocator (cupy.cuda.set_allocator) after "
-                    "CuPy was routed, and what that allocated is not logged",
-                )
-        with contextlib.suppress(Exception):
-            driver = sys.modules.get("numba.cuda.cudadrv.driver")
-            ours = sys.modules.get("streampool.allocators.numba")
-            manager = getattr(driver, "_memory_manager", None)
-            if (
-                "Numba" in routed
-                and ours
-                and manager is not None
-                and manager is not ours.StreampoolNumbaManager
-            ):
-                note(
-                    "Numba",
-                    "replaced: the program set its own memory manager (numba.cuda.set_memory_manager) "
-                    "after Numba was routed, and what that allocated is not logged",
-                )
+        for library, current, ours, what in replaceable:
+            with contextlib.suppress(Exception):  # a module not loaded: nothing to check
+                setting = current()
+                if library in routed and setting is not None and setting is not ours():
+                    note(
+                        library,
+                        f"replaced: the program set its own {what} after {library} was routed, and "
+                        "what that allocated is not logged",
+                    )
 
     def forget() -> None:  # a forked child runs unprofiled: no log, no more routing
         _native._set_profile_log(None)
