@@ -103,7 +103,11 @@ import pathlib, sys, time, streampool
 keep = streampool.DeviceBuffer(size=1111)
 try:
     pathlib.Path(sys.argv[1]).write_text("ready")
-    time.sleep(120)
+    # Short sleeps: a SIGINT that lands after Python's last check for signals but before
+    # the sleep starts does not end it (CPython sees the signal once the sleep returns),
+    # so one long sleep could hold the KeyboardInterrupt for all of it.
+    for _ in range(1200):
+        time.sleep(0.1)
 except KeyboardInterrupt:
     streampool.DeviceBuffer(size=4242).close()  # the clean-up allocates and frees
     print("cleaned up", flush=True)
