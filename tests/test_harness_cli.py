@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
+from streampool.harness.device import Device
 from streampool.harness.output import SCHEMA_PATH
+from streampool.sim import SimulatedDevice
 
 pytestmark = pytest.mark.nosim
 
@@ -88,10 +90,31 @@ def test_larger_than_memory_is_measured_on_managed_memory_by_default() -> None:
     assert "managed,prefetch(managed) for larger-than-memory" in run("bench", "--help").stdout
 
 
+def test_a_gpu_is_announced_by_name_and_memory() -> None:
+    gpu = Device(
+        "CUDA driver 13.0 (1 device)",
+        simulated=False,
+        name="NVIDIA H100 80GB HBM3",
+        total_bytes=85_031_714_816,
+    )
+    assert gpu.headline() == "NVIDIA H100 80GB HBM3, 79.2 GiB; CUDA driver 13.0 (1 device)"
+    unnamed = Device("CUDA driver 13.0 (1 device)", simulated=False)
+    assert unnamed.headline() == "CUDA driver 13.0 (1 device)"
+    with SimulatedDevice():  # as_json asks the driver's version
+        assert (gpu.as_json()["name"], gpu.as_json()["total_bytes"]) == (
+            "NVIDIA H100 80GB HBM3",
+            85_031_714_816,
+        )
+        assert unnamed.as_json()["name"] is None
+
+
 def test_the_simulated_device_takes_its_capacity_from_the_environment() -> None:
     out = run("bench", "random", "--resources", "async", "--quick", "--json", STREAMPOOL_SIM_CAPACITY="96MiB")
     assert out.returncode == 0, out.stderr
-    assert "(96 MiB)" in valid(out.stdout)["device"]["description"]
+    device = valid(out.stdout)["device"]
+    assert "(96 MiB)" in device["description"]
+    # The measured device by name and size, as a GPU's report gives its card.
+    assert (device["name"], device["total_bytes"]) == ("streampool simulated device", 96 << 20)
     # Above that capacity, managed memory runs out: the simulator does not oversubscribe.
     out = run(
         "bench", "larger-than-memory", "--param", "total=128MiB", "--json", STREAMPOOL_SIM_CAPACITY="96MiB"

@@ -50,6 +50,8 @@ def valid(text: str) -> dict[str, Any]:
     else:
         jsonschema.validate(document, json.loads(SCHEMA_PATH.read_text()))
     assert document["device"]["simulated"] is False
+    # The card by name and size (a report says which GPU its figures are of).
+    assert document["device"]["name"] and document["device"]["total_bytes"] > 0, document["device"]
     return document
 
 

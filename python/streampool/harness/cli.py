@@ -328,7 +328,7 @@ def _announce(out: Output, dev: Device) -> None:
     if dev.simulated:
         out.line(f"Device: {dev.description} ({dev.reason}). {SIMULATED_NOTE}.")
     else:
-        out.line(f"Device: {dev.description}")
+        out.line(f"Device: {dev.headline()}")
 
 
 def _range(s: dict[str, float], fmt: Any = human_rate) -> str:

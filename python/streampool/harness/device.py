@@ -9,7 +9,13 @@ from typing import Any
 
 from .._env import simulated_device
 from .._errors import CudaDriverNotFoundError, InvalidArgumentError, StreampoolError
-from .._native import backend_description, driver_version, using_simulated_device
+from .._native import (
+    backend_description,
+    device_info,
+    driver_version,
+    get_current_device,
+    using_simulated_device,
+)
 from ..sim import SimulatedDevice
 
 SIMULATED_NOTE = (
@@ -21,12 +27,16 @@ SIMULATED_NOTE = (
 @dataclass
 class Device:
     """``description`` of the device; ``simulated`` (True on the simulated device, whose
-    ``sim`` gives its race detector); ``reason`` why no GPU is used, if none is."""
+    ``sim`` gives its race detector); ``reason`` why no GPU is used, if none is; ``name``
+    and ``total_bytes`` of the current device, the one measured (None where the driver
+    cannot say), so that a report says which GPU its figures are of."""
 
     description: str
     simulated: bool
     sim: SimulatedDevice | None = None
     reason: str | None = None
+    name: str | None = None
+    total_bytes: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -34,7 +44,25 @@ class Device:
             "simulated": self.simulated,
             "driver_version": driver_version(),
             "note": SIMULATED_NOTE if self.simulated else None,
+            "name": self.name,
+            "total_bytes": self.total_bytes,
         }
+
+    def headline(self) -> str:
+        """``NAME, SIZE; description``, or the description alone where the name is not
+        known: what the commands print as ``Device:`` on a GPU."""
+        if self.name is None or self.total_bytes is None:
+            return self.description
+        return f"{self.name}, {self.total_bytes / 2**30:.1f} GiB; {self.description}"
+
+
+def _current() -> tuple[str | None, int | None]:
+    """The current device's name and memory; Nones where the driver cannot say."""
+    try:
+        info = device_info(get_current_device())
+    except StreampoolError:
+        return None, None
+    return str(info["name"]), int(info["total_bytes"])
 
 
 @contextlib.contextmanager
@@ -58,7 +86,10 @@ def device(capacity_bytes: int | str | None = None) -> Iterator[Device]:
         except StreampoolError as e:
             reason = f"the CUDA driver is unusable: {e}"
         else:
-            yield Device(description, simulated=False)
+            yield Device(
+                description, simulated=False, name=(current := _current())[0], total_bytes=current[1]
+            )
             return
     with simulated_device(capacity_bytes) as sim:
-        yield Device(sim.describe(), simulated=True, sim=sim, reason=reason)
+        name, total = _current()
+        yield Device(sim.describe(), simulated=True, sim=sim, reason=reason, name=name, total_bytes=total)
