@@ -17,6 +17,7 @@ from .._native import (
     using_simulated_device,
 )
 from ..sim import SimulatedDevice
+from .output import human_bytes
 
 SIMULATED_NOTE = (
     "simulated device: these figures measure the simulator on the host, not a GPU; "
@@ -53,16 +54,17 @@ class Device:
         known: what the commands print as ``Device:`` on a GPU."""
         if self.name is None or self.total_bytes is None:
             return self.description
-        return f"{self.name}, {self.total_bytes / 2**30:.1f} GiB; {self.description}"
+        return f"{self.name}, {human_bytes(self.total_bytes)}; {self.description}"
 
 
-def _current() -> tuple[str | None, int | None]:
-    """The current device's name and memory; Nones where the driver cannot say."""
+def _current() -> dict[str, Any]:
+    """The current device's ``name`` and ``total_bytes`` (Device's fields); none where the
+    driver cannot say."""
     try:
         info = device_info(get_current_device())
     except StreampoolError:
-        return None, None
-    return str(info["name"]), int(info["total_bytes"])
+        return {}
+    return {"name": str(info["name"]), "total_bytes": int(info["total_bytes"])}
 
 
 @contextlib.contextmanager
@@ -86,10 +88,7 @@ def device(capacity_bytes: int | str | None = None) -> Iterator[Device]:
         except StreampoolError as e:
             reason = f"the CUDA driver is unusable: {e}"
         else:
-            yield Device(
-                description, simulated=False, name=(current := _current())[0], total_bytes=current[1]
-            )
+            yield Device(description, simulated=False, **_current())
             return
     with simulated_device(capacity_bytes) as sim:
-        name, total = _current()
-        yield Device(sim.describe(), simulated=True, sim=sim, reason=reason, name=name, total_bytes=total)
+        yield Device(sim.describe(), simulated=True, sim=sim, reason=reason, **_current())
