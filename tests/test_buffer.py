@@ -149,6 +149,19 @@ def test_dlpack_legacy_capsule_without_max_version() -> None:
     assert _capsule_pointer(capsule, b"dltensor") != 0
 
 
+@pytest.mark.parametrize("bad", [(-1, 0), (1,), (1, 0, 0), [1, 0], (1.0, 0), (True, 0), "1.0"])
+def test_dlpack_max_version_of_the_wrong_form_is_a_value_error_naming_it(bad: object) -> None:
+    buf = streampool.DeviceBuffer(size=16)
+    with pytest.raises(ValueError, match="max_version must be a"):
+        buf.__dlpack__(max_version=bad)  # type: ignore[arg-type]
+    # Any version above the ones known is as good as the highest: a versioned capsule.
+    for version in [(2**70, 0), (1, 2**70)]:
+        capsule = buf.__dlpack__(max_version=version)
+        assert _capsule_pointer(capsule, b"dltensor_versioned")
+        del capsule
+    assert buf.size == 16
+
+
 def test_dlpack_keeps_the_buffer_alive() -> None:
     """An unconsumed capsule keeps the buffer's memory allocated after the buffer itself
     is deleted (its tensor still points there), and its destructor frees it."""

@@ -249,6 +249,25 @@ def test_recommend_of_a_program_that_allocates_nothing_names_no_temporary_file(t
     assert "streampool-" not in out.stderr.splitlines()[-1], out.stderr
 
 
+def test_profile_of_a_program_on_a_simulated_device_of_its_own_says_why_nothing_was_logged(
+    tmp_path: Path,
+) -> None:
+    own = write(
+        tmp_path,
+        "own.py",
+        "import streampool\nfrom streampool.sim import SimulatedDevice\n"
+        "with SimulatedDevice(capacity_bytes='64MiB'):\n    streampool.DeviceBuffer(size=100)\n",
+    )
+    out = run("profile", "-o", str(tmp_path / "own.log"), "--", sys.executable, own)
+    assert out.returncode == 0, out.stderr
+    assert "0 event(s) logged" in out.stderr and "on a simulated device it makes itself" in out.stderr
+
+
+def test_a_resource_the_device_refuses_to_make_is_named() -> None:
+    out = run("bench", "window", "--resources", "async,async(initial=100GiB)", "--quick")
+    failed(out, 4, "streampool bench: resource async(initial=100GiB): out of memory")
+
+
 def test_recommend_of_a_program_leaves_no_temporary_log(tmp_path: Path, program: Path) -> None:
     scratch = tmp_path / "tmp"
     scratch.mkdir()

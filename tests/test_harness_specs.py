@@ -80,6 +80,12 @@ def test_split_specs_at_top_level_commas_only() -> None:
     ("text", "match"),
     [
         ("nosuch", r"unknown resource 'nosuch'.*Valid specs: async"),
+        # A part's error names the whole spec the user wrote.
+        ("pool(nosuch)", r"^in the spec 'pool\(nosuch\)': unknown resource 'nosuch'"),
+        (
+            "stats(pool(async, bogus=1))",
+            r"^in the spec 'stats\(pool\(async, bogus=1\)\)': .*no option 'bogus'",
+        ),
         ("pool(async", r"missing '\)'"),
         ("pool", r"takes one upstream"),
         ("async(async)", r"takes no upstream"),

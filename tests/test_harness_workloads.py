@@ -10,7 +10,7 @@ import pytest
 from streampool import mr
 from streampool.harness import bench, recommend, stress, workloads
 from streampool.harness.specs import Candidate, make_resource
-from streampool.harness.trace import ALLOCATE, FREE, Trace, replay
+from streampool.harness.trace import ALLOCATE, FREE, Trace, recorded_peak, replay
 
 KEYS = {
     "events",
@@ -493,3 +493,37 @@ def test_a_thread_count_below_one_is_refused_naming_threads(name: str) -> None:
             workloads.run(name, pool, threads=threads)
         with pytest.raises(ValueError, match="threads must be at least 1"):
             bench.measure(name, ["async"], threads=[threads], repeats=1)
+
+
+def test_a_repeated_trace_runs_the_log_again_on_the_same_threads_and_streams() -> None:
+    t = workloads.window_trace(40, 4, threads=2, streams=2, seed=3)
+    again = t.repeated(3)
+    assert again.events == 3 * t.events and (again.threads, again.streams) == (t.threads, t.streams)
+    times = [r[0] for r in again.records]
+    assert times[t.events] > times[t.events - 1]  # the second pass follows the first
+    # Each pass allocates under ids of its own, and frees them: one pass's peak.
+    allocated = [r[2] for r in again.records if r[5] == ALLOCATE]
+    assert len(set(allocated)) == len(allocated)
+    assert recorded_peak(again.records) == recorded_peak(t.records)
+    assert t.repeated(1) is t
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="passes must be an int >= 1"):
+            t.repeated(bad)  # type: ignore[arg-type]
+
+
+def test_replay_passes_replay_the_log_that_many_times_in_one_run() -> None:
+    t = workloads.window_trace(50, 4, threads=2, seed=1)
+    once = workloads.run("replay", "pool(async)", log=t)
+    three = workloads.run("replay", "pool(async)", log=t, passes=3)
+    assert (once["events"], three["events"]) == (t.events, 3 * t.events)
+    assert three["peak_live_bytes"] <= 2 * once["peak_live_bytes"]
+    with pytest.raises(ValueError, match="passes"):
+        workloads.run("replay", "pool(async)", log=t, passes=0)
+
+
+def test_recommend_repeats_a_log_too_short_to_time_alone() -> None:
+    least = recommend.MIN_RUN_SECONDS
+    assert recommend.passes_for(200, least) == 1 and recommend.passes_for(200, 2 * least) == 1
+    assert recommend.passes_for(200, least / 100) == 100
+    assert recommend.passes_for(200, 0.0) == recommend.MAX_RUN_EVENTS // 200  # at most that many events
+    assert recommend.passes_for(2 * recommend.MAX_RUN_EVENTS, least / 10) == 1

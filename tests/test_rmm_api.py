@@ -411,11 +411,15 @@ def test_arena_bad_sizes() -> None:
         (-1, ValueError),
         ("big", ValueError),
         (1.5, TypeError),
+        (2**64 - 1, ValueError),  # named as arena_size, not as the pool inside it
     ]:
         with pytest.raises(error, match="size"):
             mr.ArenaMemoryResource(up, arena_size=size)  # type: ignore[arg-type]
-    with pytest.raises(streampool.OutOfMemoryError):
+    with pytest.raises(
+        streampool.OutOfMemoryError, match=r"ArenaMemoryResource \(reserving its arena_size"
+    ) as info:
         mr.ArenaMemoryResource(up, arena_size=2 * SIM_CAPACITY)
+    assert "ShardedPool" not in str(info.value) and info.value.requested == 2 * SIM_CAPACITY
     _roundtrip(mr.ArenaMemoryResource(up, arena_size="1MiB"))
 
 

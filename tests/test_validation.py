@@ -194,6 +194,22 @@ def test_available_over_a_pool_over_a_limit_is_not_a_sentinel() -> None:
     pool.deallocate(pool.allocate(MIB), MIB)
 
 
+@pytest.mark.nosim
+def test_as_much_available_as_asked_says_why_it_was_refused() -> None:
+    # The driver's pool reserves 2 MiB at a time: with 1 MiB left on the device, a 1 MiB
+    # request fails, and "1048576 bytes available" alone would read as a contradiction.
+    with SimulatedDevice(capacity_bytes="3MiB"):
+        resource = mr.CudaAsyncMemoryResource()
+        held = [resource.allocate(MIB), resource.allocate(MIB)]
+        with pytest.raises(streampool.OutOfMemoryError) as info:
+            resource.allocate(MIB)
+        assert info.value.available is not None and info.value.available >= MIB
+        assert "yet not usable for it" in str(info.value) and "2 MiB" in str(info.value)
+        for ptr in held:
+            resource.deallocate(ptr, MIB)
+        resource.deallocate(resource.allocate(MIB), MIB)  # still usable
+
+
 # --- STREAMPOOL_DEVICE ------------------------------------------------------------------
 
 

@@ -742,7 +742,8 @@ class PrefetchResourceAdaptor(UpstreamResourceAdaptor):
 class FixedSizeMemoryResource(UpstreamResourceAdaptor):
     """Blocks of one size (``block_size``, default 1 MiB, rounded up to 256) carved from
     chunks of ``blocks_to_preallocate`` blocks taken from the upstream as needed. Not a
-    general resource: a larger allocation raises InvalidArgumentError (a ValueError). The
+    general resource: a larger allocation raises OutOfMemoryError (a MemoryError, as RMM's
+    ``out_of_memory``), naming the block size. The
     bins of BinningMemoryResource are made of these. A free of a block that is not
     outstanding, or with more bytes than a block, raises InvalidPointerError (it records
     blocks, not sizes: a smaller size frees the same block). ``blocks_to_preallocate``

@@ -221,7 +221,7 @@ def _parser() -> argparse.ArgumentParser:
     pr = sub.add_parser(
         "profile",
         help="run a program with every allocation logged",
-        usage="streampool profile [-o LOG] -- python prog.py ARGS",
+        usage="streampool profile [-h] [-o LOG] [--no-frameworks] -- python prog.py ARGS",
     )
     pr.add_argument("-o", "--output", default="streampool-profile.log", help="the log (default %(default)s)")
     pr.add_argument("--no-frameworks", action="store_true", help=NO_FRAMEWORKS_HELP)
@@ -320,7 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _specs(text: str) -> list[str]:
     specs = split_specs(text)
     for s in specs:  # every spec is checked (and peers found) before anything runs
-        make_resource(s)
+        try:
+            make_resource(s)
+        except (StreampoolError, MemoryError) as e:  # made, and refused by the device: name which
+            raise _Fail(EXIT_CANNOT_RUN, f"resource {s}: {e}") from None
     return specs
 
 
@@ -755,8 +758,9 @@ def _profile_into(
             "logs: the program allocates through a resource it sets itself "
             "(set_current_device_resource, as recommend's code does), through another library's "
             "own allocator (RMM's, as cuDF does; PyTorch's, CuPy's or Numba's under --no-frameworks), "
-            "or not at all. Profile it without its own set-up lines; to see what a resource of its "
-            "own does, wrap it in mr.StatisticsResourceAdaptor",
+            "on a simulated device it makes itself (`with SimulatedDevice():`; set "
+            "STREAMPOOL_DEVICE=sim instead), or not at all. Profile it without its own set-up lines; "
+            "to see what a resource of its own does, wrap it in mr.StatisticsResourceAdaptor",
             file=sys.stderr,
         )
     return status, routed
@@ -836,18 +840,22 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
                 _recommend_document(dev, log, args.max_lead, repeats, [], [], prof, None, unmeasurable)
             )
         raise _Fail(EXIT_CANNOT_RUN, unmeasurable)
+    params: dict[str, Any] = {"log": t, "gap_scale": 0.0, "max_lead": args.max_lead}
+    passes, once = _passes(t, prof.preferred, params)
+    if passes > 1:
+        params["passes"] = passes
     runs, summary = bench.measure(
-        "replay",
-        prof.candidates,
-        [t.threads],
-        t.streams,
-        repeats,
-        {"log": t, "gap_scale": 0.0, "max_lead": args.max_lead},
-        out.progress,
+        "replay", prof.candidates, [t.threads], t.streams, repeats, params, out.progress
+    )
+    replayed = (
+        f"the log's {t.events} events replayed {passes} times over in each run (one replay took "
+        f"{once * 1e3:.2f} ms, too short to time alone)"
+        if passes > 1
+        else f"{t.events} events replayed"
     )
     _results_table(
         out,
-        f"recommend: {t.events} events replayed on each candidate, {repeats} runs"
+        f"recommend: {replayed} on each candidate, {repeats} runs"
         + (" [simulated device]" if dev.simulated else ""),
         summary,
     )
@@ -857,7 +865,9 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
         # The measurements stand: --json still prints them, with no recommendation.
         if args.json:
             out.emit_json(
-                _recommend_document(dev, log, args.max_lead, repeats, runs, summary, prof, None, str(e))
+                _recommend_document(
+                    dev, log, args.max_lead, repeats, runs, summary, prof, None, str(e), passes
+                )
             )
         raise
     out.line(f"Recommended: {choice['headline']}")
@@ -877,9 +887,22 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
         )
     if args.json:
         out.emit_json(
-            _recommend_document(dev, log, args.max_lead, repeats, runs, summary, prof, choice, None)
+            _recommend_document(dev, log, args.max_lead, repeats, runs, summary, prof, choice, None, passes)
         )
     return EXIT_OK
+
+
+def _passes(t: trace.Trace, spec: str, params: dict[str, Any]) -> tuple[int, float]:
+    """How many times over each candidate's run replays ``t``
+    (:func:`~streampool.harness.recommend.passes_for`), and the seconds one replay took:
+    two replays on ``spec``, the faster timed (the first also warms the resource up). Once
+    when an allocation ran out of memory there: a replay that skips work is no measure of
+    one that does it, and repeating one that fails repeats the failures."""
+    runs, _ = bench.measure("replay", [spec], [t.threads], t.streams, 2, params)
+    seconds = min(r["seconds"] for r in runs)
+    if any(r["oom_events"] for r in runs):
+        return 1, seconds
+    return recommend.passes_for(t.events, seconds), seconds
 
 
 def _recommend_document(
@@ -892,14 +915,16 @@ def _recommend_document(
     prof: recommend.Profile,
     choice: dict[str, Any] | None,
     error: str | None,
+    passes: int = 1,
 ) -> dict[str, Any]:
     """`recommend --json`'s document; ``choice`` None with ``error`` when nothing could be
-    recommended (every candidate ran out of memory, or none could be measured here)."""
+    recommended (every candidate ran out of memory, or none could be measured here).
+    ``passes``: how many times over each run replayed the log."""
     return document(
         "recommend",
         dev,
         workload="replay",
-        params={"log": log, "gap_scale": 0.0, "max_lead": max_lead},
+        params={"log": log, "gap_scale": 0.0, "max_lead": max_lead, "passes": passes},
         repeats=repeats,
         runs=_strip(runs),
         summary=summary,

@@ -15,6 +15,7 @@ or the default), the simpler one is recommended, and the report says so. Example
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,16 @@ from .output import human_bytes
 from .specs import setup_code
 from .trace import ALLOCATE, FREE, Trace, quantile, recorded_peak
 
-__all__ = ["SIMPLER_FIRST", "NothingToRecommendError", "Profile", "analyse", "choose", "unmeasurable"]
+__all__ = [
+    "MIN_RUN_SECONDS",
+    "SIMPLER_FIRST",
+    "NothingToRecommendError",
+    "Profile",
+    "analyse",
+    "choose",
+    "passes_for",
+    "unmeasurable",
+]
 
 # Memory handed from stream to stream (a producer/consumer pipeline): the sharded pool with
 # more headroom, whose streams record an event only once 8 frees are waiting, hands it over
@@ -57,6 +67,13 @@ SIMPLER_FIRST = [
     LEAN,
     BASELINE,
 ]
+#: The least time a candidate's run should take: a log that replays faster (a few hundred
+#: events: well under a millisecond) is timed mostly by its threads' start and the host's
+#: moment, and which candidate wins changes from one invocation to the next. Such a log is
+#: replayed several times over in each run (:func:`passes_for`).
+MIN_RUN_SECONDS = 0.05
+#: The most events one run replays when it repeats a short log.
+MAX_RUN_EVENTS = 1_000_000
 SMALL = 1 << 20  # "small" allocations: at most 1 MiB at the median
 MANY = 4  # "many" threads and streams
 
@@ -213,6 +230,16 @@ def unmeasurable(profile: Profile) -> str | None:
         "the harness never oversubscribes a shared GPU (it can hang it); to measure the candidates, "
         f"run recommend on a device with more free memory (at least {peak} free)"
     )
+
+
+def passes_for(events: int, seconds: float) -> int:
+    """How many times over each run replays a log of ``events`` events that one replay
+    took ``seconds`` to run: enough for a run to last :data:`MIN_RUN_SECONDS`, at most
+    :data:`MAX_RUN_EVENTS` events a run (at least 1)."""
+    if not seconds < MIN_RUN_SECONDS:
+        return 1
+    wanted = math.ceil(MIN_RUN_SECONDS / max(seconds, 1e-6))
+    return max(1, min(wanted, MAX_RUN_EVENTS // max(1, events)))
 
 
 def choose(

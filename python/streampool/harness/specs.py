@@ -16,9 +16,10 @@ that every workload runs on them in the same process. Example::
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,18 @@ __all__ = [
 
 class SpecError(ValueError):
     """A spec string that does not name a resource (the message lists the valid ones)."""
+
+
+@contextlib.contextmanager
+def _naming(text: str) -> Iterator[None]:
+    """Adds the whole spec to a SpecError about a part of it (``nosuch`` in ``pool(nosuch)``)."""
+    try:
+        yield
+    except SpecError as e:
+        whole = str(parse_spec(text))
+        if whole in str(e):
+            raise
+        raise SpecError(f"in the spec {whole!r}: {e}") from None
 
 
 class PeerMissingError(RuntimeError):
@@ -521,7 +534,8 @@ def make_resource(text: str) -> Candidate:
     spec = parse_spec(text)
     if ":" in spec.name:
         return _peer(spec)
-    resource, code = _ours(spec)
+    with _naming(text):
+        resource, code = _ours(spec)
     driver = _driver_pool(resource)
     return Candidate(
         str(spec),
@@ -582,7 +596,8 @@ def check_spec(text: str) -> None:
         for arg in spec.args:
             walk(arg, False)
 
-    walk(parse_spec(text), True)
+    with _naming(text):
+        walk(parse_spec(text), True)
 
 
 def resource_from_spec(text: str, device: int | None = None) -> mr.MemoryResource:
@@ -598,7 +613,8 @@ def resource_from_spec(text: str, device: int | None = None) -> mr.MemoryResourc
 
     spec = parse_spec(text)
     if ":" not in spec.name:
-        return _ours(spec, device)[0]
+        with _naming(text):
+            return _ours(spec, device)[0]
     current = streampool.get_current_device()
     if device is not None and device != current:
         raise ValueError(

@@ -137,6 +137,34 @@ class Trace:
     def events(self) -> int:
         return len(self.records)
 
+    def repeated(self, passes: int) -> Trace:
+        """The records ``passes`` times over, one pass after another, on the same threads
+        and streams (a program running its loop again): each pass's times follow the last
+        pass's end, its allocation ids are its own, and its allocations are freed by its end
+        where the trace frees them (a log's are: :attr:`closing_frees`). The counts of
+        failures, unmatched and closing frees are the trace's times ``passes``."""
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"passes must be an int >= 1, not {passes!r}")
+        if passes == 1 or not self.records:
+            return self
+        start = min(r[0] for r in self.records)
+        span = max(r[0] for r in self.records) - start + 1
+        ids = max(r[2] for r in self.records) + 1
+        records = [
+            (t + p * span, size, alloc_id + p * ids, thread, stream, op)
+            for p in range(passes)
+            for t, size, alloc_id, thread, stream, op in self.records
+        ]
+        return Trace(
+            records,
+            list(self.thread_ids),
+            list(self.stream_handles),
+            self.recorded_failures * passes,
+            self.unmatched_frees * passes,
+            self.closing_frees * passes,
+            self.malformed,
+        )
+
 
 def _packs(record: tuple[int, ...]) -> bool:
     try:

@@ -282,16 +282,20 @@ def replay(
     log: str | _trace.Trace,
     gap_scale: float = 0.0,
     max_lead: float | None = _trace.MAX_LEAD,
+    passes: int = 1,
     threads: int = 0,
     streams: int = 0,
 ) -> dict[str, Any]:
     """Replays a log (a path, or a Trace): each recorded thread and stream in recorded
     order, the gaps scaled by ``gap_scale`` (0: as fast as possible), no thread more than
     ``max_lead`` seconds of recorded time ahead of another (None: no bound;
-    :func:`streampool.harness.trace.replay`). ``threads`` and ``streams`` are ignored
-    (the log's own are replayed)."""
+    :func:`streampool.harness.trace.replay`), the whole log ``passes`` times over in each
+    run (:meth:`~streampool.harness.trace.Trace.repeated`: a log too short to time alone).
+    ``threads`` and ``streams`` are ignored (the log's own are replayed)."""
     t = _trace.read_log(log) if isinstance(log, str) else log
-    return _replay_result(candidate, t, gap_scale, max_lead=max_lead)
+    # The peak is one pass's: each pass frees what it allocates.
+    peak = _trace.recorded_peak(t.records) if passes > 1 else None
+    return _replay_result(candidate, t.repeated(passes), gap_scale, peak, max_lead=max_lead)
 
 
 # --- kernel workloads -------------------------------------------------------------------

@@ -992,8 +992,9 @@ impl PyCallbackMemoryResource {
 // Fixed-size blocks and binning.
 
 /// Hands out blocks of one size (`block_size`, default 1 MiB) carved from chunks of
-/// `blocks_to_preallocate` blocks taken from the upstream as needed; allocations larger
-/// than a block are refused (ValueError). Not a general resource: the bins of
+/// `blocks_to_preallocate` blocks taken from the upstream as needed; an allocation larger
+/// than a block raises OutOfMemoryError (a MemoryError, as RMM's `out_of_memory`), naming
+/// the block size. Not a general resource: the bins of
 /// `BinningMemoryResource` are made of these.
 ///
 /// Example::

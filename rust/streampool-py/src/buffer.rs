@@ -803,15 +803,11 @@ impl DeviceBuffer {
     fn __dlpack__<'py>(
         slf: &Bound<'py, Self>,
         stream: Option<&Bound<'py, PyAny>>,
-        max_version: Option<(i64, i64)>,
+        max_version: Option<&Bound<'py, PyAny>>,
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyCapsule>> {
-        if let Some(v) = max_version.filter(|&(major, minor)| major < 0 || minor < 0) {
-            return Err(PyValueError::new_err(format!(
-                "max_version must be a (major, minor) of ints >= 0, got {v:?}"
-            )));
-        }
+        let max_version = max_version.filter(|v| !v.is_none()).map(dlpack_version).transpose()?;
         let this = slf.get();
         let (alloc, size) = this.live_exposed()?;
         let ours = this.__dlpack_device__();
@@ -1272,4 +1268,25 @@ impl Drop for DeviceBuffer {
 #[pyfunction]
 pub(crate) fn _rebuild_device_buffer(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<DeviceBuffer> {
     DeviceBuffer::to_device(py, data, None, None)
+}
+
+/// A consumer's `max_version`: a `(major, minor)` of ints >= 0 (any size: a version above
+/// the ones this buffer knows is as good as the highest). ValueError naming it otherwise.
+fn dlpack_version(v: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
+    let bad = || PyValueError::new_err(format!("max_version must be a (major, minor) of ints >= 0, got {v}"));
+    let parts: Vec<Bound<'_, PyAny>> = match v.cast::<pyo3::types::PyTuple>() {
+        Ok(t) if t.len() == 2 => t.iter().collect(),
+        _ => return Err(bad()),
+    };
+    let mut out = [0u64; 2];
+    for (slot, part) in out.iter_mut().zip(&parts) {
+        if part.is_instance_of::<pyo3::types::PyBool>()
+            || !part.is_instance_of::<pyo3::types::PyInt>()
+            || part.lt(0)?
+        {
+            return Err(bad());
+        }
+        *slot = part.extract::<u64>().unwrap_or(u64::MAX);
+    }
+    Ok((out[0], out[1]))
 }

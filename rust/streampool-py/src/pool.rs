@@ -345,6 +345,12 @@ impl PyArenaMemoryResource {
             };
             // Whole 256-byte units, so that the reservation and the cap agree.
             let bytes = bytes / streampool::ALIGNMENT * streampool::ALIGNMENT;
+            if bytes > isize::MAX as usize {
+                return Err(streampool::Error::InvalidArgument(format!(
+                    "arena_size {bytes} is larger than any device (at most {} bytes)",
+                    isize::MAX
+                )));
+            }
             if bytes == 0 {
                 return Err(streampool::Error::InvalidArgument(format!(
                     "arena_size must be at least {} bytes, got {}",
@@ -359,7 +365,20 @@ impl PyArenaMemoryResource {
                 release_threshold: None,
                 ..PoolOptions::default()
             };
-            Ok((Arc::new(ShardedPoolMemoryResource::new(upstream, options)?), bytes))
+            let upstream_name = upstream.name().to_string();
+            // The arena's whole reservation is made here: an error names the arena, not
+            // the pool inside it.
+            let pool = ShardedPoolMemoryResource::new(upstream, options).map_err(|e| match e {
+                streampool::Error::OutOfMemory { requested, available, .. } => streampool::Error::OutOfMemory {
+                    requested,
+                    available,
+                    resource: format!(
+                        "ArenaMemoryResource (reserving its arena_size of {bytes} bytes from {upstream_name} as it is made)"
+                    ),
+                },
+                other => other,
+            })?;
+            Ok((Arc::new(pool), bytes))
         })?;
         let (pool, arena_size) = pool;
         let resource: streampool::ResourceRef =

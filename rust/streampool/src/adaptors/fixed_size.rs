@@ -13,7 +13,8 @@ use crate::sync::{lock, Mutex};
 /// Blocks of one size, carved from chunks of the upstream (RMM's
 /// `fixed_size_memory_resource`); the default bin of [`super::BinningMemoryResource`].
 /// Not a general resource: a request larger than the block is an
-/// [`Error::InvalidArgument`].
+/// [`Error::OutOfMemory`] (as RMM's `out_of_memory`) that names the block size, so that a
+/// failure callback above hears of it.
 ///
 /// Stream-ordered reuse policy, simple on purpose:
 /// 1. A free puts the block on the free list of the freeing stream, keyed by the

@@ -382,10 +382,19 @@ impl State {
         if self.alloc_containing(ptr, bytes).is_some() {
             return Ok(());
         }
-        Err(Error::InvalidPointer(format!(
-            "{what}: [{ptr:#x}, +{bytes}) is not inside a live allocation of {} (use after free?)",
-            self.name
-        )))
+        // A range that starts inside a live allocation runs past its end (an overrun); one
+        // that starts inside none touches memory that is not, or no longer, allocated.
+        let name = &self.name;
+        let why = match self.alloc_containing(ptr, 1) {
+            Some((start, a)) => format!(
+                "runs {} bytes past the end of the live allocation [{start:#x}, +{}) of {name} that it \
+                 starts in (an overrun)",
+                (ptr - start).saturating_add(bytes as u64).saturating_sub(a.bytes as u64),
+                a.bytes
+            ),
+            None => format!("is not inside a live allocation of {name} (use after free?)"),
+        };
+        Err(Error::InvalidPointer(format!("{what}: [{ptr:#x}, +{bytes}) {why}")))
     }
 
     /// Whether an allocation is managed memory: `cuMemAllocManaged`, or a managed pool's.
