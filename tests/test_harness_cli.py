@@ -309,6 +309,21 @@ def test_replay_of_a_malformed_log_names_the_lines(tmp_path: Path, log: Path) ->
     assert run("replay", str(bad), "--quick", "--skip-malformed").returncode == 0
 
 
+def test_replay_passes_and_the_note_on_runs_too_short_to_time(log: Path) -> None:
+    # The log's 180 events replay in well under a millisecond: a line says how many passes
+    # would make a run long enough to time.
+    out = run("replay", str(log), "--quick", "--resources", "pool(async)")
+    assert out.returncode == 0, out.stderr
+    assert "are too short to time" in out.stderr and "--passes " in out.stderr, out.stderr
+    out = run("replay", str(log), "--quick", "--resources", "pool(async)", "--passes", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = valid(out.stdout)
+    assert doc["params"]["passes"] == 3
+    assert all(r["events"] == 3 * doc["log"]["events"] for r in doc["runs"])
+    refused = run("replay", str(log), "--passes", "0")
+    assert refused.returncode == 2 and "--passes" in refused.stderr
+
+
 def test_recommend_a_log(log: Path) -> None:
     out = run("recommend", str(log), "--quick", "--json")
     assert out.returncode == 0, out.stderr

@@ -294,6 +294,16 @@ def test_choose_takes_the_fastest_and_prefers_the_simpler_within_noise() -> None
     )
     # Without the noisy one, the measurably faster candidate wins over the simpler one.
     assert recommend.choose(profile, noisy[::2])["choice"] == recommend.HANDOFF
+    # Memory beside speed, where the runs measured it: the choice's in the headline, the
+    # runner-up's too in the reasons.
+    for row, reserved in zip(noisy, (36 << 20, 62 << 20, 40 << 20)):
+        row.update(peak_reserved_bytes=reserved, peak_live_bytes=21 << 20)
+    held = recommend.choose(profile, noisy)
+    assert held["headline"].endswith("within noise); it held 62.0 MiB for 21.0 MiB live")
+    assert (
+        f"memory, at the replays' peak: binning(async) held 62.0 MiB for 21.0 MiB live; {recommend.HANDOFF} held 40.0 MiB for 21.0 MiB live"
+        in held["reasons"]
+    )
 
 
 def _repeats(resource: str, *by_repeat: float) -> dict[str, Any]:

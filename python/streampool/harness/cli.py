@@ -236,6 +236,13 @@ def _parser() -> argparse.ArgumentParser:
         help="recorded gaps times this (default 0: as fast as possible; 1: as recorded)",
     )
     r.add_argument("--max-lead", type=_lead, default=trace.MAX_LEAD, metavar="MS", help=MAX_LEAD_HELP)
+    r.add_argument(
+        "--passes",
+        type=_count,
+        default=1,
+        help="replay the whole log this many times over in each run (default 1): for a log too "
+        "short to time alone (recommend chooses this itself)",
+    )
     r.add_argument("--skip-malformed", action="store_true", help=SKIP_MALFORMED_HELP)
 
     rc = sub.add_parser("recommend", help="which resource suits a log (or a program, profiled first)")
@@ -548,6 +555,7 @@ def _measure_and_report(
             )
         for why in refused.values():
             print(f"streampool {args.command}: not measured: {why}", file=sys.stderr)
+        _too_short(args, workload, runs)
         bad = [r for r in summary if r["mismatches"]]
         for r in bad:
             print(
@@ -634,7 +642,7 @@ def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace, dev: Device) -> int:
-    params: dict[str, Any] = {"gap_scale": args.gap_scale, "max_lead": args.max_lead}
+    params: dict[str, Any] = {"gap_scale": args.gap_scale, "max_lead": args.max_lead, "passes": args.passes}
     workloads.check("replay", params)
     specs = _specs(args.resources)
     _check_plot_dir(args)
@@ -660,8 +668,27 @@ def _cmd_replay(args: argparse.Namespace, dev: Device) -> int:
         [t.threads],
         t.streams,
         {"log": t, **params},
-        f"replay {os.path.basename(args.log)}: {t.events} events",
+        f"replay {os.path.basename(args.log)}: {t.events} events"
+        + (f", {args.passes} times over in each run" if args.passes > 1 else ""),
         {"log": log_info},
+    )
+
+
+def _too_short(args: argparse.Namespace, workload: str, runs: list[dict[str, Any]]) -> None:
+    """A line on stderr when a replay's runs were too short to time (the figures then
+    change from one invocation to the next), saying how many passes would be enough."""
+    if workload != "replay" or not runs:
+        return
+    shortest = min(runs, key=lambda r: r["seconds"])
+    if shortest["seconds"] >= recommend.MIN_RUN_SECONDS:
+        return
+    passes = getattr(args, "passes", 1)
+    enough = passes * recommend.passes_for(shortest["events"], shortest["seconds"])
+    print(
+        f"streampool {args.command}: runs as short as {shortest['seconds'] * 1e3:.2f} ms "
+        f"({shortest['resource']}) are too short to time: the figures would change from one "
+        f"invocation to the next; --passes {enough} replays the log that many times over in each run",
+        file=sys.stderr,
     )
 
 
@@ -899,10 +926,20 @@ def _passes(t: trace.Trace, spec: str, params: dict[str, Any]) -> tuple[int, flo
     when an allocation ran out of memory there: a replay that skips work is no measure of
     one that does it, and repeating one that fails repeats the failures."""
     runs, _ = bench.measure("replay", [spec], [t.threads], t.streams, 2, params)
-    seconds = min(r["seconds"] for r in runs)
+    once = min(r["seconds"] for r in runs)
     if any(r["oom_events"] for r in runs):
-        return 1, seconds
-    return recommend.passes_for(t.events, seconds), seconds
+        return 1, once
+    # A replay's start (its threads, its streams) is a part of a short one's time: the
+    # passes that time suggests are timed too, and scaled again, twice at most.
+    passes, seconds = 1, once
+    for _ in range(3):
+        more = recommend.passes_for(passes * t.events, seconds)
+        if more == 1:
+            break
+        passes *= more
+        runs, _ = bench.measure("replay", [spec], [t.threads], t.streams, 1, params | {"passes": passes})
+        seconds = runs[0]["seconds"]
+    return passes, once
 
 
 def _recommend_document(

@@ -71,7 +71,7 @@ SIMPLER_FIRST = [
 #: events: well under a millisecond) is timed mostly by its threads' start and the host's
 #: moment, and which candidate wins changes from one invocation to the next. Such a log is
 #: replayed several times over in each run (:func:`passes_for`).
-MIN_RUN_SECONDS = 0.05
+MIN_RUN_SECONDS = 0.02
 #: The most events one run replays when it repeats a short log.
 MAX_RUN_EVENTS = 1_000_000
 SMALL = 1 << 20  # "small" allocations: at most 1 MiB at the median
@@ -232,6 +232,15 @@ def unmeasurable(profile: Profile) -> str | None:
     )
 
 
+def _held(row: dict[str, Any]) -> str:
+    """What a summary row's resource held at its peak against the peak live bytes ("" when
+    a run does not say)."""
+    reserved, live = row.get("peak_reserved_bytes"), row.get("peak_live_bytes")
+    if reserved is None or live is None:
+        return ""
+    return f"held {human_bytes(reserved)} for {human_bytes(live)} live"
+
+
 def passes_for(events: int, seconds: float) -> int:
     """How many times over each run replays a log of ``events`` events that one replay
     took ``seconds`` to run: enough for a run to last :data:`MIN_RUN_SECONDS`, at most
@@ -304,6 +313,9 @@ def choose(
         why.append(f"measured: {pick['resource']} was the fastest of {len(ranked)} candidate(s)")
     if pick["resource"] != profile.preferred and profile.preferred in rows and pick is fastest:
         why.append(f"the rules expected {profile.preferred}; the measurement overrules them")
+    held = [f"{r['resource']} {_held(r)}" for r in (pick, runner) if r is not None and _held(r)]
+    if held:
+        why.append(f"memory, at the replays' peak: {'; '.join(held)}")
     if runner is None or margin is None:
         headline = f"{pick['resource']} (the only candidate that fits)"
     elif pick is not fastest:
@@ -318,6 +330,8 @@ def choose(
         )
     else:
         headline = f"{pick['resource']} ({100 * margin:+.1f}% over {runner['resource']}, median of {pick['repeats']} runs)"
+    if _held(pick):  # speed is never reported without memory
+        headline = f"{headline}; it {_held(pick)}"
     return {
         "headline": headline,
         "choice": pick["resource"],
