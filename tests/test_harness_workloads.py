@@ -3,6 +3,7 @@ rules of `recommend`."""
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
@@ -516,6 +517,10 @@ def test_a_repeated_trace_runs_the_log_again_on_the_same_threads_and_streams() -
     assert len(set(allocated)) == len(allocated)
     assert recorded_peak(again.records) == recorded_peak(t.records)
     assert t.repeated(1) is t
+    # Made once for every run that replays it (a million records take a second to make),
+    # and not carried when the trace is pickled.
+    assert t.repeated(3) is again and again.pack() == Trace(again.records).pack()
+    assert len(pickle.dumps(t)) < len(pickle.dumps(Trace(again.records)))
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="passes must be an int >= 1"):
             t.repeated(bad)  # type: ignore[arg-type]

@@ -113,6 +113,17 @@ class Trace:
     closing_frees: int = 0
     #: Malformed lines left out (``read_log(..., skip_malformed=True)``).
     malformed: int = 0
+    # What repeated() made, by passes, with the record count it was made from; and, for a
+    # trace repeated() made (its records are not changed after), its packed records: every
+    # run of a replay asks for them again, and at a million records they take a second.
+    _repeats: dict[int, tuple[int, Trace]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _packed: bytes | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled and copied without what repeated() and pack() keep (made again on use).
+        return self.__dict__ | {"_repeats": {}, "_packed": None}
 
     @property
     def threads(self) -> int:
@@ -127,6 +138,8 @@ class Trace:
     def pack(self) -> bytes:
         """The records packed for the native replayer; ValueError naming the first record
         with a field out of range (a time or size beyond 64 bits, a negative one)."""
+        if self._packed is not None:
+            return self._packed
         try:
             return b"".join(RECORD.pack(*r) for r in self.records)
         except struct.error:
@@ -147,6 +160,9 @@ class Trace:
             raise ValueError(f"passes must be an int >= 1, not {passes!r}")
         if passes == 1 or not self.records:
             return self
+        made = self._repeats.get(passes)
+        if made is not None and made[0] == len(self.records):
+            return made[1]
         start = min(r[0] for r in self.records)
         span = max(r[0] for r in self.records) - start + 1
         ids = max(r[2] for r in self.records) + 1
@@ -155,7 +171,7 @@ class Trace:
             for p in range(passes)
             for t, size, alloc_id, thread, stream, op in self.records
         ]
-        return Trace(
+        repeated = Trace(
             records,
             list(self.thread_ids),
             list(self.stream_handles),
@@ -164,6 +180,9 @@ class Trace:
             self.closing_frees * passes,
             self.malformed,
         )
+        repeated._packed = repeated.pack()
+        self._repeats = {passes: (len(self.records), repeated)}  # the latest only: a million records each
+        return repeated
 
 
 def _packs(record: tuple[int, ...]) -> bool:
