@@ -154,8 +154,16 @@ def test_dlpack_max_version_of_the_wrong_form_is_a_value_error_naming_it(bad: ob
     buf = streampool.DeviceBuffer(size=16)
     with pytest.raises(ValueError, match="max_version must be a"):
         buf.__dlpack__(max_version=bad)  # type: ignore[arg-type]
+
+    class Index:  # stands for an int, as numpy's integers do
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __index__(self) -> int:
+            return self.n
+
     # Any version above the ones known is as good as the highest: a versioned capsule.
-    for version in [(2**70, 0), (1, 2**70)]:
+    for version in [(2**70, 0), (1, 2**70), (Index(1), Index(0))]:
         capsule = buf.__dlpack__(max_version=version)
         assert _capsule_pointer(capsule, b"dltensor_versioned")
         del capsule

@@ -322,6 +322,14 @@ def test_replay_passes_and_the_note_on_runs_too_short_to_time(log: Path) -> None
     assert all(r["events"] == 3 * doc["log"]["events"] for r in doc["runs"])
     refused = run("replay", str(log), "--passes", "0")
     assert refused.returncode == 2 and "--passes" in refused.stderr
+    refused = run("replay", str(log), "--passes", str(10**9))
+    assert refused.returncode == 2 and "events a run" in refused.stderr, refused.stderr
+    # bench's replay takes its passes as a parameter, and the note names it so.
+    out = run(
+        "bench", "replay", "--log", str(log), "--quick", "--resources", "pool(async)", "--param", "passes=2"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "--param passes=" in out.stderr and "--passes" not in out.stderr, out.stderr
 
 
 def test_recommend_a_log(log: Path) -> None:
@@ -334,10 +342,11 @@ def test_recommend_a_log(log: Path) -> None:
     # A log of 180 events replays in well under a millisecond, too short to time: each run
     # replays it over and over.
     events = sum(1 for line in log.read_text().splitlines() if ",allocate," in line or ",free," in line)
-    passes = doc["params"]["passes"]
-    assert passes > 1 and all(r["events"] == passes * events for r in doc["runs"] if not r["oom_events"])
+    passes = doc["params"]["passes"]  # by candidate
+    assert set(passes) == set(doc["profile"]["candidates"]) and max(passes.values()) > 1
+    assert all(r["events"] == r["passes"] * events for r in doc["runs"] if not r["oom_events"])
     text = run("recommend", str(log), "--quick").stdout
-    assert "times over in each run (one replay took" in text
+    assert "times over in each run" in text and "(one replay took" in text
     for part in ("Recommended:", "Why:", "Apply it", "simulated device", "3 thread(s) and 3 stream(s)"):
         assert part in text
     assert "peak live / reserved" in text  # the replay's own, measured

@@ -536,6 +536,38 @@ def test_replay_passes_replay_the_log_that_many_times_in_one_run() -> None:
         workloads.run("replay", "pool(async)", log=t, passes=0)
 
 
+def test_a_repeated_trace_is_made_again_when_its_records_change() -> None:
+    t = workloads.window_trace(20, 4, seed=2)
+    first = t.repeated(2)
+    t.records = list(t.records)  # replaced, the same length
+    assert t.repeated(2) is not first and t.repeated(2).records == first.records
+    first.records.append(first.records[-1])  # a repeated trace's own records changed
+    assert first.pack() == Trace(first.records).pack()
+    huge = Trace([(0, 1, 0, 0, 0, ALLOCATE), (2**63, 1, 0, 0, 0, FREE)])  # three passes: past 2**64 ns
+    with pytest.raises(ValueError, match="would not fit in 64 bits"):
+        huge.repeated(3)
+
+
+def test_replay_passes_are_bounded_and_an_unbalanced_log_s_peak_is_all_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    t = Trace([(0, 1000, 0, 0, 0, ALLOCATE), (1, 300, 1, 0, 0, ALLOCATE), (2, 300, 1, 0, 0, FREE)])
+    with pytest.raises(ValueError, match="more than 4,000,000 events a run"):
+        workloads.run("replay", "pool(async)", log=t, passes=2_000_000)
+    peaks: list[object] = []
+    monkeypatch.setattr(workloads, "_refuse_oversubscription", lambda candidate, peak: peaks.append(peak))
+    workloads.run("replay", "pool(async)", log=t, passes=3)
+    assert peaks == [3000 + 300]  # what stays live, three times over, and one pass's own
+
+
+def test_calibration_gives_a_faster_candidate_more_passes() -> None:
+    t = workloads.window_trace(60, 4, threads=2, seed=5)
+    params = {"log": t, "gap_scale": 0.0}
+    passes, once = recommend.calibrate(t, ["pool(async)", "cuda"], params)
+    assert once > 0 and passes["pool(async)"] > passes["cuda"] >= 1
+    assert passes["pool(async)"] * t.events <= recommend.MAX_RUN_EVENTS
+
+
 def test_recommend_repeats_a_log_too_short_to_time_alone() -> None:
     least = recommend.MIN_RUN_SECONDS
     assert recommend.passes_for(200, least) == 1 and recommend.passes_for(200, 2 * least) == 1

@@ -120,7 +120,7 @@ def test_recommend_reads_the_busiest_devices_log_and_names_the_others(tmp_path: 
         "recommend", "--quick", "-o", str(log), "--", sys.executable, str(program), STREAMPOOL_SIM_DEVICES="2"
     )
     assert out.returncode == 0, out.stderr
-    assert "recommend: 80 events replayed" in out.stdout
+    assert "80 events replayed" in out.stdout
     assert (
         "recommending for device 1 (80 events), the busiest; not replayed: 4 on device 0 "
         f"({log})" in out.stderr
@@ -145,7 +145,7 @@ def test_recommend_reads_the_busiest_devices_log_and_names_the_others(tmp_path: 
     program.write_text(program.read_text().replace("(0, 2)", "(0, 0)"))
     out = run("recommend", "--quick", "--", sys.executable, str(program), STREAMPOOL_SIM_DEVICES="2")
     assert out.returncode == 0, out.stderr
-    assert "recommend: 80 events replayed" in out.stdout and "busiest" not in out.stderr
+    assert "80 events replayed" in out.stdout and "busiest" not in out.stderr
 
 
 def test_a_closed_stdout_is_no_error(tmp_path: Path) -> None:

@@ -113,14 +113,20 @@ def measure(
     repeats: int = 3,
     params: dict[str, Any] | None = None,
     progress: Callable[[Iterable[Any], int, str], Iterable[Any]] | None = None,
+    by_spec: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Runs ``workload`` on every spec, for every thread count, ``repeats`` times; returns
     the runs (one dict per run: resource, threads, streams, repeat and the workload's
     metrics, without raw latencies) and their summary (see :func:`summarise`). A spec on
     which the workload is refused here (:func:`refused`) is refused before anything runs:
     WorkloadError naming it. Ctrl-C raises :class:`Interrupted`, which keeps the runs that
-    had finished."""
+    had finished. ``by_spec``: parameters of some specs' own, over ``params`` (a rate,
+    such as a replay's events/s over its own number of passes, stays comparable); each
+    such run carries them."""
     params = params or {}
+    by_spec = by_spec or {}
+    for own in by_spec.values():
+        workloads.check(workload, params | own)
     if isinstance(specs, (str, bytes)) or not specs:
         raise TypeError(f"specs must be a non-empty list of resource specs, not {specs!r}")
     if isinstance(threads, (str, bytes, int)):
@@ -149,11 +155,13 @@ def measure(
     items: Iterable[Any] = plan if progress is None else progress(plan, len(plan), f"{workload}")
     try:
         for t, rep, spec in items:
-            result = one_run(workload, spec, t, streams, params)
+            own = by_spec.get(spec, {})
+            result = one_run(workload, spec, t, streams, params | own)
             latencies = result.pop("latencies_ns", None)
             runs.append(
                 {
                     **result,
+                    **own,
                     "resource": spec,
                     "threads": t,
                     # The workload's own count where it makes its streams (two per pipeline

@@ -555,7 +555,7 @@ def _measure_and_report(
             )
         for why in refused.values():
             print(f"streampool {args.command}: not measured: {why}", file=sys.stderr)
-        _too_short(args, workload, runs)
+        _too_short(args, workload, runs, params)
         bad = [r for r in summary if r["mismatches"]]
         for r in bad:
             print(
@@ -648,6 +648,12 @@ def _cmd_replay(args: argparse.Namespace, dev: Device) -> int:
     _check_plot_dir(args)
     out = Output(args.json)
     t = _read_log(out, args.log, args.skip_malformed)
+    if args.passes * t.events > workloads.MAX_REPLAY_EVENTS:
+        raise _Fail(
+            EXIT_USAGE,
+            f"--passes {args.passes} times the log's {t.events} events is more than "
+            f"{workloads.MAX_REPLAY_EVENTS:,} events a run",
+        )
     _announce(out, dev)
     log_info = {
         "path": args.log,
@@ -674,20 +680,27 @@ def _cmd_replay(args: argparse.Namespace, dev: Device) -> int:
     )
 
 
-def _too_short(args: argparse.Namespace, workload: str, runs: list[dict[str, Any]]) -> None:
-    """A line on stderr when a replay's runs were too short to time (the figures then
-    change from one invocation to the next), saying how many passes would be enough."""
+def _too_short(
+    args: argparse.Namespace, workload: str, runs: list[dict[str, Any]], params: dict[str, Any] | None = None
+) -> None:
+    """A line on stderr when a replay's shortest run was too short to time (the figures
+    then change from one invocation to the next), with the passes that would at least be
+    needed (a short run's time is mostly its threads' start: more may be)."""
     if workload != "replay" or not runs:
         return
     shortest = min(runs, key=lambda r: r["seconds"])
     if shortest["seconds"] >= recommend.MIN_RUN_SECONDS:
         return
-    passes = getattr(args, "passes", 1)
+    passes = shortest.get("passes") or (params or {}).get("passes", 1)
     enough = passes * recommend.passes_for(shortest["events"], shortest["seconds"])
+    how = {
+        "replay": f"; try --passes {enough} or more, to replay the log that many times over in each run",
+        "bench": f"; try --param passes={enough} or more, to replay the log that many times over in each run",
+    }.get(args.command, "")
     print(
         f"streampool {args.command}: runs as short as {shortest['seconds'] * 1e3:.2f} ms "
-        f"({shortest['resource']}) are too short to time: the figures would change from one "
-        f"invocation to the next; --passes {enough} replays the log that many times over in each run",
+        f"({shortest['resource']}) are too short to time: the figures may change from one "
+        f"invocation to the next{how}",
         file=sys.stderr,
     )
 
@@ -868,24 +881,32 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
             )
         raise _Fail(EXIT_CANNOT_RUN, unmeasurable)
     params: dict[str, Any] = {"log": t, "gap_scale": 0.0, "max_lead": args.max_lead}
-    passes, once = _passes(t, prof.preferred, params)
-    if passes > 1:
-        params["passes"] = passes
+    passes, once = recommend.calibrate(t, prof.candidates, params)
     runs, summary = bench.measure(
-        "replay", prof.candidates, [t.threads], t.streams, repeats, params, out.progress
+        "replay",
+        prof.candidates,
+        [t.threads],
+        t.streams,
+        repeats,
+        params,
+        out.progress,
+        by_spec={spec: {"passes": n} for spec, n in passes.items()},
     )
+    least, most = min(passes.values()), max(passes.values())
     replayed = (
-        f"the log's {t.events} events replayed {passes} times over in each run (one replay took "
-        f"{once * 1e3:.2f} ms, too short to time alone)"
-        if passes > 1
+        f"the log's {t.events} events replayed {least if least == most else f'{least} to {most}'} "
+        f"times over in each run{'' if least == most else ', as each candidate needs'} (one replay "
+        f"took {once * 1e3:.2f} ms, too short to time alone)"
+        if most > 1
         else f"{t.events} events replayed"
     )
     _results_table(
         out,
-        f"recommend: {replayed} on each candidate, {repeats} runs"
+        f"recommend: {replayed}, {repeats} runs of each candidate"
         + (" [simulated device]" if dev.simulated else ""),
         summary,
     )
+    _too_short(args, "replay", runs)
     try:
         choice = recommend.choose(prof, summary, device=profile.log_device(log), frameworks=routed)
     except recommend.NothingToRecommendError as e:
@@ -919,29 +940,6 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
     return EXIT_OK
 
 
-def _passes(t: trace.Trace, spec: str, params: dict[str, Any]) -> tuple[int, float]:
-    """How many times over each candidate's run replays ``t``
-    (:func:`~streampool.harness.recommend.passes_for`), and the seconds one replay took:
-    two replays on ``spec``, the faster timed (the first also warms the resource up). Once
-    when an allocation ran out of memory there: a replay that skips work is no measure of
-    one that does it, and repeating one that fails repeats the failures."""
-    runs, _ = bench.measure("replay", [spec], [t.threads], t.streams, 2, params)
-    once = min(r["seconds"] for r in runs)
-    if any(r["oom_events"] for r in runs):
-        return 1, once
-    # A replay's start (its threads, its streams) is a part of a short one's time: the
-    # passes that time suggests are timed too, and scaled again, twice at most.
-    passes, seconds = 1, once
-    for _ in range(3):
-        more = recommend.passes_for(passes * t.events, seconds)
-        if more == 1:
-            break
-        passes *= more
-        runs, _ = bench.measure("replay", [spec], [t.threads], t.streams, 1, params | {"passes": passes})
-        seconds = runs[0]["seconds"]
-    return passes, once
-
-
 def _recommend_document(
     dev: Device,
     log: str,
@@ -952,16 +950,16 @@ def _recommend_document(
     prof: recommend.Profile,
     choice: dict[str, Any] | None,
     error: str | None,
-    passes: int = 1,
+    passes: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """`recommend --json`'s document; ``choice`` None with ``error`` when nothing could be
     recommended (every candidate ran out of memory, or none could be measured here).
-    ``passes``: how many times over each run replayed the log."""
+    ``passes``: how many times over each candidate's runs replayed the log."""
     return document(
         "recommend",
         dev,
         workload="replay",
-        params={"log": log, "gap_scale": 0.0, "max_lead": max_lead, "passes": passes},
+        params={"log": log, "gap_scale": 0.0, "max_lead": max_lead, "passes": passes or {}},
         repeats=repeats,
         runs=_strip(runs),
         summary=summary,

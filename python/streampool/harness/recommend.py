@@ -33,6 +33,7 @@ __all__ = [
     "NothingToRecommendError",
     "Profile",
     "analyse",
+    "calibrate",
     "choose",
     "passes_for",
     "unmeasurable",
@@ -74,6 +75,8 @@ SIMPLER_FIRST = [
 MIN_RUN_SECONDS = 0.02
 #: The most events one run replays when it repeats a short log.
 MAX_RUN_EVENTS = 1_000_000
+#: A replay this long (seconds) on the first candidate needs no passes on any (:func:`calibrate`).
+LONG_ENOUGH = 1000 * MIN_RUN_SECONDS
 SMALL = 1 << 20  # "small" allocations: at most 1 MiB at the median
 MANY = 4  # "many" threads and streams
 
@@ -249,6 +252,46 @@ def passes_for(events: int, seconds: float) -> int:
         return 1
     wanted = math.ceil(MIN_RUN_SECONDS / max(seconds, 1e-6))
     return max(1, min(wanted, MAX_RUN_EVENTS // max(1, events)))
+
+
+def calibrate(trace: Trace, specs: Sequence[str], params: dict[str, Any]) -> tuple[dict[str, int], float]:
+    """How many times over each spec's runs replay ``trace`` (``params``: the replay
+    workload's own), and how long one replay took on the first spec. Each spec is timed
+    itself, since the fastest need the most: a replay at one pass; while shorter than
+    :data:`MIN_RUN_SECONDS`, the passes that time suggests (:func:`passes_for`), timed
+    again as the faster of two runs (a short replay's time is mostly its threads' start,
+    so one step falls short), three steps at most. One pass where the replay ran out of
+    memory (a failed replay is no measure, and repeating it repeats the failures); and, to
+    spare a long log's candidates a replay each, one pass for every spec when the first
+    spec's replay took :data:`LONG_ENOUGH` seconds or more (a candidate a thousand times
+    as fast would still run the least)."""
+
+    def timed(spec: str, passes: int, repeats: int) -> tuple[float, bool]:
+        runs, _ = bench.measure(
+            "replay", [spec], [trace.threads], trace.streams, repeats, params | {"passes": passes}
+        )
+        return min(r["seconds"] for r in runs), any(r["oom_events"] for r in runs)
+
+    chosen: dict[str, int] = {}
+    once = 0.0
+    for spec in specs:
+        seconds, failed = timed(spec, 1, 1)
+        if not chosen:
+            once = seconds
+            if seconds >= LONG_ENOUGH:
+                return dict.fromkeys(specs, 1), once
+        passes = 1
+        for _ in range(3):
+            more = 1 if failed else passes_for(passes * trace.events, seconds)
+            if more == 1:
+                break
+            passes *= more
+            seconds, failed = timed(spec, passes, 2)
+            if failed:
+                passes = 1
+                break
+        chosen[spec] = passes
+    return chosen, once
 
 
 def choose(

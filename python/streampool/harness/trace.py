@@ -113,17 +113,16 @@ class Trace:
     closing_frees: int = 0
     #: Malformed lines left out (``read_log(..., skip_malformed=True)``).
     malformed: int = 0
-    # What repeated() made, by passes, with the record count it was made from; and, for a
-    # trace repeated() made (its records are not changed after), its packed records: every
-    # run of a replay asks for them again, and at a million records they take a second.
-    _repeats: dict[int, tuple[int, Trace]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-    _packed: bytes | None = field(default=None, init=False, repr=False, compare=False)
+    # What repeated() made last: (passes, the records it was made from and their count,
+    # the trace); and, for a trace repeated() made, its packed records with their count:
+    # every run of a replay asks for them again, and at a million records they take a
+    # second. Both are made again when the records were replaced or resized.
+    _repeats: tuple[int, int, int, Trace] | None = field(default=None, init=False, repr=False, compare=False)
+    _packed: tuple[int, bytes] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled and copied without what repeated() and pack() keep (made again on use).
-        return self.__dict__ | {"_repeats": {}, "_packed": None}
+        return self.__dict__ | {"_repeats": None, "_packed": None}
 
     @property
     def threads(self) -> int:
@@ -138,8 +137,8 @@ class Trace:
     def pack(self) -> bytes:
         """The records packed for the native replayer; ValueError naming the first record
         with a field out of range (a time or size beyond 64 bits, a negative one)."""
-        if self._packed is not None:
-            return self._packed
+        if self._packed is not None and self._packed[0] == len(self.records):
+            return self._packed[1]
         try:
             return b"".join(RECORD.pack(*r) for r in self.records)
         except struct.error:
@@ -160,12 +159,17 @@ class Trace:
             raise ValueError(f"passes must be an int >= 1, not {passes!r}")
         if passes == 1 or not self.records:
             return self
-        made = self._repeats.get(passes)
-        if made is not None and made[0] == len(self.records):
-            return made[1]
+        made = self._repeats
+        if made is not None and made[:3] == (passes, id(self.records), len(self.records)):
+            return made[3]
         start = min(r[0] for r in self.records)
         span = max(r[0] for r in self.records) - start + 1
         ids = max(r[2] for r in self.records) + 1
+        if start + passes * span > 2**64 or passes * ids > 2**64:
+            raise ValueError(
+                f"passes={passes}: the trace's times or allocation ids, repeated that many times, "
+                "would not fit in 64 bits"
+            )
         records = [
             (t + p * span, size, alloc_id + p * ids, thread, stream, op)
             for p in range(passes)
@@ -180,8 +184,8 @@ class Trace:
             self.closing_frees * passes,
             self.malformed,
         )
-        repeated._packed = repeated.pack()
-        self._repeats = {passes: (len(self.records), repeated)}  # the latest only: a million records each
+        repeated._packed = (len(records), repeated.pack())
+        self._repeats = (passes, id(self.records), len(self.records), repeated)  # a million records: one
         return repeated
 
 

@@ -293,9 +293,19 @@ def replay(
     run (:meth:`~streampool.harness.trace.Trace.repeated`: a log too short to time alone).
     ``threads`` and ``streams`` are ignored (the log's own are replayed)."""
     t = _trace.read_log(log) if isinstance(log, str) else log
-    # The peak is one pass's: each pass frees what it allocates.
-    peak = _trace.recorded_peak(t.records) if passes > 1 else None
-    return _replay_result(candidate, t.repeated(passes), gap_scale, peak, max_lead=max_lead)
+    if passes * t.events > MAX_REPLAY_EVENTS:
+        raise ValueError(
+            f"workload 'replay': passes={passes} times the log's {t.events} events is more than "
+            f"{MAX_REPLAY_EVENTS:,} events a run (each takes host memory while it is replayed)"
+        )
+    repeated = t.repeated(passes)
+    peak = None
+    if passes > 1:
+        # One pass's peak where every pass frees what it allocates (a log does: its closing
+        # frees); else what stays live piles up pass after pass.
+        frees = sum(r[5] for r in t.records)
+        peak = _trace.recorded_peak(t.records if 2 * frees == t.events else repeated.records)
+    return _replay_result(candidate, repeated, gap_scale, peak, max_lead=max_lead)
 
 
 # --- kernel workloads -------------------------------------------------------------------
@@ -725,6 +735,9 @@ _LEAST: dict[str, int] = {
     "threads": 1,
 }
 
+
+#: The most events one run of the replay workload replays (its passes times the log's).
+MAX_REPLAY_EVENTS = 4_000_000
 
 #: The most threads a workload runs (the native replayer's bound: one thread each).
 MAX_THREADS = 1024

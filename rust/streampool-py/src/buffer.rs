@@ -1280,13 +1280,17 @@ fn dlpack_version(v: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
     };
     let mut out = [0u64; 2];
     for (slot, part) in out.iter_mut().zip(&parts) {
-        if part.is_instance_of::<pyo3::types::PyBool>()
-            || !part.is_instance_of::<pyo3::types::PyInt>()
-            || part.lt(0)?
-        {
+        // An int, or what stands for one (`__index__`: numpy's integers), not a bool.
+        if part.is_instance_of::<pyo3::types::PyBool>() {
             return Err(bad());
         }
-        *slot = part.extract::<u64>().unwrap_or(u64::MAX);
+        let Ok(n) = part.call_method0("__index__") else {
+            return Err(bad());
+        };
+        if n.lt(0)? {
+            return Err(bad());
+        }
+        *slot = n.extract::<u64>().unwrap_or(u64::MAX);
     }
     Ok((out[0], out[1]))
 }

@@ -10,7 +10,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum Error {
     /// A request that the resource could not meet.
-    #[error("out of memory: {resource} could not allocate {requested} bytes{}", fmt_available(*.available, *.requested))]
+    #[error("out of memory: {resource} could not allocate {requested} bytes{}", fmt_available(*.available))]
     OutOfMemory {
         /// Bytes asked for.
         requested: usize,
@@ -71,17 +71,8 @@ pub enum Error {
     CallbackOutOfMemory(String),
 }
 
-fn fmt_available(available: Option<usize>, requested: usize) -> String {
+fn fmt_available(available: Option<usize>) -> String {
     match plausible_available(available) {
-        // As much free as asked, yet refused: the free memory is in pieces, or the memory
-        // is taken in larger units than the request (the driver's pool reserves 2 MiB or
-        // more at a time).
-        Some(a) if a >= requested => {
-            format!(
-                " ({a} bytes available, yet not usable for it: free memory in pieces too small, or \
-                 reserved in larger units than asked, as the driver's pool reserves 2 MiB or more at a time)"
-            )
-        }
         Some(a) => format!(" ({a} bytes available)"),
         None => String::new(),
     }

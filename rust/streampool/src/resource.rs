@@ -519,5 +519,16 @@ pub(crate) fn out_of_memory(e: Error, requested: usize, mr: &dyn MemoryResource)
         }
         MemoryKind::PinnedHost => None,
     };
-    Error::OutOfMemory { requested, available, resource: mr.name().to_string() }
+    // As much free as asked, yet refused: the driver takes device memory in units of 2 MiB
+    // or more (its pools, cuMemAlloc's pages), or the free memory is in pieces.
+    let resource = if crate::error::plausible_available(available).is_some_and(|a| a >= requested) {
+        format!(
+            "{} (the device's free memory is not in a piece of that size that the driver can give: it \
+             takes device memory in units of 2 MiB or more)",
+            mr.name()
+        )
+    } else {
+        mr.name().to_string()
+    };
+    Error::OutOfMemory { requested, available, resource }
 }
