@@ -112,6 +112,9 @@ def test_profile_then_recommend_on_the_gpu(tmp_path: Path) -> None:
     doc = valid(rec.stdout)
     assert doc["profile"]["threads"] == 4 and doc["profile"]["streams"] == 4
     assert doc["recommendation"]["choice"] != "cuda"
+    # Each candidate, peers too, replays the log as many times over as its runs need.
+    assert set(doc["params"]["passes"]) == set(doc["profile"]["candidates"])
+    assert all(r["passes"] == doc["params"]["passes"][r["resource"]] for r in doc["runs"])
     plot = run("plot", str(log), "-o", str(tmp_path / "app.png"))
     assert plot.returncode == 0 or "streampool[harness]" in plot.stderr
 
