@@ -312,7 +312,7 @@ def test_replay_of_a_malformed_log_names_the_lines(tmp_path: Path, log: Path) ->
 def test_replay_passes_and_the_note_on_runs_too_short_to_time(log: Path) -> None:
     # The log's 180 events replay in well under a millisecond: a line says how many passes
     # would make a run long enough to time.
-    out = run("replay", str(log), "--quick", "--resources", "pool(async)")
+    out = run("replay", str(log), "--repeats", "1", "--resources", "pool(async)")
     assert out.returncode == 0, out.stderr
     assert "are too short to time" in out.stderr and "--passes " in out.stderr, out.stderr
     out = run("replay", str(log), "--quick", "--resources", "pool(async)", "--passes", "3", "--json")
@@ -326,10 +326,27 @@ def test_replay_passes_and_the_note_on_runs_too_short_to_time(log: Path) -> None
     assert refused.returncode == 2 and "events a run" in refused.stderr, refused.stderr
     # bench's replay takes its passes as a parameter, and the note names it so.
     out = run(
-        "bench", "replay", "--log", str(log), "--quick", "--resources", "pool(async)", "--param", "passes=2"
+        "bench",
+        "replay",
+        "--log",
+        str(log),
+        "--repeats",
+        "1",
+        "--resources",
+        "pool(async)",
+        "--param",
+        "passes=2",
     )
     assert out.returncode == 0, out.stderr
     assert "--param passes=" in out.stderr and "--passes" not in out.stderr, out.stderr
+
+
+def test_bench_of_a_generated_trace_too_short_to_time_says_how_many_allocations() -> None:
+    out = run("bench", "window", "--resources", "pool(async)", "--repeats", "1", "--param", "allocations=200")
+    assert out.returncode == 0, out.stderr
+    assert "are too short to time" in out.stderr and "--param allocations=" in out.stderr, out.stderr
+    quick = run("bench", "window", "--resources", "pool(async)", "--quick")  # a smoke test: no note
+    assert quick.returncode == 0 and "too short" not in quick.stderr, quick.stderr
 
 
 def test_recommend_a_log(log: Path) -> None:

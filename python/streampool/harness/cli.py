@@ -683,24 +683,30 @@ def _cmd_replay(args: argparse.Namespace, dev: Device) -> int:
 def _too_short(
     args: argparse.Namespace, workload: str, runs: list[dict[str, Any]], params: dict[str, Any] | None = None
 ) -> None:
-    """A line on stderr when a replay's shortest run was too short to time (the figures
-    then change from one invocation to the next), with the passes that would at least be
-    needed (a short run's time is mostly its threads' start: more may be)."""
-    if workload != "replay" or not runs:
+    """A line on stderr when a trace replay's shortest run (``replay``, ``random``,
+    ``window``) was too short to time (the figures then change from one invocation to the
+    next), with what would at least make it long enough: more passes of a log, more
+    allocations of a generated trace (a short run's time is mostly its threads' start:
+    more may be needed). Not for ``--quick``, a smoke test."""
+    if workload not in ("replay", "random", "window") or not runs or getattr(args, "quick", False):
         return
     shortest = min(runs, key=lambda r: r["seconds"])
     if shortest["seconds"] >= recommend.MIN_RUN_SECONDS:
         return
-    passes = shortest.get("passes") or (params or {}).get("passes", 1)
-    enough = passes * recommend.passes_for(shortest["events"], shortest["seconds"])
-    how = {
-        "replay": f"; try --passes {enough} or more, to replay the log that many times over in each run",
-        "bench": f"; try --param passes={enough} or more, to replay the log that many times over in each run",
-    }.get(args.command, "")
+    scale = recommend.passes_for(shortest["events"], shortest["seconds"])
+    given = params or {}
+    if workload == "replay":
+        enough = (shortest.get("passes") or given.get("passes", 1)) * scale
+        option = {"replay": f"--passes {enough}", "bench": f"--param passes={enough}"}.get(args.command)
+    else:
+        declared = workloads.WORKLOADS[workload].declared()["allocations"].default
+        enough = int(given.get("allocations", declared)) * scale
+        option = f"--param allocations={enough}"
+    how = f"; try {option} or more" if option else ""
     print(
         f"streampool {args.command}: runs as short as {shortest['seconds'] * 1e3:.2f} ms "
-        f"({shortest['resource']}) are too short to time: the figures may change from one "
-        f"invocation to the next{how}",
+        f"({shortest['resource']}, {shortest['threads']} thread(s)) are too short to time: the figures "
+        f"may change from one invocation to the next{how}",
         file=sys.stderr,
     )
 
