@@ -156,11 +156,15 @@ def test_dlpack_max_version_of_the_wrong_form_is_a_value_error_naming_it(bad: ob
         buf.__dlpack__(max_version=bad)  # type: ignore[arg-type]
 
     class Index:  # stands for an int, as numpy's integers do
-        def __init__(self, n: int) -> None:
+        def __init__(self, n: object) -> None:
             self.n = n
 
         def __index__(self) -> int:
-            return self.n
+            return self.n  # type: ignore[return-value]
+
+    for wrong in [Index("1"), Index(1.5)]:  # an __index__ that gives no int
+        with pytest.raises(ValueError, match="max_version must be a"):
+            buf.__dlpack__(max_version=(wrong, 0))  # type: ignore[arg-type]
 
     # Any version above the ones known is as good as the highest: a versioned capsule.
     for version in [(2**70, 0), (1, 2**70), (Index(1), Index(0))]:

@@ -97,7 +97,12 @@ def refused(
     if peak <= available_device_memory()[0]:
         return {}
     log = params.get("log")
-    subject = log if isinstance(log, Trace) else peak  # a log's refusal names the log
+    # A log's refusal names the log (its peak is one pass's, as a log frees what it allocates).
+    subject = (
+        log
+        if isinstance(log, Trace) and peak == workloads.peak_live(workload, params | {"passes": 1})
+        else peak
+    )
     found = {}
     for s in specs:
         found[s] = workloads.oversubscribes(make_resource(s), subject)
@@ -125,6 +130,9 @@ def measure(
     such run carries them."""
     params = params or {}
     by_spec = by_spec or {}
+    unknown = [s for s in by_spec if s not in specs]
+    if unknown:
+        raise ValueError(f"by_spec names specs that are not measured: {', '.join(map(repr, unknown))}")
     for own in by_spec.values():
         workloads.check(workload, params | own)
     if isinstance(specs, (str, bytes)) or not specs:
@@ -142,7 +150,9 @@ def measure(
         workloads.check_param(workload, "threads", t, "int")
     workloads.check(workload, params)
     check_distinct(specs)
-    why = refused(workload, specs, threads, params)
+    why = {
+        k: v for s in specs for k, v in refused(workload, [s], threads, params | by_spec.get(s, {})).items()
+    }
     if why:
         raise workloads.WorkloadError("; ".join(why.values()))
     plan = [

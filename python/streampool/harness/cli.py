@@ -688,9 +688,11 @@ def _too_short(
     next), with what would at least make it long enough: more passes of a log, more
     allocations of a generated trace (a short run's time is mostly its threads' start:
     more may be needed). Not for ``--quick``, a smoke test."""
-    if workload not in ("replay", "random", "window") or not runs or getattr(args, "quick", False):
+    # Runs that ran out of memory did less than their work: no measure of its length.
+    timed = [r for r in runs if r["events"] and not r["oom_events"]]
+    if workload not in ("replay", "random", "window") or not timed or getattr(args, "quick", False):
         return
-    shortest = min(runs, key=lambda r: r["seconds"])
+    shortest = min(timed, key=lambda r: r["seconds"])
     if shortest["seconds"] >= recommend.MIN_RUN_SECONDS:
         return
     scale = recommend.passes_for(shortest["events"], shortest["seconds"])
@@ -702,7 +704,7 @@ def _too_short(
         declared = workloads.WORKLOADS[workload].declared()["allocations"].default
         enough = int(given.get("allocations", declared)) * scale
         option = f"--param allocations={enough}"
-    how = f"; try {option} or more" if option else ""
+    how = f"; try {option} or more" if option and scale > 1 else ""
     print(
         f"streampool {args.command}: runs as short as {shortest['seconds'] * 1e3:.2f} ms "
         f"({shortest['resource']}, {shortest['threads']} thread(s)) are too short to time: the figures "
@@ -902,7 +904,7 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
     replayed = (
         f"the log's {t.events} events replayed {least if least == most else f'{least} to {most}'} "
         f"times over in each run{'' if least == most else ', as each candidate needs'} (one replay "
-        f"took {once * 1e3:.2f} ms, too short to time alone)"
+        f"took {once * 1e3:.2f} ms on the fastest, too short to time alone)"
         if most > 1
         else f"{t.events} events replayed"
     )

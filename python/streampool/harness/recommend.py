@@ -244,54 +244,60 @@ def _held(row: dict[str, Any]) -> str:
     return f"held {human_bytes(reserved)} for {human_bytes(live)} live"
 
 
-def passes_for(events: int, seconds: float) -> int:
+def passes_for(events: int, seconds: float, target: float = MIN_RUN_SECONDS) -> int:
     """How many times over each run replays a log of ``events`` events that one replay
-    took ``seconds`` to run: enough for a run to last :data:`MIN_RUN_SECONDS`, at most
-    :data:`MAX_RUN_EVENTS` events a run (at least 1)."""
-    if not seconds < MIN_RUN_SECONDS:
+    took ``seconds`` to run: enough for a run to last ``target`` seconds (at the rate of
+    that replay), at most :data:`MAX_RUN_EVENTS` events a run (at least 1)."""
+    if not seconds < target:
         return 1
-    wanted = math.ceil(MIN_RUN_SECONDS / max(seconds, 1e-6))
+    wanted = math.ceil(target / max(seconds, 1e-6))
     return max(1, min(wanted, MAX_RUN_EVENTS // max(1, events)))
 
 
 def calibrate(trace: Trace, specs: Sequence[str], params: dict[str, Any]) -> tuple[dict[str, int], float]:
     """How many times over each spec's runs replay ``trace`` (``params``: the replay
-    workload's own), and how long one replay took on the first spec. Each spec is timed
-    itself, since the fastest need the most: a replay at one pass; while shorter than
-    :data:`MIN_RUN_SECONDS`, the passes that time suggests (:func:`passes_for`), timed
-    again as the faster of two runs (a short replay's time is mostly its threads' start,
-    so one step falls short), three steps at most. One pass where the replay ran out of
-    memory (a failed replay is no measure, and repeating it repeats the failures); and, to
-    spare a long log's candidates a replay each, one pass for every spec when the first
-    spec's replay took :data:`LONG_ENOUGH` seconds or more (a candidate a thousand times
-    as fast would still run the least)."""
+    workload's own), and how long one replay took on the fastest spec. Each spec is timed
+    itself, since the fastest need the most, each step the faster of two runs (one run
+    alone may be a cold one; a replay of :data:`LONG_ENOUGH` / 50 seconds or more takes one
+    run): one pass; while shorter than :data:`MIN_RUN_SECONDS`, the passes that time
+    suggests for twice that (:func:`passes_for`: a short replay's time is mostly its
+    threads' start, so a step falls short, and runs aimed at the least would land on both
+    sides of it), three steps at most. One pass where the replay ran out of memory (a
+    failed replay is no measure, and repeating it repeats the failures); and, to spare a
+    long log's candidates a replay each, one pass for every spec when the first spec's
+    replay took :data:`LONG_ENOUGH` seconds or more (a candidate a thousand times as fast
+    would still run the least)."""
 
-    def timed(spec: str, passes: int, repeats: int) -> tuple[float, bool]:
-        runs, _ = bench.measure(
-            "replay", [spec], [trace.threads], trace.streams, repeats, params | {"passes": passes}
-        )
+    def timed(spec: str, passes: int) -> tuple[float, bool]:
+        runs: list[dict[str, Any]] = []
+        for _ in range(2):
+            more, _summary = bench.measure(
+                "replay", [spec], [trace.threads], trace.streams, 1, params | {"passes": passes}
+            )
+            runs += more
+            if more[0]["seconds"] >= LONG_ENOUGH / 50:
+                break
         return min(r["seconds"] for r in runs), any(r["oom_events"] for r in runs)
 
     chosen: dict[str, int] = {}
-    once = 0.0
+    fastest = math.inf
     for spec in specs:
-        seconds, failed = timed(spec, 1, 1)
-        if not chosen:
-            once = seconds
-            if seconds >= LONG_ENOUGH:
-                return dict.fromkeys(specs, 1), once
+        seconds, failed = timed(spec, 1)
+        if not chosen and seconds >= LONG_ENOUGH:
+            return dict.fromkeys(specs, 1), seconds
+        fastest = min(fastest, seconds)
         passes = 1
         for _ in range(3):
-            more = 1 if failed else passes_for(passes * trace.events, seconds)
-            if more == 1:
+            more = 1 if failed else passes_for(passes * trace.events, seconds, 2 * MIN_RUN_SECONDS)
+            if more == 1 or seconds >= MIN_RUN_SECONDS:
                 break
             passes *= more
-            seconds, failed = timed(spec, passes, 2)
+            seconds, failed = timed(spec, passes)
             if failed:
                 passes = 1
                 break
         chosen[spec] = passes
-    return chosen, once
+    return chosen, fastest
 
 
 def choose(

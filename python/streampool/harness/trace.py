@@ -21,9 +21,9 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from .. import _native
 from .._native import LOG_HEADER, MAX_LOG_TIME_S, Stream
@@ -113,12 +113,13 @@ class Trace:
     closing_frees: int = 0
     #: Malformed lines left out (``read_log(..., skip_malformed=True)``).
     malformed: int = 0
-    # What repeated() made last: (passes, the records it was made from and their count,
-    # the trace); and, for a trace repeated() made, its packed records with their count:
-    # every run of a replay asks for them again, and at a million records they take a
-    # second. Both are made again when the records were replaced or resized.
-    _repeats: tuple[int, int, int, Trace] | None = field(default=None, init=False, repr=False, compare=False)
-    _packed: tuple[int, bytes] | None = field(default=None, init=False, repr=False, compare=False)
+    # What repeated() made, by passes (the latest last), for the records object it was made
+    # from; and the packed records, for the records object they were packed from: every run
+    # of a replay asks for them again, and at a million records they take half a second.
+    _repeats: tuple[object, dict[int, Trace]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    _packed: tuple[object, bytes] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled and copied without what repeated() and pack() keep (made again on use).
@@ -137,7 +138,7 @@ class Trace:
     def pack(self) -> bytes:
         """The records packed for the native replayer; ValueError naming the first record
         with a field out of range (a time or size beyond 64 bits, a negative one)."""
-        if self._packed is not None and self._packed[0] == len(self.records):
+        if self._packed is not None and self._packed[0] is self.records:
             return self._packed[1]
         try:
             return b"".join(RECORD.pack(*r) for r in self.records)
@@ -159,9 +160,14 @@ class Trace:
             raise ValueError(f"passes must be an int >= 1, not {passes!r}")
         if passes == 1 or not self.records:
             return self
-        made = self._repeats
-        if made is not None and made[:3] == (passes, id(self.records), len(self.records)):
-            return made[3]
+        # Kept while the records are the same object (holding it, so that its id is not
+        # another's), the latest last, at most MAX_CACHED_EVENTS in all.
+        if self._repeats is None or self._repeats[0] is not self.records:
+            self._repeats = (self.records, {})
+        made = self._repeats[1]
+        if passes in made:
+            made[passes] = made.pop(passes)
+            return made[passes]
         start = min(r[0] for r in self.records)
         span = max(r[0] for r in self.records) - start + 1
         ids = max(r[2] for r in self.records) + 1
@@ -170,13 +176,9 @@ class Trace:
                 f"passes={passes}: the trace's times or allocation ids, repeated that many times, "
                 "would not fit in 64 bits"
             )
-        records = [
-            (t + p * span, size, alloc_id + p * ids, thread, stream, op)
-            for p in range(passes)
-            for t, size, alloc_id, thread, stream, op in self.records
-        ]
+        records = _Passes(self.records, passes, span, ids)
         repeated = Trace(
-            records,
+            records,  # type: ignore[arg-type]  # a sequence made as it is read, not a list
             list(self.thread_ids),
             list(self.stream_handles),
             self.recorded_failures * passes,
@@ -184,9 +186,54 @@ class Trace:
             self.closing_frees * passes,
             self.malformed,
         )
-        repeated._packed = (len(records), repeated.pack())
-        self._repeats = (passes, id(self.records), len(self.records), repeated)  # a million records: one
+        repeated._packed = (records, repeated.pack())
+        made[passes] = repeated
+        while sum(t.events for t in made.values()) > MAX_CACHED_EVENTS and len(made) > 1:
+            del made[next(iter(made))]
         return repeated
+
+
+#: The most events the repeats of one trace kept for later runs hold in all (packed, 40
+#: bytes each; the records of a repeat are made as they are read).
+MAX_CACHED_EVENTS = 8_000_000
+
+
+class _Passes(Sequence[tuple[int, int, int, int, int, int]]):
+    """A trace's records ``passes`` times over (:meth:`Trace.repeated`), each pass's times
+    ``span`` and its allocation ids ``ids`` after the last's, made as they are read: a
+    million records held as tuples take about 150 MB."""
+
+    def __init__(
+        self, base: Sequence[tuple[int, int, int, int, int, int]], passes: int, span: int, ids: int
+    ) -> None:
+        self._base, self._passes, self._span, self._ids = list(base), passes, span, ids
+
+    def __len__(self) -> int:
+        return len(self._base) * self._passes
+
+    def _at(self, i: int) -> tuple[int, int, int, int, int, int]:
+        p, k = divmod(i, len(self._base))
+        t, size, alloc_id, thread, stream, op = self._base[k]
+        return (t + p * self._span, size, alloc_id + p * self._ids, thread, stream, op)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[int, int, int, int, int, int]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[int, int, int, int, int, int]]: ...
+    def __getitem__(
+        self, i: int | slice
+    ) -> tuple[int, int, int, int, int, int] | list[tuple[int, int, int, int, int, int]]:
+        if isinstance(i, slice):
+            return [self._at(k) for k in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError("record index out of range")
+        return self._at(i % len(self))
+
+    def __iter__(self) -> Iterator[tuple[int, int, int, int, int, int]]:
+        for p in range(self._passes):
+            dt, di = p * self._span, p * self._ids
+            for t, size, alloc_id, thread, stream, op in self._base:
+                yield (t + dt, size, alloc_id + di, thread, stream, op)
 
 
 def _packs(record: tuple[int, ...]) -> bool:

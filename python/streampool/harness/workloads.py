@@ -203,7 +203,15 @@ def peak_live(name: str, params: dict[str, Any]) -> int:
     if name == "larger-than-memory":
         return parse_size(p["total"]) or available_device_memory()[0] // 2
     log = p["log"]
-    return _trace.recorded_peak((log if isinstance(log, _trace.Trace) else _trace.read_log(log)).records)
+    return _replay_peak(log if isinstance(log, _trace.Trace) else _trace.read_log(log), p["passes"])
+
+
+def _replay_peak(t: _trace.Trace, passes: int) -> int:
+    """The most bytes live at once in ``passes`` passes of ``t``, in recorded order: one
+    pass's where every pass frees what it allocates (a log does: its closing frees), else
+    all of them (what stays live piles up pass after pass)."""
+    balanced = 2 * sum(r[5] for r in t.records) == t.events
+    return _trace.recorded_peak(t.records if balanced or passes == 1 else t.repeated(passes).records)
 
 
 @functools.lru_cache(maxsize=16)
@@ -231,11 +239,11 @@ def _replay_result(
     candidate: Candidate,
     t: _trace.Trace,
     gap_scale: float,
-    peak: int | None = None,
+    peak: int | _trace.Trace | None = None,
     max_lead: float | None = _trace.MAX_LEAD,
 ) -> dict[str, Any]:
-    """``t`` replayed on ``candidate``, refused first where its peak (``peak``, else the
-    log's recorded one) would oversubscribe the GPU (:func:`oversubscribes`)."""
+    """``t`` replayed on ``candidate``, refused first where its peak (``peak``: bytes, or a
+    trace's recorded peak; else ``t``'s) would oversubscribe the GPU (:func:`oversubscribes`)."""
     _refuse_oversubscription(candidate, t if peak is None else peak)
     out = _trace.replay(
         candidate.resource, t, gap_scale=gap_scale, max_lead=max_lead, reserved=candidate.reserved
@@ -298,14 +306,10 @@ def replay(
             f"workload 'replay': passes={passes} times the log's {t.events} events is more than "
             f"{MAX_REPLAY_EVENTS:,} events a run (each takes host memory while it is replayed)"
         )
-    repeated = t.repeated(passes)
-    peak = None
-    if passes > 1:
-        # One pass's peak where every pass frees what it allocates (a log does: its closing
-        # frees); else what stays live piles up pass after pass.
-        frees = sum(r[5] for r in t.records)
-        peak = _trace.recorded_peak(t.records if 2 * frees == t.events else repeated.records)
-    return _replay_result(candidate, repeated, gap_scale, peak, max_lead=max_lead)
+    # The log's own peak where every pass frees what it allocates (a refusal names the log).
+    balanced = 2 * sum(r[5] for r in t.records) == t.events
+    peak = t if balanced else _replay_peak(t, passes)
+    return _replay_result(candidate, t.repeated(passes), gap_scale, peak, max_lead=max_lead)
 
 
 # --- kernel workloads -------------------------------------------------------------------

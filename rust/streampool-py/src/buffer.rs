@@ -1280,12 +1280,13 @@ fn dlpack_version(v: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
     };
     let mut out = [0u64; 2];
     for (slot, part) in out.iter_mut().zip(&parts) {
-        // An int, or what stands for one (`__index__`: numpy's integers), not a bool.
-        if part.is_instance_of::<pyo3::types::PyBool>() {
-            return Err(bad());
-        }
-        let Ok(n) = part.call_method0("__index__") else {
-            return Err(bad());
+        // An int, or what stands for one (`__index__`: numpy's integers), not a bool; what
+        // `__index__` raises is the form's fault, but Ctrl-C (not an Exception) goes on.
+        let n = match crate::as_index(part) {
+            Ok(Some(n)) => n,
+            Ok(None) => return Err(bad()),
+            Err(e) if e.is_instance_of::<pyo3::exceptions::PyException>(v.py()) => return Err(bad()),
+            Err(e) => return Err(e),
         };
         if n.lt(0)? {
             return Err(bad());
