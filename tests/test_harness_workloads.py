@@ -568,6 +568,17 @@ def test_replay_passes_are_bounded_and_an_unbalanced_log_s_peak_is_all_passes(
     assert peaks == [3000 + 300]  # what stays live, three times over, and one pass's own
 
 
+def test_measure_refuses_parameters_for_a_spec_it_does_not_measure() -> None:
+    t = workloads.window_trace(20, 4, seed=4)
+    params = {"log": t, "gap_scale": 0.0}
+    with pytest.raises(ValueError, match="by_spec names specs that are not measured: 'cuda'"):
+        bench.measure("replay", ["async"], [1], 0, 1, params, by_spec={"cuda": {"passes": 2}})
+    with pytest.raises(ValueError, match="passes"):
+        bench.measure("replay", ["async"], [1], 0, 1, params, by_spec={"async": {"passes": 0}})
+    runs, _ = bench.measure("replay", ["async"], [1], 0, 1, params, by_spec={"async": {"passes": 2}})
+    assert runs[0]["passes"] == 2 and runs[0]["events"] == 2 * t.events
+
+
 def test_calibration_gives_a_faster_candidate_more_passes() -> None:
     t = workloads.window_trace(60, 4, threads=2, seed=5)
     params = {"log": t, "gap_scale": 0.0}

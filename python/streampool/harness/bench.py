@@ -97,12 +97,7 @@ def refused(
     if peak <= available_device_memory()[0]:
         return {}
     log = params.get("log")
-    # A log's refusal names the log (its peak is one pass's, as a log frees what it allocates).
-    subject = (
-        log
-        if isinstance(log, Trace) and peak == workloads.peak_live(workload, params | {"passes": 1})
-        else peak
-    )
+    subject = workloads.replay_subject(log, params.get("passes", 1)) if isinstance(log, Trace) else peak
     found = {}
     for s in specs:
         found[s] = workloads.oversubscribes(make_resource(s), subject)

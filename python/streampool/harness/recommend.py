@@ -362,9 +362,9 @@ def choose(
         why.append(f"measured: {pick['resource']} was the fastest of {len(ranked)} candidate(s)")
     if pick["resource"] != profile.preferred and profile.preferred in rows and pick is fastest:
         why.append(f"the rules expected {profile.preferred}; the measurement overrules them")
-    held = [f"{r['resource']} {_held(r)}" for r in (pick, runner) if r is not None and _held(r)]
+    held = {r["resource"]: _held(r) for r in (pick, runner) if r is not None and _held(r)}
     if held:
-        why.append(f"memory, at the replays' peak: {'; '.join(held)}")
+        why.append(f"memory, at the replays' peak: {'; '.join(f'{k} {v}' for k, v in held.items())}")
     if runner is None or margin is None:
         headline = f"{pick['resource']} (the only candidate that fits)"
     elif pick is not fastest:
@@ -379,8 +379,8 @@ def choose(
         )
     else:
         headline = f"{pick['resource']} ({100 * margin:+.1f}% over {runner['resource']}, median of {pick['repeats']} runs)"
-    if _held(pick):  # speed is never reported without memory
-        headline = f"{headline}; it {_held(pick)}"
+    if pick["resource"] in held:  # speed is never reported without memory
+        headline = f"{headline}; it {held[pick['resource']]}"
     return {
         "headline": headline,
         "choice": pick["resource"],

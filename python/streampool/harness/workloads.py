@@ -203,15 +203,18 @@ def peak_live(name: str, params: dict[str, Any]) -> int:
     if name == "larger-than-memory":
         return parse_size(p["total"]) or available_device_memory()[0] // 2
     log = p["log"]
-    return _replay_peak(log if isinstance(log, _trace.Trace) else _trace.read_log(log), p["passes"])
+    subject = replay_subject(log if isinstance(log, _trace.Trace) else _trace.read_log(log), p["passes"])
+    return subject if isinstance(subject, int) else _trace.recorded_peak(subject.records)
 
 
-def _replay_peak(t: _trace.Trace, passes: int) -> int:
-    """The most bytes live at once in ``passes`` passes of ``t``, in recorded order: one
-    pass's where every pass frees what it allocates (a log does: its closing frees), else
-    all of them (what stays live piles up pass after pass)."""
-    balanced = 2 * sum(r[5] for r in t.records) == t.events
-    return _trace.recorded_peak(t.records if balanced or passes == 1 else t.repeated(passes).records)
+def replay_subject(t: _trace.Trace, passes: int) -> _trace.Trace | int:
+    """What a replay of ``passes`` passes of ``t`` is judged on for oversubscription
+    (:func:`oversubscribes`): ``t`` itself, whose recorded peak is one pass's, where every
+    pass frees what it allocates (a log does: its closing frees; a refusal then names the
+    log); else the peak of all the passes in bytes (what stays live piles up)."""
+    if passes == 1 or 2 * sum(r[5] for r in t.records) == t.events:
+        return t
+    return _trace.recorded_peak(t.repeated(passes).records)
 
 
 @functools.lru_cache(maxsize=16)
@@ -306,10 +309,9 @@ def replay(
             f"workload 'replay': passes={passes} times the log's {t.events} events is more than "
             f"{MAX_REPLAY_EVENTS:,} events a run (each takes host memory while it is replayed)"
         )
-    # The log's own peak where every pass frees what it allocates (a refusal names the log).
-    balanced = 2 * sum(r[5] for r in t.records) == t.events
-    peak = t if balanced else _replay_peak(t, passes)
-    return _replay_result(candidate, t.repeated(passes), gap_scale, peak, max_lead=max_lead)
+    return _replay_result(
+        candidate, t.repeated(passes), gap_scale, replay_subject(t, passes), max_lead=max_lead
+    )
 
 
 # --- kernel workloads -------------------------------------------------------------------
