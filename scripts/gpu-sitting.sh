@@ -13,13 +13,17 @@
 #                                       latency, random and window parts (REPEATS=2)
 #   bash scripts/gpu-sitting.sh frameworks   benchmarks/bench_frameworks.py: PyTorch, CuPy
 #                                       and the C entry points beside their own allocators
+#   bash scripts/gpu-sitting.sh short-log   tests/test_harness_gpu.py, the full-device
+#                                       out-of-memory test with its messages printed, then
+#                                       `recommend` on benchmarks/guide/short-log/short.log,
+#                                       4 times with --quick and 4 without, alternated
 #   bash scripts/gpu-sitting.sh guide-part NAME   one part of benchmarks/guide.sh alone
 #                                       (REPEATS=2), for a call of its own: the window part
 #                                       with every peer takes most of one. Stopped at 540 s,
 #                                       its JSON keeps the runs that had finished
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: gpu-sitting.sh suite|guide|frameworks|guide-part NAME}
+PART=${1:?usage: gpu-sitting.sh suite|guide|frameworks|short-log|guide-part NAME}
 OUT=${OUT:-/tmp/streampool-sitting}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 STREAMPOOL_GPU_TESTS=1
@@ -87,6 +91,19 @@ frameworks)
     --json "$OUT/frameworks-bench.json" >"$OUT/frameworks-bench.txt" 2>&1
   echo "frameworks bench rc=$?"; grep -v '^{' "$OUT/frameworks-bench.txt" | tail -n 45
   ;;
+short-log)
+  timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_harness_gpu.py \
+    >"$OUT/harness-gpu.txt" 2>&1
+  echo "harness gpu rc=$?"; tail -n 5 "$OUT/harness-gpu.txt"
+  timeout -k 5 60 python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+    "tests/test_gpu.py::test_a_full_device_says_what_limited_the_request" >"$OUT/full-device.txt" 2>&1
+  echo "full device rc=$?"; grep -E "Error|passed|failed" "$OUT/full-device.txt" | tail -n 6
+  for round in 1 2 3 4; do for quick in --quick ""; do
+    echo "===== round $round: streampool recommend short.log $quick"
+    timeout -k 5 60 python3 -m streampool recommend benchmarks/guide/short-log/short.log $quick
+  done; done >"$OUT/short-log-runs.txt" 2>&1
+  grep -E "^=====|^Recommended|^recommend:" "$OUT/short-log-runs.txt"
+  ;;
 guide-part)
   name=${2:?usage: gpu-sitting.sh guide-part NAME (a part of benchmarks/guide.sh)}
   mkdir -p "$OUT/guide"
@@ -94,5 +111,5 @@ guide-part)
     >"$OUT/guide-$name-log.txt" 2>&1
   echo "guide $name rc=$? at ${SECONDS}s"; tail -n 25 "$OUT/guide-$name-log.txt"
   ;;
-*) echo "gpu-sitting: unknown part '$PART' (suite, guide, frameworks or guide-part NAME)" >&2; exit 2 ;;
+*) echo "gpu-sitting: unknown part '$PART' (suite, guide, frameworks, short-log or guide-part NAME)" >&2; exit 2 ;;
 esac

@@ -158,6 +158,43 @@ def test_out_of_memory_is_clear_and_recoverable() -> None:
     resource.deallocate(ptr, 1 << 20)
 
 
+def test_a_full_device_says_what_limited_the_request() -> None:
+    # Device memory taken with cuMemAlloc, in pieces halved at each refusal down to 2 MiB
+    # (device memory, never managed: nothing is asked of the card beyond what it has free),
+    # then requests of the driver's pool and of cuMemAlloc until one is refused. The error
+    # names the size asked and the device's free memory; where that is at least the size,
+    # it says why the driver still refused it.
+    driver_pool, cuda = mr.CudaAsyncMemoryResource(), mr.CudaMemoryResource()
+    driver_pool.trim_to(0)
+    held: list[tuple[Any, int, int]] = []
+    refused: list[streampool.OutOfMemoryError] = []
+    piece = 1 << 36
+    try:
+        while piece >= 2 << 20:
+            try:
+                held.append((cuda, cuda.allocate(piece), piece))
+            except streampool.OutOfMemoryError:
+                piece //= 2
+        for resource, size in ((driver_pool, 1 << 20), (driver_pool, 64 << 10), (cuda, 1 << 20)):
+            try:
+                for _ in range(64):
+                    held.append((resource, resource.allocate(size), size))
+            except streampool.OutOfMemoryError as e:
+                refused.append(e)
+    finally:
+        for resource, ptr, size in reversed(held):
+            resource.deallocate(ptr, size)
+    print(*(f"{type(e).__name__}: {e}" for e in refused), sep="\n")
+    assert refused, "a device with every 2 MiB piece taken met 64 more requests of each size"
+    for e in refused:
+        assert e.requested in (1 << 20, 64 << 10), e
+        assert e.available is not None and str(e.available) in str(e), e
+        if e.available >= e.requested:
+            assert "units of 2 MiB or more" in str(e), e
+    ptr = driver_pool.allocate(1 << 20)
+    driver_pool.deallocate(ptr, 1 << 20)
+
+
 def test_destroyed_and_bogus_pointers() -> None:
     resource = mr.CudaMemoryResource()
     with pytest.raises(streampool.InvalidPointerError):
