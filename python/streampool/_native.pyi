@@ -523,7 +523,9 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
     It keeps no record per allocation, so it cannot check a free's size; a free of more
     bytes than are in use through it (all scopes together), or when nothing is, is
     certainly wrong and raises InvalidPointerError without reaching the upstream (nothing
-    changes). Takes the upstream's fast path (the GIL kept) where the upstream has one.
+    changes). Other wrong sizes are counted as given where the upstream takes them (the
+    driver's pool takes any size): wrap the upstream in a TrackingResourceAdaptor to have
+    them refused. Takes the upstream's fast path (the GIL kept) where the upstream has one.
 
     Example::
 
@@ -680,8 +682,10 @@ class LimitingResourceAdaptor(UpstreamResourceAdaptor):
     It keeps no record per allocation, so it cannot check a free's size; a free of more
     bytes than are allocated through it is certainly wrong and raises InvalidPointerError
     without reaching the upstream (nothing changes: free it again with the right size).
-    The count never goes below 0. Takes the upstream's fast path (the GIL kept) where the
-    upstream has one.
+    The count never goes below 0. Other wrong sizes move it by the size given where the
+    upstream takes them (the driver's pool takes any size): wrap the upstream in a
+    TrackingResourceAdaptor to have them refused. Takes the upstream's fast path (the GIL
+    kept) where the upstream has one.
 
     Example::
 

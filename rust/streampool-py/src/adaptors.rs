@@ -287,7 +287,8 @@ fn statistics_object(py: Python<'_>, s: Statistics) -> PyResult<Py<PyAny>> {
 /// Counts what passes through it: current, peak and total bytes and allocations, on a
 /// stack of counters (`push_counters`/`pop_counters`) for measuring code blocks. A free of
 /// more bytes than are in use through it raises InvalidPointerError (it keeps no record per
-/// allocation, so it cannot check sizes otherwise).
+/// allocation, so it cannot check sizes otherwise: wrap an upstream that takes any size,
+/// as the driver's pool does, in a TrackingResourceAdaptor to have wrong sizes refused).
 ///
 /// Example::
 ///
@@ -684,7 +685,9 @@ impl PyLoggingResourceAdaptor {
 /// Refuses allocations that would take the bytes outstanding through it over
 /// `allocation_limit` (an int, or a string such as "2GiB"), with OutOfMemoryError. A free
 /// of more bytes than are allocated through it raises InvalidPointerError (it keeps no
-/// record per allocation, so it cannot check sizes otherwise).
+/// record per allocation, so it cannot check sizes otherwise: wrap an upstream that takes
+/// any size, as the driver's pool does, in a TrackingResourceAdaptor to have wrong sizes
+/// refused).
 ///
 /// Example::
 ///

@@ -147,10 +147,13 @@ pub trait MemoryResource: Send + Sync + fmt::Debug {
     /// (the driver's pool: its reserved high-water mark is reset to what it holds now).
     fn reset_peak_footprint(&self) {}
 
-    /// Allocates `bytes > 0` bytes ordered on `stream` (already checked to belong to this
-    /// resource's backend and device).
+    /// The implementer's hook behind [`MemoryResource::allocate`], which calls it only
+    /// after its checks: `0 < bytes <= isize::MAX`, and `stream` of this resource's backend
+    /// and device. Call `allocate`, never this: an implementation may rely on the checks
+    /// (the sharded pool rounds `bytes` up without checking for overflow).
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr>;
-    /// Frees `ptr != 0` of `bytes > 0` bytes, ordered on `stream` (already checked).
+    /// The implementer's hook behind [`MemoryResource::deallocate`], called only after its
+    /// checks (`ptr != 0`, `bytes > 0`, `stream` as for `do_allocate`): call `deallocate`.
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()>;
 
     /// Allocates without waiting for anything (no contended lock, no driver call that can

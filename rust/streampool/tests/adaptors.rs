@@ -747,7 +747,7 @@ fn pinned_host_memory_does_not_report_the_devices_free_memory() {
     // The device's free memory says nothing of what limited a host allocation; the
     // simulated device does not count pinned memory, so the host refuses a huge request.
     let (_sim, b) = sim(64 << 20);
-    let pinned = streampool::PinnedHostMemoryResource::on(b, 0);
+    let pinned = streampool::PinnedHostMemoryResource::on(b, 0).unwrap();
     let err = pinned.allocate(1 << 62, &Stream::legacy()).unwrap_err();
     assert!(matches!(&err, Error::OutOfMemory { available: None, .. }), "{err:?}");
     assert!(err.to_string().contains("host's pinned memory"), "{err}");
@@ -792,14 +792,14 @@ fn prefetch_only_managed_memory_on_the_allocating_stream() {
         let (with, prefetched) = queued_by(&PrefetchAdaptor::new(upstream).unwrap());
         (with - base, prefetched)
     };
-    let managed = extra(Arc::new(ManagedMemoryResource::on(b.clone(), 0)));
+    let managed = extra(Arc::new(ManagedMemoryResource::on(b.clone(), 0).unwrap()));
     assert_eq!(
         managed,
         (1, Some(Location::Device(0))),
         "one prefetch to the device, on the allocating stream"
     );
     assert_eq!(extra(async_mr(&b)), (0, None), "nothing for device memory");
-    assert_eq!(extra(Arc::new(CudaMemoryResource::on(b.clone(), 0))), (0, None));
+    assert_eq!(extra(Arc::new(CudaMemoryResource::on(b.clone(), 0).unwrap())), (0, None));
     assert_no_races(&sim);
 }
 
@@ -818,7 +818,7 @@ fn binning_routes_sizes_to_the_smallest_bin_that_fits() {
     }
     assert_eq!(mr.bins().iter().map(|b| b.0).collect::<Vec<_>>(), vec![256, 4096, 65536]);
     // A size beyond any allocation (it would round to 0) is refused, the bins unchanged.
-    for huge in [usize::MAX, isize::MAX as usize + 1] {
+    for huge in [usize::MAX, isize::MAX as usize + 1, isize::MAX as usize] {
         let err = mr.add_bin(huge, None).unwrap_err();
         assert!(err.to_string().contains("larger than any allocation"), "{err}");
     }
@@ -974,7 +974,7 @@ fn fixed_size_reclaims_other_streams_blocks_when_out_of_memory() {
 #[test]
 fn adaptors_forward_properties_and_have_rmm_names() {
     let (_sim, b) = sim(64 << 20);
-    let managed: ResourceRef = Arc::new(ManagedMemoryResource::on(b.clone(), 0));
+    let managed: ResourceRef = Arc::new(ManagedMemoryResource::on(b.clone(), 0).unwrap());
     let all: Vec<ResourceRef> = vec![
         Arc::new(StatisticsAdaptor::new(managed.clone()).unwrap()),
         Arc::new(TrackingAdaptor::new(managed.clone(), None).unwrap()),
@@ -1360,7 +1360,7 @@ fn adaptors_forward_the_fast_path_where_it_is_correct() {
         assert_eq!(mr.try_allocate(0, &s).map(Result::unwrap).unwrap_or(0), 0, "{name}");
     }
     // Over managed memory the prefetch is a driver call: the full path.
-    let upstream = FastUpstream::new(Arc::new(ManagedMemoryResource::on(b.clone(), 0)));
+    let upstream = FastUpstream::new(Arc::new(ManagedMemoryResource::on(b.clone(), 0).unwrap()));
     assert!(PrefetchAdaptor::new(upstream).unwrap().try_allocate(4096, &s).is_none());
 }
 

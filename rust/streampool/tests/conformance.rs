@@ -265,16 +265,16 @@ conformance! {
         let pool = b.pool_create(0, &Default::default()).unwrap();
         Arc::new(streampool::CudaAsyncMemoryResource::view(b, Some(0), pool).unwrap())
     };
-    cuda => |b| Arc::new(streampool::CudaMemoryResource::on(b, 0));
-    managed => |b| Arc::new(streampool::ManagedMemoryResource::on(b, 0));
+    cuda => |b| Arc::new(streampool::CudaMemoryResource::on(b, 0).unwrap());
+    managed => |b| Arc::new(streampool::ManagedMemoryResource::on(b, 0).unwrap());
     cuda_async_managed => |b| Arc::new(streampool::CudaAsyncManagedMemoryResource::on(b, 0, Default::default()).unwrap());
     cuda_async_managed_own_pool => |b| Arc::new(streampool::CudaAsyncManagedMemoryResource::on(b, 0, streampool::AsyncPoolOptions {
         initial_pool_size: Some(8 << 20), ..Default::default() }).unwrap());
-    pinned_host => |b| Arc::new(streampool::PinnedHostMemoryResource::on(b, 0));
+    pinned_host => |b| Arc::new(streampool::PinnedHostMemoryResource::on(b, 0).unwrap());
     sharded_pool_over_async => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
         Arc::new(streampool::CudaAsyncMemoryResource::on(b, 0, Default::default()).unwrap()), Default::default()).unwrap());
     sharded_pool_over_cuda => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
-        Arc::new(streampool::CudaMemoryResource::on(b, 0)), streampool::PoolOptions {
+        Arc::new(streampool::CudaMemoryResource::on(b, 0).unwrap()), streampool::PoolOptions {
             initial_pool_size: Some(16 << 20), events_every: 4, ..Default::default() }).unwrap());
     sharded_pool_batched => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
         Arc::new(streampool::CudaAsyncMemoryResource::on(b, 0, Default::default()).unwrap()), streampool::PoolOptions {
@@ -283,7 +283,7 @@ conformance! {
         Arc::new(streampool::CudaAsyncMemoryResource::on(b, 0, Default::default()).unwrap()), streampool::PoolOptions {
             expandable: true, ..Default::default() }).unwrap());
     sharded_pool_expandable_bounded => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
-        Arc::new(streampool::CudaMemoryResource::on(b, 0)), streampool::PoolOptions {
+        Arc::new(streampool::CudaMemoryResource::on(b, 0).unwrap()), streampool::PoolOptions {
             expandable: true, initial_pool_size: Some(3 << 20), maximum_pool_size: Some(200 << 20),
             release_threshold: Some(8 << 20), ..Default::default() }).unwrap());
     sharded_pool_lean => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
@@ -291,7 +291,7 @@ conformance! {
             expandable: true, steal_whole_blocks: true, gather_interval: std::time::Duration::ZERO, events_every: 1,
             ..Default::default() }).unwrap());
     sharded_pool_bounded => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
-        Arc::new(streampool::ManagedMemoryResource::on(b, 0)), streampool::PoolOptions {
+        Arc::new(streampool::ManagedMemoryResource::on(b, 0).unwrap()), streampool::PoolOptions {
             maximum_pool_size: Some(200 << 20), release_threshold: Some(8 << 20), ..Default::default() }).unwrap());
     statistics => |b| Arc::new(streampool::StatisticsAdaptor::new(async_mr(b)).unwrap());
     latency_histogram => |b| Arc::new(streampool::adaptors::LatencyHistogramAdaptor::new(async_mr(b)).unwrap());
@@ -301,10 +301,10 @@ conformance! {
     limiting => |b| Arc::new(streampool::LimitingAdaptor::new(async_mr(b), 2 * CAPACITY).unwrap());
     failure_callback => |b| Arc::new(streampool::FailureCallbackAdaptor::new(async_mr(b), Arc::new(|_| Ok(false))).unwrap());
     prefetch => |b| Arc::new(streampool::PrefetchAdaptor::new(async_mr(b)).unwrap());
-    prefetch_managed => |b| Arc::new(streampool::PrefetchAdaptor::new(Arc::new(streampool::ManagedMemoryResource::on(b, 0))).unwrap());
+    prefetch_managed => |b| Arc::new(streampool::PrefetchAdaptor::new(Arc::new(streampool::ManagedMemoryResource::on(b, 0).unwrap())).unwrap());
     binning => |b| {
         let mr = streampool::BinningMemoryResource::new(async_mr(b.clone()), Some(8), Some(20)).unwrap();
-        mr.add_bin(4 << 20, Some(Arc::new(streampool::CudaMemoryResource::on(b, 0)))).unwrap();
+        mr.add_bin(4 << 20, Some(Arc::new(streampool::CudaMemoryResource::on(b, 0).unwrap()))).unwrap();
         Arc::new(mr)
     };
     adaptor_stack => |b| {

@@ -48,7 +48,10 @@ impl MemoryResource for BrokenReuse {
 fn broken_cross_stream_reuse_is_reported() {
     let sim = SimDevice::new(64 << 20);
     let backend: BackendRef = sim.clone();
-    let mr = BrokenReuse { upstream: CudaMemoryResource::on(backend.clone(), 0), free: Mutex::new(vec![]) };
+    let mr = BrokenReuse {
+        upstream: CudaMemoryResource::on(backend.clone(), 0).unwrap(),
+        free: Mutex::new(vec![]),
+    };
     let (a, b) = (Stream::create(&backend, 0, false).unwrap(), Stream::create(&backend, 0, false).unwrap());
     let p = mr.allocate(4096, &a).unwrap();
     sim.write_labeled(a.handle(), p, 4096, "producer").unwrap();
@@ -67,7 +70,10 @@ fn broken_cross_stream_reuse_is_reported() {
 fn the_same_program_with_an_event_is_clean() {
     let sim = SimDevice::new(64 << 20);
     let backend: BackendRef = sim.clone();
-    let mr = BrokenReuse { upstream: CudaMemoryResource::on(backend.clone(), 0), free: Mutex::new(vec![]) };
+    let mr = BrokenReuse {
+        upstream: CudaMemoryResource::on(backend.clone(), 0).unwrap(),
+        free: Mutex::new(vec![]),
+    };
     let (a, b) = (Stream::create(&backend, 0, false).unwrap(), Stream::create(&backend, 0, false).unwrap());
     let p = mr.allocate(4096, &a).unwrap();
     sim.write(a.handle(), p, 4096).unwrap();

@@ -422,10 +422,12 @@ fn expandable_blocks_span_mappings_and_release_unmaps_all() {
 fn expandable_needs_device_memory_underneath() {
     let sim = SimDevice::new(1 << 30);
     let b: BackendRef = sim.clone();
-    let managed: ResourceRef = Arc::new(streampool::ManagedMemoryResource::on(b.clone(), 0));
+    let managed: ResourceRef = Arc::new(streampool::ManagedMemoryResource::on(b.clone(), 0).unwrap());
     let stats: ResourceRef = Arc::new(
-        streampool::StatisticsAdaptor::new(Arc::new(streampool::CudaMemoryResource::on(b.clone(), 0)))
-            .unwrap(),
+        streampool::StatisticsAdaptor::new(Arc::new(
+            streampool::CudaMemoryResource::on(b.clone(), 0).unwrap(),
+        ))
+        .unwrap(),
     );
     for up in [managed, stats] {
         let err = ShardedPoolMemoryResource::new(up.clone(), expandable()).unwrap_err();

@@ -32,9 +32,9 @@ fn resources(b: &BackendRef) -> Vec<ResourceRef> {
     vec![
         Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap()),
         Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, own).unwrap()),
-        Arc::new(CudaMemoryResource::on(b.clone(), 0)),
-        Arc::new(ManagedMemoryResource::on(b.clone(), 0)),
-        Arc::new(PinnedHostMemoryResource::on(b.clone(), 0)),
+        Arc::new(CudaMemoryResource::on(b.clone(), 0).unwrap()),
+        Arc::new(ManagedMemoryResource::on(b.clone(), 0).unwrap()),
+        Arc::new(PinnedHostMemoryResource::on(b.clone(), 0).unwrap()),
     ]
 }
 
@@ -80,7 +80,7 @@ fn memset_on_one_stream_then_reuse_on_another_reads_back_correctly() {
 fn bounded_pools(b: &BackendRef, bytes: usize) -> Vec<(String, ShardedPoolMemoryResource)> {
     let upstreams: [(&str, ResourceRef); 2] = [
         ("async", Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap())),
-        ("cuda", Arc::new(CudaMemoryResource::on(b.clone(), 0))),
+        ("cuda", Arc::new(CudaMemoryResource::on(b.clone(), 0).unwrap())),
     ];
     let mut pools = Vec::new();
     for (name, upstream) in upstreams {
@@ -151,7 +151,7 @@ fn out_of_memory_and_bad_frees_are_clear_errors() {
         mr.deallocate(p, MIB, &s).unwrap();
         b.stream_synchronize(0, s.handle()).unwrap();
     }
-    let cuda = CudaMemoryResource::on(b.clone(), 0);
+    let cuda = CudaMemoryResource::on(b.clone(), 0).unwrap();
     let s = Stream::legacy();
     let p = cuda.allocate(MIB, &s).unwrap();
     cuda.deallocate(p, MIB, &s).unwrap();

@@ -76,7 +76,7 @@ fn prefetch_moves_managed_memory_to_the_device_and_back() {
         return;
     }
     let stream = Stream::create(&b, 0, false).unwrap();
-    let plain: ResourceRef = Arc::new(ManagedMemoryResource::on(b.clone(), 0));
+    let plain: ResourceRef = Arc::new(ManagedMemoryResource::on(b.clone(), 0).unwrap());
     let a = Allocation::new(plain, 64 * MIB, stream.clone()).unwrap();
     assert_eq!(a.last_prefetch_location().unwrap(), None, "fresh managed memory was never prefetched");
     prefetch_round_trip(&b, &a, &stream);
@@ -95,7 +95,7 @@ fn prefetch_moves_managed_memory_to_the_device_and_back() {
 fn advice_is_accepted_on_managed_memory_and_refused_elsewhere() {
     let Some(b) = gpu() else { return };
     let stream = Stream::create(&b, 0, false).unwrap();
-    let managed: ResourceRef = Arc::new(ManagedMemoryResource::on(b.clone(), 0));
+    let managed: ResourceRef = Arc::new(ManagedMemoryResource::on(b.clone(), 0).unwrap());
     let a = Allocation::new(managed, 4 * MIB, stream.clone()).unwrap();
     for (advice, location) in [
         (Advice::SetReadMostly, Location::Device(0)),

@@ -91,7 +91,7 @@ fn a_kernel_on_another_stream_races_the_reuse_after_a_free() {
 #[test]
 fn bad_launches_are_refused_and_change_nothing() {
     let (sim, b) = sim();
-    let mr = CudaMemoryResource::on(b.clone(), 0);
+    let mr = CudaMemoryResource::on(b.clone(), 0).unwrap();
     let s = Stream::legacy();
     let p = mr.allocate(1024, &s).unwrap();
     let e = unsafe { kernels::fill(&b, 0, p + 4, 64, 1, &s) }.unwrap_err();
@@ -154,7 +154,7 @@ fn a_check_of_no_whole_word_still_synchronises_its_stream() {
 #[test]
 fn kernels_take_their_simulated_duration() {
     let (_sim, b) = sim();
-    let mr = CudaMemoryResource::on(b.clone(), 0);
+    let mr = CudaMemoryResource::on(b.clone(), 0).unwrap();
     let s = Stream::legacy();
     let bytes = 8 << 20;
     let p = mr.allocate(bytes, &s).unwrap();

@@ -153,7 +153,7 @@ fn prefetch_and_advice_refuse_memory_that_is_not_managed_naming_its_resource() {
     let m = message(a.advise(Advice::SetReadMostly, Location::Host).unwrap_err());
     assert!(m.starts_with("advice needs managed memory"), "{m}");
     assert!(a.last_prefetch_location().is_err());
-    let pinned: ResourceRef = Arc::new(streampool::PinnedHostMemoryResource::on(b.clone(), 0));
+    let pinned: ResourceRef = Arc::new(streampool::PinnedHostMemoryResource::on(b.clone(), 0).unwrap());
     let p = Allocation::new(pinned, 4096, Stream::legacy()).unwrap();
     let m = message(p.prefetch(Some(Location::Host), None).unwrap_err());
     assert!(m.ends_with("PinnedHostMemoryResource (pinned host memory)"), "{m}");
@@ -162,7 +162,7 @@ fn prefetch_and_advice_refuse_memory_that_is_not_managed_naming_its_resource() {
 #[test]
 fn prefetch_is_stream_ordered_and_checks_its_stream() {
     let (sim, b) = sim();
-    let mr: ResourceRef = Arc::new(ManagedMemoryResource::on(b.clone(), 0));
+    let mr: ResourceRef = Arc::new(ManagedMemoryResource::on(b.clone(), 0).unwrap());
     let s = Stream::create(&b, 0, false).unwrap();
     let a = Allocation::new(mr.clone(), 1 << 20, s.clone()).unwrap();
     assert_eq!(a.last_prefetch_location().unwrap(), None);
@@ -200,7 +200,7 @@ fn prefetch_is_stream_ordered_and_checks_its_stream() {
 #[test]
 fn without_concurrent_managed_access_prefetch_is_refused_plainly_and_the_adaptor_is_not_made() {
     let (sim, b) = sim();
-    let mr: ResourceRef = Arc::new(ManagedMemoryResource::on(b.clone(), 0));
+    let mr: ResourceRef = Arc::new(ManagedMemoryResource::on(b.clone(), 0).unwrap());
     let a = Allocation::new(mr.clone(), 1 << 20, Stream::legacy()).unwrap();
     let made_before = streampool::PrefetchAdaptor::new(mr.clone()).unwrap();
     sim.set_concurrent_managed_access(false);

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use streampool::device::sim::SimDevice;
 use streampool::device::{BackendRef, LEGACY_STREAM};
 use streampool::{
-    AsyncPoolOptions, CudaAsyncMemoryResource, CudaMemoryResource, Error, MemoryResource, ResourceRef,
-    ShardedPoolMemoryResource, Stream,
+    AsyncPoolOptions, CudaAsyncMemoryResource, CudaMemoryResource, Error, ManagedMemoryResource,
+    MemoryResource, PinnedHostMemoryResource, ResourceRef, ShardedPoolMemoryResource, Stream,
 };
 
 mod common;
@@ -65,7 +65,7 @@ fn a_resource_refuses_streams_of_another_device() {
     for mr in [
         sharded(&b, 0),
         Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap()) as ResourceRef,
-        Arc::new(CudaMemoryResource::on(b.clone(), 0)),
+        Arc::new(CudaMemoryResource::on(b.clone(), 0).unwrap()),
     ] {
         match mr.allocate(256, &s1) {
             Err(Error::InvalidStream(m)) => assert!(m.contains("belongs to device 1"), "{m}"),
@@ -74,6 +74,25 @@ fn a_resource_refuses_streams_of_another_device() {
         // Still usable on its own device.
         let p = mr.allocate(256, &Stream::legacy()).unwrap();
         mr.deallocate(p, 256, &Stream::legacy()).unwrap();
+    }
+}
+
+#[test]
+fn a_resource_for_a_device_that_does_not_exist_is_refused_when_made() {
+    let (_sim, b) = two_devices();
+    for device in [2, -1] {
+        let refusals = [
+            CudaMemoryResource::on(b.clone(), device).map(|_| ()),
+            ManagedMemoryResource::on(b.clone(), device).map(|_| ()),
+            PinnedHostMemoryResource::on(b.clone(), device).map(|_| ()),
+            CudaAsyncMemoryResource::on(b.clone(), device, Default::default()).map(|_| ()),
+        ];
+        for refused in refusals {
+            match refused {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains(&format!("device {device}")), "{m}"),
+                other => panic!("device {device}: expected InvalidArgument, got {other:?}"),
+            }
+        }
     }
 }
 

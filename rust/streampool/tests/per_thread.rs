@@ -97,7 +97,8 @@ fn copies_and_consumers_on_another_thread_are_ordered_after_the_maker() {
 #[test]
 fn synchronising_another_threads_per_thread_stream_waits_for_its_work() {
     let (sim, b) = sim();
-    let alloc = made_elsewhere(&sim, &(Arc::new(CudaMemoryResource::on(b.clone(), 0)) as ResourceRef), SIZE);
+    let alloc =
+        made_elsewhere(&sim, &(Arc::new(CudaMemoryResource::on(b.clone(), 0).unwrap()) as ResourceRef), SIZE);
     alloc.stream().synchronize(&b, 0).unwrap();
     assert_eq!(sim.pending(), 0, "the maker's write has run");
     assert_no_races(&sim);
@@ -123,7 +124,7 @@ fn dropped_on_another_thread_it_is_freed_in_order_without_waiting() {
 #[test]
 fn a_pool_block_freed_on_another_thread_is_reused_in_order() {
     let (sim, b) = sim();
-    let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b.clone(), 0));
+    let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b.clone(), 0).unwrap());
     let options = PoolOptions {
         initial_pool_size: Some(64 << 10),
         maximum_pool_size: Some(64 << 10),

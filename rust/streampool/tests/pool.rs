@@ -317,7 +317,7 @@ fn a_release_threshold_keeps_the_pool_from_hoarding() {
 #[test]
 fn bad_options_and_bad_frees() {
     let (_sim, b) = setup(64 * MIB);
-    let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b.clone(), 0));
+    let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b.clone(), 0).unwrap());
     let err = ShardedPoolMemoryResource::new(
         upstream.clone(),
         PoolOptions {
@@ -418,7 +418,8 @@ impl MemoryResource for Flaky {
 #[test]
 fn an_upstream_failing_mid_growth_leaves_exact_accounting() {
     let (_sim, b) = setup(256 * MIB);
-    let flaky = Arc::new(Flaky { inner: CudaMemoryResource::on(b.clone(), 0), calls: Default::default() });
+    let flaky =
+        Arc::new(Flaky { inner: CudaMemoryResource::on(b.clone(), 0).unwrap(), calls: Default::default() });
     let p = ShardedPoolMemoryResource::new(flaky, PoolOptions::default()).unwrap();
     let s = stream(&b);
     let mut live = vec![];
@@ -509,8 +510,10 @@ impl MemoryResource for Recycling {
 #[test]
 fn a_chunk_given_back_while_its_address_is_grown_again_is_released_later() {
     let (sim, b) = setup(256 * MIB);
-    let upstream =
-        Arc::new(Recycling { inner: Some(CudaMemoryResource::on(b.clone(), 0)), ..Default::default() });
+    let upstream = Arc::new(Recycling {
+        inner: Some(CudaMemoryResource::on(b.clone(), 0).unwrap()),
+        ..Default::default()
+    });
     let p = Arc::new(ShardedPoolMemoryResource::new(upstream.clone(), PoolOptions::default()).unwrap());
     upstream.during_free.set(Arc::downgrade(&p)).unwrap();
     let s = stream(&b);
@@ -534,8 +537,10 @@ fn a_chunk_given_back_while_its_address_is_grown_again_is_released_later() {
 #[test]
 fn a_refused_give_back_keeps_the_chunks_free() {
     let (sim, b) = setup(256 * MIB);
-    let upstream =
-        Arc::new(Recycling { inner: Some(CudaMemoryResource::on(b.clone(), 0)), ..Default::default() });
+    let upstream = Arc::new(Recycling {
+        inner: Some(CudaMemoryResource::on(b.clone(), 0).unwrap()),
+        ..Default::default()
+    });
     upstream.fired.store(true, std::sync::atomic::Ordering::Relaxed);
     let p = ShardedPoolMemoryResource::new(upstream.clone(), PoolOptions::default()).unwrap();
     let s = stream(&b);

@@ -348,7 +348,7 @@ fn run_seed(seed: u64, threads: usize, rounds: usize, ops: usize) {
     let sim = SimDevice::new(1 << 30);
     let b: BackendRef = sim.clone();
     let upstream: ResourceRef = if up == "CudaMemoryResource" {
-        Arc::new(CudaMemoryResource::on(b.clone(), 0))
+        Arc::new(CudaMemoryResource::on(b.clone(), 0).unwrap())
     } else {
         Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap())
     };

@@ -73,7 +73,7 @@ type LateAllocations = Arc<Mutex<Vec<(DevPtr, usize)>>>;
 fn pool_on_a_sim() -> (Arc<SimDevice>, Arc<ShardedPoolMemoryResource>) {
     let sim = SimDevice::new(1 << 30);
     let b: BackendRef = sim.clone();
-    let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b, 0));
+    let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b, 0).unwrap());
     (sim, Arc::new(ShardedPoolMemoryResource::new(upstream, PoolOptions::default()).unwrap()))
 }
 

@@ -154,10 +154,12 @@ impl BinningMemoryResource {
         if allocation_size == 0 {
             return refuse("a bin of 0 bytes would serve nothing".into());
         }
-        if allocation_size > isize::MAX as usize {
+        // Sizes are rounded up to the alignment: the rounded size is what must fit.
+        let Some(allocation_size) =
+            allocation_size.checked_next_multiple_of(crate::ALIGNMENT).filter(|&b| b <= isize::MAX as usize)
+        else {
             return refuse(format!("a bin of {allocation_size} bytes is larger than any allocation"));
-        }
-        let allocation_size = allocation_size.next_multiple_of(crate::ALIGNMENT);
+        };
         if resource.is_none() && read(&self.bins).iter().any(|b| b.bytes == allocation_size) {
             return Ok(()); // as RMM: a bin of that size exists already, so nothing changes
         }

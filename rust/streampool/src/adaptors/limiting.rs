@@ -31,7 +31,9 @@ use crate::sync::{AtomicUsize, Ordering};
 /// again with the right size; forwarding a size known to be wrong could corrupt an
 /// upstream that routes or rounds by size). Any other wrong size reaches the upstream,
 /// which refuses it where it can, and the count moves by the size given; it never goes
-/// below 0.
+/// below 0. Over a resource that takes any size (the driver's pool), put a
+/// [`TrackingAdaptor`](super::TrackingAdaptor) beneath this one to have wrong sizes
+/// refused before they are counted.
 ///
 /// What a reader of [`allocated_bytes`](Self::allocated_bytes) may miss: it counts
 /// reservations of allocations still in flight (and of ones about to fail upstream), and

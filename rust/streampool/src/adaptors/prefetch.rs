@@ -28,7 +28,7 @@ use crate::stream::Stream;
 /// use streampool::{ManagedMemoryResource, MemoryResource, PrefetchAdaptor, Stream};
 ///
 /// let sim = SimDevice::new(1 << 30);
-/// let mr = PrefetchAdaptor::new(Arc::new(ManagedMemoryResource::on(sim.clone(), 0)))?;
+/// let mr = PrefetchAdaptor::new(Arc::new(ManagedMemoryResource::on(sim.clone(), 0)?))?;
 /// let p = mr.allocate(1 << 20, &Stream::legacy())?;
 /// mr.deallocate(p, 1 << 20, &Stream::legacy())?;
 /// # Ok::<(), streampool::Error>(())

@@ -44,7 +44,9 @@ pub struct Statistics {
 /// calling the upstream (so nothing changes, and the caller may free again with the right
 /// size), a free that is certainly wrong: of more bytes than are in use through it, all
 /// scopes together, or when nothing is. Any other wrong size reaches the upstream, which
-/// refuses it where it can (a pool, the tracking adaptor), and is counted as given. (Two
+/// refuses it where it can (a pool, the tracking adaptor), and is counted as given: over
+/// a resource that takes any size (the driver's pool), put a [`TrackingAdaptor`](super::TrackingAdaptor)
+/// beneath this one to have wrong sizes refused before they are counted. (Two
 /// wrong frees racing on two threads may both pass the check; the counters are signed and
 /// read as 0 below zero, so they never wrap.)
 ///

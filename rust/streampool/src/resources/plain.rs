@@ -92,12 +92,14 @@ impl<K: PlainKind> PlainMemoryResource<K> {
     /// device when `None`).
     pub fn new(device: Option<i32>) -> Result<Self> {
         let (backend, device) = super::bind(device)?;
-        Ok(Self::on(backend, device))
+        Self::on(backend, device)
     }
 
-    /// On a given backend and device.
-    pub fn on(backend: BackendRef, device: i32) -> Self {
-        PlainMemoryResource { backend, device, kind: PhantomData }
+    /// On a given backend and device; [`Error::InvalidArgument`](crate::Error) naming the
+    /// devices there are when `device` is not one of them.
+    pub fn on(backend: BackendRef, device: i32) -> Result<Self> {
+        let device = super::check_device(&backend, Some(device))?;
+        Ok(PlainMemoryResource { backend, device, kind: PhantomData })
     }
 }
 

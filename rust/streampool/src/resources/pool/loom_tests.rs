@@ -14,7 +14,7 @@ use crate::resources::CudaMemoryResource;
 
 fn pool(options: PoolOptions) -> (Arc<ShardedPoolMemoryResource>, BackendRef) {
     let sim: BackendRef = SimDevice::new(64 << 20);
-    let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(sim.clone(), 0));
+    let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(sim.clone(), 0).unwrap());
     (Arc::new(ShardedPoolMemoryResource::new(upstream, options).unwrap()), sim)
 }
 
@@ -78,7 +78,7 @@ fn loom_fast_path_takes_completed_blocks_while_their_stream_allocates() {
     crate::sync::model(|| {
         let sim = SimDevice::new(64 << 20);
         let b: BackendRef = sim.clone();
-        let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b.clone(), 0));
+        let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b.clone(), 0).unwrap());
         let options = PoolOptions { events_every: 1, ..Default::default() };
         let p = Arc::new(ShardedPoolMemoryResource::new(upstream, options).unwrap());
         let (producer, consumer) =
@@ -158,7 +158,7 @@ fn loom_a_shard_retired_while_its_block_is_freed_on_another_stream() {
     crate::sync::model(|| {
         let sim = SimDevice::new(64 << 20);
         let b: BackendRef = sim.clone();
-        let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b.clone(), 0));
+        let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b.clone(), 0).unwrap());
         let options = PoolOptions { events_every: 1, maximum_pool_size: Some(2 << 20), ..Default::default() };
         let p = Arc::new(ShardedPoolMemoryResource::new(upstream, options).unwrap());
         let s = Stream::create(&b, 0, false).unwrap();
