@@ -283,6 +283,17 @@ def test_profile_names_each_devices_log(tmp_path: Path, monkeypatch: pytest.Monk
     ) in out.stderr
 
 
+def test_recommend_a_log_of_a_device_this_machine_lacks(tmp_path: Path, log: Path) -> None:
+    # A log recorded on device 1 of another machine: replayed here on device 0, and the code
+    # names device 1's resource without making it (this process has one device).
+    dev1 = tmp_path / "other.log.dev1"
+    dev1.write_text(log.read_text())
+    out = run("recommend", str(dev1), "--quick", "--json")
+    assert out.returncode == 0, out.stderr
+    code = valid(out.stdout)["recommendation"]["code"]
+    assert "set_per_device_resource(1, " in code and "device=1" in code, code
+
+
 def test_profile_of_a_program_that_cannot_start(tmp_path: Path) -> None:
     out = run("profile", "-o", str(tmp_path / "x.log"), "--", "/nonexistent/program")
     assert out.returncode == 127 and "cannot run" in out.stderr

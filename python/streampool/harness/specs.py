@@ -328,9 +328,10 @@ def _latency_adaptor() -> Any:
     return getattr(mr, "LatencyHistogramAdaptor", None)
 
 
-def _ours(spec: Spec, device: int | None = None) -> tuple[mr.MemoryResource, str]:
+def _ours(spec: Spec, device: int | None = None, build: bool = True) -> tuple[Any, str]:
     """Our resource for ``spec`` and the code that makes it; ``device``: the device of its
-    driver resources (None: the current device)."""
+    driver resources (None: the current device). ``build=False``: the code only (the
+    resource None), for a device this process may not have."""
     if spec.name == "latency":
         adaptor = _latency_adaptor()
         if adaptor is None:
@@ -339,8 +340,8 @@ def _ours(spec: Spec, device: int | None = None) -> tuple[mr.MemoryResource, str
             )
         _arity(spec, 1)
         _options(spec, {})
-        upstream, code = _ours(spec.args[0], device)
-        return adaptor(upstream), f"mr.LatencyHistogramAdaptor({code})"
+        upstream, code = _ours(spec.args[0], device, build)
+        return adaptor(upstream) if build else None, f"mr.LatencyHistogramAdaptor({code})"
     if ":" in spec.name:  # a peer inside a pool or an adaptor: refused as a bare one would be first
         _peer_module(spec)
         raise SpecError(
@@ -362,8 +363,10 @@ def _ours(spec: Spec, device: int | None = None) -> tuple[mr.MemoryResource, str
             opts = ", ".join(filter(None, [opts, f"device={device}"]))
         upstreams, code = [], template.format(opts=opts)
     else:
-        upstream, up_code = _ours(spec.args[0], device)
+        upstream, up_code = _ours(spec.args[0], device, build)
         upstreams, code = [upstream], template.format(up=up_code, opts=f", {opts}" if opts else "")
+    if not build:
+        return None, code
     try:
         return make(*upstreams, **kwargs), code
     except ValueError as e:  # a value the resource refuses (a negative interval, ...)
@@ -453,7 +456,7 @@ def _rmm(rmm: Any, name: str) -> tuple[Any, ...]:
         lambda ptr, size, stream: res.deallocate(ptr, size, rs(stream)),
         reserved,
         [res, streams],
-        f"import rmm\nrmm.mr.set_current_device_resource(<rmm:{name}>)",
+        _peer_code("rmm", name),
     )
 
 
@@ -478,14 +481,12 @@ def _cupy(cupy: Any, name: str) -> tuple[Any, ...]:
         with cs(stream):  # CuPy records the free on the current stream
             del live[ptr]
 
-    kind = "MemoryPool" if name == "pool" else "MemoryAsyncPool"
     total = getattr(pool, "total_bytes", None)  # what the pool holds from the device
 
     def reserved() -> int | None:
         return int(total()) if total is not None else None
 
-    code = f"import cupy\ncupy.cuda.set_allocator(cupy.cuda.{kind}().malloc)"
-    return allocate, deallocate, reserved, [pool, live, streams], code
+    return allocate, deallocate, reserved, [pool, live, streams], _peer_code("cupy", name)
 
 
 def _torch(torch: Any, name: str) -> tuple[Any, ...]:
@@ -495,8 +496,18 @@ def _torch(torch: Any, name: str) -> tuple[Any, ...]:
         lambda ptr, size, stream: torch.cuda.caching_allocator_delete(ptr),
         lambda: int(torch.cuda.memory_reserved(device)),
         [],
-        "import torch\n# PyTorch's caching allocator is its default: nothing to set",
+        _peer_code("torch", name),
     )
+
+
+def _peer_code(lib: str, name: str) -> str:
+    """The lines that make a peer's resource a program's (its library's own)."""
+    if lib == "rmm":
+        return f"import rmm\nrmm.mr.set_current_device_resource(<rmm:{name}>)"
+    if lib == "cupy":
+        kind = "MemoryPool" if name == "pool" else "MemoryAsyncPool"
+        return f"import cupy\ncupy.cuda.set_allocator(cupy.cuda.{kind}().malloc)"
+    return "import torch\n# PyTorch's caching allocator is its default: nothing to set"
 
 
 # --- the entry point --------------------------------------------------------------------
@@ -551,11 +562,18 @@ def setup_code(text: str, device: int = 0) -> str:
     """The Python lines that make the resource a spec string names the resource of
     ``device``: ``set_current_device_resource(...)`` for device 0 (a program's current
     device unless it sets another), else ``set_per_device_resource(device, ...)`` with the
-    resource made on that device. A peer's lines are its library's own (device 0's)."""
+    resource made on that device. A peer's lines are its library's own (device 0's).
+    Nothing is made: the device need not exist in this process (a log recorded on device 1
+    of another machine). SpecError as :func:`check_spec` for a spec that names nothing."""
+    check_spec(text)
     spec = parse_spec(text)
-    if device == 0 or ":" in spec.name:
-        return make_resource(text).code
-    _resource, code = _ours(spec, device)
+    if ":" in spec.name:
+        lib, _, name = spec.name.partition(":")
+        return _peer_code(lib, str(Spec(name, spec.args, spec.options)))
+    with _naming(text):
+        _resource, code = _ours(spec, device or None, build=False)
+    if not device:
+        return f"{_SETUP}set_current_device_resource({code})"
     return f"from streampool import mr, set_per_device_resource\nset_per_device_resource({device}, {code})"
 
 
