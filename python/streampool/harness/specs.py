@@ -632,7 +632,8 @@ def resource_from_spec(text: str, device: int | None = None) -> mr.MemoryResourc
     spec = parse_spec(text)
     if ":" not in spec.name:
         with _naming(text):
-            return _ours(spec, device)[0]
+            resource: mr.MemoryResource = _ours(spec, device)[0]
+        return resource
     current = streampool.get_current_device()
     if device is not None and device != current:
         raise ValueError(
