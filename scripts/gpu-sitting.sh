@@ -6,7 +6,9 @@
 #                                       forks before its first use profiled on the driver, and
 #                                       the window bench at 1 and 16 threads, alternated with
 #                                       .gpu/bench/window-old where there is one (a binary of
-#                                       an earlier commit, copied there by hand)
+#                                       an earlier commit, copied there by hand: record that
+#                                       commit with the sitting's files, or the comparison
+#                                       names no baseline)
 #   bash scripts/gpu-sitting.sh guide   the PyTorch/CuPy/Numba tests, the README's GPU
 #                                       examples and tests/test_torch_errors.py (against
 #                                       the installed PyTorch), then the guide's recommend (handoff),
