@@ -249,6 +249,20 @@ def fill_and_check(value: int, nbytes: int) -> tuple[int, int, bool]:
     return streampool.dask.worker_device(), buf.device, bytes(buf) == data
 
 
+def make_buffer(value: int, nbytes: int) -> streampool.DeviceBuffer:
+    """A task whose result moves to another worker."""
+    return streampool.DeviceBuffer.to_device(bytes([value]) * nbytes, mr=streampool.dask.worker_resource())
+
+
+def where_it_arrived(buf: streampool.DeviceBuffer) -> tuple[int, int, int, bytes]:
+    """A task given a buffer made on another worker: this worker's device, the buffer's,
+    what this worker's resource has in use, and the bytes."""
+    resource = streampool.dask.worker_resource()
+    assert isinstance(resource, mr.StatisticsResourceAdaptor)
+    in_use = resource.allocation_counts.current_bytes
+    return streampool.dask.worker_device(), buf.device, in_use, bytes(buf)
+
+
 def run_on_cluster(n_workers: int, env: dict[str, str], resource: str = "pool") -> None:
     # The worker processes unpickle the tasks by this module's name (``tests.test_dask``
     # under pytest's importlib mode), from the folder that holds that package; they start
@@ -286,6 +300,15 @@ def on_cluster(n_workers: int, env: dict[str, str], resource: str) -> None:
             assert s["current_bytes"] == 0 and s["peak_bytes"] >= 1 << 16, s
             made = {"pool": "ShardedPoolMemoryResource", "async": "CudaAsyncMemoryResource"}[resource]
             assert s["resource"].startswith(f"<StatisticsResourceAdaptor over <{made}"), s
+        if n_workers > 1:
+            # A buffer made on one worker and given to a task on another arrives in that
+            # worker's resource, on its device (by pickling it would land on device 0).
+            by_device = {s["device"]: address for address, s in stats.items()}
+            produced = client.submit(make_buffer, 7, 4096, workers=[by_device[0]], pure=False)
+            moved = client.submit(where_it_arrived, produced, workers=[by_device[1]], pure=False)
+            device, buffer_device, in_use, data = moved.result(timeout=120)
+            assert (device, buffer_device, data) == (1, 1, bytes([7]) * 4096)
+            assert in_use >= 4096, "counted by the receiving worker's resource"
         # A device the workers do not have: the workers' error reaches the client.
         with pytest.raises(ValueError, match="was given device 99, but this process sees"):
             streampool.dask.register(client, "async", device=99)

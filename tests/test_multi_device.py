@@ -302,6 +302,20 @@ def test_memory_and_streams_of_another_device_are_refused(dev: SimulatedDevice) 
     assert bytes(buf0.copy_to_device(1)) == bytes(4096), "still usable"
 
 
+def test_managed_memory_is_prefetched_on_a_stream_of_the_device_that_reads_it(dev: SimulatedDevice) -> None:
+    # Managed memory belongs to no device: the driver takes a prefetch on a stream of any
+    # device, and the reader's own stream orders the move before the reader's work.
+    buf = streampool.DeviceBuffer(size=4096, mr=mr.ManagedMemoryResource(device=1))
+    reader = streampool.Stream(device=0)
+    buf.prefetch(0, reader)
+    assert buf.last_prefetch_location == 0
+    buf.prefetch("host", streampool.Stream(device=1))
+    assert buf.last_prefetch_location == "host"
+    # Memory that is not managed: nothing to move, and the stream is taken all the same.
+    streampool.DeviceBuffer(size=4096, mr=mr.CudaAsyncMemoryResource(device=1)).prefetch(0, reader)
+    reader.synchronize()
+
+
 DEVICE_TAKERS: dict[str, Callable[[Any], object]] = {
     "CudaAsyncMemoryResource": lambda d: mr.CudaAsyncMemoryResource(device=d),
     "CudaAsyncManagedMemoryResource": lambda d: mr.CudaAsyncManagedMemoryResource(device=d),

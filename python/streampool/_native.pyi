@@ -1250,7 +1250,8 @@ class DeviceBuffer:
     def prefetch(self, device: int | Literal["host"] | None = None, stream: _StreamLike = None) -> None:
         """Prefetches managed memory to ``device`` (a device ordinal, ``"host"`` or -1, CUDA's
         ``cudaCpuDeviceId``, or None for the device of the buffer's resource), in order on ``stream`` (default: the
-        buffer's own stream). Returns at once (GIL released). Memory that is not managed
+        buffer's own stream; a stream of any device will do, such as that of the device that
+        will read the pages). Returns at once (GIL released). Memory that is not managed
         has nothing to move: the arguments are checked and nothing else happens (as RMM's).
         ValueError once closed."""
     def advise(self, advice: _Advice, device: int | Literal["host"] | None = None) -> None:

@@ -8,7 +8,11 @@ that the worker's tasks allocate on that device allocates from it. Where each wo
 its own GPU as device 0 (``dask-cuda``'s workers, or ``CUDA_VISIBLE_DEVICES`` set per
 worker) that is every allocation; a ``LocalCluster`` whose workers all see every GPU gives
 worker N device N (modulo the count), while its tasks' current device stays 0, so tasks
-there name the resource (``mr=streampool.dask.worker_resource()``, as below).
+there name the resource (``mr=streampool.dask.worker_resource()``, as below). A
+``DeviceBuffer`` that moves to another worker (a task's argument made elsewhere) arrives in
+that worker's resource, on its device: Dask sends its bytes through the host. (Workers of
+one process, ``processes=False``, on several devices: it arrives on the current device,
+as an unpickled buffer does.)
 :func:`statistics` gathers what each worker's resource has allocated. It is the
 counterpart of ``dask-cuda``'s ``RMMSetup`` plugin.
 
@@ -45,6 +49,7 @@ from typing import Any, cast
 
 try:
     from distributed import Client, WorkerPlugin, get_worker
+    from distributed.protocol.serialize import dask_deserialize, dask_serialize
 except ImportError as error:  # pragma: no cover - exercised only without distributed
     raise ImportError(
         "streampool.dask needs Dask's distributed scheduler: pip install 'streampool[dask]'"
@@ -296,6 +301,31 @@ class StreampoolPlugin(WorkerPlugin):
             # the maximum): a plugin registered next would find the device full.
             with contextlib.suppress(Exception):
                 after.trim_to(0)
+
+
+# Buffers that move between workers: Dask sends them through these (the bytes, copied to
+# the host) rather than through pickling, which rebuilds a buffer on the current device:
+# device 0 on every worker of a LocalCluster whose workers all see every GPU.
+def _send_buffer(buf: streampool.DeviceBuffer) -> tuple[dict[str, Any], list[bytes]]:
+    return {"nbytes": buf.nbytes}, [buf.tobytes()]
+
+
+def _receive_buffer(header: dict[str, Any], frames: list[Any]) -> streampool.DeviceBuffer:
+    (data,) = frames
+    return streampool.DeviceBuffer.to_device(data, mr=_arrival_resource())
+
+
+cast(Any, dask_serialize).register(streampool.DeviceBuffer)(_send_buffer)
+cast(Any, dask_deserialize).register(streampool.DeviceBuffer)(_receive_buffer)
+
+
+def _arrival_resource() -> mr.MemoryResource | None:
+    """Where a buffer that arrives in this process is made: the resource of the one device
+    a plugin has set up here (a worker process), else None, the current device's (workers
+    of one process on several devices: which worker it is for is not known)."""
+    with _LOCK:
+        devices = [device for device, installed in _INSTALLED.items() if installed]
+    return streampool.get_per_device_resource(devices[0]) if len(devices) == 1 else None
 
 
 def _installed(worker: Any = None) -> tuple[int, mr.MemoryResource]:

@@ -1076,7 +1076,8 @@ impl DeviceBuffer {
     }
 
     /// Prefetches the memory to `device`: a device ordinal, "host", or None for the device
-    /// of the buffer's resource, in order on `stream` (default: the buffer's own stream), so
+    /// of the buffer's resource, in order on `stream` (default: the buffer's own stream; a
+    /// stream of any device, such as the one of the device that will read the pages), so
     /// that work enqueued there afterwards finds its pages in place. Returns at once (GIL
     /// released); the pages move as the stream runs. Memory that is not managed has
     /// nothing to move: the call checks its arguments and does nothing (as RMM's).
@@ -1090,8 +1091,9 @@ impl DeviceBuffer {
         let alloc = self.live()?;
         let resource = alloc.resource().clone();
         let to = location_arg(device, Location::Device(resource.device()))?;
-        self.check_stream(py, stream)?;
         let stream = Self::op_stream(py, &alloc, stream)?;
+        let on = managed::prefetch_device(&stream, resource.device());
+        stream.check(resource.backend(), on).or_raise(py)?;
         if managed::require_managed(resource.as_ref(), "prefetch", "this buffer's").is_err() {
             // Nothing to move; the device is still checked, as for managed memory.
             return match to {

@@ -46,13 +46,23 @@ pub fn prefetch(
 ) -> Result<()> {
     require_managed(mr, "prefetch", "this")?;
     let (backend, device) = (mr.backend(), mr.device());
-    stream.check(backend, device)?;
+    let on = prefetch_device(stream, device);
+    stream.check(backend, on)?;
     let to = to.unwrap_or(Location::Device(device));
     check_location(backend, to, true)?;
     if bytes == 0 {
         return Ok(());
     }
-    backend.prefetch_async(device, ptr, bytes, to, stream.handle()).map_err(|e| no_concurrent_access(e, mr))
+    backend.prefetch_async(on, ptr, bytes, to, stream.handle()).map_err(|e| no_concurrent_access(e, mr))
+}
+
+/// The device whose context a prefetch on `stream` runs in: the stream's own. Managed
+/// memory belongs to no device, and the driver asks of a prefetch's stream only that its
+/// device have concurrent managed access, so a stream of any device will do (moving pages
+/// to device 1 on the stream of device 1 that will read them is the usual hand-over); a
+/// default stream is that of the memory's device, `device`.
+pub fn prefetch_device(stream: &Stream, device: i32) -> i32 {
+    stream.binding().map_or(device, |(_, d)| d)
 }
 
 /// Refuses a `location` that names a device `backend` does not have, before anything else

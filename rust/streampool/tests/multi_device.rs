@@ -97,6 +97,23 @@ fn a_resource_for_a_device_that_does_not_exist_is_refused_when_made() {
 }
 
 #[test]
+fn managed_memory_is_prefetched_to_the_device_that_reads_it_on_that_devices_stream() {
+    let (sim, b) = two_devices();
+    let mr: ResourceRef = Arc::new(ManagedMemoryResource::on(b.clone(), 0).unwrap());
+    let a = streampool::Allocation::new(mr, 1 << 20, Stream::legacy()).unwrap();
+    let reader = Stream::create(&b, 1, false).unwrap();
+    a.prefetch(Some(streampool::device::Location::Device(1)), Some(&reader)).unwrap();
+    assert_eq!(sim.queued(reader.handle()).unwrap(), 1, "on the reader's stream");
+    assert_eq!(a.last_prefetch_location().unwrap(), Some(streampool::device::Location::Device(1)));
+    // A stream of another backend is still refused.
+    let other = SimDevice::new(64 * MIB);
+    let foreign = Stream::create(&(other.clone() as BackendRef), 0, false).unwrap();
+    assert!(matches!(a.prefetch(None, Some(&foreign)), Err(Error::InvalidStream(_))));
+    sim.run();
+    assert_no_races(&sim);
+}
+
+#[test]
 fn peer_access_opens_a_pool_to_another_device_and_no_other_pool() {
     let (sim, b) = two_devices();
     let s1 = Stream::create(&b, 1, false).unwrap();
