@@ -349,6 +349,17 @@ def test_every_device_argument_names_its_range(dev: SimulatedDevice, name: str) 
         take("1")
 
 
+def test_the_simulators_peer_capability_names_its_arguments_range(dev: SimulatedDevice) -> None:
+    for a, b, name in ((-1, 0, "a"), (0, 2**31, "b")):
+        with pytest.raises(ValueError, match=f"{name} must be a device ordinal from 0 to 1 .*2 devices"):
+            dev.set_peer_capable(a, b, False)
+    with pytest.raises(streampool.InvalidArgumentError, match="does not exist on simulated device"):
+        dev.set_peer_capable(2, 0, False)
+    with pytest.raises(TypeError, match="must be a device ordinal"):
+        dev.set_peer_capable(True, 0, False)
+    assert streampool.device_can_access_peer(0, 1), "refused calls change nothing"
+
+
 def test_the_environment_picks_the_number_of_simulated_devices() -> None:
     def run(devices: str) -> subprocess.CompletedProcess[str]:
         env = dict(os.environ, STREAMPOOL_DEVICE="sim", STREAMPOOL_SIM_DEVICES=devices)

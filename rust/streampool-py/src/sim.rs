@@ -266,8 +266,7 @@ impl PySimDevice {
         b: &Bound<'_, PyAny>,
         capable: bool,
     ) -> PyResult<()> {
-        let a = count_arg(a, "a", 0, sim::MAX_DEVICES as u64)? as i32;
-        let b = count_arg(b, "b", 0, sim::MAX_DEVICES as u64)? as i32;
+        let (a, b) = (crate::required_device_arg(a, "a")?, crate::required_device_arg(b, "b")?);
         self.sim.set_peer_capable(a, b, capable).or_raise(py)
     }
 
