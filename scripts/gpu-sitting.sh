@@ -103,8 +103,9 @@ short-log)
   for round in 1 2 3 4; do for quick in --quick ""; do
     echo "===== round $round: streampool recommend short.log $quick"
     timeout -k 5 60 python3 -m streampool recommend benchmarks/guide/short-log/short.log $quick
+    echo "rc=$?"
   done; done >"$OUT/short-log-runs.txt" 2>&1
-  grep -E "^=====|^Recommended|^recommend:" "$OUT/short-log-runs.txt"
+  grep -E "^=====|^Recommended|^recommend:|^streampool recommend:|^rc=" "$OUT/short-log-runs.txt"
   ;;
 guide-part)
   name=${2:?usage: gpu-sitting.sh guide-part NAME (a part of benchmarks/guide.sh)}

@@ -8,6 +8,7 @@ their environment), and, marked ``gpu``, on the GPUs.
 from __future__ import annotations
 
 import functools
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,28 @@ def test_worker_resource_outside_a_worker_is_refused() -> None:
     for function in (streampool.dask.worker_resource, streampool.dask.worker_device):
         with pytest.raises(RuntimeError, match=r"worker_resource\(\) and worker_device\(\) are for tasks"):
             function()
+
+
+@pytest.mark.nosim
+def test_a_buffer_unpickled_in_a_worker_process_lands_in_its_resource(
+    two_devices: SimulatedDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What Dask does to a buffer it sends to a worker process: a LocalCluster's workers see
+    # every GPU, with device 0 current, so an unpickled buffer must be told its device.
+    monkeypatch.setattr(streampool.dask, "_INSTALLED", {})
+    monkeypatch.setattr(streampool.dask, "_BEFORE", {})
+    made = streampool.DeviceBuffer.to_device(b"moved" * 100)
+    assert pickle.loads(pickle.dumps(made)).device == 0, "no plugin: the current device"
+    plugin, worker = StreampoolPlugin("async", device=1), FakeWorker(1)
+    plugin.setup(worker)
+    try:
+        installed = streampool.get_per_device_resource(1)
+        for protocol in (4, 5):
+            arrived = pickle.loads(pickle.dumps(made, protocol=protocol))
+            assert (arrived.device, arrived.mr, bytes(arrived)) == (1, installed, b"moved" * 100)
+    finally:
+        plugin.teardown(worker)
+    assert pickle.loads(pickle.dumps(made)).device == 0, "torn down: the current device again"
 
 
 def test_a_plugin_registered_under_another_name_is_found(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,10 +9,10 @@ its own GPU as device 0 (``dask-cuda``'s workers, or ``CUDA_VISIBLE_DEVICES`` se
 worker) that is every allocation; a ``LocalCluster`` whose workers all see every GPU gives
 worker N device N (modulo the count), while its tasks' current device stays 0, so tasks
 there name the resource (``mr=streampool.dask.worker_resource()``, as below). A
-``DeviceBuffer`` that moves to another worker (a task's argument made elsewhere) arrives in
-that worker's resource, on its device: Dask sends its bytes through the host. (Workers of
-one process, ``processes=False``, on several devices: it arrives on the current device,
-as an unpickled buffer does.)
+``DeviceBuffer`` that Dask sends to a worker process (a result given to a task on another
+worker, a task's argument, scattered data) is unpickled there into that worker's resource,
+on its device. (Workers of one process, ``processes=False``, are handed the object itself,
+on the device it was made on.)
 :func:`statistics` gathers what each worker's resource has allocated. It is the
 counterpart of ``dask-cuda``'s ``RMMSetup`` plugin.
 
@@ -49,7 +49,6 @@ from typing import Any, cast
 
 try:
     from distributed import Client, WorkerPlugin, get_worker
-    from distributed.protocol.serialize import dask_deserialize, dask_serialize
 except ImportError as error:  # pragma: no cover - exercised only without distributed
     raise ImportError(
         "streampool.dask needs Dask's distributed scheduler: pip install 'streampool[dask]'"
@@ -303,26 +302,12 @@ class StreampoolPlugin(WorkerPlugin):
                 after.trim_to(0)
 
 
-# Buffers that move between workers: Dask sends them through these (the bytes, copied to
-# the host) rather than through pickling, which rebuilds a buffer on the current device:
-# device 0 on every worker of a LocalCluster whose workers all see every GPU.
-def _send_buffer(buf: streampool.DeviceBuffer) -> tuple[dict[str, Any], list[bytes]]:
-    return {"nbytes": buf.nbytes}, [buf.tobytes()]
-
-
-def _receive_buffer(header: dict[str, Any], frames: list[Any]) -> streampool.DeviceBuffer:
-    (data,) = frames
-    return streampool.DeviceBuffer.to_device(data, mr=_arrival_resource())
-
-
-cast(Any, dask_serialize).register(streampool.DeviceBuffer)(_send_buffer)
-cast(Any, dask_deserialize).register(streampool.DeviceBuffer)(_receive_buffer)
-
-
 def _arrival_resource() -> mr.MemoryResource | None:
-    """Where a buffer that arrives in this process is made: the resource of the one device
-    a plugin has set up here (a worker process), else None, the current device's (workers
-    of one process on several devices: which worker it is for is not known)."""
+    """Where a ``DeviceBuffer`` unpickled in this process is made (the binding's
+    ``_rebuild_device_buffer`` asks, once this module is imported): the resource of the one
+    device a plugin has set up here (a worker process), else None, the current device's
+    (no plugin, or workers of one process on several devices, which Dask hands objects
+    without pickling them)."""
     with _LOCK:
         devices = [device for device, installed in _INSTALLED.items() if installed]
     return streampool.get_per_device_resource(devices[0]) if len(devices) == 1 else None

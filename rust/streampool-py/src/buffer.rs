@@ -1055,7 +1055,8 @@ impl DeviceBuffer {
         self.reallocate(py, new_capacity, self.len(), stream)
     }
 
-    /// Pickles through a host copy; unpickling allocates from the current resource.
+    /// Pickles through a host copy; unpickling allocates from the current resource (in a
+    /// Dask worker process with streampool's plugin, the worker's resource).
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
         self.__reduce_ex__(py, 4)
     }
@@ -1266,10 +1267,19 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// Unpickles a DeviceBuffer: a copy of `data` in memory from the current resource.
+/// Unpickles a DeviceBuffer: a copy of `data` in memory from the current resource, or, in
+/// a Dask worker process where streampool's plugin set up one device, from that device's
+/// resource (`streampool.dask._arrival_resource`): a LocalCluster's workers all see every
+/// GPU, and the current device of each is 0.
 #[pyfunction]
 pub(crate) fn _rebuild_device_buffer(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<DeviceBuffer> {
-    DeviceBuffer::to_device(py, data, None, None)
+    let modules = py.import("sys")?.getattr("modules")?;
+    let mr = match modules.cast::<pyo3::types::PyDict>()?.get_item("streampool.dask")? {
+        Some(dask) => Some(dask.getattr("_arrival_resource")?.call0()?).filter(|r| !r.is_none()),
+        None => None,
+    };
+    let mr = mr.map(|r| r.cast_into::<PyMemoryResource>()).transpose()?;
+    DeviceBuffer::to_device(py, data, None, mr)
 }
 
 /// A consumer's `max_version`: a `(major, minor)` of ints >= 0 (any size: a version above

@@ -53,7 +53,9 @@ pub fn prefetch(
     if bytes == 0 {
         return Ok(());
     }
-    backend.prefetch_async(on, ptr, bytes, to, stream.handle()).map_err(|e| no_concurrent_access(e, mr))
+    backend
+        .prefetch_async(on, ptr, bytes, to, stream.handle())
+        .map_err(|e| no_concurrent_access_on(e, mr, on))
 }
 
 /// The device whose context a prefetch on `stream` runs in: the stream's own. Managed
@@ -79,16 +81,22 @@ fn check_location(backend: &crate::device::BackendRef, location: Location, used:
 /// device has no concurrent managed access (Windows, WSL, some Jetson boards), where the
 /// driver takes neither a prefetch nor a GPU as preferred location.
 pub(crate) fn no_concurrent_access(e: Error, mr: &dyn MemoryResource) -> Error {
+    no_concurrent_access_on(e, mr, mr.device())
+}
+
+/// As [`no_concurrent_access`], for a call made in `device`'s context (a prefetch on a
+/// stream of another device than the memory's).
+fn no_concurrent_access_on(e: Error, mr: &dyn MemoryResource, device: i32) -> Error {
     match e {
         Error::Driver { code: CUDA_ERROR_INVALID_DEVICE, call, .. }
-            if mr.backend().device_info(mr.device()).is_ok_and(|i| !i.concurrent_managed_access) =>
+            if mr.backend().device_info(device).is_ok_and(|i| !i.concurrent_managed_access) =>
         {
             Error::Unsupported(format!(
                 "{call}: device {} has no concurrent managed access \
                  (CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS is 0, as on Windows, WSL and some \
                  Jetson boards), so the driver takes no prefetch and no GPU as preferred location \
                  there; managed memory still works, migrated by the driver at each kernel launch",
-                mr.device()
+                device
             ))
         }
         e => e,

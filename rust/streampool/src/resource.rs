@@ -153,7 +153,8 @@ pub trait MemoryResource: Send + Sync + fmt::Debug {
     /// (the sharded pool rounds `bytes` up without checking for overflow).
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr>;
     /// The implementer's hook behind [`MemoryResource::deallocate`], called only after its
-    /// checks (`ptr != 0`, `bytes > 0`, `stream` as for `do_allocate`): call `deallocate`.
+    /// checks (`ptr != 0`, `0 < bytes <= isize::MAX`, `stream` as for `do_allocate`): call
+    /// `deallocate`.
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()>;
 
     /// Allocates without waiting for anything (no contended lock, no driver call that can
