@@ -189,7 +189,8 @@ def test_info_without_a_driver_uses_the_simulated_device_variables() -> None:
     out = streampool("info", STREAMPOOL_SIM_CAPACITY="1GiB", STREAMPOOL_SIM_DEVICES="2")
     assert out.returncode == 0, out.stderr
     assert "(2 devices, 1 GiB each)" in out.stdout and "Devices:       2\n" in out.stdout, out.stdout
-    assert "GPU 0:         streampool simulated device, 1.0 GiB" in out.stdout
+    assert "GPU 0:         streampool simulated device, 1.0 GiB (the current device)\n" in out.stdout
+    assert "GPU 1:         streampool simulated device, 1.0 GiB\n" in out.stdout
     for variable, value in (("STREAMPOOL_SIM_CAPACITY", "abc"), ("STREAMPOOL_SIM_DEVICES", "1025")):
         usage_error(streampool("info", **{variable: value}), "info", f"{variable} is '{value}'")
 

@@ -109,6 +109,10 @@ def _round_trip(make: Callable[[], mr.MemoryResource]) -> str:
     return f"ok   {median_us:8.1f} us"
 
 
+#: GPUs listed by name (a simulated device may have up to 1024).
+MAX_LISTED = 16
+
+
 def report(out: Callable[[str], None] = print) -> None:
     """Prints the environment report through ``out``."""
     with _device() as device_lines:
@@ -127,7 +131,13 @@ def report(out: Callable[[str], None] = print) -> None:
             out(f"Peer access:   {'between every pair' if not missing else 'none for ' + ', '.join(missing)}")
         current = get_current_device()
         info = device_info(current)
-        out(f"GPU {current}:         {info['name']}, {_human(info['total_bytes'])}")
+        # Every GPU by name and memory; what follows is the current one's.
+        for d in range(min(count, MAX_LISTED)):
+            d_info = info if d == current else device_info(d)
+            mark = " (the current device)" if count > 1 and d == current else ""
+            out(f"{f'GPU {d}:':<15}{d_info['name']}, {_human(d_info['total_bytes'])}{mark}")
+        if count > MAX_LISTED:
+            out(f"               ... and {count - MAX_LISTED} more")
         out(f"Memory pools:  {_yes(info['memory_pools'])}")
         out(f"Managed pools: {_yes(info['managed_pools'])}")
         out(f"Concurrent managed access: {_yes(info['concurrent_managed_access'])}")
