@@ -1274,8 +1274,13 @@ impl Drop for DeviceBuffer {
 #[pyfunction]
 pub(crate) fn _rebuild_device_buffer(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<DeviceBuffer> {
     let modules = py.import("sys")?.getattr("modules")?;
-    let mr = match modules.cast::<pyo3::types::PyDict>()?.get_item("streampool.dask")? {
-        Some(dask) => Some(dask.getattr("_arrival_resource")?.call0()?).filter(|r| !r.is_none()),
+    // Not while the module is still being imported (its function not defined yet).
+    let arrival = match modules.cast::<pyo3::types::PyDict>()?.get_item("streampool.dask")? {
+        Some(dask) => dask.getattr("_arrival_resource").ok(),
+        None => None,
+    };
+    let mr = match arrival {
+        Some(f) => Some(f.call0()?).filter(|r| !r.is_none()),
         None => None,
     };
     let mr = mr.map(|r| r.cast_into::<PyMemoryResource>()).transpose()?;
