@@ -129,6 +129,26 @@ def test_profile_refuses_a_log_it_cannot_write_before_running_the_program(
     assert "output of the program" not in out.stdout
 
 
+def test_profile_never_replaces_what_is_not_a_file(tmp_path: Path, program: Path) -> None:
+    # `-o /dev/null` removed the device node and put a file in its place (as root).
+    fifo, target, link = tmp_path / "pipe", tmp_path / "target.log", tmp_path / "link.log"
+    os.mkfifo(fifo)
+    target.write_text("kept")
+    link.symlink_to(target)
+    for log in (fifo, link, tmp_path):
+        out = run("profile", "-o", str(log), "--", sys.executable, str(program))
+        failed(out, 3, "is not a file")
+        assert "output of the program" not in out.stdout
+    assert fifo.is_fifo() and link.is_symlink() and target.read_text() == "kept"
+    (tmp_path / "old.log.dev1").mkdir()  # an earlier run's log of device 1 that is not a file
+    failed(
+        run("profile", "-o", str(tmp_path / "old.log"), "--", sys.executable, str(program)),
+        3,
+        "is not a file",
+    )
+    assert (tmp_path / "old.log.dev1").is_dir()
+
+
 def test_the_shim_stops_a_program_it_cannot_profile(tmp_path: Path) -> None:
     from streampool.harness.profile import SHIM
 

@@ -223,3 +223,12 @@ def test_the_arena_s_counters_are_the_same_on_every_path() -> None:
         reserved[driver] = out["peak_reserved_bytes"]
         assert isinstance(out["synchronizations"], int) and isinstance(out["waits"], int), (driver, out)
     assert reserved == {"native": 8 * MiB, "python": 8 * MiB}  # the arena's size, on both
+
+
+def test_byte_counts_read_in_the_largest_unit_that_fits() -> None:
+    from streampool.harness.output import human_bytes
+
+    assert human_bytes(1023) == "1023 B" and human_bytes(3 << 20) == "3.0 MiB"
+    assert human_bytes(1 << 50) == "1.0 PiB"
+    assert human_bytes((1 << 64) - 1) == "16.0 EiB"  # a log's largest size, not "16777216.0 TiB"
+    assert human_bytes(None) == "n/a"

@@ -286,3 +286,16 @@ def test_a_peer_inside_another_spec_is_refused_as_a_bare_one(monkeypatch: pytest
     else:
         with pytest.raises(SpecError, match="cannot be the upstream"):
             make_resource("stats(rmm:async)")
+
+
+@pytest.mark.nosim
+@pytest.mark.parametrize("text", sorted(OURS))
+def test_the_setup_code_for_another_device_runs_and_makes_its_resource(text: str) -> None:
+    from streampool.sim import SimulatedDevice
+
+    with SimulatedDevice(capacity_bytes="256MiB", devices=2):
+        code = specs.setup_code(text, 1)
+        assert "set_per_device_resource(1, " in code, code
+        exec(code, {})  # what recommend prints for a log of device 1
+        made = streampool.get_per_device_resource(1)
+        assert isinstance(made, OURS[text]) and made.device == 1, (code, made)

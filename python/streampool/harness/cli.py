@@ -526,7 +526,7 @@ def _measure_and_report(
         done = f"; INTERRUPTED after {len(runs)} of {stopped.planned} runs" if stopped else ""
         _results_table(
             out,
-            f"{title} ({repeats} runs each, interleaved; ratio to {specs[0]} in the same run{done})"
+            f"{title} ({repeats} run{'s' if repeats != 1 else ''} each, interleaved; ratio to {specs[0]} in the same run{done})"
             + (" [simulated device]" if dev.simulated else ""),
             summary,
         )

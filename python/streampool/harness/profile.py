@@ -24,6 +24,7 @@ import contextlib
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -50,16 +51,36 @@ def check_log(log: str) -> None:
     """Removes an old ``log`` (and the ``log.devN`` of an earlier run, so that they are not
     taken for this run's) and checks that a new one can be created (by creating and
     removing it), so that a program is never run for a log that cannot be written;
-    OSError naming the log when it cannot."""
+    OSError naming the log when it cannot. Only files are removed: a log that is anything
+    else (``/dev/null``, a pipe, a link, a directory) or a file this process may not write
+    is refused, never replaced."""
     path = Path(log)
     try:
         for _, old in _other_device_logs(log):
-            Path(old).unlink(missing_ok=True)
-        path.unlink(missing_ok=True)
-        path.touch()
+            if _a_file_to_replace(Path(old)):
+                Path(old).unlink()
+        if _a_file_to_replace(path):
+            path.unlink()
+        path.touch(exist_ok=False)
         path.unlink()
     except OSError as e:
         raise OSError(f"cannot write the log {log}: {e.strerror or e}") from None
+
+
+def _a_file_to_replace(path: Path) -> bool:
+    """True for a file this process may write (an old log), False where there is nothing;
+    OSError for anything else, which a log must not replace."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(mode):
+        raise OSError(
+            0, f"{path} is not a file (a device, a pipe, a link or a directory): give the path of a file"
+        )
+    if not os.access(path, os.W_OK):
+        raise OSError(0, f"{path} is not writable (an old log is replaced only when it is)")
+    return True
 
 
 def _other_device_logs(log: str) -> list[tuple[int, str]]:

@@ -278,8 +278,8 @@ _OURS: dict[str, tuple[int, dict[str, str], Callable[..., mr.MemoryResource], st
         mr.CudaAsyncMemoryResource,
         "mr.CudaAsyncMemoryResource({opts})",
     ),
-    "cuda": (0, {}, mr.CudaMemoryResource, "mr.CudaMemoryResource()"),
-    "managed": (0, {}, mr.ManagedMemoryResource, "mr.ManagedMemoryResource()"),
+    "cuda": (0, {}, mr.CudaMemoryResource, "mr.CudaMemoryResource({opts})"),
+    "managed": (0, {}, mr.ManagedMemoryResource, "mr.ManagedMemoryResource({opts})"),
     "async_managed": (
         0,
         {"initial": "initial_pool_size", "release": "release_threshold"},
