@@ -505,6 +505,14 @@ def test_gpu_two_gpus_copies_and_peer_access() -> None:
     there = src.copy_to_device(1)
     assert there.device == 1 and bytes(there) == data
     assert bytes(there.copy_to_device(0)) == data
+    # Managed memory of device 0 prefetched to device 1 on a stream of device 1 (the
+    # reader's), which the driver takes where device 1 has concurrent managed access.
+    if streampool.device_info(1)["concurrent_managed_access"]:
+        managed = streampool.DeviceBuffer.to_device(data, mr=mr.ManagedMemoryResource(device=0))
+        reader = streampool.Stream(device=1)
+        managed.prefetch(1, reader)
+        reader.synchronize()
+        assert managed.last_prefetch_location == 1 and bytes(managed) == data
     if not streampool.device_can_access_peer(1, 0):
         pytest.skip("GPUs 1 and 0 have no peer path: pool access cannot be granted")
     shared = mr.CudaAsyncMemoryResource(device=0, peer_access=[1])
