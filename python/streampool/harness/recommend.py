@@ -140,7 +140,8 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
         f"{threads} thread(s) and {streams} stream(s) allocate; {len(sizes)} allocations, "
         f"sizes {human_bytes(p50)} at the median and {human_bytes(p99)} at the 99th percentile",
         f"{cross_stream} free(s) on another stream than the allocation's, {cross_thread} on another thread",
-        f"peak live {human_bytes(peak)} against {human_bytes(free_device_bytes)} free on the device",
+        f"peak live {human_bytes(peak)} in the log's recorded order (the table's is each replay's own) "
+        f"against {human_bytes(free_device_bytes)} free on the device",
     ]
     if peak > free_device_bytes:
         preferred = "prefetch(managed)"
