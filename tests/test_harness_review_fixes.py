@@ -207,6 +207,20 @@ def test_threads_and_streams_without_replayed_events_do_not_count(tmp_path: Path
     assert (profile_.threads, profile_.streams) == (t.threads, t.streams)
 
 
+def test_replay_says_which_lines_of_the_log_it_does_not_replay(tmp_path: Path) -> None:
+    log_of(
+        tmp_path,
+        "9,10:00:00.000001,allocate failure,0x0,100,0x5",
+        "7,10:00:00.000003,free,0x9000,100,0x7",
+        "1,10:00:00.000004,allocate,0x1000,100,0x1000",
+        "1,10:00:00.000005,free,0x1000,100,0x1000",
+    )
+    done = cli("replay", str(tmp_path / "app.log"), "--resources", "async", "--quick")
+    out, err = done.communicate(timeout=120)
+    assert done.returncode == 0, err
+    assert "not replayed: 1 allocation(s) that failed when recorded and 1 free(s) of memory" in out, out
+
+
 def test_a_trace_counts_the_threads_and_streams_its_records_use() -> None:
     # Labels need not be 0..N-1: both replayers make one thread and stream per label.
     t = Trace(

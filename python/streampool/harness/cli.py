@@ -423,6 +423,12 @@ def _read_log(out: Output, log: str, skip_malformed: bool = False, name: str | N
     if t.malformed:
         out.line(f"{name}: {t.malformed} malformed line(s) skipped (--skip-malformed)")
     if t.events:
+        if t.recorded_failures or t.unmatched_frees:
+            out.line(
+                f"{name}: not replayed: {t.recorded_failures} allocation(s) that failed when recorded and "
+                f"{t.unmatched_frees} free(s) of memory the log did not see allocated (allocated before it "
+                "began, or freed twice)"
+            )
         return t
     if not (t.recorded_failures or t.unmatched_frees):
         raise _Fail(EXIT_BAD_INPUT, f"{name}: no events: no allocations to replay")
