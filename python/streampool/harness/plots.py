@@ -40,6 +40,13 @@ def writable_dir(out_dir: str) -> None:
         pass
 
 
+def _legend(ax: Any, fontsize: str) -> None:
+    """A legend where the panel has labelled lines (none where, say, every allocation ran
+    out of memory: matplotlib would warn)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=fontsize)
+
+
 def _log_bins(samples: list[int], n: int = 60) -> list[float]:
     lo, hi = max(1, min(samples)), max(2, max(samples))
     return [lo * (hi / lo) ** (i / n) for i in range(n + 1)]
@@ -78,14 +85,14 @@ def bench_plots(
     ax.set_xscale("log", base=2)
     ticks = sorted({r["threads"] for r in summary})
     ax.set_xticks(ticks, [str(t) for t in ticks])
-    ax.legend(fontsize="small")
+    _legend(ax, "small")
     ax.set_title(_title(f"{workload}: throughput (median, min-max)", simulated))
     files.append(_save(plt, fig, str(Path(out_dir) / f"{workload}-throughput.png")))
 
     top = max((r["threads"] for r in runs), default=1)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     kind = latency_plot(ax, [r for r in runs if r["threads"] == top])
-    ax.legend(fontsize="small")
+    _legend(ax, "small")
     noun = "pair(s)" if workload == "pipeline" else "thread(s)"
     ax.set_title(_title(f"{workload}: allocate latency {kind} at {top} {noun}", simulated))
     files.append(_save(plt, fig, str(Path(out_dir) / f"{workload}-latency.png")))
@@ -169,7 +176,7 @@ def log_plot(trace: Trace, replayed: dict[str, Any], spec: str, out: str, simula
             ax.step(xs, [y / 2**20 for y in ys], where="post", label=label)
         ax.set_title(f"live MiB per {name} (recorded times)")
         ax.set_xlabel("s")
-        ax.legend(fontsize="x-small")
+        _legend(ax, "x-small")
     ax = axes[1][0]
     ax.step(range(len(replayed["live"])), [y / 2**20 for y in replayed["live"]], where="post", label="live")
     if any(v is not None for v in replayed["reserved"]):
@@ -183,13 +190,13 @@ def log_plot(trace: Trace, replayed: dict[str, Any], spec: str, out: str, simula
     left_out = f"\n({failed} allocations out of memory, left out)" if failed else ""
     ax.set_title(f"live and reserved MiB, replayed on {spec}{left_out}")
     ax.set_xlabel("event")
-    ax.legend(fontsize="small")
+    _legend(ax, "small")
     ax = axes[1][1]
     for name, samples in replayed["latencies_ns"].items():
         if samples:
             ax.hist(samples, bins=_log_bins(samples), histtype="step", log=True, label=name)
     ax.set_xscale("log")
     ax.set_title(f"latency on {spec} (ns)")
-    ax.legend(fontsize="small")
+    _legend(ax, "small")
     fig.suptitle(_title(f"allocation log: {trace.events} events", simulated))
     return _save(plt, fig, out, dpi=110)
