@@ -40,7 +40,7 @@ if "crash" in sys.argv:
 
 
 def run(*args: str, cwd: Path | None = None, **environ: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, STREAMPOOL_DEVICE="sim", **environ)
+    env = {**os.environ, "STREAMPOOL_DEVICE": "sim", **environ}
     return subprocess.run(
         [sys.executable, "-m", "streampool", *args],
         env=env,
@@ -297,6 +297,15 @@ def test_recommend_a_log_of_a_device_this_machine_lacks(tmp_path: Path, log: Pat
 def test_profile_of_a_program_that_cannot_start(tmp_path: Path) -> None:
     out = run("profile", "-o", str(tmp_path / "x.log"), "--", "/nonexistent/program")
     assert out.returncode == 127 and "cannot run" in out.stderr
+
+
+@pytest.mark.skipif(os.environ.get("STREAMPOOL_GPU_TESTS") == "1", reason="this machine has a CUDA driver")
+def test_recommend_without_a_driver_says_how_to_run_the_program(log: Path) -> None:
+    out = run("recommend", str(log), "--quick", STREAMPOOL_DEVICE="")
+    assert out.returncode == 0, out.stderr
+    assert "run the program with STREAMPOOL_DEVICE=sim" in out.stdout, out.stdout
+    out = run("recommend", str(log), "--quick")  # STREAMPOOL_DEVICE=sim: the program has it too
+    assert "run the program with STREAMPOOL_DEVICE=sim" not in out.stdout
 
 
 def test_replay_json_and_the_log_it_read(log: Path) -> None:

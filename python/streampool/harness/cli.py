@@ -947,6 +947,9 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
             "`streampool profile` has them do unless --no-frameworks: add "
             "`from streampool import allocators; allocators.use_on_import()` after these lines)"
         )
+    if dev.simulated and not os.environ.get("STREAMPOOL_DEVICE"):
+        # Without a driver, `profile` ran the program on the simulated device for it.
+        out.line("  (on this machine, without a GPU: run the program with STREAMPOOL_DEVICE=sim)")
     if args.json:
         out.emit_json(
             _recommend_document(dev, log, args.max_lead, repeats, runs, summary, prof, choice, None, passes)
