@@ -1093,10 +1093,11 @@ impl DeviceBuffer {
         let resource = alloc.resource().clone();
         let to = location_arg(device, Location::Device(resource.device()))?;
         let stream = Self::op_stream(py, &alloc, stream)?;
-        let on = managed::prefetch_device(&stream, resource.device());
-        stream.check(resource.backend(), on).or_raise(py)?;
         if managed::require_managed(resource.as_ref(), "prefetch", "this buffer's").is_err() {
-            // Nothing to move; the device is still checked, as for managed memory.
+            // Nothing to move; the stream and the device are still checked, as
+            // `managed::prefetch` checks them for managed memory.
+            let on = managed::prefetch_device(&stream, resource.device());
+            stream.check(resource.backend(), on).or_raise(py)?;
             return match to {
                 Location::Device(d) => detached(py, move || {
                     streampool::resources::check_device(resource.backend(), Some(d)).map(drop)
@@ -1275,15 +1276,15 @@ impl Drop for DeviceBuffer {
 pub(crate) fn _rebuild_device_buffer(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<DeviceBuffer> {
     let modules = py.import("sys")?.getattr("modules")?;
     // Not while the module is still being imported (its function not defined yet).
-    let arrival = match modules.cast::<pyo3::types::PyDict>()?.get_item("streampool.dask")? {
-        Some(dask) => dask.getattr("_arrival_resource").ok(),
-        None => None,
-    };
+    let arrival = modules
+        .cast::<pyo3::types::PyDict>()?
+        .get_item("streampool.dask")?
+        .and_then(|dask| dask.getattr("_arrival_resource").ok());
+    // None (no plugin here) is no resource: the current one.
     let mr = match arrival {
-        Some(f) => Some(f.call0()?).filter(|r| !r.is_none()),
+        Some(f) => f.call0()?.cast_into::<PyMemoryResource>().ok(),
         None => None,
     };
-    let mr = mr.map(|r| r.cast_into::<PyMemoryResource>()).transpose()?;
     DeviceBuffer::to_device(py, data, None, mr)
 }
 

@@ -53,9 +53,7 @@ pub fn prefetch(
     if bytes == 0 {
         return Ok(());
     }
-    backend
-        .prefetch_async(on, ptr, bytes, to, stream.handle())
-        .map_err(|e| no_concurrent_access_on(e, mr, on))
+    backend.prefetch_async(on, ptr, bytes, to, stream.handle()).map_err(|e| no_concurrent_access(e, mr, on))
 }
 
 /// The device whose context a prefetch on `stream` runs in: the stream's own. Managed
@@ -79,14 +77,9 @@ fn check_location(backend: &crate::device::BackendRef, location: Location, used:
 
 /// The driver's `CUDA_ERROR_INVALID_DEVICE` for prefetch or advice, said plainly when the
 /// device has no concurrent managed access (Windows, WSL, some Jetson boards), where the
-/// driver takes neither a prefetch nor a GPU as preferred location.
-pub(crate) fn no_concurrent_access(e: Error, mr: &dyn MemoryResource) -> Error {
-    no_concurrent_access_on(e, mr, mr.device())
-}
-
-/// As [`no_concurrent_access`], for a call made in `device`'s context (a prefetch on a
-/// stream of another device than the memory's).
-fn no_concurrent_access_on(e: Error, mr: &dyn MemoryResource, device: i32) -> Error {
+/// driver takes neither a prefetch nor a GPU as preferred location; `device`: the one the
+/// call was made in (the memory's, or a prefetch's stream's).
+pub(crate) fn no_concurrent_access(e: Error, mr: &dyn MemoryResource, device: i32) -> Error {
     match e {
         Error::Driver { code: CUDA_ERROR_INVALID_DEVICE, call, .. }
             if mr.backend().device_info(device).is_ok_and(|i| !i.concurrent_managed_access) =>
@@ -126,7 +119,7 @@ pub fn advise(
              ManagedMemoryResource takes it",
             mr.name()
         )),
-        e => no_concurrent_access(e, mr),
+        e => no_concurrent_access(e, mr, mr.device()),
     })
 }
 

@@ -78,7 +78,11 @@ impl MemoryResource for PrefetchAdaptor {
                 let what =
                     || format!("PrefetchResourceAdaptor: freeing an allocation whose prefetch failed ({e})");
                 record_if_failed(what, self.upstream.deallocate(ptr, bytes, stream));
-                return Err(crate::managed::no_concurrent_access(e, self.upstream.as_ref()));
+                return Err(crate::managed::no_concurrent_access(
+                    e,
+                    self.upstream.as_ref(),
+                    self.upstream.device(),
+                ));
             }
         }
         Ok(ptr)
