@@ -263,6 +263,8 @@ def test_the_variables_are_read_as_the_library_reads_them(tmp_path: Path) -> Non
                 timeout=60,
             )
             assert out.stdout.startswith("True"), (variable, value, out.stdout, out.stderr)
+            if not value.strip():  # blank is unset, as for STREAMPOOL_DEVICE: a device, no error
+                assert "None" not in out.stdout, (variable, out.stdout)
 
 
 # E. The -h screens, and a mistake shown with its command's usage.

@@ -395,7 +395,7 @@ def test_the_imported_resource_allocates_nothing_else() -> None:
     code = textwrap.dedent(
         """
         import socket, sys
-        from streampool import DeviceBuffer, InvalidArgumentError, ipc
+        from streampool import DeviceBuffer, InvalidArgumentError, ipc, mr
         from streampool.sim import SimulatedDevice
         sock = socket.socket(fileno=int(sys.argv[1]))
         with SimulatedDevice(capacity_bytes="64MiB"), ipc.recv_handle(sock) as handle:
@@ -406,6 +406,14 @@ def test_the_imported_resource_allocates_nothing_else() -> None:
                 assert "cannot allocate" in str(e), e
             else:
                 raise AssertionError("a second buffer from the imported resource")
+            current = mr.get_current_device_resource()
+            try:
+                mr.set_current_device_resource(buf.mr)
+            except ValueError as e:
+                assert "cannot be the resource of a device" in str(e), e
+            else:
+                raise AssertionError("an imported resource became the device's resource")
+            assert mr.get_current_device_resource() is current
             assert buf.tobytes() == b"z" * 512
             buf.close()
         sock.sendall(b"done")

@@ -35,9 +35,10 @@ def _shown(value: str) -> str:
 
 def simulated_capacity() -> int | None:
     """``STREAMPOOL_SIM_CAPACITY`` in bytes (:func:`streampool.parse_size`); None when it is
-    not set (the simulator's default). ValueError naming the variable when it is not a size."""
+    not set or blank (the simulator's default). ValueError naming the variable when it is
+    not a size."""
     value = os.environ.get(CAPACITY)
-    if value is None:
+    if value is None or not value.strip():
         return None
     try:
         return parse_size(value)
@@ -50,10 +51,10 @@ def simulated_capacity() -> int | None:
 
 def simulated_devices() -> int:
     """``STREAMPOOL_SIM_DEVICES``: a whole number from 1 to 1024 (spaces around it allowed,
-    as the library allows them); 1 when it is not set. ValueError naming the variable
-    otherwise."""
+    as the library allows them); 1 when it is not set or blank. ValueError naming the
+    variable otherwise."""
     value = os.environ.get(DEVICES)
-    if value is None:
+    if value is None or not value.strip():
         return 1
     text = value.strip()
     if re.fullmatch(r"[+-]?[0-9]+", text) and 1 <= int(text) <= MAX_DEVICES:

@@ -345,6 +345,11 @@ def _range(s: dict[str, float], fmt: Any = human_rate) -> str:
     return f"{fmt(s['median'])} [{fmt(s['min'])}-{fmt(s['max'])}]"
 
 
+def _latencies(p: dict[str, int]) -> str:
+    """p50 / p99, or "-" where no call succeeded (the percentiles of no samples are zeros)."""
+    return "-" if p["max"] == 0 else f"{human_ns(p['p50'])} / {human_ns(p['p99'])}"
+
+
 def _results_table(out: Output, title: str, summary: list[dict[str, Any]]) -> None:
     """The results table. The peak live bytes are the run's own (a replay's threads do not
     wait for each other as the program's did, so they may run ahead and hold more than the
@@ -361,8 +366,8 @@ def _results_table(out: Output, title: str, summary: list[dict[str, Any]]) -> No
                 str(r["oom_events"]),
                 _range(ratio, lambda x: f"{x:.2f}") if ratio else "-",
                 f"{100 * r['alloc_share']['median']:.1f}%",
-                f"{human_ns(r['allocate']['p50'])} / {human_ns(r['allocate']['p99'])}",
-                human_ns(r["longest_call_ns"]),
+                _latencies(r["allocate"]),
+                human_ns(r["longest_call_ns"]) if r["longest_call_ns"] else "-",
                 f"{human_bytes(r['peak_live_bytes'])} / {human_bytes(r['peak_reserved_bytes'])}",
                 "-" if r["synchronizations"] is None else f"{r['synchronizations']}/{r['waits'] or 0}",
             ]

@@ -667,6 +667,14 @@ fn set_resource(
     mr: &Bound<'_, PyMemoryResource>,
 ) -> PyResult<Option<Py<PyMemoryResource>>> {
     let (backend, device) = current_placement(py, device)?;
+    if mr.is_instance_of::<crate::ipc::PyIpcImportedMemoryResource>() {
+        return Err(PyValueError::new_err(format!(
+            "{} cannot be the resource of a device: it holds one buffer imported from another process and \
+             allocates nothing else. Keep the device's resource, and use the imported buffer \
+             (streampool.ipc.import_buffer) as it is",
+            mr.repr()?
+        )));
+    }
     let res = &mr.get().inner;
     if res.backend().id() != backend.id() || res.device() != device {
         return Err(PyValueError::new_err(format!(

@@ -588,10 +588,11 @@ fn env_sim() -> Result<Option<Arc<sim::SimDevice>>> {
     if let Some(sim) = ENV_SIM.get() {
         return Ok(sim.clone());
     }
-    // Unset: None, the default; set: its value, or, not UTF-8, its bytes as shown in the
-    // refusal (as any other value it cannot read).
+    // Unset or blank: None, the default (as STREAMPOOL_DEVICE); set: its value, or, not
+    // UTF-8, its bytes as shown in the refusal (as any other value it cannot read).
     let read = |name: &str| match std::env::var(name) {
         Err(std::env::VarError::NotPresent) => None,
+        Ok(s) if s.trim().is_empty() => None,
         Ok(s) => Some(Ok(s)),
         Err(std::env::VarError::NotUnicode(v)) => Some(Err(format!("{v:?}"))),
     };
