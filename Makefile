@@ -46,12 +46,14 @@ install-lint: ## install what lint uses: ruff, mypy, rustfmt and clippy; the pac
 	if command -v rustup >/dev/null; then rustup component add rustfmt clippy >/dev/null; fi
 	$(PYTHON) -c "import streampool._native" 2>/dev/null || $(MAKE) install
 
-lint: install-lint ## rustfmt, clippy, ruff (check and format) and stubtest (run `make install` first to check a changed binding)
+lint: install-lint ## rustfmt, clippy, ruff (check and format), stubtest, mypy, and a typed program under mypy --strict (run `make install` first to check a changed binding)
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --quiet -- -D warnings
 	$(PYTHON) -m ruff check python tests benchmarks scripts
 	$(PYTHON) -m ruff format --check python tests benchmarks scripts
 	$(PYTHON) -m mypy.stubtest streampool._native --allowlist python/stubtest-allowlist.txt
+	$(PYTHON) -m mypy
+	$(PYTHON) -m mypy --strict tests/typed_usage.py
 
 fmt: install-lint ## format Rust and Python
 	$(CARGO) fmt --all

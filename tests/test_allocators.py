@@ -391,9 +391,52 @@ def test_the_torch_and_cupy_modules_import_without_their_library_as_rmms_do(
                 call()
         with pytest.raises(ModuleNotFoundError, match="pip install cupy"):
             sp_cupy.rmm_cupy_allocator(1024)
+        # `except sp_cupy.OutOfMemoryError` works without CuPy too: streampool's own error.
+        assert sp_cupy.OutOfMemoryError is streampool.OutOfMemoryError
     finally:
         for library in ("torch", "cupy"):
             sys.modules.pop(f"streampool.allocators.{library}", None)
+
+
+def _stub_torch(monkeypatch: pytest.MonkeyPatch, *, built: bool, available: bool) -> list[str]:
+    """A stand-in for PyTorch (CUDA build or not, a GPU seen or not); returns what made an
+    allocator."""
+    made: list[str] = []
+
+    class CUDAPluggableAllocator:
+        def __init__(self, path: str, alloc: str, free: str) -> None:
+            made.append(alloc)
+
+    torch = types.ModuleType("torch")
+    memory = types.ModuleType("torch.cuda.memory")
+    if built:
+        memory.CUDAPluggableAllocator = CUDAPluggableAllocator  # type: ignore[attr-defined]
+    torch.cuda = types.SimpleNamespace(memory=memory, is_available=lambda: available)  # type: ignore[attr-defined]
+    torch.backends = types.SimpleNamespace(cuda=types.SimpleNamespace(is_built=lambda: built))  # type: ignore[attr-defined]
+    torch.__version__ = "0.0+stub"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch.cuda", torch.cuda)  # type: ignore[arg-type]
+    monkeypatch.setitem(sys.modules, "torch.cuda.memory", memory)
+    monkeypatch.delitem(sys.modules, "streampool.allocators.torch", raising=False)
+    return made
+
+
+@pytest.mark.parametrize(("built", "available"), [(False, False), (True, False), (True, True)])
+def test_the_torch_allocator_is_none_where_pytorch_cannot_use_it_as_rmms(
+    monkeypatch: pytest.MonkeyPatch, built: bool, available: bool
+) -> None:
+    # RMM's module: None unless torch.cuda.is_available(); RMM code checks `is not None`.
+    made = _stub_torch(monkeypatch, built=built, available=available)
+    try:
+        sp_torch = importlib.import_module("streampool.allocators.torch")
+        assert sp_torch.rmm_torch_allocator is None  # the simulated device: no GPU for PyTorch
+        monkeypatch.setattr(sp_torch._native, "using_simulated_device", lambda: False)
+        got = sp_torch.rmm_torch_allocator
+        assert (got is not None) == (built and available) and made == (
+            ["streampool_alloc_cxx"] if got else []
+        )
+    finally:
+        sys.modules.pop("streampool.allocators.torch", None)
 
 
 @pytest.mark.parametrize(

@@ -162,7 +162,11 @@ def test_numba_without_its_cuda_target_names_the_package(
 ) -> None:
     fake_numba(monkeypatch, simulator=False)
     monkeypatch.delattr(sys.modules["numba.cuda"], "HostOnlyCUDAMemoryManager")
-    with pytest.raises(ImportError, match="needs Numba's CUDA target: pip install numba-cuda"):
+    with pytest.raises(ImportError, match="needs Numba's CUDA target: pip install numba-cuda") as raised:
+        fresh_plugin()
+    assert type(raised.value) is ImportError  # Numba is there, without what is needed
+    monkeypatch.setitem(sys.modules, "numba", None)  # no Numba: ModuleNotFoundError, as RMM's
+    with pytest.raises(ModuleNotFoundError, match="needs Numba's CUDA target: pip install numba-cuda"):
         fresh_plugin()
 
 

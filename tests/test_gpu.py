@@ -99,9 +99,12 @@ def test_view_over_another_librarys_pool() -> None:
 
     err, pool = driver.cuDeviceGetDefaultMemPool(0)
     assert err == driver.CUresult.CUDA_SUCCESS
-    view = mr.CudaAsyncViewMemoryResource(int(pool))
-    buf = streampool.DeviceBuffer.to_device(b"view" * 100, mr=view)
-    assert buf.tobytes() == b"view" * 100
+    # The handle object, as RMM takes it (read with int(), not its getPtr()), and the int.
+    for handle in (pool, int(pool)):
+        view = mr.CudaAsyncViewMemoryResource(handle)
+        assert int(view.pool_handle) == int(pool)
+        buf = streampool.DeviceBuffer.to_device(b"view" * 100, mr=view)
+        assert buf.tobytes() == b"view" * 100
 
 
 def test_cupy_reads_our_buffers() -> None:

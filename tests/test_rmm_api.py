@@ -456,6 +456,12 @@ def test_stream_flags_as_rmms() -> None:
         _roundtrip_on(s)
     streampool.Stream(blocking=True, flags=mr.CudaStreamFlags.SYNC_DEFAULT)
     streampool.Stream(blocking=True, flags=Index(0))  # type: ignore[arg-type]
+    for flags in mr.CudaStreamFlags:  # RMM's order, Stream(obj=None, flags=None): positional too
+        _roundtrip_on(streampool.Stream(None, flags))
+    with pytest.raises(ValueError, match="flags must be"):
+        streampool.Stream(None, 2)
+    with pytest.raises(TypeError, match="only apply to a new stream"):
+        streampool.Stream(streampool.Stream(), mr.CudaStreamFlags.NON_BLOCKING)
     with pytest.raises(ValueError, match="contradicts"):
         streampool.Stream(blocking=True, flags=Index(1))  # type: ignore[arg-type]
     for bad in (2, -1, Index(2)):
@@ -615,12 +621,15 @@ def test_rmm_aliases() -> None:
 
 
 def test_a_view_takes_a_cuda_bindings_pool_handle_as_rmm_does() -> None:
-    class CUmemoryPool:  # what cuda.bindings.driver hands out: the handle is getPtr()
+    class CUmemoryPool:  # as cuda.bindings.driver's: int() is the handle (RMM reads it so)
         def __init__(self, handle: int) -> None:
             self.handle = handle
 
-        def getPtr(self) -> int:  # cuda.bindings' name
+        def __int__(self) -> int:
             return self.handle
+
+        def getPtr(self) -> int:  # where the object keeps the handle: a host address
+            return id(self)
 
     owner = mr.CudaAsyncMemoryResource(initial_pool_size="2MiB")
     view = mr.CudaAsyncViewMemoryResource(CUmemoryPool(int(owner.pool_handle)))
@@ -628,3 +637,34 @@ def test_a_view_takes_a_cuda_bindings_pool_handle_as_rmm_does() -> None:
     view.deallocate(view.allocate(4096), 4096)
     with pytest.raises(ValueError, match=r"is not a memory pool handle .* or a cuda.bindings CUmemoryPool"):
         mr.CudaAsyncViewMemoryResource(object())
+    with pytest.raises(ValueError, match=r"is not a memory pool handle"):
+        mr.CudaAsyncViewMemoryResource(1.5)  # a float has __int__ too, but is no handle
+
+
+def test_rmms_module_paths_import_with_streampool_in_place_of_rmm() -> None:
+    # Code that imports from RMM's module paths runs after replacing `rmm` by `streampool`.
+    from streampool.mr.experimental import CudaAsyncManagedMemoryResource
+    from streampool.pylibrmm import CudaStreamFlags, DeviceBuffer, memory_resource
+    from streampool.pylibrmm.device_buffer import DeviceBuffer as Buffer
+    from streampool.pylibrmm.memory_resource import CudaAsyncMemoryResource, experimental
+    from streampool.pylibrmm.stream import DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Stream
+
+    assert (
+        CudaAsyncManagedMemoryResource
+        is mr.CudaAsyncManagedMemoryResource
+        is mr.experimental.CudaAsyncManagedMemoryResource
+    )
+    assert (CudaStreamFlags, DeviceBuffer, Buffer) == (
+        mr.CudaStreamFlags,
+        streampool.DeviceBuffer,
+        DeviceBuffer,
+    )
+    assert (Stream, DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM) == (
+        streampool.Stream,
+        streampool.DEFAULT_STREAM,
+        streampool.PER_THREAD_DEFAULT_STREAM,
+    )
+    assert CudaAsyncMemoryResource is mr.CudaAsyncMemoryResource and experimental is mr.experimental
+    assert set(mr.__all__) <= set(memory_resource.__all__)
+    buf = Buffer(size=16, stream=Stream(None, CudaStreamFlags.NON_BLOCKING), mr=CudaAsyncMemoryResource())
+    assert buf.size == 16

@@ -8,6 +8,7 @@ device wait, a resource's lock) releases the GIL.
 
 import os
 import pickle
+import sys
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import (
@@ -106,7 +107,14 @@ __all__ = [
 __version__: Final[str]
 
 _Size: TypeAlias = SupportsIndex | str
-_B = TypeVar("_B", bound=Buffer)
+if sys.version_info >= (3, 12):
+    _HostBuffer: TypeAlias = Buffer
+else:
+    # NumPy declares its arrays' buffer protocol (`__buffer__`) from Python 3.12 only.
+    import numpy
+
+    _HostBuffer: TypeAlias = Buffer | numpy.ndarray[Any, Any]
+_B = TypeVar("_B", bound=_HostBuffer)
 
 @type_check_only
 class _CudaStreamProtocol(Protocol):
@@ -144,9 +152,10 @@ class Stream:
 
     ``Stream(device=None, blocking=False)`` creates a stream on ``device`` (the current
     device when None) of the current backend (the CUDA driver, or the active simulated
-    device). It is non-blocking unless ``blocking`` (or, as RMM's stream pool takes it,
-    ``flags=CudaStreamFlags.SYNC_DEFAULT``; ``blocking`` and ``flags`` must agree when both
-    are given, ValueError otherwise): it does not synchronise with the legacy default
+    device). It is non-blocking unless ``blocking`` (or, as RMM takes it,
+    ``flags=CudaStreamFlags.SYNC_DEFAULT``, also second positionally as in RMM's
+    ``Stream(obj=None, flags=None)``; ``blocking`` and ``flags`` must agree when both are
+    given, ValueError otherwise): it does not synchronise with the legacy default
     stream. It is destroyed when the last reference to it goes away (buffers made on it
     keep it alive).
 
@@ -168,10 +177,10 @@ class Stream:
     def __new__(
         cls,
         obj: Stream | _CudaStreamProtocol | _TorchStream | _CupyStream | _NumbaStream | None = None,
+        flags: CudaStreamFlags | int | None = None,
         *,
         device: int | None = None,
         blocking: bool | None = None,
-        flags: CudaStreamFlags | int | None = None,
     ) -> Stream: ...
     @property
     def handle(self) -> int:
@@ -376,8 +385,8 @@ class CudaAsyncManagedMemoryResource(MemoryResource):
 class CudaAsyncViewMemoryResource(MemoryResource):
     """Allocates from a driver pool someone else owns (PyTorch's, CuPy's) and never
     destroys it: the owner must outlive the view. ``pool_handle`` is an int, or a
-    ``cuda.bindings`` ``CUmemoryPool`` (as RMM takes it; read through its ``getPtr()``). A
-    handle that is not a pool raises ValueError. Sizes are not checked on free (the
+    ``cuda.bindings`` handle object (``driver.CUmemoryPool``, ``runtime.cudaMemPool_t``, as
+    RMM takes it; read with ``int()``). A handle that is not a pool raises ValueError. Sizes are not checked on free (the
     driver's free takes no size).
 
     ``device`` is the device the pool lies on; by default the one the driver says it does
@@ -841,6 +850,7 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
 
 # --- the sharded pool -----------------------------------------------------------------
 
+@type_check_only
 class _PoolStats(TypedDict):
     reserved_bytes: int
     peak_reserved_bytes: int
@@ -1044,6 +1054,7 @@ _Advice: TypeAlias = Literal[
 ]
 """What ``DeviceBuffer.advise`` takes (``CU_MEM_ADVISE_SET_READ_MOSTLY`` and the rest)."""
 
+@type_check_only
 class _CudaArrayInterface(TypedDict):
     shape: tuple[int]
     typestr: Literal["|u1"]
@@ -1134,7 +1145,7 @@ class DeviceBuffer:
         """The bytes allocated: at least ``size`` (``reserve`` and a shrinking ``resize``
         leave room). ValueError once closed."""
     @property
-    def stream(self) -> Any:
+    def stream(self) -> Stream | int | _CudaStreamProtocol | _TorchStream | _CupyStream | _NumbaStream:
         """The stream the buffer was made on, as given (DEFAULT_STREAM when none was); the
         buffer keeps it alive."""
     @property
@@ -1192,7 +1203,7 @@ class DeviceBuffer:
         stream)."""
     @overload
     def copy_to_host(self, ary: _B, stream: _StreamLike = None) -> _B: ...
-    def copy_from_host(self, ary: Buffer, stream: _StreamLike = None) -> None:
+    def copy_from_host(self, ary: _HostBuffer, stream: _StreamLike = None) -> None:
         """Copies a host buffer of at most ``size`` bytes to the start of the buffer and
         waits for the copy (GIL released). ``stream`` defaults to the buffer's own."""
     def copy_from_device(self, cuda_ary: Any, stream: _StreamLike = None) -> None:
@@ -1209,7 +1220,9 @@ class DeviceBuffer:
         """The contents as bytes (a host copy, waited for), ordered on ``stream`` (default:
         the buffer's own)."""
     @staticmethod
-    def to_device(b: Buffer, stream: _StreamLike = None, mr: MemoryResource | None = None) -> DeviceBuffer:
+    def to_device(
+        b: _HostBuffer, stream: _StreamLike = None, mr: MemoryResource | None = None
+    ) -> DeviceBuffer:
         """A new buffer holding a copy of ``b``."""
     def copy_to_device(
         self, device: int, stream: _StreamLike = None, mr: MemoryResource | None = None
@@ -1379,6 +1392,7 @@ class _SimDevice:
 
 # --- module functions ---------------------------------------------------------------
 
+@type_check_only
 class _DeviceInfo(TypedDict):
     device: int
     name: str

@@ -27,6 +27,7 @@ from typing import Literal, ParamSpec, Self, TypeVar
 from . import mr
 
 __all__ = [
+    "ProfilerContext",
     "ProfilerRecords",
     "Statistics",
     "default_profiler_records",
@@ -41,13 +42,14 @@ __all__ = [
 _FIELDS = ("current_bytes", "current_count", "peak_bytes", "peak_count", "total_bytes", "total_count")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Statistics:
     """What a :class:`~streampool.mr.StatisticsResourceAdaptor` counted (one set of
     counters of its stack).
 
     Also readable by key (``stats["peak_bytes"]``, ``dict(stats)``), as the dictionary that
-    older RMM versions returned.
+    older RMM versions returned. A snapshot: as RMM's, its fields can be set, which changes
+    nothing in the adaptor.
 
     Attributes:
         current_bytes: bytes allocated and not yet freed.
@@ -239,8 +241,8 @@ def _describe(func: Callable[..., object]) -> str:
     return f"{path}:{line}({getattr(func, '__qualname__', repr(func))})"
 
 
-class _Profiler:
-    """What :func:`profiler` returns: a decorator and a context manager."""
+class ProfilerContext:
+    """What :func:`profiler` returns: a decorator and a context manager (RMM's name)."""
 
     def __init__(self, records: ProfilerRecords, name: str) -> None:
         self._records = records
@@ -277,7 +279,7 @@ class _Profiler:
             self._records.add(self._name, stats)
 
 
-def profiler(*, records: ProfilerRecords = default_profiler_records, name: str = "") -> _Profiler:
+def profiler(*, records: ProfilerRecords = default_profiler_records, name: str = "") -> ProfilerContext:
     """Records the statistics of a function (as a decorator) or a block (as a context
     manager) in ``records``, under ``name``.
 
@@ -293,4 +295,4 @@ def profiler(*, records: ProfilerRecords = default_profiler_records, name: str =
         >>> default_profiler_records.records["load"].num_calls
         1
     """
-    return _Profiler(records, name)
+    return ProfilerContext(records, name)

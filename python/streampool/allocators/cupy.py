@@ -99,10 +99,13 @@ def _without_cupy(nbytes: int) -> Any:
     raise ModuleNotFoundError(MISSING, name="cupy") from _IMPORT_ERROR
 
 
+_CUPYS = None if cupy is None else _out_of_memory_error(cupy)
+
 #: What :func:`streampool_cupy_allocator` raises out of memory: streampool's
-#: ``OutOfMemoryError`` that is CuPy's ``cupy.cuda.memory.OutOfMemoryError`` too (None
-#: without CuPy).
-OutOfMemoryError = None if cupy is None else _out_of_memory_error(cupy)
+#: ``OutOfMemoryError`` that is CuPy's ``cupy.cuda.memory.OutOfMemoryError`` too (without
+#: CuPy, or a CuPy that has no such error, streampool's own), so that ``except
+#: OutOfMemoryError`` works with or without CuPy.
+OutOfMemoryError: type[_errors.OutOfMemoryError] = _CUPYS or _errors.OutOfMemoryError
 
 #: Allocates ``nbytes`` on CuPy's current stream through streampool's current resource of
 #: the current device: the allocator function for ``cupy.cuda.set_allocator``. Returns a
@@ -111,7 +114,7 @@ OutOfMemoryError = None if cupy is None else _out_of_memory_error(cupy)
 #: MemoryErrors) when the resource cannot serve it. A callable object of streampool's
 #: extension: no Python code runs on its path, and the memory is freed, when CuPy lets go
 #: of it, through the resource that made it, on the stream it was allocated on.
-streampool_cupy_allocator: Any = _without_cupy if cupy is None else _make(cupy, OutOfMemoryError)
+streampool_cupy_allocator: Any = _without_cupy if cupy is None else _make(cupy, _CUPYS)
 
 rmm_cupy_allocator = streampool_cupy_allocator
 

@@ -51,7 +51,10 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
             "(NUMBA_ENABLE_CUDASIM=1): the simulator has no external memory managers. Unset "
             "NUMBA_ENABLE_CUDASIM to have Numba allocate through streampool on a GPU"
         ) from e
-    raise ImportError("streampool.allocators.numba needs Numba's CUDA target: pip install numba-cuda") from e
+    # Without Numba a ModuleNotFoundError, as RMM's module raises; with a Numba that lacks
+    # what is needed, an ImportError.
+    error = ModuleNotFoundError if isinstance(e, ModuleNotFoundError) else ImportError
+    raise error("streampool.allocators.numba needs Numba's CUDA target: pip install numba-cuda") from e
 
 __all__ = ["RMMNumbaManager", "StreampoolNumbaManager", "use"]
 

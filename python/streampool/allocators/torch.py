@@ -33,8 +33,11 @@ Example (GPU only)::
 
 RMM's name: ``rmm_torch_allocator`` (``rmm.allocators.torch``) is
 :data:`streampool_torch_allocator` here, and both names work. As RMM's, the module imports
-without PyTorch: the allocator is then None, and ``use()`` raises ImportError naming the
-package.
+without PyTorch, and the allocator is None where PyTorch cannot use it: PyTorch not
+installed, built without CUDA, or seeing no GPU (``torch.cuda.is_available()`` False), and
+on the simulated device; so RMM code that checks ``rmm_torch_allocator is not None`` runs
+unchanged. ``use()`` and :func:`allocator` raise there instead, saying why (ImportError
+naming the package without PyTorch).
 """
 
 from __future__ import annotations
@@ -380,9 +383,21 @@ _STATS_FUNCTIONS: dict[str, Any] = {
 }
 
 
+def _cuda_usable() -> bool:
+    """PyTorch is installed with CUDA support and sees a GPU (``torch.cuda.is_available()``,
+    which RMM's module asks), and the device is not simulated."""
+    return (
+        torch is not None
+        and not _native.using_simulated_device()
+        and hasattr(_torch_memory, "CUDAPluggableAllocator")
+        and bool(torch.backends.cuda.is_built())
+        and bool(torch.cuda.is_available())
+    )
+
+
 def __getattr__(name: str) -> Any:
     # RMM's module attribute, made on first use: making it needs a CUDA build of PyTorch,
     # and importing this module must not.
     if name in ("streampool_torch_allocator", "rmm_torch_allocator"):
-        return None if torch is None else allocator()  # None without PyTorch, as RMM's
+        return allocator() if _cuda_usable() else None  # as RMM's: None where no GPU is usable
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

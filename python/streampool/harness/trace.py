@@ -330,7 +330,7 @@ def from_events(events: Iterable[Any]) -> Trace:
     )
 
 
-def read_log(path: str, *, skip_malformed: bool = False) -> Trace:
+def read_log(path: str | os.PathLike[str], *, skip_malformed: bool = False) -> Trace:
     """The trace of a log in streampool's or RMM's CSV format (``Thread,Time,Action,
     Pointer,Size,Stream``). A malformed line raises :class:`LogFormatError` naming every
     bad line by number (its ``trace`` holds the rest); with ``skip_malformed`` the bad

@@ -350,15 +350,23 @@ impl PyCudaAsyncViewMemoryResource {
         device: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let given = device_arg(device, "device")?;
-        // An int, or a `cuda.bindings` handle object (`CUmemoryPool`, what RMM takes),
-        // whose `getPtr()` is the handle.
-        let handle = match pool_handle.hasattr("getPtr")? {
-            true => pool_handle.call_method0("getPtr")?,
-            false => pool_handle.clone(),
+        // An int, or what converts to one with int(): a `cuda.bindings` handle object
+        // (`driver.CUmemoryPool`, `runtime.cudaMemPool_t`), as RMM reads it. Not its
+        // `getPtr()`: that is where the object stores the handle, a host address.
+        let handle = if pool_handle.is_instance_of::<pyo3::types::PyInt>() {
+            Some(pool_handle.clone())
+        } else if pool_handle.is_instance_of::<pyo3::types::PyFloat>() {
+            None // int() would truncate it into some number
+        } else {
+            match pool_handle.get_type().getattr_opt("__int__")? {
+                Some(_) => Some(pool_handle.call_method0("__int__")?),
+                None => None,
+            }
         };
-        let pool = handle.extract::<u64>().map_err(|_| {
+        let pool = handle.and_then(|h| h.extract::<u64>().ok()).ok_or_else(|| {
             PyValueError::new_err(format!(
-                "{pool_handle} is not a memory pool handle (an int in 0..2**64, or a cuda.bindings CUmemoryPool)"
+                "{pool_handle} is not a memory pool handle (an int in 0..2**64, or a cuda.bindings CUmemoryPool \
+                 or cudaMemPool_t)"
             ))
         })?;
         let mr = detached(py, move || CudaAsyncMemoryResource::view(device::backend()?, given, pool))?;

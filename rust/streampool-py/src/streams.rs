@@ -19,8 +19,9 @@ use crate::errors::{detached, OrRaise};
 ///
 /// `Stream(device=None, blocking=False)` creates a stream on `device` (the current device
 /// when None) of the current backend (the CUDA driver, or the active simulated device).
-/// It is non-blocking unless `blocking` (or `flags=CudaStreamFlags.SYNC_DEFAULT`): it does
-/// not synchronise with the legacy default stream. It is destroyed when the last reference
+/// It is non-blocking unless `blocking` (or `flags=CudaStreamFlags.SYNC_DEFAULT`, also
+/// second positionally as RMM's `Stream(obj=None, flags=None)`): it does not synchronise
+/// with the legacy default stream. It is destroyed when the last reference
 /// to it (including buffers made on it) goes away.
 ///
 /// `Stream(obj)`, as RMM's: wraps another library's stream (an object with
@@ -163,13 +164,13 @@ impl PyStream {
     }
 
     #[new]
-    #[pyo3(signature = (obj=None, *, device=None, blocking=None, flags=None))]
+    #[pyo3(signature = (obj=None, flags=None, *, device=None, blocking=None))]
     fn new(
         py: Python<'_>,
         obj: Option<&Bound<'_, PyAny>>,
+        flags: Option<&Bound<'_, PyAny>>,
         device: Option<&Bound<'_, PyAny>>,
         blocking: Option<bool>,
-        flags: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         if let Some(obj) = obj.filter(|o| !o.is_none()) {
             return Self::wrap(py, obj, device, blocking, flags);

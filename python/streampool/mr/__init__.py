@@ -33,7 +33,7 @@ See the RMM migration guide (``docs/rmm-migration.md``) for every RMM name and o
 
 from __future__ import annotations
 
-from ._native import (
+from .._native import (
     MAX_RESOURCE_DEPTH,
     AllocationRecord,
     ArenaMemoryResource,
@@ -62,7 +62,7 @@ from ._native import (
     set_current_device_resource,
     set_per_device_resource,
 )
-from ._types import CudaStreamFlags, PoolHandle
+from .._types import CudaStreamFlags, PoolHandle
 
 __all__ = [
     "MAX_RESOURCE_DEPTH",
@@ -95,6 +95,7 @@ __all__ = [
     "available_device_memory",
     "disable_logging",
     "enable_logging",
+    "experimental",
     "get_current_device_resource",
     "get_current_device_resource_type",
     "get_log_filenames",
@@ -137,4 +138,5 @@ def get_per_device_resource_type(device: int) -> type[MemoryResource]:
 
 
 # Last, because _setup builds on the classes above (PoolMemoryResource among them).
-from ._setup import disable_logging, enable_logging, get_log_filenames, is_initialized  # noqa: E402
+from .._setup import disable_logging, enable_logging, get_log_filenames, is_initialized  # noqa: E402
+from . import experimental  # noqa: E402  (RMM's `rmm.mr.experimental`)

@@ -1,0 +1,81 @@
+"""What a typed program sees: the documented API under ``mypy --strict`` (``make lint``
+checks this file; ``tests/test_typed_usage.py`` runs it on the simulated device, so the
+types asserted here are the run time's too)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from typing_extensions import assert_type
+
+import streampool
+from streampool import DeviceBuffer, Stream, mr
+from streampool.allocators import cupy as sp_cupy
+from streampool.harness.trace import read_log
+from streampool.pylibrmm.stream import Stream as RmmPathStream
+from streampool.statistics import Statistics
+
+
+def host_arrays() -> None:
+    """NumPy arrays are host buffers (NumPy declares the buffer protocol from 3.12 only)."""
+    data = np.arange(16, dtype=np.uint8)
+    buf = DeviceBuffer.to_device(data)
+    buf.copy_from_host(np.zeros(16, np.uint8))
+    out = buf.copy_to_host(np.empty(16, np.uint8))
+    assert_type(out, np.ndarray[tuple[int], np.dtype[np.uint8]])
+    assert bytes(out) == bytes(16)
+
+
+def streams() -> None:
+    s = Stream(None, mr.CudaStreamFlags.NON_BLOCKING)  # RMM's positional order
+    buf = DeviceBuffer(size=64, stream=s)
+    got = buf.stream
+    assert isinstance(got, Stream) and got == s
+    assert RmmPathStream is Stream
+
+
+def resources() -> None:
+    previous = mr.set_current_device_resource(mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource()))
+    try:
+        DeviceBuffer(size=1000)
+        stats = streampool.get_current_device_resource()
+        assert isinstance(stats, mr.StatisticsResourceAdaptor)
+        counts = stats.allocation_counts
+        assert_type(counts, Statistics)
+        assert counts.total_bytes == 1000
+    finally:
+        if previous is not None:
+            mr.set_current_device_resource(previous)
+    owner = mr.CudaAsyncMemoryResource(initial_pool_size="2MiB")
+    view = mr.CudaAsyncViewMemoryResource(owner.pool_handle)
+    assert int(view.pool_handle) == int(owner.pool_handle)
+
+
+def errors() -> None:
+    try:
+        mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), 256).allocate(1 << 20)
+    except sp_cupy.OutOfMemoryError:  # a class with CuPy or without
+        pass
+    except MemoryError:
+        pass
+
+
+def logs() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "app.log"
+        path.write_text(streampool.logs.LOG_HEADER + "\n")
+        assert read_log(path).records == []
+
+
+def main() -> None:
+    host_arrays()
+    streams()
+    resources()
+    errors()
+    logs()
+
+
+if __name__ == "__main__":
+    main()
