@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import assert_type
 
 import numpy as np
-from typing_extensions import assert_type
 
 import streampool
 from streampool import DeviceBuffer, Stream, mr
