@@ -166,8 +166,11 @@ def test_numba_without_its_cuda_target_names_the_package(
         fresh_plugin()
     assert type(raised.value) is ImportError  # Numba is there, without what is needed
     monkeypatch.setitem(sys.modules, "numba", None)  # no Numba: ModuleNotFoundError, as RMM's
-    with pytest.raises(ModuleNotFoundError, match="needs Numba's CUDA target: pip install numba-cuda"):
+    with pytest.raises(
+        ModuleNotFoundError, match="needs Numba's CUDA target: pip install numba-cuda"
+    ) as missing:
         fresh_plugin()
+    assert missing.value.name == "numba"
 
 
 def counted_manager(

@@ -262,9 +262,11 @@ def test_the_variables_are_read_as_the_library_reads_them(tmp_path: Path) -> Non
                 text=True,
                 timeout=60,
             )
-            assert out.stdout.startswith("True"), (variable, value, out.stdout, out.stderr)
             if not value.strip():  # blank is unset, as for STREAMPOOL_DEVICE: a device, no error
-                assert "None" not in out.stdout, (variable, out.stdout)
+                # (a default capacity follows the host's free memory: two reads may differ)
+                assert "None" not in out.stdout, (variable, out.stdout, out.stderr)
+            else:
+                assert out.stdout.startswith("True"), (variable, value, out.stdout, out.stderr)
 
 
 # E. The -h screens, and a mistake shown with its command's usage.

@@ -407,12 +407,13 @@ def test_the_imported_resource_allocates_nothing_else() -> None:
             else:
                 raise AssertionError("a second buffer from the imported resource")
             current = mr.get_current_device_resource()
-            try:
-                mr.set_current_device_resource(buf.mr)
-            except ValueError as e:
-                assert "cannot be the resource of a device" in str(e), e
-            else:
-                raise AssertionError("an imported resource became the device's resource")
+            for wrapped in (buf.mr, mr.StatisticsResourceAdaptor(mr.LimitingResourceAdaptor(buf.mr, 1 << 20))):
+                try:
+                    mr.set_current_device_resource(wrapped)
+                except ValueError as e:
+                    assert "cannot be the resource of a device" in str(e), e
+                else:
+                    raise AssertionError("an imported resource became the device's resource")
             assert mr.get_current_device_resource() is current
             assert buf.tobytes() == b"z" * 512
             buf.close()

@@ -665,6 +665,9 @@ def test_rmms_module_paths_import_with_streampool_in_place_of_rmm() -> None:
         streampool.PER_THREAD_DEFAULT_STREAM,
     )
     assert CudaAsyncMemoryResource is mr.CudaAsyncMemoryResource and experimental is mr.experimental
-    assert set(mr.__all__) <= set(memory_resource.__all__)
+    namespace: dict[str, object] = {}
+    exec("from streampool.pylibrmm.memory_resource import *", namespace)
+    assert {n: getattr(mr, n) for n in mr.__all__} == {n: namespace[n] for n in mr.__all__}
+    assert streampool.pylibrmm.memory_resource is memory_resource  # after `import streampool`, as rmm's
     buf = Buffer(size=16, stream=Stream(None, CudaStreamFlags.NON_BLOCKING), mr=CudaAsyncMemoryResource())
     assert buf.size == 16

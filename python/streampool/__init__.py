@@ -11,7 +11,7 @@ resource raises :class:`CudaDriverNotFoundError`.
 
 from __future__ import annotations
 
-from . import allocators, ipc, kernels, logs, mr, sim, statistics
+from . import allocators, ipc, kernels, logs, mr, pylibrmm, sim, statistics
 from ._errors import (
     CudaDriverNotFoundError,
     CudaError,
@@ -94,6 +94,7 @@ __all__ = [
     "mr",
     "parse_size",
     "pointer_pool",
+    "pylibrmm",
     "register_reinitialize_hook",
     "reinitialize",
     "set_current_device_resource",

@@ -1145,7 +1145,7 @@ class DeviceBuffer:
         """The bytes allocated: at least ``size`` (``reserve`` and a shrinking ``resize``
         leave room). ValueError once closed."""
     @property
-    def stream(self) -> Stream | int | _CudaStreamProtocol | _TorchStream | _CupyStream | _NumbaStream:
+    def stream(self) -> Any:
         """The stream the buffer was made on, as given (DEFAULT_STREAM when none was); the
         buffer keeps it alive."""
     @property

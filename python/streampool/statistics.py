@@ -49,7 +49,7 @@ class Statistics:
 
     Also readable by key (``stats["peak_bytes"]``, ``dict(stats)``), as the dictionary that
     older RMM versions returned. A snapshot: as RMM's, its fields can be set, which changes
-    nothing in the adaptor.
+    nothing in the adaptor, and it is not hashable.
 
     Attributes:
         current_bytes: bytes allocated and not yet freed.

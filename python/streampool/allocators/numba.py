@@ -51,10 +51,13 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
             "(NUMBA_ENABLE_CUDASIM=1): the simulator has no external memory managers. Unset "
             "NUMBA_ENABLE_CUDASIM to have Numba allocate through streampool on a GPU"
         ) from e
-    # Without Numba a ModuleNotFoundError, as RMM's module raises; with a Numba that lacks
-    # what is needed, an ImportError.
+    # The class of what failed, with the module's name: ModuleNotFoundError without Numba
+    # (or without its CUDA target), as RMM's module raises; ImportError for a Numba that
+    # lacks what is needed.
     error = ModuleNotFoundError if isinstance(e, ModuleNotFoundError) else ImportError
-    raise error("streampool.allocators.numba needs Numba's CUDA target: pip install numba-cuda") from e
+    raise error(
+        "streampool.allocators.numba needs Numba's CUDA target: pip install numba-cuda", name=e.name
+    ) from e
 
 __all__ = ["RMMNumbaManager", "StreampoolNumbaManager", "use"]
 

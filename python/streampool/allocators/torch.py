@@ -36,8 +36,10 @@ RMM's name: ``rmm_torch_allocator`` (``rmm.allocators.torch``) is
 without PyTorch, and the allocator is None where PyTorch cannot use it: PyTorch not
 installed, built without CUDA, or seeing no GPU (``torch.cuda.is_available()`` False), and
 on the simulated device; so RMM code that checks ``rmm_torch_allocator is not None`` runs
-unchanged. ``use()`` and :func:`allocator` raise there instead, saying why (ImportError
-naming the package without PyTorch).
+unchanged. Reading it calls ``torch.cuda.is_available()``, as RMM's module does at import
+and :func:`use` does, which initialises the CUDA driver in the process (children forked
+afterwards cannot use CUDA). Without PyTorch, :func:`use` and :func:`allocator` raise
+ImportError naming the package.
 """
 
 from __future__ import annotations

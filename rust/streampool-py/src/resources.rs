@@ -675,13 +675,19 @@ fn set_resource(
     mr: &Bound<'_, PyMemoryResource>,
 ) -> PyResult<Option<Py<PyMemoryResource>>> {
     let (backend, device) = current_placement(py, device)?;
-    if mr.is_instance_of::<crate::ipc::PyIpcImportedMemoryResource>() {
-        return Err(PyValueError::new_err(format!(
-            "{} cannot be the resource of a device: it holds one buffer imported from another process and \
-             allocates nothing else. Keep the device's resource, and use the imported buffer \
-             (streampool.ipc.import_buffer) as it is",
-            mr.repr()?
-        )));
+    // An imported IPC resource, or an adaptor over one: every allocation would fail.
+    let mut below = Some(mr.clone().into_any());
+    while let Some(resource) = below {
+        if resource.is_instance_of::<crate::ipc::PyIpcImportedMemoryResource>() {
+            return Err(PyValueError::new_err(format!(
+                "{} cannot be the resource of a device: {} holds one buffer imported from another process \
+                 and allocates nothing else. Keep the device's resource, and use the imported buffer \
+                 (streampool.ipc.import_buffer) as it is",
+                mr.repr()?,
+                if resource.is(mr) { "it".to_owned() } else { format!("{} below it", resource.repr()?) }
+            )));
+        }
+        below = resource.getattr_opt("upstream_mr")?;
     }
     let res = &mr.get().inner;
     if res.backend().id() != backend.id() || res.device() != device {
