@@ -69,12 +69,22 @@ def logs() -> None:
         assert read_log(path).records == []
 
 
+def setup() -> None:
+    streampool.reinitialize(pool_allocator=True, initial_pool_size=np.int64(1 << 21))  # NumPy ints
+    try:
+        pool = streampool.get_current_device_resource()
+        assert isinstance(pool, mr.PoolMemoryResource) and pool.pool_size() == 1 << 21
+    finally:
+        streampool.reinitialize()
+
+
 def main() -> None:
     host_arrays()
     streams()
     resources()
     errors()
     logs()
+    setup()
 
 
 if __name__ == "__main__":

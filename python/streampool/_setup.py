@@ -7,7 +7,7 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, SupportsIndex, TypeVar
 
 from ._errors import StreampoolError
 from ._native import (
@@ -188,8 +188,8 @@ def _device_log_file(base: str, device: int) -> str:
 def reinitialize(
     pool_allocator: bool = False,
     managed_memory: bool = False,
-    initial_pool_size: int | str | None = None,
-    maximum_pool_size: int | str | None = None,
+    initial_pool_size: SupportsIndex | str | None = None,
+    maximum_pool_size: SupportsIndex | str | None = None,
     devices: int | Iterable[int] | None = 0,
     logging: bool = False,
     log_file_name: str | os.PathLike[str] | None = None,
