@@ -54,9 +54,8 @@ def simulated_devices() -> int:
     as the library allows them); 1 when it is not set or blank. ValueError naming the
     variable otherwise."""
     value = os.environ.get(DEVICES)
-    if value is None or not value.strip():
+    if value is None or not (text := value.strip()):
         return 1
-    text = value.strip()
     if re.fullmatch(r"[+-]?[0-9]+", text) and 1 <= int(text) <= MAX_DEVICES:
         return int(text)
     raise ValueError(

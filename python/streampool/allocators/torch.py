@@ -111,7 +111,7 @@ def _pluggable(alloc_function: str, free_function: str) -> Any:
             f"no PyTorch allocator over streampool here: {SIMULATED.removeprefix('skipped: ')}"
         )
     if (alloc_function, free_function) not in _ALLOCATORS:
-        if not hasattr(_torch_memory, "CUDAPluggableAllocator") or not torch.backends.cuda.is_built():
+        if not _cuda_built():
             raise RuntimeError(
                 f"this PyTorch ({torch.__version__}) is built without CUDA, so it cannot take a CUDA "
                 "allocator: install a CUDA build of PyTorch (pip install torch)"
@@ -385,14 +385,18 @@ _STATS_FUNCTIONS: dict[str, Any] = {
 }
 
 
+def _cuda_built() -> bool:
+    """This PyTorch (installed) is built with CUDA, so it takes a pluggable CUDA allocator."""
+    return hasattr(_torch_memory, "CUDAPluggableAllocator") and bool(torch.backends.cuda.is_built())
+
+
 def _cuda_usable() -> bool:
     """PyTorch is installed with CUDA support and sees a GPU (``torch.cuda.is_available()``,
     which RMM's module asks), and the device is not simulated."""
     return (
         torch is not None
         and not _native.using_simulated_device()
-        and hasattr(_torch_memory, "CUDAPluggableAllocator")
-        and bool(torch.backends.cuda.is_built())
+        and _cuda_built()
         and bool(torch.cuda.is_available())
     )
 

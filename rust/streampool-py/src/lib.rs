@@ -125,6 +125,19 @@ fn plural(n: i32) -> &'static str {
     }
 }
 
+/// A driver handle given as an object: `obj` itself when it is an int, else what its type's
+/// `__int__` gives (the handle objects of `cuda.bindings`, `CUstream` and `CUmemoryPool`,
+/// convert so); None when it has no `__int__`.
+pub(crate) fn handle_int<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    if obj.is_instance_of::<PyInt>() {
+        return Ok(Some(obj.clone()));
+    }
+    match obj.get_type().getattr_opt("__int__")? {
+        Some(_) => Ok(Some(obj.call_method0("__int__")?)),
+        None => Ok(None),
+    }
+}
+
 /// An address from Python: an int in `0..2**64` (a plain int inlined, as in [`size_arg`]).
 #[inline]
 pub(crate) fn ptr_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevPtr> {

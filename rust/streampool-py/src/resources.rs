@@ -353,15 +353,9 @@ impl PyCudaAsyncViewMemoryResource {
         // An int, or what converts to one with int(): a `cuda.bindings` handle object
         // (`driver.CUmemoryPool`, `runtime.cudaMemPool_t`), as RMM reads it. Not its
         // `getPtr()`: that is where the object stores the handle, a host address.
-        let handle = if pool_handle.is_instance_of::<pyo3::types::PyInt>() {
-            Some(pool_handle.clone())
-        } else if pool_handle.is_instance_of::<pyo3::types::PyFloat>() {
-            None // int() would truncate it into some number
-        } else {
-            match pool_handle.get_type().getattr_opt("__int__")? {
-                Some(_) => Some(pool_handle.call_method0("__int__")?),
-                None => None,
-            }
+        let handle = match pool_handle.is_instance_of::<pyo3::types::PyFloat>() {
+            true => None, // int() would truncate it into some number
+            false => crate::handle_int(pool_handle)?,
         };
         let pool = handle.and_then(|h| h.extract::<u64>().ok()).ok_or_else(|| {
             PyValueError::new_err(format!(

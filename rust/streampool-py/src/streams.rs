@@ -377,11 +377,7 @@ fn foreign_handle<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, Py
         return match h.getattr_opt("value")? {
             Some(v) if v.is_none() => Ok(Some(0_i32.into_pyobject(obj.py())?.into_any())),
             Some(v) => Ok(Some(v)),
-            None if h.is_instance_of::<PyInt>() => Ok(Some(h)),
-            None => match h.get_type().getattr_opt("__int__")? {
-                Some(_) => Ok(Some(h.call_method0("__int__")?)),
-                None => Ok(Some(h)),
-            },
+            None => Ok(Some(crate::handle_int(&h)?.unwrap_or(h))),
         };
     }
     let module = obj.get_type().module().map(|m| m.to_string()).unwrap_or_default();
