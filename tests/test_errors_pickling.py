@@ -23,11 +23,14 @@ ROUND_TRIPS: dict[str, Callable[[BaseException], BaseException]] = {
     "deepcopy": copy.deepcopy,
 }
 
-EXPORTED = [
-    obj
-    for name in streampool.__all__
-    if isinstance(obj := getattr(streampool, name), type) and issubclass(obj, BaseException)
-]
+# Each class once: `RMMError` is RMM's name for `StreampoolError`, the same class.
+EXPORTED = list(
+    {
+        obj: None
+        for name in streampool.__all__
+        if isinstance(obj := getattr(streampool, name), type) and issubclass(obj, BaseException)
+    }
+)
 
 # Attributes the exceptions with constructor arguments set, with sample values.
 ATTRIBUTES: dict[type[BaseException], dict[str, object]] = {

@@ -671,3 +671,192 @@ def test_rmms_module_paths_import_with_streampool_in_place_of_rmm() -> None:
     assert streampool.pylibrmm.memory_resource is memory_resource  # after `import streampool`, as rmm's
     buf = Buffer(size=16, stream=Stream(None, CudaStreamFlags.NON_BLOCKING), mr=CudaAsyncMemoryResource())
     assert buf.size == 16
+
+
+# --- RMM's top-level names: errors, the logger functions, the stream pool ---------------
+
+# `rmm.__all__` of RMM 26.10 (rmm-cu13 26.10.0's rmm/__init__.py).
+RMM_TOP_LEVEL = {
+    "DeviceBuffer",
+    "disable_logging",
+    "RMMError",
+    "enable_logging",
+    "flush_logger",
+    "get_flush_level",
+    "get_log_filenames",
+    "get_logging_level",
+    "is_initialized",
+    "level_enum",
+    "mr",
+    "register_reinitialize_hook",
+    "reinitialize",
+    "set_flush_level",
+    "set_logging_level",
+    "should_log",
+    "unregister_reinitialize_hook",
+}
+
+
+def test_every_name_rmm_exports_at_the_top_level_is_there() -> None:
+    assert RMM_TOP_LEVEL - set(streampool.__all__) == set()
+    for name in RMM_TOP_LEVEL:
+        assert getattr(streampool, name) is not None
+
+
+def test_rmm_error_catches_streampools_errors() -> None:
+    resource = mr.CudaAsyncMemoryResource()
+    with pytest.raises(streampool.RMMError):
+        resource.allocate(2 * SIM_CAPACITY)  # out of memory, a MemoryError too
+    with pytest.raises(streampool.RMMError):
+        mr.TrackingResourceAdaptor(resource).deallocate(0x1000, 8)  # never allocated there
+    assert streampool.RMMError is streampool.StreampoolError
+    _roundtrip(resource)
+
+
+@pytest.fixture
+def streampool_logger() -> Iterator[logging.Logger]:
+    logger = logging.getLogger("streampool")
+    level, flush = logger.level, streampool.get_flush_level()
+    yield logger
+    logger.setLevel(level)
+    streampool.set_flush_level(flush)
+
+
+def test_logging_level_is_the_streampool_loggers(streampool_logger: logging.Logger) -> None:
+    levels = streampool.level_enum
+    assert [int(v) for v in levels] == list(range(8))  # rapids-logger's values
+    streampool_logger.setLevel(logging.NOTSET)  # as in a fresh process: the root logger's level
+    root = logging.getLogger()
+    root_level = root.level
+    try:
+        root.setLevel(logging.WARNING)  # Python's default
+        assert streampool.get_logging_level() is levels.warn
+        assert streampool.should_log(levels.error) and not streampool.should_log(levels.info)
+        root.setLevel(logging.DEBUG)
+        assert streampool.get_logging_level() is levels.debug
+    finally:
+        root.setLevel(root_level)
+    for level, python in (
+        (levels.trace, 5),
+        (levels.debug, logging.DEBUG),
+        (levels.info, logging.INFO),
+        (levels.warn, logging.WARNING),
+        (levels.error, logging.ERROR),
+        (levels.critical, logging.CRITICAL),
+    ):
+        streampool.set_logging_level(level)
+        assert streampool_logger.level == python and streampool.get_logging_level() is level
+        assert streampool.should_log(level) and not streampool.should_log(levels.off)
+        assert all(streampool.should_log(v) == (v >= level) for v in levels if v < levels.off)
+    streampool_logger.setLevel(logging.INFO + 5)  # set by Python: the first level it writes
+    assert streampool.get_logging_level() is levels.warn
+    for bad in ("warn", 3, logging.WARNING, None):
+        with pytest.raises(TypeError, match=r"level must be a streampool\.level_enum"):
+            streampool.set_logging_level(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="level must be"):
+            streampool.should_log(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="level must be"):
+            streampool.set_flush_level(bad)  # type: ignore[arg-type]
+
+
+def test_logging_level_off_silences_the_leak_report(
+    streampool_logger: logging.Logger, caplog: pytest.LogCaptureFixture
+) -> None:
+    tracked = mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource())
+    ptr = tracked.allocate(777)
+    caplog.set_level(logging.NOTSET)  # caplog's handler takes everything that reaches it
+    streampool.set_logging_level(streampool.level_enum.off)
+    tracked.log_outstanding_allocations()
+    assert caplog.records == []
+    streampool.set_logging_level(streampool.level_enum.warn)
+    tracked.log_outstanding_allocations()
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING and "1 outstanding allocation" in record.getMessage()
+    tracked.deallocate(ptr, 777)
+
+
+def test_flush_level_flushes_a_buffering_handler(streampool_logger: logging.Logger) -> None:
+    import logging.handlers
+
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    # Buffers everything until flushed (its own flush level is above every record).
+    buffered = logging.handlers.MemoryHandler(1000, flushLevel=logging.CRITICAL + 10, target=Collect())
+    streampool_logger.addHandler(buffered)
+    try:
+        streampool.set_logging_level(streampool.level_enum.info)
+        tracked = mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource())
+        ptr = tracked.allocate(777)
+        assert streampool.get_flush_level() is streampool.level_enum.warn  # RMM's default
+        tracked.log_outstanding_allocations()  # a WARNING record: flushed at once
+        assert len(seen) == 1 and "outstanding" in seen[0]
+        streampool.set_flush_level(streampool.level_enum.error)
+        tracked.log_outstanding_allocations()
+        assert len(seen) == 1 and len(buffered.buffer) == 1  # kept in the buffer
+        streampool.flush_logger()
+        assert len(seen) == 2 and buffered.buffer == []
+        tracked.deallocate(ptr, 777)
+    finally:
+        streampool_logger.removeHandler(buffered)
+
+
+def test_cuda_stream_pool_hands_out_its_streams_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    from streampool.pylibrmm import cuda_stream_pool
+    from streampool.pylibrmm.cuda_stream_pool import CudaStreamPool
+
+    pool = CudaStreamPool(3)
+    assert pool.get_pool_size() == 3
+    firsts = [pool.get_stream() for _ in range(6)]
+    assert len({s.handle for s in firsts}) == 3 and firsts[:3] == firsts[3:]
+    assert [pool.get_stream(i) for i in range(3)] == firsts[:3] and pool.get_stream(7) == firsts[1]
+    for s in firsts[:3]:
+        _roundtrip_on(s)
+    # 8 threads share one pool: every stream handed out equally often.
+    shared = CudaStreamPool(4)
+    got: list[int] = []
+    lock = threading.Lock()
+
+    def take() -> None:
+        mine = [shared.get_stream().handle for _ in range(100)]
+        with lock:
+            got.extend(mine)
+
+    threads = [threading.Thread(target=take) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got.count(h) for h in set(got)) == [200] * 4
+    # The flags reach every stream; blocking (SYNC_DEFAULT) by default, as RMM's.
+    made: list[object] = []
+
+    def recording(*args: object, **kwargs: object) -> streampool.Stream:
+        made.append(kwargs.get("flags"))
+        return streampool.Stream(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cuda_stream_pool, "Stream", recording)
+    CudaStreamPool(2)
+    CudaStreamPool(2, mr.CudaStreamFlags.NON_BLOCKING)
+    assert made == [mr.CudaStreamFlags.SYNC_DEFAULT] * 2 + [mr.CudaStreamFlags.NON_BLOCKING] * 2
+
+
+def test_cuda_stream_pool_bad_arguments() -> None:
+    from streampool.pylibrmm.cuda_stream_pool import CudaStreamPool
+
+    for size in (0, -1):
+        with pytest.raises(ValueError, match="pool_size must be greater than zero"):
+            CudaStreamPool(size)
+    with pytest.raises(TypeError, match="pool_size must be an int, not str"):
+        CudaStreamPool("4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="flags must be"):
+        CudaStreamPool(2, 7)  # type: ignore[arg-type]
+    pool = CudaStreamPool(2)
+    with pytest.raises(ValueError, match="stream_id must be non-negative"):
+        pool.get_stream(-1)
+    with pytest.raises(TypeError, match="stream_id must be an int or None, not float"):
+        pool.get_stream(1.0)  # type: ignore[arg-type]
+    _roundtrip_on(pool.get_stream())

@@ -19,6 +19,7 @@ from ._errors import (
     InvalidPointerError,
     InvalidStreamError,
     OutOfMemoryError,
+    RMMError,
     SimulatedDeviceActiveError,
     StreampoolError,
     UnsupportedError,
@@ -55,6 +56,15 @@ from ._setup import (
 )
 from ._types import CudaStreamFlags
 from .mr import disable_logging, enable_logging, get_log_filenames
+from .pylibrmm.logger import (
+    flush_logger,
+    get_flush_level,
+    get_logging_level,
+    level_enum,
+    set_flush_level,
+    set_logging_level,
+    should_log,
+)
 
 __all__ = [
     "DEFAULT_STREAM",
@@ -68,6 +78,7 @@ __all__ = [
     "InvalidPointerError",
     "InvalidStreamError",
     "OutOfMemoryError",
+    "RMMError",
     "SimulatedDeviceActiveError",
     "Stream",
     "StreampoolError",
@@ -83,13 +94,17 @@ __all__ = [
     "drop_errors",
     "enable_logging",
     "enable_peer_access",
+    "flush_logger",
     "get_current_device",
     "get_current_device_resource",
+    "get_flush_level",
     "get_log_filenames",
+    "get_logging_level",
     "get_per_device_resource",
     "ipc",
     "is_initialized",
     "kernels",
+    "level_enum",
     "logs",
     "mr",
     "parse_size",
@@ -98,8 +113,11 @@ __all__ = [
     "register_reinitialize_hook",
     "reinitialize",
     "set_current_device_resource",
+    "set_flush_level",
+    "set_logging_level",
     "set_per_device_resource",
     "setup",
+    "should_log",
     "sim",
     "statistics",
     "unregister_reinitialize_hook",

@@ -18,6 +18,7 @@ __all__ = [
     "InvalidPointerError",
     "InvalidStreamError",
     "OutOfMemoryError",
+    "RMMError",
     "SimulatedDeviceActiveError",
     "StreampoolError",
     "UnsupportedError",
@@ -27,6 +28,12 @@ __all__ = [
 class StreampoolError(Exception):
     """Base class of the errors streampool raises (other than ``TypeError`` and plain
     ``ValueError`` for arguments of the wrong type or sign)."""
+
+
+RMMError = StreampoolError
+"""RMM's name for its errors' class: ``except streampool.RMMError`` (for code that had
+``except rmm.RMMError``) catches every error streampool raises itself. An out-of-memory
+error is also a ``MemoryError``, as RMM's are."""
 
 
 class OutOfMemoryError(StreampoolError, MemoryError):

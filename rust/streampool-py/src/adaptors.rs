@@ -512,9 +512,7 @@ impl PyTrackingResourceAdaptor {
         if count == 0 {
             return Ok(());
         }
-        let logger = py.import("logging")?.call_method1("getLogger", ("streampool",))?;
-        logger.call_method1("warning", ("%s", report))?;
-        Ok(())
+        crate::log_record(py, 30, &report)
     }
 
     /// The outstanding allocations, as `AllocationRecord`s.

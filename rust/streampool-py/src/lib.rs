@@ -138,6 +138,14 @@ pub(crate) fn handle_int<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<
     }
 }
 
+/// Writes one of streampool's records to the `streampool` logger at Python's `level`
+/// (`logging.ERROR`, `logging.WARNING`), through `streampool.pylibrmm.logger`, which also
+/// flushes the handlers at RMM's flush level.
+pub(crate) fn log_record(py: Python<'_>, level: i32, text: &str) -> PyResult<()> {
+    py.import("streampool.pylibrmm.logger")?.call_method1("_emit", (level, text))?;
+    Ok(())
+}
+
 /// An address from Python: an int in `0..2**64` (a plain int inlined, as in [`size_arg`]).
 #[inline]
 pub(crate) fn ptr_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevPtr> {

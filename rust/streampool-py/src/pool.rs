@@ -252,13 +252,8 @@ impl Arena {
             );
             // At interpreter shutdown there is no logger to write to: the error still goes on.
             crate::gil::try_attach(|py| {
-                let log = || -> PyResult<()> {
-                    let logger = py.import("logging")?.call_method1("getLogger", ("streampool",))?;
-                    logger.call_method1("error", ("%s", text))?;
-                    Ok(())
-                };
                 // A failing logger leaves the error to go on; Ctrl-C is not lost with it.
-                if let Err(e) = log() {
+                if let Err(e) = crate::log_record(py, 40, &text) {
                     crate::errors::redeliver_interrupt(py, &e);
                 }
             });
