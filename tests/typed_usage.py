@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import assert_type
+from typing import assert_type, get_origin
 
 import numpy as np
 
@@ -53,6 +53,28 @@ def resources() -> None:
     assert int(view.pool_handle) == int(owner.pool_handle)
 
 
+def over_any_resource(stats: mr.StatisticsResourceAdaptor) -> None:
+    assert_type(stats.upstream_mr, mr.MemoryResource)  # a bare name: an adaptor over any resource
+
+
+def adaptor_stacks() -> None:
+    # An adaptor's upstream keeps its type: the pool's own methods, without a cast.
+    upstream = mr.CudaAsyncMemoryResource(initial_pool_size="2MiB")  # a driver pool of its own
+    pool = mr.PoolMemoryResource(upstream, initial_pool_size="2MiB")
+    stats = mr.StatisticsResourceAdaptor(pool)
+    assert_type(stats.upstream_mr, mr.PoolMemoryResource[mr.CudaAsyncMemoryResource])
+    over_any_resource(stats)
+    tracked: mr.TrackingResourceAdaptor[mr.StatisticsResourceAdaptor[mr.PoolMemoryResource]]
+    tracked = mr.TrackingResourceAdaptor(stats)
+    tracked.deallocate(tracked.allocate(1000), 1000)
+    assert tracked.upstream_mr.upstream_mr.pool_size() == 1 << 21
+    assert stats.upstream_mr.release() == 1 << 21
+    stats.upstream_mr.upstream_mr.trim_to(0)
+    # Subscripted at run time too (an annotation outside `from __future__ import annotations`).
+    alias = mr.LimitingResourceAdaptor[mr.ShardedPoolMemoryResource]
+    assert get_origin(alias) is mr.LimitingResourceAdaptor
+
+
 def errors() -> None:
     try:
         mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), 256).allocate(1 << 20)
@@ -82,6 +104,7 @@ def main() -> None:
     host_arrays()
     streams()
     resources()
+    adaptor_stacks()
     errors()
     logs()
     setup()

@@ -10,11 +10,12 @@ import os
 import pickle
 import sys
 from collections.abc import Callable, Iterable
-from types import TracebackType
+from types import GenericAlias, TracebackType
 from typing import (
     Any,
     ClassVar,
     Final,
+    Generic,
     Literal,
     NotRequired,
     Protocol,
@@ -22,13 +23,12 @@ from typing import (
     SupportsIndex,
     TypeAlias,
     TypedDict,
-    TypeVar,
     final,
     overload,
     type_check_only,
 )
 
-from typing_extensions import Buffer, CapsuleType, disjoint_base
+from typing_extensions import Buffer, CapsuleType, TypeVar, disjoint_base
 
 from streampool._errors import OutOfMemoryError
 from streampool._types import CudaStreamFlags, PoolHandle
@@ -505,25 +505,34 @@ resource that would be deeper (itself and the chain below it) raises InvalidArgu
 (a ValueError) naming its depth and this limit. Every call recurses through the chain, and
 a deeper one could overflow the thread's stack."""
 
+_U = TypeVar("_U", bound=MemoryResource, covariant=True, default=MemoryResource)
+"""The type of an adaptor's upstream: ``StatisticsResourceAdaptor(pool)`` is a
+``StatisticsResourceAdaptor[ShardedPoolMemoryResource]``, whose ``upstream_mr`` is the
+pool (a bare ``StatisticsResourceAdaptor`` means ``[MemoryResource]``)."""
+
 @disjoint_base
-class UpstreamResourceAdaptor(MemoryResource):
+class UpstreamResourceAdaptor(MemoryResource, Generic[_U]):
     """Base class of the resources that wrap another one (not constructible itself). Keeps
     the upstream alive, and shows it to the garbage collector: a reference cycle through
     an upstream (a callback that refers to a resource over its adaptor) is collected."""
 
     @property
-    def upstream(self) -> MemoryResource:
+    def upstream(self) -> _U:
         """The resource this one wraps, as it was given. ValueError once the garbage
         collector has cleared it (only code that runs while a cycle is collected, such
         as a finaliser, can see that)."""
-    def get_upstream(self) -> MemoryResource:
+    def get_upstream(self) -> _U:
         """The resource this one wraps (RMM's name; same as ``upstream``)."""
     @property
-    def upstream_mr(self) -> MemoryResource:
+    def upstream_mr(self) -> _U:
         """The resource this one wraps (RMM's attribute; same as ``upstream``)."""
+    @classmethod
+    def __class_getitem__(cls, item: Any) -> GenericAlias:
+        """``StatisticsResourceAdaptor[PoolMemoryResource]`` where an annotation is evaluated
+        at run time: a ``types.GenericAlias``."""
 
 @final
-class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
+class StatisticsResourceAdaptor(UpstreamResourceAdaptor[_U]):
     """Counts what passes through it: current, peak and total bytes and allocations, on a
     stack of counters (``push_counters``/``pop_counters``) for measuring code blocks, as
     RMM's. Counts allocations once their upstream call has returned; a scope that frees
@@ -544,7 +553,7 @@ class StatisticsResourceAdaptor(UpstreamResourceAdaptor):
         stats.deallocate(ptr, 1 << 20)
     """
 
-    def __new__(cls, upstream_mr: MemoryResource) -> StatisticsResourceAdaptor: ...
+    def __new__(cls, upstream_mr: _U) -> StatisticsResourceAdaptor[_U]: ...
     @property
     def allocation_counts(self) -> Statistics:
         """The counters on top of the stack."""
@@ -578,7 +587,7 @@ class AllocationRecord:
     __hash__: ClassVar[None]  # type: ignore[assignment]
 
 @final
-class TrackingResourceAdaptor(UpstreamResourceAdaptor):
+class TrackingResourceAdaptor(UpstreamResourceAdaptor[_U]):
     """Tracks every outstanding allocation (address, size, stream, thread and, with
     ``capture_stacks``, the Python stack: slow, for finding leaks). A free of a pointer it
     did not hand out, a double free or a size that does not match raises
@@ -594,9 +603,7 @@ class TrackingResourceAdaptor(UpstreamResourceAdaptor):
         tracked.deallocate(ptr, 4096)
     """
 
-    def __new__(
-        cls, upstream_mr: MemoryResource, capture_stacks: bool = False
-    ) -> TrackingResourceAdaptor: ...
+    def __new__(cls, upstream_mr: _U, capture_stacks: bool = False) -> TrackingResourceAdaptor[_U]: ...
     def get_allocated_bytes(self) -> int:
         """Bytes allocated through it and not yet freed."""
     def get_outstanding_allocations_str(self) -> str:
@@ -644,7 +651,7 @@ def _parse_log(text: str) -> list[LogEvent]:
     """Parses the text of an allocation log (use ``streampool.logs.parse_log``)."""
 
 @final
-class LoggingResourceAdaptor(UpstreamResourceAdaptor):
+class LoggingResourceAdaptor(UpstreamResourceAdaptor[_U]):
     """Logs every allocation, failed allocation and free as a CSV line in RMM's format
     (``LOG_HEADER``), to a file (flushed after every line) and/or to ``callback``, which
     is called with each line, without its newline.
@@ -672,17 +679,17 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor):
 
     def __new__(
         cls,
-        upstream_mr: MemoryResource,
+        upstream_mr: _U,
         log_file_name: str | os.PathLike[str] | None = None,
         callback: Callable[[str], object] | None = None,
-    ) -> LoggingResourceAdaptor: ...
+    ) -> LoggingResourceAdaptor[_U]: ...
     def flush(self) -> None:
         """Writes out anything buffered (lines are flushed as they are written)."""
     def get_file_name(self) -> str | None:
         """The absolute path of the log file; None when logging only to a callback."""
 
 @final
-class LimitingResourceAdaptor(UpstreamResourceAdaptor):
+class LimitingResourceAdaptor(UpstreamResourceAdaptor[_U]):
     """Refuses, with OutOfMemoryError, allocations that would take the bytes outstanding
     through it over ``allocation_limit`` (an int > 0, or a string such as ``"2GiB"``;
     ValueError otherwise). Each allocation counts rounded up to a multiple of 256 bytes,
@@ -704,7 +711,7 @@ class LimitingResourceAdaptor(UpstreamResourceAdaptor):
         limited.deallocate(ptr, 1 << 20)
     """
 
-    def __new__(cls, upstream_mr: MemoryResource, allocation_limit: _Size) -> LimitingResourceAdaptor: ...
+    def __new__(cls, upstream_mr: _U, allocation_limit: _Size) -> LimitingResourceAdaptor[_U]: ...
     def get_allocated_bytes(self) -> int:
         """Bytes allocated through it and not yet freed (each rounded up to 256, with
         reservations of allocations in flight)."""
@@ -712,7 +719,7 @@ class LimitingResourceAdaptor(UpstreamResourceAdaptor):
         """The limit, in bytes."""
 
 @final
-class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
+class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor[_U]):
     """Calls ``callback(nbytes)`` when the upstream runs out of memory (an
     OutOfMemoryError, or a MemoryError that a CallbackMemoryResource's allocate function
     raised): a true result (as ``bool()`` reads it, RMM's rule) retries the allocation, a
@@ -734,11 +741,11 @@ class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor):
     """
 
     def __new__(
-        cls, upstream_mr: MemoryResource, callback: Callable[[int], object]
-    ) -> FailureCallbackResourceAdaptor: ...
+        cls, upstream_mr: _U, callback: Callable[[int], object]
+    ) -> FailureCallbackResourceAdaptor[_U]: ...
 
 @final
-class PrefetchResourceAdaptor(UpstreamResourceAdaptor):
+class PrefetchResourceAdaptor(UpstreamResourceAdaptor[_U]):
     """Prefetches every allocation to the device on the allocating stream
     (``cuMemPrefetchAsync``), for managed memory. Frees are passed on as given (the
     upstream checks sizes where it can).
@@ -749,10 +756,10 @@ class PrefetchResourceAdaptor(UpstreamResourceAdaptor):
         buf = streampool.DeviceBuffer(size=1 << 20, mr=prefetched)  # prefetched to the device
     """
 
-    def __new__(cls, upstream_mr: MemoryResource) -> PrefetchResourceAdaptor: ...
+    def __new__(cls, upstream_mr: _U) -> PrefetchResourceAdaptor[_U]: ...
 
 @final
-class FixedSizeMemoryResource(UpstreamResourceAdaptor):
+class FixedSizeMemoryResource(UpstreamResourceAdaptor[_U]):
     """Blocks of one size (``block_size``, default 1 MiB, rounded up to 256) carved from
     chunks of ``blocks_to_preallocate`` blocks taken from the upstream as needed. Not a
     general resource: a larger allocation raises OutOfMemoryError (a MemoryError, as RMM's
@@ -779,10 +786,10 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
 
     def __new__(
         cls,
-        upstream_mr: MemoryResource,
+        upstream_mr: _U,
         block_size: _Size | None = None,
         blocks_to_preallocate: SupportsIndex | None = 128,
-    ) -> FixedSizeMemoryResource: ...
+    ) -> FixedSizeMemoryResource[_U]: ...
     @property
     def block_size(self) -> int:
         """The size of every block, in bytes."""
@@ -791,7 +798,7 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor):
         """Blocks taken from the upstream at a time."""
 
 @final
-class BinningMemoryResource(UpstreamResourceAdaptor):
+class BinningMemoryResource(UpstreamResourceAdaptor[_U]):
     """Routes each allocation to the bin of the smallest size class that fits it, and
     larger ones to the upstream. With both exponents, starts with a
     FixedSizeMemoryResource bin for every power of two in
@@ -818,10 +825,10 @@ class BinningMemoryResource(UpstreamResourceAdaptor):
 
     def __new__(
         cls,
-        upstream_mr: MemoryResource,
+        upstream_mr: _U,
         min_size_exponent: SupportsIndex | None = None,
         max_size_exponent: SupportsIndex | None = None,
-    ) -> BinningMemoryResource: ...
+    ) -> BinningMemoryResource[_U]: ...
     def add_bin(self, allocation_size: _Size, bin_resource: MemoryResource | None = None) -> None:
         """Adds a bin for allocations up to ``allocation_size`` bytes (rounded up to 256, as
         RMM), served by ``bin_resource`` (kept alive), or by a new FixedSizeMemoryResource
@@ -869,7 +876,7 @@ class _PoolStats(TypedDict):
     event_queries: int
 
 @disjoint_base
-class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
+class ShardedPoolMemoryResource(UpstreamResourceAdaptor[_U]):
     """The lock-sharded stream-ordered pool: suballocates memory from ``upstream_mr`` with
     one shard of free blocks per stream, so that threads on different streams do not wait
     for one another (RMM's ``PoolMemoryResource``, without its one lock).
@@ -927,7 +934,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
 
     def __new__(
         cls,
-        upstream_mr: MemoryResource,
+        upstream_mr: _U,
         initial_pool_size: _Size | None = None,
         maximum_pool_size: _Size | None = None,
         release_threshold: _Size | None = None,
@@ -961,7 +968,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor):
         """
 
 @final
-class ArenaMemoryResource(UpstreamResourceAdaptor):
+class ArenaMemoryResource(UpstreamResourceAdaptor[_U]):
     """RMM's ``ArenaMemoryResource`` (its arguments and shape), built on the sharded pool:
     one global reservation of ``arena_size`` bytes taken from ``upstream_mr`` up front (RMM's
     global arena) and free blocks kept per stream, the per-thread default stream per thread
@@ -983,8 +990,8 @@ class ArenaMemoryResource(UpstreamResourceAdaptor):
     """
 
     def __new__(
-        cls, upstream_mr: MemoryResource, arena_size: _Size | None = None, dump_log_on_failure: bool = False
-    ) -> ArenaMemoryResource: ...
+        cls, upstream_mr: _U, arena_size: _Size | None = None, dump_log_on_failure: bool = False
+    ) -> ArenaMemoryResource[_U]: ...
     def pool_size(self) -> int:
         """Bytes the arena holds from its upstream."""
     @property
@@ -1769,7 +1776,7 @@ class LatencyHistograms(TypedDict):
     deallocate: LatencyHistogram
 
 @final
-class LatencyHistogramResourceAdaptor(UpstreamResourceAdaptor):
+class LatencyHistogramResourceAdaptor(UpstreamResourceAdaptor[_U]):
     """Records how long each allocate and deallocate call takes, in histograms of
     log-spaced buckets (4 per power of two), lock-free and cheap enough to leave on (two
     time-stamp counter reads and two relaxed atomic adds per call; the fast path is
@@ -1789,7 +1796,7 @@ class LatencyHistogramResourceAdaptor(UpstreamResourceAdaptor):
         print(timed.histogram()["allocate"]["p99_ns"])
     """
 
-    def __new__(cls, upstream_mr: MemoryResource) -> LatencyHistogramResourceAdaptor: ...
+    def __new__(cls, upstream_mr: _U) -> LatencyHistogramResourceAdaptor[_U]: ...
     def histogram(self) -> LatencyHistograms:
         """The histograms so far: ``{"allocate": {...}, "deallocate": {...}}``, each with
         ``count``, ``total_ns``, ``max_ns``, ``p50_ns``, ``p90_ns``, ``p99_ns``, ``p999_ns`` and

@@ -33,6 +33,8 @@ See the RMM migration guide (``docs/rmm-migration.md``) for every RMM name and o
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .._native import (
     MAX_RESOURCE_DEPTH,
     AllocationRecord,
@@ -113,7 +115,17 @@ LatencyHistogramAdaptor = LatencyHistogramResourceAdaptor
 """The short name of :class:`LatencyHistogramResourceAdaptor` (as in the Rust crate)."""
 
 
-class PoolMemoryResource(ShardedPoolMemoryResource):
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar
+
+    _U = TypeVar("_U", bound=MemoryResource, covariant=True, default=MemoryResource)
+else:
+    from typing import TypeVar
+
+    _U = TypeVar("_U", bound=MemoryResource, covariant=True)  # a default needs Python 3.13 at run time
+
+
+class PoolMemoryResource(ShardedPoolMemoryResource[_U]):
     """RMM's name for :class:`ShardedPoolMemoryResource`, with RMM's arguments
     (``upstream_mr, initial_pool_size=None, maximum_pool_size=None``). Unlike RMM's pool,
     ``initial_pool_size=None`` reserves nothing up front: the pool grows on demand."""

@@ -257,6 +257,13 @@ impl PyUpstreamResourceAdaptor {
         self.upstream_object(py)
     }
 
+    /// `StatisticsResourceAdaptor[PoolMemoryResource]` in an annotation (the typing stub
+    /// makes the adaptors generic in their upstream's type): a `types.GenericAlias`.
+    #[classmethod]
+    fn __class_getitem__<'py>(cls: &Bound<'py, PyType>, item: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        cls.py().import("types")?.getattr("GenericAlias")?.call1((cls, item))
+    }
+
     fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
         let name = slf.get_type().name()?;
         let upstream = match slf.get().upstream.0.get(slf.py()) {
