@@ -8,6 +8,7 @@ parent reads that after the child has freed its import.
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import os
 import pickle
@@ -16,6 +17,8 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import pytest
@@ -149,19 +152,36 @@ def test_a_handle_pickles_through_multiprocessing() -> None:
     assert buf.tobytes()[:20] == b"\xee" * 16 + bytes(range(16, 20))
 
 
-def test_a_handle_pickles_in_one_process_with_its_own_descriptor() -> None:
+def test_a_copy_and_multiprocessings_pickle_give_a_handle_its_own_descriptor() -> None:
+    from multiprocessing.reduction import ForkingPickler
+
     buf = DeviceBuffer(size=256, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
     with ipc.export(buf) as handle:
-        copy = pickle.loads(pickle.dumps(handle))
-        with copy:
-            assert copy.fd != handle.fd
-            assert (copy.export_data, copy.nbytes, copy.device, copy.pid) == (
-                handle.export_data,
-                handle.nbytes,
-                handle.device,
-                handle.pid,
-            )
-            assert os.fstat(copy.fd).st_ino == os.fstat(handle.fd).st_ino
+        for make in (
+            lambda: copy.copy(handle),
+            lambda: copy.deepcopy(handle),
+            lambda: ForkingPickler.loads(ForkingPickler.dumps(handle)),  # as a Pipe sends it
+        ):
+            with make() as other:
+                assert other.fd != handle.fd
+                assert (other.export_data, other.nbytes, other.device, other.pid) == (
+                    handle.export_data,
+                    handle.nbytes,
+                    handle.device,
+                    handle.pid,
+                )
+                assert os.fstat(other.fd).st_ino == os.fstat(handle.fd).st_ino
+            assert not handle.closed  # closing the other closed its own descriptor only
+            os.fstat(handle.fd)
+
+
+def test_plain_pickle_refuses_a_handle_saying_how_to_send_it() -> None:
+    buf = DeviceBuffer(size=256, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    with ipc.export(buf) as handle:
+        for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+            with pytest.raises(TypeError, match=r"plain pickle cannot carry .* streampool\.ipc\.send_handle"):
+                pickle.dumps(handle, protocol)
+        assert not handle.closed  # the handle is unchanged
 
 
 def _importer_over_queues(handles: Any, replies: Any) -> None:
@@ -208,7 +228,7 @@ def test_a_handle_closed_before_a_queue_pickles_it_says_why(capsys: pytest.Captu
     with pytest.raises(
         InvalidArgumentError, match=r"multiprocessing\.Queue pickles after put\(\) has returned"
     ):
-        pickle.dumps(handle)
+        ForkingPickler.dumps(handle)
 
 
 def test_a_closed_handle_is_refused_with_invalid_argument_error() -> None:
@@ -232,8 +252,8 @@ def test_nbytes_is_read_only_and_pickles() -> None:
         with pytest.raises(AttributeError):
             handle.nbytes = 1 << 30  # type: ignore[misc]
         assert handle.nbytes == 4096
-        with pickle.loads(pickle.dumps(handle)) as copy:
-            assert copy.nbytes == 4096
+        with ForkingPickler.loads(ForkingPickler.dumps(handle)) as received:
+            assert received.nbytes == 4096
 
 
 @pytest.mark.parametrize(
@@ -353,12 +373,23 @@ def test_an_importer_is_refused_more_bytes_than_were_exported_and_bad_devices() 
 
 
 @pytest.mark.nosim
-def test_an_exporters_device_this_process_lacks_is_refused_with_the_advice() -> None:
+def test_an_exporters_device_this_process_lacks_is_refused_with_the_advice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     with SimulatedDevice(capacity_bytes="64MiB", devices=2):
         buf = DeviceBuffer(size=4096, mr=mr.CudaAsyncMemoryResource(device=1, enable_ipc=True))
         handle = ipc.export(buf)
     with SimulatedDevice(capacity_bytes="64MiB"), handle:
         handle.pid = os.getppid()  # as if from another process: the device is checked first
+        # The simulator keeps an imported pool on the exporter's ordinal: more devices, then.
+        with pytest.raises(
+            InvalidArgumentError,
+            match=r"exporter's device 1, and this process has 1 device: on the simulated device "
+            r"the importer needs that ordinal too, so give it at least 2 devices",
+        ):
+            ipc.import_buffer(handle)
+        # A driver renumbers: device=N, the GPU's ordinal here.
+        monkeypatch.setattr(streampool._native, "using_simulated_device", lambda: False)
         with pytest.raises(
             InvalidArgumentError, match=r"exporter's device 1.*pass import_buffer\(\.\.\., device=N\)"
         ):
@@ -373,6 +404,26 @@ def test_an_exporter_that_has_exited_is_named() -> None:
     exited = rf"exporting process \(pid {pid}\) has exited"
     with _foreign_handle(pid=pid) as handle, pytest.raises(InvalidArgumentError, match=exited):
         ipc.import_buffer(handle)
+
+
+def test_an_exporter_that_has_exited_but_is_not_yet_joined_is_named() -> None:
+    # Between its exit and its parent's wait, the exporter is a zombie: it still has a pid
+    # (kill(pid, 0) succeeds), but its memory is gone.
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        state = ""
+        for _ in range(3000):
+            with open(f"/proc/{child.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if state == "Z":
+                break
+            time.sleep(0.01)
+        assert state == "Z"
+        exited = rf"exporting process \(pid {child.pid}\) has exited"
+        with _foreign_handle(pid=child.pid) as handle, pytest.raises(InvalidArgumentError, match=exited):
+            ipc.import_buffer(handle)
+    finally:
+        child.wait()
 
 
 def test_the_socket_helpers_refuse_what_is_not_a_handle() -> None:

@@ -8,7 +8,8 @@ The descriptor can only travel between processes over a Unix socket (``SCM_RIGHT
 :func:`send_handle` and :func:`recv_handle` do that, and a handle also pickles through
 :mod:`multiprocessing` (its pipes, queues and process arguments pass descriptors the same
 way; a queue pickles after ``put()`` has returned, so keep the handle open until the
-receiver has it). The other process calls :func:`import_buffer` and gets a
+receiver has it). Plain :mod:`pickle` refuses a handle (``TypeError``): its bytes cannot
+carry the descriptor. The other process calls :func:`import_buffer` and gets a
 :class:`~streampool.DeviceBuffer` over the same memory, at its own address.
 
 The driver's rules, and what this module does about them:
@@ -84,6 +85,7 @@ class IpcHandle:
     __slots__ = ("__weakref__", "_fd", "_nbytes", "device", "export_data", "pid")
 
     def __init__(self, fd: int, export_data: bytes, nbytes: int, device: int, pid: int) -> None:
+        _register_with_multiprocessing()
         self._fd = fd
         #: The 64 bytes of ``CUmemPoolPtrExportData`` that name the allocation in its pool.
         self.export_data = bytes(export_data)
@@ -133,29 +135,65 @@ class IpcHandle:
             self.close()
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
-        # Through multiprocessing, the descriptor travels as multiprocessing sends its own
-        # (SCM_RIGHTS); the receiving handle owns a duplicate.
-        from multiprocessing.reduction import DupFd
+        # Plain pickle (and anything else but multiprocessing's pickler, which takes
+        # _reduce_for_multiprocessing below) would need multiprocessing's descriptor server
+        # on the loading side: single use, only in a process of the same parent, failing
+        # there late with errors that never name the handle. Refused at once instead.
+        raise TypeError(
+            "an IpcHandle holds a file descriptor, which plain pickle cannot carry to another "
+            "process: send it with streampool.ipc.send_handle over a Unix socket, or through "
+            "multiprocessing (a Pipe, a Queue, a Process argument), which passes descriptors; "
+            "copy.copy(handle) duplicates it within a process"
+        )
 
-        if self.closed:
-            # Typically a multiprocessing.Queue: put() returns at once and a feeder thread
-            # pickles later, after a `with` block has closed the handle. The error is
-            # printed by that thread; the receiver's get() never returns.
-            raise InvalidArgumentError(
-                "this IpcHandle was closed before it was pickled: its file descriptor cannot be "
-                "sent. A multiprocessing.Queue pickles after put() has returned, in a background "
-                "thread: keep the handle open until the receiver has it (until it acknowledges), "
-                "then close it"
-            )
-        return (_rebuild, (DupFd(self.fd), self.export_data, self.nbytes, self.device, self.pid))
+    def __copy__(self) -> IpcHandle:
+        """A handle with a duplicate of the descriptor (closed independently)."""
+        return IpcHandle(os.dup(self.fd), self.export_data, self.nbytes, self.device, self.pid)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> IpcHandle:
+        return self.__copy__()
 
     def __repr__(self) -> str:
         fd = "closed" if self.closed else f"fd={self._fd}"
         return f"<IpcHandle {self.nbytes} bytes on device {self.device} from pid {self.pid}, {fd}>"
 
 
+def _reduce_for_multiprocessing(handle: IpcHandle) -> tuple[object, tuple[object, ...]]:
+    """How multiprocessing's pickler sends a handle (process arguments, pipes, queues): the
+    descriptor travels as multiprocessing sends its own (SCM_RIGHTS); the receiving handle
+    owns a duplicate."""
+    from multiprocessing.reduction import DupFd
+
+    if handle.closed:
+        # Typically a multiprocessing.Queue: put() returns at once and a feeder thread
+        # pickles later, after a `with` block has closed the handle. The error is printed by
+        # that thread; the receiver's get() never returns.
+        raise InvalidArgumentError(
+            "this IpcHandle was closed before it was pickled: its file descriptor cannot be "
+            "sent. A multiprocessing.Queue pickles after put() has returned, in a background "
+            "thread: keep the handle open until the receiver has it (until it acknowledges), "
+            "then close it"
+        )
+    return (_rebuild, (DupFd(handle.fd), handle.export_data, handle.nbytes, handle.device, handle.pid))
+
+
 def _rebuild(dup: object, export_data: bytes, nbytes: int, device: int, pid: int) -> IpcHandle:
     return IpcHandle(dup.detach(), export_data, nbytes, device, pid)  # type: ignore[attr-defined]
+
+
+_registered = False
+
+
+def _register_with_multiprocessing() -> None:
+    """Has multiprocessing's pickler send handles by :func:`_reduce_for_multiprocessing`.
+    Done when the first handle is made, not at import: multiprocessing's pickler takes
+    about 20 ms to import, half as much again as streampool."""
+    global _registered
+    if not _registered:
+        from multiprocessing.reduction import ForkingPickler
+
+        ForkingPickler.register(IpcHandle, _reduce_for_multiprocessing)
+        _registered = True
 
 
 def export(buffer: DeviceBuffer) -> IpcHandle:
@@ -191,11 +229,18 @@ def import_buffer(
         device = handle.device
         count = _native.device_count()
         if isinstance(device, int) and device >= count:
+            has = f"the buffer was exported from the exporter's device {device}, and this process has "
+            has += f"{count} device{'s' if count != 1 else ''}"
+            if _native.using_simulated_device():
+                # The simulator keeps an imported pool on the exporter's ordinal.
+                raise InvalidArgumentError(
+                    f"{has}: on the simulated device the importer needs that ordinal too, so give it "
+                    f"at least {device + 1} devices (SimulatedDevice(devices=...) or "
+                    "STREAMPOOL_SIM_DEVICES); device= cannot renumber there"
+                )
             raise InvalidArgumentError(
-                f"the buffer was exported from the exporter's device {device}, and this process has "
-                f"{count} device{'s' if count != 1 else ''}: pass import_buffer(..., device=N), N being "
-                "that GPU's ordinal here (processes number GPUs differently under different "
-                "CUDA_VISIBLE_DEVICES)"
+                f"{has}: pass import_buffer(..., device=N), N being that GPU's ordinal here "
+                "(processes number GPUs differently under different CUDA_VISIBLE_DEVICES)"
             )
     mr = IpcImportedMemoryResource(handle.fd, handle.export_data, handle.nbytes, handle.pid, device)
     return DeviceBuffer(size=handle.nbytes, stream=stream, mr=mr)

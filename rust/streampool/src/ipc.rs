@@ -115,14 +115,26 @@ pub fn export_from(
     export(resource.backend(), resource.device(), ptr, bytes, stream)
 }
 
-/// Whether process `pid` still exists (a process of another user counts as existing).
+/// Whether process `pid` is still running (a process of another user counts). One that
+/// has exited but that its parent has not yet waited for (a zombie, as an exporter is
+/// between its exit and its parent's `join()`) has exited: its memory is gone with it.
 fn process_exists(pid: u32) -> bool {
     let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
     // SAFETY: signal 0 sends nothing; it only asks whether the process exists.
-    if unsafe { libc::kill(pid, 0) } == 0 {
-        return true;
+    if unsafe { libc::kill(pid, 0) } != 0 {
+        return std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH);
     }
-    std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    // The state follows the command name in /proc/PID/stat, which may itself hold spaces
+    // and parentheses: it is the field after the last ')'. Unreadable: taken as running.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(stat_state(&stat), Some('Z' | 'X' | 'x')),
+        Err(_) => true,
+    }
+}
+
+/// The state letter of a /proc/PID/stat line.
+fn stat_state(stat: &str) -> Option<char> {
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 
 /// The memory another process exported, imported into this one: a resource that hands out
@@ -301,5 +313,34 @@ impl Drop for IpcImportedMemoryResource {
             || format!("releasing the imported pool {pool:#x} of device {device}"),
             self.backend.pool_destroy(device, pool),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{process_exists, stat_state};
+
+    #[test]
+    fn the_state_is_read_after_the_command_name() {
+        assert_eq!(stat_state("42 (python3) S 1 42 42 0"), Some('S'));
+        assert_eq!(stat_state("42 (a) b) Z) Z 1 42"), Some('Z'));
+        assert_eq!(stat_state("42 (no state)"), None);
+        assert_eq!(stat_state("garbage"), None);
+    }
+
+    #[test]
+    fn an_exited_process_not_yet_waited_for_has_exited() {
+        assert!(process_exists(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().expect("spawn `true`");
+        // Until it is waited for, the exited child stays a zombie: kill(pid, 0) succeeds.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while process_exists(child.id()) {
+            assert!(std::time::Instant::now() < deadline, "`true` still running after 30 s");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).expect("a zombie's stat");
+        assert_eq!(stat_state(&stat), Some('Z'));
+        child.wait().expect("reap");
+        assert!(!process_exists(child.id()));
     }
 }
