@@ -149,6 +149,52 @@ def test_profile_never_replaces_what_is_not_a_file(tmp_path: Path, program: Path
     assert (tmp_path / "old.log.dev1").is_dir()
 
 
+def test_profile_never_replaces_a_file_that_is_not_a_log(tmp_path: Path, program: Path) -> None:
+    # `-o app.py` (a program's source named by mistake) was replaced with an empty log.
+    source = tmp_path / "keep.py"
+    source.write_text("print(1)\n")
+    out = run("profile", "-o", str(source), "--", sys.executable, str(program))
+    failed(out, 3, f"{source} exists and is not an allocation log (its first line is not 'Thread,Time,")
+    assert "output of the program" not in out.stdout and source.read_text() == "print(1)\n"
+    # An old log (or an empty file, or one cut short in its header) is replaced.
+    for old in ("", "Thread,Ti", "\ufeffThread,Time,Action,Pointer,Size,Stream\n1,2,allocate,0x1,8,0x0\n"):
+        log = tmp_path / "old.log"
+        log.write_text(old)
+        assert run("profile", "-o", str(log), "--", sys.executable, str(program)).returncode == 0
+        assert log.read_text().startswith("Thread,Time,Action")
+
+
+@pytest.mark.parametrize("recommend", [False, True])
+def test_a_program_that_cannot_start_leaves_the_old_logs(tmp_path: Path, recommend: bool) -> None:
+    # The old log and its LOG.devN went before the program was found not to exist.
+    log, dev1 = tmp_path / "k.log", tmp_path / "k.log.dev1"
+    for path in (log, dev1):
+        path.write_text("Thread,Time,Action,Pointer,Size,Stream\n")
+    command = ("recommend", "--quick") if recommend else ("profile",)
+    out = run(*command, "-o", str(log), "--", "streampool-no-such-program")
+    failed(out, 127, "cannot run 'streampool-no-such-program': No such file or directory")
+    out = run(*command, "-o", str(log), "--", str(tmp_path))  # a directory
+    failed(out, 127, "Permission denied")
+    assert log.exists() and dev1.exists()
+
+
+def test_a_python_without_streampool_is_named_before_anything_runs(tmp_path: Path, program: Path) -> None:
+    # `profile -- python app.py` with a `python` on PATH that lacks streampool: refused
+    # with the interpreter named, before the old log goes.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    other = bin_dir / "python3"
+    other.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')  # no site-packages: no streampool
+    other.chmod(0o755)
+    old = tmp_path / "app.log"
+    old.write_text("Thread,Time,Action,Pointer,Size,Stream\n")
+    path = os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
+    out = run("profile", "-o", str(old), "--", "python3", str(program), env={"PATH": path})
+    failed(out, 127, f"the program's Python, 'python3' ({other}), cannot import streampool (")
+    assert "install streampool there" in out.stderr and sys.executable in out.stderr
+    assert old.exists() and "output of the program" not in out.stdout
+
+
 def test_the_shim_stops_a_program_it_cannot_profile(tmp_path: Path) -> None:
     from streampool.harness.profile import SHIM
 
@@ -231,7 +277,7 @@ def test_a_time_out_of_range_is_a_malformed_line(tmp_path: Path, command: str, t
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("", "no events: no allocations to replay"),
+        ("", "no events: no allocations to replay (none of 1 byte or more"),
         ("   ", "no events: no allocations to replay"),
         ("\n\n", "no events: no allocations to replay"),
         (f"{HEADER}\n", "no events: no allocations to replay"),
@@ -258,8 +304,47 @@ def test_a_log_with_nothing_to_replay_is_refused(
 def test_plot_directory_that_cannot_be_written_is_refused_before_the_benchmark(tmp_path: Path) -> None:
     a_file = write(tmp_path, "not-a-directory", "")
     out = run("bench", "window", "--resources", "async", "--quick", "--json", "--plot", a_file)
-    failed(out, 3, f"--plot {a_file}: cannot write plots there")
+    failed(out, 3, f"--plot {a_file}: cannot write plots there: it exists and is not a directory")
     assert out.stdout == ""
+
+
+def test_plot_to_a_format_matplotlib_lacks_is_refused_before_the_replay(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    log = write(tmp_path, "app.log", f"{HEADER}\n1,0,allocate,0x1000,64,0x0\n1,1,free,0x1000,64,0x0\n")
+    out = run("plot", log, "-o", str(tmp_path / "x.txt"))
+    failed(out, 2, f"-o {tmp_path / 'x.txt'}: matplotlib writes no .txt files; name one of ")
+    assert ".png" in out.stderr and not (tmp_path / "x.txt").exists()
+
+
+def test_options_that_are_workload_parameters_are_named_as_options(tmp_path: Path) -> None:
+    log = write(tmp_path, "app.log", f"{HEADER}\n1,0,allocate,0x1000,64,0x0\n1,1,free,0x1000,64,0x0\n")
+    for bad in ("-1", "inf", "nan", "x"):
+        failed(
+            run("replay", log, "--gap-scale", bad),
+            2,
+            f"--gap-scale: expected a finite number of 0 or more, not '{bad}'",
+        )
+    failed(
+        run("bench", "pipeline", "--quick", "--param", "chunks=999999999999"),
+        2,
+        "workload 'pipeline': chunks must be at most 4294967296, not 999999999999",
+    )
+    # A trace built in memory: allocations times threads is bounded as a replay's events are.
+    failed(
+        run("bench", "window", "--quick", "--param", "allocations=99999999999999999999"),
+        2,
+        "workload 'window': allocations must be at most 2000000",
+    )
+    failed(
+        run("bench", "random", "--quick", "--param", "allocations=1000000", "--threads", "1,4"),
+        2,
+        "workload 'random': allocations=1,000,000 on 4 threads is 8,000,000 events, more than 4,000,000 a run",
+    )
+
+
+def test_a_log_of_zero_byte_allocations_says_why_nothing_is_replayed(tmp_path: Path) -> None:
+    log = write(tmp_path, "zero.log", f"{HEADER}\n1,0,allocate,0x0,0,0x0\n1,1,free,0x0,0,0x0\n")
+    failed(run("replay", log), 3, "no allocations to replay (none of 1 byte or more: a 0-byte allocation")
 
 
 def test_recommend_of_a_program_that_allocates_nothing_names_no_temporary_file(tmp_path: Path) -> None:

@@ -158,6 +158,18 @@ def test_binning_exponents_have_one_message(bad: int) -> None:
     binning.deallocate(binning.allocate(100), 100)
 
 
+def test_binning_with_one_exponent_names_the_missing_one() -> None:
+    upstream = mr.CudaAsyncMemoryResource()
+    for args, message in (
+        ((-1, 20), "max_size_exponent is 20 but min_size_exponent is not given (None, or RMM's -1)"),
+        ((None, 20), "max_size_exponent is 20 but min_size_exponent is not given"),
+        ((10, -1), "min_size_exponent is 10 but max_size_exponent is not given (None, or RMM's -1)"),
+        ((10, None), "min_size_exponent is 10 but max_size_exponent is not given"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            mr.BinningMemoryResource(upstream, *args)
+
+
 # --- out of memory: what limited the request, and a real `available` -------------------
 
 

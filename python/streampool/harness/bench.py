@@ -144,6 +144,7 @@ def measure(
     for t in threads:  # before `streams or t` below makes a bad count read as a bad streams
         workloads.check_param(workload, "threads", t, "int")
     workloads.check(workload, params)
+    workloads.check_events(workload, params, max(threads))
     check_distinct(specs)
     why = {
         k: v for s in specs for k, v in refused(workload, [s], threads, params | by_spec.get(s, {})).items()

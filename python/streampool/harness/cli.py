@@ -81,6 +81,17 @@ def _count(text: str) -> int:
     return value
 
 
+def _scale(text: str) -> float:
+    """``--gap-scale``: a finite number, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 <= value < math.inf):
+        raise argparse.ArgumentTypeError(f"expected a finite number of 0 or more, not {text!r}")
+    return value
+
+
 def _thread_count(text: str) -> int:
     value = _count(text)
     if value > workloads.MAX_THREADS:
@@ -231,7 +242,7 @@ def _parser() -> argparse.ArgumentParser:
     measured(r, quick="2 repeats (the log is replayed whole)")
     r.add_argument(
         "--gap-scale",
-        type=float,
+        type=_scale,
         default=0.0,
         help="recorded gaps times this (default 0: as fast as possible; 1: as recorded)",
     )
@@ -436,7 +447,11 @@ def _read_log(out: Output, log: str, skip_malformed: bool = False, name: str | N
             )
         return t
     if not (t.recorded_failures or t.unmatched_frees):
-        raise _Fail(EXIT_BAD_INPUT, f"{name}: no events: no allocations to replay")
+        raise _Fail(
+            EXIT_BAD_INPUT,
+            f"{name}: no events: no allocations to replay (none of 1 byte or more: a 0-byte "
+            "allocation is the null pointer, not replayed)",
+        )
     raise _Fail(
         EXIT_BAD_INPUT,
         f"{name}: no allocations to replay (only {t.recorded_failures} failed allocation(s) and "
@@ -639,6 +654,7 @@ def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
     workloads.check(w.name, params)
     for n in args.threads or []:
         workloads.check_param(w.name, "threads", n, "int")
+    workloads.check_events(w.name, params, max(args.threads or [1]))
     default = w.resources or DEFAULT_RESOURCES
     specs = _specs(default if args.resources is None else args.resources)
     _check_plot_dir(args)
@@ -1050,6 +1066,14 @@ def _cmd_plot(args: argparse.Namespace, dev: Device) -> int:
             EXIT_BAD_INPUT, f"-o {args.output}: the directory {os.path.dirname(target)} does not exist"
         )
     plots._plt()  # before any work: a clear message when matplotlib is missing
+    suffix = os.path.splitext(target)[1][1:].lower()
+    formats = plots.file_formats()
+    if suffix not in formats:
+        raise _Fail(
+            EXIT_USAGE,
+            f"-o {args.output}: matplotlib writes no .{suffix} files; name one of "
+            f"{', '.join('.' + f for f in sorted(formats))} (.png by default)",
+        )
     candidate = make_resource(args.resource)
     replayed = trace.sequential_replay(candidate.resource, t, candidate.reserved)
     plots.log_plot(t, replayed, candidate.spec, target, dev.simulated)

@@ -6,6 +6,7 @@ the simulated device says so in its title."""
 
 from __future__ import annotations
 
+import errno
 import statistics
 import tempfile
 from pathlib import Path
@@ -32,10 +33,21 @@ def _plt() -> Any:
     return plt
 
 
+def file_formats() -> set[str]:
+    """The file suffixes matplotlib saves a figure as (png, pdf, svg, ...)."""
+    _plt()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return set(FigureCanvasBase.get_supported_filetypes())
+
+
 def writable_dir(out_dir: str) -> None:
     """Makes ``out_dir`` (and its parents) and checks that a file can be written there, so
     that a run is not measured for plots that cannot be saved; OSError when not."""
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "it exists and is not a directory")
+    path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile(dir=out_dir):
         pass
 

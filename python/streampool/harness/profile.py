@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._native import LOG_HEADER
 from ..allocators._on_import import kept_own
 
 SHIM = Path(__file__).with_name("_shim")
@@ -51,8 +53,9 @@ def check_log(log: str) -> None:
     """Removes an old ``log`` (and the ``log.devN`` of an earlier run, so that they are not
     taken for this run's) and checks that a new one can be created (by creating and
     removing it), so that a program is never run for a log that cannot be written;
-    OSError naming the log when it cannot. Only files are removed: a log that is anything
-    else (``/dev/null``, a pipe, a link, a directory) or a file this process may not write
+    OSError naming the log when it cannot. Only old logs are removed: a log that is
+    anything else (``/dev/null``, a pipe, a link, a directory), a file this process may not
+    write, or a file that is not an allocation log (a program's source named by mistake)
     is refused, never replaced."""
     path = Path(log)
     try:
@@ -80,7 +83,19 @@ def _a_file_to_replace(path: Path) -> bool:
         )
     if not os.access(path, os.W_OK):
         raise OSError(0, f"{path} is not writable (an old log is replaced only when it is)")
+    with path.open("rb") as f:
+        head = f.read(len(_HEADER) + 3).removeprefix(b"\xef\xbb\xbf")
+    # An empty file, a log's header or the start of one (a run cut short): an old log.
+    if head and not (head.startswith(_HEADER) or _HEADER.startswith(head)):
+        raise OSError(
+            0,
+            f"{path} exists and is not an allocation log (its first line is not {LOG_HEADER!r}): "
+            "name another log with -o, or remove the file",
+        )
     return True
+
+
+_HEADER = LOG_HEADER.encode()
 
 
 def _other_device_logs(log: str) -> list[tuple[int, str]]:
@@ -152,17 +167,47 @@ def script(argv: Sequence[str]) -> str | None:
 
 
 def check_program(argv: Sequence[str], log: str | None = None) -> None:
-    """CannotStartError when ``argv`` runs a Python script (:func:`script`) that does not
-    exist (the interpreter would start, say it cannot open the file and exit with status
-    2, which would read as the program's own failure), or that is ``log`` itself (which
-    profile would replace with the log)."""
+    """CannotStartError, before anything is run or removed, when ``argv``'s command cannot
+    be run (not found on ``PATH``, not a file, not executable); when it is a Python
+    interpreter other than this one that cannot import streampool (``python`` on ``PATH``
+    outside the virtual environment that has streampool: the shim would stop the program);
+    when it runs a Python script (:func:`script`) that does not exist (the interpreter
+    would start, say it cannot open the file and exit with status 2, which would read as
+    the program's own failure), or that is ``log`` itself (which profile would replace
+    with the log)."""
+    command = command_line(argv)[0] if argv else ""
+    found = command if os.sep in command else shutil.which(command)
+    if found is None or not os.path.exists(found):
+        raise CannotStartError(f"cannot run {command!r}: No such file or directory")
+    if os.path.isdir(found) or not os.access(found, os.X_OK):
+        raise CannotStartError(f"cannot run {command!r}: Permission denied")
     path = script(argv)
-    if path is None:
-        return
-    if not os.path.exists(path):
-        raise CannotStartError(f"cannot run {path!r}: No such file or directory")
-    if log is not None and os.path.exists(log) and os.path.samefile(path, log):
-        raise CannotStartError(f"the log {log} is the program {path!r}: name another log with -o")
+    if path is not None:
+        if not os.path.exists(path):
+            raise CannotStartError(f"cannot run {path!r}: No such file or directory")
+        if log is not None and os.path.exists(log) and os.path.samefile(path, log):
+            raise CannotStartError(f"the log {log} is the program {path!r}: name another log with -o")
+    if _PYTHON.fullmatch(os.path.basename(command)) and os.path.abspath(found) != sys.executable:
+        _check_has_streampool(command, found)
+
+
+def _check_has_streampool(command: str, found: str) -> None:
+    """CannotStartError when the interpreter ``found`` (the program's) cannot import
+    streampool, which the shim needs there."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMPOOL_")}
+    try:
+        probe = subprocess.run(
+            [found, "-c", "import streampool"], env=env, capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CannotStartError(f"cannot run {command!r}: {e}") from None
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+        raise CannotStartError(
+            f"the program's Python, {command!r} ({found}), cannot import streampool ({last}), which "
+            f"profile needs in it: install streampool there, name this Python instead "
+            f"({sys.executable}), or give the script alone (-- prog.py ARGS), which runs under it"
+        )
 
 
 def run(

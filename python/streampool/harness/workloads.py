@@ -42,6 +42,7 @@ __all__ = [
     "Workload",
     "WorkloadError",
     "check",
+    "check_events",
     "check_param",
     "oversubscribes",
     "peak_live",
@@ -749,7 +750,30 @@ MAX_REPLAY_EVENTS = 4_000_000
 MAX_THREADS = 1024
 
 #: The greatest value of each numeric parameter that has one.
-_MOST: dict[str, int] = {"threads": MAX_THREADS}
+_MOST: dict[str, int] = {
+    "threads": MAX_THREADS,
+    "allocations": MAX_REPLAY_EVENTS // 2,
+    "chunks": 1 << 32,  # the pipeline's native driver's bound, a chunk each pair
+}
+
+#: The workloads whose trace is built in host memory first, two events an allocation.
+_TRACED = ("window", "random")
+
+
+def check_events(name: str, params: dict[str, Any], threads: int) -> None:
+    """ValueError when a traced workload (window, random) would build more than
+    ``MAX_REPLAY_EVENTS`` events for one run on ``threads`` threads (its ``allocations``
+    are each thread's; each is two events held in host memory), as a replay is refused."""
+    if name not in _TRACED:
+        return
+    allocations = params.get("allocations", WORKLOADS[name].declared()["allocations"].default)
+    events = 2 * allocations * threads
+    if events > MAX_REPLAY_EVENTS:
+        raise ValueError(
+            f"workload {name!r}: allocations={allocations:,} on {threads} thread{'s' if threads != 1 else ''} "
+            f"is {events:,} events, more than {MAX_REPLAY_EVENTS:,} a run (each takes host memory "
+            "while it is replayed): fewer allocations or threads"
+        )
 
 
 def _check_pipeline(check_every: int, driver: str, long_call_us: float, null_call_us: float) -> None:
@@ -818,6 +842,8 @@ def check(name: str, params: dict[str, Any]) -> None:
     # A number where the workload takes only one (sizes also take strings: "64KiB"), in range.
     for key, value in params.items():
         check_param(name, key, value, str(declared[key].annotation))
+    if "threads" in params:
+        check_events(name, params, params["threads"])
     if name == "pipeline":
         given = {k: p.default for k, p in declared.items()} | params
         _check_pipeline(given["check_every"], given["driver"], given["long_call_us"], given["null_call_us"])
@@ -826,7 +852,8 @@ def check(name: str, params: dict[str, Any]) -> None:
 def run(name: str, candidate: Candidate | str | _native.MemoryResource, **params: Any) -> dict[str, Any]:
     """Runs workload ``name`` on ``candidate``, its ``params`` checked first (:func:`check`):
     what ``make_resource(spec)`` made, a spec string (made so), or a resource (whose reserved
-    bytes are then not reported)."""
+    bytes are reported where it holds memory itself, such as a pool, else None). The
+    resource is measured as it is: nothing is trimmed first (``bench.one_run`` does)."""
     check(name, params)
     if isinstance(candidate, str):
         candidate = make_resource(candidate)

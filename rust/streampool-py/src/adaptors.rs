@@ -260,7 +260,10 @@ impl PyUpstreamResourceAdaptor {
     /// `StatisticsResourceAdaptor[PoolMemoryResource]` in an annotation (the typing stub
     /// makes the adaptors generic in their upstream's type): a `types.GenericAlias`.
     #[classmethod]
-    fn __class_getitem__<'py>(cls: &Bound<'py, PyType>, item: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn __class_getitem__<'py>(
+        cls: &Bound<'py, PyType>,
+        item: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         cls.py().import("types")?.getattr("GenericAlias")?.call1((cls, item))
     }
 

@@ -137,10 +137,16 @@ impl BinningMemoryResource {
                     mr.add_bin(1 << e, None)?;
                 }
             }
-            _ => {
-                return Err(Error::invalid(
-                    "BinningMemoryResource: give both min_size_exponent and max_size_exponent, or neither",
-                ))
+            (min, max) => {
+                let (unset, set, e) = match (min, max) {
+                    (None, Some(max)) => ("min_size_exponent", "max_size_exponent", max),
+                    (Some(min), _) => ("max_size_exponent", "min_size_exponent", min),
+                    (None, None) => unreachable!("matched above"),
+                };
+                return Err(Error::invalid(format!(
+                    "BinningMemoryResource: {set} is {e} but {unset} is not given (None, or RMM's -1): \
+                     give both min_size_exponent and max_size_exponent, or neither"
+                )));
             }
         }
         Ok(mr)
