@@ -98,22 +98,38 @@ def test_binning_round_trip_across_streams() -> None:
 
 
 def test_binning_gives_free_chunks_back_when_its_upstream_runs_out() -> None:
-    # A stream per task under a 64 MiB limit: the 1 MiB bin takes a chunk per stream until
-    # the limit; then a request of another bin, and one larger than every bin, get its
-    # wholly free chunks given back rather than an out-of-memory with nothing live.
+    # 40 streams each holding a 1 MiB buffer at once under a 64 MiB limit: the 1 MiB bin's
+    # chunks hold them; once freed, a request of another bin, and one larger than every
+    # bin, get its wholly free chunks given back rather than an out-of-memory with nothing
+    # live.
     limited = mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), "64MiB")
     binning = mr.BinningMemoryResource(limited, 10, 20)
-    for i in range(40):
-        s = streampool.Stream()
-        buf = streampool.DeviceBuffer.to_device(bytes([i]) * MiB, stream=s, mr=binning)
-        assert buf.tobytes()[-1:] == bytes([i])
-        del buf, s
+    streams = [streampool.Stream() for _ in range(40)]
+    bufs = [
+        streampool.DeviceBuffer.to_device(bytes([i]) * MiB, stream=s, mr=binning)
+        for i, s in enumerate(streams)
+    ]
+    assert [b.tobytes()[-1:] for b in bufs] == [bytes([i]) for i in range(40)]
+    del bufs, streams
     held = limited.get_allocated_bytes()
     assert held >= 32 * MiB
     small = streampool.DeviceBuffer.to_device(b"x" * 1000, mr=binning)
     large = streampool.DeviceBuffer.to_device(b"y" * (48 * MiB), mr=binning)
     assert small.tobytes() == b"x" * 1000 and large.tobytes()[-1:] == b"y"
     assert limited.get_allocated_bytes() < held + 48 * MiB
+
+
+def test_binning_streams_in_turn_reuse_one_chunk_on_the_gpu() -> None:
+    # A stream per task, one after another: each takes the blocks the last one freed (after
+    # a wait on its event) instead of a chunk of its own; the data reads back right.
+    limited = mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), "64MiB")
+    binning = mr.BinningMemoryResource(limited, 10, 20)
+    for i in range(40):
+        s = streampool.Stream()
+        buf = streampool.DeviceBuffer.to_device(bytes([i]) * MiB, stream=s, mr=binning)
+        assert buf.tobytes() == bytes([i]) * MiB
+        del buf, s
+    assert limited.get_allocated_bytes() <= 4 * MiB
 
 
 def test_exit_with_live_buffers_and_python_callbacks_on_the_gpu_is_quiet() -> None:

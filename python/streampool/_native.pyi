@@ -769,13 +769,14 @@ class FixedSizeMemoryResource(UpstreamResourceAdaptor[_U]):
     blocks, not sizes: a smaller size frees the same block). ``blocks_to_preallocate``
     below 1 (or beyond 2**64) raises ValueError naming it.
 
-    Blocks are reused per stream: each stream that allocates takes a chunk of its own, and
-    blocks freed on one stream serve only it until the upstream runs out of memory; then
-    the device is synchronised once and every block freed before serves every stream
-    (threads short of memory meanwhile find those blocks too). A program
-    that makes a stream per task holds a chunk per stream until then; chunks go back to
-    the upstream when the resource is dropped (a BinningMemoryResource also gives back
-    its bins' wholly free chunks when a request finds the upstream out of memory).
+    Blocks are reused as in RMM's pools: a block freed on a stream serves that stream at
+    once; a stream with none of its own takes the fullest other stream's free blocks,
+    made to wait (on the device, not the host) on an event recorded at that stream's
+    latest free, before taking a chunk from the upstream. Each free records that event (a
+    driver call). When the upstream runs out of memory the device is synchronised once and
+    every block freed before serves every stream. Chunks go back to the upstream when the
+    resource is dropped (a BinningMemoryResource also gives back its bins' wholly free
+    chunks when a request finds the upstream out of memory).
 
     Example::
 

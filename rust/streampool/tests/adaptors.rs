@@ -900,22 +900,42 @@ fn binning_bad_input_is_refused_and_changes_nothing() {
 }
 
 #[test]
-fn fixed_size_reuses_on_the_freeing_stream_only() {
+fn fixed_size_takes_another_streams_blocks_after_waiting_on_its_event() {
     let (sim, b) = sim(256 << 20);
-    let mr = FixedSizeMemoryResource::new(async_mr(&b), 4096, 4).unwrap();
+    let upstream = Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap());
+    let mr = FixedSizeMemoryResource::new(upstream.clone(), 4096, 4).unwrap();
     let ss = streams(&b, 2);
     let (a, bb) = (&ss[0], &ss[1]);
     let p = mr.allocate(4096, a).unwrap();
     sim.write_labeled(a.handle(), p, 4096, "producer on A").unwrap();
     mr.deallocate(p, 4096, a).unwrap();
-    let q = mr.allocate(4096, bb).unwrap();
-    assert_ne!(p, q, "B does not get A's block while A's write may be pending");
-    sim.write_labeled(bb.handle(), q, 4096, "consumer on B").unwrap();
-    assert_eq!(mr.allocate(100, a).unwrap(), p, "A reuses its own block");
+    assert_eq!(mr.allocate(100, a).unwrap(), p, "A reuses its own block at once");
     sim.write(a.handle(), p, 100).unwrap();
     mr.deallocate(p, 100, a).unwrap();
+    // B has no blocks: it takes A's list (p among them), ordered after A's frees by a
+    // wait on A's event, rather than growing a chunk of its own.
+    let q = mr.allocate(4096, bb).unwrap();
+    sim.write_labeled(bb.handle(), q, 4096, "consumer on B").unwrap();
+    assert_eq!(upstream.statistics().current_count, 1, "one chunk: B did not grow");
+    let rest: Vec<DevPtr> = (0..3).map(|_| mr.allocate(4096, bb).unwrap()).collect();
+    assert!(rest.contains(&p) || q == p, "every block of A's chunk serves B");
+    for &r in &rest {
+        sim.write(bb.handle(), r, 4096).unwrap();
+        mr.deallocate(r, 4096, bb).unwrap();
+    }
     mr.deallocate(q, 4096, bb).unwrap();
     assert_no_races(&sim);
+    // A hand-off loop (A allocates and writes, B waits for A, reads and frees) keeps one
+    // chunk, not one per round.
+    for _ in 0..1000 {
+        let x = mr.allocate(4096, a).unwrap();
+        sim.write(a.handle(), x, 4096).unwrap();
+        bb.wait_for(&b, 0, a, 0).unwrap();
+        sim.read(bb.handle(), x, 4096).unwrap();
+        mr.deallocate(x, 4096, bb).unwrap();
+    }
+    assert_no_races(&sim);
+    assert_eq!(upstream.statistics().current_count, 1, "the hand-off reuses the one chunk");
     // Bad input.
     // Above the block size: out of memory, as RMM's ("maximum allocation size exceeded").
     let too_large = mr.allocate(4097, a).unwrap_err();
@@ -931,6 +951,40 @@ fn fixed_size_reuses_on_the_freeing_stream_only() {
         FixedSizeMemoryResource::new(async_mr(&b), 256, usize::MAX),
         Err(Error::InvalidArgument(_))
     ));
+}
+
+/// Threads on streams of their own, each writing every block it gets and freeing it on
+/// its stream: blocks move between the streams through step 3 (a wait on the freeing
+/// stream's event, then a record on the taking one), and the race detector finds no use
+/// of a block on one stream that is not ordered after its use on another. The working
+/// set stays at what the threads hold together, not a chunk per stream per round.
+#[test]
+fn fixed_size_blocks_moving_between_threads_streams_are_ordered() {
+    let (sim, b) = sim(64 << 20);
+    let upstream = Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap());
+    let mr = Arc::new(FixedSizeMemoryResource::new(upstream.clone(), 4096, 4).unwrap());
+    let ss = streams(&b, 4);
+    std::thread::scope(|scope| {
+        for (t, s) in ss.iter().enumerate() {
+            let (mr, sim) = (mr.clone(), sim.clone());
+            scope.spawn(move || {
+                for round in 0..300 {
+                    // 1 to 4 blocks at once, by thread and round.
+                    let held: Vec<DevPtr> =
+                        (0..1 + (t + round) % 4).map(|_| mr.allocate(4096, s).unwrap()).collect();
+                    for &p in &held {
+                        sim.write_labeled(s.handle(), p, 4096, &format!("thread {t} round {round}")).unwrap();
+                    }
+                    for p in held {
+                        mr.deallocate(p, 4096, s).unwrap();
+                    }
+                }
+            });
+        }
+    });
+    assert_no_races(&sim);
+    let chunks = upstream.statistics().peak_count;
+    assert!(chunks <= 5, "{chunks} chunks of 4 blocks for 4 threads holding at most 4 blocks each");
 }
 
 /// When the upstream is out of memory, blocks freed on other streams are reused, but
@@ -1491,14 +1545,16 @@ fn binning_gives_free_chunks_back_when_the_upstream_runs_out() {
     let (sim, b) = sim(64 << 20);
     let upstream = Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap());
     let mr = BinningMemoryResource::new(upstream.clone(), Some(10), Some(20)).unwrap();
-    for _ in 0..40 {
-        let s = Stream::create(&b, 0, false).unwrap();
-        let p = mr.allocate(1 << 20, &s).unwrap();
+    // 40 streams, each holding a 1 MiB block at once, then freeing it: the 1 MiB bin's
+    // chunks are wholly free.
+    let ss = streams(&b, 40);
+    let live: Vec<DevPtr> = ss.iter().map(|s| mr.allocate(1 << 20, s).unwrap()).collect();
+    for (s, &p) in ss.iter().zip(&live) {
         sim.write(s.handle(), p, 1 << 20).unwrap();
-        mr.deallocate(p, 1 << 20, &s).unwrap();
+        mr.deallocate(p, 1 << 20, s).unwrap();
     }
     let held = upstream.statistics().current_bytes;
-    assert!(held >= 32 << 20, "the 1 MiB bin holds a chunk per stream: {held}");
+    assert!(held >= 32 << 20, "the 1 MiB bin holds the 40 blocks' chunks: {held}");
     // The 1 KiB bin's first chunk, then a request larger than every bin.
     let s = Stream::legacy();
     let small = mr.allocate(1000, &s).unwrap();

@@ -2,12 +2,13 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
+use std::sync::Arc;
 
 use super::{as_own_oom, upstream_properties};
 use crate::device::DevPtr;
 use crate::error::{record_if_failed, synchronize_on_drop, Error, Result};
 use crate::resource::{check_depth, MemoryResource, ResourceRef, ALIGNMENT};
-use crate::stream::Stream;
+use crate::stream::{Event, Stream};
 use crate::sync::{lock, Mutex};
 
 /// Blocks of one size, carved from chunks of the upstream (RMM's
@@ -16,38 +17,51 @@ use crate::sync::{lock, Mutex};
 /// [`Error::OutOfMemory`] (as RMM's `out_of_memory`) that names the block size, so that a
 /// failure callback above hears of it.
 ///
-/// Stream-ordered reuse policy, simple on purpose:
+/// Stream-ordered reuse policy (RMM's, with one event per stream):
 /// 1. A free puts the block on the free list of the freeing stream, keyed by the
 ///    stream's never-reused id (`cuStreamGetId`; the per-thread default stream counts
-///    per thread), and only that stream reuses it: same-stream reuse needs no ordering.
-/// 2. Blocks that every stream may use: those reclaimed by step 4 (their frees have
+///    per thread), after recording that list's event on the stream: the event's latest
+///    record covers every block on the list. The freeing stream reuses its own blocks at
+///    once: same-stream reuse needs no ordering.
+/// 2. Blocks that every stream may use: those reclaimed by step 5 (their frees have
 ///    completed).
-/// 3. Otherwise it grows: one chunk of `block_bytes * blocks_per_chunk` from the upstream
-///    *on the allocating stream*, all of whose blocks go to that stream's list (memory
-///    from a stream-ordered upstream is ordered for the stream it was allocated on only).
-/// 4. When the upstream is out of memory, it waits for the whole device once
+/// 3. Another stream's blocks: the fullest other list is taken whole, the allocating
+///    stream is made to wait on that list's event (`cuStreamWaitEvent`: the host does not
+///    wait), and the blocks join the allocating stream's list once its own event is
+///    recorded after the wait (so that a stream taking them from it later is ordered
+///    after the wait too). As RMM's pools, this couples the two streams on the device,
+///    and keeps memory to what the streams need together rather than a chunk per stream.
+/// 4. Otherwise it grows: one chunk of `block_bytes * blocks_per_chunk` from the upstream
+///    *on the allocating stream*, all of whose blocks go to that stream's list, covered by
+///    its event recorded after the upstream call (memory from a stream-ordered upstream is
+///    ordered for the stream it was allocated on only).
+/// 5. When the upstream is out of memory, it waits for the whole device once
 ///    (`cuCtxSynchronize`: every free made before has then completed, so those blocks are
 ///    safe for any stream), makes the blocks freed before the wait usable by all (step 2),
-///    and tries steps 2 and 3 again before failing. The blocks stay on their lists during
+///    and tries steps 2 to 4 again before failing. The blocks stay on their lists during
 ///    the wait, so that another thread short of memory meanwhile finds them too; and while
-///    other threads' growths are on their way or their frees change the lists, step 4 is
+///    other threads' growths are on their way or their frees change the lists, step 5 is
 ///    tried again (a few times) rather than failing.
 ///
 /// Chunks go back to the upstream when the resource is dropped (after a device
 /// synchronisation, on the legacy default stream), and, those whose blocks are all free,
 /// on [`release_free_chunks`](Self::release_free_chunks) (which a
 /// [`super::BinningMemoryResource`] calls on its bins when a request finds the upstream
-/// out of memory). Lists of destroyed streams are reclaimed by step 4 and by that.
+/// out of memory). Lists of destroyed streams are taken by steps 3 and 5 (an event
+/// outlives its stream).
 ///
-/// Invariant: a block is either outstanding or on exactly one list; a free of a block
-/// that is not outstanding, or with a size above the block size, is refused
-/// ([`Error::InvalidPointer`]) and changes nothing. (It records blocks, not sizes: a
-/// free with another size that fits the block frees the same block, and is accepted.) One lock guards the lists; it is
-/// never held across a call into the upstream or the driver.
+/// Invariant: a block is either outstanding, on exactly one list, or held by the one call
+/// taking it in step 3; a free of a block that is not outstanding, or with a size above
+/// the block size, is refused ([`Error::InvalidPointer`]) and changes nothing. (It records
+/// blocks, not sizes: a free with another size that fits the block frees the same block,
+/// and is accepted.) One lock guards the lists; it is never held across a call into the
+/// upstream, nor across a device synchronisation or a wait. An event is recorded (and,
+/// once per list, created) under it, so that a record and the blocks it covers enter a
+/// list together. A free whose event cannot be recorded (a driver failure) is refused, the
+/// block still outstanding.
 ///
-/// What a reader may miss: blocks on other streams' lists are not reused until an
-/// out-of-memory forces step 4, so it may hold more than it hands out: a program that
-/// makes a stream per task grows a chunk per stream until the upstream runs out.
+/// The cost: an event record per free (a driver call, as in RMM's pools), and a wait and
+/// a record per list taken in step 3.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -73,9 +87,8 @@ pub struct FixedSizeMemoryResource {
 
 #[derive(Default)]
 struct State {
-    /// Free blocks by the id of the stream that freed them, each with the number of the
-    /// free (oldest first: a list is a stack, so the numbers rise along it).
-    by_stream: HashMap<u64, Vec<(DevPtr, u64)>>,
+    /// Free blocks by the id of the stream that freed them.
+    by_stream: HashMap<u64, List>,
     /// The number the next free gets.
     frees: u64,
     /// Growths between their upstream call and their blocks' entry in a list.
@@ -84,6 +97,14 @@ struct State {
     ready: Vec<DevPtr>,
     outstanding: HashSet<DevPtr>,
     chunks: Vec<DevPtr>,
+}
+
+/// One stream's free blocks, each with the number of its free, and the event whose
+/// latest record on the stream covers them all (None until the first record).
+#[derive(Default)]
+struct List {
+    blocks: Vec<(DevPtr, u64)>,
+    event: Option<Arc<Event>>,
 }
 
 impl FixedSizeMemoryResource {
@@ -130,24 +151,80 @@ impl FixedSizeMemoryResource {
     fn take_free(&self, id: u64) -> Option<DevPtr> {
         let mut st = lock(&self.state);
         let st = &mut *st;
-        let own = st.by_stream.get_mut(&id).and_then(Vec::pop).map(|(p, _)| p);
+        let own = st.by_stream.get_mut(&id).and_then(|l| l.blocks.pop()).map(|(p, _)| p);
         let ptr = own.or_else(|| st.ready.pop())?;
         st.outstanding.insert(ptr);
         Some(ptr)
     }
 
-    /// Step 3: a new chunk on `stream`; one block is returned, the rest go to its list.
+    /// Records stream `id`'s event on `stream` (made on first use), under the lock, so that
+    /// its latest record covers every block on the list once the caller adds its own:
+    /// records and additions are made in one locked step, and records on one stream follow
+    /// one another. The event, for a list taken in step 3.
+    fn record(&self, st: &mut State, id: u64, stream: &Stream) -> Result<()> {
+        let list = st.by_stream.entry(id).or_default();
+        let event = match &list.event {
+            Some(event) => event.clone(),
+            None => {
+                let event = Arc::new(Event::new(self.upstream.backend(), self.upstream.device())?);
+                list.event = Some(event.clone());
+                event
+            }
+        };
+        event.record(stream)
+    }
+
+    /// Step 3: the fullest other stream's list, for `stream` (after a wait on its event);
+    /// one block is returned, the rest go to `stream`'s list. None when no other list has
+    /// blocks, or on a failed wait or record (the blocks back on their list, still covered
+    /// by its event).
+    fn take_from_another(&self, id: u64, stream: &Stream) -> Option<DevPtr> {
+        let (from, mut taken, theirs) = {
+            let mut st = lock(&self.state);
+            let (&from, list) = st
+                .by_stream
+                .iter_mut()
+                .filter(|(&other, l)| other != id && !l.blocks.is_empty())
+                .max_by_key(|(_, l)| l.blocks.len())?;
+            let theirs = list.event.clone()?; // a list with blocks has its event
+            (from, std::mem::take(&mut list.blocks), theirs)
+        };
+        let waited = stream.wait(&theirs);
+        let mut st = lock(&self.state);
+        let st = &mut *st;
+        if waited.and_then(|()| self.record(st, id, stream)).is_err() {
+            // A list made again meanwhile has an event recorded after these frees.
+            let list = st.by_stream.entry(from).or_default();
+            list.event.get_or_insert(theirs);
+            list.blocks.extend(taken);
+            return None;
+        }
+        let (ptr, _) = taken.pop()?;
+        st.by_stream.entry(id).or_default().blocks.extend(taken);
+        st.outstanding.insert(ptr);
+        Some(ptr)
+    }
+
+    /// Step 4: a new chunk on `stream`; one block is returned, the rest go to its list.
     fn grow(&self, id: u64, stream: &Stream) -> Result<DevPtr> {
         lock(&self.state).growing += 1;
         let grown = self.upstream.allocate(self.chunk_bytes(), stream);
         let mut st = lock(&self.state);
         st.growing -= 1;
         let chunk = grown?;
+        if let Err(e) = self.record(&mut st, id, stream) {
+            drop(st); // no event covers the chunk for other streams: it goes back
+            record_if_failed(
+                || "giving back a chunk whose event could not be recorded".to_string(),
+                self.upstream.deallocate(chunk, self.chunk_bytes(), stream),
+            );
+            return Err(e);
+        }
         st.chunks.push(chunk);
         let n = st.frees;
         st.frees += 1;
         let blocks = (1..self.blocks_per_chunk).rev().map(|i| (chunk + (i * self.block_bytes) as u64, n));
-        st.by_stream.entry(id).or_default().extend(blocks);
+        st.by_stream.entry(id).or_default().blocks.extend(blocks);
         st.outstanding.insert(chunk);
         Ok(chunk)
     }
@@ -194,11 +271,13 @@ impl FixedSizeMemoryResource {
         let mut st = lock(&self.state);
         let st = &mut *st;
         for list in st.by_stream.values_mut() {
-            let done = list.partition_point(|&(_, n)| n < mark);
-            st.ready.extend(list.drain(..done).map(|(p, _)| p));
+            // Blocks taken from another stream (step 3) keep their older numbers.
+            let (done, kept): (Vec<_>, Vec<_>) = list.blocks.drain(..).partition(|&(_, n)| n < mark);
+            list.blocks = kept;
+            st.ready.extend(done.into_iter().map(|(p, _)| p));
         }
         // The lists of streams that are gone (and of any stream, once empty) leave.
-        st.by_stream.retain(|_, list| !list.is_empty());
+        st.by_stream.retain(|_, list| !list.blocks.is_empty());
         Ok(then(st))
     }
 }
@@ -223,7 +302,7 @@ impl MemoryResource for FixedSizeMemoryResource {
             });
         }
         let id = stream.key(self.backend(), self.device());
-        if let Some(ptr) = self.take_free(id) {
+        if let Some(ptr) = self.take_free(id).or_else(|| self.take_from_another(id, stream)) {
             return Ok(ptr);
         }
         let mut failed = match self.grow(id, stream) {
@@ -238,7 +317,7 @@ impl MemoryResource for FixedSizeMemoryResource {
                 (st.frees, st.growing)
             };
             self.reclaim()?;
-            if let Some(ptr) = self.take_free(id) {
+            if let Some(ptr) = self.take_free(id).or_else(|| self.take_from_another(id, stream)) {
                 return Ok(ptr);
             }
             failed = match self.grow(id, stream) {
@@ -264,14 +343,19 @@ impl MemoryResource for FixedSizeMemoryResource {
         }
         let id = stream.key(self.backend(), self.device());
         let mut st = lock(&self.state);
-        if !st.outstanding.remove(&ptr) {
+        let st = &mut *st;
+        if !st.outstanding.contains(&ptr) {
             return Err(Error::InvalidPointer(format!(
                 "{ptr:#x} is not an outstanding block of this FixedSizeMemoryResource (double free, or not allocated here)"
             )));
         }
+        // The event recorded after the block's uses on the stream, then the block listed;
+        // when it cannot be recorded, the free does not happen.
+        self.record(st, id, stream)?;
+        st.outstanding.remove(&ptr);
         let n = st.frees;
         st.frees += 1;
-        st.by_stream.entry(id).or_default().push((ptr, n));
+        st.by_stream.entry(id).or_default().blocks.push((ptr, n));
         Ok(())
     }
 }
