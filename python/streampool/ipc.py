@@ -49,8 +49,9 @@ import contextlib
 import os
 import socket
 import struct
+from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from . import _native
 from ._errors import InvalidArgumentError
@@ -158,7 +159,7 @@ class IpcHandle:
         return f"<IpcHandle {self.nbytes} bytes on device {self.device} from pid {self.pid}, {fd}>"
 
 
-def _reduce_for_multiprocessing(handle: IpcHandle) -> tuple[object, tuple[object, ...]]:
+def _reduce_for_multiprocessing(handle: IpcHandle) -> tuple[Callable[..., IpcHandle], tuple[Any, ...]]:
     """How multiprocessing's pickler sends a handle (process arguments, pipes, queues): the
     descriptor travels as multiprocessing sends its own (SCM_RIGHTS); the receiving handle
     owns a duplicate."""
