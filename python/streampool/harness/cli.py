@@ -81,15 +81,20 @@ def _count(text: str) -> int:
     return value
 
 
-def _scale(text: str) -> float:
-    """``--gap-scale``: a finite number, 0 or more."""
+def _finite(text: str, expected: str) -> float:
+    """``text`` as a finite number, 0 or more; else the option's error, ``expected ...``."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not (0 <= value < math.inf):
-        raise argparse.ArgumentTypeError(f"expected a finite number of 0 or more, not {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}")
     return value
+
+
+def _scale(text: str) -> float:
+    """``--gap-scale``: a finite number, 0 or more."""
+    return _finite(text, "a finite number of 0 or more")
 
 
 def _thread_count(text: str) -> int:
@@ -139,13 +144,7 @@ def _lead(text: str) -> float | None:
     """``--max-lead``: milliseconds (finite, 0 or more), or ``none``; in seconds."""
     if text.strip().lower() == "none":
         return None
-    try:
-        ms = float(text)
-    except ValueError:
-        ms = math.nan
-    if not (0 <= ms < math.inf):
-        raise argparse.ArgumentTypeError(f"expected milliseconds (finite, 0 or more) or none, not {text!r}")
-    return ms / 1000
+    return _finite(text, "milliseconds (finite, 0 or more) or none") / 1000
 
 
 MAX_LEAD_HELP = (

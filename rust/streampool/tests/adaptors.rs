@@ -953,11 +953,11 @@ fn fixed_size_takes_another_streams_blocks_after_waiting_on_its_event() {
     ));
 }
 
-/// Threads on streams of their own, each writing every block it gets and freeing it on
-/// its stream: blocks move between the streams through step 3 (a wait on the freeing
-/// stream's event, then a record on the taking one), and the race detector finds no use
-/// of a block on one stream that is not ordered after its use on another. The working
-/// set stays at what the threads hold together, not a chunk per stream per round.
+/// Threads on streams of their own, each writing every block it gets, then handing it to
+/// the next thread's stream (which waits for the writer's) to be freed there: blocks move
+/// between the streams through step 3, and the race detector finds no use of a block on
+/// one stream that is not ordered after its use on another. The memory stays at what the
+/// threads hold together, not a chunk per round.
 #[test]
 fn fixed_size_blocks_moving_between_threads_streams_are_ordered() {
     let (sim, b) = sim(64 << 20);
@@ -965,18 +965,21 @@ fn fixed_size_blocks_moving_between_threads_streams_are_ordered() {
     let mr = Arc::new(FixedSizeMemoryResource::new(upstream.clone(), 4096, 4).unwrap());
     let ss = streams(&b, 4);
     std::thread::scope(|scope| {
-        for (t, s) in ss.iter().enumerate() {
-            let (mr, sim) = (mr.clone(), sim.clone());
+        for t in 0..ss.len() {
+            let (mr, sim, b, ss) = (mr.clone(), sim.clone(), b.clone(), &ss);
             scope.spawn(move || {
+                let (mine, next) = (&ss[t], &ss[(t + 1) % ss.len()]);
                 for round in 0..300 {
                     // 1 to 4 blocks at once, by thread and round.
                     let held: Vec<DevPtr> =
-                        (0..1 + (t + round) % 4).map(|_| mr.allocate(4096, s).unwrap()).collect();
+                        (0..1 + (t + round) % 4).map(|_| mr.allocate(4096, mine).unwrap()).collect();
                     for &p in &held {
-                        sim.write_labeled(s.handle(), p, 4096, &format!("thread {t} round {round}")).unwrap();
+                        sim.write_labeled(mine.handle(), p, 4096, &format!("thread {t} round {round}"))
+                            .unwrap();
                     }
+                    next.wait_for(&b, 0, mine, 0).unwrap();
                     for p in held {
-                        mr.deallocate(p, 4096, s).unwrap();
+                        mr.deallocate(p, 4096, next).unwrap();
                     }
                 }
             });
@@ -984,7 +987,82 @@ fn fixed_size_blocks_moving_between_threads_streams_are_ordered() {
     });
     assert_no_races(&sim);
     let chunks = upstream.statistics().peak_count;
-    assert!(chunks <= 5, "{chunks} chunks of 4 blocks for 4 threads holding at most 4 blocks each");
+    assert!(chunks <= 12, "{chunks} chunks of 4 blocks for 4 threads holding at most 4 blocks each");
+}
+
+/// A stream per task, one after another: each takes the blocks the last one freed, and
+/// the lists and events of streams that are gone leave with their blocks (an event kept
+/// per stream ever used grew without end, the out-of-memory path that used to prune them
+/// never being reached).
+#[test]
+fn fixed_size_keeps_no_list_or_event_per_stream_ever_used() {
+    let (sim, b) = sim(64 << 20);
+    let upstream = Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap());
+    let mr = FixedSizeMemoryResource::new(upstream.clone(), 4096, 4).unwrap();
+    let before = sim.live_events();
+    for _ in 0..2000 {
+        let s = Stream::create(&b, 0, false).unwrap();
+        let held: Vec<DevPtr> = (0..2).map(|_| mr.allocate(4096, &s).unwrap()).collect();
+        for p in held {
+            sim.write(s.handle(), p, 4096).unwrap();
+            mr.deallocate(p, 4096, &s).unwrap();
+        }
+    }
+    assert_no_races(&sim);
+    assert_eq!(upstream.statistics().peak_count, 1, "one chunk serves every stream in turn");
+    let events = sim.live_events() - before;
+    assert!(events <= 4, "{events} events live after 2000 streams");
+}
+
+/// An upstream whose frees fail while `failing` is set (the driver torn down, say).
+#[derive(Debug)]
+struct FlakyFrees {
+    upstream: ResourceRef,
+    failing: std::sync::atomic::AtomicBool,
+}
+
+impl MemoryResource for FlakyFrees {
+    fn backend(&self) -> &BackendRef {
+        self.upstream.backend()
+    }
+    fn device(&self) -> i32 {
+        self.upstream.device()
+    }
+    fn name(&self) -> &str {
+        "FlakyFrees"
+    }
+    fn memory_kind(&self) -> MemoryKind {
+        self.upstream.memory_kind()
+    }
+    fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        self.upstream.allocate(bytes, stream)
+    }
+    fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if self.failing.swap(false, Ordering::SeqCst) {
+            return Err(Error::invalid("the upstream's free failed"));
+        }
+        self.upstream.deallocate(ptr, bytes, stream)
+    }
+}
+
+/// A chunk the upstream refuses to take back stays the resource's, and the others are
+/// given back all the same (they were lost: taken off the resource's chunks, never freed).
+#[test]
+fn fixed_size_release_gives_back_every_chunk_it_can() {
+    let (_sim, b) = sim(64 << 20);
+    let counted = Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap());
+    let flaky = Arc::new(FlakyFrees { upstream: counted.clone(), failing: false.into() });
+    let mr = FixedSizeMemoryResource::new(flaky.clone(), 4096, 1).unwrap();
+    let s = Stream::legacy();
+    let held: Vec<DevPtr> = (0..3).map(|_| mr.allocate(4096, &s).unwrap()).collect();
+    for p in held {
+        mr.deallocate(p, 4096, &s).unwrap();
+    }
+    flaky.failing.store(true, Ordering::SeqCst); // the first give-back fails
+    assert!(mr.release_free_chunks().is_err());
+    assert_eq!(counted.statistics().current_count, 1, "the two others went back");
+    drop(mr);
+    assert_eq!(counted.statistics().current_count, 0, "the kept one went back on drop");
 }
 
 /// When the upstream is out of memory, blocks freed on other streams are reused, but

@@ -27,7 +27,9 @@ use crate::sync::{lock, Mutex};
 ///    completed).
 /// 3. Another stream's blocks: the fullest other list is taken whole, the allocating
 ///    stream is made to wait on that list's event (`cuStreamWaitEvent`: the host does not
-///    wait), and the blocks join the allocating stream's list once its own event is
+///    wait; the wait is for the event's latest record at that moment, which may cover
+///    frees made on that stream since, so the streams are tied a little more than the
+///    blocks need), and the blocks join the allocating stream's list once its own event is
 ///    recorded after the wait (so that a stream taking them from it later is ordered
 ///    after the wait too). As RMM's pools, this couples the two streams on the device,
 ///    and keeps memory to what the streams need together rather than a chunk per stream.
@@ -47,8 +49,9 @@ use crate::sync::{lock, Mutex};
 /// synchronisation, on the legacy default stream), and, those whose blocks are all free,
 /// on [`release_free_chunks`](Self::release_free_chunks) (which a
 /// [`super::BinningMemoryResource`] calls on its bins when a request finds the upstream
-/// out of memory). Lists of destroyed streams are taken by steps 3 and 5 (an event
-/// outlives its stream).
+/// out of memory). The blocks of destroyed streams are taken by steps 3 and 5 (an event
+/// outlives its stream); a list emptied by step 3 leaves, its event with it, and so do
+/// the lists that step 5 empties.
 ///
 /// Invariant: a block is either outstanding, on exactly one list, or held by the one call
 /// taking it in step 3; a free of a block that is not outstanding, or with a size above
@@ -97,6 +100,26 @@ struct State {
     ready: Vec<DevPtr>,
     outstanding: HashSet<DevPtr>,
     chunks: Vec<DevPtr>,
+    /// Events of lists that left, none of them waited on: the next lists take them.
+    spare: Vec<Arc<Event>>,
+}
+
+/// The most events kept for lists to come.
+const SPARE_EVENTS: usize = 64;
+
+impl State {
+    /// Removes stream `id`'s list (emptied): its event is kept for the next list when
+    /// nobody holds it for a wait, else it goes with the last holder. A program that makes
+    /// a stream per task (or a borrowed handle per call, where the driver gives no stream
+    /// ids) so keeps a list per stream in use, not per stream ever used.
+    fn retire(&mut self, id: u64) {
+        let event = self.by_stream.remove(&id).and_then(|list| list.event);
+        if let Some(event) = event.filter(|e| Arc::strong_count(e) == 1) {
+            if self.spare.len() < SPARE_EVENTS {
+                self.spare.push(event);
+            }
+        }
+    }
 }
 
 /// One stream's free blocks, each with the number of its free, and the event whose
@@ -151,8 +174,16 @@ impl FixedSizeMemoryResource {
     fn take_free(&self, id: u64) -> Option<DevPtr> {
         let mut st = lock(&self.state);
         let st = &mut *st;
-        let own = st.by_stream.get_mut(&id).and_then(|l| l.blocks.pop()).map(|(p, _)| p);
-        let ptr = own.or_else(|| st.ready.pop())?;
+        let own = st.by_stream.get_mut(&id).and_then(|l| Some((l.blocks.pop()?.0, l.blocks.is_empty())));
+        let ptr = match own {
+            Some((ptr, emptied)) => {
+                if emptied {
+                    st.retire(id);
+                }
+                ptr
+            }
+            None => st.ready.pop()?,
+        };
         st.outstanding.insert(ptr);
         Some(ptr)
     }
@@ -162,16 +193,18 @@ impl FixedSizeMemoryResource {
     /// records and additions are made in one locked step, and records on one stream follow
     /// one another. The event, for a list taken in step 3.
     fn record(&self, st: &mut State, id: u64, stream: &Stream) -> Result<()> {
-        let list = st.by_stream.entry(id).or_default();
-        let event = match &list.event {
-            Some(event) => event.clone(),
-            None => {
-                let event = Arc::new(Event::new(self.upstream.backend(), self.upstream.device())?);
-                list.event = Some(event.clone());
-                event
-            }
+        if let Some(event) = st.by_stream.get(&id).and_then(|l| l.event.as_ref()) {
+            return event.record(stream);
+        }
+        // Kept only once recorded: a list's event has always been recorded, so that a wait
+        // on it is never a wait on nothing.
+        let event = match st.spare.pop() {
+            Some(event) => event,
+            None => Arc::new(Event::new(self.upstream.backend(), self.upstream.device())?),
         };
-        event.record(stream)
+        event.record(stream)?;
+        st.by_stream.entry(id).or_default().event = Some(event);
+        Ok(())
     }
 
     /// Step 3: the fullest other stream's list, for `stream` (after a wait on its event);
@@ -187,12 +220,18 @@ impl FixedSizeMemoryResource {
                 .filter(|(&other, l)| other != id && !l.blocks.is_empty())
                 .max_by_key(|(_, l)| l.blocks.len())?;
             let theirs = list.event.clone()?; // a list with blocks has its event
-            (from, std::mem::take(&mut list.blocks), theirs)
+            let taken = std::mem::take(&mut list.blocks);
+            st.retire(from); // its event goes once this wait is done
+            (from, taken, theirs)
         };
         let waited = stream.wait(&theirs);
         let mut st = lock(&self.state);
         let st = &mut *st;
-        if waited.and_then(|()| self.record(st, id, stream)).is_err() {
+        // The blocks left after this request's join this stream's list, covered by its
+        // event recorded after the wait.
+        let ordered =
+            waited.and_then(|()| if taken.len() > 1 { self.record(st, id, stream) } else { Ok(()) });
+        if ordered.is_err() {
             // A list made again meanwhile has an event recorded after these frees.
             let list = st.by_stream.entry(from).or_default();
             list.event.get_or_insert(theirs);
@@ -200,7 +239,9 @@ impl FixedSizeMemoryResource {
             return None;
         }
         let (ptr, _) = taken.pop()?;
-        st.by_stream.entry(id).or_default().blocks.extend(taken);
+        if !taken.is_empty() {
+            st.by_stream.entry(id).or_default().blocks.extend(taken);
+        }
         st.outstanding.insert(ptr);
         Some(ptr)
     }
@@ -212,7 +253,8 @@ impl FixedSizeMemoryResource {
         let mut st = lock(&self.state);
         st.growing -= 1;
         let chunk = grown?;
-        if let Err(e) = self.record(&mut st, id, stream) {
+        let listed = self.blocks_per_chunk > 1; // its other blocks go to the list
+        if let Err(e) = if listed { self.record(&mut st, id, stream) } else { Ok(()) } {
             drop(st); // no event covers the chunk for other streams: it goes back
             record_if_failed(
                 || "giving back a chunk whose event could not be recorded".to_string(),
@@ -232,7 +274,7 @@ impl FixedSizeMemoryResource {
     /// Gives back to the upstream every chunk none of whose blocks is outstanding, after a
     /// device synchronisation (every free made before has then completed); returns the
     /// bytes given back. The free blocks of the chunks kept become usable by every stream
-    /// (as in step 4); blocks freed meanwhile stay on their lists, and so do their chunks.
+    /// (step 2); blocks freed meanwhile stay on their lists, and so do their chunks.
     /// On a failed synchronisation nothing changes.
     pub fn release_free_chunks(&self) -> Result<usize> {
         let released = self.after_sync(|st| {
@@ -250,13 +292,23 @@ impl FixedSizeMemoryResource {
             st.ready.retain(|&b| !whole.contains(&chunk_of(b)));
             whole.into_iter().collect::<Vec<DevPtr>>()
         })?;
+        // Every chunk is given back, whatever befalls the others; one the upstream refuses
+        // stays this resource's (given back when it is dropped), and the first such error
+        // is the answer.
+        let mut failed = None;
         for &chunk in &released {
-            self.upstream.deallocate(chunk, self.chunk_bytes(), &Stream::legacy())?;
+            if let Err(e) = self.upstream.deallocate(chunk, self.chunk_bytes(), &Stream::legacy()) {
+                lock(&self.state).chunks.push(chunk);
+                failed.get_or_insert(e);
+            }
         }
-        Ok(released.len() * self.chunk_bytes())
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(released.len() * self.chunk_bytes()),
+        }
     }
 
-    /// Step 4: every block freed before the device synchronisation is safe for all.
+    /// Step 5: every block freed before the device synchronisation is safe for all.
     fn reclaim(&self) -> Result<()> {
         self.after_sync(|_| ())
     }
@@ -271,18 +323,26 @@ impl FixedSizeMemoryResource {
         let mut st = lock(&self.state);
         let st = &mut *st;
         for list in st.by_stream.values_mut() {
-            // Blocks taken from another stream (step 3) keep their older numbers.
+            // A block's number is that of its last free (or its chunk's growth), made on the
+            // stream whose list it entered first: below the mark, that free had been made
+            // before the synchronisation began, so it has completed, whichever list holds
+            // the block now. Blocks taken from another list (step 3) keep their numbers, so
+            // a list is no longer in order of them: all are looked at.
             let (done, kept): (Vec<_>, Vec<_>) = list.blocks.drain(..).partition(|&(_, n)| n < mark);
             list.blocks = kept;
             st.ready.extend(done.into_iter().map(|(p, _)| p));
         }
         // The lists of streams that are gone (and of any stream, once empty) leave.
-        st.by_stream.retain(|_, list| !list.blocks.is_empty());
+        let emptied: Vec<u64> =
+            st.by_stream.iter().filter(|(_, l)| l.blocks.is_empty()).map(|(&id, _)| id).collect();
+        for id in emptied {
+            st.retire(id);
+        }
         Ok(then(st))
     }
 }
 
-/// How many times step 4 is tried while other threads' growths and frees change the lists.
+/// How many times step 5 is tried while other threads' growths and frees change the lists.
 const RECLAIMS: usize = 16;
 
 impl MemoryResource for FixedSizeMemoryResource {
@@ -309,7 +369,7 @@ impl MemoryResource for FixedSizeMemoryResource {
             Err(e) if e.is_out_of_memory() => e,
             result => return result,
         };
-        // Step 4, again while other threads change the lists meanwhile: a growth whose
+        // Step 5, again while other threads change the lists meanwhile: a growth whose
         // chunk is not on a list yet, or blocks freed since, may serve this request.
         for _ in 0..RECLAIMS {
             let before = {

@@ -673,6 +673,12 @@ impl SimDevice {
         self.lock().races.take()
     }
 
+    /// Events created and not yet destroyed (a test's check that state kept per stream
+    /// does not keep an event per stream ever used).
+    pub fn live_events(&self) -> usize {
+        self.lock().events.len()
+    }
+
     /// Races found beyond [`MAX_RACES`], which were not kept.
     pub fn races_dropped(&self) -> usize {
         self.lock().races.dropped()
