@@ -238,6 +238,12 @@ impl FixedSizeMemoryResource {
             list.blocks.extend(taken);
             return None;
         }
+        // The event of the list that left, waited on: kept for the next list (that stream's
+        // next free, in a hand-off), rather than destroyed, and made again under the lock
+        // (which made binning over the driver's pool four times slower at 8 pairs on an H100).
+        if Arc::strong_count(&theirs) == 1 && st.spare.len() < SPARE_EVENTS {
+            st.spare.push(theirs);
+        }
         let (ptr, _) = taken.pop()?;
         if !taken.is_empty() {
             st.by_stream.entry(id).or_default().blocks.extend(taken);
