@@ -70,6 +70,10 @@ def check_log(log: str) -> None:
         raise OSError(f"cannot write the log {log}: {e.strerror or e}") from None
 
 
+#: The first line of an allocation log, which an old log that may be replaced starts with.
+_HEADER = LOG_HEADER.encode()
+
+
 def _a_file_to_replace(path: Path) -> bool:
     """True for a file this process may write (an old log), False where there is nothing;
     OSError for anything else, which a log must not replace."""
@@ -93,9 +97,6 @@ def _a_file_to_replace(path: Path) -> bool:
             "name another log with -o, or remove the file",
         )
     return True
-
-
-_HEADER = LOG_HEADER.encode()
 
 
 def _other_device_logs(log: str) -> list[tuple[int, str]]:

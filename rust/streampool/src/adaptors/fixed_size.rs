@@ -50,8 +50,8 @@ use crate::sync::{lock, Mutex};
 /// on [`release_free_chunks`](Self::release_free_chunks) (which a
 /// [`super::BinningMemoryResource`] calls on its bins when a request finds the upstream
 /// out of memory). The blocks of destroyed streams are taken by steps 3 and 5 (an event
-/// outlives its stream); a list emptied by step 3 leaves, its event with it, and so do
-/// the lists that step 5 empties.
+/// outlives its stream); a list that empties (taken by step 3, used up by its own stream,
+/// or emptied by step 5) leaves, its event kept for the lists to come.
 ///
 /// Invariant: a block is either outstanding, on exactly one list, or held by the one call
 /// taking it in step 3; a free of a block that is not outstanding, or with a size above
@@ -61,7 +61,8 @@ use crate::sync::{lock, Mutex};
 /// upstream, nor across a device synchronisation or a wait. An event is recorded (and,
 /// once per list, created) under it, so that a record and the blocks it covers enter a
 /// list together. A free whose event cannot be recorded (a driver failure) is refused, the
-/// block still outstanding.
+/// block still outstanding. A list's event is kept only once recorded, so that a wait on
+/// it is never a wait on nothing.
 ///
 /// The cost: an event record per free (a driver call, as in RMM's pools), and a wait and
 /// a record per list taken in step 3.
@@ -108,16 +109,23 @@ struct State {
 const SPARE_EVENTS: usize = 64;
 
 impl State {
-    /// Removes stream `id`'s list (emptied): its event is kept for the next list when
-    /// nobody holds it for a wait, else it goes with the last holder. A program that makes
-    /// a stream per task (or a borrowed handle per call, where the driver gives no stream
-    /// ids) so keeps a list per stream in use, not per stream ever used.
+    /// Removes stream `id`'s list (emptied), its event kept for the next list
+    /// ([`Self::keep_spare`]). A program that makes a stream per task (or a borrowed handle
+    /// per call, where the driver gives no stream ids) so keeps a list per stream in use,
+    /// not per stream ever used.
     fn retire(&mut self, id: u64) {
-        let event = self.by_stream.remove(&id).and_then(|list| list.event);
-        if let Some(event) = event.filter(|e| Arc::strong_count(e) == 1) {
-            if self.spare.len() < SPARE_EVENTS {
-                self.spare.push(event);
-            }
+        if let Some(event) = self.by_stream.remove(&id).and_then(|list| list.event) {
+            self.keep_spare(event);
+        }
+    }
+
+    /// Keeps the event of a list that left for the next list, rather than destroying it
+    /// and making another under the lock (which made binning over the driver's pool four
+    /// times slower at 8 pairs on an H100), when nobody else holds it for a wait; else it
+    /// goes with its last holder.
+    fn keep_spare(&mut self, event: Arc<Event>) {
+        if Arc::strong_count(&event) == 1 && self.spare.len() < SPARE_EVENTS {
+            self.spare.push(event);
         }
     }
 }
@@ -188,21 +196,19 @@ impl FixedSizeMemoryResource {
         Some(ptr)
     }
 
-    /// Records stream `id`'s event on `stream` (made on first use), under the lock, so that
-    /// its latest record covers every block on the list once the caller adds its own:
-    /// records and additions are made in one locked step, and records on one stream follow
-    /// one another. The event, for a list taken in step 3.
+    /// Records stream `id`'s event on `stream` (a spare one, or a new one, on the list's
+    /// first record), under the lock, so that its latest record covers every block on the
+    /// list once the caller adds its own: records and additions are made in one locked
+    /// step, and records on one stream follow one another.
     fn record(&self, st: &mut State, id: u64, stream: &Stream) -> Result<()> {
         if let Some(event) = st.by_stream.get(&id).and_then(|l| l.event.as_ref()) {
             return event.record(stream);
         }
-        // Kept only once recorded: a list's event has always been recorded, so that a wait
-        // on it is never a wait on nothing.
         let event = match st.spare.pop() {
             Some(event) => event,
             None => Arc::new(Event::new(self.upstream.backend(), self.upstream.device())?),
         };
-        event.record(stream)?;
+        event.record(stream)?; // kept only once recorded
         st.by_stream.entry(id).or_default().event = Some(event);
         Ok(())
     }
@@ -238,12 +244,7 @@ impl FixedSizeMemoryResource {
             list.blocks.extend(taken);
             return None;
         }
-        // The event of the list that left, waited on: kept for the next list (that stream's
-        // next free, in a hand-off), rather than destroyed, and made again under the lock
-        // (which made binning over the driver's pool four times slower at 8 pairs on an H100).
-        if Arc::strong_count(&theirs) == 1 && st.spare.len() < SPARE_EVENTS {
-            st.spare.push(theirs);
-        }
+        st.keep_spare(theirs); // waited on: the next list's (that stream's next free's)
         let (ptr, _) = taken.pop()?;
         if !taken.is_empty() {
             st.by_stream.entry(id).or_default().blocks.extend(taken);
