@@ -895,7 +895,8 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor[_U]):
     for more memory held meanwhile. ``headroom``: the footprint budget, free
     memory the pool may hold beyond the peak live bytes, as a fraction of them (at least
     2 MiB), before it reuses another stream's memory by waiting rather than growing
-    (``None``: grow whenever no completed block fits). ``gather_interval`` (seconds,
+    (``None``: grow whenever no completed block fits, unless streams that have ended
+    left that much free, which is then gathered). ``gather_interval`` (seconds,
     default 100 µs): at the budget the pool gathers free memory with a device
     synchronisation, which stops every thread short of memory meanwhile; within this long
     of the last gathering it grows past the budget instead, up to four times the budget

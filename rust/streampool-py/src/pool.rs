@@ -35,7 +35,8 @@ const MIN_MAXIMUM_POOL_SIZE: usize = streampool::ALIGNMENT;
 /// `headroom`: the footprint budget, free memory the pool may
 /// hold beyond the peak live bytes as a fraction of them (at least 2 MiB) before it reuses
 /// another stream's memory by waiting rather than growing; `None` grows whenever no
-/// completed block fits. `gather_interval` (seconds, default 100 µs): at the budget the
+/// completed block fits, unless streams that have ended left that much free (gathered
+/// first). `gather_interval` (seconds, default 100 µs): at the budget the
 /// pool gathers free memory with a device synchronisation, which stops every thread short
 /// of memory meanwhile; within this long of the last gathering it grows instead, up to
 /// four times the budget. 0 keeps the least memory, larger values the most speed.

@@ -726,3 +726,49 @@ fn the_gathering_interval_trades_synchronisations_for_memory() {
         assert_no_races(&sim);
     }
 }
+
+/// With no footprint budget (`headroom: None`), threads that come and go (one per task,
+/// each allocating on its per-thread stream, which ends with it, retiring its shard with
+/// no last event) leave their memory to the next: growth gathers first when the ended
+/// streams' shards hold the request (it grew a chunk per thread, to the device's size);
+/// and streams destroyed after a synchronisation (an event batch of 2 skips their event)
+/// are covered by their last event.
+#[test]
+fn with_no_budget_ended_streams_memory_is_reused() {
+    let (sim, b, p) = setup_with(4 << 30, PoolOptions { headroom: None, ..Default::default() });
+    for _ in 0..100 {
+        let (pool, device) = (p.clone(), sim.clone());
+        std::thread::spawn(move || {
+            let s = Stream::per_thread();
+            let x = pool.allocate(MIB, &s).unwrap();
+            device.write(s.handle(), x, MIB).unwrap();
+            pool.deallocate(x, MIB, &s).unwrap();
+        })
+        .join()
+        .unwrap();
+        sim.run();
+    }
+    let st = p.stats();
+    assert!(st.peak_reserved_bytes <= 4 * MIB, "{st:?}");
+    assert!(st.shard_free_bytes.len() <= 4, "{} shards", st.shard_free_bytes.len());
+    assert_accounting(&st);
+    assert_no_races(&sim);
+    drop(b);
+    for event_batch in [1, 2] {
+        let options = PoolOptions { headroom: None, events_every: 1, event_batch, ..Default::default() };
+        let (sim, b, p) = setup_with(4 << 30, options);
+        for _ in 0..100 {
+            let s = stream(&b);
+            let x = p.allocate(MIB, &s).unwrap();
+            s.synchronize(&b, 0).unwrap();
+            sim.write(s.handle(), x, MIB).unwrap();
+            p.deallocate(x, MIB, &s).unwrap();
+            drop(s);
+            sim.run();
+        }
+        let st = p.stats();
+        assert!(st.peak_reserved_bytes <= 4 * MIB, "event batch {event_batch}: {st:?}");
+        assert_accounting(&st);
+        assert_no_races(&sim);
+    }
+}

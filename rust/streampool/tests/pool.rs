@@ -1174,3 +1174,94 @@ fn sweeping_borrowed_shards_under_threads_loses_nothing() {
     assert_accounting(&st);
     assert_no_races(&sim);
 }
+
+#[path = "common/failing.rs"]
+mod failing;
+
+/// A wait on another stream's event that fails (step 5) hands nothing out and leaves the
+/// blocks where they were: neither in the common list, where every stream takes them as
+/// complete (it put them there after a device synchronisation whose failure it ignored),
+/// nor lost. The next stream at the maximum waits on the event and takes them, ordered.
+#[test]
+fn a_failed_wait_on_another_streams_event_moves_nothing() {
+    let sim = SimDevice::new(256 * MIB);
+    let failing = failing::FailingSyncs::new(sim.clone());
+    let b: BackendRef = failing.clone();
+    let p = pool(&b, PoolOptions { maximum_pool_size: Some(8 * MIB), events_every: 1, ..Default::default() });
+    let (a, c, d) = (stream(&b), stream(&b), stream(&b));
+    let x = p.allocate(8 * MIB, &a).unwrap();
+    sim.write_labeled(a.handle(), x, 8 * MIB, "a's write before its free").unwrap();
+    p.deallocate(x, 8 * MIB, &a).unwrap();
+    failing.fail_waits.store(1, std::sync::atomic::Ordering::SeqCst);
+    failing.fail_ctx_syncs.store(1, std::sync::atomic::Ordering::SeqCst);
+    let err = p.allocate(8 * MIB, &c).unwrap_err();
+    assert!(err.to_string().contains("cuStreamWaitEvent"), "{err}");
+    assert!(sim.pending() > 0, "a's write is still queued");
+    let st = p.stats();
+    assert_accounting(&st);
+    assert_eq!((st.reserved_bytes, st.used_bytes, st.common_free_bytes), (8 * MIB, 0, 0), "{st:?}");
+    let y = p.allocate(8 * MIB, &d).unwrap();
+    assert_eq!(y, x);
+    sim.write_labeled(d.handle(), y, 8 * MIB, "d's write").unwrap();
+    assert_eq!(p.stats().cross_stream_waits, 1);
+    p.deallocate(y, 8 * MIB, &d).unwrap();
+    sim.run();
+    assert_no_races(&sim);
+}
+
+/// A destroyed stream's last event covers every free block of its shard, also when an
+/// event due at its last free was skipped (a synchronisation of the stream stood in for it
+/// with an event batch above 1; or the most events were in flight): another stream at the
+/// maximum then waits on that event rather than synchronising the device.
+#[test]
+fn a_destroyed_streams_last_event_covers_blocks_whose_event_was_skipped() {
+    let mib8 = 8 * MIB;
+    let at_maximum = |event_batch: usize| {
+        let (sim, b) = setup(256 * MIB);
+        let options =
+            PoolOptions { maximum_pool_size: Some(mib8), events_every: 1, event_batch, ..Default::default() };
+        (sim, b.clone(), pool(&b, options))
+    };
+    let take_after_destroy =
+        |sim: &SimDevice, b: &BackendRef, p: &ShardedPoolMemoryResource, a: Stream, x| {
+            drop(a);
+            let c = stream(b);
+            let y = p.allocate(mib8, &c).unwrap();
+            assert_eq!(y, x);
+            sim.write(c.handle(), y, mib8).unwrap();
+            let st = p.stats();
+            assert_eq!((st.cross_stream_waits, st.synchronizations), (1, 0), "{st:?}");
+            p.deallocate(y, mib8, &c).unwrap();
+            sim.run();
+            assert_no_races(sim);
+        };
+    // A synchronisation since the event was last due, with an event batch of 2.
+    for event_batch in [1, 2] {
+        let (sim, b, p) = at_maximum(event_batch);
+        let a = stream(&b);
+        let x = p.allocate(mib8, &a).unwrap();
+        a.synchronize(&b, 0).unwrap();
+        sim.write(a.handle(), x, mib8).unwrap();
+        p.deallocate(x, mib8, &a).unwrap();
+        take_after_destroy(&sim, &b, &p, a, x);
+    }
+    // The most events in flight (16, none complete), then 64 more frees (the interval
+    // between events has doubled to its longest): the 64th's event is due and refused.
+    let (sim, b, p) = at_maximum(1);
+    let a = stream(&b);
+    let round = || {
+        let x = p.allocate(mib8, &a).unwrap();
+        sim.write(a.handle(), x, 256).unwrap();
+        p.deallocate(x, mib8, &a).unwrap();
+        x
+    };
+    while p.stats().events_recorded < 16 {
+        round();
+    }
+    let mut x = 0;
+    for _ in 0..64 {
+        x = round();
+    }
+    assert_eq!(p.stats().events_recorded, 16);
+    take_after_destroy(&sim, &b, &p, a, x);
+}

@@ -73,7 +73,8 @@ pub struct PoolOptions {
     /// memory by making a stream wait (or, last, by a synchronisation) instead of growing.
     /// Below the budget, growing is preferred to waiting (a wait couples two streams);
     /// an allocation is never refused for the budget's sake. `None`: grow whenever no
-    /// completed block fits (the least waiting, the most memory). Default 0.15: with
+    /// completed block fits (the least waiting, the most memory), unless the shards of
+    /// streams that have ended hold the request's size (gathered first). Default 0.15: with
     /// sizes rounded by at most 6.25 %, the pool then holds at most about 1.25 times the
     /// bytes asked for.
     pub headroom: Option<f64>,

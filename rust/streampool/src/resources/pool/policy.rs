@@ -360,7 +360,7 @@ impl ShardedPoolMemoryResource {
             // Blocks may move from a shard that gives all (the wait on the way is enqueued,
             // not waited for).
             let common = self.lock_common_if(shard, ShardState::gives_all);
-            let (taken, moved, event) = {
+            let (taken, moved) = {
                 let mut st = shard.state.lock();
                 // No queries: step 3 has just made them, and waiting on an event that has
                 // completed costs the device nothing.
@@ -383,20 +383,22 @@ impl ShardedPoolMemoryResource {
                     Vec::new()
                 };
                 let newest = taken.iter().chain(&moved).map(|(_, b)| b.epoch).max();
-                (taken, moved, newest.and_then(|e| st.covering(e)))
+                // The wait is enqueued under the shard's lock (it blocks nothing), so that
+                // a failed one leaves every block where it was, with its epoch: nowhere
+                // else are they known to be ordered (the common list holds only blocks
+                // complete for every stream).
+                if let (Some((ptr, b)), Some(event)) = (taken, newest.and_then(|e| st.covering(e))) {
+                    if let Err(e) = stream.wait(&event) {
+                        for (at, block) in moved.into_iter().chain([(ptr, b)]) {
+                            st.free.insert(at, block);
+                        }
+                        return Err(e);
+                    }
+                    self.counters.waits.fetch_add(1, Ordering::Relaxed);
+                }
+                (taken, moved)
             };
             let Some((ptr, b)) = taken else { continue };
-            if let Some(event) = event {
-                if let Err(e) = stream.wait(&event) {
-                    // Not handed out: after a device synchronisation every block is
-                    // complete, so they go to the common list.
-                    let _ = self.backend().ctx_synchronize(self.device());
-                    let mut common = common.unwrap_or_else(|| self.common.lock());
-                    common.insert_all(moved.into_iter().chain([(ptr, b)]), 0);
-                    return Err(e);
-                }
-                self.counters.waits.fetch_add(1, Ordering::Relaxed);
-            }
             if !moved.is_empty() {
                 // Ordered for this stream now (after the wait): as if freed on it.
                 let own = self.shard_slow(key, stream);
@@ -434,9 +436,25 @@ impl ShardedPoolMemoryResource {
         let want = size.max(step).next_multiple_of(MIN_CHUNK);
         let allowed = match self.options.headroom {
             Some(headroom) => live.saturating_add(((live as f64 * headroom) as usize).max(MIN_CHUNK)),
+            // No budget: grow, unless the shards of streams that have ended hold as much as
+            // the request. Their blocks may wait for a gathering (a thread's per-thread
+            // stream ends with no last event): growing instead would hold a chunk for
+            // every thread that came and went, until the upstream ran out.
+            None if self.ended_streams_hold(size) => 0,
             None => usize::MAX,
         };
         (want, allowed, now)
+    }
+
+    /// Whether the retired shards (of streams that have ended) hold at least `size` free
+    /// bytes.
+    fn ended_streams_hold(&self, size: usize) -> bool {
+        let mut held = 0usize;
+        self.all_shards().iter().any(|s| {
+            let st = s.state.lock();
+            held += if st.retired { st.free.bytes() } else { 0 };
+            held >= size
+        })
     }
 
     /// The bytes handed out now (rounded), summed over the shards (off the hot path: on

@@ -127,7 +127,9 @@ impl Shard {
     pub fn retire(&self, backend: &BackendRef, device: i32, stream: &Stream) {
         let mut st = self.state.lock();
         st.retired = true;
-        if st.unevented > 0 && backend.check_open().is_ok() {
+        // Not `unevented` alone: an event skipped for a synchronisation, or for the most
+        // events in flight, left the open epoch's blocks uncovered with it at 0.
+        if st.has_uncovered() && backend.check_open().is_ok() {
             let recorded = st.record_event(backend, device, stream.handle(), true).map(|_| ());
             crate::error::record_if_failed(|| "a retiring pool shard's last event".into(), recorded);
         }
