@@ -48,7 +48,7 @@ struct OwnedStream {
     handle: RawStream,
     key: u64,
     /// Run with the stream, still alive, just before it is destroyed ([`Stream::on_destroy`]).
-    on_destroy: std::sync::Mutex<Vec<DestroyHook>>,
+    on_destroy: std::sync::Mutex<Vec<Hooked<DestroyHook>>>,
     syncs: Arc<SyncMarks>,
 }
 
@@ -95,6 +95,23 @@ impl SyncMarks {
 /// See [`Stream::on_destroy`].
 pub type DestroyHook = Box<dyn FnOnce(&Stream) + Send>;
 
+/// Whether a hook still has something to do (its owner, say a pool, is still there).
+pub type HookAlive = Box<dyn Fn() -> bool + Send>;
+
+/// A hook kept until it runs, or until `alive` says its owner has gone: such hooks are
+/// dropped as others are added, so that a long-lived stream (or thread) used by many
+/// short-lived pools keeps only the live pools' hooks.
+struct Hooked<H> {
+    hook: H,
+    alive: Option<HookAlive>,
+}
+
+/// Adds `hook` to `hooks`, dropping those whose owner has gone.
+fn add_hook<H>(hooks: &mut Vec<Hooked<H>>, hook: H, alive: Option<HookAlive>) {
+    hooks.retain(|h| h.alive.as_ref().is_none_or(|alive| alive()));
+    hooks.push(Hooked { hook, alive });
+}
+
 /// Keys handed out where the driver cannot name a stream (`cuStreamGetId` needs CUDA 12):
 /// unique per wrapper, which is conservative (one stream may get two keys, never the
 /// reverse). They start high, above any id the driver hands out.
@@ -121,11 +138,14 @@ pub(crate) fn thread_exiting() -> bool {
 }
 
 /// Hooks run when the thread that registered them exits.
-struct ExitHooks(RefCell<Vec<Box<dyn FnOnce() + Send>>>);
+struct ExitHooks(RefCell<Vec<Hooked<ExitHook>>>);
+
+/// What [`Stream::on_thread_exit`] runs.
+type ExitHook = Box<dyn FnOnce() + Send>;
 
 impl Drop for ExitHooks {
     fn drop(&mut self) {
-        for hook in self.0.get_mut().drain(..) {
+        for Hooked { hook, .. } in self.0.get_mut().drain(..) {
             hook();
         }
     }
@@ -152,7 +172,7 @@ impl Drop for OwnedStream {
                     key: self.key,
                 },
             };
-            for hook in hooks {
+            for Hooked { hook, .. } in hooks {
                 hook(&view);
             }
         }
@@ -232,9 +252,20 @@ impl Stream {
     /// it (move one into the closure), or the stream's last clone is never dropped and the
     /// stream never destroyed.
     pub fn on_destroy(&self, hook: DestroyHook) -> bool {
+        self.add_destroy_hook(hook, None)
+    }
+
+    /// [`Stream::on_destroy`] for a hook that matters only while `alive` says so (its
+    /// owner is still there): once it says no, the hook is dropped when another is added,
+    /// so that a stream used by many short-lived pools does not keep a hook for each.
+    pub fn on_destroy_while(&self, alive: HookAlive, hook: DestroyHook) -> bool {
+        self.add_destroy_hook(hook, Some(alive))
+    }
+
+    fn add_destroy_hook(&self, hook: DestroyHook, alive: Option<HookAlive>) -> bool {
         match &self.origin {
             Origin::Owned(o) => {
-                o.on_destroy.lock().unwrap_or_else(|e| e.into_inner()).push(hook);
+                add_hook(&mut o.on_destroy.lock().unwrap_or_else(|e| e.into_inner()), hook, alive);
                 true
             }
             _ => false,
@@ -248,10 +279,20 @@ impl Stream {
     /// use the stream. For any other stream (or a thread already exiting), `hook` is dropped
     /// and the answer is false.
     pub fn on_thread_exit(&self, hook: Box<dyn FnOnce() + Send>) -> bool {
+        self.add_exit_hook(hook, None)
+    }
+
+    /// [`Stream::on_thread_exit`] for a hook that matters only while `alive` says so:
+    /// dropped, once it says no, when another is added (as [`Stream::on_destroy_while`]).
+    pub fn on_thread_exit_while(&self, alive: HookAlive, hook: Box<dyn FnOnce() + Send>) -> bool {
+        self.add_exit_hook(hook, Some(alive))
+    }
+
+    fn add_exit_hook(&self, hook: ExitHook, alive: Option<HookAlive>) -> bool {
         if !self.is_per_thread() {
             return false;
         }
-        EXIT_HOOKS.try_with(|hooks| hooks.0.borrow_mut().push(hook)).is_ok()
+        EXIT_HOOKS.try_with(|hooks| add_hook(&mut hooks.0.borrow_mut(), hook, alive)).is_ok()
     }
 
     /// This stream made independent of the thread that uses it: the per-thread default

@@ -772,3 +772,31 @@ fn with_no_budget_ended_streams_memory_is_reused() {
         assert_no_races(&sim);
     }
 }
+
+/// A stream that outlives many pools (a pool made per task, the stream kept) keeps a
+/// destroy hook only for the pools still there: each hook held its pool's backend and
+/// shard, one more per pool that came and went.
+#[test]
+fn a_long_lived_stream_keeps_no_hook_per_pool_gone() {
+    let (_sim, b, _) = setup(256 * MIB);
+    let s = stream(&b);
+    let run = |n: usize| {
+        for _ in 0..n {
+            let (b, s) = (b.clone(), s.clone());
+            // A thread of its own: no thread's cache of shards outlives the pool.
+            std::thread::spawn(move || {
+                let upstream: ResourceRef =
+                    Arc::new(CudaAsyncMemoryResource::on(b, 0, Default::default()).unwrap());
+                let pool = ShardedPoolMemoryResource::new(upstream, PoolOptions::default()).unwrap();
+                let p = pool.allocate(1024, &s).unwrap();
+                pool.deallocate(p, 1024, &s).unwrap();
+            })
+            .join()
+            .unwrap();
+        }
+    };
+    run(1);
+    let held = Arc::strong_count(&b);
+    run(200);
+    assert!(Arc::strong_count(&b) <= held + 1, "{} backend clones held", Arc::strong_count(&b) - held);
+}

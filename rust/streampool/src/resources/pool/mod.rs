@@ -525,20 +525,32 @@ impl ShardedPoolMemoryResource {
         };
         let (weak, backend, device) = (Arc::downgrade(&shard), self.backend.clone(), self.device);
         let at_exit = weak.clone();
-        stream.on_destroy(Box::new(move |s: &Stream| {
-            if let Some(shard) = weak.upgrade() {
-                shard.retire(&backend, device, s);
-            }
-        }));
+        // Hooks of a shard that has gone (its pool dropped) are dropped as the stream or
+        // thread gets others: one stream used by a pool per task keeps no hook per pool.
+        let alive = |w: &std::sync::Weak<Shard>| -> crate::stream::HookAlive {
+            let w = w.clone();
+            Box::new(move || w.strong_count() > 0)
+        };
+        stream.on_destroy_while(
+            alive(&weak),
+            Box::new(move |s: &Stream| {
+                if let Some(shard) = weak.upgrade() {
+                    shard.retire(&backend, device, s);
+                }
+            }),
+        );
         // A thread's per-thread default stream ends with the thread. Asked for from one of
         // the thread's thread-local destructors, after its exit hooks ran (one that a
         // release dropped the retired shard under), the shard is retired at once: else
         // it would stay in the pool for ever, neither retired nor borrowed.
-        let hooked = stream.on_thread_exit(Box::new(move || {
-            if let Some(shard) = at_exit.upgrade() {
-                shard.retire_at_thread_exit();
-            }
-        }));
+        let hooked = stream.on_thread_exit_while(
+            alive(&at_exit),
+            Box::new(move || {
+                if let Some(shard) = at_exit.upgrade() {
+                    shard.retire_at_thread_exit();
+                }
+            }),
+        );
         if !hooked && stream.is_per_thread() {
             shard.retire_at_thread_exit();
         }
