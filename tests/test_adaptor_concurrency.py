@@ -284,3 +284,57 @@ def test_a_keyboard_interrupt_raised_on_another_thread_stays_there() -> None:
         """
     )
     assert words == ["main-not-interrupted", "['KeyboardInterrupt']"]
+
+
+@pytest.mark.nosim
+def test_ctrl_c_stops_a_failure_callback_that_runs_no_python_code() -> None:
+    # `bool(nbytes)` is true: retries for ever, as documented, until Ctrl-C; a builtin runs
+    # no bytecode, so the loop itself must look for the signal.
+    words = _run(
+        """
+        import os, signal, threading, time
+        from streampool import mr
+        from streampool.sim import SimulatedDevice
+        with SimulatedDevice(capacity_bytes="64MiB"):
+            limited = mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), allocation_limit=1 << 20)
+            held = limited.allocate(1 << 20)
+            retrying = mr.FailureCallbackResourceAdaptor(limited, bool)
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+            start = time.monotonic()
+            try:
+                retrying.allocate(4096)
+                print("not-interrupted")
+            except KeyboardInterrupt:
+                print("interrupted", time.monotonic() - start < 5, limited.get_allocated_bytes() == 1 << 20)
+        """
+    )
+    assert words == ["interrupted", "True", "True"]
+
+
+def test_concurrent_add_bin_keeps_every_given_bin() -> None:
+    # Each thread's add_bin reads the bins to know which given resources stopped being
+    # bins: one read before another thread's add dropped that thread's resource.
+    upstream = mr.CudaAsyncMemoryResource()
+    for _ in range(100):
+        binning = mr.BinningMemoryResource(upstream)
+        given = [mr.FixedSizeMemoryResource(upstream, size, 1) for size in (1024, 4096)]
+        barrier = threading.Barrier(2)
+
+        def add(
+            binning: mr.BinningMemoryResource,
+            barrier: threading.Barrier,
+            resource: mr.FixedSizeMemoryResource,
+            size: int,
+        ) -> None:
+            barrier.wait()
+            binning.add_bin(size, resource)
+
+        threads = [
+            threading.Thread(target=add, args=(binning, barrier, r, s))
+            for r, s in zip(given, (1024, 4096), strict=True)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert {id(r) for r in binning.bin_mrs} == {id(r) for r in given}

@@ -632,6 +632,53 @@ def test_a_memory_error_of_an_allocate_function_calls_the_failure_callback() -> 
             pool.allocate(256)
 
 
+def test_a_callbacks_exception_survives_streampool_calls_in_later_callbacks() -> None:
+    # The allocate function's exception is kept until the outer call raises it; a failure
+    # callback that uses streampool meanwhile (closing a cached buffer, as the docs
+    # suggest; an allocation that fails) used to clear it, and the caller got a plain
+    # StreampoolError in place of its MemoryError.
+    base = mr.CudaAsyncMemoryResource()
+
+    class NoRoom(MemoryError):
+        pass
+
+    def allocate(size: int, stream: streampool.Stream) -> int:
+        raise NoRoom(f"no room for {size}")
+
+    cb = mr.CallbackMemoryResource(allocate, lambda ptr, size, stream: None)
+    cache = [streampool.DeviceBuffer(size=4096, mr=base) for _ in range(3)]
+
+    def free_cache(nbytes: int) -> bool:
+        cache.pop().close()
+        return False
+
+    def fail_elsewhere(nbytes: int) -> bool:
+        with pytest.raises(streampool.InvalidPointerError):
+            base.deallocate(0xDEAD0000, 256)
+        with pytest.raises(streampool.OutOfMemoryError):
+            mr.LimitingResourceAdaptor(base, allocation_limit=256).allocate(4096)
+        return False
+
+    for callback in (free_cache, fail_elsewhere):
+        adaptor = mr.FailureCallbackResourceAdaptor(cb, callback)
+        with pytest.raises(NoRoom, match="no room for 1024"):
+            adaptor.allocate(1024)
+
+    # A logging callback's own exception, with a streampool call in the callback that logs
+    # the undo line of the failed allocation.
+    class Full(Exception):
+        pass
+
+    def log(line: str) -> None:
+        if ",allocate," in line:
+            raise Full(line)
+        streampool.DeviceBuffer(size=256, mr=base).close()
+
+    logged = mr.LoggingResourceAdaptor(base, callback=log)
+    with pytest.raises(Full):
+        logged.allocate(256)
+
+
 def test_failure_callback_cycle_is_collected() -> None:
     class Marker:
         pass

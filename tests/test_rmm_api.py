@@ -176,6 +176,25 @@ def test_reinitialize_hooks_run_first_latest_first() -> None:
         streampool.register_reinitialize_hook(42)  # type: ignore[arg-type]
 
 
+def test_a_reinitialize_hook_may_unregister_hooks_as_they_run() -> None:
+    calls: list[str] = []
+
+    def first() -> None:
+        calls.append("first")
+
+    def last() -> None:
+        calls.append("last")
+        streampool.unregister_reinitialize_hook(first)
+        streampool.unregister_reinitialize_hook(last)
+
+    streampool.register_reinitialize_hook(first)
+    streampool.register_reinitialize_hook(last)
+    streampool.reinitialize()
+    assert calls == ["last", "first"]  # each once, the list as it was when the call began
+    streampool.reinitialize()
+    assert calls == ["last", "first"]
+
+
 @pytest.mark.nosim
 @pytest.mark.parametrize(
     "error",

@@ -724,9 +724,10 @@ class FailureCallbackResourceAdaptor(UpstreamResourceAdaptor[_U]):
     OutOfMemoryError, or a MemoryError that a CallbackMemoryResource's allocate function
     raised): a true result (as ``bool()`` reads it, RMM's rule) retries the allocation, a
     false one (None included) lets the error reach the caller. The callback may free
-    memory into the same stack (no lock is held). An exception it raises reaches the caller
-    of allocate unchanged. TypeError when ``callback`` is not callable. Frees are passed on as given (the upstream checks
-    sizes where it can).
+    memory into the same stack (no lock is held), and use streampool otherwise. An exception
+    it raises reaches the caller of allocate unchanged. A callback that always answers true
+    retries until Ctrl-C (checked after every call). TypeError when ``callback`` is not
+    callable. Frees are passed on as given (the upstream checks sizes where it can).
 
     Example::
 

@@ -233,7 +233,8 @@ def reinitialize(
     wanted = _devices(devices)
     base = _log_file_base(log_file_name) if logging and wanted else None
 
-    for func, args, kwargs in reversed(_reinitialize_hooks):
+    # Over a copy: a hook may unregister hooks (itself included) as it runs.
+    for func, args, kwargs in reversed(list(_reinitialize_hooks)):
         func(*args, **kwargs)
 
     made: dict[int, MemoryResource] = {}

@@ -154,8 +154,10 @@ fn failure_callback(slot: Arc<CallbackSlot>) -> FailureCallback {
     Arc::new(move |bytes: usize| {
         crate::gil::try_attach(|py| {
             let Some(f) = slot.get(py) else { return Ok(false) };
-            // Its answer's truth, as RMM reads it (None: no retry).
+            // Its answer's truth, as RMM reads it (None: no retry). Ctrl-C ends a loop of
+            // retries also when the callback runs no Python code of its own (`bool`).
             let retry = f.bind(py).call1((bytes,)).and_then(|answer| answer.is_truthy());
+            let retry = retry.and_then(|retry| py.check_signals().map(|()| retry));
             retry.map_err(|e| callback_error(py, "failure callback", e))
         })
         .unwrap_or(Ok(false))
@@ -746,6 +748,7 @@ impl PyLimitingResourceAdaptor {
 /// (as `bool()` reads it, RMM's rule) the allocation is tried again, else the error reaches
 /// the caller. The callback runs with no lock of the resource held, so it may free memory
 /// into the same stack. An exception it raises reaches the caller of `allocate` unchanged.
+/// A callback that always answers true retries until Ctrl-C (checked after every call).
 ///
 /// Example::
 ///
@@ -1142,14 +1145,15 @@ impl PyBinningMemoryResource {
         let size = positive_size(allocation_size, "allocation_size")?;
         let resource = bin_resource.map(upstream_ref);
         let mr = self.inner.clone();
-        let bins = detached(py, move || {
-            mr.add_bin(size, resource)?;
-            Ok(mr.bins())
-        })?;
+        detached(py, move || mr.add_bin(size, resource))?;
         let mut given = lock(&self.bin_mrs);
         if let Some(bin) = bin_resource {
             given.push(bin.clone().unbind());
         }
+        // The bins as they are now, read under the lock: a snapshot taken before it could
+        // miss a bin another thread added meanwhile, whose resource would then be dropped
+        // from `bin_mrs`. (The bins' lock is never held across Python code.)
+        let bins = self.inner.bins();
         // A replaced resource is no longer a bin: it is not kept alive (dropped after the lock).
         let in_use = |m: &Py<PyMemoryResource>| {
             bins.iter().any(|(_, r)| std::ptr::addr_eq(Arc::as_ptr(&m.get().inner), Arc::as_ptr(r)))

@@ -105,8 +105,9 @@ pub(crate) fn release(mut alloc: Allocation) {
             let mut alloc = Some(alloc);
             let result = crate::gil::try_attach(|py| {
                 let alloc = alloc.take();
+                let since = crate::errors::stash_mark();
                 let result = py.detach(move || alloc.map_or(Ok(()), Allocation::free));
-                crate::errors::report_swallowed_log_errors(py, &result);
+                crate::errors::report_swallowed_log_errors(py, &result, since);
                 result
             });
             let result = match alloc {

@@ -4,7 +4,7 @@
 //! pickle and carry attributes like any Python exception) and imported here the first
 //! time one is raised.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use pyo3::call::PyCallArgs;
@@ -29,8 +29,9 @@ static SIM_ACTIVE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 /// so, and callers catching StreampoolError should see it).
 pub(crate) fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
     let msg = e.to_string();
-    if !matches!(e, Error::Callback(_) | Error::CallbackOutOfMemory(_)) {
-        // Whatever a callback stashed on this thread was not what failed this call.
+    if !matches!(e, Error::Callback(_) | Error::CallbackOutOfMemory(_)) && outermost() {
+        // Whatever a callback stashed on this thread was not what failed this call (inside
+        // a callback, the stash is still the calls' in progress around it).
         clear_callback_errors();
     }
     match e {
@@ -113,18 +114,59 @@ where
     T: Send,
 {
     // A stash left by a call whose error was swallowed (a free in a `Drop`) is not this
-    // call's: start clean.
-    clear_callback_errors();
-    let result = py.detach(f);
-    report_swallowed_log_errors(py, &result);
+    // call's: start clean, unless this call runs inside a callback of another call on this
+    // thread, whose callbacks' exceptions are still to be raised.
+    if outermost() {
+        clear_callback_errors();
+    }
+    let since = stash_mark();
+    let result = {
+        let _depth = InCall::enter();
+        py.detach(f)
+    };
+    report_swallowed_log_errors(py, &result, since);
     result.or_raise(py)
+}
+
+thread_local! {
+    /// Calls into the library in progress on this thread: a callback's own call (a failure
+    /// callback that frees a cached buffer) runs inside its caller's.
+    static DEPTH: Cell<usize> = const { Cell::new(0) };
+}
+
+/// No call of this thread is in progress around the current one.
+fn outermost() -> bool {
+    DEPTH.with(|d| d.get() == 0)
+}
+
+/// A call in progress on this thread, for as long as it lives (a panic included).
+struct InCall;
+
+impl InCall {
+    fn enter() -> Self {
+        DEPTH.with(|d| d.set(d.get() + 1));
+        InCall
+    }
+}
+
+impl Drop for InCall {
+    fn drop(&mut self) {
+        DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+    }
+}
+
+/// The serial number the next stashed exception gets: those from `stash_mark()` on were
+/// stashed by the call that asked (or the calls inside its callbacks).
+pub(crate) fn stash_mark() -> u64 {
+    STASH_SERIAL.load(Ordering::Relaxed)
 }
 
 /// Sends to `sys.unraisablehook` the exceptions of logging callbacks that a call did not
 /// raise (`result` is its outcome): a free whose log line failed still frees, and
 /// succeeds; a log line of a failed allocation gives way to the allocation's own error.
-/// The exception that `result` names, if any, stays stashed for `to_pyerr`.
-pub(crate) fn report_swallowed_log_errors<T>(py: Python<'_>, result: &streampool::Result<T>) {
+/// The exception that `result` names, if any, stays stashed for `to_pyerr`, as do those
+/// stashed before `since` ([`stash_mark`]), which are the calls' around this one.
+pub(crate) fn report_swallowed_log_errors<T>(py: Python<'_>, result: &streampool::Result<T>, since: u64) {
     let keep = match result {
         Err(Error::Callback(k) | Error::CallbackOutOfMemory(k)) => Some(k.as_str()),
         _ => None,
@@ -134,11 +176,11 @@ pub(crate) fn report_swallowed_log_errors<T>(py: Python<'_>, result: &streampool
         if stash.is_empty() {
             return Vec::new();
         }
-        let (log, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *stash)
-            .into_iter()
-            .partition(|(k, _)| k.starts_with(LOGGING_CALLBACK) && Some(k.as_str()) != keep);
+        let (log, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *stash).into_iter().partition(|s| {
+            s.serial >= since && s.key.starts_with(LOGGING_CALLBACK) && Some(s.key.as_str()) != keep
+        });
         *stash = rest;
-        log.into_iter().map(|(_, e)| e).collect()
+        log.into_iter().map(|s| s.err).collect()
     });
     // The others reported first: Ctrl-C delivered again is the last Python this runs (a
     // report after it could run the signal's handler inside itself, and lose it again).
@@ -192,14 +234,25 @@ pub(crate) const LOGGING_CALLBACK: &str = "logging callback";
 // The core sees a callback's failure as `Error::Callback(what)`. The callback runs
 // synchronously on the thread that called into the resource, so the closure stashes the
 // original exception in a thread-local, keyed by `what`, and `to_pyerr`, on the same
-// thread, raises that very object. Every `detached` call starts with an empty stash, and
-// `to_pyerr` empties it, so a stale exception never surfaces in an unrelated error.
+// thread, raises that very object. An outermost call (none of this thread's in progress
+// around it) starts with an empty stash, and `to_pyerr` empties it there, so a stale
+// exception never surfaces in an unrelated error; a call made inside a callback (a
+// failure callback closing a cached buffer) leaves the stash of the calls around it
+// alone, and reports as swallowed only the log callbacks' exceptions stashed since it
+// began.
 
 /// Stashed exceptions kept per thread at most: a call that fails raises the one it names.
 const STASH_LIMIT: usize = 8;
 
 thread_local! {
-    static CALLBACK_ERRORS: RefCell<Vec<(String, PyErr)>> = const { RefCell::new(Vec::new()) };
+    static CALLBACK_ERRORS: RefCell<Vec<Stashed>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A callback's exception, kept until the call it failed raises it.
+struct Stashed {
+    serial: u64,
+    key: String,
+    err: PyErr,
 }
 
 /// The core error for a Python callback that raised `err`, keeping `err` to be raised by
@@ -213,7 +266,7 @@ pub(crate) fn callback_error(py: Python<'_>, what: &str, err: PyErr) -> Error {
     let displaced = CALLBACK_ERRORS.with(|stash| {
         let mut stash = stash.borrow_mut();
         let displaced = if stash.len() >= STASH_LIMIT { Some(stash.remove(0)) } else { None };
-        stash.push((key.clone(), err));
+        stash.push(Stashed { serial, key: key.clone(), err });
         displaced
     });
     drop(displaced); // outside the borrow: dropping an exception may run Python code
@@ -222,9 +275,19 @@ pub(crate) fn callback_error(py: Python<'_>, what: &str, err: PyErr) -> Error {
 
 static STASH_SERIAL: AtomicU64 = AtomicU64::new(0);
 
+/// The exception stashed as `key`, taken out; the others stay for the calls in progress
+/// around this one (all go when this call is the outermost).
 fn take_callback_error(key: &str) -> Option<PyErr> {
-    let all = CALLBACK_ERRORS.with(|stash| std::mem::take(&mut *stash.borrow_mut()));
-    all.into_iter().find(|(k, _)| k == key).map(|(_, err)| err)
+    let outermost = outermost();
+    let (found, others) = CALLBACK_ERRORS.with(|stash| {
+        let mut stash = stash.borrow_mut();
+        let at = stash.iter().position(|s| s.key == key);
+        let found = at.map(|i| stash.remove(i));
+        let others = if outermost { std::mem::take(&mut *stash) } else { Vec::new() };
+        (found, others)
+    });
+    drop(others); // outside the borrow: dropping an exception may run Python code
+    found.map(|s| s.err)
 }
 
 fn clear_callback_errors() {

@@ -82,17 +82,27 @@ impl PySimDevice {
         let mut guard = self.guard();
         if let Some(active) = device::active_sim() {
             let which = if active.id() == self.sim.id() { "this device" } else { "another simulated device" };
-            return Err(sim_active_error(
-                py,
-                format!(
-                    "{} is already active ({which}); exit it before entering {}",
-                    active.describe(),
-                    self.sim.describe()
-                ),
-            ));
+            let message = format!(
+                "{} is already active ({which}); exit it before entering {}",
+                active.describe(),
+                self.sim.describe()
+            );
+            // The exception is made after the lock: making it runs Python code, during which
+            // another thread may take the GIL and wait for this lock in `deactivate`.
+            drop(guard);
+            return Err(sim_active_error(py, message));
         }
-        *guard = Some(self.sim.activate().or_raise(py)?);
-        Ok(())
+        let activated = self.sim.activate();
+        match activated {
+            Ok(active) => {
+                *guard = Some(active);
+                Ok(())
+            }
+            Err(e) => {
+                drop(guard);
+                Err(e).or_raise(py)
+            }
+        }
     }
 
     /// Stops this device being what new objects run on, and closes it: objects made under
