@@ -215,6 +215,38 @@ def test_raising_callback_reaches_the_caller_and_nothing_leaks() -> None:
         logged.deallocate(ptr, 1000)  # its own error, not a stale SinkFailed
 
 
+@pytest.mark.drop_errors_expected  # the undo of the refused allocation logs its free line, refused too
+def test_a_callback_that_uses_its_own_adaptor_is_refused_not_recursed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each allocation through the adaptor logs a line, which called the callback again:
+    # without end (each failed level logging its undo too, the work doubled per level).
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: None)
+    base = mr.TrackingResourceAdaptor(mr.CudaAsyncMemoryResource())
+    lines: list[str] = []
+    holder: list[mr.LoggingResourceAdaptor] = []
+
+    def sink(line: str) -> None:
+        lines.append(line)
+        if holder and ",allocate," in line:
+            holder[0].allocate(256)
+
+    logged = mr.LoggingResourceAdaptor(base, callback=sink)
+    holder.append(logged)
+    with pytest.raises(streampool.InvalidArgumentError, match="used the adaptor it logs for"):
+        logged.allocate(256)
+    assert base.outstanding() == [] and len(lines) < 20
+    holder.clear()
+    logged.deallocate(logged.allocate(256), 256)  # still usable
+    # Another resource inside the callback is fine.
+    other: list[int] = []
+    logged2 = mr.LoggingResourceAdaptor(base, callback=lambda line: other.append(base.allocate(256)))
+    logged2.deallocate(logged2.allocate(256), 256)
+    for p in other:
+        base.deallocate(p, 256)
+    assert len(other) == 3 and base.outstanding() == []  # the header line, then two
+
+
 @pytest.mark.drop_errors_expected
 def test_a_failing_sink_on_a_free_leaves_the_counts_above_right(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "unraisablehook", lambda info: None)

@@ -663,7 +663,9 @@ class LoggingResourceAdaptor(UpstreamResourceAdaptor[_U]):
     stays usable. On a free, the memory is freed anyway and deallocate returns: the
     exception goes to ``sys.unraisablehook`` and the failure to ``streampool.drop_errors()``
     (an error from a free would tell the adaptors above that nothing was freed, and they
-    would keep counting the memory). Frees are logged and passed on with
+    would keep counting the memory). A callback that allocates or frees through the adaptor
+    it logs for (whose line would call it again, from inside itself) gets
+    InvalidArgumentError from that call. Frees are logged and passed on with
     the size given (the upstream checks it where it can). Every call releases the GIL (no
     fast path): a file write may block, and a free is logged before it happens. A log
     file that cannot be created raises OSError (FileNotFoundError, PermissionError, ...)

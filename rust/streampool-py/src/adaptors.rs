@@ -164,8 +164,33 @@ fn failure_callback(slot: Arc<CallbackSlot>) -> FailureCallback {
     })
 }
 
+thread_local! {
+    /// The logging callbacks running on this thread (their slots' addresses).
+    static WRITING: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A logging callback running on this thread, for as long as it lives.
+struct Writing(usize);
+
+impl Drop for Writing {
+    fn drop(&mut self) {
+        let _ = WRITING.try_with(|w| w.borrow_mut().retain(|&id| id != self.0));
+    }
+}
+
 fn log_callback(slot: Arc<CallbackSlot>) -> LogSink {
     LogSink::Callback(Arc::new(move |line: &str| {
+        // A callback that allocates or frees through its own adaptor would log that too,
+        // from inside itself, without end (each failed level also logs its undo): refused.
+        let id = Arc::as_ptr(&slot) as usize;
+        if WRITING.try_with(|w| w.borrow().contains(&id)).unwrap_or(false) {
+            return Err(streampool::Error::invalid(format!(
+                "LoggingResourceAdaptor: its logging callback used the adaptor it logs for, whose line \
+                 ({line}) would call the callback again from inside itself; allocate and free through \
+                 another resource there"
+            )));
+        }
+        let _writing = WRITING.try_with(|w| w.borrow_mut().push(id)).ok().map(|()| Writing(id));
         crate::gil::try_attach(|py| {
             let Some(f) = slot.get(py) else { return Ok(()) };
             f.bind(py)
