@@ -391,6 +391,16 @@ def test_skip_malformed_says_how_many_lines_it_skipped(tmp_path: Path) -> None:
     assert f"{log}: 1 malformed line(s) skipped" in out.stdout
 
 
+def test_a_first_line_replayed_in_place_of_a_missing_header_is_not_counted_skipped(tmp_path: Path) -> None:
+    log = write(tmp_path, "cut.log", "1,1.0,allocate,0x10,10,0\n1,1.1,allocate,0x20,20,0\n")
+    out = run("replay", log, "--resources", "cuda", "--repeats", "1", "--skip-malformed", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["log"]["malformed_lines"] == 0 and doc["log"]["events"] == 4
+    assert "malformed line(s) skipped" not in out.stderr + out.stdout
+    failed(run("replay", log, "--resources", "cuda"), 3, "expected the header")
+
+
 def test_a_file_that_is_no_log_is_said_to_be_none(tmp_path: Path) -> None:
     text = write(tmp_path, "passwd", "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/:/bin/sh\n")
     binary = tmp_path / "data.bin"

@@ -349,3 +349,31 @@ def test_both_replayers_take_a_frees_size_0_as_the_allocations() -> None:
     for native in (True, False):
         result = trace.replay(make_resource("async").resource, t, gap_scale=0, native=native)
         assert result["events"] == 2 and result["peak_live_bytes"] == 4096, (native, result)
+
+
+def test_the_hand_off_share_counts_the_programs_own_frees(tmp_path: Path) -> None:
+    # 20 allocations never freed (closed by the trace on their own stream), then 2 handed
+    # from stream 0x10 to 0x20: all of the program's frees are on another stream.
+    never = [f"1,10:00:00.{i:06d},allocate,0x{i + 1:x}00000,4096,0x10" for i in range(20)]
+    handed = [
+        "1,10:00:01.000000,allocate,0x7000000,1048576,0x10",
+        "2,10:00:01.000001,free,0x7000000,1048576,0x20",
+        "1,10:00:01.000002,allocate,0x7100000,1048576,0x10",
+        "2,10:00:01.000003,free,0x7100000,1048576,0x20",
+    ]
+    t = log_of(tmp_path, *never, *handed)
+    assert t.closing_frees == 20
+    profile_ = recommend.analyse(t, free_device_bytes=1 << 30)
+    assert recommend.HANDOFF in profile_.candidates
+    assert any("(100% of frees)" in r for r in profile_.reasons)
+
+
+def test_a_log_with_more_threads_than_the_replayer_runs_is_refused_as_bad_input(tmp_path: Path) -> None:
+    lines = [f"{n},10:00:00.000001,allocate,0x{n:x}000,256,0x0" for n in range(1, workloads.MAX_THREADS + 2)]
+    log = tmp_path / "many.log"
+    log.write_text(HEADER + "\n".join(lines) + "\n")
+    proc = cli("replay", str(log), "--resources", "cuda")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3 and "the log has 1025 threads" in err and "at most 1024" in err, err
+    with pytest.raises(ValueError, match="the log has 1025 threads"):
+        workloads.replay(make_resource("cuda"), log=str(log))

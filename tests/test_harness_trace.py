@@ -12,6 +12,7 @@ from streampool import mr
 from streampool.harness import trace, workloads
 from streampool.harness.specs import make_resource
 from streampool.harness.trace import ALLOCATE, FREE, LogFormatError, read_log
+from streampool.sim import SimulatedDevice
 
 HEADER = "Thread,Time,Action,Pointer,Size,Stream"
 # RMM's logging_resource_adaptor: times since midnight, hex pointers and streams.
@@ -168,6 +169,33 @@ def test_replay_with_gaps_and_a_cross_thread_free() -> None:
     result = trace.replay(under, trace.Trace(records), gap_scale=1.0, native=False)
     assert result["seconds"] >= 0.002  # the recorded gaps are kept
     assert [line.split(",")[2] for line in seen[1:]] == ["allocate", "free", "allocate", "free"]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_replay_orders_a_free_on_another_stream_after_its_allocation(
+    sim: SimulatedDevice, native: bool
+) -> None:
+    # The memory is written on the allocating stream and read on the freeing one, as a
+    # program's kernels would: the free must be ordered after the allocation's stream, on
+    # the same thread and on another (the Python replayer did neither).
+    records = []
+    for i in range(50):
+        records += [(10 * i, 1 << 20, i, i % 2, 0, ALLOCATE), (10 * i + 5, 1 << 20, i, (i // 2) % 2, 1, FREE)]
+    base = mr.CudaAsyncMemoryResource()
+
+    def allocate(size: int, stream: streampool.Stream) -> int:
+        ptr = base.allocate(size, stream)
+        sim.write(stream, ptr, size, "fill after allocate")
+        return ptr
+
+    def deallocate(ptr: int, size: int, stream: streampool.Stream) -> None:
+        sim.read(stream, ptr, size, "read before free")
+        base.deallocate(ptr, size, stream)
+
+    resource = mr.CallbackMemoryResource(allocate, deallocate)
+    trace.replay(resource, trace.Trace(records), gap_scale=0.0, max_lead=None, native=native)
+    sim.run()
+    assert sim.races() == []
 
 
 def test_replay_counts_out_of_memory_and_goes_on() -> None:

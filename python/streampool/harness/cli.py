@@ -458,6 +458,17 @@ def _read_log(out: Output, log: str, skip_malformed: bool = False, name: str | N
     )
 
 
+def _check_replayable(t: trace.Trace, name: str) -> trace.Trace:
+    """``t``, refused (exit 3) when it has more threads than the replayer runs."""
+    if t.threads > workloads.MAX_THREADS:
+        raise _Fail(
+            EXIT_BAD_INPUT,
+            f"{name}: the log has {t.threads} threads, and the replayer runs one thread for each, "
+            f"at most {workloads.MAX_THREADS}",
+        )
+    return t
+
+
 def _check_plot_dir(args: argparse.Namespace) -> None:
     """Before any work: a clear message when matplotlib is missing or ``--plot DIR`` cannot
     be written."""
@@ -660,7 +671,7 @@ def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
     out = Output(args.json)
     threads, streams = args.threads or [1], args.streams or 0
     if w.name == "replay":  # the log's own threads and streams
-        t = _read_log(out, args.log, args.skip_malformed)
+        t = _check_replayable(_read_log(out, args.log, args.skip_malformed), args.log)
         params["log"] = t
         threads, streams = [t.threads], t.streams
     _announce(out, dev)
@@ -673,7 +684,7 @@ def _cmd_replay(args: argparse.Namespace, dev: Device) -> int:
     specs = _specs(args.resources)
     _check_plot_dir(args)
     out = Output(args.json)
-    t = _read_log(out, args.log, args.skip_malformed)
+    t = _check_replayable(_read_log(out, args.log, args.skip_malformed), args.log)
     if args.passes * t.events > workloads.MAX_REPLAY_EVENTS:
         raise _Fail(
             EXIT_USAGE,
@@ -903,7 +914,8 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
                 return status
             log = _busiest_log(log, keep=bool(args.output))
         temporary = bool(args.program) and not args.output
-        t = _read_log(out, log, args.skip_malformed, name="the program's profile" if temporary else None)
+        name = "the program's profile" if temporary else None
+        t = _check_replayable(_read_log(out, log, args.skip_malformed, name=name), name or log)
     repeats = args.repeats or (2 if args.quick else 3)
     _announce(out, dev)
     prof = recommend.analyse(t)

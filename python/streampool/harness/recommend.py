@@ -133,6 +133,9 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
             a = alloc_at[r[2]]
             cross_stream += a[4] != r[4]
             cross_thread += a[3] != r[3]
+    # The program's own frees: the closing frees the trace adds for memory the log never
+    # freed (on the allocation's own stream) would dilute the share handed between streams.
+    frees -= trace.closing_frees
     p50, p99 = quantile(sizes, 0.5), quantile(sizes, 0.99)
     peak = recorded_peak(trace.records)
     threads, streams = trace.threads, trace.streams  # as the replay's table has them

@@ -350,6 +350,7 @@ def read_log(path: str | os.PathLike[str], *, skip_malformed: bool = False) -> T
     lines = text.splitlines()
     errors: list[tuple[int, str]] = []
     good = []
+    skipped = 0  # lines not replayed (a missing header's first line may still be)
     header_seen = False
     for n, line in enumerate(lines, start=1):
         body = line.strip().lstrip("\ufeff")
@@ -361,15 +362,19 @@ def read_log(path: str | os.PathLike[str], *, skip_malformed: bool = False) -> T
                 continue
             errors.append((n, f"expected the header `{LOG_HEADER}`, found `{body}`"))
             if not body[:1].isdigit():
+                skipped += 1
                 continue
+            # Read as the first event (a log whose header was cut off): not skipped when
+            # it parses.
         try:
             good.extend(parse_log_text(f"{LOG_HEADER}\n{body}\n"))
         except ValueError as e:
             errors.append((n, re.sub(r"^.*?log line \d+: ", "", str(e))))
+            skipped += 1
     trace = from_events(good)
     if errors and not skip_malformed:
         raise LogFormatError(str(path), errors, trace)
-    trace.malformed = len(errors)
+    trace.malformed = skipped
     return trace
 
 
@@ -465,6 +470,7 @@ def _python_replay(
     per_thread: dict[int, list[tuple[int, int, int, int, int, int]]] = {}
     alloc_thread: dict[int, int] = {}  # by slot
     alloc_size: dict[int, int] = {}  # by slot: a free's size may be 0, the allocation's is used
+    alloc_stream: dict[int, int] = {}  # by slot: a free on another stream waits for it first
     origin = min((r[0] for r in trace.records), default=0)  # the earliest time, as the native one
     # The times the threads keep to within the lead, as the native replayer's: a thread's
     # latest so far, a free's never before its allocation's.
@@ -481,6 +487,7 @@ def _python_replay(
                 raise ValueError(f"record {i}: allocation id {alloc_id} is allocated again while still live")
             live[alloc_id] = slot
             alloc_thread[slot], alloc_size[slot], alloc_pace[slot] = thread, size, pace
+            alloc_stream[slot] = stream
         else:
             slot = live.pop(alloc_id, -1)
             if slot < 0:
@@ -574,6 +581,11 @@ def _python_replay(
                     if slot not in ptrs:  # it failed (or Ctrl-C stopped its thread)
                         continue
                     ptr, nbytes = ptrs.pop(slot), size or alloc_size[slot]
+                    if alloc_stream[slot] != s:
+                        # Ordered after the allocation's stream, as a program that frees on
+                        # another stream must be (the native replayer waits on an event
+                        # recorded after the allocation); not timed.
+                        stream.wait_stream(streams[alloc_stream[slot]])
                     c = clock()
                     deallocate(ptr, nbytes, stream)
                     end = clock()

@@ -305,6 +305,11 @@ def replay(
     run (:meth:`~streampool.harness.trace.Trace.repeated`: a log too short to time alone).
     ``threads`` and ``streams`` are ignored (the log's own are replayed)."""
     t = _trace.read_log(log) if isinstance(log, str) else log
+    if t.threads > MAX_THREADS:
+        raise ValueError(
+            f"workload 'replay': the log has {t.threads} threads, and the replayer runs one thread "
+            f"for each, at most {MAX_THREADS}"
+        )
     if passes * t.events > MAX_REPLAY_EVENTS:
         raise ValueError(
             f"workload 'replay': passes={passes} times the log's {t.events} events is more than "

@@ -420,13 +420,15 @@ fn consume(
             }
             Ok(())
         };
-        if !failed {
-            if let Err(e) = work() {
-                shared.fail(e);
-                failed = true;
-                // The chunk may still be in use by queued work: wait for it before the free.
-                let _ = s.wait(&chunk.ready);
-            }
+        if failed {
+            // Not used here, but its producer's fill may still be queued: the free is
+            // ordered after it, as every other free of a handed-over chunk.
+            let _ = s.wait(&chunk.ready);
+        } else if let Err(e) = work() {
+            shared.fail(e);
+            failed = true;
+            // The chunk may still be in use by queued work: wait for it before the free.
+            let _ = s.wait(&chunk.ready);
         }
         shared.live.fetch_sub(o.chunk_bytes as u64, Ordering::Relaxed);
         if let Err(e) = timer.time(|| mr.deallocate(chunk.ptr, o.chunk_bytes, s)) {
