@@ -292,6 +292,12 @@ def test_a_resource_change_with_c_allocations_live_warns() -> None:
         streampool.set_current_device_resource(before)
     with pytest.warns(RuntimeWarning, match="C entry"):  # any change while some is live
         streampool.set_current_device_resource(pool)  # back: its own memory again
+    with warnings.catch_warnings():
+        # Made an error, the warning leaves the resource as it was.
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="C entry"):
+            streampool.set_current_device_resource(before)
+        assert streampool.get_current_device_resource() is pool
     free(ptr, 4096)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

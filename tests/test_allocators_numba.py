@@ -199,6 +199,26 @@ def test_numbas_context_reset_frees_the_plugins_memory(
     assert stats.allocation_counts.current_bytes == 0 and stats.allocation_counts.total_count == 4
 
 
+def test_an_array_that_outlives_a_reset_frees_nothing_of_the_memory_handed_out_since(
+    monkeypatch: pytest.MonkeyPatch, fresh_plugin: Callable[[], Any]
+) -> None:
+    # The reset freed the old array's memory; the next allocation got the same address.
+    # The old array's finalizer then freed the new array's memory (its record, under the
+    # same address), and the allocation after it shared the new array's memory.
+    stats, manager = counted_manager(monkeypatch, fresh_plugin)
+    old = manager.memalloc(1 << 20)
+    manager.reset()
+    new = manager.memalloc(1 << 20)
+    del old
+    gc.collect()
+    assert stats.allocation_counts.current_bytes == 1 << 20  # the new array's, still live
+    other = manager.memalloc(1 << 20)
+    assert other.device_pointer.value != new.device_pointer.value
+    del new, other
+    gc.collect()
+    assert stats.allocation_counts.current_bytes == 0
+
+
 def test_numbas_defer_cleanup_holds_the_plugins_frees(
     monkeypatch: pytest.MonkeyPatch, fresh_plugin: Callable[[], Any]
 ) -> None:

@@ -107,14 +107,16 @@ class StreampoolNumbaManager(HostOnlyCUDAMemoryManager):  # type: ignore[misc]
         if ptr == 0:  # 0 bytes: the null pointer, nothing to free
             return MemoryPointer(self.context, _device_pointer(0), size)
         allocations, deallocations = self.allocations, self.deallocations
-        allocations[ptr] = _Record(mr, size)
+        mine = allocations[ptr] = _Record(mr, size)
 
         def streampool_free(handle: int) -> None:
             # Numba's reset frees the context's memory and forgets it (`reset` below): what is
-            # no longer recorded is not freed again.
-            record = allocations.pop(handle, None) if allocations else None
-            if isinstance(record, _Record):
-                record.mr.deallocate(handle, record.size)
+            # no longer recorded is not freed again. Only this allocation's own record: after
+            # a reset, the address may have been handed out again, to an array still in use,
+            # whose record is another.
+            if allocations.get(handle) is mine:
+                del allocations[handle]
+                mine.mr.deallocate(handle, mine.size)
 
         def finalizer() -> None:
             deallocations.add_item(streampool_free, ptr, size)

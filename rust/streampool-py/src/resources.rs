@@ -697,14 +697,21 @@ fn set_resource(
         )));
     }
     let key = (backend.id(), device);
+    // Warned before the change (a warning made an error, `-W error`, then leaves the
+    // resource as it was, as `reinitialize`'s does).
+    let changes = SNAPSHOT
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .any(|(k, old)| *k == key && !Arc::ptr_eq(old, res));
+    if changes {
+        warn_live_allocations(py, device, &mr.repr()?.to_string())?;
+    }
     let (previous, replaced) = {
         let mut reg = registry();
         let previous = reg.get_or_insert_with(HashMap::new).insert(key, mr.clone().unbind());
         (previous, publish(key, Some(res.clone())))
     };
-    if replaced.as_ref().is_some_and(|old| !Arc::ptr_eq(old, res)) {
-        warn_live_allocations(py, device, &mr.repr()?.to_string())?;
-    }
     drop(replaced); // after the lock: it may be the last reference
     match previous {
         Some(p) => Ok(Some(p)),
