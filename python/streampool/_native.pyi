@@ -1226,7 +1226,10 @@ class DeviceBuffer:
         source). When the source names a stream (a buffer's own, or the interface's v3
         ``stream``) other than the copy's, the copy waits for the work enqueued there and
         that stream waits for the copy, so the source's owner may reuse it in its own
-        stream order. A DeviceBuffer of another device is copied between the devices
+        stream order. The buffer's own stream is not ordered after a copy on another
+        ``stream``: order it (``buf.stream.wait_stream(stream)``, or synchronise ``stream``)
+        before the buffer is used there or freed, which happens on its own stream. A
+        DeviceBuffer of another device is copied between the devices
         (``cuMemcpyPeerAsync``, which needs no peer access)."""
     def tobytes(self, stream: _StreamLike = None) -> bytes:
         """The contents as bytes (a host copy, waited for), ordered on ``stream`` (default:

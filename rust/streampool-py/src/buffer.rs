@@ -880,8 +880,11 @@ impl DeviceBuffer {
     /// with a C-contiguous `__cuda_array_interface__` of at most `size` bytes. When the
     /// source names a stream (its own stream, or the interface's v3 `stream`) other than
     /// the copy's, the copy is ordered after the work enqueued there, and that stream after
-    /// the copy. A DeviceBuffer of another device is copied between the devices
-    /// (`cuMemcpyPeerAsync`, which needs no peer access).
+    /// the copy. The buffer's own stream is not ordered after a copy on another `stream`:
+    /// order it (`buf.stream.wait_stream(stream)`, or synchronise `stream`) before the
+    /// buffer is used there or freed, which happens on its own stream. A DeviceBuffer of
+    /// another device is copied between the devices (`cuMemcpyPeerAsync`, which needs no
+    /// peer access).
     #[pyo3(signature = (cuda_ary, stream=None))]
     fn copy_from_device(
         &self,
