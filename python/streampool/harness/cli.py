@@ -460,12 +460,10 @@ def _read_log(out: Output, log: str, skip_malformed: bool = False, name: str | N
 
 def _check_replayable(t: trace.Trace, name: str) -> trace.Trace:
     """``t``, refused (exit 3) when it has more threads than the replayer runs."""
-    if t.threads > workloads.MAX_THREADS:
-        raise _Fail(
-            EXIT_BAD_INPUT,
-            f"{name}: the log has {t.threads} threads, and the replayer runs one thread for each, "
-            f"at most {workloads.MAX_THREADS}",
-        )
+    try:
+        workloads.check_replay_threads(t, name)
+    except ValueError as e:
+        raise _Fail(EXIT_BAD_INPUT, str(e)) from None
     return t
 
 

@@ -305,11 +305,7 @@ def replay(
     run (:meth:`~streampool.harness.trace.Trace.repeated`: a log too short to time alone).
     ``threads`` and ``streams`` are ignored (the log's own are replayed)."""
     t = _trace.read_log(log) if isinstance(log, str) else log
-    if t.threads > MAX_THREADS:
-        raise ValueError(
-            f"workload 'replay': the log has {t.threads} threads, and the replayer runs one thread "
-            f"for each, at most {MAX_THREADS}"
-        )
+    check_replay_threads(t, "workload 'replay'")
     if passes * t.events > MAX_REPLAY_EVENTS:
         raise ValueError(
             f"workload 'replay': passes={passes} times the log's {t.events} events is more than "
@@ -753,6 +749,17 @@ MAX_REPLAY_EVENTS = 4_000_000
 
 #: The most threads a workload runs (the native replayer's bound: one thread each).
 MAX_THREADS = 1024
+
+
+def check_replay_threads(t: _trace.Trace, name: str) -> None:
+    """ValueError, naming ``name`` (the log or workload), when the log ``t`` has more
+    threads than the replayer runs (one each, at most ``MAX_THREADS``)."""
+    if t.threads > MAX_THREADS:
+        raise ValueError(
+            f"{name}: the log has {t.threads} threads, and the replayer runs one thread for each, "
+            f"at most {MAX_THREADS}"
+        )
+
 
 #: The greatest value of each numeric parameter that has one.
 _MOST: dict[str, int] = {

@@ -175,22 +175,22 @@ macro_rules! async_pool_class {
             /// Bytes the pool keeps at a synchronisation before releasing memory to the system.
             #[getter]
             fn release_threshold(&self, py: Python<'_>) -> PyResult<u64> {
-                let inner = self.inner.clone();
-                detached(py, move || inner.release_threshold())
+                let mr = self.inner.clone();
+                detached(py, move || mr.release_threshold())
             }
 
             /// Bytes the pool holds from the system.
             #[getter]
             fn reserved_bytes(&self, py: Python<'_>) -> PyResult<usize> {
-                let inner = self.inner.clone();
-                detached(py, move || inner.reserved_bytes())
+                let mr = self.inner.clone();
+                detached(py, move || mr.reserved_bytes())
             }
 
             /// Bytes handed out by the pool (for a shared pool, other libraries' too).
             #[getter]
             fn used_bytes(&self, py: Python<'_>) -> PyResult<usize> {
-                let inner = self.inner.clone();
-                detached(py, move || inner.used_bytes())
+                let mr = self.inner.clone();
+                detached(py, move || mr.used_bytes())
             }
 
             /// The devices other than the pool's own that may read and write its memory

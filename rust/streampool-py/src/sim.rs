@@ -92,8 +92,7 @@ impl PySimDevice {
             drop(guard);
             return Err(sim_active_error(py, message));
         }
-        let activated = self.sim.activate();
-        match activated {
+        match self.sim.activate() {
             Ok(active) => {
                 *guard = Some(active);
                 Ok(())
