@@ -198,6 +198,9 @@ def test_statistics_object() -> None:
     )
     with pytest.raises(KeyError):
         s["nope"]
+    # Iterated as the dictionary is: its keys (not s[0], s[1], ...).
+    assert list(s) == list(s.keys()) and len(s) == 6
+    assert s.values() == (1, 2, 3, 4, 5, 6) and dict(s.items()) == dict(s)
     assert pickle.loads(pickle.dumps(s)) == s
     s.current_bytes = 7  # a snapshot whose fields can be set, as RMM's (a plain dataclass)
     assert s["current_bytes"] == 7

@@ -43,6 +43,14 @@ def last_prefetch_location(buf: streampool.DeviceBuffer) -> int:
     return int(value)
 
 
+def is_managed(buf: streampool.DeviceBuffer) -> bool:
+    """``CU_POINTER_ATTRIBUTE_IS_MANAGED`` through cuda.bindings."""
+    d = driver()
+    err, value = d.cuPointerGetAttribute(d.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, buf.ptr)
+    assert err == d.CUresult.CUDA_SUCCESS, err
+    return bool(value)
+
+
 @pytest.fixture
 def restore_resource() -> Iterator[None]:
     previous = streampool.get_current_device_resource()
@@ -181,3 +189,19 @@ def test_an_adaptor_stack_over_the_managed_pool(restore_resource: None) -> None:
     assert stack.allocation_counts.current_bytes == 16 * MIB  # type: ignore[attr-defined]
     del bufs
     s.synchronize()
+
+
+def test_a_view_of_the_default_managed_pool_is_managed_memory() -> None:
+    # RMM's CudaAsyncManagedMemoryResource is a view of the device's default managed pool;
+    # the driver's own answer (CU_POINTER_ATTRIBUTE_IS_MANAGED) says what the memory is.
+    if not streampool.device_info()["concurrent_managed_access"]:
+        pytest.skip("device 0 has no concurrent managed access: prefetch to a device needs it")
+    view = mr.CudaAsyncViewMemoryResource(managed_pool().pool_handle)
+    assert view.memory_kind == "managed"
+    s = streampool.Stream()
+    buf = streampool.DeviceBuffer.to_device(b"managed" * 1000, stream=s, mr=view)
+    assert is_managed(buf)
+    buf.prefetch(stream=s)
+    assert last_prefetch_location(buf) == 0
+    assert buf.tobytes() == b"managed" * 1000
+    assert mr.CudaAsyncViewMemoryResource(mr.CudaAsyncMemoryResource().pool_handle).memory_kind == "device"

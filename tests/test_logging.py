@@ -121,6 +121,33 @@ def test_log_file_name_is_absolute(tmp_path: pathlib.Path, monkeypatch: pytest.M
     assert (tmp_path / "relative.csv").read_text() == LOG_HEADER + "\n"
 
 
+def test_log_file_name_is_normalised_as_rmms_abspath(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "sub").mkdir()
+    logged = mr.LoggingResourceAdaptor(mr.CudaAsyncMemoryResource(), str(tmp_path / "sub" / ".." / "./a.csv"))
+    assert (
+        logged.get_file_name()
+        == os.path.abspath(tmp_path / "sub" / ".." / "./a.csv")
+        == str(tmp_path / "a.csv")
+    )
+
+
+@pytest.mark.parametrize("name", ["/dev/null", "fifo"])
+def test_a_log_that_cannot_be_synchronised_flushes(name: str, tmp_path: pathlib.Path) -> None:
+    # fsync answers EINVAL on /dev/null and pipes: nothing to make durable, no error (RMM's
+    # flush, a stdio flush, has none either).
+    if name == "fifo":
+        fifo = tmp_path / "log.fifo"
+        os.mkfifo(fifo)
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # so that opening it to write does not block
+        name = str(fifo)
+    logged = mr.LoggingResourceAdaptor(mr.CudaAsyncMemoryResource(), name)
+    logged.deallocate(logged.allocate(256), 256)
+    logged.flush()
+    if name != "/dev/null":
+        assert os.read(reader, 1 << 16).decode().startswith(LOG_HEADER)
+        os.close(reader)
+
+
 def test_log_file_from_the_environment(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STREAMPOOL_LOG_FILE", raising=False)
     monkeypatch.delenv("RMM_LOG_FILE", raising=False)

@@ -133,13 +133,40 @@ def test_managed_pool_memory_refuses_advice_as_the_driver_does(name: str) -> Non
     for advice in ADVICE:
         with pytest.raises(
             streampool.UnsupportedError,
-            match=r"does not take \w+ advice on memory from CudaAsyncManagedMemoryResource \(CUDA_ERROR_NOT_SUPPORTED\)",
+            match=rf"does not take '{advice}' advice on memory from CudaAsyncManagedMemoryResource "
+            r"\(CUDA_ERROR_NOT_SUPPORTED\)",
         ):
             buf.advise(advice, device=0)
     buf.prefetch("host")  # still usable: prefetches are taken
     assert buf.last_prefetch_location == "host"
     buf.copy_from_host(b"still usable")
     assert buf.tobytes()[:12] == b"still usable"
+
+
+def test_unsetting_the_preferred_location_ignores_the_location_as_the_driver_does() -> None:
+    # cuMemAdvise: "The location argument is ignored for this advice."
+    buf = streampool.DeviceBuffer(size=4096, mr=MANAGED["managed"]())
+    buf.advise("unset_preferred_location", device=7)
+    with pytest.raises(streampool.InvalidArgumentError, match="device 7"):
+        buf.advise("preferred_location", device=7)  # used there, so checked
+
+
+def test_a_view_of_a_managed_pool_hands_out_managed_memory() -> None:
+    # RMM's CudaAsyncManagedMemoryResource is a view of the default managed pool.
+    managed = mr.CudaAsyncManagedMemoryResource()
+    assert mr.CudaAsyncViewMemoryResource(managed.pool_handle).memory_kind == "managed"
+    # A managed pool someone created is not recognised (the driver tells a pool's
+    # allocation type only from CUDA 13.2 on): taken for device memory, as documented.
+    own = mr.CudaAsyncManagedMemoryResource(initial_pool_size=0)
+    assert mr.CudaAsyncViewMemoryResource(own.pool_handle).memory_kind == "device"
+    view = mr.CudaAsyncViewMemoryResource(managed.pool_handle)
+    buf = streampool.DeviceBuffer(size=1 << 16, mr=prefetch_adaptor()(view))
+    assert buf.__dlpack_device__()[0] == 13  # kDLCUDAManaged
+    assert buf.last_prefetch_location == 0  # the adaptor prefetched it
+    buf.prefetch("host")
+    assert buf.last_prefetch_location == "host"
+    device_view = mr.CudaAsyncViewMemoryResource(mr.CudaAsyncMemoryResource().pool_handle)
+    assert device_view.memory_kind == "device"
 
 
 def test_bad_arguments_are_clear_errors() -> None:

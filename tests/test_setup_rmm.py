@@ -179,6 +179,30 @@ def test_flags_refuse_anything_else(value: object) -> None:
     assert mr.get_current_device_resource() is before
 
 
+def test_resources_take_rmms_bools_for_their_flags() -> None:
+    # RMM declares these C bools: any truthy object is read; streampool takes bools, NumPy
+    # bools, 0 and 1, as reinitialize's flags.
+    upstream = mr.CudaAsyncMemoryResource()
+    for yes, no in [(True, False), (1, 0)]:
+        tracked = mr.TrackingResourceAdaptor(upstream, capture_stacks=yes)  # type: ignore[arg-type]
+        buf = streampool.DeviceBuffer(size=256, mr=tracked)
+        assert "test_resources_take_rmms_bools" in tracked.get_outstanding_allocations_str()
+        del buf
+        untracked = mr.TrackingResourceAdaptor(upstream, capture_stacks=no)  # type: ignore[arg-type]
+        buf = streampool.DeviceBuffer(size=256, mr=untracked)
+        assert "test_resources_take_rmms_bools" not in untracked.get_outstanding_allocations_str()
+        del buf
+        assert mr.ArenaMemoryResource(upstream, dump_log_on_failure=yes).dump_log_on_failure is True  # type: ignore[arg-type]
+        assert mr.CudaAsyncMemoryResource(enable_ipc=no).memory_kind == "device"  # type: ignore[arg-type]
+    for value in (2, "yes", 1.0):
+        with pytest.raises(TypeError, match=r"capture_stacks must be True or False \(or 1 or 0\), not "):
+            mr.TrackingResourceAdaptor(upstream, capture_stacks=value)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="dump_log_on_failure must be True or False"):
+            mr.ArenaMemoryResource(upstream, dump_log_on_failure=value)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="enable_ipc must be True or False"):
+            mr.CudaAsyncMemoryResource(enable_ipc=value)  # type: ignore[arg-type]
+
+
 def test_a_refused_numpy_value_is_named_with_its_module() -> None:
     np = pytest.importorskip("numpy")
     with pytest.raises(TypeError, match=r"logging must be .*, not np\.float64\(1\.0\) \(a numpy\.float64\)"):

@@ -393,7 +393,13 @@ class CudaAsyncViewMemoryResource(MemoryResource):
     (the only device that can use it, or the one whose current or default pool it is), else
     the current device. A pool of another device, or one ``device`` cannot use, raises
     InvalidArgumentError naming its device, since the view's buffers would name the wrong
-    device."""
+    device.
+
+    A view of a device's current or default *managed* pool (``CudaAsyncManagedMemoryResource().pool_handle``,
+    as RMM's ``CudaAsyncManagedMemoryResource`` is built) hands out managed memory:
+    ``memory_kind`` is ``"managed"``, and prefetching and DLPack treat it so. A managed pool
+    that someone created is taken for device memory (the driver tells a pool's allocation
+    type only from CUDA 13.2 on)."""
 
     def __new__(cls, pool_handle: int | Any, device: int | None = None) -> CudaAsyncViewMemoryResource: ...
     @property
@@ -1284,8 +1290,8 @@ class DeviceBuffer:
         ValueError once closed."""
     def advise(self, advice: _Advice, device: int | Literal["host"] | None = None) -> None:
         """Advises the driver how the memory (managed memory only) will be used, for
-        ``device`` (a device ordinal, ``"host"`` or -1, or None for the buffer's device; ignored
-        by the read-mostly pair). ValueError for an unknown advice or once closed;
+        ``device`` (a device ordinal, ``"host"`` or -1, or None for the buffer's device; ignored,
+        as the driver ignores it, by the read-mostly pair and ``"unset_preferred_location"``). ValueError for an unknown advice or once closed;
         InvalidArgumentError naming the resource when the memory is not managed;
         UnsupportedError for memory of CudaAsyncManagedMemoryResource, on which the driver
         takes no advice (ManagedMemoryResource's memory takes it)."""

@@ -80,6 +80,21 @@ class Statistics:
         """The field names, in order (so that ``dict(stats)`` works)."""
         return _FIELDS
 
+    def __iter__(self) -> Iterator[str]:
+        """The field names, as a dictionary iterates its keys."""
+        return iter(_FIELDS)
+
+    def __len__(self) -> int:
+        return len(_FIELDS)
+
+    def values(self) -> tuple[int, ...]:
+        """The counters, in the order of :meth:`keys`."""
+        return tuple(self[k] for k in _FIELDS)
+
+    def items(self) -> tuple[tuple[str, int], ...]:
+        """``(name, value)`` pairs, in the order of :meth:`keys`."""
+        return tuple((k, self[k]) for k in _FIELDS)
+
 
 def _adaptor() -> mr.StatisticsResourceAdaptor | None:
     current = mr.get_current_device_resource()

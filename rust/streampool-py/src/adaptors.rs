@@ -507,11 +507,12 @@ pub struct PyTrackingResourceAdaptor {
 #[pymethods]
 impl PyTrackingResourceAdaptor {
     #[new]
-    #[pyo3(signature = (upstream_mr, capture_stacks=false))]
+    #[pyo3(signature = (upstream_mr, capture_stacks=None), text_signature = "(upstream_mr, capture_stacks=False)")]
     fn new(
         upstream_mr: &Bound<'_, PyMemoryResource>,
-        capture_stacks: bool,
+        capture_stacks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let capture_stacks = crate::flag_arg(capture_stacks, "capture_stacks")?;
         let capture: Option<StackCapture> = capture_stacks.then(|| Arc::new(python_stack) as StackCapture);
         let inner = TrackingAdaptor::new(upstream_ref(upstream_mr), capture)
             .or_raise(upstream_mr.py())?
@@ -657,6 +658,22 @@ fn log_file_from_env() -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
+/// The path made absolute with its `.` and `..` folded away as text, as Python's
+/// `os.path.abspath` (with which RMM names its log file) does.
+fn abspath(f: PathBuf) -> PathBuf {
+    let mut out = PathBuf::new();
+    for part in std::path::absolute(&f).unwrap_or(f).components() {
+        match part {
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            std::path::Component::CurDir => {}
+            part => out.push(part),
+        }
+    }
+    out
+}
+
 #[pymethods]
 impl PyLoggingResourceAdaptor {
     #[new]
@@ -678,7 +695,7 @@ impl PyLoggingResourceAdaptor {
                 )
             })?),
         };
-        let file = file.map(|f| std::path::absolute(&f).unwrap_or(f));
+        let file = file.map(abspath);
         let mut sinks: Vec<LogSink> = file.into_iter().map(LogSink::File).collect();
         sinks.extend(callback.iter().map(|slot| log_callback(slot.clone())));
         let upstream = upstream_ref(upstream_mr);

@@ -595,18 +595,9 @@ fn numpy_empty(py: Python<'_>) -> Option<&Bound<'_, PyAny>> {
 }
 
 /// The advice names `DeviceBuffer.advise` takes, and what they mean to the driver.
-const ADVICE: [(&str, Advice); 6] = [
-    ("read_mostly", Advice::SetReadMostly),
-    ("unset_read_mostly", Advice::UnsetReadMostly),
-    ("preferred_location", Advice::SetPreferredLocation),
-    ("unset_preferred_location", Advice::UnsetPreferredLocation),
-    ("accessed_by", Advice::SetAccessedBy),
-    ("unset_accessed_by", Advice::UnsetAccessedBy),
-];
-
 fn advice_arg(advice: &str) -> PyResult<Advice> {
-    ADVICE.iter().find(|(name, _)| *name == advice).map(|&(_, a)| a).ok_or_else(|| {
-        let names: Vec<String> = ADVICE.iter().map(|(name, _)| format!("'{name}'")).collect();
+    Advice::ALL.into_iter().find(|a| a.name() == advice).ok_or_else(|| {
+        let names: Vec<String> = Advice::ALL.iter().map(|a| format!("'{}'", a.name())).collect();
         PyValueError::new_err(format!("unknown advice '{advice}'; expected one of {}", names.join(", ")))
     })
 }
@@ -1116,7 +1107,8 @@ impl DeviceBuffer {
     /// of "read_mostly", "unset_read_mostly", "preferred_location",
     /// "unset_preferred_location", "accessed_by", "unset_accessed_by"; `device` (a device
     /// ordinal, "host", or None for the buffer's device) is the location the advice is
-    /// about, and is ignored by the read-mostly pair. The driver takes no advice on memory
+    /// about, and is ignored by the read-mostly pair and "unset_preferred_location" (as the
+    /// driver ignores it; it is not checked either). The driver takes no advice on memory
     /// of a managed pool (CudaAsyncManagedMemoryResource): UnsupportedError.
     #[pyo3(signature = (advice, device=None))]
     fn advise(&self, py: Python<'_>, advice: &str, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {

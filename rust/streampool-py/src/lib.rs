@@ -94,6 +94,31 @@ pub(crate) fn device_arg(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult
     ordinal(obj, what, "a device ordinal (an int) or None").map(Some)
 }
 
+/// A yes/no argument as RMM's C `bool` arguments take it (`what` names it): True or
+/// False, a NumPy bool, or the int 0 or 1; None (the default) is False. TypeError naming
+/// `what` for anything else, as `reinitialize`'s flags are checked.
+pub(crate) fn flag_arg(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<bool> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else { return Ok(false) };
+    if let Ok(b) = obj.cast::<PyBool>() {
+        return Ok(b.is_true());
+    }
+    let kind = obj.get_type();
+    let (module, name) = (kind.module()?.to_string(), kind.name()?.to_string());
+    if module == "numpy" && matches!(&*name, "bool" | "bool_") {
+        return obj.is_truthy();
+    }
+    match obj.cast::<PyInt>().ok().and_then(|i| i.extract::<u8>().ok()) {
+        Some(v @ (0 | 1)) => Ok(v == 1),
+        _ => {
+            let shown = if module == "builtins" { name } else { format!("{module}.{name}") };
+            Err(PyTypeError::new_err(format!(
+                "{what} must be True or False (or 1 or 0), not {} (a {shown})",
+                obj.repr()?
+            )))
+        }
+    }
+}
+
 /// A device ordinal from Python that must be given (None is refused: there is no
 /// default), as [`device_arg`] checks it otherwise.
 pub(crate) fn required_device_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i32> {

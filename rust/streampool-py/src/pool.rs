@@ -325,12 +325,16 @@ pub struct PyArenaMemoryResource {
 #[pymethods]
 impl PyArenaMemoryResource {
     #[new]
-    #[pyo3(signature = (upstream_mr, arena_size=None, dump_log_on_failure=false))]
+    #[pyo3(
+        signature = (upstream_mr, arena_size=None, dump_log_on_failure=None),
+        text_signature = "(upstream_mr, arena_size=None, dump_log_on_failure=False)"
+    )]
     fn new(
         upstream_mr: &Bound<'_, PyMemoryResource>,
         arena_size: Option<&Bound<'_, PyAny>>,
-        dump_log_on_failure: bool,
+        dump_log_on_failure: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let dump_log_on_failure = crate::flag_arg(dump_log_on_failure, "dump_log_on_failure")?;
         let py = upstream_mr.py();
         let asked = optional_size(arena_size, "arena_size")?;
         let upstream = upstream_ref(upstream_mr);

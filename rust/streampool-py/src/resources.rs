@@ -291,16 +291,20 @@ async_pool_class! {
     ///     own.deallocate(ptr, 1 << 20)
     PyCudaAsyncMemoryResource, "CudaAsyncMemoryResource", {
         #[new]
-        #[pyo3(signature = (initial_pool_size=None, release_threshold=None, enable_ipc=false, device=None, peer_access=None))]
+        #[pyo3(
+            signature = (initial_pool_size=None, release_threshold=None, enable_ipc=None, device=None, peer_access=None),
+            text_signature = "(initial_pool_size=None, release_threshold=None, enable_ipc=False, device=None, peer_access=None)"
+        )]
         fn new(
             py: Python<'_>,
             initial_pool_size: Option<&Bound<'_, PyAny>>,
             release_threshold: Option<&Bound<'_, PyAny>>,
-            enable_ipc: bool,
+            enable_ipc: Option<&Bound<'_, PyAny>>,
             device: Option<&Bound<'_, PyAny>>,
             peer_access: Option<&Bound<'_, PyAny>>,
         ) -> PyResult<PyClassInitializer<Self>> {
             let device = device_arg(device, "device")?;
+            let enable_ipc = crate::flag_arg(enable_ipc, "enable_ipc")?;
             let mut options = pool_options(initial_pool_size, release_threshold, enable_ipc)?;
             options.peer_access = peer_access_arg(peer_access)?;
             let mr = detached(py, move || CudaAsyncMemoryResource::new(device, options))?;

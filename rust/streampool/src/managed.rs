@@ -67,7 +67,7 @@ pub fn prefetch_device(stream: &Stream, device: i32) -> i32 {
 
 /// Refuses a `location` that names a device `backend` does not have, before anything else
 /// is asked (so that the arguments are checked for 0 bytes too); `used`: false where the
-/// location is ignored (the read-mostly advice).
+/// location is ignored (`Advice::ignores_location`).
 fn check_location(backend: &crate::device::BackendRef, location: Location, used: bool) -> Result<()> {
     match location {
         Location::Device(d) if used => crate::resources::check_device(backend, Some(d)).map(|_| ()),
@@ -115,8 +115,9 @@ pub fn advise(
         // Seen on the H200 (driver 580): memory from a managed memory pool refuses advice
         // that plain managed memory (cuMemAllocManaged) takes.
         Error::Driver { code: CUDA_ERROR_NOT_SUPPORTED, name, .. } => Error::Unsupported(format!(
-            "the driver does not take {advice:?} advice on memory from {} ({name}); memory from \
+            "the driver does not take '{}' advice on memory from {} ({name}); memory from \
              ManagedMemoryResource takes it",
+            advice.name(),
             mr.name()
         )),
         e => no_concurrent_access(e, mr, mr.device()),
@@ -147,8 +148,8 @@ impl Allocation {
         prefetch(self.resource().as_ref(), self.ptr(), self.bytes(), to, stream)
     }
 
-    /// Gives `advice` about the whole allocation, for `location` (ignored by the
-    /// read-mostly pair). [`Error::InvalidArgument`] unless it is managed memory.
+    /// Gives `advice` about the whole allocation, for `location` (ignored where the
+    /// driver ignores it: [`Advice::ignores_location`]). [`Error::InvalidArgument`] unless it is managed memory.
     pub fn advise(&self, advice: Advice, location: Location) -> Result<()> {
         advise(self.resource().as_ref(), self.ptr(), self.bytes(), advice, location)
     }

@@ -707,6 +707,17 @@ fn a_failing_sink_undoes_an_allocation_and_records_a_free() {
 }
 
 #[test]
+fn a_log_to_a_file_that_cannot_be_synchronised_flushes() {
+    // fsync answers EINVAL for /dev/null (and pipes, terminals): nothing to make durable.
+    let (_sim, b) = sim(64 << 20);
+    let mr = LoggingAdaptor::new(async_mr(&b), vec![LogSink::File("/dev/null".into())]).unwrap();
+    let s = Stream::legacy();
+    let p = mr.allocate(1000, &s).unwrap();
+    mr.deallocate(p, 1000, &s).unwrap();
+    mr.flush().unwrap();
+}
+
+#[test]
 fn an_unwritable_log_file_is_a_clear_error() {
     let (_sim, b) = sim(64 << 20);
     let path = std::env::temp_dir().join("streampool-no-such-dir").join("x").join("log.csv");

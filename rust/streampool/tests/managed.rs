@@ -52,6 +52,24 @@ fn a_current_managed_pool_someone_else_set_is_used_and_left_alone() {
 }
 
 #[test]
+fn a_view_of_a_current_or_default_managed_pool_hands_out_managed_memory() {
+    // RMM's cuda_async_managed_memory_resource is a view of the default managed pool.
+    let (_sim, b) = sim();
+    let theirs = b.pool_create(0, &PoolProps { posix_fd_ipc: false, managed: true }).unwrap();
+    let view = |pool| CudaAsyncMemoryResource::view(b.clone(), None, pool).unwrap().memory_kind();
+    assert_eq!(view(b.pool_default(0, true).unwrap()), MemoryKind::Managed);
+    assert_eq!(view(b.pool_default(0, false).unwrap()), MemoryKind::Device);
+    // Another managed pool is known as such only while it is a device's current one.
+    assert_eq!(view(theirs), MemoryKind::Device);
+    b.pool_set_current(0, theirs).unwrap();
+    assert_eq!(view(theirs), MemoryKind::Managed);
+    let mr = CudaAsyncMemoryResource::view(b.clone(), None, theirs).unwrap();
+    let a = Allocation::new(Arc::new(mr) as ResourceRef, 4096, Stream::legacy()).unwrap();
+    a.prefetch(Some(Location::Host), None).unwrap();
+    assert_eq!(a.last_prefetch_location().unwrap(), Some(Location::Host));
+}
+
+#[test]
 fn options_make_an_owned_managed_pool_primed_and_kept() {
     let (_sim, b) = sim();
     let opts = AsyncPoolOptions { initial_pool_size: Some(16 << 20), ..Default::default() };

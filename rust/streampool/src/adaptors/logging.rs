@@ -171,10 +171,22 @@ impl LoggingAdaptor {
     }
 
     /// Makes the file's lines durable (`fsync`); every line already reached the
-    /// operating system when it was logged.
+    /// operating system when it was logged. A file that cannot be synchronised (`/dev/null`,
+    /// `/dev/stderr`, a pipe: `EINVAL`) has nothing to make durable, and flushes without
+    /// error, as RMM's flush (a stdio flush) does there.
     pub fn flush(&self) -> Result<()> {
         match &self.file {
-            Some((path, f)) => f.sync_data().map_err(|e| io_error(path, e)),
+            Some((path, f)) => match f.sync_data() {
+                Err(e)
+                    if !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::InvalidInput | std::io::ErrorKind::Unsupported
+                    ) =>
+                {
+                    Err(io_error(path, e))
+                }
+                _ => Ok(()),
+            },
             None => Ok(()),
         }
     }

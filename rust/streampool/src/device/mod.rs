@@ -206,9 +206,34 @@ pub enum Advice {
 }
 
 impl Advice {
-    /// True for the read-mostly pair, which ignore the location.
+    /// Every advice, in the driver's order.
+    pub const ALL: [Advice; 6] = [
+        Advice::SetReadMostly,
+        Advice::UnsetReadMostly,
+        Advice::SetPreferredLocation,
+        Advice::UnsetPreferredLocation,
+        Advice::SetAccessedBy,
+        Advice::UnsetAccessedBy,
+    ];
+
+    /// True for the advice whose location the driver ignores: the read-mostly pair and
+    /// `UnsetPreferredLocation` (`cuMemAdvise`: "the location argument is ignored for this
+    /// advice").
     pub fn ignores_location(self) -> bool {
-        matches!(self, Advice::SetReadMostly | Advice::UnsetReadMostly)
+        matches!(self, Advice::SetReadMostly | Advice::UnsetReadMostly | Advice::UnsetPreferredLocation)
+    }
+
+    /// The advice's name in the Python API (`DeviceBuffer.advise`) and in messages:
+    /// `"read_mostly"`, `"unset_read_mostly"`, `"preferred_location"`, ...
+    pub fn name(self) -> &'static str {
+        match self {
+            Advice::SetReadMostly => "read_mostly",
+            Advice::UnsetReadMostly => "unset_read_mostly",
+            Advice::SetPreferredLocation => "preferred_location",
+            Advice::UnsetPreferredLocation => "unset_preferred_location",
+            Advice::SetAccessedBy => "accessed_by",
+            Advice::UnsetAccessedBy => "unset_accessed_by",
+        }
     }
 }
 

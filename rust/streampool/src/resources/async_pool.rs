@@ -144,7 +144,8 @@ impl CudaAsyncMemoryResource {
     ///
     /// `device`: the device the pool lies on; with `None`, the one the driver says it lies
     /// on (the only device with access to it, or the one whose current or default pool it
-    /// is), else the current device. The pool is checked to be
+    /// is), else the current device. A device's current or default managed pool makes
+    /// a view of managed memory ([`MemoryKind::Managed`]). The pool is checked to be
     /// valid, and a pool of another device than the one given is refused
     /// ([`Error::InvalidArgument`] naming that device), since the view's buffers would say
     /// `device` while their memory lies elsewhere, and so is a pool that `device` cannot use.
@@ -156,7 +157,11 @@ impl CudaAsyncMemoryResource {
         backend.pool_get_attr(asker, pool, PoolAttr::ReleaseThreshold).map_err(|e| {
             Error::invalid(format!("{pool:#x} is not a valid memory pool handle on device {asker} ({e})"))
         })?;
-        let home = Self::home_device(&backend, asker, pool)?;
+        let managed_home = Self::managed_home(&backend, pool);
+        let home = match managed_home {
+            Some(d) => Some(d),
+            None => Self::home_device(&backend, asker, pool)?,
+        };
         let device = home.filter(|_| device.is_none()).unwrap_or(asker);
         let refuse = |lies: String| {
             Err(Error::invalid(format!(
@@ -177,9 +182,21 @@ impl CudaAsyncMemoryResource {
             device,
             pool,
             owns_pool: false,
-            managed: false,
+            managed: managed_home.is_some(),
             name: "CudaAsyncViewMemoryResource",
         })
+    }
+
+    /// The device whose current or default *managed* pool `pool` is, if any (a CUDA 13
+    /// driver's): a view of it hands out managed memory, as RMM's
+    /// `cuda_async_managed_memory_resource`, a view of the default one, does. Drivers
+    /// without managed pools answer with errors, read as no. Another managed pool (one
+    /// someone created) is not recognised: the driver tells a pool's allocation type only
+    /// from CUDA 13.2 on.
+    fn managed_home(backend: &BackendRef, pool: RawPool) -> Option<i32> {
+        let is = |p: Result<RawPool>| p.is_ok_and(|p| p == pool);
+        (0..backend.device_count().ok()?)
+            .find(|&d| is(backend.pool_current(d, true)) || is(backend.pool_default(d, true)))
     }
 
     /// The device that device pool `pool` lies on, as far as the driver tells (asked from

@@ -1039,7 +1039,8 @@ impl Backend for CudaBackend {
         if !self.symbols.advise_v2 {
             return Err(self.unsupported("advice on managed memory (cuMemAdvise_v2) needs", "12.2"));
         }
-        // The read-mostly pair ignore the location: pass a valid one regardless.
+        // Advice that ignores the location (the read-mostly pair, unsetting the preferred
+        // location): pass a valid one regardless.
         let location = if advice.ignores_location() { Location::Device(dev) } else { location };
         if let Location::Device(target) = location {
             self.device(target)?;
