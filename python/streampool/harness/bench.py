@@ -297,15 +297,17 @@ def within_noise(a: dict[str, float], b: dict[str, float]) -> bool:
 def measurably_faster(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether summary row ``a`` ran measurably faster than row ``b``. With two or more
     repeats of each (the runs of one repeat ran one after the other, at the host's same
-    moment): ``a`` was faster in every repeat, and by more than NOISE_FLOOR at the median
-    of the repeats' ratios. Comparing runs of one repeat takes the host's moment out,
-    which can move every run by 2 times; one outlying run can then not hide a candidate
-    that lost every repeat. Otherwise: ``a``'s median is higher and the spreads are not
+    moment): ``a`` was faster in most repeats (more than half: both of 2, 2 of 3), and by
+    more than NOISE_FLOOR at the median of the repeats' ratios. Comparing runs of one
+    repeat takes the host's moment out, which can move every run by 2 times; one outlying
+    run can then neither hide a candidate that lost every repeat nor rescue one that lost
+    most of them. Otherwise: ``a``'s median is higher and the spreads are not
     :func:`within_noise`."""
     ra, rb = a.get("throughput_by_repeat"), b.get("throughput_by_repeat")
     if ra and rb and len(ra) == len(rb) >= 2:
         ratios = [x / y if y > 0 else (float("inf") if x > 0 else 1.0) for x, y in zip(ra, rb)]
-        return min(ratios) > 1.0 and statistics.median(ratios) > 1.0 + NOISE_FLOOR
+        won = sum(r > 1.0 for r in ratios)
+        return 2 * won > len(ratios) and statistics.median(ratios) > 1.0 + NOISE_FLOOR
     return a["throughput"]["median"] > b["throughput"]["median"] and not within_noise(
         a["throughput"], b["throughput"]
     )

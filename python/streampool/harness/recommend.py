@@ -3,8 +3,9 @@
 The rules read the log (threads, streams, sizes, cross-stream frees, peak live bytes
 against the device's free memory) and choose the candidates that fit and the one to
 expect; the measurement replays the log on every candidate, interleaved and repeated, and
-picks the fastest. When the fastest is within noise of a simpler one (the rules' choice,
-or the default), the simpler one is recommended, and the report says so. Example::
+picks the fastest. When no candidate is measurably faster than a simpler one (the rules'
+choice, or the default; :func:`choose` says what measurably means), the simpler one is
+recommended, and the report says so. Example::
 
     from streampool.harness import recommend, trace
     t = trace.read_log("app.log")
@@ -310,9 +311,10 @@ def choose(
     """The recommendation from measured ``summary`` rows (one per candidate): the fastest
     by median throughput, unless a simpler candidate (the rules' choice first, then
     SIMPLER_FIRST order) is one that no candidate measurably beats
-    (:func:`bench.measurably_faster`: faster in every repeat, by more than NOISE_FLOOR at
-    the median of the repeats' ratios). A candidate that ran out of
-    memory in any run is never recommended; NothingToRecommendError when every one did.
+    (:func:`bench.measurably_faster`: faster in most repeats, and by more than NOISE_FLOOR
+    at the median of the repeats' ratios; so one outlying run can neither hide a candidate
+    that lost every repeat nor make one that lost most of them the recommendation). A
+    candidate that ran out of memory in any run is never recommended; NothingToRecommendError when every one did.
     Returns choice, runner_up, margin (the choice's median over the runner-up's, minus 1),
     within_noise, a one-line headline, the reasoning and the code that makes the choice ``device``'s resource (the
     device the log was recorded on: :func:`~streampool.harness.specs.setup_code`). ``frameworks``:
@@ -357,7 +359,7 @@ def choose(
         why.append(
             f"measured: {fastest['resource']} was fastest ({100 * gain:+.1f}% at the median), but within noise "
             f"of {pick['resource']}, {which}, which is recommended (measurably faster means "
-            f"faster in every repeat, and by more than {100 * bench.NOISE_FLOOR:.0f}% at the median of the "
+            f"faster in most repeats, and by more than {100 * bench.NOISE_FLOOR:.0f}% at the median of the "
             "repeats' ratios)"
         )
     elif noise and runner is not None:
