@@ -189,6 +189,34 @@ def test_recommend_does_not_call_several_threads_on_one_stream_uncontended() -> 
     assert any(r.startswith("one thread on one stream: no lock is contended") for r in one.reasons)
 
 
+def test_threads_and_streams_that_only_free_are_not_counted_as_allocating() -> None:
+    # One producer thread allocates on one stream; three consumer threads free on theirs.
+    records = []
+    for n in range(30):
+        records.append((n, (1 + n % 7) << 14, n, 0, 0, ALLOCATE))
+        records.append((n + 1, (1 + n % 7) << 14, n, 1 + n % 3, 1 + n % 3, FREE))
+    t = Trace(records)
+    assert (t.threads, t.streams) == (4, 4)  # the replay runs them all
+    one = recommend.analyse(t, free_device_bytes=1 << 30)
+    assert (one.threads, one.streams, one.preferred) == (1, 1, "async")
+    assert one.reasons[0].startswith(
+        "1 thread(s) and 1 stream(s) allocate, 3 more thread(s) and 3 more stream(s) only free; 30 allocations"
+    )
+    assert not any(r.startswith("many threads and streams") for r in one.reasons)
+    assert any(
+        r.startswith("one thread allocates, on one stream: only the frees of the 3 other")
+        for r in one.reasons
+    )
+    # The frees on other streams still count as memory handed over.
+    assert recommend.HANDOFF in one.candidates and one.cross_stream_frees == 30
+    # Four producers on four streams, four consumers: many threads and streams allocate.
+    many = [(n, 4096, n, n % 4, n % 4, ALLOCATE) for n in range(40)]
+    many += [(n + 1, 4096, n, 4 + n % 4, 4 + n % 4, FREE) for n in range(40)]
+    four = recommend.analyse(Trace(many), free_device_bytes=1 << 30)
+    assert (four.threads, four.streams, four.preferred) == (4, 4, "pool(async)")
+    assert four.reasons[0].startswith("4 thread(s) and 4 stream(s) allocate, 4 more thread(s) and 4 more")
+
+
 # --- 4. only the threads and streams with replayed events count -------------------------
 
 

@@ -1,9 +1,9 @@
 """``recommend``: which resource suits a recorded program, by rules and by measurement.
 
-The rules read the log (threads, streams, sizes, cross-stream frees, peak live bytes
-against the device's free memory) and choose the candidates that fit and the one to
-expect; the measurement replays the log on every candidate, interleaved and repeated, and
-picks the fastest. When no candidate is measurably faster than a simpler one (the rules'
+The rules read the log (the threads and streams that allocate, sizes, cross-stream frees,
+peak live bytes against the device's free memory) and choose the candidates that fit and
+the one to expect; the measurement replays the log on every candidate, interleaved and
+repeated, and picks the fastest. When no candidate is measurably faster than a simpler one (the rules'
 choice, or the default; :func:`choose` says what measurably means), the simpler one is
 recommended, and the report says so. Example::
 
@@ -88,7 +88,9 @@ class NothingToRecommendError(RuntimeError):
 
 @dataclass
 class Profile:
-    """What the rules read from a trace, the candidates that fit, the one they expect."""
+    """What the rules read from a trace, the candidates that fit, the one they expect
+    (``threads`` and ``streams``: those that allocate; the replay runs the ones that only
+    free too, :attr:`Trace.threads <streampool.harness.trace.Trace.threads>`)."""
 
     threads: int
     streams: int
@@ -139,10 +141,19 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
     frees -= trace.closing_frees
     p50, p99 = quantile(sizes, 0.5), quantile(sizes, 0.99)
     peak = recorded_peak(trace.records)
-    threads, streams = trace.threads, trace.streams  # as the replay's table has them
+    # The threads and streams that allocate: those that only free (a pipeline's consumers)
+    # contend for no allocation; the replay's table counts them too (it runs them).
+    threads = len({r[3] for r in trace.records if r[5] == ALLOCATE})
+    streams = len({r[4] for r in trace.records if r[5] == ALLOCATE})
+    free_threads, free_streams = trace.threads - threads, trace.streams - streams
+    only_free = [
+        f"{n} more {what}" for n, what in ((free_threads, "thread(s)"), (free_streams, "stream(s)")) if n
+    ]
     reasons = [
-        f"{threads} thread(s) and {streams} stream(s) allocate; {len(sizes)} allocations, "
-        f"sizes {human_bytes(p50)} at the median and {human_bytes(p99)} at the 99th percentile",
+        f"{threads} thread(s) and {streams} stream(s) allocate"
+        + (f", {' and '.join(only_free)} only free" if only_free else "")
+        + f"; {len(sizes)} allocations, sizes {human_bytes(p50)} at the median and "
+        f"{human_bytes(p99)} at the 99th percentile",
         f"{cross_stream} free(s) on another stream than the allocation's, {cross_thread} on another thread",
         f"peak live {human_bytes(peak)} in the log's recorded order (the table's is each replay's own) "
         f"against {human_bytes(free_device_bytes)} free on the device",
@@ -166,6 +177,9 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
             preferred = "async"
             contention = (
                 "one thread on one stream: no lock is contended"
+                if threads <= 1 and not free_threads
+                else f"one thread allocates, on one stream: only the frees of the {free_threads} other "
+                "thread(s) can contend with it for a lock"
                 if threads <= 1
                 else f"{threads} threads share one stream: their calls can contend for a lock, and the "
                 "sharded pool, whose shards are per stream, gives them one shard between them (a shard "
