@@ -308,6 +308,25 @@ def test_recommend_without_a_driver_says_how_to_run_the_program(log: Path) -> No
     assert "run the program with STREAMPOOL_DEVICE=sim" not in out.stdout
 
 
+@pytest.mark.skipif(os.environ.get("STREAMPOOL_GPU_TESTS") == "1", reason="this machine has a CUDA driver")
+def test_recommend_without_a_driver_names_the_simulators_settings_it_measured_with(
+    tmp_path: Path, log: Path
+) -> None:
+    # A log of device 1, measured on 2 simulated devices of 400 MiB: the program needs both.
+    dev1 = tmp_path / "app.log.dev1"
+    dev1.write_text(log.read_text())
+    settings = {"STREAMPOOL_SIM_DEVICES": "2", "STREAMPOOL_SIM_CAPACITY": " 400 MiB"}
+    out = run("recommend", str(dev1), "--quick", STREAMPOOL_DEVICE="", **settings)
+    assert out.returncode == 0, out.stderr
+    hint = "run the program with STREAMPOOL_DEVICE=sim STREAMPOOL_SIM_CAPACITY='400 MiB' STREAMPOOL_SIM_DEVICES=2)"
+    assert hint in out.stdout, out.stdout
+    # Blank ones are unset to the library: not named.
+    blank = {"STREAMPOOL_SIM_DEVICES": " ", "STREAMPOOL_SIM_CAPACITY": ""}
+    out = run("recommend", str(log), "--quick", STREAMPOOL_DEVICE="", **blank)
+    assert out.returncode == 0, out.stderr
+    assert "run the program with STREAMPOOL_DEVICE=sim)" in out.stdout, out.stdout
+
+
 def test_replay_json_and_the_log_it_read(log: Path) -> None:
     out = run("replay", str(log), "--resources", "async,pool(async),cuda", "--quick", "--json")
     assert out.returncode == 0, out.stderr

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import math
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -31,7 +32,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from .. import __version__
+from .. import __version__, _env
 from .._errors import StreampoolError
 from .._native import parse_size
 from . import bench, plots, profile, recommend, stress, trace, workloads
@@ -979,12 +980,24 @@ def _cmd_recommend(args: argparse.Namespace, dev: Device) -> int:
         )
     if dev.simulated and not os.environ.get("STREAMPOOL_DEVICE"):
         # Without a driver, `profile` ran the program on the simulated device for it.
-        out.line("  (on this machine, without a GPU: run the program with STREAMPOOL_DEVICE=sim)")
+        out.line(f"  (on this machine, without a GPU: run the program with {_simulated_environment()})")
     if args.json:
         out.emit_json(
             _recommend_document(dev, log, args.max_lead, repeats, runs, summary, prof, choice, None, passes)
         )
     return EXIT_OK
+
+
+def _simulated_environment() -> str:
+    """The environment that runs a program on the simulated device this process measured
+    on: ``STREAMPOOL_DEVICE=sim`` and the ``STREAMPOOL_SIM_*`` variables that are set
+    (not blank: the library reads a blank one as unset), quoted for a shell."""
+    settings = ["STREAMPOOL_DEVICE=sim"]
+    for name in (_env.CAPACITY, _env.DEVICES):
+        value = os.environ.get(name, "").strip()
+        if value:
+            settings.append(f"{name}={shlex.quote(value)}")
+    return " ".join(settings)
 
 
 def _recommend_document(
