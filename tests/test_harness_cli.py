@@ -241,6 +241,21 @@ def test_profile_says_why_a_program_that_sets_its_own_resource_logged_nothing(tm
     assert "through a resource it sets itself" in out.stderr and "StatisticsResourceAdaptor" in out.stderr
 
 
+def test_profile_says_why_a_program_that_passes_its_own_resource_logged_nothing(tmp_path: Path) -> None:
+    # A resource passed with mr= is used instead of the current device resource, which
+    # profile logs: nothing is logged, and the hint names that case.
+    prog = tmp_path / "explicit.py"
+    prog.write_text(
+        "import streampool\nfrom streampool import mr\n"
+        "pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())\n"
+        "bufs = [streampool.DeviceBuffer(size=4096, mr=pool) for _ in range(10)]\n"
+    )
+    out = run("profile", "-o", str(tmp_path / "explicit.log"), "--", sys.executable, str(prog))
+    assert out.returncode == 0, out.stderr
+    assert "0 event(s) logged" in out.stderr
+    assert "or passes explicitly (mr= to DeviceBuffer" in out.stderr, out.stderr
+
+
 def test_profile_of_a_crashing_program_keeps_its_partial_log(tmp_path: Path, program: Path) -> None:
     path = tmp_path / "crash.log"
     out = run("profile", "-o", str(path), "--", str(program), "crash")  # prog.py runs under this Python

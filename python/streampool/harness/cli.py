@@ -840,10 +840,11 @@ def _profile_into(
         print(
             "streampool profile: nothing allocated through the devices' resources, which profile "
             "logs: the program allocates through a resource it sets itself "
-            "(set_current_device_resource, as recommend's code does), through another library's "
+            "(set_current_device_resource, as recommend's code does) or passes explicitly (mr= to "
+            "DeviceBuffer), through another library's "
             "own allocator (RMM's, as cuDF does; PyTorch's, CuPy's or Numba's under --no-frameworks), "
             "on a simulated device it makes itself (`with SimulatedDevice():`; set "
-            "STREAMPOOL_DEVICE=sim instead), or not at all. Profile it without its own set-up lines; "
+            "STREAMPOOL_DEVICE=sim instead), or not at all. Profile it without its own set-up lines (or mr= arguments); "
             "to see what a resource of its own does, wrap it in mr.StatisticsResourceAdaptor",
             file=sys.stderr,
         )
