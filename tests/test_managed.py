@@ -286,7 +286,9 @@ def test_without_concurrent_managed_access_setup_picks_managed_memory_alone(sim:
         buf.prefetch()
     with pytest.raises(streampool.UnsupportedError, match="device 0 has no concurrent managed access"):
         buf.advise("preferred_location", 0)
-    buf.advise("accessed_by", 0)
+    with pytest.raises(streampool.UnsupportedError, match="device 0 has no concurrent managed access"):
+        buf.advise("accessed_by", 0)
+    buf.advise("accessed_by", "host")
     with pytest.raises(
         streampool.UnsupportedError, match="PrefetchResourceAdaptor needs a GPU with concurrent"
     ):

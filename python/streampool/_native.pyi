@@ -1404,8 +1404,8 @@ class _SimDevice:
         managed pools."""
     def set_concurrent_managed_access(self, enabled: bool) -> None:
         """Makes the device report (or not) concurrent managed access from now on; without
-        it there are no managed pools, and prefetches and a GPU as preferred location are
-        refused, as the driver refuses them (Windows, WSL, some Jetson boards)."""
+        it there are no managed pools, and prefetches and advice naming a GPU (as preferred
+        location or as accessed by) are refused, as the driver refuses them (Windows, WSL, some Jetson boards)."""
     def set_peer_capable(self, a: int, b: int, capable: bool) -> None:
         """Makes devices ``a`` and ``b`` able (or not) to reach each other's memory."""
     def describe(self) -> str:

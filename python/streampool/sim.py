@@ -225,8 +225,8 @@ class SimulatedDevice:
 
     def set_concurrent_managed_access(self, enabled: bool) -> None:
         """Makes the device report (or not) concurrent managed access from now on; without
-        it there are no managed pools, and prefetches and a GPU as preferred location are
-        refused, as the driver refuses them (Windows, WSL, some Jetson boards). It reports
+        it there are no managed pools, and prefetches and advice naming a GPU (as preferred
+        location or as accessed by) are refused, as the driver refuses them (Windows, WSL, some Jetson boards). It reports
         it until set."""
         self._dev.set_concurrent_managed_access(enabled)
 

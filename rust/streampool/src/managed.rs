@@ -77,8 +77,9 @@ fn check_location(backend: &crate::device::BackendRef, location: Location, used:
 
 /// The driver's `CUDA_ERROR_INVALID_DEVICE` for prefetch or advice, said plainly when the
 /// device has no concurrent managed access (Windows, WSL, some Jetson boards), where the
-/// driver takes neither a prefetch nor a GPU as preferred location; `device`: the one the
-/// call was made in (the memory's, or a prefetch's stream's).
+/// driver takes no prefetch, and no advice naming a GPU as preferred location or as
+/// accessed by; `device`: the one the call was made in (the memory's, or a prefetch's
+/// stream's).
 pub(crate) fn no_concurrent_access(e: Error, mr: &dyn MemoryResource, device: i32) -> Error {
     match e {
         Error::Driver { code: CUDA_ERROR_INVALID_DEVICE, call, .. }
@@ -88,7 +89,8 @@ pub(crate) fn no_concurrent_access(e: Error, mr: &dyn MemoryResource, device: i3
                 "{call}: device {} has no concurrent managed access \
                  (CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS is 0, as on Windows, WSL and some \
                  Jetson boards), so the driver takes no prefetch and no GPU as preferred location \
-                 there; managed memory still works, migrated by the driver at each kernel launch",
+                 or as accessed by there; managed memory still works, migrated by the driver at \
+                 each kernel launch",
                 device
             ))
         }

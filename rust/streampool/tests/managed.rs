@@ -227,7 +227,7 @@ fn without_concurrent_managed_access_prefetch_is_refused_plainly_and_the_adaptor
         other => panic!("{other:?}"),
     }
     // As the driver documents: no prefetch, to the device or the host, and no GPU as
-    // preferred location; the other advice is taken.
+    // preferred location or as accessed by; the other advice is taken.
     for to in [None, Some(Location::Host)] {
         match a.prefetch(to, None) {
             Err(Error::Unsupported(m)) => {
@@ -236,14 +236,16 @@ fn without_concurrent_managed_access_prefetch_is_refused_plainly_and_the_adaptor
             other => panic!("{other:?}"),
         }
     }
-    match a.advise(Advice::SetPreferredLocation, Location::Device(0)) {
-        Err(Error::Unsupported(m)) => {
-            assert!(m.starts_with("cuMemAdvise: device 0 has no concurrent"), "{m}")
+    for advice in [Advice::SetPreferredLocation, Advice::SetAccessedBy] {
+        match a.advise(advice, Location::Device(0)) {
+            Err(Error::Unsupported(m)) => {
+                assert!(m.starts_with("cuMemAdvise: device 0 has no concurrent"), "{m}")
+            }
+            other => panic!("{advice:?}: {other:?}"),
         }
-        other => panic!("{other:?}"),
     }
     a.advise(Advice::SetPreferredLocation, Location::Host).unwrap();
-    a.advise(Advice::SetAccessedBy, Location::Device(0)).unwrap();
+    a.advise(Advice::SetAccessedBy, Location::Host).unwrap();
     a.advise(Advice::SetReadMostly, Location::Host).unwrap();
     match streampool::PrefetchAdaptor::new(mr.clone()) {
         Err(Error::Unsupported(m)) => assert_eq!(

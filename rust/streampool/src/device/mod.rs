@@ -272,7 +272,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// `cuMemAlloc`.
     fn mem_alloc(&self, dev: i32, bytes: usize) -> Result<DevPtr>;
     /// `cuMemFree` (waits for the whole device): of `mem_alloc` and `mem_alloc_managed`
-    /// memory, and of a pointer from `pool_import_pointer`.
+    /// memory, and of a pointer from `pool_import_pointer`. The driver takes pool memory
+    /// too, without waiting for anything: its work must have completed.
     fn mem_free(&self, dev: i32, ptr: DevPtr) -> Result<()>;
     /// `cuMemAllocManaged` with `CU_MEM_ATTACH_GLOBAL`.
     fn mem_alloc_managed(&self, dev: i32, bytes: usize) -> Result<DevPtr>;

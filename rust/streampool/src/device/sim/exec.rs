@@ -288,9 +288,12 @@ impl State {
         }
     }
 
-    /// Runs everything enqueued so far (a synchronous call that waits for the device).
-    pub(super) fn run_all(&mut self) {
-        let targets: Vec<(u64, u64)> = self.streams.iter().map(|(&id, s)| (id, s.seq)).collect();
+    /// Runs everything enqueued so far on device `dev`'s streams, and what that work
+    /// depends on (a synchronous call that waits for one device's context, as
+    /// `cuCtxSynchronize`): other devices' work that nothing of `dev` waits for stays queued.
+    pub(super) fn run_all(&mut self, dev: i32) {
+        let targets: Vec<(u64, u64)> =
+            self.streams.iter().filter(|(_, s)| s.dev == dev).map(|(&id, s)| (id, s.seq)).collect();
         for (sid, seq) in targets {
             self.drive(sid, seq);
         }

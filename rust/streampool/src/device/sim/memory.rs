@@ -289,9 +289,9 @@ impl State {
             )));
         };
         let ok = match a.kind {
-            AllocKind::Device | AllocKind::Managed | AllocKind::Imported(_) => !pinned,
+            AllocKind::Device | AllocKind::Managed | AllocKind::Imported(_) | AllocKind::Pool(_) => !pinned,
             AllocKind::Pinned => pinned,
-            AllocKind::Pool(_) | AllocKind::Mapped => false,
+            AllocKind::Mapped => false,
         };
         if !ok {
             let what = match a.kind {
@@ -305,6 +305,11 @@ impl State {
                 AllocKind::Mapped => "mapped with cuMemMap (unmap it with cuMemUnmap)".into(),
             };
             return Err(Error::InvalidPointer(format!("{call}({ptr:#x}): the pointer is {what}")));
+        }
+        if let AllocKind::Pool(handle) = a.kind {
+            // As the driver documents it: no synchronisation for stream-ordered memory.
+            self.free_to_pool(ptr, handle, None);
+            return Ok(());
         }
         if let AllocKind::Imported(_) = a.kind {
             // The driver does not wait for the work on memory of a pool (imported memory
@@ -320,8 +325,12 @@ impl State {
                 )));
             }
         } else {
-            // Synchronous: waits for the whole device first (rule 4 of "ordered").
-            self.run_all();
+            // Synchronous (rule 4 of "ordered"): the driver's implicit synchronisation is of
+            // a context, as `cuCtxSynchronize`, not of every device. Modelled as waiting for
+            // the work of the memory's device: device memory's own; for pinned host memory,
+            // which is the host's, the device whose context allocated it (normally the one
+            // current when it is freed). Other devices' work stays queued.
+            self.run_all(a.dev);
         }
         let a = self.allocs.remove(&ptr).expect("checked above");
         if matches!(a.kind, AllocKind::Device | AllocKind::Managed) {

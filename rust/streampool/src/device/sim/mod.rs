@@ -19,17 +19,21 @@
 //!   no live stream is an error.
 //! * **Execution.** Work runs only when the program says so: [`SimDevice::step`],
 //!   [`SimDevice::step_any`], [`SimDevice::run`], or a host synchronisation (stream,
-//!   event, context; `cuMemFree` and `cuMemFreeHost`, which wait for the whole device).
-//!   A synchronisation runs only what it waits for. Event and stream queries never run
-//!   work, so a host loop that polls a query until the work is done waits for ever unless
-//!   something runs it: [`SimDevice::set_eager`] (the device of `STREAMPOOL_DEVICE=sim`
-//!   is reached through [`crate::device::simulated`]). The ordering model (module `exec`)
-//!   is the design's "ordered".
+//!   event, context; `cuMemFree` and `cuMemFreeHost`, which wait for the memory's device;
+//!   a copy into pageable host memory, which waits for itself). A synchronisation runs
+//!   only what it waits for (a context's: that device's work, and what that depends on).
+//!   Event and stream queries never run work, so a host loop that polls a query until
+//!   the work is done waits for ever unless something runs it: [`SimDevice::set_eager`]
+//!   (the device of `STREAMPOOL_DEVICE=sim` is reached through
+//!   [`crate::device::simulated`]). The ordering model (module `exec`) is the design's
+//!   "ordered".
 //! * **Race detector.** Each memory access is checked when it executes against the
 //!   previous conflicting access to the same bytes (module `detector`); unordered pairs are
 //!   kept as [`Race`]s, each pair once.
 //! * **Pools.** The driver's stream-ordered pools with its default reuse policy,
-//!   release threshold, trimming and attributes (module `pool`).
+//!   release threshold, trimming and attributes (module `pool`). `cuMemFree` takes pool
+//!   memory as the driver does, without synchronising; `cuMemFreeAsync` of memory not from
+//!   a pool is refused (a stream-ordered free of other memory is not modelled).
 //! * **Managed memory.** `cuMemAllocManaged` memory and managed pools' memory accept
 //!   prefetches, and `cuMemAllocManaged` memory advice; other live memory is refused as
 //!   the driver refuses it (`CUDA_ERROR_INVALID_VALUE`; advice on a managed pool's memory,
@@ -435,6 +439,20 @@ impl State {
         })
     }
 
+    /// Enqueues a copy (`cuMemcpyAsync`, `cuMemcpyPeerAsync`) on `sid`. Into pageable host
+    /// memory the call returns only once the copy has completed ("API synchronization
+    /// behavior": from device memory, and from host memory as every host-to-host copy),
+    /// so the host waits for it and for what it follows; into simulated memory (pinned host
+    /// memory included) it stays queued.
+    fn enqueue_copy(&mut self, sid: u64, copy: Work) {
+        let pageable_dst = matches!(copy, Work::Copy { dst_sim: false, .. });
+        self.enqueue(sid, copy, OpKind::Memcpy, "", None);
+        if pageable_dst {
+            let seq = self.streams[&sid].seq;
+            self.drive(sid, seq);
+        }
+    }
+
     /// A host synchronisation: runs what `sid` has queued up to `seq`, then lets pools
     /// release memory above their thresholds.
     fn host_wait(&mut self, sid: u64, seq: u64) {
@@ -509,8 +527,9 @@ impl SimDevice {
     }
 
     /// Makes the device report (or not) concurrent managed access from now on; without it
-    /// there are no managed pools, and prefetches and a GPU as preferred location are
-    /// refused (`CUDA_ERROR_INVALID_DEVICE`), as the driver does.
+    /// there are no managed pools, and prefetches and advice that names a GPU as preferred
+    /// location or as accessed by are refused (`CUDA_ERROR_INVALID_DEVICE`), as the driver
+    /// does.
     pub fn set_concurrent_managed_access(&self, yes: bool) {
         self.concurrent_managed_access.store(yes, Ordering::SeqCst);
     }
@@ -1111,7 +1130,7 @@ impl Backend for SimDevice {
             if src_sim {
                 st.check_access(dev, src, bytes, "cuMemcpyAsync (source)", true)?;
             }
-            st.enqueue(sid, Work::Copy { dst, src, bytes, dst_sim, src_sim }, OpKind::Memcpy, "", None);
+            st.enqueue_copy(sid, Work::Copy { dst, src, bytes, dst_sim, src_sim });
             Ok(())
         })
     }
@@ -1158,9 +1177,9 @@ impl Backend for SimDevice {
         self.with(Some(dev), |st| {
             if let (Location::Device(d), false) = (location, advice.ignores_location()) {
                 self.check_dev(d)?;
-                // As the driver documents it: a GPU as preferred location needs concurrent
-                // managed access.
-                if advice == Advice::SetPreferredLocation
+                // As the driver documents it: a GPU as preferred location, or as a processor
+                // the pages stay mapped for, needs concurrent managed access.
+                if matches!(advice, Advice::SetPreferredLocation | Advice::SetAccessedBy)
                     && !self.concurrent_managed_access.load(Ordering::SeqCst)
                 {
                     return Err(invalid_device("cuMemAdvise"));
@@ -1203,7 +1222,7 @@ impl Backend for SimDevice {
 
     fn ctx_synchronize(&self, dev: i32) -> Result<()> {
         self.with(Some(dev), |st| {
-            st.run_all();
+            st.run_all(dev);
             st.apply_thresholds();
             Ok(())
         })
@@ -1296,7 +1315,7 @@ impl Backend for SimDevice {
             }
             let dst_sim = st.check_peer_side(dst, dst_dev, bytes, "cuMemcpyPeerAsync destination")?;
             let src_sim = st.check_peer_side(src, src_dev, bytes, "cuMemcpyPeerAsync source")?;
-            st.enqueue(sid, Work::Copy { dst, src, bytes, dst_sim, src_sim }, OpKind::Memcpy, "", None);
+            st.enqueue_copy(sid, Work::Copy { dst, src, bytes, dst_sim, src_sim });
             Ok(())
         })
     }

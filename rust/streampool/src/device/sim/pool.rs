@@ -220,12 +220,15 @@ impl State {
         pool.used += size;
         pool.used_high = pool.used_high.max(pool.used);
         let dev = pool.dev;
-        if wait {
-            // The driver's internal dependency: B waits for the free point; no other
-            // stream is ordered by it.
-            let point = block.point.expect("class 2 blocks have a free point");
-            self.add_dependency(sid, &point.clock, OpKind::Wait, "wait inserted by cuMemAllocFromPoolAsync");
-        }
+        // The driver's internal dependency for a class 2 block: B waits for the free point;
+        // no other stream is ordered by it. On the legacy default stream the call is also a
+        // barrier with the blocking streams (it "uses standard default stream semantics"),
+        // which `add_dependency` queues there even with nothing to wait for.
+        let deps = match wait {
+            true => block.point.expect("class 2 blocks have a free point").clock,
+            false => VClock::default(),
+        };
+        self.add_dependency(sid, &deps, OpKind::Wait, "wait inserted by cuMemAllocFromPoolAsync");
         self.allocs.insert(
             addr,
             Alloc {
@@ -282,8 +285,9 @@ impl State {
             Some(AllocKind::Pool(h)) => h,
             Some(_) => {
                 return Err(Error::InvalidPointer(format!(
-                    "cuMemFreeAsync({ptr:#x}): the pointer was not allocated from a memory pool \
-                     (free it with cuMemFree or cuMemFreeHost)"
+                    "cuMemFreeAsync({ptr:#x}): the pointer was not allocated from a memory pool, \
+                     and the simulated device does not model a stream-ordered free of other \
+                     memory (free it with cuMemFree or cuMemFreeHost)"
                 )))
             }
             None => {
@@ -294,9 +298,22 @@ impl State {
                 )))
             }
         };
-        let a = self.allocs.remove(&ptr).expect("checked above");
-        let point =
-            settle(&self.streams, Some(FreePoint { stream: Some(sid), clock: self.point_clock(sid) }));
+        // On the legacy default stream the free is a barrier with the blocking streams, as
+        // the allocation is (see `pool_alloc`); the free point then follows the barrier.
+        self.add_dependency(sid, &VClock::default(), OpKind::Wait, "cuMemFreeAsync");
+        self.free_to_pool(ptr, handle, Some(sid));
+        Ok(())
+    }
+
+    /// Returns the pool allocation at `ptr`, of pool `handle`, to its pool: freed in the
+    /// order of stream `sid` (`cuMemFreeAsync`), or with `None` as though every use of it
+    /// had completed (`cuMemFree`, which the driver documents as not synchronising for
+    /// such memory: the caller must have waited for its work, and a block reused while
+    /// that work is still queued races with it in the detector).
+    pub(super) fn free_to_pool(&mut self, ptr: DevPtr, handle: RawPool, sid: Option<u64>) {
+        let a = self.allocs.remove(&ptr).expect("checked by the caller");
+        let point = sid.map(|sid| FreePoint { stream: Some(sid), clock: self.point_clock(sid) });
+        let point = settle(&self.streams, point);
         let pool = self.pools.get_mut(&handle).expect("a pool outlives its allocations");
         pool.chunk_of(ptr).1.used -= a.size;
         pool.used -= a.size;
@@ -304,7 +321,6 @@ impl State {
         if pool.destroyed {
             self.reap(handle);
         }
-        Ok(())
     }
 
     /// Releases idle chunks of a pool, highest address first, while it holds more than

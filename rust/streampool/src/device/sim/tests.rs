@@ -2,7 +2,9 @@ use std::sync::Arc;
 
 use super::pool::CHUNK;
 use super::*;
-use crate::error::{CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_OUT_OF_MEMORY};
+use crate::error::{
+    CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_OUT_OF_MEMORY,
+};
 
 const MIB: usize = 1 << 20;
 
@@ -375,7 +377,7 @@ fn bad_frees_are_refused_and_change_nothing() {
         Err(Error::InvalidPointer(m)) => assert!(m.contains(&format!("{ptr:#x}")), "{m}"),
         other => panic!("expected InvalidPointer for {ptr:#x}, got {other:?}"),
     };
-    expect_bad(sim.mem_free(0, pooled), pooled);
+    expect_bad(sim.mem_free_host(0, pooled), pooled);
     expect_bad(sim.mem_free(0, host), host);
     expect_bad(sim.mem_free_host(0, dev), dev);
     expect_bad(sim.free_async(0, dev, s), dev);
@@ -400,6 +402,34 @@ fn bad_frees_are_refused_and_change_nothing() {
 }
 
 #[test]
+fn mem_free_takes_pool_memory_without_waiting_for_its_work() {
+    // As the driver documents cuMemFree: it frees stream-ordered memory too, with no
+    // synchronisation; the caller must have waited for the memory's work.
+    let sim = sim();
+    let (a, b) = (stream(&sim, false), stream(&sim, false));
+    let pool = sim.pool_default(0, false).unwrap();
+    let p = sim.pool_alloc_async(0, pool, 4096, a).unwrap();
+    sim.write_labeled(a, p, 4096, "write before the free").unwrap();
+    sim.mem_free(0, p).unwrap();
+    assert_eq!(sim.queued(a).unwrap(), 1, "nothing was waited for");
+    assert_eq!(attr(&sim, pool, PoolAttr::UsedMemCurrent), 0);
+    assert!(matches!(sim.mem_free(0, p), Err(Error::InvalidPointer(_))), "a second free");
+    // The block is any stream's at once: reused while that write is queued, a race.
+    let q = sim.pool_alloc_async(0, pool, 4096, b).unwrap();
+    assert_eq!(p, q);
+    sim.write_labeled(b, q, 4096, "write after reuse").unwrap();
+    sim.run();
+    assert_eq!(sim.take_races().len(), 1);
+    // Freed once its work has completed, reuse is clean.
+    sim.stream_synchronize(0, b).unwrap();
+    sim.mem_free(0, q).unwrap();
+    let r = sim.pool_alloc_async(0, pool, 4096, a).unwrap();
+    sim.write(a, r, 4096).unwrap();
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
+
+#[test]
 fn synchronous_frees_wait_for_the_whole_device() {
     let sim = sim();
     let (a, b) = (stream(&sim, false), stream(&sim, false));
@@ -413,6 +443,65 @@ fn synchronous_frees_wait_for_the_whole_device() {
     sim.write(b, p, 4096).unwrap();
     sim.run();
     assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
+
+#[test]
+fn a_synchronisation_of_one_device_leaves_other_devices_work_unordered() {
+    // cuCtxSynchronize, and the calls that synchronise implicitly, wait for one context's
+    // work: an unordered pair of device 1 stays a race across a synchronisation of device 0.
+    for call in ["cuCtxSynchronize", "cuMemFree", "cuMemFreeHost", "cuMemUnmap"] {
+        let sim = SimDevice::with_devices(16 * MIB, 2);
+        let (x, y) = (sim.stream_create(1, false).unwrap(), sim.stream_create(1, false).unwrap());
+        let s0 = sim.stream_create(0, false).unwrap();
+        let p = sim.mem_alloc(1, 4096).unwrap();
+        let q = sim.mem_alloc(0, 4096).unwrap();
+        sim.write(s0, q, 4096).unwrap();
+        sim.write_labeled(x, p, 4096, "device 1's write").unwrap();
+        match call {
+            "cuCtxSynchronize" => sim.ctx_synchronize(0).unwrap(),
+            "cuMemFree" => sim.mem_free(0, q).unwrap(),
+            "cuMemFreeHost" => sim.mem_free_host(0, sim.mem_host_alloc(0, 4096).unwrap()).unwrap(),
+            _ => {
+                let base = sim.vmm_reserve(0, G).unwrap();
+                let handle = sim.vmm_map(0, base, G).unwrap();
+                sim.vmm_unmap(0, base, G, handle).unwrap();
+            }
+        }
+        assert_eq!(sim.queued(s0).unwrap(), 0, "{call} waits for device 0's work");
+        assert_eq!(sim.queued(x).unwrap(), 1, "{call} does not wait for device 1's");
+        sim.read_labeled(y, p, 4096, "device 1's read").unwrap();
+        sim.run();
+        assert_eq!(sim.take_races().len(), 1, "{call}");
+        // Device 1's own synchronisation orders them.
+        sim.write(x, p, 4096).unwrap();
+        sim.ctx_synchronize(1).unwrap();
+        sim.read(y, p, 4096).unwrap();
+        sim.run();
+        assert!(sim.races().is_empty(), "{call}: {:?}", sim.races());
+    }
+}
+
+#[test]
+fn a_copy_into_pageable_memory_is_complete_when_it_returns() {
+    // "For transfers from device memory to pageable host memory, the function will return
+    // only once the copy has completed"; into pinned host memory it stays asynchronous.
+    let sim = sim();
+    let (s, other) = (stream(&sim, false), stream(&sim, false));
+    let (p, unrelated) = (sim.mem_alloc(0, 64).unwrap(), sim.mem_alloc(0, 64).unwrap());
+    sim.write(other, unrelated, 64).unwrap();
+    sim.memset_d8_async(0, p, 7, 64, s).unwrap();
+    let mut host = vec![0u8; 64];
+    // SAFETY: `host` outlives the copy, which has completed when the call returns.
+    unsafe { sim.memcpy_async(0, host.as_mut_ptr() as u64, p, 64, s) }.unwrap();
+    assert_eq!(host, [7; 64]);
+    assert_eq!(sim.queued(s).unwrap(), 0);
+    assert_eq!(sim.queued(other).unwrap(), 1, "work the copy does not follow stays queued");
+    sim.memset_d8_async(0, p, 9, 64, s).unwrap();
+    let pinned = sim.mem_host_alloc(0, 64).unwrap();
+    // SAFETY: simulated memory on both sides.
+    unsafe { sim.memcpy_async(0, pinned, p, 64, s) }.unwrap();
+    assert_eq!(sim.queued(s).unwrap(), 2, "a copy into pinned memory is queued");
+    assert_eq!(to_host(&sim, pinned, 64, s), [9; 64]);
 }
 
 #[test]
@@ -621,6 +710,32 @@ fn a_free_on_the_legacy_stream_is_ordered_after_blocking_streams() {
     sim.write(s, q, 2048).unwrap();
     sim.run();
     assert!(sim.races().is_empty(), "{:?}", sim.races());
+}
+
+#[test]
+fn pool_allocations_and_frees_on_the_legacy_stream_are_barriers() {
+    // cuMemAllocAsync and cuMemFreeAsync use standard default stream semantics: on the legacy
+    // stream each is an action after every blocking stream's earlier work and before its
+    // later work. On a blocking stream of its own, neither orders other streams.
+    for call in ["cuMemAllocFromPoolAsync", "cuMemFreeAsync"] {
+        for legacy in [true, false] {
+            let sim = sim();
+            let (a, b) = (stream(&sim, true), stream(&sim, true));
+            let on = if legacy { LEGACY_STREAM } else { stream(&sim, true) };
+            let pool = sim.pool_default(0, false).unwrap();
+            let held = sim.pool_alloc_async(0, pool, 4096, on).unwrap();
+            sim.run();
+            let p = sim.mem_alloc(0, 4096).unwrap();
+            sim.write_labeled(a, p, 4096, "write on blocking a").unwrap();
+            match call {
+                "cuMemFreeAsync" => sim.free_async(0, held, on).unwrap(),
+                _ => drop(sim.pool_alloc_async(0, pool, 4096, on).unwrap()),
+            }
+            sim.read_labeled(b, p, 4096, "read on blocking b").unwrap();
+            sim.run();
+            assert_eq!(sim.take_races().len(), usize::from(!legacy), "{call}, legacy {legacy}");
+        }
+    }
 }
 
 #[test]
@@ -1061,6 +1176,27 @@ fn an_older_driver_or_a_gpu_without_concurrent_managed_access_has_no_managed_poo
     }
     sim.set_concurrent_managed_access(true);
     sim.pool_default(0, true).unwrap();
+}
+
+#[test]
+fn without_concurrent_managed_access_advice_naming_a_gpu_is_refused() {
+    // As the driver documents cuMemAdvise: a GPU as preferred location, or as accessed by,
+    // needs CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS; the host, and other advice, do not.
+    let sim = sim();
+    let m = sim.mem_alloc_managed(0, 4096).unwrap();
+    sim.set_concurrent_managed_access(false);
+    for advice in [Advice::SetPreferredLocation, Advice::SetAccessedBy] {
+        match sim.mem_advise(0, m, 4096, advice, Location::Device(0)) {
+            Err(Error::Driver { call: "cuMemAdvise", code: CUDA_ERROR_INVALID_DEVICE, .. }) => {}
+            other => panic!("{advice:?}: {other:?}"),
+        }
+        sim.mem_advise(0, m, 4096, advice, Location::Host).unwrap();
+    }
+    for advice in [Advice::UnsetPreferredLocation, Advice::UnsetAccessedBy, Advice::SetReadMostly] {
+        sim.mem_advise(0, m, 4096, advice, Location::Device(0)).unwrap();
+    }
+    sim.set_concurrent_managed_access(true);
+    sim.mem_advise(0, m, 4096, Advice::SetAccessedBy, Location::Device(0)).unwrap();
 }
 
 #[test]

@@ -270,8 +270,8 @@ impl State {
                 format!("{handle:#x} is not the handle of the mapping at {ptr:#x} ({:#x})", m.handle),
             ));
         }
-        // Synchronous: waits for the whole device first, as `cuMemFree` does.
-        self.run_all();
+        // Synchronous: waits for the device of the memory first, as `cuMemFree` does.
+        self.run_all(m.dev);
         let r = self.reservations.get_mut(&base).expect("found above");
         r.mappings.remove(&ptr);
         r.space.unmap(ptr, bytes);
