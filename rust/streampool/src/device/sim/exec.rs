@@ -192,7 +192,11 @@ impl State {
         // On the legacy default stream the call is an action all the same: the legacy stream
         // waits for every blocking stream, and they wait for it ("Stream synchronization
         // behavior" in the driver's documentation), which an operation queued there models.
-        if !deps.is_empty() || self.streams[&sid].legacy {
+        // With no other stream's work pending it orders nothing (it would complete at once,
+        // and later work is ordered after what has completed), so none is queued: a free on
+        // an idle device's legacy stream is complete when it returns, as on a GPU.
+        let barrier = self.streams[&sid].legacy && self.point_clock(sid).iter().any(|(s, _)| s != sid);
+        if !deps.is_empty() || barrier {
             self.enqueue(sid, Work::Nothing, kind, label, Some(&deps));
         }
     }

@@ -223,7 +223,7 @@ impl State {
         // The driver's internal dependency for a class 2 block: B waits for the free point;
         // no other stream is ordered by it. On the legacy default stream the call is also a
         // barrier with the blocking streams (it "uses standard default stream semantics"),
-        // which `add_dependency` queues there even with nothing to wait for.
+        // which `add_dependency` queues there while their work is pending.
         let deps = match wait {
             true => block.point.expect("class 2 blocks have a free point").clock,
             false => VClock::default(),
