@@ -209,6 +209,32 @@ def test_a_foreign_array_on_another_device_copies_after_its_own_stream(dev: Simu
     assert not dev.races(), dev.races()
 
 
+@pytest.mark.parametrize("dst_stream", ["own", "legacy"])
+def test_a_foreign_arrays_default_stream_is_its_own_devices(dev: SimulatedDevice, dst_stream: str) -> None:
+    # Stream 1 in a CUDA array interface is the legacy default stream of the producer's
+    # device (each device has its own): the copy into device 1 waits for device 0's, and
+    # device 0's later work waits for the copy (device 1's legacy stream, the same handle,
+    # orders nothing of device 0's).
+    src = streampool.DeviceBuffer(size=4096, mr=mr.CudaAsyncMemoryResource(device=0, peer_access=[1]))
+    stream = streampool.Stream(device=1) if dst_stream == "own" else None
+    dst = streampool.DeviceBuffer(size=4096, stream=stream, mr=mr.CudaAsyncMemoryResource(device=1))
+    dev.run()
+    foreign = SimpleNamespace(
+        __cuda_array_interface__={
+            "shape": (4096,),
+            "typestr": "|u1",
+            "data": (src.ptr, False),
+            "version": 3,
+            "stream": 1,
+        }
+    )
+    dev.write(None, src.ptr, 4096, label="producer on device 0's legacy stream")
+    dst.copy_from_device(foreign)
+    dev.write(None, src.ptr, 4096, label="the producer's next write, on the same stream")
+    dev.run()
+    assert not dev.races(), dev.races()
+
+
 def test_a_buffer_of_an_exited_simulated_device_is_not_a_copy_source() -> None:
     with SimulatedDevice(capacity_bytes="64MiB"):
         old = streampool.DeviceBuffer.to_device(b"old!" * 1024)

@@ -370,30 +370,32 @@ impl DeviceBuffer {
     /// Enqueues a copy of `bytes` from device address `src` to the buffer's start, on
     /// `stream` (the buffer's own when None), with the GIL released; returns once it is
     /// enqueued. When the source's data is ordered on `source` (another buffer's stream, or
-    /// the stream a CUDA array interface names) and that is another stream, the copy is
-    /// ordered after the work enqueued there, and that stream after the copy, so that the
-    /// source's owner may free or overwrite it in its own stream order. `keep` is held until
-    /// the copy is enqueued and ordered.
+    /// the stream a CUDA array interface names, with the device it is of: a default stream
+    /// is each device's own) and that is another stream, the copy is ordered after the work
+    /// enqueued there, and that stream after the copy, so that the source's owner may free
+    /// or overwrite it in its own stream order. `keep` is held until the copy is enqueued
+    /// and ordered.
     fn copy_in(
         &self,
         py: Python<'_>,
         src: DevPtr,
         bytes: usize,
         stream: Option<&Bound<'_, PyAny>>,
-        source: Option<Stream>,
+        source: Option<(Stream, i32)>,
         keep: Option<Arc<Allocation>>,
     ) -> PyResult<()> {
         self.on_device(py, bytes, stream, move |alloc, backend, device, stream| {
-            let source = source.filter(|s| s.handle() != stream.handle());
-            if let Some(source) = &source {
-                order(backend, device, stream, source)?;
+            let at = (stream, device_of(stream, device));
+            let source = source.filter(|(s, d)| (s.handle(), *d) != (stream.handle(), at.1));
+            if let Some((s, d)) = &source {
+                order(backend, at, (s, *d))?;
             }
             // SAFETY: the destination is this live allocation, at least `bytes` long (checked
             // by the callers); the source is device memory that the caller says holds
             // `bytes`, ordered as above, and kept alive by `keep` or its owner.
             unsafe { backend.memcpy_async(device, alloc.ptr(), src, bytes, stream.handle())? };
-            if let Some(source) = &source {
-                order(backend, device, source, stream)?;
+            if let Some((s, d)) = &source {
+                order(backend, (s, *d), at)?;
             }
             drop(keep);
             Ok(())
@@ -458,14 +460,15 @@ impl DeviceBuffer {
             let new = Allocation::new(resource.clone(), capacity, home.clone())?;
             if bytes > 0 {
                 let other = copy_on.handle() != home.handle();
+                let (copy_at, home_at) = ((&copy_on, device), (home, device));
                 if other {
-                    order(backend, device, &copy_on, home)?;
+                    order(backend, copy_at, home_at)?;
                 }
                 // SAFETY: both sides are live allocations (`old` is held here) of at least
                 // `bytes` bytes, ordered on `copy_on` as above.
                 unsafe { backend.memcpy_async(device, new.ptr(), old.ptr(), bytes, copy_on.handle())? };
                 if other {
-                    order(backend, device, home, &copy_on)?;
+                    order(backend, home_at, copy_at)?;
                 }
             }
             Ok(new)
@@ -500,21 +503,28 @@ impl DeviceBuffer {
 }
 
 /// Orders `waiter` after the work enqueued on `on` so far: an event recorded on `on`,
-/// waited on by `waiter`. Either may be a stream of another device than `device` (a
-/// foreign source's stream): the event is made on `on`'s device. A default stream is
-/// taken as `device`'s.
-fn order(backend: &BackendRef, device: i32, waiter: &Stream, on: &Stream) -> streampool::Result<()> {
-    let device_of = |s: &Stream| s.binding().map_or(device, |(_, d)| d);
-    waiter.wait_for(backend, device_of(waiter), on, device_of(on))
+/// waited on by `waiter`; each stream with the device it is of (a foreign source's stream
+/// may be another device's than the buffer's): the event is made on `on`'s device.
+fn order(backend: &BackendRef, waiter: (&Stream, i32), on: (&Stream, i32)) -> streampool::Result<()> {
+    waiter.0.wait_for(backend, waiter.1, on.0, on.1)
+}
+
+/// The device `stream` is of: its own, or `default` for a default stream (which every
+/// device has).
+fn device_of(stream: &Stream, default: i32) -> i32 {
+    stream.binding().map_or(default, |(_, d)| d)
 }
 
 /// A CUDA array interface as a source of bytes: `(address, bytes, stream)`, checked to be
-/// C-contiguous, unmasked, and not a null pointer with bytes to copy.
+/// C-contiguous, unmasked, and not a null pointer with bytes to copy. The stream comes with
+/// the device it is of: a default stream (1, 2) is that of the device whose memory the
+/// address is (the producer's context), found from the driver, else `device`'s.
 fn cai_source(
     py: Python<'_>,
     obj: &Bound<'_, PyAny>,
     backend: &BackendRef,
-) -> PyResult<(DevPtr, usize, Option<Stream>)> {
+    device: i32,
+) -> PyResult<(DevPtr, usize, Option<(Stream, i32)>)> {
     let Some(cai) = obj.getattr_opt("__cuda_array_interface__")? else {
         let ty = obj.get_type().fully_qualified_name()?;
         return Err(PyTypeError::new_err(format!(
@@ -579,7 +589,16 @@ fn cai_source(
             if s.extract::<i64>().is_ok_and(|h| h == 0) {
                 return Err(bad("stream 0 is disallowed (use 1 for the legacy default stream)"));
             }
-            Some(to_stream(py, Some(&s), || backend)?.into_owned())
+            let stream = to_stream(py, Some(&s), || backend)?.into_owned();
+            let home = match stream.binding() {
+                Some((_, d)) => d,
+                None if bytes > 0 => {
+                    let b = backend.clone();
+                    py.detach(move || b.pointer_device(device, ptr)).unwrap_or(device)
+                }
+                None => device,
+            };
+            Some((stream, home))
         }
     };
     Ok((ptr, bytes, stream))
@@ -891,10 +910,12 @@ impl DeviceBuffer {
                 let backend = self.mr.get().inner.backend();
                 device::check_same_backend(backend, alloc.resource().backend(), "the source buffer")
                     .or_raise(py)?;
-                (alloc.ptr(), size, Some(alloc.stream().clone()), Some(alloc))
+                let device = alloc.resource().device();
+                (alloc.ptr(), size, Some((alloc.stream().clone(), device)), Some(alloc))
             }
             Err(_) => {
-                let (ptr, bytes, source) = cai_source(py, cuda_ary, self.mr.get().inner.backend())?;
+                let (ptr, bytes, source) =
+                    cai_source(py, cuda_ary, self.mr.get().inner.backend(), self.device())?;
                 (ptr, bytes, source, None)
             }
         };
@@ -949,7 +970,7 @@ impl DeviceBuffer {
     fn copy(&self, py: Python<'_>) -> PyResult<Self> {
         let (alloc, size) = self.live_sized()?;
         let made = Self::make(py, size, Some(self.stream.bind(py)), Some(self.mr.bind(py).clone()))?;
-        let source = alloc.stream().clone();
+        let source = (alloc.stream().clone(), alloc.resource().device());
         made.copy_in(py, alloc.ptr(), size, None, Some(source), Some(alloc))?;
         Ok(made)
     }

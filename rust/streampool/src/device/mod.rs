@@ -332,6 +332,11 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// error for a pointer inside none.
     fn pointer_range(&self, dev: i32, ptr: DevPtr) -> Result<(DevPtr, usize)>;
 
+    /// `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)`: the device whose
+    /// context allocated `ptr` (for device and pool memory, the device it lies on); an
+    /// error for a pointer the driver does not know.
+    fn pointer_device(&self, dev: i32, ptr: DevPtr) -> Result<i32>;
+
     /// `cuStreamCreate` (`CU_STREAM_NON_BLOCKING` unless `blocking`).
     fn stream_create(&self, dev: i32, blocking: bool) -> Result<RawStream>;
     /// `cuStreamDestroy`. Work already enqueued still runs.

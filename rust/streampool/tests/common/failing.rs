@@ -142,6 +142,9 @@ impl Backend for FailingSyncs {
     fn pointer_range(&self, dev: i32, ptr: DevPtr) -> Result<(DevPtr, usize)> {
         self.inner.pointer_range(dev, ptr)
     }
+    fn pointer_device(&self, dev: i32, ptr: DevPtr) -> Result<i32> {
+        self.inner.pointer_device(dev, ptr)
+    }
     fn stream_create(&self, dev: i32, blocking: bool) -> Result<RawStream> {
         self.inner.stream_create(dev, blocking)
     }

@@ -842,6 +842,12 @@ impl Backend for CudaBackend {
         unsafe { raw::mem_get_address_range(ptr) }
     }
 
+    fn pointer_device(&self, dev: i32, ptr: DevPtr) -> Result<i32> {
+        let _ctx = self.enter(dev)?;
+        // SAFETY: `dev`'s context is current; any pointer value may be asked about.
+        unsafe { raw::pointer_get_device(ptr) }
+    }
+
     fn stream_create(&self, dev: i32, blocking: bool) -> Result<RawStream> {
         let _ctx = self.enter(dev)?;
         // SAFETY: `dev`'s context is current; the stream belongs to it.

@@ -21,7 +21,7 @@
 //! The symbols loaded are the plain (not `_ptsz`/`_ptds`) ones, so handle 0 means the
 //! legacy default stream, as the crate's stream model says.
 
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::{c_char, c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -486,6 +486,22 @@ pub(super) unsafe fn pointer_get_mempool(dptr: sys::CUdeviceptr) -> Result<sys::
         sys::cuPointerGetAttribute((&mut pool as *mut sys::CUmemoryPool).cast::<c_void>(), attr, dptr)
     })?;
     Ok(pool)
+}
+
+/// [`cuPointerGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__UNIFIED.html)`(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)`:
+/// the device whose context allocated the memory.
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current. (Any pointer value may be asked
+///    about: the driver reports those it does not know.)
+pub(super) unsafe fn pointer_get_device(dptr: sys::CUdeviceptr) -> Result<i32> {
+    let mut ordinal: c_int = 0;
+    let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL;
+    // SAFETY: precondition 1; this attribute's value is an `int`, which `ordinal` is.
+    check("cuPointerGetAttribute", unsafe {
+        sys::cuPointerGetAttribute((&mut ordinal as *mut c_int).cast::<c_void>(), attr, dptr)
+    })?;
+    Ok(ordinal)
 }
 
 /// [`cuMemGetAddressRange`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html):

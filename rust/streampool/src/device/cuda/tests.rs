@@ -275,6 +275,7 @@ fn gpu_async_alloc_from_the_current_pool() {
     assert!(used >= 3 * MIB as u64, "used {used}");
     let plain = cuda.mem_alloc(0, MIB).unwrap();
     assert_eq!(cuda.pointer_pool(0, plain).unwrap(), None);
+    assert_eq!((cuda.pointer_device(0, ptr).unwrap(), cuda.pointer_device(0, plain).unwrap()), (0, 0));
     cuda.mem_free(0, plain).unwrap();
     cuda.free_async(0, ptr, stream).unwrap();
     cuda.stream_synchronize(0, stream).unwrap();
@@ -545,6 +546,8 @@ fn gpu_errors_are_data() {
     assert!(matches!(err, Error::Driver { call: "cuMemFree", .. }), "{err:?}");
     let err = cuda.pointer_pool(0, 0xdead_0000);
     assert!(matches!(err, Ok(None) | Err(Error::Driver { .. })), "{err:?}");
+    let err = cuda.pointer_device(0, 0xdead_0000);
+    assert!(matches!(err, Err(Error::Driver { .. })), "{err:?}");
 }
 
 #[test]

@@ -963,6 +963,10 @@ impl Backend for SimDevice {
         self.with(Some(dev), |st| st.live_alloc_at(ptr).map(|(start, a)| (start, a.bytes)))
     }
 
+    fn pointer_device(&self, dev: i32, ptr: DevPtr) -> Result<i32> {
+        self.with(Some(dev), |st| st.live_alloc_at(ptr).map(|(_, a)| a.dev))
+    }
+
     fn stream_create(&self, dev: i32, blocking: bool) -> Result<RawStream> {
         self.with(Some(dev), |st| {
             let handle = st.free_handles.pop().unwrap_or_else(|| {

@@ -399,6 +399,18 @@ fn bad_frees_are_refused_and_change_nothing() {
     sim.mem_free(0, 0).unwrap();
     sim.free_async(0, 0, s).unwrap();
     assert_eq!(sim.pointer_pool(0, pooled).map_err(|_| ()), Err(()));
+    assert!(matches!(sim.pointer_device(0, pooled), Err(Error::InvalidPointer(_))));
+}
+
+#[test]
+fn a_pointer_tells_its_device() {
+    let sim = SimDevice::with_devices(64 * MIB, 2);
+    let on1 = sim.mem_alloc(1, 4096).unwrap();
+    let pooled = sim.pool_alloc_async(0, sim.pool_default(0, false).unwrap(), 4096, LEGACY_STREAM).unwrap();
+    assert_eq!(sim.pointer_device(0, on1 + 100).unwrap(), 1, "asked from any device's context");
+    assert_eq!(sim.pointer_device(1, pooled).unwrap(), 0);
+    sim.mem_free(1, on1).unwrap();
+    sim.free_async(0, pooled, LEGACY_STREAM).unwrap();
 }
 
 #[test]
