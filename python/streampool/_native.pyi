@@ -1793,8 +1793,8 @@ class LatencyHistograms(TypedDict):
 class LatencyHistogramResourceAdaptor(UpstreamResourceAdaptor[_U]):
     """Records how long each allocate and deallocate call takes, in histograms of
     log-spaced buckets (4 per power of two), lock-free and cheap enough to leave on (two
-    time-stamp counter reads and two relaxed atomic adds per call; the fast path is
-    forwarded and timed too). Also ``streampool.mr.LatencyHistogramAdaptor``.
+    time-stamp counter reads and a few plain updates of the calling thread's own counters
+    per call, no atomic read-modify-write; the fast path is forwarded and timed too). Also ``streampool.mr.LatencyHistogramAdaptor``.
 
     With ``STREAMPOOL_NVTX=1`` in the environment, each call is also an NVTX range
     ("streampool allocate", "streampool deallocate"), so an Nsight Systems timeline shows
@@ -1816,7 +1816,8 @@ class LatencyHistogramResourceAdaptor(UpstreamResourceAdaptor[_U]):
         ``count``, ``total_ns``, ``max_ns``, ``p50_ns``, ``p90_ns``, ``p99_ns``, ``p999_ns`` and
         ``buckets`` (non-empty ones: upper bound in ns, calls)."""
     def reset(self) -> None:
-        """Forgets every call recorded so far."""
+        """Forgets every call recorded so far (a call made at the same moment on another
+        thread may be forgotten too)."""
 
 @final
 class _NullMemoryResource(MemoryResource):

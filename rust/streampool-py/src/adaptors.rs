@@ -388,7 +388,8 @@ impl PyStatisticsResourceAdaptor {
 
 /// Records how long each allocate and deallocate call takes, in histograms of log-spaced
 /// buckets (4 per power of two), lock-free and cheap enough to leave on (two time-stamp
-/// counter reads and two relaxed atomic adds per call). `histogram()` returns, for
+/// counter reads and a few plain updates of the calling thread's own counters per call,
+/// no atomic read-modify-write). `histogram()` returns, for
 /// "allocate" and "deallocate": count, total_ns, max_ns, p50_ns, p90_ns, p99_ns, p999_ns
 /// (the upper bound of the bucket holding that rank, so at most 25 % above) and buckets,
 /// a list of (upper bound in ns, calls). With STREAMPOOL_NVTX=1 in the environment, each
@@ -447,7 +448,8 @@ impl PyLatencyHistogramResourceAdaptor {
         Ok(d)
     }
 
-    /// Forgets every call recorded so far.
+    /// Forgets every call recorded so far (a call made at the same moment on another thread
+    /// may be forgotten too).
     fn reset(&self) {
         self.inner.reset()
     }

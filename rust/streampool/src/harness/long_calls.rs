@@ -1,7 +1,8 @@
 //! Where a long allocator call's time went: for the pipeline's calls over a threshold,
 //! what the calling thread did meanwhile.
 //!
-//! Three sources, all Linux's, all read outside the calls' timed spans:
+//! Three sources, all Linux's; the first two are read outside the calls' timed spans, and
+//! the third's signal (below) runs inside a long call, adding a few microseconds to it:
 //! * the thread's context switches (`getrusage(RUSAGE_THREAD)`) before and after each
 //!   call: switched out while it could run (preempted; a `sched_yield` that gave the CPU
 //!   away counts here too), asleep (a voluntary switch: a lock, a condition, a driver call
