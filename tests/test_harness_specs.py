@@ -190,6 +190,45 @@ def test_the_rmm_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
     assert reserved() == 12345 and "rmm" in code
 
 
+def test_every_rmm_resource_says_what_it_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Speed is never reported without memory: each RMM peer reports the bytes it holds from
+    # the device (a pool's size; RMM's own driver pool's reserved bytes; the arena's upstream
+    # peak), not None.
+    import sys
+    import types
+
+    own_pool = mr.CudaAsyncMemoryResource(initial_pool_size="4MiB", release_threshold="64MiB")
+
+    class Async(_FakeRmmResource):
+        def pool_handle(self) -> int:
+            return int(own_pool.pool_handle)
+
+    class Stats(_FakeRmmResource):
+        def __init__(self, upstream: object) -> None:
+            super().__init__()
+            self.allocation_counts = types.SimpleNamespace(peak_bytes=777)  # RMM 25 on: an object
+
+    rmr = types.SimpleNamespace(
+        CudaAsyncMemoryResource=Async,
+        CudaMemoryResource=_FakeRmmResource,
+        PoolMemoryResource=_FakeRmmResource,
+        StatisticsResourceAdaptor=Stats,
+        ArenaMemoryResource=_FakeRmmResource,
+        BinningMemoryResource=_FakeRmmResource,
+    )
+    stream_module = types.SimpleNamespace(Stream=lambda s: ("rmm-stream", s.handle))
+    monkeypatch.setitem(sys.modules, "rmm.mr", rmr)
+    monkeypatch.setitem(sys.modules, "rmm.pylibrmm", types.SimpleNamespace(stream=stream_module))
+    monkeypatch.setitem(sys.modules, "rmm.pylibrmm.stream", stream_module)
+    expected = {"async": 4 << 20, "binning": 4 << 20, "pool(cuda)": 12345, "pool(async)": 12345, "arena": 777}
+    for name, held in expected.items():
+        allocate, deallocate, reserved, _keep, _code = specs._rmm(types.SimpleNamespace(), name)
+        _exercise(allocate, deallocate)
+        assert reserved() == held, name
+    Stats.__init__ = lambda self, upstream: setattr(self, "allocation_counts", {"peak_bytes": 778})  # type: ignore[method-assign]
+    assert specs._rmm(types.SimpleNamespace(), "arena")[2]() == 778  # RMM before 25: a dict
+
+
 def test_the_cupy_wrapper() -> None:
     import types
 

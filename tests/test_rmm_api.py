@@ -653,7 +653,11 @@ def test_a_view_takes_a_cuda_bindings_pool_handle_as_rmm_does() -> None:
     owner = mr.CudaAsyncMemoryResource(initial_pool_size="2MiB")
     view = mr.CudaAsyncViewMemoryResource(CUmemoryPool(int(owner.pool_handle)))
     assert int(view.pool_handle) == int(owner.pool_handle)
-    view.deallocate(view.allocate(4096), 4096)
+    p = view.allocate(4096)
+    # What the pool holds and hands out, whoever allocated it, as its owner reads it.
+    assert (view.reserved_bytes, view.used_bytes) == (owner.reserved_bytes, owner.used_bytes)
+    assert view.reserved_bytes >= 2 << 20 and view.used_bytes >= 4096
+    view.deallocate(p, 4096)
     with pytest.raises(ValueError, match=r"is not a memory pool handle .* or a cuda.bindings CUmemoryPool"):
         mr.CudaAsyncViewMemoryResource(object())
     with pytest.raises(ValueError, match=r"is not a memory pool handle"):

@@ -407,6 +407,12 @@ class CudaAsyncViewMemoryResource(MemoryResource):
         """The driver pool handle this resource allocates from; callable too, for RMM's
         ``pool_handle()``."""
     @property
+    def reserved_bytes(self) -> int:
+        """Bytes the pool holds from the system (whoever allocated them)."""
+    @property
+    def used_bytes(self) -> int:
+        """Bytes handed out by the pool (whoever allocated them)."""
+    @property
     def owns_pool(self) -> Literal[False]:
         """Always False: a view never destroys the pool."""
 

@@ -424,21 +424,49 @@ def _peer(spec: Spec) -> Candidate:
 
 
 def _rmm(rmm: Any, name: str) -> tuple[Any, ...]:
+    """RMM's resource ``name``, with what it holds from the device: a pool's size; for RMM's
+    own driver pool (``async``, and under ``binning``), that pool's reserved bytes, read
+    through a view of it (RMM sets its release threshold to the device's memory, so it
+    keeps what it grew to); for ``arena``, the most its upstream handed out (a statistics
+    adaptor under it)."""
     rmr = importlib.import_module("rmm.mr")
     from rmm.pylibrmm.stream import Stream as RmmStream
 
-    makers = {
-        "async": lambda: rmr.CudaAsyncMemoryResource(),
-        "pool(cuda)": lambda: rmr.PoolMemoryResource(rmr.CudaMemoryResource()),
-        "pool(async)": lambda: rmr.PoolMemoryResource(rmr.CudaAsyncMemoryResource()),
-        "arena": lambda: rmr.ArenaMemoryResource(rmr.CudaMemoryResource()),
-        "binning": lambda: rmr.BinningMemoryResource(
-            rmr.CudaAsyncMemoryResource(),
-            BINNING_DEFAULT["min_size_exponent"],
-            BINNING_DEFAULT["max_size_exponent"],
-        ),
-    }
-    res = makers[name]()
+    def pool_size(pool: Any) -> Callable[[], int | None]:
+        return lambda: int(pool.pool_size())
+
+    def driver_pool(res: Any) -> Callable[[], int | None]:
+        handle = getattr(res, "pool_handle", None)
+        if handle is None:
+            return lambda: None
+        view = mr.CudaAsyncViewMemoryResource(int(handle()))
+        return lambda: view.reserved_bytes
+
+    def upstream_peak(stats: Any) -> Callable[[], int | None]:
+        def read() -> int | None:
+            counts = stats.allocation_counts  # a dict in RMM before 25, a Statistics after
+            return int(counts["peak_bytes"] if isinstance(counts, dict) else counts.peak_bytes)
+
+        return read
+
+    def make() -> tuple[Any, Callable[[], int | None], list[Any]]:
+        if name == "async":
+            res = rmr.CudaAsyncMemoryResource()
+            return res, driver_pool(res), []
+        if name in ("pool(cuda)", "pool(async)"):
+            up = rmr.CudaMemoryResource() if name == "pool(cuda)" else rmr.CudaAsyncMemoryResource()
+            res = rmr.PoolMemoryResource(up)
+            return res, pool_size(res), []
+        if name == "arena":
+            stats = rmr.StatisticsResourceAdaptor(rmr.CudaMemoryResource())
+            return rmr.ArenaMemoryResource(stats), upstream_peak(stats), [stats]
+        up = rmr.CudaAsyncMemoryResource()  # binning
+        res = rmr.BinningMemoryResource(
+            up, BINNING_DEFAULT["min_size_exponent"], BINNING_DEFAULT["max_size_exponent"]
+        )
+        return res, driver_pool(up), [up]
+
+    res, reserved, held = make()
     streams: dict[int, Any] = {}
 
     def rs(stream: Stream) -> Any:
@@ -447,15 +475,11 @@ def _rmm(rmm: Any, name: str) -> tuple[Any, ...]:
             s = streams[stream.handle] = RmmStream(stream)
         return s
 
-    def reserved() -> int | None:
-        pool = getattr(res, "pool_size", None)
-        return int(pool()) if pool else None
-
     return (
         lambda size, stream: res.allocate(size, rs(stream)),
         lambda ptr, size, stream: res.deallocate(ptr, size, rs(stream)),
         reserved,
-        [res, streams],
+        [res, streams, *held],
         _peer_code("rmm", name),
     )
 

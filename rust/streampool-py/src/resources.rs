@@ -344,7 +344,7 @@ async_pool_class! {
 #[derive(Debug)]
 #[pyclass(frozen, extends = PyMemoryResource, module = "streampool.mr", name = "CudaAsyncViewMemoryResource")]
 pub struct PyCudaAsyncViewMemoryResource {
-    pool: u64,
+    inner: Arc<CudaAsyncMemoryResource>,
 }
 
 #[pymethods]
@@ -370,15 +370,30 @@ impl PyCudaAsyncViewMemoryResource {
                  or cudaMemPool_t)"
             ))
         })?;
-        let mr = detached(py, move || CudaAsyncMemoryResource::view(device::backend()?, given, pool))?;
-        Ok(PyMemoryResource::base(Arc::new(mr)).add_subclass(Self { pool }))
+        let inner =
+            Arc::new(detached(py, move || CudaAsyncMemoryResource::view(device::backend()?, given, pool))?);
+        Ok(PyMemoryResource::base(inner.clone()).add_subclass(Self { inner }))
     }
 
     /// The driver pool handle this resource allocates from (a `PoolHandle`: an int that
     /// can also be called, for RMM's `pool_handle()`).
     #[getter]
     fn pool_handle(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        pool_handle_object(py, self.pool)
+        pool_handle_object(py, self.inner.pool_handle())
+    }
+
+    /// Bytes the pool holds from the system (whoever allocated them).
+    #[getter]
+    fn reserved_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        let mr = self.inner.clone();
+        detached(py, move || mr.reserved_bytes())
+    }
+
+    /// Bytes handed out by the pool (whoever allocated them).
+    #[getter]
+    fn used_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        let mr = self.inner.clone();
+        detached(py, move || mr.used_bytes())
     }
 
     /// Always False: a view never destroys the pool.

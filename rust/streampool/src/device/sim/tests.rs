@@ -1080,14 +1080,7 @@ fn prefetch_advice_and_queries_refuse_memory_that_is_not_managed() {
     assert_eq!(sim.queued(s).unwrap(), 0, "nothing enqueued");
     // Managed memory: every advice, for the device or the host.
     let m = sim.mem_alloc_managed(0, 4096).unwrap();
-    for advice in [
-        Advice::SetReadMostly,
-        Advice::UnsetReadMostly,
-        Advice::SetPreferredLocation,
-        Advice::UnsetPreferredLocation,
-        Advice::SetAccessedBy,
-        Advice::UnsetAccessedBy,
-    ] {
+    for advice in Advice::ALL {
         sim.mem_advise(0, m, 4096, advice, Location::Device(0)).unwrap();
         sim.mem_advise(0, m, 4096, advice, Location::Host).unwrap();
     }
