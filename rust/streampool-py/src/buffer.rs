@@ -381,7 +381,7 @@ impl DeviceBuffer {
         src: DevPtr,
         bytes: usize,
         stream: Option<&Bound<'_, PyAny>>,
-        source: Option<(Stream, i32)>,
+        source: Option<Ordered>,
         keep: Option<Arc<Allocation>>,
     ) -> PyResult<()> {
         self.on_device(py, bytes, stream, move |alloc, backend, device, stream| {
@@ -515,6 +515,9 @@ fn device_of(stream: &Stream, default: i32) -> i32 {
     stream.binding().map_or(default, |(_, d)| d)
 }
 
+/// A stream, with the device it is of (a default stream is every device's: this names one).
+type Ordered = (Stream, i32);
+
 /// A CUDA array interface as a source of bytes: `(address, bytes, stream)`, checked to be
 /// C-contiguous, unmasked, and not a null pointer with bytes to copy. The stream comes with
 /// the device it is of: a default stream (1, 2) is that of the device whose memory the
@@ -524,7 +527,7 @@ fn cai_source(
     obj: &Bound<'_, PyAny>,
     backend: &BackendRef,
     device: i32,
-) -> PyResult<(DevPtr, usize, Option<(Stream, i32)>)> {
+) -> PyResult<(DevPtr, usize, Option<Ordered>)> {
     let Some(cai) = obj.getattr_opt("__cuda_array_interface__")? else {
         let ty = obj.get_type().fully_qualified_name()?;
         return Err(PyTypeError::new_err(format!(
