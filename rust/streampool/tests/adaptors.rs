@@ -1076,6 +1076,28 @@ fn fixed_size_release_gives_back_every_chunk_it_can() {
     assert_eq!(counted.statistics().current_count, 0, "the kept one went back on drop");
 }
 
+/// A chunk the upstream refused to take back keeps its blocks: they serve the next
+/// requests (a new chunk was grown, and the kept one could never be released again).
+#[test]
+fn fixed_size_a_chunk_kept_after_a_refused_free_keeps_its_blocks() {
+    let (_sim, b) = sim(64 << 20);
+    let counted = Arc::new(StatisticsAdaptor::new(async_mr(&b)).unwrap());
+    let flaky = Arc::new(FlakyFrees { upstream: counted.clone(), failing: false.into() });
+    let mr = FixedSizeMemoryResource::new(flaky.clone(), 4096, 4).unwrap();
+    let s = Stream::legacy();
+    let p = mr.allocate(4096, &s).unwrap();
+    mr.deallocate(p, 4096, &s).unwrap();
+    flaky.failing.store(true, Ordering::SeqCst);
+    assert!(mr.release_free_chunks().is_err());
+    let held: Vec<DevPtr> = (0..4).map(|_| mr.allocate(4096, &s).unwrap()).collect();
+    assert_eq!(counted.statistics().total_count, 1, "the kept chunk's 4 blocks served them");
+    for p in held {
+        mr.deallocate(p, 4096, &s).unwrap();
+    }
+    assert_eq!(mr.release_free_chunks().unwrap(), 4 * 4096);
+    assert_eq!(counted.statistics().current_count, 0);
+}
+
 /// When the upstream is out of memory, blocks freed on other streams are reused, but
 /// only after a device synchronisation has ordered their earlier uses.
 #[test]

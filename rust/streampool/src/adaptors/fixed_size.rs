@@ -42,8 +42,9 @@ use crate::sync::{lock, Mutex};
 ///    safe for any stream), makes the blocks freed before the wait usable by all (step 2),
 ///    and tries steps 2 to 4 again before failing. The blocks stay on their lists during
 ///    the wait, so that another thread short of memory meanwhile finds them too; and while
-///    other threads' growths are on their way or their frees change the lists, step 5 is
-///    tried again (a few times) rather than failing.
+///    other threads' growths or step-3 takings are on their way (blocks that no list shows
+///    meanwhile) or their frees change the lists, step 5 is tried again (a few times)
+///    rather than failing.
 ///
 /// Chunks go back to the upstream when the resource is dropped (after a device
 /// synchronisation, on the legacy default stream), and, those whose blocks are all free,
@@ -97,6 +98,8 @@ struct State {
     frees: u64,
     /// Growths between their upstream call and their blocks' entry in a list.
     growing: usize,
+    /// Step-3 takings between their two locked steps.
+    taking: usize,
     /// Free blocks whose frees have completed: any stream may take them.
     ready: Vec<DevPtr>,
     outstanding: HashSet<DevPtr>,
@@ -228,11 +231,13 @@ impl FixedSizeMemoryResource {
             let theirs = list.event.clone()?; // a list with blocks has its event
             let taken = std::mem::take(&mut list.blocks);
             st.retire(from); // its event goes once this wait is done
+            st.taking += 1;
             (from, taken, theirs)
         };
         let waited = stream.wait(&theirs);
         let mut st = lock(&self.state);
         let st = &mut *st;
+        st.taking -= 1;
         // The blocks left after this request's join this stream's list, covered by its
         // event recorded after the wait.
         let ordered =
@@ -305,7 +310,10 @@ impl FixedSizeMemoryResource {
         let mut failed = None;
         for &chunk in &released {
             if let Err(e) = self.upstream.deallocate(chunk, self.chunk_bytes(), &Stream::legacy()) {
-                lock(&self.state).chunks.push(chunk);
+                // Kept: the chunk and its blocks (all free, complete) as they were.
+                let mut st = lock(&self.state);
+                st.chunks.push(chunk);
+                st.ready.extend((0..self.blocks_per_chunk).map(|i| chunk + (i * self.block_bytes) as u64));
                 failed.get_or_insert(e);
             }
         }
@@ -381,7 +389,7 @@ impl MemoryResource for FixedSizeMemoryResource {
         for _ in 0..RECLAIMS {
             let before = {
                 let st = lock(&self.state);
-                (st.frees, st.growing)
+                (st.frees, st.growing, st.taking)
             };
             self.reclaim()?;
             if let Some(ptr) = self.take_free(id).or_else(|| self.take_from_another(id, stream)) {
@@ -392,10 +400,13 @@ impl MemoryResource for FixedSizeMemoryResource {
                 result => return result,
             };
             let st = lock(&self.state);
-            if (st.frees, st.growing) == before && before.1 == 0 {
+            if (st.frees, st.growing, st.taking) == before && before.1 == 0 && before.2 == 0 {
                 break; // nothing changed and nothing is on its way: out of memory
             }
             drop(st);
+            #[cfg(loom)]
+            loom::thread::yield_now();
+            #[cfg(not(loom))]
             std::thread::yield_now();
         }
         Err(as_own_oom(failed, bytes, self))
@@ -458,5 +469,44 @@ impl fmt::Debug for FixedSizeMemoryResource {
             .field("outstanding", &st.outstanding.len())
             .field("upstream", &self.upstream)
             .finish()
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use crate::adaptors::LimitingAdaptor;
+    use crate::device::sim::SimDevice;
+    use crate::device::BackendRef;
+    use crate::resources::CudaMemoryResource;
+
+    /// Room upstream for one chunk of two blocks, both freed on stream A. A thread on
+    /// stream B takes A's list (step 3: its blocks on no list while it waits on A's event)
+    /// and uses one block, while the main thread asks for one on stream C. At most one
+    /// block is ever outstanding besides C's, so neither request may fail: C's step 5 must
+    /// wait for B's taking rather than report out of memory.
+    #[test]
+    fn loom_blocks_in_a_step_3_taking_are_not_out_of_memory() {
+        crate::sync::model(|| {
+            let sim: BackendRef = SimDevice::new(64 << 20);
+            let plain: ResourceRef = Arc::new(CudaMemoryResource::on(sim.clone(), 0).unwrap());
+            let limited: ResourceRef = Arc::new(LimitingAdaptor::new(plain, 2 * 4096).unwrap());
+            let mr = Arc::new(FixedSizeMemoryResource::new(limited, 4096, 2).unwrap());
+            let [a, b, c] = [0; 3].map(|_| Stream::create(&sim, 0, false).unwrap());
+            let x = mr.allocate(4096, &a).unwrap();
+            let y = mr.allocate(4096, &a).unwrap();
+            mr.deallocate(x, 4096, &a).unwrap();
+            mr.deallocate(y, 4096, &a).unwrap();
+            let t = {
+                let mr = mr.clone();
+                loom::thread::spawn(move || {
+                    let p = mr.allocate(4096, &b).expect("B: out of memory with a block free");
+                    mr.deallocate(p, 4096, &b).unwrap();
+                })
+            };
+            let q = mr.allocate(4096, &c);
+            t.join().unwrap();
+            mr.deallocate(q.expect("C: out of memory with a block free"), 4096, &c).unwrap();
+        });
     }
 }
