@@ -199,9 +199,14 @@ def test_every_rmm_resource_says_what_it_holds(monkeypatch: pytest.MonkeyPatch) 
 
     own_pool = mr.CudaAsyncMemoryResource(initial_pool_size="4MiB", release_threshold="64MiB")
 
-    class Async(_FakeRmmResource):
-        def pool_handle(self) -> int:
-            return int(own_pool.pool_handle)
+    class Async(_FakeRmmResource):  # RMM's: no pool handle; its pointers name its pool
+        def allocate(self, size: int, stream: object = None) -> int:
+            self.calls.append(("allocate", size, stream))
+            return own_pool.allocate(size)
+
+        def deallocate(self, ptr: int, size: int, stream: object = None) -> None:
+            self.calls.append(("free", size, stream))
+            own_pool.deallocate(ptr, size)
 
     class Stats(_FakeRmmResource):
         def __init__(self, upstream: object) -> None:

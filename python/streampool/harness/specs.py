@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import mr
-from .._native import Stream, parse_size, using_simulated_device
+from .._native import Stream, parse_size, pointer_pool, using_simulated_device
 
 __all__ = [
     "VALID_SPECS",
@@ -426,9 +426,9 @@ def _peer(spec: Spec) -> Candidate:
 def _rmm(rmm: Any, name: str) -> tuple[Any, ...]:
     """RMM's resource ``name``, with what it holds from the device: a pool's size; for RMM's
     own driver pool (``async``, and under ``binning``), that pool's reserved bytes, read
-    through a view of it (RMM sets its release threshold to the device's memory, so it
-    keeps what it grew to); for ``arena``, the most its upstream handed out (a statistics
-    adaptor under it)."""
+    through a view of it, found from the pool of a first allocation (RMM sets its release
+    threshold to the device's memory, so it keeps what it grew to); for ``arena``, the
+    most its upstream handed out (a statistics adaptor under it)."""
     rmr = importlib.import_module("rmm.mr")
     from rmm.pylibrmm.stream import Stream as RmmStream
 
@@ -436,10 +436,14 @@ def _rmm(rmm: Any, name: str) -> tuple[Any, ...]:
         return lambda: int(pool.pool_size())
 
     def driver_pool(res: Any) -> Callable[[], int | None]:
-        handle = getattr(res, "pool_handle", None)
-        if handle is None:
+        # RMM's Python resource does not give its pool's handle: one allocation (before
+        # the run) names it.
+        probe = res.allocate(256)
+        pool = pointer_pool(int(probe))
+        res.deallocate(probe, 256)
+        if pool is None:
             return lambda: None
-        view = mr.CudaAsyncViewMemoryResource(int(handle()))
+        view = mr.CudaAsyncViewMemoryResource(pool)
         return lambda: view.reserved_bytes
 
     def upstream_peak(stats: Any) -> Callable[[], int | None]:
