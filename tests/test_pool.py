@@ -275,6 +275,53 @@ def test_release_says_what_the_devices_default_pool_still_holds() -> None:
         own.release()
 
 
+def test_release_warns_of_the_free_memory_alone() -> None:
+    # What trim_to(0) can hand back: the default pool's free memory, not the pool's live chunk.
+    upstream = mr.CudaAsyncMemoryResource()
+    pool = mr.ShardedPoolMemoryResource(upstream)
+    live = pool.allocate(64 << 20)
+    pool.deallocate(pool.allocate(1 << 20), 1 << 20)
+    with pytest.warns(UserWarning, match=r"trim_to\(0\)") as caught:
+        pool.release()
+    said = int(str(caught[0].message).split("keeps ")[1].split(" bytes free")[0])
+    before = upstream.reserved_bytes
+    upstream.trim_to(0)
+    assert said == before - upstream.reserved_bytes > 0
+    pool.deallocate(live, 64 << 20)
+
+
+@pytest.mark.parametrize("argument", ["initial_pool_size", "maximum_pool_size", "release_threshold"])
+def test_a_size_that_does_not_parse_names_its_argument(argument: str) -> None:
+    with pytest.raises(ValueError, match=rf"{argument}: cannot parse '?\"?1GiBB"):
+        mr.PoolMemoryResource(mr.CudaMemoryResource(), **{argument: "1GiBB"})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"arena_size: cannot parse"):
+        mr.ArenaMemoryResource(mr.CudaMemoryResource(), arena_size="1GiBB")
+
+
+@pytest.mark.parametrize("argument", ["headroom", "gather_interval"])
+def test_a_flag_in_place_of_a_number_is_refused(argument: str) -> None:
+    with pytest.raises(TypeError, match=rf"{argument} must be a number, not a bool"):
+        mr.PoolMemoryResource(mr.CudaMemoryResource(), **{argument: True})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=rf"{argument} must be a number, not str"):
+        mr.PoolMemoryResource(mr.CudaMemoryResource(), **{argument: "1"})  # type: ignore[arg-type]
+    mr.PoolMemoryResource(mr.CudaMemoryResource(), **{argument: 1})  # an int is a number
+
+
+def test_sizes_are_rounded_up_the_maximum_too() -> None:
+    # Equal sizes stay equal, and a maximum holds an allocation of its own size.
+    p = mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=1000, maximum_pool_size=1000)
+    p.deallocate(p.allocate(1000), 1000)
+    p = mr.PoolMemoryResource(mr.CudaMemoryResource(), maximum_pool_size=1000)
+    p.deallocate(p.allocate(1000), 1000)
+
+
+def test_the_arenas_out_of_memory_names_its_size() -> None:
+    arena = mr.ArenaMemoryResource(mr.CudaMemoryResource(), arena_size="1MiB")
+    with pytest.raises(MemoryError) as caught:
+        arena.allocate((1 << 20) + 1)
+    assert "arena_size" in str(caught.value) and "maximum_pool_size" not in str(caught.value), caught.value
+
+
 def test_bad_frees_leave_the_pool_usable() -> None:
     pool = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource())
     p = pool.allocate(4096)

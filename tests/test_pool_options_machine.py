@@ -136,7 +136,9 @@ class PoolMachine(RuleBasedStateMachine):
         up = factories[upstream]()
         self.opts = opts
         self.pool = mr.PoolMemoryResource(up, **opts)
-        self.max = opts["maximum_pool_size"]
+        maximum = opts["maximum_pool_size"]
+        # Sizes are rounded up to 256 bytes, the maximum too (as documented).
+        self.max = None if maximum is None else -(-maximum // 256) * 256
         top: Any = self.pool
         self.adaptors: dict[str, Any] = {}
         for a in sorted(adaptors, key=lambda a: a != "binning"):

@@ -933,7 +933,8 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor[_U]):
     are retired when those streams are destroyed. A free must pass the size it allocated, as
     in RMM: a double free, an address the pool never handed out, or a size that does not
     round to the allocation's is always refused, and changes nothing. ValueError naming
-    the argument for a ``maximum_pool_size`` below 256 bytes (it would round to 0), an
+    the argument for a ``maximum_pool_size`` below 256 bytes (the pool's granularity: sizes
+    are rounded up to multiples of it, ``initial_pool_size`` and ``maximum_pool_size`` alike), an
     ``events_every`` or ``event_batch`` below 1, and a negative or non-finite ``gather_interval``.
     Requests from 4 KiB to 64 MiB are served rounded up to one of 16 sizes per power of two
     (at most 6.25 % more): one whose rounded size passes ``maximum_pool_size`` raises

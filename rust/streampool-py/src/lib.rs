@@ -58,7 +58,15 @@ pub(crate) fn size_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 
 fn any_size(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     if let Ok(text) = obj.cast::<PyString>() {
-        return streampool::parse_size(&text.to_cow()?).or_raise(obj.py());
+        // The argument named, as for the other ways a size can be wrong.
+        return streampool::parse_size(&text.to_cow()?)
+            .map_err(|e| match e {
+                streampool::Error::InvalidArgument(m) => {
+                    streampool::Error::InvalidArgument(format!("{what}: {m}"))
+                }
+                e => e,
+            })
+            .or_raise(obj.py());
     }
     let int = index(obj, what, "a size in bytes (an int, or a string such as \"1GiB\")")?;
     if int.lt(0)? {

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -70,6 +70,29 @@ fn optional_size(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<
     obj.filter(|o| !o.is_none()).map(|o| size_arg(o, what)).transpose()
 }
 
+/// A number for one of the pool's float options (`what`): an int or a float, not a bool
+/// (a flag passed in its place); TypeError naming the option otherwise.
+fn number_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<f64> {
+    if obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(PyTypeError::new_err(format!("{what} must be a number, not a bool ({obj})")));
+    }
+    obj.extract::<f64>().map_err(|_| {
+        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        PyTypeError::new_err(format!("{what} must be a number, not {ty}"))
+    })
+}
+
+fn headroom_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<f64>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    number_arg(obj, "headroom").map(Some)
+}
+
+fn gather_interval_arg(obj: &Bound<'_, PyAny>) -> PyResult<f64> {
+    number_arg(obj, "gather_interval")
+}
+
 #[pymethods]
 impl PyShardedPool {
     #[new]
@@ -84,8 +107,8 @@ impl PyShardedPool {
         maximum_pool_size: Option<&Bound<'_, PyAny>>,
         release_threshold: Option<&Bound<'_, PyAny>>,
         events_every: Option<&Bound<'_, PyAny>>,
-        headroom: Option<f64>,
-        gather_interval: f64,
+        #[pyo3(from_py_with = headroom_arg)] headroom: Option<f64>,
+        #[pyo3(from_py_with = gather_interval_arg)] gather_interval: f64,
         event_batch: Option<&Bound<'_, PyAny>>,
         expandable: bool,
         steal_whole_blocks: bool,
@@ -101,7 +124,7 @@ impl PyShardedPool {
         if let Some(max) = maximum_pool_size.filter(|&m| m < MIN_MAXIMUM_POOL_SIZE) {
             return Err(PyValueError::new_err(format!(
                 "maximum_pool_size must be at least {MIN_MAXIMUM_POOL_SIZE} bytes (the pool's granularity; \
-                 it is rounded down to a multiple of it), got {max}"
+                 it is rounded up to a multiple of it), got {max}"
             )));
         }
         let options = PoolOptions {
@@ -208,11 +231,15 @@ fn release_and_warn(
         && !upstream.getattr("owns_pool")?.extract::<bool>()?
     {
         let held: usize = upstream.getattr("reserved_bytes")?.extract()?;
-        if held > 0 {
+        let used: usize = upstream.getattr("used_bytes")?.extract()?;
+        // What `trim_to(0)` can hand back: the pool's free memory, not what is in use (this
+        // pool's live chunks, or other libraries' memory).
+        let free = held.saturating_sub(used);
+        if free > 0 {
             let msg = format!(
-                "{name}.release() gave {released} bytes back to the device's default pool, which still holds \
-                 {held} bytes (its release threshold is the maximum, so it keeps freed memory for reuse); call \
-                 upstream.trim_to(0) to hand it to the system"
+                "{name}.release() gave {released} bytes back to the device's default pool, which keeps {free} \
+                 bytes free of the {held} it holds (its release threshold is the maximum, so it keeps freed \
+                 memory for reuse); call upstream.trim_to(0) to hand those to the system"
             );
             let msg = std::ffi::CString::new(msg).expect("no NUL in the message");
             PyErr::warn(py, &py.get_type::<pyo3::exceptions::PyUserWarning>(), &msg, 1)?;
@@ -238,6 +265,9 @@ impl Arena {
     fn failed(&self, bytes: usize, e: streampool::Error) -> streampool::Error {
         let e = match e {
             streampool::Error::OutOfMemory { requested, available, resource } => {
+                // The pool's maximum is the arena's size: named as the arena's caller gave it.
+                let resource =
+                    resource.replace("maximum_pool_size", "arena_size").replace("the maximum", "arena_size");
                 streampool::Error::OutOfMemory {
                     requested,
                     available,

@@ -337,7 +337,15 @@ fn bad_options_and_bad_frees() {
     )
     .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
-    // Sizes that are not multiples of 256 are rounded (down for the maximum).
+    // Sizes that are not multiples of 256 are rounded up, the maximum too: equal sizes stay
+    // equal, and a maximum holds an allocation of its own size.
+    let tight = ShardedPoolMemoryResource::new(
+        upstream.clone(),
+        PoolOptions { initial_pool_size: Some(1000), maximum_pool_size: Some(1000), ..Default::default() },
+    )
+    .unwrap();
+    let q = tight.allocate(1000, &Stream::legacy()).unwrap();
+    tight.deallocate(q, 1000, &Stream::legacy()).unwrap();
     let p = ShardedPoolMemoryResource::new(
         upstream.clone(),
         PoolOptions {

@@ -49,7 +49,7 @@ pub struct PoolOptions {
     /// Bytes taken from the upstream at creation (rounded up to 256). `None`: nothing up
     /// front; the pool grows on demand.
     pub initial_pool_size: Option<usize>,
-    /// The most the pool holds from the upstream (rounded down to 256). `None`: no limit
+    /// The most the pool holds from the upstream (rounded up to 256). `None`: no limit
     /// but the upstream's.
     pub maximum_pool_size: Option<usize>,
     /// Free bytes the pool may keep; beyond this, chunks that are entirely free go back to
@@ -332,8 +332,11 @@ impl ShardedPoolMemoryResource {
     /// A pool over `upstream`. `maximum_pool_size` below `initial_pool_size` or below 256
     /// bytes, `events_every` or `event_batch` of 0 and a negative or non-finite `headroom` are errors.
     pub fn new(upstream: ResourceRef, options: PoolOptions) -> Result<Self> {
-        let round_down = |n: usize| n / ALIGNMENT * ALIGNMENT;
-        let maximum = options.maximum_pool_size.map_or(usize::MAX, round_down);
+        // Rounded up, as `initial_pool_size` is: equal sizes stay equal, and a maximum holds
+        // an allocation of its own size.
+        let round_up =
+            |n: usize| n.checked_next_multiple_of(ALIGNMENT).unwrap_or(usize::MAX / ALIGNMENT * ALIGNMENT);
+        let maximum = options.maximum_pool_size.map_or(usize::MAX, round_up);
         let initial = match options.initial_pool_size {
             Some(n) if n > isize::MAX as usize => {
                 return Err(Error::invalid(format!(
@@ -427,7 +430,7 @@ impl ShardedPoolMemoryResource {
         PoolStats {
             // What was grown and not given back: `self.reserved` also counts reservations
             // made before the upstream is asked, of which some fail.
-            reserved_bytes: (get(&c.grown_bytes) - get(&c.released_bytes)) as usize,
+            reserved_bytes: get(&c.grown_bytes).saturating_sub(get(&c.released_bytes)) as usize,
             peak_reserved_bytes: c.peak_reserved.load(Ordering::Relaxed),
             used_bytes: used.max(0) as usize,
             free_bytes: common_free_bytes + shard_free_bytes.iter().map(|s| s.1).sum::<usize>(),
