@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One GPU sitting's runs, for the device machine (no Rust, no network): install the wheel
-# that scripts/gpu-build.sh put in .gpu/, then run one part, logs under $OUT (default
-# /tmp/streampool-sitting). Each part fits in one 10-minute call:
+# One GPU sitting's runs, for a GPU machine without Rust or network: install the wheel
+# that scripts/gpu-build.sh put in .gpu/, then run one part, logs under $OUT (OUT=DIR;
+# default /tmp/streampool-sitting). Each part fits in a run of at most 10 minutes; the
+# guide's window part needs a run of its own (guide-part window):
 #   bash scripts/gpu-sitting.sh suite   the GPU suite (HANG_PROBE=0, -m gpu), a program that
 #                                       forks before its first use profiled on the driver, and
 #                                       the window bench at 1 and 16 threads, alternated with
@@ -12,7 +13,8 @@
 #   bash scripts/gpu-sitting.sh guide   the PyTorch/CuPy/Numba tests, the README's GPU
 #                                       examples and tests/test_torch_errors.py (against
 #                                       the installed PyTorch), then the guide's recommend (handoff),
-#                                       latency, random and window parts (REPEATS=2)
+#                                       latency and random parts (REPEATS=2); not the window
+#                                       part: `guide-part window`
 #   bash scripts/gpu-sitting.sh frameworks   benchmarks/bench_frameworks.py: PyTorch, CuPy
 #                                       and the C entry points beside their own allocators
 #   bash scripts/gpu-sitting.sh short-log   tests/test_harness_gpu.py, the full-device
@@ -20,7 +22,7 @@
 #                                       `recommend` on benchmarks/guide/short-log/short.log,
 #                                       4 times with --quick and 4 without, alternated
 #   bash scripts/gpu-sitting.sh guide-part NAME   one part of benchmarks/guide.sh alone
-#                                       (REPEATS=2), for a call of its own: the window part
+#                                       (REPEATS=2), in a run of its own: the window part
 #                                       with every peer takes most of one. Stopped at 540 s,
 #                                       its JSON keeps the runs that had finished
 set -uo pipefail
@@ -79,12 +81,12 @@ guide)
   GUIDE_OUT="$OUT/guide" PARTS=recommend PROGRAMS=handoff REPEATS=2 timeout -k 10 90 \
     bash benchmarks/guide.sh >"$OUT/guide-recommend-log.txt" 2>&1
   echo "recommend rc=$?"; tail -n 12 "$OUT/guide-recommend-log.txt"
-  for part in latency random window; do
+  for part in latency random; do
     GUIDE_OUT="$OUT/guide" PARTS=$part REPEATS=2 timeout -k 10 300 bash benchmarks/guide.sh \
       >"$OUT/guide-$part-log.txt" 2>&1
     echo "guide $part rc=$? at ${SECONDS}s"
   done
-  tail -n 25 "$OUT/guide-window-log.txt"
+  tail -n 25 "$OUT/guide-random-log.txt"
   ;;
 frameworks)
   # PyTorch, CuPy and the C entry points beside their own allocators (the counted C++ pair
