@@ -1,4 +1,4 @@
-# One target per habit; CI (.ci/run), hooks and people all call these.
+# One target per habit; CI (.ci/run) and people call these.
 PYTHON ?= python3
 CARGO ?= cargo
 export PYTHONUNBUFFERED := 1
@@ -10,7 +10,7 @@ NUMBA_CUDA_VERSION ?= 0.30.4
 .PHONY: help install install-lint test test-rust test-python test-loom test-torch-errors test-numba lint fmt bench profile-build gpu-build test-gpu gpu-bench peers clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
 
 install: ## build the wheel once and install it with the test dependencies
 	$(PYTHON) -m pip install -q --upgrade pip maturin
@@ -26,7 +26,7 @@ test-rust: ## Rust unit, conformance and doc tests on the simulated device
 test-python: ## pytest on the simulated device (GPU-marked tests skip without a GPU)
 	$(PYTHON) -m pytest -q tests
 
-test-loom: ## loom models of the pool's shards and the adaptors' counters (a separate build)
+test-loom: ## every loom model of the library: the pool, the adaptors (the fixed-size resource's too), the sync layer (a separate build; Rust 1.95+)
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test -p streampool --release --lib loom
 
 bench: ## the window and fixed workloads here (on the simulated device without a GPU: numbers of the simulator)
@@ -37,8 +37,11 @@ test-torch-errors: ## PyTorch's out-of-memory error made from three PyTorch rele
 	STREAMPOOL_TEST_TORCH_DIRS="$$(PYTHON=$(PYTHON) bash scripts/fetch-torch-c10.sh .torch-c10)" \
 	  $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_torch_errors.py
 
+# .numba/ is installed anew when it lacks NUMBA_CUDA_VERSION's dist-info (after a bump:
+# pip --target would keep the version already there).
 test-numba: ## the Numba plugin's tests against Numba's own CUDA target (numba-cuda, installed into .numba/; no GPU needed)
-	[ -d .numba/numba_cuda ] || $(PYTHON) -m pip install -q --target .numba "numba-cuda==$(NUMBA_CUDA_VERSION)"
+	[ -d .numba/numba_cuda-$(NUMBA_CUDA_VERSION).dist-info ] || { rm -rf .numba && \
+	  $(PYTHON) -m pip install -q --target .numba "numba-cuda==$(NUMBA_CUDA_VERSION)"; }
 	PYTHONPATH=.numba STREAMPOOL_TEST_NUMBA=1 $(PYTHON) -m pytest -q -p no:cacheprovider -rs tests/test_allocators.py tests/test_allocators_numba.py -k numba
 
 install-lint: ## install what lint uses: ruff, mypy, rustfmt and clippy; the package too when it is missing
@@ -63,10 +66,10 @@ profile-build: ## the window bench and a wheel with line tables (the `profiling`
 	$(CARGO) bench -p streampool --bench window --profile profiling --no-run
 	$(PYTHON) -m maturin build --profile profiling -q -o dist/profiling
 
-gpu-build: ## build what the GPU machine runs into .gpu/ (wheel + Rust test binaries)
+gpu-build: ## build what the GPU machine runs into .gpu/ (the wheel, the Rust test binaries and benches, Dask's wheels)
 	bash scripts/gpu-build.sh
 
-test-gpu: ## on a GPU machine: the GPU-marked pytest tests and the Rust GPU tests (see DEVELOPERS.md)
+test-gpu: ## on a GPU machine, the wheel installed first: every Rust test binary, gpu_multi.py, the hang probe and pytest tests/ (PYTEST_ARGS="-m gpu": GPU-marked only; see DEVELOPERS.md)
 	bash scripts/gpu-suite.sh
 
 gpu-bench: ## on a GPU machine: the pool benchmarks next to RMM's, CuPy's and PyTorch's (benchmarks/README.md)
