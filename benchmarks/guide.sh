@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The harness's figures for docs/choosing-a-resource.md, on a GPU machine: each command's
-# JSON document (schema streampool.harness/1) and plots into $GUIDE_OUT (default
+# JSON document (schema streampool.harness/2) and plots into $GUIDE_OUT (default
 # benchmarks/guide/), to be committed; the guide quotes figures from these files only.
 # Expects streampool installed with the harness extra (pip install '.[harness]' or the
 # wheel), and the peers to compare with where wanted (rmm-cu13, cupy-cuda13x, torch):

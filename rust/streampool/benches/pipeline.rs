@@ -12,13 +12,15 @@
 //! ```text
 //! cargo bench -p streampool --bench pipeline -- [--pairs 1,4,8] [--chunk 1MiB]
 //!     [--chunks 2000] [--kernel-us 20] [--check-every 16] [--queue 4] [--reps 3]
-//!     [--resources sharded,async,sharded-h1,sharded-h2-b8,latency-sharded] [--sim] [--sim-eager]
+//!     [--resources sharded,async] [--sim] [--sim-eager]
 //! ```
-//! Resources: `async` (the device's current driver pool), `sharded` (the sharded pool over
-//! it), `sharded-h1` (the same with `headroom` 1: more memory, fewer driver calls per
-//! chunk; `-h<headroom>`, `-hnone` and `-b<event_batch>` set those options), `latency-sharded` (the latency histogram adaptor over the sharded pool). Runs on the
-//! CUDA driver when there is one (unless `--sim`), else on the simulated device, and says
-//! so (those numbers measure the simulator, not a GPU). `--sim-eager` runs the simulated
+//! `--resources` takes any of (e.g. `sharded,async,sharded-h1,sharded-h2-b8,latency-sharded`):
+//! `async` (the device's current driver pool), `sharded` (the sharded pool over it),
+//! `sharded-h1` (the same with `headroom` 1: more memory, fewer driver calls per chunk;
+//! `-h<headroom>`, `-hnone` and `-b<event_batch>` set those options), `latency-sharded` (the
+//! latency histogram adaptor over the sharded pool). Runs on the CUDA driver when there is
+//! one (unless `--sim`), else on the simulated device, and says so (those numbers measure
+//! the simulator, not a GPU). `--sim-eager` runs the simulated
 //! device's work as soon as it may (a GPU that keeps up). Each line also gives the
 //! resource's own driver calls per chunk, by kind, where it counts them (event records,
 //! event queries, stream waits, synchronisations, growths).

@@ -24,10 +24,12 @@
 //!
 //! ```text
 //! cargo bench -p streampool --bench window -- [--secs 0.5] [--reps 3]
-//!     [--threads 1,2,4,8,16] [--resources sharded,latency-sharded,async,control] [--events-every N] [--json FILE]
+//!     [--threads 1,2,4,8,16] [--resources sharded,async] [--events-every N] [--json FILE]
 //!     [--sim] [--sim-eager] [--same-sizes] [--handoff] [--no-fixed] [--headroom F|none] [--exact-live]
 //!     [--every SECS] [--gather-us MICROSECONDS] [--expandable] [--steal-whole]
 //! ```
+//! `--resources` takes any of `sharded`, `latency-sharded` (the latency histogram adaptor over
+//! the sharded pool), `async` (the driver's pool) and `control` (touches no memory).
 //! Runs on the CUDA driver when there is one (unless `--sim`), else on the simulated device
 //! (and says so: those numbers measure the simulator and the host, not a GPU). `--sim-eager`
 //! (implies `--sim`) runs the simulator's work as soon as it is enqueued, as a GPU runs
