@@ -914,10 +914,11 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor[_U]):
     left that much free, which is then gathered). ``gather_interval`` (seconds,
     default 100 µs): at the budget the pool gathers free memory with a device
     synchronisation, which stops every thread short of memory meanwhile; within this long
-    of the last gathering it grows past the budget instead, up to four times the budget
-    (0: gather at every shortage, the least memory; on the H200 at 16 threads, 1.7 times
-    the peak live bytes at 3.5-5.5 M allocations/s against 3.9 times at 97-107 M/s with
-    the default). ``expandable=True`` grows in place: the pool reserves one range of
+    of the last gathering it grows past the budget instead, up to four times the budget's
+    allowance (the peak live bytes plus the headroom) (0: gather at every shortage, the
+    least memory; on the H200 at 16 threads, 1.7 times the peak live bytes at 3.5-5.5 M
+    allocations/s against 3.9 times at 97-107 M/s with the default: benchmarks/RESULTS.md,
+    "Commits 85cb897 and 8ba5d69"). ``expandable=True`` grows in place: the pool reserves one range of
     addresses and maps device memory at its end with the driver's virtual memory calls,
     so that new memory joins the free block before it and the pool holds less for the
     same live bytes (like PyTorch's ``expandable_segments``); the upstream must then be
@@ -926,16 +927,19 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor[_U]):
     memory that takes another stream's completed free block takes all of it, not only what
     it asked for, so that memory moves between streams whole (on the H200 at 16 threads,
     window workload: 2.1-2.7 times the peak live bytes at 39-57 M allocations/s, against
-    3.2-4.0 times at 82-140 M/s without). All three, ``expandable=True,
-    steal_whole_blocks=True, gather_interval=0``, hold the least on many threads: 1.5-1.6
-    times there, as the driver's pool does, at 6.4-7.1 M allocations/s on 16 threads (the
-    driver's pool 0.11-0.13). Shards of streams streampool made
+    3.2-4.0 times at 82-140 M/s without; benchmarks/RESULTS.md, "Commit 84adecc"). All
+    three, ``expandable=True, steal_whole_blocks=True, gather_interval=0``, hold the least
+    on many threads: 1.5-1.6 times the peak live bytes at 4 and 16 threads, as little as
+    the driver's pool or less (it held 1.60-2.05 and 1.63-1.69), at 6.4-7.1 M
+    allocations/s on 16 threads (the driver's pool 0.11-0.13; benchmarks/RESULTS.md,
+    "Commits d54cde1 and 939a767"). Shards of streams streampool made
     are retired when those streams are destroyed. A free must pass the size it allocated, as
     in RMM: a double free, an address the pool never handed out, or a size that does not
     round to the allocation's is always refused, and changes nothing. ValueError naming
     the argument for a ``maximum_pool_size`` below 256 bytes (the pool's granularity: sizes
-    are rounded up to multiples of it, ``initial_pool_size`` and ``maximum_pool_size`` alike), an
-    ``events_every`` or ``event_batch`` below 1, and a negative or non-finite ``gather_interval``.
+    are rounded up to multiples of it, ``initial_pool_size`` and ``maximum_pool_size`` alike), a
+    ``maximum_pool_size`` below ``initial_pool_size``, an ``events_every`` or ``event_batch``
+    below 1, and a negative or non-finite ``headroom`` or ``gather_interval``.
     Requests from 4 KiB to 64 MiB are served rounded up to one of 16 sizes per power of two
     (at most 6.25 % more): one whose rounded size passes ``maximum_pool_size`` raises
     OutOfMemoryError naming the size to raise it to.

@@ -16,8 +16,9 @@ use crate::errors::detached;
 use crate::resources::{PyCudaAsyncMemoryResource, PyMemoryResource};
 use crate::{count_arg, size_arg};
 
-/// The smallest `maximum_pool_size`: the pool rounds it down to its 256-byte granularity,
-/// which would make anything smaller 0.
+/// The smallest `maximum_pool_size`: the pool's 256-byte granularity (it rounds sizes up to
+/// multiples of it, the maximum too); the pool refuses a smaller maximum, and so does the
+/// binding, naming the argument.
 const MIN_MAXIMUM_POOL_SIZE: usize = streampool::ALIGNMENT;
 
 /// The lock-sharded stream-ordered pool: suballocates memory from `upstream_mr` with one
@@ -39,7 +40,7 @@ const MIN_MAXIMUM_POOL_SIZE: usize = streampool::ALIGNMENT;
 /// first). `gather_interval` (seconds, default 100 µs): at the budget the
 /// pool gathers free memory with a device synchronisation, which stops every thread short
 /// of memory meanwhile; within this long of the last gathering it grows instead, up to
-/// four times the budget. 0 keeps the least memory, larger values the most speed.
+/// four times the budget's allowance (the peak live bytes plus the headroom). 0 keeps the least memory, larger values the most speed.
 /// `expandable=True` grows in place: the pool reserves one range of addresses and maps
 /// device memory at its end (the driver's virtual memory calls), so that new memory joins
 /// the free block before it and the pool holds less for the same live bytes (like

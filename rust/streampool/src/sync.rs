@@ -76,8 +76,10 @@ pub(crate) fn model_bounded(preemptions: usize, f: impl Fn() + Sync + Send + 'st
 
 /// The lock of a stream's shard: state that one thread uses almost always, for tens of
 /// nanoseconds at a time. Taking it is one atomic exchange and releasing it a plain store,
-/// where std's mutex needs an atomic read-modify-write for each (on the H200 machine's
-/// Xeon such an instruction costs more than the rest of a free-list operation). A waiter
+/// where std's mutex needs an atomic read-modify-write for each. What that saves is small:
+/// on the H200's host (a Xeon VM), a build whose shard lock was a plain store differed by
+/// less than the host's noise, and the lock and the thread-local look-up each cost at most
+/// about 10 % of a pool operation (`benchmarks/RESULTS.md`, "Commit f68cb39"). A waiter
 /// spins briefly, then yields its time slice until the lock is free. The same code runs
 /// under loom, on loom's atomics and its tracked cell, so that the models check this lock
 /// itself (mutual exclusion, and the Acquire/Release pair ordering the guarded accesses).

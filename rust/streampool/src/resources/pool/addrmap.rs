@@ -6,9 +6,10 @@
 //! Sparse while small: at most a sixteenth full below [`SPARSE_SLOTS`] slots (64 KiB), a
 //! quarter beyond. The loops of a look-up and of a removal end at the first empty slot, and
 //! which slot that is depends on the random addresses: the fuller the map, the more often
-//! the branch that ends them is mispredicted. On the window bench (16 live blocks a
-//! stream), a quarter-full map cost 63.7 ns per pool operation and a sixteenth-full one
-//! 53 ns, on the development machine (benchmarks/RESULTS.md).
+//! the branch that ends them is mispredicted. On the window bench at one thread (16 live
+//! blocks a stream), a quarter-full map cost 63.7 ns per pool operation and a
+//! sixteenth-full one 53 ns, on a 2-core AMD EPYC VM, on the simulated device
+//! (`benchmarks/RESULTS.md`, "Commit f68cb39").
 
 const EMPTY: u64 = u64::MAX;
 /// Below this many slots the map stays at most a sixteenth full; from here on, a quarter.

@@ -69,8 +69,10 @@ impl ShardedPoolMemoryResource {
     /// [`grow`](Self::grow), keeping the reserved bytes at or under `cap` (the maximum, or
     /// the footprint budget's allowance): `None` when not even `size` fits under it. The
     /// cap is applied in the reservation itself, so that threads growing at once stay
-    /// within it together (checked apart from the reservation, 16 threads each took the
-    /// whole allowance, and the pool held 6 times its live bytes).
+    /// within it together (checked apart from the reservation, threads growing at once
+    /// each took the whole allowance: the window workload at 16 threads on the H200 held
+    /// 6.4-6.5 times its peak live bytes, against 5.3-6.1 with the check in the
+    /// reservation; `benchmarks/RESULTS.md`, "Commits f72ca39, 1e2e633 and cd217fe").
     ///
     /// An expandable pool grows in place first, for the shard of `key` (`region.rs`):
     /// the chunk returned then starts at the free block that ended the range, and `want`

@@ -26,21 +26,23 @@
 //!   frees merge at once again.
 //!
 //! Requests are rounded by [`class_size`] to a list boundary (at most 6.25 % more than
-//! asked, 1.5 % on average for sizes spread over powers of two), so that the first block of the first non-empty list at or above the request's
+//! asked), so that the first block of the first non-empty list at or above the request's
 //! own list always fits. Addresses are integers; nothing here is `unsafe`.
 //!
 //! The operations of the hot path are `#[inline(always)]`, so that the pool's `allocate`
-//! and `deallocate` become one function each with no calls inside (3 to 8 % less per
-//! window operation than leaving it to the inliner, on the development machine).
+//! and `deallocate` become one function each with no calls inside (68 ns per window
+//! operation at one thread against 70-71 ns leaving it to the inliner, on a 2-core AMD
+//! EPYC VM, on the simulated device: `benchmarks/RESULTS.md`, "Commit f68cb39").
 
 use super::addrmap::AddrMap;
 use crate::size::align_up;
 
 /// Sizes of this or more are rounded to 256 bytes only (not to a list boundary).
 const ROUND_MAX: usize = 64 << 20;
-/// Lists per power of two (log2). 16, not TLSF's usual 8 or 32: rounding to 8 steps wasted
-/// 6 % of the memory on average (12.5 % at most), which the pool's footprint target (1.25
-/// times the live bytes) cannot afford; 32 would make the bitmap scan longer for little.
+/// Lists per power of two (log2). 16, not TLSF's usual 8 or 32: rounding to 8 steps wastes
+/// up to 12.5 % of a request (16 steps, 6.25 %), which the pool's footprint target (a peak
+/// reserved of at most 1.25 times the peak live bytes) cannot afford; 32 would make the
+/// bitmap scan longer for little.
 const SUB_BITS: u32 = 4;
 const SUB: usize = 1 << SUB_BITS;
 /// Lists: 15 below 4 KiB, then `SUB` per power of two up to 2^64.
@@ -186,10 +188,11 @@ impl FreeList {
     /// An empty list. `lower_first`, for a pool that grows in place: a request takes the
     /// head of the first list that fits or of the next non-empty one, whichever lies lower
     /// in memory, so that blocks gather at the start of the range and its end stays free
-    /// to grow into. On a model of the window workload at one thread over many passes,
-    /// growth in place with the first list's head alone held 1.27 to 1.31 times the peak
-    /// live bytes, with the lower of two heads 1.19 to 1.22, the same as a first fit over
-    /// every block (`benchmarks/RESULTS.md`). Without a range to grow, preferring low
+    /// to grow into. On a model of the window workload at one thread over many passes
+    /// (`python3 benchmarks/window_fit.py --growth`), growth in place with the first list's
+    /// head alone held 1.27 to 1.31 times the peak live bytes, with the lower of two heads
+    /// 1.19 to 1.22, the same as a first fit over every block (`benchmarks/RESULTS.md`,
+    /// "Commits b4d5e5c and 2213714"). Without a range to grow, preferring low
     /// addresses held more (1.59 against 1.41 times: `IMPLEMENTATION.md`), so it is off.
     pub fn new(lower_first: bool) -> Self {
         FreeList { lower_first, ..FreeList::default() }

@@ -8,7 +8,10 @@
 //! * `chunks.rs`: the upstream chunks: growth, the chunk table, giving chunks back;
 //! * `region.rs`: growth in place (`PoolOptions::expandable`);
 //! * `common.rs`: the common list (completed blocks any stream may use) and its size;
-//! * `freelist.rs`, `addrmap.rs`: a shard's blocks.
+//! * `freelist.rs`, `addrmap.rs`: a shard's blocks;
+//! * `loom_tests.rs`: loom models of the shard logic over the simulated device (a
+//!   stream's first use, the fast path's steals, sweeps, retirement, `release`), built
+//!   with `--cfg loom` only (`make test-loom`).
 
 mod addrmap;
 mod chunks;
@@ -54,7 +57,9 @@ pub struct PoolOptions {
     pub maximum_pool_size: Option<usize>,
     /// Free bytes the pool may keep; beyond this, chunks that are entirely free go back to
     /// the upstream after each of the pool's own device synchronisations (a gathering, when
-    /// memory runs short: policy step 6), the one moment it knows every free complete.
+    /// memory runs short: policy step 6), the one moment it knows every free complete: the
+    /// whole free chunks of the common list (where the gathering put every completed
+    /// block), largest first, while the common list holds more than this beyond them.
     /// A program's own synchronisations do not trigger it; [`release`](ShardedPoolMemoryResource::release)
     /// gives back everything free. `None`: keep everything.
     pub release_threshold: Option<usize>,
@@ -68,33 +73,39 @@ pub struct PoolOptions {
     /// per block handed between streams, for more memory held meanwhile (the asking
     /// stream grows, within `headroom`, until the event comes).
     pub event_batch: usize,
-    /// The footprint budget: free memory the pool may hold beyond the live bytes, as a
-    /// fraction of them (at least 2 MiB), before it reuses another stream's
+    /// The footprint budget: free memory the pool may hold beyond the peak live bytes (the
+    /// most seen live when growth was considered), as a fraction of them (at least 2 MiB),
+    /// before it reuses another stream's
     /// memory by making a stream wait (or, last, by a synchronisation) instead of growing.
     /// Below the budget, growing is preferred to waiting (a wait couples two streams);
     /// an allocation is never refused for the budget's sake. `None`: grow whenever no
     /// completed block fits (the least waiting, the most memory), unless the shards of
-    /// streams that have ended hold the request's size (gathered first). Default 0.15: with
-    /// sizes rounded by at most 6.25 %, the pool then holds at most about 1.25 times the
-    /// bytes asked for.
+    /// streams that have ended hold the request's size (gathered first). Default 0.15.
+    /// The budget bounds policy step 4's growth; within [`gather_interval`](Self::gather_interval)
+    /// of a gathering the pool may grow to 4 times the budget's allowance (the peak live
+    /// bytes plus the headroom: by default about 4.6 times the peak live bytes), and a
+    /// `gather_interval` of zero keeps it near the budget.
     pub headroom: Option<f64>,
     /// At the budget the pool gathers (synchronises the device and collects every free
     /// block), which stops every thread that needs memory meanwhile; within this long of
     /// the last gathering's start a thread short of memory grows past the budget instead,
-    /// up to four times the budget (beyond that, and at the maximum, it still gathers). The
-    /// trade between memory and speed: on the H200, window workload at 16 threads, zero
-    /// held 1.7 times the peak live bytes at 3.5-5.5 M allocations/s, the default of 100 µs
-    /// 3.9 times at 97-107 M/s; zero with [`expandable`](Self::expandable) and
-    /// [`steal_whole_blocks`](Self::steal_whole_blocks) held 1.5-1.6 times at 4 and 16
-    /// threads at 6.4-7.1 M/s (the least this pool holds there; the driver's pool, 1.6-2.1).
+    /// up to four times the budget's allowance (the peak live bytes plus the headroom;
+    /// beyond that, and at the maximum, it still gathers). The trade between memory and
+    /// speed: on the H200, window workload at 16 threads, zero held 1.7 times the peak live
+    /// bytes at 3.5-5.5 M allocations/s, the default of 100 µs 3.9 times at 97-107 M/s
+    /// (`benchmarks/RESULTS.md`, "Commits 85cb897 and 8ba5d69"); zero with
+    /// [`expandable`](Self::expandable) and [`steal_whole_blocks`](Self::steal_whole_blocks)
+    /// held 1.5-1.6 times at 4 and 16 threads, at 6.4-7.1 M/s on 16 (the least this pool
+    /// holds there; the driver's pool, 1.6-2.1: "Commits d54cde1 and 939a767").
     pub gather_interval: Duration,
     /// Grow in place: reserve one range of addresses (the size of the device, or the
     /// maximum) when the pool is made, and grow by mapping device memory at its end with
     /// the driver's virtual memory calls (`cuMemCreate`, `cuMemMap`), so that new memory
     /// joins the free block before it. Memory in separate chunks cannot serve a block
     /// larger than any chunk's free run, however much is free in all of them; so a pool
-    /// that grows in place holds less (the window workload at one thread:
-    /// `benchmarks/RESULTS.md`). Growth maps memory itself rather than asking the upstream,
+    /// that grows in place holds less (the window workload at one thread on the H200: 1.22
+    /// times the peak live bytes against 1.41-1.49; `benchmarks/RESULTS.md`, "Commit
+    /// fed316e"). Growth maps memory itself rather than asking the upstream,
     /// which must be device memory (`CudaMemoryResource`, `CudaAsyncMemoryResource`), not
     /// an adaptor; the upstream serves only what the range cannot hold. Like PyTorch's
     /// `expandable_segments`. Default `false`.
@@ -107,7 +118,7 @@ pub struct PoolOptions {
     /// speed there, since streams then take memory from one another several times as
     /// often (on the H200, window workload at 16 threads: 2.1-2.7 times the peak live
     /// bytes at 39-57 M allocations/s, against 3.2-4.0 at 82-140 M/s without;
-    /// `benchmarks/RESULTS.md`). One stream alone is unaffected. Default `false`.
+    /// `benchmarks/RESULTS.md`, "Commit 84adecc"). One stream alone is unaffected. Default `false`.
     pub steal_whole_blocks: bool,
 }
 
@@ -157,7 +168,9 @@ pub struct PoolStats {
     /// Device synchronisations (`cuCtxSynchronize`): the last resort before failing or
     /// growing past the footprint budget, and every `release`.
     pub synchronizations: u64,
-    /// Events recorded in frees.
+    /// Events recorded: in frees (an event due), and by policy step 5 on a consumer's
+    /// stream, to cover the blocks it hands over (a retiring stream's last event is not
+    /// counted).
     pub events_recorded: u64,
     /// Queries of recorded events (`cuEventQuery`), to learn which frees have completed.
     pub event_queries: u64,
@@ -171,8 +184,9 @@ pub struct PoolStats {
 /// # Policy (in order; `IMPLEMENTATION.md` has the reasons)
 ///
 /// An allocation on stream S takes the first that works:
-/// 1. the best-fitting block in S's own shard (blocks freed on S, or already ordered for
-///    S): no event, no driver call;
+/// 1. a block in S's own shard (blocks freed on S, or already ordered for S), a good fit
+///    rather than the best: the head of the first non-empty size list whose blocks all fit
+///    (TLSF's); no event, no driver call;
 /// 2. a block in the common list (frees known complete, usable by any stream);
 /// 3. a block in another stream's shard whose free has completed (an event recorded in
 ///    that stream's frees reads complete);
@@ -185,7 +199,7 @@ pub struct PoolStats {
 ///    list, coalesce and take the block there; else give whole free chunks back to the
 ///    upstream and grow (now past the budget, by the request rounded to 2 MiB, still
 ///    under the maximum) (counted). Within `gather_interval` of the last gathering, a
-///    thread grows past the budget instead, up to four times the budget;
+///    thread grows past the budget instead, up to four times the budget's allowance;
 /// 7. `OutOfMemory`.
 ///
 /// # Streams that end
@@ -198,15 +212,17 @@ pub struct PoolStats {
 /// # Bad input
 /// A free must pass the size it allocated (as in RMM). A double free, an address the pool
 /// did not hand out, or a size that does not round to the allocation's (sizes are rounded
-/// to 256 bytes, and above 4 KiB to one of 16 steps per power of two) is always refused with
+/// to 256 bytes, and from above 4 KiB to below 64 MiB to one of 16 steps per power of two;
+/// from 64 MiB up to 256 bytes only) is always refused with
 /// [`Error::InvalidPointer`], and changes nothing (every live allocation has a record).
 ///
 /// # Thread safety
 /// Any thread may allocate and free on any stream. Each shard has its own lock; the
 /// common list, the chunk table and the shard map have theirs, taken only off the hot
-/// path. No lock is held across a call into the upstream. Locks held together are taken in
-/// one order (gathering, common list, a shard, shard map), never two shards at once, and
-/// none of them on the hot path but the shard's own.
+/// path. No lock is held across a call into the upstream (an expandable pool's range lock
+/// is held across its mapping calls to the driver). Locks held together are taken in one
+/// order (gathering, the expandable pool's range, common list, a shard, shard map), never
+/// two shards at once, and none of them on the hot path but the shard's own.
 ///
 /// # Example
 /// Producers on threads of their own fill chunks on their streams and hand them to a
@@ -270,8 +286,9 @@ pub struct ShardedPoolMemoryResource {
     /// Chunk ids from the upstream, from 2.
     next_chunk: AtomicU64,
     reserved: AtomicUsize,
-    /// Bumped when an allocation had to look beyond the completed blocks: every stream
-    /// then records an event at its next free, so that its blocks can be taken.
+    /// Bumped when policy step 4 could not grow (the footprint budget, the maximum, or the
+    /// upstream out of memory): every stream then records an event at its next free, so
+    /// that its blocks can be taken.
     demand: AtomicU64,
     /// The most bytes seen live (rounded, with the request) when growth was considered:
     /// the footprint budget's base.
@@ -297,7 +314,9 @@ struct Counters {
     syncs: AtomicU64,
     events: AtomicU64,
     queries: AtomicU64,
-    /// Gatherings so far (policy step 6); held while gathering, one thread at a time.
+    /// Gatherings so far (policy step 6); held while gathering, one step-6 gatherer at a
+    /// time. `release()` synchronises and harvests without it and is not counted here (its
+    /// start is stamped in `last_gather_ns` all the same).
     gathers: Mutex<u64>,
     /// When the last gathering started (`crate::clock::monotonic_ns`).
     last_gather_ns: AtomicU64,
@@ -461,6 +480,11 @@ impl ShardedPoolMemoryResource {
     /// the maximum), so to hand it to the system call that resource's `trim_to(0)` too.
     ///
     /// The footprint budget ([`PoolOptions::headroom`]) starts again from what is live now.
+    ///
+    /// It synchronises and gathers as policy step 6 does, but outside step 6's gathering
+    /// lock and without counting a gathering (threads in step 6 do not look in what it
+    /// gathered first); its start counts as the last gathering's for
+    /// [`PoolOptions::gather_interval`].
     pub fn release(&self) -> Result<usize> {
         // Everything free goes, the release threshold notwithstanding, and is counted.
         drop(self.synchronize_and_harvest()?);

@@ -19,8 +19,9 @@ use crate::sync::{lock, try_read, write, Ordering, ShardGuard};
 /// many times the budget's allowance (`IMPLEMENTATION.md`, step 6): without a ceiling the
 /// chunks grown so piled up, and the peak reserved on the hand-off soak kept rising. Twice
 /// the allowance held 2.2 times the peak live bytes on the H200 at 16 threads but gathered
-/// so often that the window ran at 7-10 M allocations/s; 3 times, 30-34 M/s; 4 times, 63-75
-/// M/s at 4.0 times (its step 6 has the figures).
+/// so often that the window ran at 7-10 M allocations/s; 3 times, 30-34 M/s; 4 times (this
+/// code, 8ba5d69), 97-107 M/s at 3.9 times (its step 6 has the figures;
+/// `benchmarks/RESULTS.md`, "Commits 85cb897 and 8ba5d69").
 const CEILING: usize = 4;
 
 impl ShardedPoolMemoryResource {
@@ -87,8 +88,9 @@ impl ShardedPoolMemoryResource {
         // the budget at once: a gathering could find nothing this stream cannot take now,
         // and would give back only the free end it then maps again (the one consolidation
         // it offers, of whole chunks, means nothing in one range); it would also reorder
-        // this stream's blocks (on the simulated device, one thread held 1.41 times the
-        // peak live bytes gathering at every shortage, 1.31 growing).
+        // this stream's blocks (on the simulated device, the window bench at one thread held
+        // 1.31-1.50 times the peak live bytes gathering at every shortage, 1.31 growing:
+        // `benchmarks/RESULTS.md`, "Commits b4d5e5c and 2213714").
         if self.region.is_some() && !self.others_hold_free(&others) {
             match self.grow(size, size, stream, Some(key)) {
                 Ok(chunk) => return found((self.place_chunk(&chunk, size, stream, key), chunk.id)),
@@ -102,9 +104,8 @@ impl ShardedPoolMemoryResource {
         const ATTEMPTS: usize = 3;
         // Past the budget, growth is the request rounded up to the driver's 2 MiB pages:
         // a step there is memory that no stream asked for, and a chunk of the request's
-        // exact size serves later requests only when wholly free (chunks of the largest
-        // requests' size held 1.8 times the peak live bytes on the hand-off soak, still
-        // growing; rounded, 1.45-1.7, level).
+        // exact size serves later requests only when wholly free (`IMPLEMENTATION.md`,
+        // "Growth, the footprint budget and release").
         let mut want = if self.options.headroom.is_some() { size.next_multiple_of(MIN_CHUNK) } else { want };
         // A gathering stops every thread that needs memory meanwhile (a device
         // synchronisation, one gatherer at a time). Within `gather_interval` of the last
@@ -150,8 +151,8 @@ impl ShardedPoolMemoryResource {
     /// stream, and by other streams as completed blocks of this shard: epoch 0) into the
     /// shard of `stream`, and allocates there. The free space of a chunk is then in one
     /// list, where it merges, rather than split between the common list and a shard (with
-    /// it split, one stream alone needed 1.75 times its peak live bytes on the window
-    /// workload). Most of the time the list is empty, and its lock is not taken
+    /// it split, neither part merges with the other, and one stream alone held more on the
+    /// window workload). Most of the time the list is empty, and its lock is not taken
     /// (`Common::bytes_hint`).
     fn import_common(&self, size: usize, stream: &Stream, key: u64) -> Option<DevPtr> {
         if self.common.bytes_hint() < size {
@@ -178,7 +179,8 @@ impl ShardedPoolMemoryResource {
     /// first, up to the first still running, so that its frees completed since are known
     /// (with only the query of the oldest event covering a fitting block, the window at 16
     /// threads on the H200, no ceiling, ended 640 shortages a round in a wait on another
-    /// stream against 123-241, and ran at 26-46 M allocations/s against 31-91).
+    /// stream against 123-241, and ran at 26-46 M allocations/s against 31-92:
+    /// `benchmarks/RESULTS.md`, "Commits 85cb897 and 8ba5d69").
     /// Retired shards (their stream is gone) give every completed block to the common list
     /// on the way, and leave the pool once empty. A shard that holds no live block of its
     /// own (a consumer's stream, which frees what others allocate and never reuses it) gives
@@ -188,10 +190,14 @@ impl ShardedPoolMemoryResource {
     /// pipeline, a producer's memory comes back through its consumer's shard), then the
     /// others; only when it has none are the others' handles gathered.
     ///
-    /// With `!blocking` (the binding's fast path, which keeps Python's GIL), every lock is
-    /// tried, never waited for: a shard whose lock is taken is passed over, and `None` when
-    /// the shard map's or this stream's is. The events it queries are calls into the
-    /// driver that never wait for the device.
+    /// With `!blocking` (the binding's fast path, which keeps Python's GIL), it never waits
+    /// for the device (the events it queries are calls into the driver that do not wait),
+    /// and tries the other shards', the common list's and the shard map's locks: a shard
+    /// whose lock is taken is passed over, and `None` when the shard map's is, or this
+    /// stream's at the first look at its hint. It still waits for its own shard's lock to
+    /// record the source and to put moved blocks there (held by other threads for list
+    /// operations only, or a free's due event), and for the shard map's on the stream's
+    /// first use in this thread (`with_shard`).
     ///
     /// `own` is borrowed from the thread's shard cache, not cloned: an owner that counted
     /// references to its own shard on every call would pull that count's cache line back

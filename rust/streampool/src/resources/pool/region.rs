@@ -6,9 +6,10 @@
 //! however much is free in all of them; it grows a new chunk instead. In one range that
 //! grows at its end, the free block at the end and the new memory are one block: growth
 //! maps only what that block lacks. On a model of the window workload at one thread (the
-//! pool's size classes, growth as the pool grows), separate chunks needed 1.57 to 1.61
-//! times the peak live bytes and growth in place, with the fit it uses, 1.19 to 1.22
-//! (`benchmarks/RESULTS.md`).
+//! pool's size classes, growth as the pool grows; `python3 benchmarks/window_fit.py
+//! --growth`), separate chunks needed 1.57 to 1.61 times the peak live bytes and growth in
+//! place, with the fit it uses, 1.19 to 1.22 (`benchmarks/RESULTS.md`, "Commits b4d5e5c
+//! and 2213714").
 //!
 //! The range is one chunk of the chunk table, whose size is what is mapped; its blocks
 //! merge across mappings, since the memory is contiguous. Mappings are made and unmapped
@@ -51,8 +52,10 @@ pub(super) enum InPlace {
     /// The cap (the footprint budget's allowance, or the maximum) leaves no room for the
     /// mapping. Under the budget the upstream is not asked either, since a chunk apart
     /// squeezed under the cap is what growth in place is there to avoid (with it, one
-    /// stream held 1.30 times its peak live bytes in the window footprint test, against
-    /// 1.22 without); under the maximum it is, for what fits (a maximum that is not a
+    /// stream held 1.30 times its peak live bytes in the window footprint test at one
+    /// thread on the simulated device, `tests/footprint.rs`'s
+    /// `window_1_thread_expandable_holds_less`, against 1.22 without, when this was
+    /// measured); under the maximum it is, for what fits (a maximum that is not a
     /// multiple of the granularity would otherwise never be reached).
     OverCap,
     /// No range, no room left in it, or no device memory for the mapping: the upstream

@@ -53,8 +53,10 @@ pub(super) struct ShardState {
     pub completed: u64,
     /// The pool's demand count this shard last answered.
     pub seen_demand: u64,
-    /// Another stream looked for completed blocks here and found none: record an event at
-    /// the next free.
+    /// Another stream's look for completed blocks here (policy step 3) did not take this
+    /// shard's whole batch: it found no block that fits, or took one block only (the shard
+    /// holds live blocks of its own, or the common list was not held). Record an event at
+    /// the next free, so that what this stream frees can be taken next time.
     pub wanted: bool,
     /// A look took this shard's completed blocks and shortened `interval` to when it will
     /// want more: the event then starts the interval again from `events_every`.
