@@ -950,7 +950,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor[_U]):
         streampool.set_current_device_resource(pool)
         compact = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True)
         lean = mr.ShardedPoolMemoryResource(
-            mr.CudaAsyncMemoryResource(), expandable=True, steal_whole_blocks=True
+            mr.CudaAsyncMemoryResource(), expandable=True, steal_whole_blocks=True, gather_interval=0
         )
     """
 

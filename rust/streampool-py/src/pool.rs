@@ -58,7 +58,7 @@ const MIN_MAXIMUM_POOL_SIZE: usize = streampool::ALIGNMENT;
 ///     streampool.set_current_device_resource(pool)
 ///     compact = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True)
 ///     lean = mr.ShardedPoolMemoryResource(
-///         mr.CudaAsyncMemoryResource(), expandable=True, steal_whole_blocks=True
+///         mr.CudaAsyncMemoryResource(), expandable=True, steal_whole_blocks=True, gather_interval=0
 ///     )
 #[derive(Debug)]
 #[pyclass(frozen, subclass, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "ShardedPoolMemoryResource")]
