@@ -175,22 +175,19 @@ macro_rules! async_pool_class {
             /// Bytes the pool keeps at a synchronisation before releasing memory to the system.
             #[getter]
             fn release_threshold(&self, py: Python<'_>) -> PyResult<u64> {
-                let mr = self.inner.clone();
-                detached(py, move || mr.release_threshold())
+                ask(py, &self.inner, |mr| mr.release_threshold())
             }
 
             /// Bytes the pool holds from the system.
             #[getter]
             fn reserved_bytes(&self, py: Python<'_>) -> PyResult<usize> {
-                let mr = self.inner.clone();
-                detached(py, move || mr.reserved_bytes())
+                ask(py, &self.inner, |mr| mr.reserved_bytes())
             }
 
             /// Bytes handed out by the pool (for a shared pool, other libraries' too).
             #[getter]
             fn used_bytes(&self, py: Python<'_>) -> PyResult<usize> {
-                let mr = self.inner.clone();
-                detached(py, move || mr.used_bytes())
+                ask(py, &self.inner, |mr| mr.used_bytes())
             }
 
             /// The devices other than the pool's own that may read and write its memory
@@ -339,6 +336,16 @@ async_pool_class! {
     }
 }
 
+/// Asks a driver pool resource something (a driver call) with the GIL released.
+fn ask<T: Send + 'static>(
+    py: Python<'_>,
+    mr: &Arc<CudaAsyncMemoryResource>,
+    f: impl FnOnce(&CudaAsyncMemoryResource) -> streampool::Result<T> + Send + 'static,
+) -> PyResult<T> {
+    let mr = mr.clone();
+    detached(py, move || f(&mr))
+}
+
 /// Allocates from a driver pool someone else owns (PyTorch's, CuPy's), never destroying it.
 /// Sizes are not checked on free (the driver's free takes none).
 #[derive(Debug)]
@@ -385,15 +392,13 @@ impl PyCudaAsyncViewMemoryResource {
     /// Bytes the pool holds from the system (whoever allocated them).
     #[getter]
     fn reserved_bytes(&self, py: Python<'_>) -> PyResult<usize> {
-        let mr = self.inner.clone();
-        detached(py, move || mr.reserved_bytes())
+        ask(py, &self.inner, |mr| mr.reserved_bytes())
     }
 
     /// Bytes handed out by the pool (whoever allocated them).
     #[getter]
     fn used_bytes(&self, py: Python<'_>) -> PyResult<usize> {
-        let mr = self.inner.clone();
-        detached(py, move || mr.used_bytes())
+        ask(py, &self.inner, |mr| mr.used_bytes())
     }
 
     /// Always False: a view never destroys the pool.
