@@ -541,3 +541,101 @@ def test_gpu_a_buffer_round_trips_between_two_processes() -> None:
         ipc.export(DeviceBuffer(size=SIZE, mr=mr.CudaAsyncMemoryResource()))
     with ipc.export(buf) as handle, pytest.raises(InvalidArgumentError, match="exported by this process"):
         ipc.import_buffer(handle)
+
+
+def test_an_export_from_another_thread_synchronises_the_stream_the_buffer_was_made_on(
+    sim: SimulatedDevice,
+) -> None:
+    # A buffer made on one thread's per-thread default stream, exported from another: the
+    # export waits for that stream (the exporting thread's own per-thread stream is another).
+    import threading
+
+    pool = mr.CudaAsyncMemoryResource(enable_ipc=True)
+    made: list[DeviceBuffer] = []
+
+    def maker() -> None:
+        buf = DeviceBuffer(size=4096, stream=streampool.PER_THREAD_DEFAULT_STREAM, mr=pool)
+        sim.write(streampool.PER_THREAD_DEFAULT_STREAM, buf.ptr, 4096, label="the maker's kernel")
+        made.append(buf)
+
+    thread = threading.Thread(target=maker)
+    thread.start()
+    thread.join()
+    assert sim.pending >= 1
+    with ipc.export(made[0]):
+        assert sim.pending == 0, "the maker's write must be complete before the handle exists"
+
+
+def test_an_import_outliving_its_simulated_device_closes_silently() -> None:
+    # As every buffer of a closed simulated device does: nothing left to order or free.
+    code = textwrap.dedent(
+        """
+        import gc, socket, sys
+        import streampool
+        from streampool import ipc
+        from streampool.sim import SimulatedDevice
+        sock = socket.socket(fileno=int(sys.argv[1]))
+        with SimulatedDevice(capacity_bytes="64MiB"):
+            with ipc.recv_handle(sock) as handle:
+                buf = ipc.import_buffer(handle)
+        buf.close()
+        del buf
+        gc.collect()
+        assert streampool.drop_errors()[0] == 0, streampool.drop_errors()
+        sock.sendall(b"done")
+        """
+    )
+    exchange(
+        DeviceBuffer.to_device(PARENT_BYTES, mr=mr.CudaAsyncMemoryResource(enable_ipc=True)), "sim", code
+    )
+
+
+def test_an_imported_buffer_is_not_exported_again() -> None:
+    code = textwrap.dedent(
+        """
+        import socket, sys
+        from streampool import InvalidArgumentError, ipc
+        from streampool.sim import SimulatedDevice
+        sock = socket.socket(fileno=int(sys.argv[1]))
+        with SimulatedDevice(capacity_bytes="64MiB"), ipc.recv_handle(sock) as handle:
+            buf = ipc.import_buffer(handle)
+            try:
+                ipc.export(buf)
+            except InvalidArgumentError as e:
+                assert "imported from another process and cannot be exported again" in str(e), e
+                assert "copy.copy(handle)" in str(e), e
+            else:
+                raise AssertionError("an imported buffer was exported")
+            buf.close()
+        sock.sendall(b"done")
+        """
+    )
+    exchange(
+        DeviceBuffer.to_device(PARENT_BYTES, mr=mr.CudaAsyncMemoryResource(enable_ipc=True)), "sim", code
+    )
+
+
+def test_send_handle_refuses_what_a_handle_cannot_carry() -> None:
+    buf = DeviceBuffer.to_device(b"x" * 4096, mr=mr.CudaAsyncMemoryResource(enable_ipc=True))
+    a, b = socket.socketpair()
+    with a, b, ipc.export(buf) as good:
+        bad = [
+            (dict(export_data=good.export_data + b"more"), "export_data must be the 64 bytes"),
+            (dict(export_data=good.export_data[:10]), "export_data must be the 64 bytes"),
+            (dict(device=2**31), "device must be from"),
+            (dict(pid=2**32), "pid must be from"),
+            (dict(pid=-1), "pid must be from"),
+        ]
+        for change, words in bad:
+            fields: dict[str, Any] = dict(
+                export_data=good.export_data, nbytes=good.nbytes, device=good.device, pid=good.pid
+            )
+            fields.update(change)
+            with (
+                ipc.IpcHandle(os.dup(good.fd), **fields) as handle,
+                pytest.raises(InvalidArgumentError, match=words),
+            ):
+                ipc.send_handle(a, handle)
+        b.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            b.recv(1)  # nothing was sent

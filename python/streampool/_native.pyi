@@ -1331,12 +1331,10 @@ def _rebuild_device_buffer(data: Buffer) -> DeviceBuffer:
 
 # --- sharing a buffer with another process (streampool.ipc) -------------------------
 
-def _ipc_export(
-    mr: MemoryResource, ptr: int, nbytes: _Size, stream: _StreamLike = None
-) -> tuple[int, bytes, int, int, int]:
-    """Exports ``nbytes`` at ``ptr`` (a buffer of ``mr`` used on ``stream``) after
-    synchronising the stream: ``(fd, export_data, nbytes, device, pid)``; the caller owns
-    ``fd``. Use ``streampool.ipc.export``."""
+def _ipc_export(buffer: DeviceBuffer) -> tuple[int, bytes, int, int, int]:
+    """Exports ``buffer``'s memory after synchronising the stream it was made on:
+    ``(fd, export_data, nbytes, device, pid)``; the caller owns ``fd``. Use
+    ``streampool.ipc.export``."""
 
 @final
 class IpcImportedMemoryResource(MemoryResource):

@@ -18,7 +18,8 @@ The driver's rules, and what this module does about them:
   shared; :func:`export` refuses anything else (another resource's memory, a suballocation
   of a pool) with an ``InvalidArgumentError`` naming that fix.
 * The importer must not use the memory before it is ready: :func:`export` synchronises the
-  buffer's stream, so the allocation and every write enqueued before the export are done.
+  buffer's stream (the one it was made on), so the allocation and every write enqueued on
+  it before the export are done.
 * The importer frees its buffer before the exporter frees the memory: close the imported
   buffer (it synchronises the device, then ``cuMemFree``: the driver does not wait for the
   work on pool memory), tell the exporter (over the same
@@ -200,15 +201,15 @@ def _register_with_multiprocessing() -> None:
 def export(buffer: DeviceBuffer) -> IpcHandle:
     """Exports ``buffer`` for another process: a new :class:`IpcHandle` (close it once sent).
 
-    Synchronises the buffer's stream first, so that the importer sees every write enqueued
-    before the call. The buffer must come straight from
+    Synchronises the buffer's stream first (the one it was made on, whichever thread
+    exports), so that the importer sees every write enqueued on it before the call. The buffer must come straight from
     ``CudaAsyncMemoryResource(enable_ipc=True)`` (or an adaptor over it that does not
     suballocate, such as the statistics adaptor); anything else raises InvalidArgumentError
     naming that fix. Keep the buffer alive until every importer has closed its import.
     """
     if not isinstance(buffer, DeviceBuffer):
         raise TypeError(f"buffer must be a streampool.DeviceBuffer, not {type(buffer).__qualname__}")
-    fd, data, nbytes, device, pid = _native._ipc_export(buffer.mr, buffer.ptr, buffer.size, buffer.stream)
+    fd, data, nbytes, device, pid = _native._ipc_export(buffer)
     return IpcHandle(fd, data, nbytes, device, pid)
 
 
@@ -270,8 +271,23 @@ def send_handle(sock: socket.socket, handle: IpcHandle) -> None:
     _check_unix_socket(sock)
     if not isinstance(handle, IpcHandle):
         raise TypeError(f"handle must be a streampool.ipc.IpcHandle, not {type(handle).__qualname__}")
+    # What import_buffer checks, checked before anything is sent: the peer gets a handle
+    # as it was made, or nothing.
+    if len(handle.export_data) != EXPORT_DATA_BYTES:
+        raise InvalidArgumentError(
+            f"export_data must be the {EXPORT_DATA_BYTES} bytes the exporting driver gave, "
+            f"not {len(handle.export_data)}"
+        )
+    for name, value, bits, signed in (
+        ("nbytes", handle.nbytes, 64, False),
+        ("device", handle.device, 32, True),
+        ("pid", handle.pid, 32, False),
+    ):
+        low, high = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+        if not low <= value <= high:
+            raise InvalidArgumentError(f"{name} must be from {low} to {high} to be sent, got {value}")
     header = _HEADER.pack(_TAG, handle.nbytes, handle.device, handle.pid, len(handle.export_data))
-    message = header + handle.export_data.ljust(EXPORT_DATA_BYTES, b"\0")[:EXPORT_DATA_BYTES]
+    message = header + handle.export_data
     socket.send_fds(sock, [message], [handle.fd])
 
 
@@ -279,7 +295,11 @@ def recv_handle(sock: socket.socket) -> IpcHandle:
     """Receives a handle that :func:`send_handle` sent on a connected Unix socket.
 
     The new handle owns the descriptor that came with it. Raises ConnectionError when the
-    peer closed the socket first, and ValueError for a message that is not a handle.
+    peer closed the socket first, and ValueError for a message that is not a handle. A
+    message whose first bytes came with a descriptor is read to its end (a stream socket
+    may split one), so a peer that sends such a message cut short and keeps the socket
+    open makes this wait: give the socket a timeout (``sock.settimeout``) where that can
+    happen.
     """
     _check_unix_socket(sock)
     message, fds, _flags, _addr = socket.recv_fds(sock, _MESSAGE_BYTES, 4)

@@ -243,7 +243,7 @@ impl DeviceBuffer {
     /// [`DeviceBuffer::live_sized`], for handing the address to Python code or a consumer:
     /// the address is recorded in `EXPOSED` (with the lock held, so that a concurrent
     /// `resize` cannot leave a stale entry).
-    fn live_exposed(&self) -> PyResult<(Arc<Allocation>, usize)> {
+    pub(crate) fn live_exposed(&self) -> PyResult<(Arc<Allocation>, usize)> {
         self.share(true)
     }
 

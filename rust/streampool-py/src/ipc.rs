@@ -9,26 +9,21 @@ use pyo3::types::PyBytes;
 use streampool::ipc::{export_from, IpcImportedMemoryResource};
 use streampool::Error;
 
+use crate::buffer::DeviceBuffer;
 use crate::errors::{detached, OrRaise};
 use crate::resources::PyMemoryResource;
-use crate::streams::to_stream;
-use crate::{count_arg, ptr_arg, required_device_arg, size_arg};
+use crate::{count_arg, required_device_arg, size_arg};
 
-/// Exports `nbytes` at `ptr` (a buffer of `mr`, used on `stream`), after synchronising the
-/// stream: `(fd, export_data, nbytes, device, pid)`, where the caller owns `fd`.
+/// Exports `buffer`'s memory after synchronising the stream it was made on (as the buffer
+/// keeps it: the per-thread default stream of the thread that made it, whichever thread
+/// exports): `(fd, export_data, nbytes, device, pid)`, where the caller owns `fd`.
 #[pyfunction]
-#[pyo3(signature = (mr, ptr, nbytes, stream=None))]
 pub(crate) fn _ipc_export<'py>(
     py: Python<'py>,
-    mr: &Bound<'py, PyMemoryResource>,
-    ptr: &Bound<'py, PyAny>,
-    nbytes: &Bound<'py, PyAny>,
-    stream: Option<&Bound<'py, PyAny>>,
+    buffer: &Bound<'py, DeviceBuffer>,
 ) -> PyResult<(i32, Bound<'py, PyBytes>, usize, i32, u32)> {
-    let (ptr, bytes) = (ptr_arg(ptr)?, size_arg(nbytes, "nbytes")?);
-    let resource = mr.get().inner.clone();
-    let stream = to_stream(py, stream, || resource.backend())?.into_owned();
-    let shared = detached(py, move || export_from(&*resource, ptr, bytes, &stream))?;
+    let (alloc, bytes) = buffer.get().live_exposed()?;
+    let shared = detached(py, move || export_from(&**alloc.resource(), alloc.ptr(), bytes, alloc.stream()))?;
     let data = PyBytes::new(py, &shared.data);
     Ok((shared.fd.into_raw_fd(), data, shared.bytes, shared.device, shared.pid))
 }
