@@ -1220,3 +1220,26 @@ def test_callback_resource_refuses_a_misaligned_address_and_gives_it_back() -> N
         with pytest.raises(streampool.InvalidArgumentError, match="not 256-byte aligned"):
             resource.allocate(1000)
     assert len(given_back) == 3 and all(p % 256 == 8 for p in given_back)
+
+
+def test_ctrl_c_while_an_out_of_memory_error_is_made_stays_keyboard_interrupt() -> None:
+    # A signal's exception raised while streampool builds the OutOfMemoryError goes on as
+    # KeyboardInterrupt (it became RuntimeError "cannot raise OutOfMemoryError").
+    import signal
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    limited = mr.LimitingResourceAdaptor(mr.CudaMemoryResource(), 1 << 20)
+    s = streampool.Stream()
+    try:
+        for _ in range(100):
+            signal.setitimer(signal.ITIMER_REAL, 0.001)
+            with pytest.raises(KeyboardInterrupt):
+                while True:
+                    with contextlib.suppress(MemoryError):
+                        limited.allocate(2 << 20, s)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -71,6 +71,48 @@ def test_stress_catches_memory_reused_on_another_stream_before_its_kernel_finish
     assert report["races"] and "is not ordered before" in report["races"][0]
 
 
+def orders_after_the_allocations_stream_only() -> Candidate:
+    """A cache that, at a free, waits for the stream the memory was allocated on, not the
+    stream it is freed on: work pending on the freeing stream is not ordered before reuse."""
+    base = mr.CudaMemoryResource()
+    free: list[tuple[int, int]] = []
+    made: dict[int, tuple[int, Any]] = {}
+
+    def allocate(size: int, stream: Any) -> int:
+        for i, (ptr, held) in enumerate(free):
+            if held >= size:
+                free.pop(i)
+                made[ptr] = (held, stream)
+                return ptr
+        ptr = base.allocate(size, stream)
+        made[ptr] = (size, stream)
+        return ptr
+
+    def deallocate(ptr: int, size: int, stream: Any) -> None:
+        held, allocated_on = made.pop(ptr)
+        allocated_on.synchronize()  # the free's own stream is not waited for
+        free.append((ptr, held))
+
+    return Candidate("allocation-stream-only", mr.CallbackMemoryResource(allocate, deallocate), "")
+
+
+@pytest.mark.races_expected
+def test_stress_catches_reuse_not_ordered_after_the_freeing_stream(sim: Any) -> None:
+    # Frees with kernels pending are made on any of a thread's streams, the freeing
+    # stream's work included in what the reuse must follow.
+    report = stress.run(
+        orders_after_the_allocations_stream_only(),
+        seconds=60,
+        threads=1,
+        streams=2,
+        max_size="4KiB",
+        operations=400,
+        sim=sim,
+    )
+    assert report["pending_frees"] > 0 and not report["ok"]
+    assert report["races"] and "is not ordered before" in report["races"][0]
+
+
 @pytest.mark.parametrize("spec", ["async", "pool(async)", "binning(async)", "cuda", "managed"])
 def test_stress_passes_resources_that_order_reuse(sim: Any, spec: str) -> None:
     report = stress.run(

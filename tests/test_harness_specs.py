@@ -343,3 +343,17 @@ def test_the_setup_code_for_another_device_runs_and_makes_its_resource(text: str
         exec(code, {})  # what recommend prints for a log of device 1
         made = streampool.get_per_device_resource(1)
         assert isinstance(made, OURS[text]) and made.device == 1, (code, made)
+
+
+@pytest.mark.parametrize("spec", ["binning(cuda)", "binning(managed)", "latency(binning(cuda))"])
+def test_a_binning_resource_with_no_pool_under_it_says_what_it_holds(spec: str) -> None:
+    # Speed is never reported without memory: what the bins took from the device, measured
+    # by a statistics adaptor under them that the printed code leaves out.
+    candidate = specs.make_resource(spec)
+    assert "Statistics" not in candidate.code
+    s = streampool.Stream()
+    ptr = candidate.resource.allocate(1000, s)
+    candidate.resource.deallocate(ptr, 1000, s)
+    held = candidate.reserved()
+    assert held is not None and held >= 1000, held
+    assert specs.make_resource("binning(async)").reserved() is not None  # the driver pool, as before

@@ -669,6 +669,11 @@ def _cmd_bench(args: argparse.Namespace, dev: Device) -> int:
     _check_plot_dir(args)
     out = Output(args.json)
     threads, streams = args.threads or [1], args.streams or 0
+    if w.name in ("random", "window") and streams > max(threads):
+        # Thread t works on stream t % streams: streams beyond the threads stay unused.
+        out.line(
+            f"note: {w.name} puts one thread on a stream; --streams {streams} runs {max(threads)} at most"
+        )
     if w.name == "replay":  # the log's own threads and streams
         t = _check_replayable(_read_log(out, args.log, args.skip_malformed), args.log)
         params["log"] = t
@@ -1098,7 +1103,11 @@ def _cmd_plot(args: argparse.Namespace, dev: Device) -> int:
             f"{', '.join('.' + f for f in sorted(formats))} (.png by default)",
         )
     candidate = make_resource(args.resource)
-    replayed = trace.sequential_replay(candidate.resource, t, candidate.reserved)
+    # A resource that holds nothing beyond what is live (cuda, managed) reserves its live bytes.
+    reserved = candidate.reserved if not candidate.reserves_live else None
+    replayed = trace.sequential_replay(candidate.resource, t, reserved)
+    if candidate.reserves_live:
+        replayed["reserved"] = list(replayed["live"])
     plots.log_plot(t, replayed, candidate.spec, target, dev.simulated)
     note = " (simulated device)" if dev.simulated else ""
     out.line(f"wrote {target}{note}")

@@ -79,12 +79,13 @@ def _save(plt: Any, fig: Any, path: str, dpi: int = 120) -> str:
 def bench_plots(
     workload: str, summary: list[dict[str, Any]], runs: list[dict[str, Any]], out_dir: str, simulated: bool
 ) -> list[str]:
-    """Throughput (median, min-max bars) against threads per resource, and the allocate
+    """Throughput (median, min-max bars) against threads per resource beside the memory it
+    cost (peak reserved over peak live bytes, where the resource says), and the allocate
     latency distribution per resource at the largest thread count; returns the files."""
     plt = _plt()
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     files = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, mem) = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, spec in enumerate(dict.fromkeys(r["resource"] for r in summary)):
         rows = [r for r in summary if r["resource"] == spec]
         xs = [r["threads"] for r in rows]
@@ -92,13 +93,24 @@ def bench_plots(
         lo = [m - r["throughput"]["min"] for m, r in zip(med, rows)]
         hi = [r["throughput"]["max"] - m for m, r in zip(med, rows)]
         ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=spec, linestyle=_style(i))
-    ax.set_xlabel("producer/consumer pairs" if workload == "pipeline" else "threads")
-    ax.set_ylabel(summary[0]["unit"] if summary else "")
-    ax.set_xscale("log", base=2)
+        held = [
+            (r["threads"], r["peak_reserved_bytes"] / r["peak_live_bytes"])
+            for r in rows
+            if r.get("peak_reserved_bytes") is not None and r.get("peak_live_bytes")
+        ]
+        if held:
+            mem.plot(*zip(*held), marker="o", label=spec, linestyle=_style(i))
     ticks = sorted({r["threads"] for r in summary})
-    ax.set_xticks(ticks, [str(t) for t in ticks])
+    for a in (ax, mem):
+        a.set_xlabel("producer/consumer pairs" if workload == "pipeline" else "threads")
+        a.set_xscale("log", base=2)
+        a.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_ylabel(summary[0]["unit"] if summary else "")
+    mem.set_ylabel("peak reserved / peak live bytes")
     _legend(ax, "small")
+    _legend(mem, "small")
     ax.set_title(_title(f"{workload}: throughput (median, min-max)", simulated))
+    mem.set_title("the memory it cost (largest peaks of the runs)")
     files.append(_save(plt, fig, str(Path(out_dir) / f"{workload}-throughput.png")))
 
     top = max((r["threads"] for r in runs), default=1)
@@ -175,6 +187,10 @@ def _steps(trace: Trace, key: int) -> dict[int, tuple[list[float], list[int]]]:
     return series
 
 
+# The most streams or threads a log's plot draws a line for (the title says how many there were).
+_MOST_LINES = 16
+
+
 def log_plot(trace: Trace, replayed: dict[str, Any], spec: str, out: str, simulated: bool) -> str:
     """One PNG: live bytes over time per stream and per thread, total live against the
     bytes ``spec`` reserved when the log was replayed on it in recorded order
@@ -183,10 +199,12 @@ def log_plot(trace: Trace, replayed: dict[str, Any], spec: str, out: str, simula
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     for ax, key, name in ((axes[0][0], 4, "stream"), (axes[0][1], 3, "thread")):
         handles = trace.stream_handles if key == 4 else trace.thread_ids
-        for k, (xs, ys) in sorted(_steps(trace, key).items())[:16]:
+        steps = sorted(_steps(trace, key).items())
+        for k, (xs, ys) in steps[:_MOST_LINES]:
             label = f"{name} {handles[k]:#x}" if key == 4 and k < len(handles) else f"{name} {k}"
             ax.step(xs, [y / 2**20 for y in ys], where="post", label=label)
-        ax.set_title(f"live MiB per {name} (recorded times)")
+        shown = f", the first {_MOST_LINES} of {len(steps)}" if len(steps) > _MOST_LINES else ""
+        ax.set_title(f"live MiB per {name} (recorded times{shown})")
         ax.set_xlabel("s")
         _legend(ax, "x-small")
     ax = axes[1][0]
@@ -196,6 +214,7 @@ def log_plot(trace: Trace, replayed: dict[str, Any], spec: str, out: str, simula
             range(len(replayed["reserved"])),
             [(y or 0) / 2**20 for y in replayed["reserved"]],
             where="post",
+            linestyle="--",
             label=f"reserved ({spec})",
         )
     failed = replayed.get("oom_events", 0)

@@ -263,11 +263,17 @@ def _driver_pool(resource: mr.MemoryResource) -> Any:
 
 def _reserved(resource: mr.MemoryResource) -> int | None:
     """Bytes ``resource`` holds from the device: a pool's size, the driver pool's reserved
-    bytes; through an adaptor, its upstream's."""
+    bytes; through an adaptor, its upstream's; for a binning resource with no pool under it,
+    the most its upstream handed out (the statistics adaptor :func:`_ours` puts there)."""
     holder = _holder(resource)
-    if holder is None:
-        return None
-    return holder.pool_size() if isinstance(holder, _OWN_POOLS) else holder.reserved_bytes
+    if holder is not None:
+        return holder.pool_size() if isinstance(holder, _OWN_POOLS) else holder.reserved_bytes
+    while isinstance(resource, mr.UpstreamResourceAdaptor):
+        below = resource.upstream
+        if isinstance(resource, mr.BinningMemoryResource) and isinstance(below, mr.StatisticsResourceAdaptor):
+            return int(below.allocation_counts.peak_bytes)
+        resource = below
+    return None
 
 
 # name -> (number of upstreams, options {spec key: keyword}, maker, code template)
@@ -364,6 +370,10 @@ def _ours(spec: Spec, device: int | None = None, build: bool = True) -> tuple[An
         upstreams, code = [], template.format(opts=opts)
     else:
         upstream, up_code = _ours(spec.args[0], device, build)
+        if spec.name == "binning" and build and _holder(upstream) is None:
+            # No pool under the bins to read: a statistics adaptor counts what they take
+            # (not in the code printed: it only measures).
+            upstream = mr.StatisticsResourceAdaptor(upstream)
         upstreams, code = [upstream], template.format(up=up_code, opts=f", {opts}" if opts else "")
     if not build:
         return None, code

@@ -117,9 +117,15 @@ def run(
             if rng.random() < PENDING_SHARE:
                 # Freed with kernels pending on it, which end by writing another pattern: its
                 # next owner's pattern is overwritten unless the resource orders the reuse.
+                # The last kernel and the free are on any of the thread's streams (ordered
+                # after the memory's own first, as a program must): a resource that orders
+                # reuse after the allocation's stream but not the free's is caught too.
+                free_on = rng.choice(mine)
                 kernels.compute(ptr, size, stream, iterations=passes)
-                kernels.fill(ptr, size, pattern + 1, stream)
-                release(ptr, size, stream)
+                if free_on.handle != stream.handle:
+                    free_on.wait_stream(stream)
+                kernels.fill(ptr, size, pattern + 1, free_on)
+                release(ptr, size, free_on)
                 pending += 1
                 return
             bad = kernels.check(ptr, size, pattern, stream)  # synchronises the stream

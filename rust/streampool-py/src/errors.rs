@@ -83,15 +83,21 @@ fn raise<'py, A>(py: Python<'py>, class: &PyOnceLock<Py<PyType>>, name: &str, ar
 where
     A: PyCallArgs<'py>,
 {
-    let made = class.import(py, "streampool._errors", name).and_then(|cls| cls.call1(args));
-    match made {
-        Ok(exc) => PyErr::from_value(exc),
+    let cls = match class.import(py, "streampool._errors", name) {
+        Ok(cls) => cls,
         // Only reachable when the package is broken (streampool/_errors.py missing).
         Err(import_failed) => {
             let err = PyRuntimeError::new_err(format!("streampool: cannot raise {name}"));
             err.set_cause(py, Some(import_failed));
-            err
+            return err;
         }
+    };
+    // Making the exception runs Python code, where a pending signal's exception (Ctrl-C's
+    // KeyboardInterrupt) may be raised instead: that one goes on, as it would have a moment
+    // later.
+    match cls.call1(args) {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(raised) => raised,
     }
 }
 
