@@ -639,3 +639,68 @@ def test_send_handle_refuses_what_a_handle_cannot_carry() -> None:
         b.setblocking(False)
         with pytest.raises(BlockingIOError):
             b.recv(1)  # nothing was sent
+
+
+# Imports two buffers of one exported pool (two imports of the pool), closes the first
+# import and collects its resource (which destroys its imported pool), then reads the
+# second: the second import's pool must not go with the first.
+TWO_IMPORTS = textwrap.dedent(
+    """
+    import contextlib, gc, socket, sys
+    import streampool
+    from streampool import ipc
+    from streampool.sim import SimulatedDevice
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    device = SimulatedDevice(capacity_bytes="64MiB") if sys.argv[2] == "sim" else contextlib.nullcontext()
+    with device:
+        with ipc.recv_handle(sock) as first_handle, ipc.recv_handle(sock) as second_handle:
+            first = ipc.import_buffer(first_handle)
+            second = ipc.import_buffer(second_handle)
+        assert first.tobytes() == b"A" * 4096 and second.tobytes() == b"B" * 4096
+        first.close()
+        del first
+        gc.collect()
+        assert second.tobytes() == b"B" * 4096, "the second import went with the first"
+        second.copy_from_host(b"C" * 4096)
+        second.close()
+        del second
+        gc.collect()
+        assert streampool.drop_errors()[0] == 0, streampool.drop_errors()
+    sock.sendall(b"done")
+    """
+)
+
+
+def two_imports(device: str) -> None:
+    """Two buffers of one pool exported to a child that imports both (the driver gives the
+    second import of a pool the first's handle), closes the first, then uses the second."""
+    pool = mr.CudaAsyncMemoryResource(enable_ipc=True)
+    first = DeviceBuffer.to_device(b"A" * 4096, mr=pool)
+    second = DeviceBuffer.to_device(b"B" * 4096, mr=pool)
+    a, b = socket.socketpair()
+    a.settimeout(60)
+    with a:
+        with b:
+            child = subprocess.Popen(
+                [sys.executable, "-c", TWO_IMPORTS, str(b.fileno()), device],
+                pass_fds=[b.fileno()],
+                stderr=subprocess.PIPE,
+            )
+        for buf in (first, second):  # b closed here: the child's end alone is left
+            with ipc.export(buf) as handle:
+                ipc.send_handle(a, handle)
+        answer = a.recv(4)
+        _, stderr = child.communicate(timeout=60)
+    assert child.returncode == 0 and answer == b"done", stderr.decode()
+    assert second.tobytes() == b"C" * 4096 and first.tobytes() == b"A" * 4096
+
+
+def test_two_imports_of_one_pool_are_independent() -> None:
+    two_imports("sim")
+
+
+@pytest.mark.gpu
+def test_gpu_two_imports_of_one_pool_are_independent() -> None:
+    if not streampool.device_info()["posix_fd_ipc"]:
+        pytest.skip("this GPU's pools cannot be exported through POSIX file descriptors")
+    two_imports("gpu")

@@ -201,14 +201,11 @@ impl IpcImportedMemoryResource {
                  must keep the buffer alive until every importer has freed its import"
             )));
         }
-        let pool = backend.pool_import_fd(device, fd)?;
+        let pool = hold_imported_pool(&backend, device, fd)?;
         let ptr = match backend.pool_import_pointer(device, pool, data) {
             Ok(ptr) => ptr,
             Err(e) => {
-                record_if_failed(
-                    || format!("releasing the imported pool {pool:#x} after a failed import"),
-                    backend.pool_destroy(device, pool),
-                );
+                release_imported_pool(&backend, device, pool, "after a failed import");
                 return Err(e);
             }
         };
@@ -324,9 +321,50 @@ impl Drop for IpcImportedMemoryResource {
             crate::error::synchronize_on_drop(&self.backend, device, what);
             record_if_failed(what, self.backend.mem_free(device, ptr));
         }
+        release_imported_pool(&self.backend, device, pool, "");
+    }
+}
+
+/// The imports of each imported pool alive in this process, by backend, device and pool
+/// handle. The driver gives a pool imported again in a process the same handle (seen with
+/// driver 580 on an H100), and one `cuMemPoolDestroy` releases it for every import: the
+/// last import to go destroys it.
+fn imported_pools() -> std::sync::MutexGuard<'static, ImportCounts> {
+    static POOLS: std::sync::OnceLock<std::sync::Mutex<ImportCounts>> = std::sync::OnceLock::new();
+    POOLS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Imports alive, by (backend id, device, pool handle).
+type ImportCounts = std::collections::HashMap<(u64, i32, RawPool), usize>;
+
+/// Imports the pool `fd` names on `device` and counts this import of it. Under the count's
+/// lock, so that the last import of the same pool cannot destroy it between the driver's
+/// answer and the count.
+fn hold_imported_pool(backend: &BackendRef, device: i32, fd: BorrowedFd<'_>) -> Result<RawPool> {
+    let mut pools = imported_pools();
+    let pool = backend.pool_import_fd(device, fd)?;
+    *pools.entry((backend.id(), device, pool)).or_insert(0) += 1;
+    Ok(pool)
+}
+
+/// Ends one import of `pool`; the last one destroys it (`when` says when, for the record
+/// of a failure).
+fn release_imported_pool(backend: &BackendRef, device: i32, pool: RawPool, when: &str) {
+    let mut pools = imported_pools();
+    let key = (backend.id(), device, pool);
+    let left = pools.get_mut(&key).map(|n| {
+        *n -= 1;
+        *n
+    });
+    if left.unwrap_or(0) == 0 {
+        pools.remove(&key);
         record_if_failed(
-            || format!("releasing the imported pool {pool:#x} of device {device}"),
-            self.backend.pool_destroy(device, pool),
+            || {
+                format!("releasing the imported pool {pool:#x} of device {device} {when}")
+                    .trim_end()
+                    .to_string()
+            },
+            backend.pool_destroy(device, pool),
         );
     }
 }

@@ -111,6 +111,8 @@ impl Arena {
 pub(super) struct ImportedPool {
     file: File,
     id: u64,
+    /// The exporting process.
+    pid: u32,
 }
 
 /// What export data says: the pool's identity, the allocation's offset in the pool's file
@@ -188,9 +190,15 @@ impl State {
                 format!("the pool lives on device {pool_dev}, not on device {dev}"),
             ));
         }
+        // As the driver does (seen with driver 580 on an H100): a pool imported again in
+        // this process is the same pool, under the same handle, and one `cuMemPoolDestroy`
+        // releases it for every import.
+        if let Some((&handle, _)) = self.imports.iter().find(|(_, p)| (p.id, p.pid) == (id, pid)) {
+            return Ok(handle);
+        }
         let handle = self.next_pool;
         self.next_pool += 1;
-        self.imports.insert(handle, ImportedPool { file, id });
+        self.imports.insert(handle, ImportedPool { file, id, pid });
         Ok(handle)
     }
 
