@@ -168,8 +168,18 @@ def _exercise(allocate: object, deallocate: object) -> None:
     resource.deallocate(ptr, 4096, stream)
 
 
-def test_the_rmm_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
+def _install_fake_rmm(monkeypatch: pytest.MonkeyPatch, rmr: object) -> None:
+    """Makes ``rmr`` RMM's ``rmm.mr`` for the test, with RMM's stream wrapper beside it."""
     import sys
+    import types
+
+    stream_module = types.SimpleNamespace(Stream=lambda s: ("rmm-stream", s.handle))
+    monkeypatch.setitem(sys.modules, "rmm.mr", rmr)
+    monkeypatch.setitem(sys.modules, "rmm.pylibrmm", types.SimpleNamespace(stream=stream_module))
+    monkeypatch.setitem(sys.modules, "rmm.pylibrmm.stream", stream_module)
+
+
+def test_the_rmm_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
     made: list[_FakeRmmResource] = []
@@ -178,10 +188,7 @@ def test_the_rmm_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
         CudaMemoryResource=object,
         PoolMemoryResource=lambda up: made.append(_FakeRmmResource()) or made[-1],
     )
-    stream_module = types.SimpleNamespace(Stream=lambda s: ("rmm-stream", s.handle))
-    monkeypatch.setitem(sys.modules, "rmm.mr", rmr)
-    monkeypatch.setitem(sys.modules, "rmm.pylibrmm", types.SimpleNamespace(stream=stream_module))
-    monkeypatch.setitem(sys.modules, "rmm.pylibrmm.stream", stream_module)
+    _install_fake_rmm(monkeypatch, rmr)
     allocate, deallocate, reserved, _keep, code = specs._rmm(types.SimpleNamespace(), "pool(cuda)")
     _exercise(allocate, deallocate)
     calls = made[-1].calls
@@ -194,7 +201,6 @@ def test_every_rmm_resource_says_what_it_holds(monkeypatch: pytest.MonkeyPatch) 
     # Speed is never reported without memory: each RMM peer reports the bytes it holds from
     # the device (a pool's size; RMM's own driver pool's reserved bytes; the arena's upstream
     # peak), not None.
-    import sys
     import types
 
     own_pool = mr.CudaAsyncMemoryResource(initial_pool_size="4MiB", release_threshold="64MiB")
@@ -221,10 +227,7 @@ def test_every_rmm_resource_says_what_it_holds(monkeypatch: pytest.MonkeyPatch) 
         ArenaMemoryResource=_FakeRmmResource,
         BinningMemoryResource=_FakeRmmResource,
     )
-    stream_module = types.SimpleNamespace(Stream=lambda s: ("rmm-stream", s.handle))
-    monkeypatch.setitem(sys.modules, "rmm.mr", rmr)
-    monkeypatch.setitem(sys.modules, "rmm.pylibrmm", types.SimpleNamespace(stream=stream_module))
-    monkeypatch.setitem(sys.modules, "rmm.pylibrmm.stream", stream_module)
+    _install_fake_rmm(monkeypatch, rmr)
     expected = {"async": 4 << 20, "binning": 4 << 20, "pool(cuda)": 12345, "pool(async)": 12345, "arena": 777}
     for name, held in expected.items():
         allocate, deallocate, reserved, _keep, _code = specs._rmm(types.SimpleNamespace(), name)

@@ -185,6 +185,20 @@ def test_a_view_allocates_for_the_device_its_pool_lies_on(dev: SimulatedDevice) 
     assert mr.CudaAsyncViewMemoryResource(mr.CudaAsyncMemoryResource(device=0).pool_handle).device == 0
 
 
+def foreign_array(ptr: int, nbytes: int, stream: int) -> SimpleNamespace:
+    """Another library's array of ``nbytes`` bytes at ``ptr``, ordered on ``stream`` (its
+    CUDA array interface, version 3)."""
+    return SimpleNamespace(
+        __cuda_array_interface__={
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "stream": stream,
+        }
+    )
+
+
 def test_a_foreign_array_on_another_device_copies_after_its_own_stream(dev: SimulatedDevice) -> None:
     # A CUDA array interface whose stream is another device's: the copy waits for that stream
     # (an event of its device), and nothing is refused for the stream's device.
@@ -194,15 +208,7 @@ def test_a_foreign_array_on_another_device_copies_after_its_own_stream(dev: Simu
     )
     dev.write(s0, src.ptr, 4096, label="producer on device 0")  # pending on s0 until run
 
-    foreign = SimpleNamespace(
-        __cuda_array_interface__={
-            "shape": (4096,),
-            "typestr": "|u1",
-            "data": (src.ptr, False),
-            "version": 3,
-            "stream": s0.handle,
-        }
-    )
+    foreign = foreign_array(src.ptr, 4096, s0.handle)
     dst = streampool.DeviceBuffer(size=4096, stream=s1, mr=mr.CudaAsyncMemoryResource(device=1))
     dst.copy_from_device(foreign)
     dev.run()
@@ -219,15 +225,7 @@ def test_a_foreign_arrays_default_stream_is_its_own_devices(dev: SimulatedDevice
     stream = streampool.Stream(device=1) if dst_stream == "own" else None
     dst = streampool.DeviceBuffer(size=4096, stream=stream, mr=mr.CudaAsyncMemoryResource(device=1))
     dev.run()
-    foreign = SimpleNamespace(
-        __cuda_array_interface__={
-            "shape": (4096,),
-            "typestr": "|u1",
-            "data": (src.ptr, False),
-            "version": 3,
-            "stream": 1,
-        }
-    )
+    foreign = foreign_array(src.ptr, 4096, 1)
     dev.write(None, src.ptr, 4096, label="producer on device 0's legacy stream")
     dst.copy_from_device(foreign)
     dev.write(None, src.ptr, 4096, label="the producer's next write, on the same stream")

@@ -385,7 +385,7 @@ impl DeviceBuffer {
         keep: Option<Arc<Allocation>>,
     ) -> PyResult<()> {
         self.on_device(py, bytes, stream, move |alloc, backend, device, stream| {
-            let at = (stream, device_of(stream, device));
+            let at = (stream, stream.device_or(device));
             let source = source.filter(|(s, d)| (s.handle(), *d) != (stream.handle(), at.1));
             if let Some((s, d)) = &source {
                 order(backend, at, (s, *d))?;
@@ -507,12 +507,6 @@ impl DeviceBuffer {
 /// may be another device's than the buffer's): the event is made on `on`'s device.
 fn order(backend: &BackendRef, waiter: (&Stream, i32), on: (&Stream, i32)) -> streampool::Result<()> {
     waiter.0.wait_for(backend, waiter.1, on.0, on.1)
-}
-
-/// The device `stream` is of: its own, or `default` for a default stream (which every
-/// device has).
-fn device_of(stream: &Stream, default: i32) -> i32 {
-    stream.binding().map_or(default, |(_, d)| d)
 }
 
 /// A stream, with the device it is of (a default stream is every device's: this names one).

@@ -25,6 +25,7 @@
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyInt, PyString};
 use streampool::device::{self, DevPtr};
 
@@ -102,29 +103,16 @@ pub(crate) fn device_arg(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult
     ordinal(obj, what, "a device ordinal (an int) or None").map(Some)
 }
 
-/// A yes/no argument as RMM's C `bool` arguments take it (`what` names it): True or
-/// False, a NumPy bool, or the int 0 or 1; None (the default) is False. TypeError naming
-/// `what` for anything else, as `reinitialize`'s flags are checked.
+/// A yes/no argument as RMM's C `bool` arguments take it (`what` names it), by the rule
+/// `reinitialize`'s flags follow (`streampool._setup._flag`: True or False, a NumPy bool,
+/// or the int 0 or 1; TypeError naming `what` otherwise); None (the default) is False.
 pub(crate) fn flag_arg(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<bool> {
     let Some(obj) = obj.filter(|o| !o.is_none()) else { return Ok(false) };
-    if let Ok(b) = obj.cast::<PyBool>() {
-        return Ok(b.is_true());
-    }
-    let kind = obj.get_type();
-    let (module, name) = (kind.module()?.to_string(), kind.name()?.to_string());
-    if module == "numpy" && matches!(&*name, "bool" | "bool_") {
-        return obj.is_truthy();
-    }
-    match obj.cast::<PyInt>().ok().and_then(|i| i.extract::<u8>().ok()) {
-        Some(v @ (0 | 1)) => Ok(v == 1),
-        _ => {
-            let shown = if module == "builtins" { name } else { format!("{module}.{name}") };
-            Err(PyTypeError::new_err(format!(
-                "{what} must be True or False (or 1 or 0), not {} (a {shown})",
-                obj.repr()?
-            )))
-        }
-    }
+    static FLAG: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let py = obj.py();
+    let flag =
+        FLAG.get_or_try_init(py, || py.import("streampool._setup")?.getattr("_flag").map(Bound::unbind))?;
+    flag.bind(py).call1((what, obj))?.extract()
 }
 
 /// A device ordinal from Python that must be given (None is refused: there is no

@@ -223,7 +223,7 @@ impl PyStream {
     fn wait_stream(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<()> {
         let (backend, device) = self.placement().or_raise(py)?;
         let other = to_stream(py, Some(other), || &backend)?.into_owned();
-        let other_device = other.binding().map_or(device, |(_, d)| d);
+        let other_device = other.device_or(device);
         let this = self.inner.clone();
         detached(py, move || this.wait_for(&backend, device, &other, other_device))
     }

@@ -205,7 +205,7 @@ impl IpcImportedMemoryResource {
         let ptr = match backend.pool_import_pointer(device, pool, data) {
             Ok(ptr) => ptr,
             Err(e) => {
-                release_imported_pool(&backend, device, pool, "after a failed import");
+                release_imported_pool(&backend, device, pool, " after a failed import");
                 return Err(e);
             }
         };
@@ -347,8 +347,8 @@ fn hold_imported_pool(backend: &BackendRef, device: i32, fd: BorrowedFd<'_>) -> 
     Ok(pool)
 }
 
-/// Ends one import of `pool`; the last one destroys it (`when` says when, for the record
-/// of a failure).
+/// Ends one import of `pool`; the last one destroys it (`when`, appended to the record of
+/// a failure, says when: "" or " after a failed import").
 fn release_imported_pool(backend: &BackendRef, device: i32, pool: RawPool, when: &str) {
     let mut pools = imported_pools();
     let key = (backend.id(), device, pool);
@@ -359,11 +359,7 @@ fn release_imported_pool(backend: &BackendRef, device: i32, pool: RawPool, when:
     if left.unwrap_or(0) == 0 {
         pools.remove(&key);
         record_if_failed(
-            || {
-                format!("releasing the imported pool {pool:#x} of device {device} {when}")
-                    .trim_end()
-                    .to_string()
-            },
+            || format!("releasing the imported pool {pool:#x} of device {device}{when}"),
             backend.pool_destroy(device, pool),
         );
     }

@@ -62,7 +62,7 @@ pub fn prefetch(
 /// to device 1 on the stream of device 1 that will read them is the usual hand-over); a
 /// default stream is that of the memory's device, `device`.
 pub fn prefetch_device(stream: &Stream, device: i32) -> i32 {
-    stream.binding().map_or(device, |(_, d)| d)
+    stream.device_or(device)
 }
 
 /// Refuses a `location` that names a device `backend` does not have, before anything else

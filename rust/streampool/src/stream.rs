@@ -387,6 +387,12 @@ impl Stream {
         }
     }
 
+    /// The device this stream is of: its own, or `default` for a default stream (which every
+    /// device has: the caller says whose it means).
+    pub fn device_or(&self, default: i32) -> i32 {
+        self.binding().map_or(default, |(_, d)| d)
+    }
+
     /// The backend and device this stream is bound to; `None` for the default streams,
     /// which exist everywhere.
     pub fn binding(&self) -> Option<(&BackendRef, i32)> {
@@ -474,7 +480,7 @@ impl Stream {
     /// may be of another device (`cuStreamWaitEvent` takes them); a default stream is
     /// taken as the event's device's.
     pub fn wait(&self, event: &Event) -> Result<()> {
-        let device = self.binding().map_or(event.device, |(_, d)| d);
+        let device = self.device_or(event.device);
         self.check(&event.backend, device)?; // the same backend
         event.backend.stream_wait_event(device, self.handle(), event.raw)
     }
