@@ -239,6 +239,128 @@ def test_torch_mem_pool_routes_a_region() -> None:
     assert "OK" in out
 
 
+# CUDA graphs: what a capture allocates through streampool is graph memory of the driver's
+# pool (docs/frameworks.md, "CUDA graphs"). Each case captures a graph with an intermediate
+# freed in the capture and an output that lives on, allocates eight tensors after the
+# capture (which must not share the graph's memory), then replays and checks all of them.
+_TORCH_GRAPH = """
+    import streampool
+    from streampool import mr
+    from streampool.allocators import torch as sp_torch
+    RESOURCE
+    sp_torch.use()
+    import torch
+    x = torch.randn(1 << 20, device="cuda")
+    before = torch.ones(1 << 18, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            y = x * 2 + 1
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode="MODE"):
+        tmp = x * 2
+        y = tmp + 1
+        del tmp
+        del before  # memory from before the capture, freed during it
+    others = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(8)]
+    for value in (1.0, 2.0, 3.0):
+        x.fill_(value)
+        g.replay()
+        torch.cuda.synchronize()
+        assert bool((y == 2 * value + 1).all()), value
+        assert all(bool((o == 7.0).all()) for o in others)
+    del g, y
+    z = torch.ones(1 << 22, device="cuda")
+    torch.cuda.synchronize()
+    assert float(z.sum()) == 1 << 22
+    from streampool import allocators
+    print("failures", allocators.failure_count(), allocators.last_error())
+"""
+
+
+@pytest.mark.parametrize(
+    "resource",
+    [
+        "pass  # the default: the device's driver pool",
+        "streampool.set_current_device_resource(mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource()))",
+        "streampool.set_current_device_resource(mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()))",
+    ],
+    ids=["async", "stats-async", "pool-async"],
+)
+@pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
+def test_torch_captures_and_replays_a_cuda_graph(resource: str, mode: str) -> None:
+    pytest.importorskip("torch")
+    out = run_python(_TORCH_GRAPH.replace("RESOURCE", resource).replace("MODE", mode))
+    assert "failures 0" in out, out
+
+
+def test_torch_capture_on_a_resource_that_cannot_serve_it_is_a_clear_error() -> None:
+    pytest.importorskip("torch")
+    out = run_python(
+        """
+        import streampool
+        from streampool import mr
+        from streampool.allocators import torch as sp_torch
+        streampool.set_current_device_resource(
+            mr.FixedSizeMemoryResource(mr.CudaAsyncMemoryResource(), block_size=1 << 22))
+        sp_torch.use()
+        import torch
+        x = torch.ones(1 << 10, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                y = x * 2
+        except RuntimeError as e:
+            print("refused:", e)
+        z = torch.ones(1 << 10, device="cuda") * 3  # the process goes on
+        assert float(z.sum()) == 3 << 10
+        """
+    )
+    assert "refused:" in out and "capturing a CUDA graph" in out, out
+
+
+@pytest.mark.parametrize("resource", [mr.CudaAsyncMemoryResource, "pool"])
+def test_cupy_captures_and_launches_a_cuda_graph(resource: object) -> None:
+    pytest.importorskip("cupy")
+    out = run_python(
+        f"""
+        import streampool
+        from streampool import mr
+        from streampool.allocators import cupy as sp_cupy
+        if {resource == "pool"!r}:
+            streampool.set_current_device_resource(mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()))
+        sp_cupy.use()
+        import cupy as cp
+        x = cp.ones(1 << 20, dtype=cp.float32)
+        before = cp.ones(1 << 18, dtype=cp.float32)
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            before *= 2
+            s.begin_capture()  # CuPy's default: relaxed mode
+            tmp = x * 2
+            y = tmp + 1
+            del tmp, before
+            g = s.end_capture()
+        others = [cp.full((1 << 20,), 7.0, dtype=cp.float32) for _ in range(8)]
+        x.fill(1.0)
+        cp.cuda.Device().synchronize()
+        g.launch(s)
+        s.synchronize()
+        assert bool((y == 3.0).all()) and all(bool((o == 7.0).all()) for o in others)
+        # CuPy instantiates without auto-free on launch: y's graph memory is freed before
+        # the graph is launched again (the driver's rule).
+        del y
+        cp.cuda.Device().synchronize()
+        from streampool import allocators
+        print("failures", allocators.failure_count(), allocators.last_error())
+        """
+    )
+    assert "failures 0" in out, out
+
+
 def test_cupy_arrays_come_from_streampool() -> None:
     cupy = pytest.importorskip("cupy")
     from streampool.allocators import cupy as sp_cupy

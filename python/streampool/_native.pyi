@@ -1392,6 +1392,10 @@ class _SimDevice:
         """Operations queued on all streams and not yet run."""
     def queued(self, stream: _StreamLike) -> int:
         """Operations queued on ``stream`` and not yet run."""
+    def begin_capture(self, stream: _StreamLike) -> None:
+        """Begins capturing a CUDA graph on ``stream`` (global mode)."""
+    def end_capture(self, stream: _StreamLike) -> None:
+        """Ends ``stream``'s capture; raises when it was invalidated."""
     def races(self) -> list[str]:
         """The races found so far, as sentences naming both operations."""
     def race_records(self) -> list[tuple[str, str, bool, str, bool, int, int]]:

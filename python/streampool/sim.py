@@ -202,6 +202,22 @@ class SimulatedDevice:
         """Operations queued on ``stream`` and not yet run."""
         return self._dev.queued(stream)
 
+    def begin_capture(self, stream: StreamLike) -> None:
+        """Begins capturing a CUDA graph on ``stream`` (``cuStreamBeginCapture``, the
+        driver's global mode, PyTorch's default). Until :meth:`end_capture`, the calls a
+        capture forbids fail as the driver's do and invalidate it: asking the stream's
+        identity, querying or synchronising it, querying an event recorded in it, and, on
+        any stream of the device, synchronous allocation, queries of other work and pool
+        attributes. Work enqueued on the stream still runs (the simulated device has no
+        graphs to launch): what is modelled is the driver's refusals, which is what an
+        allocator must get right (docs/frameworks.md, "CUDA graphs")."""
+        self._dev.begin_capture(stream)
+
+    def end_capture(self, stream: StreamLike) -> None:
+        """Ends ``stream``'s capture (``cuStreamEndCapture``); raises StreampoolError
+        (``CUDA_ERROR_STREAM_CAPTURE_INVALIDATED``) when a forbidden call invalidated it."""
+        self._dev.end_capture(stream)
+
     @property
     def capacity_bytes(self) -> int:
         """Device memory of each simulated device, in bytes."""

@@ -110,10 +110,18 @@ fn allocate(size: usize, device: c_int, stream: *mut c_void, say: bool) -> *mut 
     {
         return ptr as *mut c_void;
     }
+    capture::drain();
     let ptr = guarded(what, say, || {
-        with_current(Some(device), handle, |_, mr, stream| match mr.try_allocate(size, stream) {
-            Some(settled) => settled,
-            None => mr.allocate(size, stream),
+        with_current(Some(device), handle, |device, mr, stream| {
+            let ptr = match mr.try_allocate(size, stream) {
+                Some(settled) => settled,
+                None => mr.allocate(size, stream),
+            }?;
+            if stream.is_capturing() && ptr != 0 {
+                capture::allocated(device, ptr);
+                capture::began(mr.backend(), device, stream.handle());
+            }
+            Ok(ptr)
         })
     })
     .unwrap_or(0);
@@ -347,12 +355,17 @@ fn free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) -> bo
     if let Some(freed) = fast_path(device, handle, what, true, false, |_| -1, taken) {
         return freed;
     }
+    capture::drain();
     guarded(what, true, || {
-        let done =
-            with_current(Some(device), handle, |_, mr, stream| match mr.try_deallocate(ptr, size, stream) {
+        let done = with_current(Some(device), handle, |device, mr, stream| {
+            if let Some(done) = capture::free(device, mr, ptr, size, stream) {
+                return done;
+            }
+            match mr.try_deallocate(ptr, size, stream) {
                 Some(settled) => settled,
                 None => mr.deallocate(ptr, size, stream),
-            });
+            }
+        });
         // The allocation's stream is gone (destroyed by its owner while the memory lived:
         // PyTorch frees on the stream it recorded, however long after): once the device is
         // synchronised nothing uses the memory, and the legacy default stream frees it.
@@ -625,6 +638,9 @@ fn fast_path<T: Copy>(
     live: impl FnOnce(&T) -> i64,
     f: impl FnOnce(&streampool::ResourceRef, &Stream) -> Option<Result<T>>,
 ) -> Option<T> {
+    if capture::pending() || capture::seen() {
+        return None; // a capture under way, or frees put off: the full path's
+    }
     let settled = catch_unwind(AssertUnwindSafe(|| {
         let kept = THREAD.try_with(|t| {
             let current = t.current.try_borrow().ok()?;
@@ -697,6 +713,11 @@ impl Current {
                 self.resources.len() - 1
             }
         };
+        if may_capture(handle) && backend.stream_capturing(device, handle)? {
+            // Its identity cannot be asked: that would invalidate the capture.
+            let stream = Stream::capturing(backend, device, handle);
+            return f(device, &self.resources[at].1, &stream);
+        }
         let stream = stream(&mut self.streams, backend, device, handle)?;
         f(device, &self.resources[at].1, stream)
     }
@@ -719,6 +740,9 @@ impl Current {
     fn kept(&self, device: c_int, handle: RawStream) -> Option<(&streampool::ResourceRef, &Stream)> {
         let backend = self.fresh()?;
         let (_, mr) = self.resources.iter().find(|(d, _)| *d == device)?;
+        if may_capture(handle) && backend.stream_capturing(device, handle).ok()? {
+            return None; // the full path's, which asks nothing that would harm the capture
+        }
         let stream = match default_stream(handle) {
             Some(stream) => stream,
             None => {
@@ -727,6 +751,189 @@ impl Current {
             }
         };
         Some((mr, stream))
+    }
+}
+
+/// Whether the stream `handle` names can be capturing a CUDA graph: any but the legacy
+/// default stream, which cannot (the entry points ask the others at every call:
+/// `cuStreamIsCapturing`, the one question that never harms a capture).
+#[inline]
+fn may_capture(handle: RawStream) -> bool {
+    !matches!(handle, device::LEGACY_STREAM | device::LEGACY_STREAM_ALIAS)
+}
+
+/// CUDA graph captures through the entry points (docs/frameworks.md, "CUDA graphs"): the
+/// allocations made on capturing streams (graph memory), and the frees put off because
+/// they came on a capturing stream for memory allocated before its capture.
+pub(crate) mod capture {
+    use std::collections::HashSet;
+    use std::ffi::c_int;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    use std::sync::Mutex;
+    use std::thread::ThreadId;
+
+    use streampool::device::{BackendRef, DevPtr, RawStream, PER_THREAD_STREAM};
+    use streampool::stream::Stream;
+    use streampool::{ResourceRef, Result};
+
+    /// Streams seen capturing by [`super::streampool_alloc`] and its kin (PyTorch's, whose
+    /// streams live as long as the process), until seen not capturing: while one captures
+    /// in the global or thread-local mode, the driver refuses (and the capture is
+    /// invalidated by) a free on another stream, so frees wait.
+    static CAPTURES: Mutex<Vec<Capture>> = Mutex::new(Vec::new());
+    /// A stream seen capturing: its backend, device, handle, and thread for handle 2.
+    type Capture = (BackendRef, c_int, RawStream, Option<ThreadId>);
+    static SEEN: AtomicBool = AtomicBool::new(false);
+
+    /// `handle` of `device` was seen capturing.
+    pub(crate) fn began(backend: &BackendRef, device: c_int, handle: RawStream) {
+        let mut captures = lock(&CAPTURES);
+        let thread = (handle == PER_THREAD_STREAM).then(|| std::thread::current().id());
+        if !captures.iter().any(|(_, d, h, t)| (*d, *h, *t) == (device, handle, thread)) {
+            captures.push((backend.clone(), device, handle, thread));
+        }
+        SEEN.store(true, Relaxed);
+    }
+
+    /// Whether a capture was seen and may still be under way (the fast paths then leave
+    /// frees to the full path).
+    #[inline]
+    pub(crate) fn seen() -> bool {
+        SEEN.load(Relaxed)
+    }
+
+    /// Whether a capture seen is still under way; forgets those that have ended.
+    fn under_way() -> bool {
+        if !seen() {
+            return false;
+        }
+        let me = std::thread::current().id();
+        let mut captures = lock(&CAPTURES);
+        captures.retain(|(backend, device, handle, thread)| match thread {
+            Some(t) if *t != me => true,
+            _ => backend.stream_capturing(*device, *handle).unwrap_or(false),
+        });
+        SEEN.store(!captures.is_empty(), Relaxed);
+        !captures.is_empty()
+    }
+
+    /// (device, address) of the live allocations made on capturing streams.
+    static CAPTURED: Mutex<Option<HashSet<(c_int, DevPtr)>>> = Mutex::new(None);
+    static CAPTURED_COUNT: AtomicUsize = AtomicUsize::new(0);
+    /// Frees put off until their stream's capture has ended.
+    static DEFERRED: Mutex<Vec<Deferred>> = Mutex::new(Vec::new());
+    static PENDING: AtomicBool = AtomicBool::new(false);
+
+    struct Deferred {
+        device: c_int,
+        handle: RawStream,
+        /// The per-thread default stream (handle 2) names the calling thread's: only that
+        /// thread can ask it and free on it.
+        thread: Option<ThreadId>,
+        mr: ResourceRef,
+        ptr: DevPtr,
+        size: usize,
+    }
+
+    fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `ptr` was allocated on a capturing stream.
+    pub(crate) fn allocated(device: c_int, ptr: DevPtr) {
+        lock(&CAPTURED).get_or_insert_with(HashSet::new).insert((device, ptr));
+        CAPTURED_COUNT.fetch_add(1, Relaxed);
+    }
+
+    fn forget(device: c_int, ptr: DevPtr) -> bool {
+        if CAPTURED_COUNT.load(Relaxed) == 0 {
+            return false;
+        }
+        let taken = lock(&CAPTURED).as_mut().is_some_and(|set| set.remove(&(device, ptr)));
+        if taken {
+            CAPTURED_COUNT.fetch_sub(1, Relaxed);
+        }
+        taken
+    }
+
+    /// A free the capture decides, `None` for the usual path. On a capturing stream, memory
+    /// allocated in a capture is freed there (a free node of the graph); memory allocated
+    /// before it is put off until the capture has ended (freeing it on the stream would
+    /// be `cuMemFreeAsync`'s error, or, in a pool, a block reused while the graph uses
+    /// it), as PyTorch's own cudaMallocAsync allocator does; so is a free on any other
+    /// stream while a capture seen by the C entry points is under way (the driver refuses
+    /// it in the global and thread-local modes, and the capture is invalidated). Graph
+    /// memory freed after its capture takes the usual path (the driver's pool frees it).
+    pub(crate) fn free(
+        device: c_int,
+        mr: &ResourceRef,
+        ptr: DevPtr,
+        size: usize,
+        stream: &Stream,
+    ) -> Option<Result<()>> {
+        let captured = forget(device, ptr);
+        if captured || ptr == 0 || !(stream.is_capturing() || under_way()) {
+            return None;
+        }
+        let handle = stream.handle();
+        let thread = (handle == PER_THREAD_STREAM).then(|| std::thread::current().id());
+        let mut deferred = lock(&DEFERRED);
+        deferred.push(Deferred { device, handle, thread, mr: mr.clone(), ptr, size });
+        PENDING.store(true, Relaxed);
+        Some(Ok(()))
+    }
+
+    /// Whether frees are put off (the fast paths then take the full path, which frees
+    /// those that are due).
+    #[inline]
+    pub(crate) fn pending() -> bool {
+        PENDING.load(Relaxed)
+    }
+
+    /// Frees what was put off, once no capture seen is under way and its stream no longer
+    /// captures.
+    pub(crate) fn drain() {
+        if !pending() || under_way() {
+            return;
+        }
+        let me = std::thread::current().id();
+        let taken = {
+            let mut deferred = lock(&DEFERRED);
+            PENDING.store(false, Relaxed);
+            std::mem::take(&mut *deferred)
+        };
+        let mut kept = Vec::new();
+        for d in taken {
+            let backend = d.mr.backend();
+            let capturing = match d.thread {
+                Some(t) if t != me => Ok(true), // not this thread's to ask
+                _ => backend.stream_capturing(d.device, d.handle),
+            };
+            let (what, done) = match capturing {
+                Ok(true) => {
+                    kept.push(d);
+                    continue;
+                }
+                Ok(false) => (
+                    "a free put off during a CUDA graph capture",
+                    Stream::borrowed_live(backend, d.handle).and_then(|s| d.mr.deallocate(d.ptr, d.size, &s)),
+                ),
+                // The stream is gone: once the device is synchronised nothing uses it.
+                Err(_) => (
+                    "a free put off during a CUDA graph capture, its stream gone",
+                    super::free_after_device_sync(d.device, d.ptr, d.size, Some(&d.mr)),
+                ),
+            };
+            if let Err(e) = done {
+                let (ptr, size) = (d.ptr, d.size);
+                super::failed::<()>(|| format!("{what} (ptr={ptr:#x}, size={size})"), e, true);
+            }
+        }
+        if !kept.is_empty() {
+            let mut deferred = lock(&DEFERRED);
+            deferred.extend(kept);
+            PENDING.store(true, Relaxed);
+        }
     }
 }
 

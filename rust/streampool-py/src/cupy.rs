@@ -142,9 +142,10 @@ impl CupyAllocator {
             true => None,
             false => this.stream_ref(py, handle)?,
         };
-        let (device, mr, fast) = capi::with_current(None, handle, |device, mr, stream| {
+        capi::capture::drain();
+        let (device, mr, fast, capturing) = capi::with_current(None, handle, |device, mr, stream| {
             let fast = mr.try_allocate(nbytes, stream).ok_or_else(|| stream.clone());
-            Ok((device, mr.clone(), fast))
+            Ok((device, mr.clone(), fast, stream.is_capturing()))
         })
         .or_raise(py)?;
         let ptr = match fast {
@@ -158,6 +159,9 @@ impl CupyAllocator {
             }
         }
         .map_err(|e| this.as_out_of_memory(py, e))?;
+        if capturing && ptr != 0 {
+            capi::capture::allocated(device, ptr);
+        }
         // Made before CuPy's objects, so that a failure there frees the memory.
         let owner = match ptr {
             0 => py.None(),
@@ -314,8 +318,12 @@ impl Drop for CupyMemory {
                 _ if self.thread.is_some_and(|t| t != std::thread::current().id()) => LEGACY_STREAM,
                 _ => self.stream,
             };
+            capi::capture::drain();
             let free_on = |handle| {
-                capi::with_current(Some(device), handle, |_, _, stream| {
+                capi::with_current(Some(device), handle, |device, _, stream| {
+                    if let Some(done) = capi::capture::free(device, mr, ptr, size, stream) {
+                        return Ok(Ok(done));
+                    }
                     Ok(mr.try_deallocate(ptr, size, stream).ok_or_else(|| stream.clone()))
                 })
             };

@@ -33,13 +33,24 @@ impl PySimDevice {
 
     /// The raw handle of a stream argument, checked to be a stream of this device.
     fn handle(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<RawStream> {
+        self.handle_and_device(py, stream).map(|(handle, _)| handle)
+    }
+
+    /// [`Self::handle`] and the stream's device (0 for a default stream).
+    fn handle_and_device(
+        &self,
+        py: Python<'_>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(RawStream, i32)> {
         let backend = self.backend();
         let stream = to_stream(py, stream, || &backend)?;
-        if let Some((theirs, _)) = stream.binding() {
+        let mut dev = 0;
+        if let Some((theirs, d)) = stream.binding() {
             device::check_same_backend(&backend, theirs, &format!("stream {:#x}", stream.handle()))
                 .or_raise(py)?;
+            dev = d;
         }
-        Ok(stream.handle())
+        Ok((stream.handle(), dev))
     }
 
     /// A simulated kernel that writes (or reads) `[ptr, ptr + nbytes)` on `stream`.
@@ -160,6 +171,20 @@ impl PySimDevice {
         let stream = self.handle(py, stream)?;
         let sim = self.sim.clone();
         detached(py, move || sim.step(stream))
+    }
+
+    /// Begins capturing a CUDA graph on `stream` (the driver's global mode): until
+    /// `end_capture`, the calls a capture forbids fail as the driver's do and invalidate it.
+    fn begin_capture(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (handle, dev) = self.handle_and_device(py, Some(stream))?;
+        self.sim.begin_capture(dev, handle).or_raise(py)
+    }
+
+    /// Ends `stream`'s capture; raises (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED) when a
+    /// forbidden call invalidated it.
+    fn end_capture(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (handle, dev) = self.handle_and_device(py, Some(stream))?;
+        self.sim.end_capture(dev, handle).or_raise(py)
     }
 
     /// Runs one operation that may run now, taking streams in turn; False when none can.

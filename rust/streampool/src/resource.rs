@@ -143,6 +143,18 @@ pub trait MemoryResource: Send + Sync + fmt::Debug {
         false
     }
 
+    /// Whether the resource can allocate on a stream that is capturing a CUDA graph
+    /// ([`Stream::is_capturing`]): the driver's pool can (`cuMemAllocFromPoolAsync` on a
+    /// capturing stream makes an allocation node of the graph, whose memory the graph owns
+    /// and keeps at one address for every launch), and so can an adaptor over it and the
+    /// sharded pool over it (which passes captured allocations to its upstream). Pools,
+    /// bins and plain resources cannot: a block freed in the capture would be handed out
+    /// again while the graph, launched later, still uses it, and `cuMemAlloc` is refused
+    /// during a capture. Those refuse such an allocation, saying so (the default).
+    fn serves_capture(&self) -> bool {
+        false
+    }
+
     /// Starts a new peak for [`Footprint::peak_reserved_bytes`] where the resource can
     /// (the driver's pool: its reserved high-water mark is reset to what it holds now).
     fn reset_peak_footprint(&self) {}
@@ -239,7 +251,23 @@ pub fn settle_allocate<R: MemoryResource + ?Sized>(
             resource: mr.name().into(),
         }));
     }
+    if stream.is_capturing() && !mr.serves_capture() {
+        return Some(Err(capture_refused(mr, "allocate")));
+    }
     stream.check(mr.backend(), mr.device()).err().map(Err)
+}
+
+/// A resource that cannot serve a CUDA graph capture, asked to on a capturing stream.
+#[cold]
+pub fn capture_refused<R: MemoryResource + ?Sized>(mr: &R, what: &str) -> Error {
+    Error::InvalidStream(format!(
+        "{} cannot {what} on a stream that is capturing a CUDA graph: memory it frees is handed \
+         out again while the graph, launched later, still uses it. During a capture, make the \
+         device's resource the driver's pool (CudaAsyncMemoryResource), an adaptor over it, or a \
+         ShardedPoolMemoryResource over it, which passes captured allocations to it \
+         (docs/frameworks.md, \"CUDA graphs\")",
+        mr.name()
+    ))
 }
 
 /// The checks every free passes before a resource sees it: `Some` when they settle it.
@@ -262,6 +290,7 @@ pub fn settle_deallocate<R: MemoryResource + ?Sized>(
             "pointer {ptr:#x} freed with size {bytes}, larger than any allocation; pass the size it was \
              allocated with"
         )))),
+        _ if stream.is_capturing() && !mr.serves_capture() => Some(Err(capture_refused(mr, "free"))),
         _ => stream.check(mr.backend(), mr.device()).err().map(Err),
     }
 }

@@ -39,6 +39,8 @@ enum Origin {
         backend: BackendRef,
         device: i32,
         key: u64,
+        /// Capturing a CUDA graph when wrapped ([`Stream::capturing`]).
+        capturing: bool,
     },
 }
 
@@ -170,6 +172,7 @@ impl Drop for OwnedStream {
                     backend: self.backend.clone(),
                     device: self.device,
                     key: self.key,
+                    capturing: false,
                 },
             };
             for Hooked { hook, .. } in hooks {
@@ -230,9 +233,31 @@ impl Stream {
                     )),
                 })?;
                 let key = stream_key(backend, device, handle);
-                Ok(Stream { handle, origin: Origin::Borrowed { backend: backend.clone(), device, key } })
+                Ok(Stream {
+                    handle,
+                    origin: Origin::Borrowed { backend: backend.clone(), device, key, capturing: false },
+                })
             }
         }
+    }
+
+    /// A stream of `device` that is capturing a CUDA graph (the caller asked
+    /// [`Backend::stream_capturing`](crate::device::Backend::stream_capturing)), wrapped
+    /// without asking the driver its identity or device, which would invalidate the
+    /// capture. Resources read the mark ([`Stream::is_capturing`]): those that can serve a
+    /// capture ([`MemoryResource::serves_capture`](crate::MemoryResource::serves_capture))
+    /// allocate graph memory on it, the others refuse. Any handle, the per-thread default
+    /// stream's (2) included; its key is its own (never a shard's or a list's).
+    pub fn capturing(backend: &BackendRef, device: i32, handle: RawStream) -> Self {
+        let key = NEXT_FALLBACK_KEY.fetch_add(1, Ordering::Relaxed);
+        Stream { handle, origin: Origin::Borrowed { backend: backend.clone(), device, key, capturing: true } }
+    }
+
+    /// Whether this stream was wrapped as capturing a CUDA graph ([`Stream::capturing`]): a
+    /// mark, not a question to the driver.
+    #[inline]
+    pub fn is_capturing(&self) -> bool {
+        matches!(self.origin, Origin::Borrowed { capturing: true, .. })
     }
 
     /// [`Stream::borrowed`] for a handle known to be live (another library's stream object
@@ -406,11 +431,16 @@ impl Stream {
     /// True when this stream is certainly usable by an object of `backend`, device
     /// `device` (a default stream, or one bound to exactly that backend object and device):
     /// the test of a hot path, whose `false` leads to [`Stream::check`] for the answer.
+    /// False for a stream wrapped as capturing a CUDA graph ([`Stream::capturing`]): the
+    /// hot paths leave it to the full path, which looks at the mark.
     #[inline]
     pub fn is_bound_to(&self, backend: &BackendRef, device: i32) -> bool {
-        match self.binding() {
-            Some((mine, my_device)) => Arc::ptr_eq(mine, backend) && my_device == device,
-            None => true,
+        match &self.origin {
+            Origin::Owned(o) => Arc::ptr_eq(&o.backend, backend) && o.device == device,
+            Origin::Borrowed { backend: mine, device: my_device, capturing, .. } => {
+                !*capturing && Arc::ptr_eq(mine, backend) && *my_device == device
+            }
+            Origin::Default | Origin::PerThreadOf(_) => true,
         }
     }
 

@@ -169,6 +169,9 @@ macro_rules! upstream_properties {
         fn whole_allocations(&self) -> bool {
             self.upstream.whole_allocations()
         }
+        fn serves_capture(&self) -> bool {
+            self.upstream.serves_capture()
+        }
     };
     ($name:literal, depth) => {
         crate::adaptors::upstream_properties!($name);

@@ -358,6 +358,13 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn stream_destroyed(&self, _stream: RawStream) -> bool {
         false
     }
+    /// `cuStreamIsCapturing`: whether `stream` is capturing a CUDA graph (begun and not
+    /// ended, an invalidated capture included). The one question about a capturing stream
+    /// that never harms its capture: asking its identity ([`stream_id`](Self::stream_id),
+    /// [`stream_device`](Self::stream_device)), querying or synchronising it, or querying
+    /// an event recorded in the capture invalidates the capture (CUDA_ERROR_STREAM_CAPTURE_
+    /// UNSUPPORTED, 900, or CUDA_ERROR_CAPTURED_EVENT, 907, on a 13.0 driver).
+    fn stream_capturing(&self, dev: i32, stream: RawStream) -> Result<bool>;
     /// `cuStreamSynchronize`.
     fn stream_synchronize(&self, dev: i32, stream: RawStream) -> Result<()>;
     /// `cuStreamQuery`: true when all work on the stream has completed.

@@ -325,10 +325,18 @@ impl MemoryResource for CudaAsyncMemoryResource {
     fn whole_allocations(&self) -> bool {
         true
     }
+    /// Device memory: an allocation on a capturing stream is a node of the graph. (Graph
+    /// allocations are device memory; a managed pool refuses.)
+    fn serves_capture(&self) -> bool {
+        !self.managed
+    }
 
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let (b, dev, s) = (&self.backend, self.device, stream.handle());
         match b.pool_alloc_async(dev, self.pool, bytes, s) {
+            // A capture may not synchronise its stream (that would invalidate it), nor
+            // trim the pool.
+            Err(e) if e.is_out_of_memory() && stream.is_capturing() => Err(out_of_memory(e, bytes, self)),
             Err(e) if e.is_out_of_memory() => {
                 // Frees still in flight on this stream return to the pool once it drains.
                 b.stream_synchronize(dev, s)?;
@@ -506,6 +514,9 @@ impl MemoryResource for CudaAsyncManagedMemoryResource {
     }
     fn whole_allocations(&self) -> bool {
         true
+    }
+    fn serves_capture(&self) -> bool {
+        self.inner.serves_capture()
     }
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         self.inner.do_allocate(bytes, stream)

@@ -172,6 +172,9 @@ impl Backend for FailingSyncs {
     fn stream_query(&self, dev: i32, stream: RawStream) -> Result<bool> {
         self.inner.stream_query(dev, stream)
     }
+    fn stream_capturing(&self, dev: i32, stream: RawStream) -> Result<bool> {
+        self.inner.stream_capturing(dev, stream)
+    }
     fn stream_wait_event(&self, dev: i32, stream: RawStream, event: RawEvent) -> Result<()> {
         if fails(&self.fail_waits) {
             return Err(injected("cuStreamWaitEvent"));

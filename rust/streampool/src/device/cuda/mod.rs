@@ -934,6 +934,12 @@ impl Backend for CudaBackend {
         Ok(self.ordinal_of(handle))
     }
 
+    fn stream_capturing(&self, dev: i32, stream: RawStream) -> Result<bool> {
+        let _ctx = self.enter(dev)?;
+        // SAFETY: `dev`'s context is current, which default stream handles refer to.
+        unsafe { raw::stream_is_capturing(cu_stream(stream)) }
+    }
+
     fn stream_synchronize(&self, dev: i32, stream: RawStream) -> Result<()> {
         let _ctx = self.enter(dev)?;
         // SAFETY: `dev`'s context is current, which default stream handles refer to.

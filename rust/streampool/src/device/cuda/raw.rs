@@ -995,6 +995,22 @@ pub(super) unsafe fn stream_query(stream: sys::CUstream) -> Result<bool> {
     check_ready("cuStreamQuery", unsafe { sys::cuStreamQuery(stream) })
 }
 
+/// [`cuStreamIsCapturing`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html):
+/// whether `stream` is capturing a CUDA graph (an invalidated capture counts: the stream
+/// stays in capture mode until `cuStreamEndCapture`). Legal during any capture, unlike
+/// `cuStreamGetId` and `cuStreamQuery`, which invalidate one.
+///
+/// # Safety
+/// 1. Loaded and initialised; a context is current (for the default stream handles:
+///    the one whose stream is meant).
+/// 2. `stream` is a default stream handle or a live stream.
+pub(super) unsafe fn stream_is_capturing(stream: sys::CUstream) -> Result<bool> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: preconditions 1-2; valid out-pointer.
+    check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(stream, &mut status) })?;
+    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
 /// [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
 /// (flags 0).
 ///

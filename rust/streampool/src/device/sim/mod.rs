@@ -70,6 +70,7 @@ use crate::device::{
 };
 use crate::error::{Error, Result, CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_OUT_OF_MEMORY};
 
+mod capture;
 mod clock;
 mod detector;
 mod exec;
@@ -240,6 +241,8 @@ struct State {
     /// Reservations of address space by address, with their mappings (module `vmm`).
     reservations: BTreeMap<u64, vmm::Reservation>,
     next_vmm: RawVmm,
+    /// Live allocations made on a capturing stream (module `capture`).
+    captured_allocs: std::collections::BTreeSet<DevPtr>,
 }
 
 #[derive(Debug)]
@@ -273,6 +276,8 @@ struct StreamState {
     /// What later work on the stream is ordered after (pruned of completed work).
     clock: VClock,
     queue: VecDeque<Op>,
+    /// Capturing a graph (module `capture`): `Some(invalidated)`.
+    capture: Option<bool>,
 }
 
 impl StreamState {
@@ -287,6 +292,7 @@ impl StreamState {
             completed: 0,
             clock: VClock::default(),
             queue: VecDeque::new(),
+            capture: None,
         }
     }
 }
@@ -296,6 +302,8 @@ struct EventState {
     dev: i32,
     /// Where it was last recorded: the record operation (stream id, seq) and its clock.
     recorded: Option<(u64, u64, VClock)>,
+    /// Last recorded on a capturing stream.
+    captured: bool,
 }
 
 /// `CUDA_ERROR_OUT_OF_MEMORY` from `call`.
@@ -368,6 +376,7 @@ impl State {
             peers: Default::default(),
             reservations: BTreeMap::new(),
             next_vmm: vmm::FIRST_HANDLE,
+            captured_allocs: Default::default(),
         };
         for dev in 0..devices {
             let legacy = st.new_stream(LEGACY_STREAM, dev, true, true);
@@ -507,6 +516,25 @@ impl SimDevice {
         if crate::device::active_sim().is_some_and(|a| a.id == self.id) {
             let _ = crate::device::set_active_sim(None);
         }
+    }
+
+    /// `cuStreamBeginCapture` (global mode) on `stream` of device `dev`: from now until
+    /// [`end_capture`](Self::end_capture), the calls a capture forbids fail as the driver's
+    /// do and invalidate it (module `capture`); work on the stream still runs.
+    pub fn begin_capture(&self, dev: i32, stream: RawStream) -> Result<()> {
+        self.with(Some(dev), |st| {
+            let sid = st.resolve(Some(dev), stream)?;
+            st.begin_capture(sid, stream)
+        })
+    }
+
+    /// `cuStreamEndCapture`: ends `stream`'s capture; `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`
+    /// when a forbidden call invalidated it.
+    pub fn end_capture(&self, dev: i32, stream: RawStream) -> Result<()> {
+        self.with(Some(dev), |st| {
+            let sid = st.resolve(Some(dev), stream)?;
+            st.end_capture(sid, stream)
+        })
     }
 
     /// Whether the device has been closed.
@@ -825,23 +853,47 @@ impl Backend for SimDevice {
     }
 
     fn mem_alloc(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
-        self.with(Some(dev), |st| st.alloc_plain(dev, bytes, AllocKind::Device))
+        self.with(Some(dev), |st| {
+            st.refuse_while_capturing(dev, "cuMemAlloc")?;
+            st.alloc_plain(dev, bytes, AllocKind::Device)
+        })
     }
 
     fn mem_free(&self, dev: i32, ptr: DevPtr) -> Result<()> {
-        self.with_release(dev, |st| if ptr == 0 { Ok(()) } else { st.free_plain(ptr, false) })
+        self.with_release(dev, |st| {
+            st.refuse_while_capturing(dev, "cuMemFree")?;
+            st.captured_allocs.remove(&ptr);
+            if ptr == 0 {
+                Ok(())
+            } else {
+                st.free_plain(ptr, false)
+            }
+        })
     }
 
     fn mem_alloc_managed(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
-        self.with(Some(dev), |st| st.alloc_plain(dev, bytes, AllocKind::Managed))
+        self.with(Some(dev), |st| {
+            st.refuse_while_capturing(dev, "cuMemAllocManaged")?;
+            st.alloc_plain(dev, bytes, AllocKind::Managed)
+        })
     }
 
     fn mem_host_alloc(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
-        self.with(Some(dev), |st| st.alloc_plain(dev, bytes, AllocKind::Pinned))
+        self.with(Some(dev), |st| {
+            st.refuse_while_capturing(dev, "cuMemHostAlloc")?;
+            st.alloc_plain(dev, bytes, AllocKind::Pinned)
+        })
     }
 
     fn mem_free_host(&self, dev: i32, ptr: DevPtr) -> Result<()> {
-        self.with_release(dev, |st| if ptr == 0 { Ok(()) } else { st.free_plain(ptr, true) })
+        self.with_release(dev, |st| {
+            st.refuse_while_capturing(dev, "cuMemFreeHost")?;
+            if ptr == 0 {
+                Ok(())
+            } else {
+                st.free_plain(ptr, true)
+            }
+        })
     }
 
     fn pool_default(&self, dev: i32, managed: bool) -> Result<RawPool> {
@@ -902,21 +954,35 @@ impl Backend for SimDevice {
     }
 
     fn pool_get_attr(&self, dev: i32, pool: RawPool, attr: PoolAttr) -> Result<u64> {
-        self.with(Some(dev), |st| st.pool_attr(pool, attr))
+        self.with(Some(dev), |st| {
+            st.refuse_while_capturing(dev, "cuMemPoolGetAttribute")?;
+            st.pool_attr(pool, attr)
+        })
     }
 
     fn pool_set_attr(&self, dev: i32, pool: RawPool, attr: PoolAttr, value: u64) -> Result<()> {
-        self.with(Some(dev), |st| st.set_pool_attr(pool, attr, value))
+        self.with(Some(dev), |st| {
+            st.refuse_while_capturing(dev, "cuMemPoolSetAttribute")?;
+            st.set_pool_attr(pool, attr, value)
+        })
     }
 
     fn pool_trim_to(&self, dev: i32, pool: RawPool, keep_bytes: usize) -> Result<()> {
-        self.with(Some(dev), |st| st.pool_trim(pool, keep_bytes))
+        self.with(Some(dev), |st| {
+            st.refuse_while_capturing(dev, "cuMemPoolTrimTo")?;
+            st.pool_trim(pool, keep_bytes)
+        })
     }
 
     fn pool_alloc_async(&self, dev: i32, pool: RawPool, bytes: usize, stream: RawStream) -> Result<DevPtr> {
         self.with(Some(dev), |st| {
             let sid = st.resolve(Some(dev), stream)?;
-            st.pool_alloc(pool, bytes, sid)
+            let captured = st.check_capture_alloc(dev, sid)?;
+            let ptr = st.pool_alloc(pool, bytes, sid)?;
+            if captured {
+                st.captured_allocs.insert(ptr);
+            }
+            Ok(ptr)
         })
     }
 
@@ -926,7 +992,10 @@ impl Backend for SimDevice {
             if ptr == 0 {
                 return Ok(());
             }
-            st.pool_free(ptr, sid)
+            st.check_capture_free(dev, sid, ptr)?;
+            st.pool_free(ptr, sid)?;
+            st.captured_allocs.remove(&ptr);
+            Ok(())
         })
     }
 
@@ -1001,7 +1070,11 @@ impl Backend for SimDevice {
     }
 
     fn stream_id(&self, dev: i32, stream: RawStream) -> Result<u64> {
-        self.with(Some(dev), |st| st.resolve(Some(dev), stream))
+        self.with(Some(dev), |st| {
+            let sid = st.resolve(Some(dev), stream)?;
+            st.refuse_on_capturing(sid, "cuStreamGetId")?;
+            Ok(sid)
+        })
     }
 
     fn stream_destroyed(&self, stream: RawStream) -> bool {
@@ -1013,13 +1086,23 @@ impl Backend for SimDevice {
     fn stream_device(&self, stream: RawStream) -> Result<i32> {
         self.with(None, |st| {
             let sid = st.resolve(None, stream)?;
+            st.refuse_on_capturing(sid, "cuStreamGetDevice")?;
             Ok(st.streams[&sid].dev)
+        })
+    }
+
+    fn stream_capturing(&self, dev: i32, stream: RawStream) -> Result<bool> {
+        self.with(Some(dev), |st| {
+            let sid = st.resolve(Some(dev), stream)?;
+            Ok(st.capturing(sid))
         })
     }
 
     fn stream_synchronize(&self, dev: i32, stream: RawStream) -> Result<()> {
         self.with(Some(dev), |st| {
             let sid = st.resolve(Some(dev), stream)?;
+            st.refuse_on_capturing(sid, "cuStreamSynchronize")?;
+            st.refuse_while_capturing(dev, "cuStreamSynchronize")?;
             let seq = st.streams[&sid].seq;
             st.host_wait(sid, seq);
             Ok(())
@@ -1029,6 +1112,8 @@ impl Backend for SimDevice {
     fn stream_query(&self, dev: i32, stream: RawStream) -> Result<bool> {
         self.with(Some(dev), |st| {
             let sid = st.resolve(Some(dev), stream)?;
+            st.refuse_on_capturing(sid, "cuStreamQuery")?;
+            st.refuse_while_capturing(dev, "cuStreamQuery")?;
             Ok(st.streams[&sid].queue.is_empty())
         })
     }
@@ -1036,6 +1121,7 @@ impl Backend for SimDevice {
     fn stream_wait_event(&self, dev: i32, stream: RawStream, event: RawEvent) -> Result<()> {
         self.with(Some(dev), |st| {
             let sid = st.resolve(Some(dev), stream)?;
+            st.check_capture_wait(sid, event)?;
             // An event never recorded orders nothing, as in the driver (on the legacy stream
             // the call is still a barrier with the blocking streams: see `add_dependency`).
             let clock = st.event(event)?.recorded.as_ref().map(|(_, _, c)| c.clone()).unwrap_or_default();
@@ -1048,7 +1134,7 @@ impl Backend for SimDevice {
         self.with(Some(dev), |st| {
             let handle = st.next_event;
             st.next_event += 0x10;
-            st.events.insert(handle, EventState { dev, recorded: None });
+            st.events.insert(handle, EventState { dev, recorded: None, captured: false });
             Ok(handle)
         })
     }
@@ -1073,17 +1159,24 @@ impl Backend for SimDevice {
             }
             let clock = st.enqueue(sid, Work::Nothing, OpKind::EventRecord, "", None);
             let seq = st.streams[&sid].seq;
-            st.events.get_mut(&event).expect("checked above").recorded = Some((sid, seq, clock));
+            let captured = st.capturing(sid);
+            let e = st.events.get_mut(&event).expect("checked above");
+            e.recorded = Some((sid, seq, clock));
+            e.captured = captured;
             Ok(())
         })
     }
 
     fn event_query(&self, dev: i32, event: RawEvent) -> Result<bool> {
-        self.with(Some(dev), |st| st.event_done(event))
+        self.with(Some(dev), |st| {
+            st.check_event_use(dev, event, "cuEventQuery")?;
+            st.event_done(event)
+        })
     }
 
     fn event_synchronize(&self, dev: i32, event: RawEvent) -> Result<()> {
         self.with(Some(dev), |st| {
+            st.check_event_use(dev, event, "cuEventSynchronize")?;
             let (sid, seq) = match &st.event(event)?.recorded {
                 Some((sid, seq, _)) => (*sid, *seq),
                 None => return Ok(()),
@@ -1226,6 +1319,7 @@ impl Backend for SimDevice {
 
     fn ctx_synchronize(&self, dev: i32) -> Result<()> {
         self.with(Some(dev), |st| {
+            st.refuse_while_capturing(dev, "cuCtxSynchronize")?;
             st.run_all(dev);
             st.apply_thresholds();
             Ok(())

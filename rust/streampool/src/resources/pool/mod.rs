@@ -297,6 +297,11 @@ pub struct ShardedPoolMemoryResource {
     /// (`sweep_borrowed`).
     sweep_at: AtomicUsize,
     counters: Counters,
+    /// Allocations made on streams capturing a CUDA graph, passed to the upstream (graph
+    /// memory, which the pool's shards never hold), by address: their size. Looked at
+    /// only on the cold paths, and there only while not empty (`captured_count`).
+    captured: crate::sync::Mutex<std::collections::HashMap<DevPtr, usize>>,
+    captured_count: AtomicUsize,
 }
 
 /// Written off the hot path (an event every batch of frees, steals, growth), read by
@@ -406,6 +411,8 @@ impl ShardedPoolMemoryResource {
             reserved: AtomicUsize::new(0),
             demand: AtomicU64::new(0),
             peak_live: AtomicUsize::new(0),
+            captured: Default::default(),
+            captured_count: AtomicUsize::new(0),
             sweep_at: AtomicUsize::new(SWEEP_SHARDS),
             counters: Counters::default(),
         };
@@ -763,13 +770,75 @@ impl ShardedPoolMemoryResource {
     #[cold]
     #[inline(never)]
     fn allocate_cold(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        if stream.is_capturing() {
+            return self.allocate_captured(bytes, stream);
+        }
         checked_allocate(self, bytes, stream)
     }
 
     #[cold]
     #[inline(never)]
     fn deallocate_cold(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if stream.is_capturing() {
+            return self.deallocate_captured(ptr, bytes, stream);
+        }
+        if self.captured_count.load(Ordering::Relaxed) != 0 {
+            // Graph memory freed after its capture, on any stream: the upstream's.
+            if let Some(size) = self.take_captured(ptr, bytes)? {
+                return self.upstream.deallocate(ptr, size, stream);
+            }
+        }
         checked_deallocate(self, ptr, bytes, stream)
+    }
+
+    /// An allocation on a stream capturing a CUDA graph: the upstream's (graph memory).
+    /// The hot paths never see such a stream (`Stream::is_bound_to` is false for it).
+    fn allocate_captured(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
+        if let Some(settled) = settle_allocate(self, bytes, stream) {
+            return settled;
+        }
+        let ptr = self.upstream.allocate(bytes, stream)?;
+        crate::sync::lock(&self.captured).insert(ptr, bytes);
+        self.captured_count.fetch_add(1, Ordering::Relaxed);
+        Ok(ptr)
+    }
+
+    fn deallocate_captured(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if let Some(settled) = settle_deallocate(self, ptr, bytes, stream) {
+            return settled;
+        }
+        match self.take_captured(ptr, bytes)? {
+            // In the capture that allocated it: a free node of the graph.
+            Some(size) => self.upstream.deallocate(ptr, size, stream),
+            // The pool's own memory, freed on a capturing stream: its blocks would be
+            // reused while the graph still uses them, and the event that orders a reuse
+            // cannot be recorded in a capture.
+            None => Err(Error::InvalidStream(format!(
+                "{ptr:#x} was allocated before the capture of stream {:#x} began: the pool cannot \
+                 free it on that stream while it captures a CUDA graph; free it once the capture \
+                 has ended (streampool's allocator entry points for PyTorch and CuPy defer such \
+                 frees themselves)",
+                stream.handle()
+            ))),
+        }
+    }
+
+    /// Forgets the captured allocation at `ptr`, checking its size: its size, or `None`
+    /// when `ptr` is not one.
+    fn take_captured(&self, ptr: DevPtr, bytes: usize) -> Result<Option<usize>> {
+        let mut captured = crate::sync::lock(&self.captured);
+        match captured.get(&ptr) {
+            None => Ok(None),
+            Some(&size) if size != bytes => Err(Error::InvalidPointer(format!(
+                "{ptr:#x} (allocated in a CUDA graph capture, through the upstream) freed with size \
+                 {bytes}, allocated with {size}"
+            ))),
+            Some(&size) => {
+                captured.remove(&ptr);
+                self.captured_count.fetch_sub(1, Ordering::Relaxed);
+                Ok(Some(size))
+            }
+        }
     }
 }
 
@@ -865,6 +934,9 @@ impl MemoryResource for ShardedPoolMemoryResource {
         if let Some(ptr) = self.allocate_own(bytes, stream, false) {
             return Some(Ok(ptr));
         }
+        if stream.is_capturing() {
+            return None; // the upstream's, on the full path
+        }
         // Settled by the checks (the null pointer, an error); else completed blocks of
         // other streams' shards (policy step 3) when no lock must be waited for; else the
         // full path's.
@@ -881,6 +953,9 @@ impl MemoryResource for ShardedPoolMemoryResource {
         }
         // One look into the stream's own shard, whichever way the checks are passed.
         if !self.plainly_freeable(ptr, bytes, stream) {
+            if stream.is_capturing() || self.captured_count.load(Ordering::Relaxed) != 0 {
+                return None; // a capture's, or perhaps graph memory: the full path's
+            }
             if let Some(settled) = settle_deallocate(self, ptr, bytes, stream) {
                 return Some(settled);
             }
@@ -907,6 +982,11 @@ impl MemoryResource for ShardedPoolMemoryResource {
 
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
         self.free_into(ptr, bytes, stream, true).unwrap_or(Ok(()))
+    }
+
+    /// As its upstream: captured allocations are the upstream's.
+    fn serves_capture(&self) -> bool {
+        self.upstream.serves_capture()
     }
 }
 
