@@ -6,7 +6,10 @@ tests/test_gpu_frameworks.py."""
 
 from __future__ import annotations
 
+import ctypes
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -14,9 +17,32 @@ import streampool
 from streampool import allocators, mr
 from streampool.sim import SimulatedDevice
 
-from .test_allocators import ALLOC, FREE
+from .test_allocators import ALLOC, FREE, LIB
 
 MIB = 1 << 20
+BEGIN = getattr(LIB, allocators.CAPTURE_BEGIN_FUNCTION)
+BEGIN.restype = None
+BEGIN.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p]
+END = getattr(LIB, allocators.CAPTURE_END_FUNCTION)
+END.restype = None
+END.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
+
+
+@contextmanager
+def capture(sim: SimulatedDevice, s: streampool.Stream | None = None) -> Iterator[None]:
+    """A capture as PyTorch makes one: announced to the entry points (its pool hooks) just
+    before it begins, and its end announced after it ends. `s=None`: the calling thread's
+    per-thread default stream."""
+    stream = s if s is not None else streampool.PER_THREAD_DEFAULT_STREAM
+    BEGIN(0, 1, 2, None)
+    sim.begin_capture(stream)
+    try:
+        yield
+    finally:
+        try:
+            sim.end_capture(stream)  # raises had anything invalidated the capture
+        finally:
+            END(0, 1, 2)
 
 
 def alloc(size: int, stream: streampool.Stream) -> int:
@@ -43,11 +69,10 @@ def test_the_drivers_pool_allocates_graph_memory_in_a_capture(sim: SimulatedDevi
     use(stats)
     s = streampool.Stream()
     failures = allocators.failure_count()
-    sim.begin_capture(s)
-    p, q = alloc(MIB, s), alloc(2 * MIB, s)
-    assert p and q
-    free(p, MIB, s)  # in the capture: a free node of the graph
-    sim.end_capture(s)  # raises had anything invalidated the capture
+    with capture(sim, s):
+        p, q = alloc(MIB, s), alloc(2 * MIB, s)
+        assert p and q
+        free(p, MIB, s)  # in the capture: a free node of the graph
     free(q, 2 * MIB, s)  # graph memory freed after its capture
     assert allocators.failure_count() == failures, allocators.last_error()
     assert stats.allocation_counts.current_bytes == 0
@@ -63,10 +88,9 @@ def test_the_sharded_pool_passes_a_captures_allocations_to_the_drivers_pool(
     free(warm, MIB, s)
     reserved = pool.stats["reserved_bytes"]
     failures = allocators.failure_count()
-    sim.begin_capture(s)
-    p = alloc(3 * MIB, s)
-    assert p
-    sim.end_capture(s)
+    with capture(sim, s):
+        p = alloc(3 * MIB, s)
+        assert p
     assert pool.stats["reserved_bytes"] == reserved  # graph memory is not the pool's
     free(p, 3 * MIB, s)
     assert allocators.failure_count() == failures, allocators.last_error()
@@ -81,37 +105,91 @@ def test_a_free_of_memory_from_before_the_capture_waits_for_its_end(
     s = streampool.Stream()
     before = alloc(MIB, s)
     failures = allocators.failure_count()
-    sim.begin_capture(s)
-    free(before, MIB, s)  # PyTorch frees on the allocation's stream, capturing or not
-    assert pool.stats["used_bytes"] > 0  # put off: its block would be reused in the graph's life
-    inside = alloc(MIB, s)  # the capture goes on; nothing put off is due yet
-    free(inside, MIB, s)
-    assert pool.stats["used_bytes"] > 0
-    sim.end_capture(s)
+    with capture(sim, s):
+        free(before, MIB, s)  # PyTorch frees on the allocation's stream, capturing or not
+        assert pool.stats["used_bytes"] > 0  # put off: its block would be reused in the graph's life
+        inside = alloc(MIB, s)
+        free(inside, MIB, s)
+        assert pool.stats["used_bytes"] > 0
     later = alloc(256, s)  # the next call frees what was put off
     free(later, 256, s)
     assert allocators.failure_count() == failures, allocators.last_error()
     assert pool.stats["used_bytes"] == 0
 
 
+@pytest.mark.parametrize("first", ["free", "alloc"])
 def test_a_free_on_another_stream_during_a_capture_waits_for_its_end(
-    sim: SimulatedDevice, current: None
+    sim: SimulatedDevice, current: None, first: str
 ) -> None:
-    """PyTorch frees a tensor on the stream it was allocated on, capturing or not; during a
-    capture in the global mode the driver refuses a free on another stream, and the
-    capture is invalidated."""
-    use(mr.CudaAsyncMemoryResource())
+    """During a capture in the global mode the driver refuses a free on another stream (and
+    the capture is invalidated), from its beginning: before its first allocation too."""
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    use(stats)
     s, t = streampool.Stream(), streampool.Stream()
     before = alloc(MIB, t)
     failures = allocators.failure_count()
-    sim.begin_capture(s)
-    inside = alloc(MIB, s)  # the entry points see the capture
-    free(before, MIB, t)  # put off
-    free(inside, MIB, s)
-    sim.end_capture(s)  # raises had the free reached the driver
+    with capture(sim, s):
+        if first == "alloc":
+            free(alloc(MIB, s), MIB, s)
+        free(before, MIB, t)  # put off
+        free(alloc(MIB, s), MIB, s)
     later = alloc(256, t)  # frees what was put off
     free(later, 256, t)
     assert allocators.failure_count() == failures, allocators.last_error()
+    assert stats.allocation_counts.current_bytes == 0
+
+
+def test_what_one_capture_put_off_waits_through_the_next(sim: SimulatedDevice, current: None) -> None:
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    use(stats)
+    s1, s2, t = streampool.Stream(), streampool.Stream(), streampool.Stream()
+    before = alloc(MIB, t)
+    failures = allocators.failure_count()
+    with capture(sim, s1):
+        free(before, MIB, t)
+    with capture(sim, s2):  # its first allocation frees nothing put off
+        free(alloc(MIB, s2), MIB, s2)
+    free(alloc(256, t), 256, t)
+    assert allocators.failure_count() == failures, allocators.last_error()
+    assert stats.allocation_counts.current_bytes == 0
+
+
+def test_a_capture_on_a_thread_that_exits_leaves_nothing_behind(sim: SimulatedDevice, current: None) -> None:
+    """Its per-thread default stream's frees put off are freed by another thread, on the
+    legacy default stream (ordered after it)."""
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    use(stats)
+    ptds = streampool.PER_THREAD_DEFAULT_STREAM
+    failures = allocators.failure_count()
+
+    def worker() -> None:
+        before = ALLOC(MIB, 0, ptds.handle)
+        with capture(sim):
+            FREE(before, MIB, 0, ptds.handle)  # put off
+            FREE(ALLOC(MIB, 0, ptds.handle), MIB, 0, ptds.handle)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    s = streampool.Stream()
+    for _ in range(3):
+        free(alloc(MIB, s), MIB, s)
+    assert allocators.failure_count() == failures, allocators.last_error()
+    assert stats.allocation_counts.current_bytes == 0
+
+
+def test_outside_an_announced_capture_the_entry_points_ask_nothing_more(
+    sim: SimulatedDevice, current: None
+) -> None:
+    """A capture not announced to the entry points is not seen (its stream is asked its
+    identity, which invalidates it): streams are asked whether they capture only while one
+    is announced, so that a program that never captures pays nothing, and a stream
+    destroyed by its owner is never asked (the question crashes the driver there)."""
+    s = streampool.Stream()
+    sim.begin_capture(s)
+    assert alloc(256, s) == 0
+    with pytest.raises(streampool.StreampoolError, match="INVALIDATED"):
+        sim.end_capture(s)
 
 
 @pytest.mark.parametrize("kind", ["fixed_size", "binning", "cuda", "pool_over_cuda", "arena"])
@@ -129,12 +207,11 @@ def test_a_resource_that_cannot_serve_a_capture_says_so(
     use(resource)
     s = streampool.Stream()
     failures = allocators.failure_count()
-    sim.begin_capture(s)
-    assert alloc(4096, s) == 0
-    assert allocators.failure_count() == failures + 1
-    error = allocators.last_error() or ""
-    assert "capturing a CUDA graph" in error and "CudaAsyncMemoryResource" in error, error
-    sim.end_capture(s)  # the refusal harmed nothing
+    with capture(sim, s):  # the refusal harms nothing
+        assert alloc(4096, s) == 0
+        assert allocators.failure_count() == failures + 1
+        error = allocators.last_error() or ""
+        assert "capturing a CUDA graph" in error and "CudaAsyncMemoryResource" in error, error
     p = alloc(4096, s)
     assert p
     free(p, 4096, s)
@@ -148,3 +225,77 @@ def test_asking_a_capturing_streams_identity_invalidates_the_capture(sim: Simula
         s.synchronize()
     with pytest.raises(streampool.StreampoolError, match="INVALIDATED"):
         sim.end_capture(s)
+
+
+class _ForeignStream:
+    """Another library's stream object (cuda.core's protocol)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def test_another_librarys_capturing_stream_is_wrapped_without_harming_the_capture(
+    sim: SimulatedDevice,
+) -> None:
+    s = streampool.Stream()
+    foreign = _ForeignStream(s.handle)
+    served = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    refusing = mr.ShardedPoolMemoryResource(mr.CudaMemoryResource())
+    sim.begin_capture(s)
+    p = served.allocate(MIB, foreign)  # graph memory
+    served.deallocate(p, MIB, foreign)
+    with pytest.raises(streampool.StreampoolError, match="capturing a CUDA graph"):
+        refusing.allocate(MIB, foreign)
+    sim.end_capture(s)  # raises had anything asked the stream its identity
+    q = refusing.allocate(MIB, foreign)  # an ordinary stream again
+    refusing.deallocate(q, MIB, foreign)
+
+
+def test_a_stream_object_made_during_a_capture_is_refused_saying_why(sim: SimulatedDevice) -> None:
+    """A streampool.Stream lives on past the capture, marked or not: made from a capturing
+    stream it is refused (asking the stream's device would invalidate the capture)."""
+    s = streampool.Stream()
+    sim.begin_capture(s)
+    with pytest.raises(streampool.StreampoolError, match="capturing a CUDA graph"):
+        streampool.Stream(_ForeignStream(s.handle))
+    sim.end_capture(s)
+    assert streampool.Stream(_ForeignStream(s.handle)).handle == s.handle
+
+
+def test_use_hands_pytorch_the_capture_announcements() -> None:
+    """What torch.use() sets on PyTorch's pluggable allocator (its pool hooks, which
+    torch.cuda.graph calls around each capture), shown with a stand-in for it."""
+    from streampool.allocators import torch as sp_torch
+
+    class Hooks:
+        def __init__(self, refuse: bool = False) -> None:
+            self.set: dict[str, int] = {}
+            self.refuse = refuse
+
+        def set_begin_allocate_to_pool(self, address: int) -> None:
+            if self.refuse:
+                raise TypeError("incompatible function arguments")
+            self.set["begin"] = address
+
+        def set_end_allocate_to_pool_fn(self, address: int) -> None:
+            self.set["end"] = address
+
+    class Pluggable:
+        def __init__(self, hooks: object) -> None:
+            self._allocator = hooks
+
+    hooks = Hooks()
+    assert sp_torch._announce_captures(Pluggable(hooks))
+    address = {
+        name: ctypes.cast(getattr(LIB, f), ctypes.c_void_p).value
+        for name, f in (
+            ("begin", allocators.CAPTURE_BEGIN_FUNCTION),
+            ("end", allocators.CAPTURE_END_FUNCTION),
+        )
+    }
+    assert hooks.set == address
+    assert not sp_torch._announce_captures(Pluggable(Hooks(refuse=True)))
+    assert not sp_torch._announce_captures(Pluggable(object()))

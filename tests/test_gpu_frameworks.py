@@ -248,7 +248,8 @@ _TORCH_GRAPH = """
     from streampool import mr
     from streampool.allocators import torch as sp_torch
     RESOURCE
-    sp_torch.use()
+    said = sp_torch.use()
+    assert "CUDA graph captures are announced" in said, said
     import torch
     x = torch.randn(1 << 20, device="cuda")
     before = torch.ones(1 << 18, device="cuda")
@@ -261,21 +262,29 @@ _TORCH_GRAPH = """
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, capture_error_mode="MODE"):
+        del before  # memory from before the capture, freed first thing during it
         tmp = x * 2
         y = tmp + 1
         del tmp
-        del before  # memory from before the capture, freed during it
+    # A second capture on another stream, while the first one's put-off free waits.
+    later = torch.ones(1 << 18, device="cuda")
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2, stream=torch.cuda.Stream(), capture_error_mode="MODE"):
+        del later
+        z = x * 3
     others = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(8)]
     for value in (1.0, 2.0, 3.0):
         x.fill_(value)
         g.replay()
+        g2.replay()
         torch.cuda.synchronize()
         assert bool((y == 2 * value + 1).all()), value
+        assert bool((z == 3 * value).all()), value
         assert all(bool((o == 7.0).all()) for o in others)
-    del g, y
-    z = torch.ones(1 << 22, device="cuda")
+    del g, y, g2, z
+    w = torch.ones(1 << 22, device="cuda")
     torch.cuda.synchronize()
-    assert float(z.sum()) == 1 << 22
+    assert float(w.sum()) == 1 << 22
     from streampool import allocators
     print("failures", allocators.failure_count(), allocators.last_error())
 """
@@ -295,6 +304,33 @@ def test_torch_captures_and_replays_a_cuda_graph(resource: str, mode: str) -> No
     pytest.importorskip("torch")
     out = run_python(_TORCH_GRAPH.replace("RESOURCE", resource).replace("MODE", mode))
     assert "failures 0" in out, out
+
+
+def test_a_free_on_a_stream_its_owner_destroyed_is_freed() -> None:
+    """The entry points ask a stream nothing beyond its identity outside a capture: the
+    question a capture needs (cuStreamIsCapturing) crashes the driver on a destroyed handle,
+    and PyTorch frees on the allocation's stream however long after."""
+    out = run_python(
+        """
+        import ctypes as C
+        import streampool
+        from streampool import allocators as A, mr
+        lib = C.CDLL(A.library_path()); cu = C.CDLL("libcuda.so.1")
+        alloc = lib.streampool_alloc; alloc.restype = C.c_void_p
+        alloc.argtypes = [C.c_size_t, C.c_int, C.c_void_p]
+        free = lib.streampool_free; free.argtypes = [C.c_void_p, C.c_size_t, C.c_int, C.c_void_p]
+        stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+        streampool.set_current_device_resource(stats)
+        free(alloc(256, 0, None), 256, 0, None)  # the context made
+        s = C.c_void_p(); assert cu.cuStreamCreate(C.byref(s), 1) == 0
+        p = alloc(1 << 20, 0, s)
+        failures = A.failure_count()
+        assert cu.cuStreamDestroy_v2(s) == 0
+        free(p, 1 << 20, 0, s)
+        print("failures", A.failure_count() - failures, "live", stats.allocation_counts.current_bytes)
+        """
+    )
+    assert "failures 0 live 0" in out, out
 
 
 def test_torch_capture_on_a_resource_that_cannot_serve_it_is_a_clear_error() -> None:

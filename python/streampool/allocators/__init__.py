@@ -48,6 +48,8 @@ from .. import _native
 
 __all__ = [
     "ALLOC_FUNCTION",
+    "CAPTURE_BEGIN_FUNCTION",
+    "CAPTURE_END_FUNCTION",
     "CXX_ALLOC_FUNCTION",
     "FREE_CXX_FUNCTION",
     "FREE_FUNCTION",
@@ -74,6 +76,16 @@ FREE_FUNCTION = "streampool_free"
 #: The name of the exported free function for what ``streampool_alloc_cxx`` gave: the pair
 #: keeps PyTorch's memory statistics (:func:`streampool.allocators.torch.memory_stats`).
 FREE_CXX_FUNCTION = "streampool_free_cxx"
+#: The exported function to call just before capturing a CUDA graph whose allocations come
+#: through these entry points, ``void (int device, uint64_t, uint64_t, const void *)`` (the
+#: last three unread: PyTorch's ``beginAllocateToPool`` hook, which :func:`torch.use` sets,
+#: has that shape). Until the matching :data:`CAPTURE_END_FUNCTION`, the entry points ask
+#: each stream whether it captures and put off the frees a capture forbids
+#: (docs/frameworks.md, "CUDA graphs").
+CAPTURE_BEGIN_FUNCTION = "streampool_capture_begin"
+#: The exported function to call once that capture has ended, ``void (int device,
+#: uint64_t, uint64_t)`` (PyTorch's ``endAllocateToPool`` hook).
+CAPTURE_END_FUNCTION = "streampool_capture_end"
 
 
 def library_path() -> str:

@@ -44,12 +44,15 @@ ImportError naming the package.
 
 from __future__ import annotations
 
+import ctypes
 import operator
 import warnings
 from typing import Any
 
 from .. import _errors, _native
 from . import (
+    CAPTURE_BEGIN_FUNCTION,
+    CAPTURE_END_FUNCTION,
     CXX_ALLOC_FUNCTION,
     FREE_CXX_FUNCTION,
     FREE_FUNCTION,
@@ -116,10 +119,33 @@ def _pluggable(alloc_function: str, free_function: str) -> Any:
                 f"this PyTorch ({torch.__version__}) is built without CUDA, so it cannot take a CUDA "
                 "allocator: install a CUDA build of PyTorch (pip install torch)"
             )
-        _ALLOCATORS[alloc_function, free_function] = _torch_memory.CUDAPluggableAllocator(
-            library_path(), alloc_function, free_function
-        )
+        pluggable = _torch_memory.CUDAPluggableAllocator(library_path(), alloc_function, free_function)
+        _HOOKED[alloc_function] = _announce_captures(pluggable)
+        _ALLOCATORS[alloc_function, free_function] = pluggable
     return _ALLOCATORS[alloc_function, free_function]
+
+
+# Whether the pluggable allocator of each allocation function announces captures.
+_HOOKED: dict[str, bool] = {}
+
+
+def _announce_captures(pluggable: Any) -> bool:
+    """Makes PyTorch tell streampool when it begins and ends capturing a CUDA graph (the
+    pluggable allocator's pool hooks, which ``torch.cuda.graph`` calls around each capture):
+    only then do the entry points ask streams whether they capture (docs/frameworks.md,
+    "CUDA graphs"). False where this PyTorch has no such hooks: captures then fail."""
+    inner = getattr(pluggable, "_allocator", None)
+    begin = getattr(inner, "set_begin_allocate_to_pool", None)
+    end = getattr(inner, "set_end_allocate_to_pool_fn", None)
+    if begin is None or end is None:
+        return False
+    lib = ctypes.CDLL(library_path())
+    try:
+        begin(ctypes.cast(getattr(lib, CAPTURE_BEGIN_FUNCTION), ctypes.c_void_p).value)
+        end(ctypes.cast(getattr(lib, CAPTURE_END_FUNCTION), ctypes.c_void_p).value)
+    except (TypeError, RuntimeError):  # a PyTorch whose setters take something else
+        return False
+    return True
 
 
 def use(*, memory_stats: bool = True) -> str:
@@ -176,6 +202,11 @@ def _install(memory_stats: bool = True) -> str:
             "program, or use mem_pool() to route one region's allocations through streampool."
         ) from e
     _IN_USE = True
+    graphs = (
+        "CUDA graph captures are announced to streampool"
+        if _HOOKED.get(CXX_ALLOC_FUNCTION, False)
+        else "CUDA graph captures are not announced (this PyTorch's pluggable allocator has no pool hooks)"
+    )
     raises = (
         "torch.OutOfMemoryError"
         if _native._use_torch_out_of_memory()
@@ -189,7 +220,7 @@ def _install(memory_stats: bool = True) -> str:
     return (
         f"torch.cuda allocator: CUDAPluggableAllocator({library_path()!r}, {CXX_ALLOC_FUNCTION!r}, "
         f"{FREE_CXX_FUNCTION!r}); out of memory raises {raises}; torch.cuda.memory_stats() and the "
-        f"functions built on it {stats}"
+        f"functions built on it {stats}; {graphs}"
     )
 
 
@@ -261,7 +292,8 @@ def memory_stats(device: Any = None) -> dict[str, Any]:
     the number of allocations (``allocation``, ``active``), each ``current``, ``peak``,
     ``allocated`` and ``freed`` since the last reset; ``reserved_bytes``, what the device's
     current resource holds from its upstream and its peak (for the driver's pool, which
-    other libraries may share, all of its reserved memory); ``num_ooms``, the out-of-memory
+    other libraries may share, all of its reserved memory; 0 during a CUDA graph capture,
+    which asking the driver's pool would invalidate); ``num_ooms``, the out-of-memory
     failures. Counted by ``streampool_alloc_cxx`` and ``streampool_free_cxx``, the functions
     :func:`use` gives PyTorch (a ``mem_pool()`` region's memory is PyTorch's own, in its own
     statistics). Statistics streampool has no part in (segments, inactive splits, oversize

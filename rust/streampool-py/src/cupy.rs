@@ -142,12 +142,14 @@ impl CupyAllocator {
             true => None,
             false => this.stream_ref(py, handle)?,
         };
-        capi::capture::drain();
-        let (device, mr, fast, capturing) = capi::with_current(None, handle, |device, mr, stream| {
-            let fast = mr.try_allocate(nbytes, stream).ok_or_else(|| stream.clone());
-            Ok((device, mr.clone(), fast, stream.is_capturing()))
-        })
-        .or_raise(py)?;
+        // CuPy's current stream is alive: it may be asked whether it captures.
+        let (device, mr, fast, capturing) =
+            capi::with_current_asking(None, handle, true, |device, mr, stream| {
+                capi::capture::drain(stream.is_capturing());
+                let fast = mr.try_allocate(nbytes, stream).ok_or_else(|| stream.clone());
+                Ok((device, mr.clone(), fast, stream.is_capturing()))
+            })
+            .or_raise(py)?;
         let ptr = match fast {
             Ok(settled) => {
                 fast_path_settled(py);
@@ -318,9 +320,10 @@ impl Drop for CupyMemory {
                 _ if self.thread.is_some_and(|t| t != std::thread::current().id()) => LEGACY_STREAM,
                 _ => self.stream,
             };
-            capi::capture::drain();
+            // The stream is the allocation's while its CuPy object lives, else the legacy one.
             let free_on = |handle| {
-                capi::with_current(Some(device), handle, |device, _, stream| {
+                capi::with_current_asking(Some(device), handle, true, |device, _, stream| {
+                    capi::capture::drain(stream.is_capturing());
                     if let Some(done) = capi::capture::free(device, mr, ptr, size, stream) {
                         return Ok(Ok(done));
                     }

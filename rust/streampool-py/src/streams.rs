@@ -150,7 +150,7 @@ impl PyStream {
             return Ok(PyStream { inner: ours.inner.clone(), owner: Some(owner) });
         }
         let backend = detached(py, device::backend)?;
-        let inner = foreign_stream(py, obj, &backend)?;
+        let inner = foreign_stream(py, obj, &backend, false)?;
         Ok(PyStream { inner, owner: Some(obj.clone().unbind()) })
     }
 }
@@ -293,7 +293,7 @@ pub(crate) fn to_stream<'a, 'b>(
     if let Ok(s) = obj.cast::<PyStream>() {
         return Ok(Cow::Borrowed(&s.get().inner));
     }
-    foreign_stream(py, obj, backend()).map(Cow::Owned)
+    foreign_stream(py, obj, backend(), true).map(Cow::Owned)
 }
 
 /// A DLPack consumer's `stream`: as [`to_stream`], but a bare handle is taken as live, as
@@ -312,7 +312,15 @@ pub(crate) fn consumer_stream(
     to_stream(py, Some(obj), || backend).map(Cow::into_owned)
 }
 
-fn foreign_stream(py: Python<'_>, obj: &Bound<'_, PyAny>, backend: &BackendRef) -> PyResult<Stream> {
+/// Another library's stream object (or a bare handle) as a stream; `for_call`: for one
+/// call, where a capturing stream is wrapped as such ([`Stream::borrowed_for_call`]),
+/// else (a `streampool.Stream` that lives on) refused while it captures.
+fn foreign_stream(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    backend: &BackendRef,
+    for_call: bool,
+) -> PyResult<Stream> {
     let handle = match foreign_handle(obj)? {
         Some(h) => h,
         None => {
@@ -326,10 +334,12 @@ fn foreign_stream(py: Python<'_>, obj: &Bound<'_, PyAny>, backend: &BackendRef) 
     };
     let stream_handle = handle_value(obj, &handle)?;
     // A stream object that is alive vouches for its handle; a bare int does not.
-    let borrowed = if obj.is_instance_of::<PyInt>() {
-        Stream::borrowed(backend, stream_handle)
-    } else {
-        Stream::borrowed_live(backend, stream_handle)
+    if !obj.is_instance_of::<PyInt>() {
+        backend.stream_vouched(stream_handle);
+    }
+    let borrowed = match for_call {
+        true => Stream::borrowed_for_call(backend, stream_handle),
+        false => Stream::borrowed(backend, stream_handle),
     };
     borrowed.or_raise(py)
 }

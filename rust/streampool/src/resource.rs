@@ -150,7 +150,11 @@ pub trait MemoryResource: Send + Sync + fmt::Debug {
     /// sharded pool over it (which passes captured allocations to its upstream). Pools,
     /// bins and plain resources cannot: a block freed in the capture would be handed out
     /// again while the graph, launched later, still uses it, and `cuMemAlloc` is refused
-    /// during a capture. Those refuse such an allocation, saying so (the default).
+    /// during a capture. Those refuse such an allocation, saying so (the default). A stream
+    /// is capturing for the resources when it was wrapped so ([`Stream::capturing`],
+    /// [`Stream::borrowed_for_call`]): the allocator entry points and the Python binding's
+    /// per-call wraps of other libraries' streams ask the driver; a stream wrapped earlier
+    /// is not asked again.
     fn serves_capture(&self) -> bool {
         false
     }

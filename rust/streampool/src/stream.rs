@@ -219,12 +219,38 @@ impl Stream {
     /// Wraps a handle someone else owns. Handles 0, 1 and 2 name the default streams;
     /// any other must name a live stream of `backend`. The simulated device checks that
     /// always; the CUDA driver cannot check a made-up value (it dereferences the handle,
-    /// and a garbage one crashes the process), so on CUDA a raw handle is trusted.
+    /// and a garbage one crashes the process), so on CUDA a raw handle is trusted. A stream
+    /// that is capturing a CUDA graph is refused, saying so (asking its device would
+    /// invalidate the capture): [`Stream::borrowed_for_call`] wraps one for one call.
     pub fn borrowed(backend: &BackendRef, handle: RawStream) -> Result<Self> {
+        match Self::borrowed_for_call(backend, handle)? {
+            s if s.is_capturing() => Err(Error::InvalidStream(format!(
+                "stream {handle:#x} is capturing a CUDA graph: a stream object made from it during the \
+                 capture would stay marked so after it; pass the capturing library's stream object (or \
+                 its handle) as each call's stream= instead (docs/frameworks.md, \"CUDA graphs\")"
+            ))),
+            s => Ok(s),
+        }
+    }
+
+    /// [`Stream::borrowed`] for the length of one call: a stream that is capturing a CUDA
+    /// graph is wrapped as [`Stream::capturing`] (on the calling thread's current device,
+    /// since asking the stream's own would invalidate the capture), which the resources
+    /// serve as graph memory or refuse. The mark is the stream's state at this call: a
+    /// wrapper kept past the capture would keep it.
+    pub fn borrowed_for_call(backend: &BackendRef, handle: RawStream) -> Result<Self> {
         match handle {
             LEGACY_STREAM | LEGACY_STREAM_ALIAS => Ok(Self::legacy()),
             PER_THREAD_STREAM => Ok(Self::per_thread()),
             _ => {
+                // Not asked of a handle of a stream streampool destroyed, which the driver
+                // must not see again.
+                if !backend.stream_destroyed(handle) {
+                    let current = backend.current_device().unwrap_or(0);
+                    if backend.stream_capturing(current, handle).unwrap_or(false) {
+                        return Ok(Self::capturing(backend, current, handle));
+                    }
+                }
                 let device = backend.stream_device(handle).map_err(|e| match e {
                     e @ Error::InvalidStream(_) => e, // already says so, naming the device
                     e => Error::InvalidStream(format!(

@@ -149,3 +149,63 @@ fn resources_that_cannot_serve_a_capture_refuse_it_and_stay_usable() {
         mr.deallocate(p, 4096, &s).unwrap();
     }
 }
+
+#[test]
+fn a_refused_free_of_graph_memory_keeps_it_freeable() {
+    let sim = SimDevice::with_devices(256 << 20, 2);
+    let b: BackendRef = sim.clone();
+    let pool = ShardedPoolMemoryResource::new(async_pool(&b), Default::default()).unwrap();
+    let (s, c) = capturing(&sim, &b);
+    let p = pool.allocate(MIB, &c).unwrap();
+    sim.end_capture(0, s.handle()).unwrap();
+    // A stream of the other device: refused by the checks, the record kept.
+    let other = Stream::create(&b, 1, false).unwrap();
+    assert!(matches!(pool.deallocate(p, MIB, &other), Err(Error::InvalidStream(_))));
+    // Refused by the driver (a free on another stream while a capture is under way): kept.
+    let t = stream(&b);
+    sim.begin_capture(0, t.handle()).unwrap();
+    assert!(matches!(pool.deallocate(p, MIB, &s), Err(Error::Driver { code: 900, .. })));
+    assert!(sim.end_capture(0, t.handle()).is_err());
+    pool.deallocate(p, MIB, &s).unwrap();
+}
+
+#[test]
+fn the_drivers_pool_says_a_free_from_before_the_capture_waits_for_its_end() {
+    let (sim, b) = sim();
+    let pool = async_pool(&b);
+    let s = stream(&b);
+    let before = pool.allocate(MIB, &s).unwrap();
+    sim.begin_capture(0, s.handle()).unwrap();
+    let c = Stream::capturing(&b, 0, s.handle());
+    let e = pool.deallocate(before, MIB, &c).unwrap_err();
+    assert!(matches!(&e, Error::InvalidStream(m) if m.contains("once the capture has ended")), "{e}");
+    sim.end_capture(0, s.handle()).unwrap();
+    pool.deallocate(before, MIB, &s).unwrap();
+}
+
+#[test]
+fn the_simulated_device_follows_an_invalidated_capture_and_the_legacy_stream() {
+    let sim = SimDevice::with_devices(256 << 20, 2);
+    let b: BackendRef = sim.clone();
+    let pool = b.pool_default(0, false).unwrap();
+    // An invalidated capture refuses work on its stream until it ends.
+    let s = stream(&b);
+    sim.begin_capture(0, s.handle()).unwrap();
+    assert!(b.stream_query(0, s.handle()).is_err());
+    assert!(matches!(b.pool_alloc_async(0, pool, MIB, s.handle()), Err(Error::Driver { code: 901, .. })));
+    assert!(sim.end_capture(0, s.handle()).is_err());
+    // The global mode is the process's: a synchronous allocation on device 1 is refused
+    // while device 0 captures.
+    sim.begin_capture(0, s.handle()).unwrap();
+    assert!(matches!(b.mem_alloc(1, MIB), Err(Error::Driver { code: 900, .. })));
+    assert!(sim.end_capture(0, s.handle()).is_err());
+    // The legacy stream while a blocking stream captures: 906, and the capture invalidated.
+    let blocking = Stream::create(&b, 0, true).unwrap();
+    sim.begin_capture(0, blocking.handle()).unwrap();
+    assert!(matches!(b.stream_id(0, 0), Err(Error::Driver { code: 906, .. })));
+    assert!(sim.end_capture(0, blocking.handle()).is_err());
+    // A non-blocking stream's capture leaves the legacy stream alone.
+    sim.begin_capture(0, s.handle()).unwrap();
+    b.event_create(0).and_then(|e| b.event_record(0, e, 0)).unwrap();
+    sim.end_capture(0, s.handle()).unwrap();
+}

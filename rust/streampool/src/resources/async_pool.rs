@@ -6,7 +6,7 @@ use std::fmt;
 use std::ops::Deref;
 
 use crate::device::{BackendRef, DevPtr, DeviceInfo, PoolAttr, PoolProps, RawPool};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, CUDA_ERROR_INVALID_VALUE};
 use crate::resource::{out_of_memory, Footprint, MemoryKind, MemoryResource};
 use crate::stream::Stream;
 
@@ -356,7 +356,20 @@ impl MemoryResource for CudaAsyncMemoryResource {
     }
 
     fn do_deallocate(&self, ptr: DevPtr, _bytes: usize, stream: &Stream) -> Result<()> {
-        self.backend.free_async(self.device, ptr, stream.handle())
+        self.backend.free_async(self.device, ptr, stream.handle()).map_err(|e| match e {
+            // During a capture the driver frees only what the capture allocated: the memory
+            // is still allocated, and the same free succeeds once the capture has ended.
+            Error::Driver { code: CUDA_ERROR_INVALID_VALUE, .. } if stream.is_capturing() => {
+                Error::InvalidStream(format!(
+                    "{ptr:#x} was not allocated in the CUDA graph capture of stream {:#x} (allocated \
+                     before it, or not by this {}): on a capturing stream the driver frees only what \
+                     the capture allocated; free it once the capture has ended",
+                    stream.handle(),
+                    self.name
+                ))
+            }
+            e => e,
+        })
     }
 
     /// The pool's reserved bytes and their high-water mark (the driver counts neither

@@ -935,6 +935,15 @@ impl Backend for CudaBackend {
     }
 
     fn stream_capturing(&self, dev: i32, stream: RawStream) -> Result<bool> {
+        if !is_default_stream(stream) {
+            // As `stream_id`: the entry points ask at every call, and a stream's handle
+            // names its context, so none need be made current first.
+            // SAFETY: a handle the caller vouches for.
+            match unsafe { raw::stream_is_capturing(cu_stream(stream)) } {
+                Err(Error::Driver { code: CUDA_ERROR_INVALID_CONTEXT, .. }) => {}
+                done => return done,
+            }
+        }
         let _ctx = self.enter(dev)?;
         // SAFETY: `dev`'s context is current, which default stream handles refer to.
         unsafe { raw::stream_is_capturing(cu_stream(stream)) }

@@ -10,11 +10,17 @@
 //! - Querying or synchronising an event last recorded in a capture:
 //!   `CUDA_ERROR_CAPTURED_EVENT`, invalidated; a capturing stream waiting on an event
 //!   recorded outside it: `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`, invalidated.
-//! - "Potentially unsafe" calls while any stream of the device captures (global mode: from
+//! - "Potentially unsafe" calls while any stream captures (global mode: from
 //!   any thread): synchronous allocation and free, allocation and free on another stream, the
 //!   pool's attributes, queries and synchronisations of other streams, events and the
-//!   context: `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, and every capture of the device is
+//!   context: `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, and every capture is
 //!   invalidated.
+//! - Once a capture is invalidated, allocations, frees and event records on its stream are
+//!   `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` until it ends; the legacy default stream is
+//!   `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` while a blocking stream of its device captures.
+//! - Not modelled: a stream that waits on an event recorded in a capture joining it (the
+//!   driver's `CUDA_ERROR_STREAM_CAPTURE_UNJOINED` at its end), `cuStreamEndCapture` from
+//!   another thread, and graph memory kept apart from the pool's.
 //! - `cuMemAllocAsync` on the capturing stream is legal (the driver makes a graph node);
 //!   `cuMemFreeAsync` on it of memory allocated before the capture is
 //!   `CUDA_ERROR_INVALID_VALUE`, and the capture goes on.
@@ -28,6 +34,8 @@ use super::State;
 pub const UNSUPPORTED: i32 = 900;
 /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`.
 pub const INVALIDATED: i32 = 901;
+/// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`.
+const IMPLICIT: i32 = 906;
 /// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`.
 const ISOLATION: i32 = 905;
 /// `CUDA_ERROR_CAPTURED_EVENT`.
@@ -84,15 +92,12 @@ impl State {
         Err(driver(call, UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"))
     }
 
-    /// A potentially unsafe call, refused (and every capture of `dev` invalidated) while
-    /// any stream of `dev` captures.
-    pub(super) fn refuse_while_capturing(&mut self, dev: i32, call: &'static str) -> Result<()> {
-        let capturing: Vec<u64> = self
-            .streams
-            .iter()
-            .filter(|(_, s)| s.dev == dev && s.capture.is_some())
-            .map(|(&id, _)| id)
-            .collect();
+    /// A potentially unsafe call, refused (and every capture invalidated) while any stream
+    /// captures: the global mode bars it from every thread, whatever the device (`_dev`,
+    /// the device asked, does not narrow it).
+    pub(super) fn refuse_while_capturing(&mut self, _dev: i32, call: &'static str) -> Result<()> {
+        let capturing: Vec<u64> =
+            self.streams.iter().filter(|(_, s)| s.capture.is_some()).map(|(&id, _)| id).collect();
         if capturing.is_empty() {
             return Ok(());
         }
@@ -100,6 +105,33 @@ impl State {
             self.invalidate(sid);
         }
         Err(driver(call, UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"))
+    }
+
+    /// Work on a stream whose capture was invalidated: refused until the capture ends.
+    pub(super) fn refuse_if_invalidated(&self, sid: u64, call: &'static str) -> Result<()> {
+        match self.streams.get(&sid).and_then(|s| s.capture) {
+            Some(true) => Err(driver(call, INVALIDATED, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED")),
+            _ => Ok(()),
+        }
+    }
+
+    /// The legacy default stream of `dev` while a blocking stream of `dev` captures (it would
+    /// depend on the capture implicitly): `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, and those
+    /// captures invalidated.
+    pub(super) fn refuse_legacy_while_blocking_captures(&mut self, dev: i32) -> Result<()> {
+        let blocking: Vec<u64> = self
+            .streams
+            .iter()
+            .filter(|(_, s)| s.dev == dev && s.blocking && !s.legacy && s.capture.is_some())
+            .map(|(&id, _)| id)
+            .collect();
+        if blocking.is_empty() {
+            return Ok(());
+        }
+        for sid in blocking {
+            self.invalidate(sid);
+        }
+        Err(driver("the legacy default stream", IMPLICIT, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT"))
     }
 
     /// An event query or synchronisation: refused for an event last recorded in a capture
@@ -134,6 +166,7 @@ impl State {
     /// `cuMemAllocAsync` on `sid`: a graph allocation on a capturing stream, potentially
     /// unsafe on another while the device captures.
     pub(super) fn check_capture_alloc(&mut self, dev: i32, sid: u64) -> Result<bool> {
+        self.refuse_if_invalidated(sid, "cuMemAllocFromPoolAsync")?;
         if self.capturing(sid) {
             return Ok(true);
         }
@@ -144,6 +177,7 @@ impl State {
     /// another stream it is potentially unsafe while the device captures (seen on a 13.0
     /// driver: PyTorch freeing a tensor on its own stream during a global capture).
     pub(super) fn check_capture_free(&mut self, dev: i32, sid: u64, ptr: DevPtr) -> Result<()> {
+        self.refuse_if_invalidated(sid, "cuMemFreeAsync")?;
         if !self.capturing(sid) {
             return self.refuse_while_capturing(dev, "cuMemFreeAsync");
         }

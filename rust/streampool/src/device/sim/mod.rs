@@ -403,7 +403,11 @@ impl State {
     /// device of a created stream, device 0 for the default streams).
     fn resolve(&mut self, dev: Option<i32>, handle: RawStream) -> Result<u64> {
         match handle {
-            LEGACY_STREAM | LEGACY_STREAM_ALIAS => Ok(self.devices[dev.unwrap_or(0) as usize].legacy),
+            LEGACY_STREAM | LEGACY_STREAM_ALIAS => {
+                let dev = dev.unwrap_or(0);
+                self.refuse_legacy_while_blocking_captures(dev)?;
+                Ok(self.devices[dev as usize].legacy)
+            }
             PER_THREAD_STREAM => {
                 let key = (std::thread::current().id(), dev.unwrap_or(0));
                 if let Some(&id) = self.per_thread.get(&key) {
@@ -1150,6 +1154,7 @@ impl Backend for SimDevice {
     fn event_record(&self, dev: i32, event: RawEvent, stream: RawStream) -> Result<()> {
         self.with(Some(dev), |st| {
             let sid = st.resolve(Some(dev), stream)?;
+            st.refuse_if_invalidated(sid, "cuEventRecord")?;
             let ev_dev = st.event(event)?.dev;
             let stream_dev = st.streams[&sid].dev;
             if ev_dev != stream_dev {

@@ -783,9 +783,13 @@ impl ShardedPoolMemoryResource {
             return self.deallocate_captured(ptr, bytes, stream);
         }
         if self.captured_count.load(Ordering::Relaxed) != 0 {
-            // Graph memory freed after its capture, on any stream: the upstream's.
+            // Graph memory freed after its capture, on any stream: the upstream's, once the
+            // checks have passed (a refused free keeps the record).
+            if let Some(settled) = settle_deallocate(self, ptr, bytes, stream) {
+                return settled;
+            }
             if let Some(size) = self.take_captured(ptr, bytes)? {
-                return self.upstream.deallocate(ptr, size, stream);
+                return self.free_captured(ptr, size, stream);
             }
         }
         checked_deallocate(self, ptr, bytes, stream)
@@ -809,7 +813,7 @@ impl ShardedPoolMemoryResource {
         }
         match self.take_captured(ptr, bytes)? {
             // In the capture that allocated it: a free node of the graph.
-            Some(size) => self.upstream.deallocate(ptr, size, stream),
+            Some(size) => self.free_captured(ptr, size, stream),
             // The pool's own memory, freed on a capturing stream: its blocks would be
             // reused while the graph still uses them, and the event that orders a reuse
             // cannot be recorded in a capture.
@@ -821,6 +825,16 @@ impl ShardedPoolMemoryResource {
                 stream.handle()
             ))),
         }
+    }
+
+    /// Gives captured memory back to the upstream; its record (taken) goes back when the
+    /// upstream refuses (the driver does while another stream captures), so that a later
+    /// free can still find it.
+    fn free_captured(&self, ptr: DevPtr, size: usize, stream: &Stream) -> Result<()> {
+        self.upstream.deallocate(ptr, size, stream).inspect_err(|_| {
+            crate::sync::lock(&self.captured).insert(ptr, size);
+            self.captured_count.fetch_add(1, Ordering::Relaxed);
+        })
     }
 
     /// Forgets the captured allocation at `ptr`, checking its size: its size, or `None`
@@ -1005,6 +1019,14 @@ impl Drop for ShardedPoolMemoryResource {
         let live = self.stats().used_bytes;
         if live > 0 {
             crate::error::record_leak_on_drop("ShardedPoolMemoryResource", &format!("{live} bytes were"));
+        }
+        let captured = crate::sync::lock(&self.captured).values().sum::<usize>();
+        if captured > 0 {
+            // The upstream's memory, whose free must come through this pool: no one can now.
+            crate::error::record_leak_on_drop(
+                "ShardedPoolMemoryResource",
+                &format!("{captured} bytes of CUDA graph memory (allocated in captures, through the upstream) were"),
+            );
         }
         let table = self.table();
         for c in table.sorted.iter().filter(|c| c.id != region::REGION_CHUNK) {
