@@ -357,27 +357,7 @@ fn free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) -> bo
         return freed;
     }
     guarded(what, true, || {
-        let done = with_current(Some(device), handle, |device, mr, stream| {
-            capture::drain(stream.is_capturing());
-            if let Some(done) = capture::free(device, mr, ptr, size, stream) {
-                return done;
-            }
-            match mr.try_deallocate(ptr, size, stream) {
-                Some(settled) => settled,
-                None => mr.deallocate(ptr, size, stream),
-            }
-        });
-        // The allocation's stream is gone (destroyed by its owner while the memory lived:
-        // PyTorch frees on the stream it recorded, however long after): once the device is
-        // synchronised nothing uses the memory, and the legacy default stream frees it.
-        let done = match done {
-            // (Not while a capture is announced: the synchronisation would invalidate it.)
-            Err(Error::InvalidStream(_)) if handle != LEGACY_STREAM && !capture::announced() => {
-                free_after_device_sync(device, ptr, size, None)
-            }
-            done => done,
-        };
-        match done {
+        match free_full(ptr, size, device, handle) {
             Ok(()) => {
                 count_live(device, -1);
                 Ok(())
@@ -389,6 +369,32 @@ fn free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) -> bo
         }
     })
     .is_some()
+}
+
+/// The full path of a free through the entry points (uncounted): the device's current
+/// resource, on the stream `handle` names; a free a CUDA graph capture forbids is put off
+/// ([`capture::free`]).
+fn free_full(ptr: DevPtr, size: usize, device: c_int, handle: RawStream) -> Result<()> {
+    let done = with_current(Some(device), handle, |device, mr, stream| {
+        capture::drain(stream.is_capturing());
+        if let Some(done) = capture::free(device, ptr, size, stream) {
+            return done;
+        }
+        match mr.try_deallocate(ptr, size, stream) {
+            Some(settled) => settled,
+            None => mr.deallocate(ptr, size, stream),
+        }
+    });
+    // The allocation's stream is gone (destroyed by its owner while the memory lived:
+    // PyTorch frees on the stream it recorded, however long after): once the device is
+    // synchronised nothing uses the memory, and the legacy default stream frees it.
+    match done {
+        // (Not while a capture is announced: the synchronisation would invalidate it.)
+        Err(Error::InvalidStream(_)) if handle != LEGACY_STREAM && !capture::announced() => {
+            free_after_device_sync(device, ptr, size, None)
+        }
+        done => done,
+    }
 }
 
 /// Frees `ptr` (`size` bytes of `device`) on the device's legacy default stream once the
@@ -740,6 +746,12 @@ impl Current {
             return f(device, &self.resources[at].1, &stream);
         }
         let stream = stream(&mut self.streams, backend, device, handle)?;
+        if capture::announced() {
+            // Not a capturing stream, while a capture is under way: what the capture would
+            // refuse in its global or thread-local mode (a free or an allocation on this
+            // stream, a pool's growth) is this thread's to make in the relaxed mode.
+            return device::with_relaxed_capture(backend, || f(device, &self.resources[at].1, stream));
+        }
         f(device, &self.resources[at].1, stream)
     }
 
@@ -807,19 +819,21 @@ pub extern "C" fn streampool_capture_end(_device: c_int, _pool_a: u64, _pool_b: 
 /// a capture is announced ([`streampool_capture_begin`]), the entry points ask streams
 /// whether they capture; outside, they ask nothing (a program that never captures makes
 /// no call more, and a stream destroyed by its owner is never asked: the question on a
-/// destroyed handle crashes the driver). CuPy's allocator asks its current stream (alive)
-/// at every call. Allocations on capturing streams are graph memory; frees the capture
-/// forbids wait until no capture is announced.
+/// destroyed handle crashed the process on an H100). CuPy's allocator asks its current
+/// stream (alive) at every call. Allocations on capturing streams are graph memory; a free
+/// on a capturing stream of memory from before its capture waits until the stream no
+/// longer captures; calls on other streams while a capture is announced are made in the
+/// relaxed capture mode, where the driver takes them.
 pub(crate) mod capture {
     use std::collections::HashSet;
     use std::ffi::c_int;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
-    use std::sync::Mutex;
+    use std::sync::{Mutex, RwLock};
     use std::thread::ThreadId;
 
     use streampool::device::{DevPtr, RawStream, LEGACY_STREAM, PER_THREAD_STREAM};
     use streampool::stream::Stream;
-    use streampool::{ResourceRef, Result};
+    use streampool::Result;
 
     /// Captures announced and not yet ended.
     static ANNOUNCED: AtomicUsize = AtomicUsize::new(0);
@@ -836,10 +850,9 @@ pub(crate) mod capture {
         /// The per-thread default stream (handle 2) names the calling thread's: another
         /// thread frees on the legacy default stream, which is ordered after it.
         thread: Option<ThreadId>,
-        /// Put off on a capturing stream while no capture was announced (CuPy's): freed
-        /// once that stream is asked and no longer captures.
-        ask: bool,
-        mr: ResourceRef,
+        /// `device::backend_epoch()` when put off: a backend changed since (a simulated
+        /// device exited) took the memory with it.
+        epoch: u64,
         ptr: DevPtr,
         size: usize,
     }
@@ -848,12 +861,33 @@ pub(crate) mod capture {
         m.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    thread_local! {
+        /// This thread announced a capture not yet ended: a capture that fails ends without
+        /// PyTorch's end hook, and the thread's next announcement replaces it.
+        static ANNOUNCING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// Drains hold it shared while they free; an announcement takes it alone, so that a
+    /// free a drain decided on before the announcement is made before the capture begins
+    /// (PyTorch announces just before `cudaStreamBeginCapture`).
+    static GATE: RwLock<()> = RwLock::new(());
+
+    thread_local! {
+        /// This thread is draining: a free it makes meanwhile drains nothing.
+        static DRAINING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
     pub(crate) fn begin() {
-        ANNOUNCED.fetch_add(1, Relaxed);
+        let _alone = GATE.write().unwrap_or_else(|e| e.into_inner());
+        if !ANNOUNCING.with(|a| a.replace(true)) {
+            ANNOUNCED.fetch_add(1, Relaxed);
+        }
     }
 
     pub(crate) fn end() {
-        let _ = ANNOUNCED.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
+        if ANNOUNCING.with(|a| a.replace(false)) {
+            let _ = ANNOUNCED.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
+        }
     }
 
     /// Whether a capture is announced: the entry points then ask streams.
@@ -880,31 +914,22 @@ pub(crate) mod capture {
     }
 
     /// A free the capture decides, `None` for the usual path. On a capturing stream, memory
-    /// allocated in a capture is freed there (a free node of the graph). Put off until no
-    /// capture is announced, as PyTorch's own cudaMallocAsync allocator does: memory
-    /// allocated before the capture freed on the capturing stream (the driver refuses it,
-    /// and a pool could not reuse its block while the graph may read it), and, while a
-    /// capture is announced, any free on another stream (the driver refuses those in the
-    /// global and thread-local modes, invalidating the capture).
-    pub(crate) fn free(
-        device: c_int,
-        mr: &ResourceRef,
-        ptr: DevPtr,
-        size: usize,
-        stream: &Stream,
-    ) -> Option<Result<()>> {
-        if ptr == 0 || !(stream.is_capturing() || announced()) {
-            forget(device, ptr);
-            return None;
-        }
-        if stream.is_capturing() && forget(device, ptr) {
+    /// allocated in a capture is freed there (a free node of the graph), and memory
+    /// allocated before it is put off until that stream no longer captures, as PyTorch's
+    /// own cudaMallocAsync allocator does: the driver refuses such a free on a capturing
+    /// stream, and a pool could not reuse the block while the graph may read it. (A free on
+    /// another stream takes the usual path, in the relaxed capture mode while a capture is
+    /// announced.)
+    pub(crate) fn free(device: c_int, ptr: DevPtr, size: usize, stream: &Stream) -> Option<Result<()>> {
+        let captured = forget(device, ptr);
+        if ptr == 0 || !stream.is_capturing() || captured {
             return None;
         }
         let handle = stream.handle();
         let thread = (handle == PER_THREAD_STREAM).then(|| std::thread::current().id());
-        let ask = !announced();
         let mut deferred = lock(&DEFERRED);
-        deferred.push(Deferred { device, handle, thread, ask, mr: mr.clone(), ptr, size });
+        let epoch = streampool::device::backend_epoch();
+        deferred.push(Deferred { device, handle, thread, epoch, ptr, size });
         PENDING.store(true, Relaxed);
         Some(Ok(()))
     }
@@ -916,12 +941,24 @@ pub(crate) mod capture {
         PENDING.load(Relaxed)
     }
 
-    /// Frees what was put off, once no capture is announced. (Frees put off by CuPy's
-    /// allocator, which announces none, go at its next call after the capture's end.)
+    /// Frees what was put off whose stream no longer captures: all of it once no capture
+    /// is announced; while one is (or a failed capture left its announcement), what the
+    /// stream, still alive from its capture, says has ended. Never while the calling
+    /// stream captures. Through the entry points' full free path, on the stream the free
+    /// came on (another thread's per-thread stream's on the legacy one, ordered after it).
     pub(crate) fn drain(capturing_now: bool) {
-        if !pending() || announced() || capturing_now {
+        if !pending() || capturing_now || DRAINING.with(|d| d.get()) {
             return;
         }
+        let _shared = GATE.read().unwrap_or_else(|e| e.into_inner());
+        DRAINING.with(|d| d.set(true));
+        struct Done;
+        impl Drop for Done {
+            fn drop(&mut self) {
+                DRAINING.with(|d| d.set(false));
+            }
+        }
+        let _done = Done;
         let me = std::thread::current().id();
         let taken = {
             let mut deferred = lock(&DEFERRED);
@@ -930,33 +967,31 @@ pub(crate) mod capture {
         };
         let mut kept = Vec::new();
         for d in taken {
+            if d.epoch != streampool::device::backend_epoch() {
+                continue;
+            }
             let handle = match d.thread {
                 Some(t) if t != me => LEGACY_STREAM,
                 _ => d.handle,
             };
-            let backend = d.mr.backend();
-            if backend.check_open().is_err() {
-                continue; // a simulated device since exited: the memory went with it
-            }
-            if d.ask && handle != LEGACY_STREAM && backend.stream_capturing(d.device, handle).unwrap_or(false)
-            {
-                kept.push(d);
-                continue;
-            }
-            let done =
-                Stream::borrowed_live(backend, handle).and_then(|s| d.mr.deallocate(d.ptr, d.size, &s));
-            let done = match done {
-                // The stream is gone: once the device is synchronised nothing uses it.
-                Err(streampool::Error::InvalidStream(_)) if handle != LEGACY_STREAM => {
-                    super::free_after_device_sync(d.device, d.ptr, d.size, Some(&d.mr))
+            if announced() && handle != LEGACY_STREAM {
+                let still = streampool::device::backend()
+                    .and_then(|b| b.stream_capturing(d.device, handle))
+                    .unwrap_or(false);
+                if still {
+                    kept.push(d);
+                    continue;
                 }
-                done => done,
-            };
-            if let Err(e) = done {
-                let (ptr, size) = (d.ptr, d.size);
-                let what =
-                    || format!("a free put off during a CUDA graph capture (ptr={ptr:#x}, size={size})");
-                super::failed::<()>(what, e, true);
+            }
+            match super::free_full(d.ptr, d.size, d.device, handle) {
+                // A simulated device since exited: the memory went with it.
+                Ok(()) | Err(streampool::Error::DriverNotFound(_)) => {}
+                Err(e) => {
+                    let (ptr, size) = (d.ptr, d.size);
+                    let what =
+                        || format!("a free put off during a CUDA graph capture (ptr={ptr:#x}, size={size})");
+                    super::failed::<()>(what, e, true);
+                }
             }
         }
         if !kept.is_empty() {

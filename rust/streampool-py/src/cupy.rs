@@ -142,14 +142,13 @@ impl CupyAllocator {
             true => None,
             false => this.stream_ref(py, handle)?,
         };
-        // CuPy's current stream is alive: it may be asked whether it captures.
-        let (device, mr, fast, capturing) =
-            capi::with_current_asking(None, handle, true, |device, mr, stream| {
-                capi::capture::drain(stream.is_capturing());
-                let fast = mr.try_allocate(nbytes, stream).ok_or_else(|| stream.clone());
-                Ok((device, mr.clone(), fast, stream.is_capturing()))
-            })
-            .or_raise(py)?;
+        // CuPy's current stream is alive: it may be asked whether it captures a CUDA graph
+        // (CuPy announces no capture), and is then served graph memory or refused.
+        let (device, mr, fast) = capi::with_current_asking(None, handle, true, |device, mr, stream| {
+            let fast = mr.try_allocate(nbytes, stream).ok_or_else(|| stream.clone());
+            Ok((device, mr.clone(), fast))
+        })
+        .or_raise(py)?;
         let ptr = match fast {
             Ok(settled) => {
                 fast_path_settled(py);
@@ -161,9 +160,6 @@ impl CupyAllocator {
             }
         }
         .map_err(|e| this.as_out_of_memory(py, e))?;
-        if capturing && ptr != 0 {
-            capi::capture::allocated(device, ptr);
-        }
         // Made before CuPy's objects, so that a failure there frees the memory.
         let owner = match ptr {
             0 => py.None(),
@@ -320,13 +316,13 @@ impl Drop for CupyMemory {
                 _ if self.thread.is_some_and(|t| t != std::thread::current().id()) => LEGACY_STREAM,
                 _ => self.stream,
             };
-            // The stream is the allocation's while its CuPy object lives, else the legacy one.
+            // Asked whether it captures only when known alive (the question crashes the driver
+            // on a destroyed stream's handle): a stream whose CuPy object was kept (alive, or
+            // else CuPy's current one took its place), or this thread's per-thread one; not an
+            // ExternalStream's, which its owner may have destroyed.
+            let ask = self.origin.is_some() || handle == PER_THREAD_STREAM;
             let free_on = |handle| {
-                capi::with_current_asking(Some(device), handle, true, |device, _, stream| {
-                    capi::capture::drain(stream.is_capturing());
-                    if let Some(done) = capi::capture::free(device, mr, ptr, size, stream) {
-                        return Ok(Ok(done));
-                    }
+                capi::with_current_asking(Some(device), handle, ask, |_, _, stream| {
                     Ok(mr.try_deallocate(ptr, size, stream).ok_or_else(|| stream.clone()))
                 })
             };

@@ -333,15 +333,22 @@ fn foreign_stream(
         }
     };
     let stream_handle = handle_value(obj, &handle)?;
-    // A stream object that is alive vouches for its handle; a bare int does not.
-    if !obj.is_instance_of::<PyInt>() {
-        backend.stream_vouched(stream_handle);
+    // A stream object that is alive vouches for its handle, which may then be asked whether
+    // it captures a CUDA graph; a bare int does not (the question crashes the driver on a
+    // destroyed stream's handle).
+    if obj.is_instance_of::<PyInt>() {
+        return Stream::borrowed(backend, stream_handle).or_raise(py);
     }
-    let borrowed = match for_call {
-        true => Stream::borrowed_for_call(backend, stream_handle),
-        false => Stream::borrowed(backend, stream_handle),
-    };
-    borrowed.or_raise(py)
+    let stream = Stream::borrowed_for_call(backend, stream_handle).or_raise(py)?;
+    if stream.is_capturing() && !for_call {
+        return Err(streampool::Error::InvalidStream(format!(
+            "stream {stream_handle:#x} is capturing a CUDA graph: a streampool.Stream made from it during \
+             the capture would stay marked so after it; pass the capturing library's stream object as \
+             each call's stream= instead (docs/frameworks.md, \"CUDA graphs\")"
+        )))
+        .or_raise(py);
+    }
+    Ok(stream)
 }
 
 /// The handle an object carries, as a Python int, or None when it is not a stream we know.

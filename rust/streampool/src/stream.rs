@@ -220,37 +220,13 @@ impl Stream {
     /// any other must name a live stream of `backend`. The simulated device checks that
     /// always; the CUDA driver cannot check a made-up value (it dereferences the handle,
     /// and a garbage one crashes the process), so on CUDA a raw handle is trusted. A stream
-    /// that is capturing a CUDA graph is refused, saying so (asking its device would
-    /// invalidate the capture): [`Stream::borrowed_for_call`] wraps one for one call.
+    /// that is capturing a CUDA graph is asked its device, which invalidates the capture:
+    /// [`Stream::borrowed_for_call`] asks first, of a stream known to be alive.
     pub fn borrowed(backend: &BackendRef, handle: RawStream) -> Result<Self> {
-        match Self::borrowed_for_call(backend, handle)? {
-            s if s.is_capturing() => Err(Error::InvalidStream(format!(
-                "stream {handle:#x} is capturing a CUDA graph: a stream object made from it during the \
-                 capture would stay marked so after it; pass the capturing library's stream object (or \
-                 its handle) as each call's stream= instead (docs/frameworks.md, \"CUDA graphs\")"
-            ))),
-            s => Ok(s),
-        }
-    }
-
-    /// [`Stream::borrowed`] for the length of one call: a stream that is capturing a CUDA
-    /// graph is wrapped as [`Stream::capturing`] (on the calling thread's current device,
-    /// since asking the stream's own would invalidate the capture), which the resources
-    /// serve as graph memory or refuse. The mark is the stream's state at this call: a
-    /// wrapper kept past the capture would keep it.
-    pub fn borrowed_for_call(backend: &BackendRef, handle: RawStream) -> Result<Self> {
         match handle {
             LEGACY_STREAM | LEGACY_STREAM_ALIAS => Ok(Self::legacy()),
             PER_THREAD_STREAM => Ok(Self::per_thread()),
             _ => {
-                // Not asked of a handle of a stream streampool destroyed, which the driver
-                // must not see again.
-                if !backend.stream_destroyed(handle) {
-                    let current = backend.current_device().unwrap_or(0);
-                    if backend.stream_capturing(current, handle).unwrap_or(false) {
-                        return Ok(Self::capturing(backend, current, handle));
-                    }
-                }
                 let device = backend.stream_device(handle).map_err(|e| match e {
                     e @ Error::InvalidStream(_) => e, // already says so, naming the device
                     e => Error::InvalidStream(format!(
@@ -265,6 +241,23 @@ impl Stream {
                 })
             }
         }
+    }
+
+    /// [`Stream::borrowed_live`] for the length of one call, of a handle the caller knows to
+    /// be alive (another library's stream object it holds): asks whether the stream captures
+    /// a CUDA graph (`cuStreamIsCapturing`, the one question that never harms a capture,
+    /// but that crashed the process on a destroyed stream's handle on an H100), and wraps a
+    /// capturing one as [`Stream::capturing`], on the calling thread's current device (asking
+    /// the stream its own would invalidate the capture). The mark is the stream's state at
+    /// this call: a wrapper kept past the capture would keep it.
+    pub fn borrowed_for_call(backend: &BackendRef, handle: RawStream) -> Result<Self> {
+        if !matches!(handle, LEGACY_STREAM | LEGACY_STREAM_ALIAS) {
+            let current = backend.current_device().unwrap_or(0);
+            if backend.stream_capturing(current, handle).unwrap_or(false) {
+                return Ok(Self::capturing(backend, current, handle));
+            }
+        }
+        Self::borrowed_live(backend, handle)
     }
 
     /// A stream of `device` that is capturing a CUDA graph (the caller asked

@@ -209,3 +209,22 @@ fn the_simulated_device_follows_an_invalidated_capture_and_the_legacy_stream() {
     b.event_create(0).and_then(|e| b.event_record(0, e, 0)).unwrap();
     sim.end_capture(0, s.handle()).unwrap();
 }
+
+#[test]
+fn the_relaxed_capture_mode_makes_the_potentially_unsafe_calls_this_threads() {
+    let (sim, b) = sim();
+    let (s, _) = capturing(&sim, &b);
+    let t = stream(&b);
+    let pool = b.pool_default(0, false).unwrap();
+    // Another stream's allocation and free, in the relaxed mode: taken, the capture intact.
+    let p = streampool::device::with_relaxed_capture(&b, || b.pool_alloc_async(0, pool, MIB, t.handle()))
+        .unwrap();
+    streampool::device::with_relaxed_capture(&b, || b.free_async(0, p, t.handle())).unwrap();
+    // The mode is restored: the same call outside refuses again (and invalidates).
+    assert!(matches!(b.pool_alloc_async(0, pool, MIB, t.handle()), Err(Error::Driver { code: 900, .. })));
+    assert!(sim.end_capture(0, s.handle()).is_err());
+    // Calls on the capturing stream that conflict with it are refused in every mode.
+    let (s, _) = capturing(&sim, &b);
+    assert!(streampool::device::with_relaxed_capture(&b, || b.stream_query(0, s.handle())).is_err());
+    assert!(sim.end_capture(0, s.handle()).is_err());
+}

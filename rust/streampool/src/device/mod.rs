@@ -365,6 +365,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// an event recorded in the capture invalidates the capture (CUDA_ERROR_STREAM_CAPTURE_
     /// UNSUPPORTED, 900, or CUDA_ERROR_CAPTURED_EVENT, 907, on a 13.0 driver).
     fn stream_capturing(&self, dev: i32, stream: RawStream) -> Result<bool>;
+    /// `cuThreadExchangeStreamCaptureMode`: with `relaxed`, makes the calling thread's
+    /// capture mode relaxed, so that the calls a capture in the global or thread-local mode
+    /// forbids ("potentially unsafe": a free on another stream, a synchronous allocation)
+    /// are its to make again; returns the mode it had, which a call with `relaxed` false
+    /// and that value restores. The same answer (0) where a backend has no modes.
+    fn exchange_capture_mode(&self, relaxed: bool, previous: u32) -> Result<u32>;
     /// `cuStreamSynchronize`.
     fn stream_synchronize(&self, dev: i32, stream: RawStream) -> Result<()>;
     /// `cuStreamQuery`: true when all work on the stream has completed.
@@ -691,4 +697,20 @@ pub fn check_same_backend(mine: &BackendRef, other: &BackendRef, what: &str) -> 
             mine.describe()
         )))
     }
+}
+
+/// Runs `f` with the calling thread's capture mode relaxed
+/// ([`Backend::exchange_capture_mode`]), restored afterwards: for calls that a CUDA graph
+/// capture in another stream (of this thread, or of any thread in the global mode) would
+/// otherwise refuse, invalidating it.
+pub fn with_relaxed_capture<T>(
+    backend: &BackendRef,
+    f: impl FnOnce() -> crate::Result<T>,
+) -> crate::Result<T> {
+    let previous = backend.exchange_capture_mode(true, 0)?;
+    let done = f();
+    let restored = backend.exchange_capture_mode(false, previous);
+    let value = done?;
+    restored?;
+    Ok(value)
 }

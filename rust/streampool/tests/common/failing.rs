@@ -175,6 +175,9 @@ impl Backend for FailingSyncs {
     fn stream_capturing(&self, dev: i32, stream: RawStream) -> Result<bool> {
         self.inner.stream_capturing(dev, stream)
     }
+    fn exchange_capture_mode(&self, relaxed: bool, previous: u32) -> Result<u32> {
+        self.inner.exchange_capture_mode(relaxed, previous)
+    }
     fn stream_wait_event(&self, dev: i32, stream: RawStream, event: RawEvent) -> Result<()> {
         if fails(&self.fail_waits) {
             return Err(injected("cuStreamWaitEvent"));

@@ -934,6 +934,11 @@ impl Backend for CudaBackend {
         Ok(self.ordinal_of(handle))
     }
 
+    fn exchange_capture_mode(&self, relaxed: bool, previous: u32) -> Result<u32> {
+        // SAFETY: the backend is loaded and initialised.
+        unsafe { raw::exchange_capture_mode(relaxed, previous) }
+    }
+
     fn stream_capturing(&self, dev: i32, stream: RawStream) -> Result<bool> {
         if !is_default_stream(stream) {
             // As `stream_id`: the entry points ask at every call, and a stream's handle

@@ -1011,6 +1011,24 @@ pub(super) unsafe fn stream_is_capturing(stream: sys::CUstream) -> Result<bool> 
     Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
+/// [`cuThreadExchangeStreamCaptureMode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html):
+/// sets the calling thread's capture mode to `relaxed` (true) or the one given back
+/// (`previous`); returns the mode it had, as a raw value for the call that restores it.
+///
+/// # Safety
+/// Loaded and initialised.
+pub(super) unsafe fn exchange_capture_mode(relaxed: bool, previous: u32) -> Result<u32> {
+    use sys::CUstreamCaptureMode as M;
+    let mut mode = match (relaxed, previous) {
+        (true, _) | (false, 2) => M::CU_STREAM_CAPTURE_MODE_RELAXED,
+        (false, 1) => M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        (false, _) => M::CU_STREAM_CAPTURE_MODE_GLOBAL,
+    };
+    // SAFETY: the precondition; valid in-out pointer.
+    check("cuThreadExchangeStreamCaptureMode", unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) })?;
+    Ok(mode as u32)
+}
+
 /// [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
 /// (flags 0).
 ///

@@ -18,6 +18,9 @@
 //! - Once a capture is invalidated, allocations, frees and event records on its stream are
 //!   `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` until it ends; the legacy default stream is
 //!   `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` while a blocking stream of its device captures.
+//! - A thread whose capture mode is relaxed (`exchange_capture_mode`) may make the
+//!   potentially unsafe calls; the calls that necessarily conflict with a capture (on the
+//!   capturing stream, its captured events) are refused in every mode.
 //! - Not modelled: a stream that waits on an event recorded in a capture joining it (the
 //!   driver's `CUDA_ERROR_STREAM_CAPTURE_UNJOINED` at its end), `cuStreamEndCapture` from
 //!   another thread, and graph memory kept apart from the pool's.
@@ -29,6 +32,12 @@ use crate::device::{DevPtr, RawStream};
 use crate::error::{Error, Result};
 
 use super::State;
+
+thread_local! {
+    /// The calling thread's capture mode is relaxed (`exchange_capture_mode`): the calls a
+    /// global capture forbids are its to make.
+    pub(super) static RELAXED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
 /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`.
 pub const UNSUPPORTED: i32 = 900;
@@ -96,6 +105,9 @@ impl State {
     /// captures: the global mode bars it from every thread, whatever the device (`_dev`,
     /// the device asked, does not narrow it).
     pub(super) fn refuse_while_capturing(&mut self, _dev: i32, call: &'static str) -> Result<()> {
+        if RELAXED.with(|r| r.get()) {
+            return Ok(());
+        }
         let capturing: Vec<u64> =
             self.streams.iter().filter(|(_, s)| s.capture.is_some()).map(|(&id, _)| id).collect();
         if capturing.is_empty() {

@@ -1095,6 +1095,11 @@ impl Backend for SimDevice {
         })
     }
 
+    fn exchange_capture_mode(&self, relaxed: bool, previous: u32) -> Result<u32> {
+        let was = capture::RELAXED.with(|r| r.replace(relaxed || previous == 2));
+        Ok(if was { 2 } else { 0 })
+    }
+
     fn stream_capturing(&self, dev: i32, stream: RawStream) -> Result<bool> {
         self.with(Some(dev), |st| {
             let sid = st.resolve(Some(dev), stream)?;
