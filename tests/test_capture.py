@@ -118,12 +118,13 @@ def test_a_free_of_memory_from_before_the_capture_waits_for_its_end(
 
 
 @pytest.mark.parametrize("first", ["free", "alloc"])
-def test_a_free_on_another_stream_during_a_capture_is_made_in_the_relaxed_mode(
+def test_a_free_on_another_stream_during_a_capture_waits_for_its_end(
     sim: SimulatedDevice, current: None, first: str
 ) -> None:
     """During a capture in the global mode the driver refuses a free on another stream (and
     the capture is invalidated), from its beginning: before its first allocation too. While
-    a capture is announced, the entry points make such calls in the relaxed mode."""
+    a capture is announced, frees wait (their stream is not asked: it may be gone), and an
+    allocation on another stream is made in the relaxed mode."""
     stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
     use(stats)
     s, t = streampool.Stream(), streampool.Stream()
@@ -132,16 +133,17 @@ def test_a_free_on_another_stream_during_a_capture_is_made_in_the_relaxed_mode(
     with capture(sim, s):
         if first == "alloc":
             free(alloc(MIB, s), MIB, s)
-        free(before, MIB, t)
-        assert stats.allocation_counts.current_bytes == 0
-        other = alloc(MIB, t)  # an allocation on another stream too
+        free(before, MIB, t)  # put off
+        assert stats.allocation_counts.current_bytes == MIB
+        other = alloc(MIB, t)  # in the relaxed mode
         free(other, MIB, t)
         free(alloc(MIB, s), MIB, s)
+    free(alloc(256, t), 256, t)  # frees what was put off
     assert allocators.failure_count() == failures, allocators.last_error()
     assert stats.allocation_counts.current_bytes == 0
 
 
-def test_what_one_capture_put_off_is_freed_outside_the_next(sim: SimulatedDevice, current: None) -> None:
+def test_what_one_capture_put_off_waits_through_the_next(sim: SimulatedDevice, current: None) -> None:
     stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
     use(stats)
     s1, s2, t = streampool.Stream(), streampool.Stream(), streampool.Stream()
@@ -149,33 +151,35 @@ def test_what_one_capture_put_off_is_freed_outside_the_next(sim: SimulatedDevice
     failures = allocators.failure_count()
     with capture(sim, s1):
         free(before, MIB, s1)  # put off: memory from before the capture, on its stream
-    with capture(sim, s2):
-        free(alloc(MIB, s2), MIB, s2)  # the capturing stream's calls free nothing put off
-        free(alloc(256, t), 256, t)  # another stream's: s1's capture has ended, so it goes
+    with capture(sim, s2):  # announced: nothing put off is freed into it
+        free(alloc(MIB, s2), MIB, s2)
+        free(alloc(256, t), 256, t)
+    free(alloc(256, t), 256, t)
     assert allocators.failure_count() == failures, allocators.last_error()
     assert stats.allocation_counts.current_bytes == 0
 
 
 def test_a_capture_that_fails_leaves_the_entry_points_working(sim: SimulatedDevice, current: None) -> None:
     """PyTorch calls the end hook only once a capture has ended well: after an invalidated
-    capture the announcement stays, and frees must still be made."""
+    capture its announcement stays, until the streams seen capturing show it has ended."""
     stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
     use(stats)
     s, t = streampool.Stream(), streampool.Stream()
     failures = allocators.failure_count()
     BEGIN(0, 1, 2, None)
     sim.begin_capture(s)
+    free(alloc(MIB, s), MIB, s)  # the capture is seen
     with pytest.raises(streampool.StreampoolError):
         s.synchronize()  # invalidates the capture
     with pytest.raises(streampool.StreampoolError, match="INVALIDATED"):
         sim.end_capture(s)
     for _ in range(50):
         free(alloc(MIB, t), MIB, t)
+    free(alloc(256, t), 256, t)
     assert stats.allocation_counts.current_bytes == 0
     assert allocators.failure_count() == failures, allocators.last_error()
-    BEGIN(0, 1, 2, None)  # the thread's next capture replaces the stale announcement
-    END(0, 1, 2)
-    free(alloc(256, t), 256, t)
+    with capture(sim, s):  # and the next capture is announced as ever
+        free(alloc(MIB, s), MIB, s)
 
 
 def test_a_capture_on_a_thread_that_exits_leaves_nothing_behind(sim: SimulatedDevice, current: None) -> None:
@@ -323,3 +327,22 @@ def test_use_hands_pytorch_the_capture_announcements() -> None:
     assert hooks.set == address
     assert not sp_torch._announce_captures(Pluggable(Hooks(refuse=True)))
     assert not sp_torch._announce_captures(Pluggable(object()))
+
+
+def test_a_capture_that_pytorch_ends_with_an_error_is_no_longer_announced(sim: SimulatedDevice) -> None:
+    """PyTorch's capture_end raises before its end hook when the capture failed (one with no
+    allocation is seen by nothing else): the wrapper ends the announcement."""
+    from streampool import _native
+    from streampool.allocators import torch as sp_torch
+
+    class Graph:
+        def capture_end(self) -> None:
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    sp_torch._end_failed_captures(Graph, getattr(LIB, allocators.CAPTURE_END_FUNCTION))
+    sp_torch._end_failed_captures(Graph, getattr(LIB, allocators.CAPTURE_END_FUNCTION))  # once
+    BEGIN(0, 1, 2, None)
+    assert _native._torch_memory_stats(0)[3] is None  # announced: no pool attribute asked
+    with pytest.raises(RuntimeError, match="previous error"):
+        Graph().capture_end()
+    assert _native._torch_memory_stats(0)[3] is not None

@@ -145,7 +145,33 @@ def _announce_captures(pluggable: Any) -> bool:
         end(ctypes.cast(getattr(lib, CAPTURE_END_FUNCTION), ctypes.c_void_p).value)
     except (TypeError, RuntimeError):  # a PyTorch whose setters take something else
         return False
+    graph_type = getattr(getattr(torch, "cuda", None), "CUDAGraph", None)
+    if graph_type is not None:
+        _end_failed_captures(graph_type, getattr(lib, CAPTURE_END_FUNCTION))
     return True
+
+
+def _end_failed_captures(graph_type: Any, end: Any) -> None:
+    """Ends the announcement of a capture that fails: PyTorch's ``capture_end`` raises when
+    the capture was invalidated (a synchronisation in it, say) before it calls its end hook,
+    and an announcement left behind would keep every free through streampool waiting. Wraps
+    ``graph_type.capture_end`` (``torch.cuda.CUDAGraph``, which ``torch.cuda.graph`` uses)
+    once."""
+    original = graph_type.capture_end
+    if getattr(original, "_streampool_ends_failed_captures", False):
+        return
+    end.restype = None
+    end.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
+
+    def capture_end(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except BaseException:
+            end(0, 0, 0)  # the capture failed before PyTorch's end hook
+            raise
+
+    capture_end._streampool_ends_failed_captures = True  # type: ignore[attr-defined]
+    graph_type.capture_end = capture_end
 
 
 def use(*, memory_stats: bool = True) -> str:

@@ -113,14 +113,14 @@ fn allocate(size: usize, device: c_int, stream: *mut c_void, say: bool) -> *mut 
         return ptr as *mut c_void;
     }
     let ptr = guarded(what, say, || {
+        capture::drain();
         with_current(Some(device), handle, |device, mr, stream| {
-            capture::drain(stream.is_capturing());
             let ptr = match mr.try_allocate(size, stream) {
                 Some(settled) => settled,
                 None => mr.allocate(size, stream),
             }?;
             if stream.is_capturing() && ptr != 0 {
-                capture::allocated(device, ptr);
+                capture::allocated(device, ptr, stream.handle());
             }
             Ok(ptr)
         })
@@ -375,16 +375,16 @@ fn free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) -> bo
 /// resource, on the stream `handle` names; a free a CUDA graph capture forbids is put off
 /// ([`capture::free`]).
 fn free_full(ptr: DevPtr, size: usize, device: c_int, handle: RawStream) -> Result<()> {
-    let done = with_current(Some(device), handle, |device, mr, stream| {
-        capture::drain(stream.is_capturing());
-        if let Some(done) = capture::free(device, ptr, size, stream) {
-            return done;
-        }
-        match mr.try_deallocate(ptr, size, stream) {
+    if let Some(done) = capture::free_announced(device, ptr, size, handle) {
+        return done;
+    }
+    capture::drain();
+    capture::forget(device, ptr);
+    let done =
+        with_current(Some(device), handle, |_, mr, stream| match mr.try_deallocate(ptr, size, stream) {
             Some(settled) => settled,
             None => mr.deallocate(ptr, size, stream),
-        }
-    });
+        });
     // The allocation's stream is gone (destroyed by its owner while the memory lived:
     // PyTorch frees on the stream it recorded, however long after): once the device is
     // synchronised nothing uses the memory, and the legacy default stream frees it.
@@ -784,6 +784,14 @@ impl Current {
     }
 }
 
+/// `f`, in the relaxed capture mode while a capture is announced (see [`capture`]).
+pub(crate) fn relaxed_if_announced<T>(backend: &BackendRef, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    match capture::announced() {
+        true => device::with_relaxed_capture(backend, f),
+        false => f(),
+    }
+}
+
 /// Whether the stream `handle` names can be capturing a CUDA graph: any but the legacy
 /// default stream, which cannot.
 #[inline]
@@ -825,111 +833,157 @@ pub extern "C" fn streampool_capture_end(_device: c_int, _pool_a: u64, _pool_b: 
 /// longer captures; calls on other streams while a capture is announced are made in the
 /// relaxed capture mode, where the driver takes them.
 pub(crate) mod capture {
-    use std::collections::HashSet;
+    use std::collections::HashMap;
     use std::ffi::c_int;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
-    use std::sync::{Mutex, RwLock};
+    use std::sync::Mutex;
     use std::thread::ThreadId;
 
-    use streampool::device::{DevPtr, RawStream, LEGACY_STREAM, PER_THREAD_STREAM};
+    use streampool::device::{self, DevPtr, RawStream, LEGACY_STREAM, PER_THREAD_STREAM};
     use streampool::stream::Stream;
-    use streampool::Result;
+    use streampool::{Error, ResourceRef, Result};
 
-    /// Captures announced and not yet ended.
+    /// Captures announced and not yet ended (PyTorch's hooks come in pairs, nested for a
+    /// `torch.cuda.use_mem_pool` region inside a capture).
     static ANNOUNCED: AtomicUsize = AtomicUsize::new(0);
-    /// (device, address) of the live allocations made on capturing streams.
-    static CAPTURED: Mutex<Option<HashSet<(c_int, DevPtr)>>> = Mutex::new(None);
-    static CAPTURED_COUNT: AtomicUsize = AtomicUsize::new(0);
-    /// Frees put off until no capture is announced.
-    static DEFERRED: Mutex<Vec<Deferred>> = Mutex::new(Vec::new());
+    static STATE: Mutex<State> = Mutex::new(State { captured: None, seen: Vec::new(), deferred: Vec::new() });
+    /// Entries of `State::captured`.
+    static CAPTURED: AtomicUsize = AtomicUsize::new(0);
+    /// `State::deferred` is not empty.
     static PENDING: AtomicBool = AtomicBool::new(false);
+
+    struct State {
+        /// Live allocations made on capturing streams, by (device, address): the stream
+        /// and `device::backend_epoch()` they were made on.
+        captured: Option<HashMap<(c_int, DevPtr), (RawStream, u64)>>,
+        /// The streams seen capturing since captures were first announced (allocations'
+        /// streams, alive), with the thread for handle 2: when none of them captures any
+        /// more while an announcement stays, that capture failed (PyTorch then calls no
+        /// end hook) and the announcement is let go.
+        seen: Vec<(c_int, RawStream, Option<ThreadId>)>,
+        /// Frees put off until no capture is announced.
+        deferred: Vec<Deferred>,
+    }
 
     struct Deferred {
         device: c_int,
         handle: RawStream,
-        /// The per-thread default stream (handle 2) names the calling thread's: another
-        /// thread frees on the legacy default stream, which is ordered after it.
+        /// Handle 2 names the calling thread's per-thread stream: another thread frees on
+        /// the legacy default stream, which is ordered after it.
         thread: Option<ThreadId>,
-        /// `device::backend_epoch()` when put off: a backend changed since (a simulated
-        /// device exited) took the memory with it.
+        /// The backend's epoch when put off: a backend replaced since (a simulated device
+        /// exited) took the memory with it.
         epoch: u64,
+        /// The resource current when the free came, which made the memory.
+        mr: ResourceRef,
         ptr: DevPtr,
         size: usize,
     }
 
-    fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-        m.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock() -> std::sync::MutexGuard<'static, State> {
+        STATE.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    thread_local! {
-        /// This thread announced a capture not yet ended: a capture that fails ends without
-        /// PyTorch's end hook, and the thread's next announcement replaces it.
-        static ANNOUNCING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    }
-
-    /// Drains hold it shared while they free; an announcement takes it alone, so that a
-    /// free a drain decided on before the announcement is made before the capture begins
-    /// (PyTorch announces just before `cudaStreamBeginCapture`).
-    static GATE: RwLock<()> = RwLock::new(());
-
-    thread_local! {
-        /// This thread is draining: a free it makes meanwhile drains nothing.
-        static DRAINING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    fn this_thread(handle: RawStream) -> Option<ThreadId> {
+        (handle == PER_THREAD_STREAM).then(|| std::thread::current().id())
     }
 
     pub(crate) fn begin() {
-        let _alone = GATE.write().unwrap_or_else(|e| e.into_inner());
-        if !ANNOUNCING.with(|a| a.replace(true)) {
-            ANNOUNCED.fetch_add(1, Relaxed);
+        let mut st = lock();
+        if ANNOUNCED.fetch_add(1, Relaxed) == 0 {
+            st.seen.clear();
         }
     }
 
     pub(crate) fn end() {
-        if ANNOUNCING.with(|a| a.replace(false)) {
-            let _ = ANNOUNCED.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
-        }
+        let _ = ANNOUNCED.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
     }
 
-    /// Whether a capture is announced: the entry points then ask streams.
+    /// Whether a capture is announced: allocations then ask their stream whether it
+    /// captures, frees ask nothing and wait unless they are graph memory, and other calls
+    /// are made in the relaxed capture mode.
     #[inline]
     pub(crate) fn announced() -> bool {
         ANNOUNCED.load(Relaxed) != 0
     }
 
-    /// `ptr` was allocated on a capturing stream.
-    pub(crate) fn allocated(device: c_int, ptr: DevPtr) {
-        lock(&CAPTURED).get_or_insert_with(HashSet::new).insert((device, ptr));
-        CAPTURED_COUNT.fetch_add(1, Relaxed);
+    /// `ptr` was allocated on `handle`, a capturing stream.
+    pub(crate) fn allocated(device: c_int, ptr: DevPtr, handle: RawStream) {
+        let mut st = lock();
+        let epoch = device::backend_epoch();
+        st.captured.get_or_insert_with(HashMap::new).insert((device, ptr), (handle, epoch));
+        CAPTURED.fetch_add(1, Relaxed);
+        let seen = (device, handle, this_thread(handle));
+        if !st.seen.contains(&seen) {
+            st.seen.push(seen);
+        }
     }
 
-    fn forget(device: c_int, ptr: DevPtr) -> bool {
-        if CAPTURED_COUNT.load(Relaxed) == 0 {
-            return false;
-        }
-        let taken = lock(&CAPTURED).as_mut().is_some_and(|set| set.remove(&(device, ptr)));
-        if taken {
-            CAPTURED_COUNT.fetch_sub(1, Relaxed);
-        }
-        taken
-    }
-
-    /// A free the capture decides, `None` for the usual path. On a capturing stream, memory
-    /// allocated in a capture is freed there (a free node of the graph), and memory
-    /// allocated before it is put off until that stream no longer captures, as PyTorch's
-    /// own cudaMallocAsync allocator does: the driver refuses such a free on a capturing
-    /// stream, and a pool could not reuse the block while the graph may read it. (A free on
-    /// another stream takes the usual path, in the relaxed capture mode while a capture is
-    /// announced.)
-    pub(crate) fn free(device: c_int, ptr: DevPtr, size: usize, stream: &Stream) -> Option<Result<()>> {
-        let captured = forget(device, ptr);
-        if ptr == 0 || !stream.is_capturing() || captured {
+    /// Takes the record of graph memory at `ptr`: the stream it was allocated on.
+    fn take_captured(device: c_int, ptr: DevPtr) -> Option<RawStream> {
+        if CAPTURED.load(Relaxed) == 0 {
             return None;
         }
-        let handle = stream.handle();
-        let thread = (handle == PER_THREAD_STREAM).then(|| std::thread::current().id());
-        let mut deferred = lock(&DEFERRED);
-        let epoch = streampool::device::backend_epoch();
-        deferred.push(Deferred { device, handle, thread, epoch, ptr, size });
+        let taken = lock().captured.as_mut().and_then(|m| m.remove(&(device, ptr)));
+        taken.map(|_| CAPTURED.fetch_sub(1, Relaxed));
+        taken.filter(|&(_, epoch)| epoch == device::backend_epoch()).map(|(handle, _)| handle)
+    }
+
+    /// Forgets graph memory at `ptr` freed once no capture is announced (the usual path
+    /// frees it: the driver's pool, or the sharded pool's record of it).
+    pub(crate) fn forget(device: c_int, ptr: DevPtr) {
+        take_captured(device, ptr);
+    }
+
+    /// Whether an announcement stays only because its capture failed (every stream seen
+    /// capturing has stopped): then it is let go.
+    fn failed() -> bool {
+        let me = std::thread::current().id();
+        let mut st = lock();
+        if st.seen.is_empty() {
+            return false;
+        }
+        let Ok(backend) = device::backend() else { return false };
+        let ended = st.seen.iter().all(|&(device, handle, thread)| match thread {
+            Some(t) if t != me => false, // not this thread's to ask
+            _ => !backend.stream_capturing(device, handle).unwrap_or(true),
+        });
+        if ended {
+            st.seen.clear();
+            ANNOUNCED.store(0, Relaxed);
+        }
+        ended
+    }
+
+    /// A free through the entry points while a capture is announced; `None` when none is
+    /// (or the one announced has failed). The free's stream is not asked anything (it may
+    /// have been destroyed by its owner: PyTorch frees on the allocation's stream however
+    /// long after). Graph memory is freed on the stream it was allocated on (a free node
+    /// while that stream captures); anything else waits until no capture is announced, as
+    /// PyTorch's own cudaMallocAsync allocator does (on the capturing stream the driver
+    /// refuses it; on another the global and thread-local modes do, and the capture is
+    /// invalidated; in a pool the block could be reused while the graph may read it).
+    pub(crate) fn free_announced(
+        device: c_int,
+        ptr: DevPtr,
+        size: usize,
+        handle: RawStream,
+    ) -> Option<Result<()>> {
+        if !announced() || ptr == 0 || failed() {
+            return None;
+        }
+        let backend = match device::backend() {
+            Ok(b) => b,
+            Err(e) => return Some(Err(e)),
+        };
+        let mr = super::current_resource(device)?;
+        if let Some(allocated_on) = take_captured(device, ptr) {
+            let stream = Stream::capturing(&backend, device, allocated_on);
+            return Some(device::with_relaxed_capture(&backend, || mr.deallocate(ptr, size, &stream)));
+        }
+        let mut st = lock();
+        let epoch = device::backend_epoch();
+        st.deferred.push(Deferred { device, handle, thread: this_thread(handle), epoch, mr, ptr, size });
         PENDING.store(true, Relaxed);
         Some(Ok(()))
     }
@@ -941,51 +995,43 @@ pub(crate) mod capture {
         PENDING.load(Relaxed)
     }
 
-    /// Frees what was put off whose stream no longer captures: all of it once no capture
-    /// is announced; while one is (or a failed capture left its announcement), what the
-    /// stream, still alive from its capture, says has ended. Never while the calling
-    /// stream captures. Through the entry points' full free path, on the stream the free
-    /// came on (another thread's per-thread stream's on the legacy one, ordered after it).
-    pub(crate) fn drain(capturing_now: bool) {
-        if !pending() || capturing_now || DRAINING.with(|d| d.get()) {
+    /// Frees what was put off, once no capture is announced: through the resource that
+    /// was current at the free, on its stream (another thread's per-thread stream's on the
+    /// legacy one; a stream gone, after a device synchronisation, on the legacy one).
+    pub(crate) fn drain() {
+        if !pending() || announced() {
             return;
         }
-        let _shared = GATE.read().unwrap_or_else(|e| e.into_inner());
-        DRAINING.with(|d| d.set(true));
-        struct Done;
-        impl Drop for Done {
-            fn drop(&mut self) {
-                DRAINING.with(|d| d.set(false));
-            }
-        }
-        let _done = Done;
-        let me = std::thread::current().id();
         let taken = {
-            let mut deferred = lock(&DEFERRED);
+            let mut st = lock();
             PENDING.store(false, Relaxed);
-            std::mem::take(&mut *deferred)
+            std::mem::take(&mut st.deferred)
         };
-        let mut kept = Vec::new();
+        let me = std::thread::current().id();
+        let mut left = Vec::new();
         for d in taken {
-            if d.epoch != streampool::device::backend_epoch() {
+            if d.epoch != device::backend_epoch() {
+                continue;
+            }
+            if announced() {
+                left.push(d); // a capture announced meanwhile: not into it
                 continue;
             }
             let handle = match d.thread {
                 Some(t) if t != me => LEGACY_STREAM,
                 _ => d.handle,
             };
-            if announced() && handle != LEGACY_STREAM {
-                let still = streampool::device::backend()
-                    .and_then(|b| b.stream_capturing(d.device, handle))
-                    .unwrap_or(false);
-                if still {
-                    kept.push(d);
-                    continue;
+            let backend = d.mr.backend();
+            let done =
+                Stream::borrowed_live(backend, handle).and_then(|s| d.mr.deallocate(d.ptr, d.size, &s));
+            let done = match done {
+                Err(Error::InvalidStream(_)) if handle != LEGACY_STREAM => {
+                    super::free_after_device_sync(d.device, d.ptr, d.size, Some(&d.mr))
                 }
-            }
-            match super::free_full(d.ptr, d.size, d.device, handle) {
-                // A simulated device since exited: the memory went with it.
-                Ok(()) | Err(streampool::Error::DriverNotFound(_)) => {}
+                done => done,
+            };
+            match done {
+                Ok(()) | Err(Error::DriverNotFound(_)) => {}
                 Err(e) => {
                     let (ptr, size) = (d.ptr, d.size);
                     let what =
@@ -994,9 +1040,9 @@ pub(crate) mod capture {
                 }
             }
         }
-        if !kept.is_empty() {
-            let mut deferred = lock(&DEFERRED);
-            deferred.extend(kept);
+        if !left.is_empty() {
+            let mut st = lock();
+            st.deferred.extend(left);
             PENDING.store(true, Relaxed);
         }
     }

@@ -156,7 +156,9 @@ impl CupyAllocator {
             }
             Err(stream) => {
                 let mr = mr.clone();
-                detached(py, move || mr.allocate(nbytes, &stream))
+                detached(py, move || {
+                    capi::relaxed_if_announced(mr.backend(), || mr.allocate(nbytes, &stream))
+                })
             }
         }
         .map_err(|e| this.as_out_of_memory(py, e))?;
@@ -339,7 +341,9 @@ impl Drop for CupyMemory {
             });
             let freed = match fast {
                 Ok(Ok(settled)) => settled,
-                Ok(Err(stream)) => py.detach(|| mr.deallocate(ptr, size, &stream)),
+                Ok(Err(stream)) => py.detach(|| {
+                    capi::relaxed_if_announced(mr.backend(), || mr.deallocate(ptr, size, &stream))
+                }),
                 Err(e) => Err(e),
             };
             if let Err(e) = freed {

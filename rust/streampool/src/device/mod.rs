@@ -707,10 +707,15 @@ pub fn with_relaxed_capture<T>(
     backend: &BackendRef,
     f: impl FnOnce() -> crate::Result<T>,
 ) -> crate::Result<T> {
+    /// Gives the thread its mode back however `f` ends (a panic too).
+    struct Restore<'a>(&'a BackendRef, u32);
+    impl Drop for Restore<'_> {
+        fn drop(&mut self) {
+            let restored = self.0.exchange_capture_mode(false, self.1).map(drop);
+            crate::error::record_if_failed(|| "restoring the thread's capture mode".into(), restored);
+        }
+    }
     let previous = backend.exchange_capture_mode(true, 0)?;
-    let done = f();
-    let restored = backend.exchange_capture_mode(false, previous);
-    let value = done?;
-    restored?;
-    Ok(value)
+    let _restore = Restore(backend, previous);
+    f()
 }
