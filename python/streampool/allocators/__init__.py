@@ -83,8 +83,9 @@ FREE_CXX_FUNCTION = "streampool_free_cxx"
 #: each stream whether it captures and put off the frees a capture forbids
 #: (docs/frameworks.md, "CUDA graphs").
 CAPTURE_BEGIN_FUNCTION = "streampool_capture_begin"
-#: The exported function to call once that capture has ended, ``void (int device,
-#: uint64_t, uint64_t)`` (PyTorch's ``endAllocateToPool`` hook).
+#: The exported function to call once that capture has ended, however it ended (failed
+#: too: until then frees through the entry points wait), ``void (int device, uint64_t,
+#: uint64_t)`` (PyTorch's ``endAllocateToPool`` hook).
 CAPTURE_END_FUNCTION = "streampool_capture_end"
 
 

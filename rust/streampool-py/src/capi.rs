@@ -817,7 +817,10 @@ pub extern "C" fn streampool_capture_begin(
 }
 
 /// The end of the capture [`streampool_capture_begin`] announced (PyTorch's
-/// `endAllocateToPool` hook, called once its capture has ended).
+/// `endAllocateToPool` hook, called once its capture has ended). Call it however the
+/// capture ends, failed included: until then frees through the entry points wait (PyTorch
+/// skips its hook when the capture failed; `streampool.allocators.torch.use()` wraps
+/// `torch.cuda.CUDAGraph.capture_end` to call it then).
 #[no_mangle]
 pub extern "C" fn streampool_capture_end(_device: c_int, _pool_a: u64, _pool_b: u64) {
     capture::end();
