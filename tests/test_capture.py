@@ -64,9 +64,15 @@ def use(resource: mr.MemoryResource) -> None:
     streampool.set_current_device_resource(resource)
 
 
-def test_the_drivers_pool_allocates_graph_memory_in_a_capture(sim: SimulatedDevice, current: None) -> None:
+def use_stats() -> mr.StatisticsResourceAdaptor[mr.CudaAsyncMemoryResource]:
+    """Statistics over the driver's pool, made the device's resource."""
     stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
     use(stats)
+    return stats
+
+
+def test_the_drivers_pool_allocates_graph_memory_in_a_capture(sim: SimulatedDevice, current: None) -> None:
+    stats = use_stats()
     s = streampool.Stream()
     failures = allocators.failure_count()
     with capture(sim, s):
@@ -125,8 +131,7 @@ def test_a_free_on_another_stream_during_a_capture_waits_for_its_end(
     the capture is invalidated), from its beginning: before its first allocation too. While
     a capture is announced, frees wait (their stream is not asked: it may be gone), and an
     allocation on another stream is made in the relaxed mode."""
-    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
-    use(stats)
+    stats = use_stats()
     s, t = streampool.Stream(), streampool.Stream()
     before = alloc(MIB, t)
     failures = allocators.failure_count()
@@ -144,8 +149,7 @@ def test_a_free_on_another_stream_during_a_capture_waits_for_its_end(
 
 
 def test_what_one_capture_put_off_waits_through_the_next(sim: SimulatedDevice, current: None) -> None:
-    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
-    use(stats)
+    stats = use_stats()
     s1, s2, t = streampool.Stream(), streampool.Stream(), streampool.Stream()
     before = alloc(MIB, s1)
     failures = allocators.failure_count()
@@ -162,8 +166,7 @@ def test_what_one_capture_put_off_waits_through_the_next(sim: SimulatedDevice, c
 def test_a_capture_that_fails_leaves_the_entry_points_working(sim: SimulatedDevice, current: None) -> None:
     """PyTorch calls the end hook only once a capture has ended well: after an invalidated
     capture its announcement stays, until the streams seen capturing show it has ended."""
-    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
-    use(stats)
+    stats = use_stats()
     s, t = streampool.Stream(), streampool.Stream()
     failures = allocators.failure_count()
     BEGIN(0, 1, 2, None)
@@ -185,8 +188,7 @@ def test_a_capture_that_fails_leaves_the_entry_points_working(sim: SimulatedDevi
 def test_a_capture_on_a_thread_that_exits_leaves_nothing_behind(sim: SimulatedDevice, current: None) -> None:
     """Its per-thread default stream's frees put off are freed by another thread, on the
     legacy default stream (ordered after it)."""
-    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
-    use(stats)
+    stats = use_stats()
     ptds = streampool.PER_THREAD_DEFAULT_STREAM
     failures = allocators.failure_count()
 

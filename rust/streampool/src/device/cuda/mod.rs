@@ -253,6 +253,27 @@ impl CudaBackend {
     }
 
     /// Makes `dev`'s primary context current on this thread until the guard drops.
+    /// Asks `ask` of `stream`. A stream's handle names its context, so for a stream of its
+    /// own no context is made current first (the C entry points ask at every call, and
+    /// that would cost a `cuCtxGetCurrent` more); should a driver want one, or for a
+    /// default stream handle (which refers to the current context's), `ask` is called
+    /// with `dev`'s context current.
+    fn ask_stream<T>(
+        &self,
+        dev: i32,
+        stream: RawStream,
+        ask: impl Fn(sys::CUstream) -> Result<T>,
+    ) -> Result<T> {
+        if !is_default_stream(stream) {
+            match ask(cu_stream(stream)) {
+                Err(Error::Driver { code: CUDA_ERROR_INVALID_CONTEXT, .. }) => {}
+                done => return done,
+            }
+        }
+        let _ctx = self.enter(dev)?;
+        ask(cu_stream(stream))
+    }
+
     fn enter(&self, dev: i32) -> Result<CtxGuard> {
         let device = self.device(dev)?;
         self.enter_device(device)
@@ -877,21 +898,9 @@ impl Backend for CudaBackend {
         if !self.symbols.stream_get_id {
             return Err(self.unsupported("stream identities (cuStreamGetId) need", "12.0"));
         }
-        if !is_default_stream(stream) {
-            // A stream's handle names its context: no context need be current, and the
-            // C entry points ask this at every call on a stream of its own (making the
-            // context current costs a `cuCtxGetCurrent` more). Should a driver want one,
-            // the call is made again below with the device's context current.
-            // SAFETY: the probe found `cuStreamGetId`; a handle the caller vouches for.
-            match unsafe { raw::stream_get_id(cu_stream(stream)) } {
-                Err(Error::Driver { code: CUDA_ERROR_INVALID_CONTEXT, .. }) => {}
-                done => return done,
-            }
-        }
-        let _ctx = self.enter(dev)?;
-        // SAFETY: the probe found `cuStreamGetId`; `dev`'s context is current, which
-        // default stream handles refer to.
-        unsafe { raw::stream_get_id(cu_stream(stream)) }
+        // SAFETY: the probe found `cuStreamGetId`; a handle the caller vouches for, asked
+        // as `ask_stream` says.
+        self.ask_stream(dev, stream, |s| unsafe { raw::stream_get_id(s) })
     }
 
     fn stream_vouched(&self, stream: RawStream) {
@@ -940,18 +949,8 @@ impl Backend for CudaBackend {
     }
 
     fn stream_capturing(&self, dev: i32, stream: RawStream) -> Result<bool> {
-        if !is_default_stream(stream) {
-            // As `stream_id`: the entry points ask at every call, and a stream's handle
-            // names its context, so none need be made current first.
-            // SAFETY: a handle the caller vouches for.
-            match unsafe { raw::stream_is_capturing(cu_stream(stream)) } {
-                Err(Error::Driver { code: CUDA_ERROR_INVALID_CONTEXT, .. }) => {}
-                done => return done,
-            }
-        }
-        let _ctx = self.enter(dev)?;
-        // SAFETY: `dev`'s context is current, which default stream handles refer to.
-        unsafe { raw::stream_is_capturing(cu_stream(stream)) }
+        // SAFETY: a handle the caller vouches for, asked as `ask_stream` says.
+        self.ask_stream(dev, stream, |s| unsafe { raw::stream_is_capturing(s) })
     }
 
     fn stream_synchronize(&self, dev: i32, stream: RawStream) -> Result<()> {

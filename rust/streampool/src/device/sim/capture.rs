@@ -102,9 +102,8 @@ impl State {
     }
 
     /// A potentially unsafe call, refused (and every capture invalidated) while any stream
-    /// captures: the global mode bars it from every thread, whatever the device (`_dev`,
-    /// the device asked, does not narrow it).
-    pub(super) fn refuse_while_capturing(&mut self, _dev: i32, call: &'static str) -> Result<()> {
+    /// captures: the global mode bars it from every thread, whatever the device.
+    pub(super) fn refuse_while_capturing(&mut self, call: &'static str) -> Result<()> {
         if RELAXED.with(|r| r.get()) {
             return Ok(());
         }
@@ -148,7 +147,7 @@ impl State {
 
     /// An event query or synchronisation: refused for an event last recorded in a capture
     /// (its capture invalidated), and as a potentially unsafe call otherwise.
-    pub(super) fn check_event_use(&mut self, dev: i32, event: u64, call: &'static str) -> Result<()> {
+    pub(super) fn check_event_use(&mut self, event: u64, call: &'static str) -> Result<()> {
         let captured_on = self
             .event(event)?
             .recorded
@@ -159,7 +158,7 @@ impl State {
             self.invalidate(sid);
             return Err(driver(call, CAPTURED_EVENT, "CUDA_ERROR_CAPTURED_EVENT"));
         }
-        self.refuse_while_capturing(dev, call)
+        self.refuse_while_capturing(call)
     }
 
     /// A capturing stream may wait only on events recorded in its capture.
@@ -177,21 +176,21 @@ impl State {
 
     /// `cuMemAllocAsync` on `sid`: a graph allocation on a capturing stream, potentially
     /// unsafe on another while the device captures.
-    pub(super) fn check_capture_alloc(&mut self, dev: i32, sid: u64) -> Result<bool> {
+    pub(super) fn check_capture_alloc(&mut self, sid: u64) -> Result<bool> {
         self.refuse_if_invalidated(sid, "cuMemAllocFromPoolAsync")?;
         if self.capturing(sid) {
             return Ok(true);
         }
-        self.refuse_while_capturing(dev, "cuMemAllocFromPoolAsync").map(|()| false)
+        self.refuse_while_capturing("cuMemAllocFromPoolAsync").map(|()| false)
     }
 
     /// `cuMemFreeAsync` on a capturing stream takes only what a capture allocated; on
     /// another stream it is potentially unsafe while the device captures (seen on a 13.0
     /// driver: PyTorch freeing a tensor on its own stream during a global capture).
-    pub(super) fn check_capture_free(&mut self, dev: i32, sid: u64, ptr: DevPtr) -> Result<()> {
+    pub(super) fn check_capture_free(&mut self, sid: u64, ptr: DevPtr) -> Result<()> {
         self.refuse_if_invalidated(sid, "cuMemFreeAsync")?;
         if !self.capturing(sid) {
-            return self.refuse_while_capturing(dev, "cuMemFreeAsync");
+            return self.refuse_while_capturing("cuMemFreeAsync");
         }
         if !self.captured_allocs.contains(&ptr) {
             return Err(driver(

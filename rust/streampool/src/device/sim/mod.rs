@@ -858,14 +858,14 @@ impl Backend for SimDevice {
 
     fn mem_alloc(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
         self.with(Some(dev), |st| {
-            st.refuse_while_capturing(dev, "cuMemAlloc")?;
+            st.refuse_while_capturing("cuMemAlloc")?;
             st.alloc_plain(dev, bytes, AllocKind::Device)
         })
     }
 
     fn mem_free(&self, dev: i32, ptr: DevPtr) -> Result<()> {
         self.with_release(dev, |st| {
-            st.refuse_while_capturing(dev, "cuMemFree")?;
+            st.refuse_while_capturing("cuMemFree")?;
             st.captured_allocs.remove(&ptr);
             if ptr == 0 {
                 Ok(())
@@ -877,21 +877,21 @@ impl Backend for SimDevice {
 
     fn mem_alloc_managed(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
         self.with(Some(dev), |st| {
-            st.refuse_while_capturing(dev, "cuMemAllocManaged")?;
+            st.refuse_while_capturing("cuMemAllocManaged")?;
             st.alloc_plain(dev, bytes, AllocKind::Managed)
         })
     }
 
     fn mem_host_alloc(&self, dev: i32, bytes: usize) -> Result<DevPtr> {
         self.with(Some(dev), |st| {
-            st.refuse_while_capturing(dev, "cuMemHostAlloc")?;
+            st.refuse_while_capturing("cuMemHostAlloc")?;
             st.alloc_plain(dev, bytes, AllocKind::Pinned)
         })
     }
 
     fn mem_free_host(&self, dev: i32, ptr: DevPtr) -> Result<()> {
         self.with_release(dev, |st| {
-            st.refuse_while_capturing(dev, "cuMemFreeHost")?;
+            st.refuse_while_capturing("cuMemFreeHost")?;
             if ptr == 0 {
                 Ok(())
             } else {
@@ -959,21 +959,21 @@ impl Backend for SimDevice {
 
     fn pool_get_attr(&self, dev: i32, pool: RawPool, attr: PoolAttr) -> Result<u64> {
         self.with(Some(dev), |st| {
-            st.refuse_while_capturing(dev, "cuMemPoolGetAttribute")?;
+            st.refuse_while_capturing("cuMemPoolGetAttribute")?;
             st.pool_attr(pool, attr)
         })
     }
 
     fn pool_set_attr(&self, dev: i32, pool: RawPool, attr: PoolAttr, value: u64) -> Result<()> {
         self.with(Some(dev), |st| {
-            st.refuse_while_capturing(dev, "cuMemPoolSetAttribute")?;
+            st.refuse_while_capturing("cuMemPoolSetAttribute")?;
             st.set_pool_attr(pool, attr, value)
         })
     }
 
     fn pool_trim_to(&self, dev: i32, pool: RawPool, keep_bytes: usize) -> Result<()> {
         self.with(Some(dev), |st| {
-            st.refuse_while_capturing(dev, "cuMemPoolTrimTo")?;
+            st.refuse_while_capturing("cuMemPoolTrimTo")?;
             st.pool_trim(pool, keep_bytes)
         })
     }
@@ -981,7 +981,7 @@ impl Backend for SimDevice {
     fn pool_alloc_async(&self, dev: i32, pool: RawPool, bytes: usize, stream: RawStream) -> Result<DevPtr> {
         self.with(Some(dev), |st| {
             let sid = st.resolve(Some(dev), stream)?;
-            let captured = st.check_capture_alloc(dev, sid)?;
+            let captured = st.check_capture_alloc(sid)?;
             let ptr = st.pool_alloc(pool, bytes, sid)?;
             if captured {
                 st.captured_allocs.insert(ptr);
@@ -996,7 +996,7 @@ impl Backend for SimDevice {
             if ptr == 0 {
                 return Ok(());
             }
-            st.check_capture_free(dev, sid, ptr)?;
+            st.check_capture_free(sid, ptr)?;
             st.pool_free(ptr, sid)?;
             st.captured_allocs.remove(&ptr);
             Ok(())
@@ -1111,7 +1111,7 @@ impl Backend for SimDevice {
         self.with(Some(dev), |st| {
             let sid = st.resolve(Some(dev), stream)?;
             st.refuse_on_capturing(sid, "cuStreamSynchronize")?;
-            st.refuse_while_capturing(dev, "cuStreamSynchronize")?;
+            st.refuse_while_capturing("cuStreamSynchronize")?;
             let seq = st.streams[&sid].seq;
             st.host_wait(sid, seq);
             Ok(())
@@ -1122,7 +1122,7 @@ impl Backend for SimDevice {
         self.with(Some(dev), |st| {
             let sid = st.resolve(Some(dev), stream)?;
             st.refuse_on_capturing(sid, "cuStreamQuery")?;
-            st.refuse_while_capturing(dev, "cuStreamQuery")?;
+            st.refuse_while_capturing("cuStreamQuery")?;
             Ok(st.streams[&sid].queue.is_empty())
         })
     }
@@ -1179,14 +1179,14 @@ impl Backend for SimDevice {
 
     fn event_query(&self, dev: i32, event: RawEvent) -> Result<bool> {
         self.with(Some(dev), |st| {
-            st.check_event_use(dev, event, "cuEventQuery")?;
+            st.check_event_use(event, "cuEventQuery")?;
             st.event_done(event)
         })
     }
 
     fn event_synchronize(&self, dev: i32, event: RawEvent) -> Result<()> {
         self.with(Some(dev), |st| {
-            st.check_event_use(dev, event, "cuEventSynchronize")?;
+            st.check_event_use(event, "cuEventSynchronize")?;
             let (sid, seq) = match &st.event(event)?.recorded {
                 Some((sid, seq, _)) => (*sid, *seq),
                 None => return Ok(()),
@@ -1329,7 +1329,7 @@ impl Backend for SimDevice {
 
     fn ctx_synchronize(&self, dev: i32) -> Result<()> {
         self.with(Some(dev), |st| {
-            st.refuse_while_capturing(dev, "cuCtxSynchronize")?;
+            st.refuse_while_capturing("cuCtxSynchronize")?;
             st.run_all(dev);
             st.apply_thresholds();
             Ok(())
