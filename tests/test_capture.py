@@ -331,20 +331,96 @@ def test_use_hands_pytorch_the_capture_announcements() -> None:
     assert not sp_torch._announce_captures(Pluggable(object()))
 
 
-def test_a_capture_that_pytorch_ends_with_an_error_is_no_longer_announced(sim: SimulatedDevice) -> None:
-    """PyTorch's capture_end raises before its end hook when the capture failed (one with no
-    allocation is seen by nothing else): the wrapper ends the announcement."""
+def _announced() -> bool:
+    """Whether a capture is announced: PyTorch's statistics then ask the pool nothing."""
     from streampool import _native
+
+    return _native._torch_memory_stats(0)[3] is None
+
+
+class _Graph:
+    """A stand-in for ``torch.cuda.CUDAGraph``: ``capture_begin`` calls the begin hook
+    before a failure it may raise, as PyTorch does (``cudaStreamBeginCapture`` comes after
+    its hook), or raises before it (PyTorch's check of the stream comes first);
+    ``capture_end`` raises before its end hook (an invalidated capture) or after it (a
+    graph that fails to instantiate)."""
+
+    def __init__(self, fail: str = "") -> None:
+        self.fail = fail
+
+    def capture_begin(self) -> None:
+        if self.fail == "before begin hook":
+            raise RuntimeError("CUDA graphs must be captured on a non-default stream")
+        BEGIN(0, 1, 2, None)
+        if self.fail == "after begin hook":
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    def capture_end(self) -> None:
+        if self.fail == "before end hook":
+            raise RuntimeError("operation failed due to a previous error during capture")
+        END(0, 1, 2)
+        if self.fail == "after end hook":
+            raise RuntimeError("cudaGraphInstantiate failed")
+
+
+@pytest.fixture
+def graph_type(sim: SimulatedDevice) -> Iterator[type[_Graph]]:
     from streampool.allocators import torch as sp_torch
 
-    class Graph:
-        def capture_end(self) -> None:
-            raise RuntimeError("operation failed due to a previous error during capture")
+    class Graph(_Graph):
+        pass
 
     sp_torch._end_failed_captures(Graph, getattr(LIB, allocators.CAPTURE_END_FUNCTION))
     sp_torch._end_failed_captures(Graph, getattr(LIB, allocators.CAPTURE_END_FUNCTION))  # once
-    BEGIN(0, 1, 2, None)
-    assert _native._torch_memory_stats(0)[3] is None  # announced: no pool attribute asked
+    assert not _announced()
+    yield Graph
+    while _announced():
+        END(0, 1, 2)
+
+
+def test_a_capture_that_pytorch_ends_with_an_error_is_no_longer_announced(
+    graph_type: type[_Graph],
+) -> None:
+    """PyTorch's capture_end raises before its end hook when the capture failed (one with no
+    allocation is seen by nothing else): the wrapper ends the announcement."""
+    graph = graph_type("before end hook")
+    graph.capture_begin()
+    assert _announced()
     with pytest.raises(RuntimeError, match="previous error"):
-        Graph().capture_end()
-    assert _native._torch_memory_stats(0)[3] is not None
+        graph.capture_end()
+    assert not _announced()
+
+
+def test_a_capture_that_fails_to_begin_after_its_hook_is_no_longer_announced(
+    graph_type: type[_Graph],
+) -> None:
+    with pytest.raises(RuntimeError, match="not permitted"):
+        graph_type("after begin hook").capture_begin()
+    assert not _announced()
+
+
+@pytest.mark.parametrize("fail", ["before begin hook", "after end hook", "capture_end alone"])
+def test_a_failure_that_owes_no_end_leaves_another_capture_announced(
+    graph_type: type[_Graph], fail: str
+) -> None:
+    """A failed call whose hook did not announce (a begin refused before its hook), or whose
+    end hook already ran (a graph that failed to instantiate), or a capture_end with no
+    begin on its thread, ends nothing: another capture, begun on another thread, stays
+    announced."""
+    other = threading.Thread(target=lambda: BEGIN(0, 3, 4, None))
+    other.start()
+    other.join()
+    graph = graph_type(fail)
+    if fail == "before begin hook":
+        with pytest.raises(RuntimeError, match="non-default stream"):
+            graph.capture_begin()
+    elif fail == "after end hook":
+        graph.capture_begin()
+        with pytest.raises(RuntimeError, match="Instantiate"):
+            graph.capture_end()
+    else:
+        with pytest.raises(RuntimeError, match="previous error"):
+            graph_type("before end hook").capture_end()
+    assert _announced()  # the other thread's capture
+    END(0, 3, 4)
+    assert not _announced()

@@ -306,6 +306,54 @@ def test_torch_captures_and_replays_a_cuda_graph(resource: str, mode: str) -> No
     assert "failures 0" in out, out
 
 
+_TORCH_COMPILE = """
+    import streampool
+    from streampool import mr
+    from streampool.allocators import torch as sp_torch
+    RESOURCE
+    said = sp_torch.use()
+    assert "CUDA graph captures are announced" in said, said
+    import torch
+    from torch._dynamo.utils import counters
+
+    @torch.compile(mode="reduce-overhead")
+    def step(x, w):
+        h = torch.relu(x @ w)  # an intermediate the graph frees
+        return h * 2 + 1
+
+    w = torch.randn(256, 256, device="cuda")
+    kept = []
+    for n in (64, 64, 64, 64, 128, 128, 128, 64, 64):  # two shapes: two graphs
+        torch.compiler.cudagraph_mark_step_begin()
+        x = torch.randn(n, 256, device="cuda")
+        got = step(x, w).clone()  # a replay overwrites its outputs
+        kept.append(torch.full((1 << 18,), float(n), device="cuda"))
+        torch.testing.assert_close(got, torch.relu(x @ w) * 2 + 1)
+    torch.cuda.synchronize()
+    assert all(bool((k == k[0]).all()) for k in kept)
+    print("skips", dict(counters["inductor"]).get("cudagraph_skips", 0))
+    from streampool import allocators
+    print("failures", allocators.failure_count(), allocators.last_error())
+"""
+
+
+@pytest.mark.parametrize(
+    "resource",
+    [
+        "pass  # the default: the device's driver pool",
+        "streampool.set_current_device_resource(mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource()))",
+    ],
+    ids=["async", "pool-async"],
+)
+def test_torch_compile_reduce_overhead_replays_its_graphs(resource: str) -> None:
+    """`torch.compile(mode="reduce-overhead")` records CUDA graphs through PyTorch's graph
+    trees, which allocate in a private pool that the pool hooks announce."""
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    out = run_python(_TORCH_COMPILE.replace("RESOURCE", resource))
+    assert "skips 0" in out and "failures 0" in out, out
+
+
 def test_a_free_on_a_stream_its_owner_destroyed_is_freed() -> None:
     """The entry points ask a stream nothing beyond its identity outside a capture: the
     question a capture needs (cuStreamIsCapturing) crashes the driver on a destroyed handle,

@@ -72,6 +72,7 @@ __all__ = [
     "_SimDevice",
     "__version__",
     "_capi_last_error",
+    "_capture_hook_calls",
     "_fast_path_calls",
     "_ipc_export",
     "_kernel_check",
@@ -1547,6 +1548,11 @@ def _capi_last_error() -> tuple[int, str | None]:
     """``(failures so far, the most recent failure's message)`` of the exported C entry
     points ``streampool_alloc``/``streampool_free``, from any thread (what
     ``streampool.allocators.last_error()`` reads)."""
+
+def _capture_hook_calls() -> tuple[int, int]:
+    """``(begins, ends)`` of CUDA graph captures announced on the calling thread so far
+    (``streampool_capture_begin``/``streampool_capture_end``): compared around PyTorch's
+    capture calls, they tell whether a call that failed reached its hook."""
 
 def _fast_path_calls() -> int:
     """Calls settled on the fast path (with the GIL kept) so far, wrapping at 2**32: for

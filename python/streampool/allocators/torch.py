@@ -152,26 +152,42 @@ def _announce_captures(pluggable: Any) -> bool:
 
 
 def _end_failed_captures(graph_type: Any, end: Any) -> None:
-    """Ends the announcement of a capture that fails: PyTorch's ``capture_end`` raises when
-    the capture was invalidated (a synchronisation in it, say) before it calls its end hook,
-    and an announcement left behind would keep every free through streampool waiting. Wraps
-    ``graph_type.capture_end`` (``torch.cuda.CUDAGraph``, which ``torch.cuda.graph`` uses)
-    once."""
-    original = graph_type.capture_end
-    if getattr(original, "_streampool_ends_failed_captures", False):
+    """Ends the announcement of a capture that fails, and only that one: PyTorch calls its
+    begin hook in ``capture_begin`` before ``cudaStreamBeginCapture``, which may fail (a
+    stream that already captures), and ``capture_end`` raises when the capture was
+    invalidated (a synchronisation in it, say) before it calls its end hook; an
+    announcement left behind would keep every free through streampool waiting. Wraps both
+    methods of ``graph_type`` (``torch.cuda.CUDAGraph``, which ``torch.cuda.graph`` uses)
+    once. The hooks run on the calling thread, whose counts of them
+    (``_native._capture_hook_calls``) tell whether the failed call announced a begin that
+    no end followed: an end already made, or a begin never made, is not made up for."""
+    if getattr(graph_type.capture_end, "_streampool_ends_failed_captures", False):
         return
     end.restype = None
     end.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
 
-    def capture_end(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return original(self, *args, **kwargs)
-        except BaseException:
-            end(0, 0, 0)  # the capture failed before PyTorch's end hook
-            raise
+    def ending_on_failure(original: Any, owes_end: Any) -> Any:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            before = _native._capture_hook_calls()
+            try:
+                return original(self, *args, **kwargs)
+            except BaseException:
+                if owes_end(before, _native._capture_hook_calls()):
+                    end(0, 0, 0)
+                raise
 
-    capture_end._streampool_ends_failed_captures = True  # type: ignore[attr-defined]
-    graph_type.capture_end = capture_end
+        call._streampool_ends_failed_captures = True  # type: ignore[attr-defined]
+        call.__doc__, call.__name__ = original.__doc__, original.__name__
+        return call
+
+    # capture_begin: its begin hook ran, and no end; capture_end: its end hook did not run
+    # while this thread has a begin without an end.
+    graph_type.capture_begin = ending_on_failure(
+        graph_type.capture_begin, lambda b, a: a[0] > b[0] and a[1] == b[1]
+    )
+    graph_type.capture_end = ending_on_failure(
+        graph_type.capture_end, lambda b, a: a[1] == b[1] and a[0] > a[1]
+    )
 
 
 def use(*, memory_stats: bool = True) -> str:

@@ -565,6 +565,15 @@ pub(crate) fn _capi_last_error() -> (u64, Option<String>) {
     (FAILURES.load(Ordering::Relaxed), last)
 }
 
+/// `(begins, ends)` of captures announced on the calling thread so far
+/// ([`streampool_capture_begin`], [`streampool_capture_end`]): `streampool.allocators.torch`
+/// compares them around PyTorch's capture calls to end an announcement that a failed call
+/// left behind, and only that.
+#[pyfunction]
+pub(crate) fn _capture_hook_calls() -> (u64, u64) {
+    capture::hook_calls()
+}
+
 /// PyTorch's memory statistics of `device` ([`torch_stats`]): `(bytes, allocations,
 /// out-of-memory failures, reserved)`, each stat `[current, peak, allocated, freed]`, and
 /// `reserved` the device's current resource's `(reserved bytes, their peak)` where it
@@ -820,7 +829,7 @@ pub extern "C" fn streampool_capture_begin(
 /// `endAllocateToPool` hook, called once its capture has ended). Call it however the
 /// capture ends, failed included: until then frees through the entry points wait (PyTorch
 /// skips its hook when the capture failed; `streampool.allocators.torch.use()` wraps
-/// `torch.cuda.CUDAGraph.capture_end` to call it then).
+/// `torch.cuda.CUDAGraph.capture_begin` and `capture_end` to call it then).
 #[no_mangle]
 pub extern "C" fn streampool_capture_end(_device: c_int, _pool_a: u64, _pool_b: u64) {
     capture::end();
@@ -836,6 +845,7 @@ pub extern "C" fn streampool_capture_end(_device: c_int, _pool_a: u64, _pool_b: 
 /// longer captures; calls on other streams while a capture is announced are made in the
 /// relaxed capture mode, where the driver takes them.
 pub(crate) mod capture {
+    use std::cell::Cell;
     use std::collections::HashMap;
     use std::ffi::c_int;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
@@ -891,15 +901,29 @@ pub(crate) mod capture {
         (handle == PER_THREAD_STREAM).then(|| std::thread::current().id())
     }
 
+    thread_local! {
+        /// `(begins, ends)` announced by this thread: PyTorch calls its hooks on the thread
+        /// that begins or ends the capture, so a wrapper of its capture calls can tell
+        /// whether a call that failed reached its hook ([`hook_calls`]).
+        static HOOK_CALLS: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+    }
+
     pub(crate) fn begin() {
         let mut st = lock();
         if ANNOUNCED.fetch_add(1, Relaxed) == 0 {
             st.seen.clear();
         }
+        HOOK_CALLS.with(|c| c.set((c.get().0 + 1, c.get().1)));
     }
 
     pub(crate) fn end() {
         let _ = ANNOUNCED.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
+        HOOK_CALLS.with(|c| c.set((c.get().0, c.get().1 + 1)));
+    }
+
+    /// `(begins, ends)` this thread has announced so far.
+    pub(crate) fn hook_calls() -> (u64, u64) {
+        HOOK_CALLS.with(Cell::get)
     }
 
     /// Whether a capture is announced: allocations then ask their stream whether it
