@@ -1139,6 +1139,27 @@ def test_use_makes_pytorchs_statistics_answer_from_streampool() -> None:
     assert not sp_torch._answer_memory_stats(partial) and partial._cuda_memoryStats is raising
 
 
+def test_use_makes_torch_compiles_graph_trees_say_why_they_cannot_run() -> None:
+    """Under a pluggable allocator PyTorch's CUDA graph trees fail at their first pool
+    check ("pluggable does not yet support checkPoolLiveAllocations"); the functions they
+    call then raise an error that says why and what works instead."""
+    sp_torch = importlib.import_module("streampool.allocators.torch")
+
+    def raising(*args: object) -> None:
+        raise RuntimeError("pluggable does not yet support checkPoolLiveAllocations")
+
+    names = ("_cuda_checkPoolLiveAllocations", "_cuda_getCheckpointState", "_cuda_setCheckpointPoolState")
+    torch_c = types.SimpleNamespace(**dict.fromkeys(names, raising), _cuda_emptyCache=raising)
+    assert sp_torch._refuse_graph_trees(torch_c)
+    for name in names:
+        with pytest.raises(RuntimeError, match="max-autotune-no-cudagraphs") as e:
+            getattr(torch_c, name)(0, (1, 2), set())  # as cudagraph_trees calls it
+        assert "torch.cuda.graph" in str(e.value) and "reduce-overhead" in str(e.value)
+    assert torch_c._cuda_emptyCache is raising  # nothing else replaced
+    # A PyTorch without them is left as it is.
+    assert not sp_torch._refuse_graph_trees(types.SimpleNamespace(_cuda_emptyCache=raising))
+
+
 def test_use_again_with_memory_stats_makes_the_statistics_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     sp_torch = importlib.import_module("streampool.allocators.torch")
 

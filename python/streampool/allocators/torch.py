@@ -259,11 +259,48 @@ def _install(memory_stats: bool = True) -> str:
         if memory_stats and _answer_memory_stats(torch._C)
         else "raise, and empty_cache() does nothing (memory_stats=False)"
     )
+    if _refuse_graph_trees(torch._C):
+        graphs += "; torch.compile's CUDA graph trees (mode='reduce-overhead') are refused, saying why"
     return (
         f"torch.cuda allocator: CUDAPluggableAllocator({library_path()!r}, {CXX_ALLOC_FUNCTION!r}, "
         f"{FREE_CXX_FUNCTION!r}); out of memory raises {raises}; torch.cuda.memory_stats() and the "
         f"functions built on it {stats}; {graphs}"
     )
+
+
+GRAPH_TREES_REFUSED = (
+    "streampool: torch.compile's CUDA graph trees (mode='reduce-overhead', and 'max-autotune', "
+    "which uses them) cannot run on a pluggable CUDA allocator, streampool's included: they save "
+    "and restore the private pools of PyTorch's own caching allocator "
+    "(torch._C._cuda_getCheckpointState), which neither a pluggable allocator (RMM's too) nor "
+    "PyTorch's cudaMallocAsync backend has. Compile with mode='max-autotune-no-cudagraphs' or the "
+    "default mode, or capture with torch.cuda.graph or torch.cuda.make_graphed_callables, which "
+    "streampool serves (docs/frameworks.md, 'CUDA graphs')"
+)
+
+# The functions of torch._C that CUDA graph trees call first (PyTorch 2.11: the live
+# allocation check under the default `slow_path_cudagraph_asserts`, then the checkpoint at
+# every recording); under a pluggable allocator each raises "... does not yet support ...".
+_GRAPH_TREE_FUNCTIONS = (
+    "_cuda_checkPoolLiveAllocations",
+    "_cuda_getCheckpointState",
+    "_cuda_setCheckpointPoolState",
+)
+
+
+def _graph_trees_refused(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError(GRAPH_TREES_REFUSED)
+
+
+def _refuse_graph_trees(torch_c: Any) -> bool:
+    """Makes torch.compile's CUDA graph trees fail with an error that says why and what
+    works instead (:data:`GRAPH_TREES_REFUSED`), in place of PyTorch's "pluggable does not yet
+    support checkPoolLiveAllocations": replaces those functions of ``torch._C``
+    (``torch_c``) that this PyTorch has, which nothing else calls. False where it has none."""
+    names = [name for name in _GRAPH_TREE_FUNCTIONS if callable(getattr(torch_c, name, None))]
+    for name in names:
+        setattr(torch_c, name, _graph_trees_refused)
+    return bool(names)
 
 
 _ANSWERED = "answer from streampool's counts, and empty_cache() hands back what it holds free"
