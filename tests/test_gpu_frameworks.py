@@ -377,33 +377,6 @@ def test_torch_compile_and_graphed_callables_through_streampool(resource: str) -
     assert "graph trees refused" in out and "failures 0" in out, out
 
 
-def test_a_free_on_a_stream_its_owner_destroyed_is_freed() -> None:
-    """The entry points ask a stream nothing beyond its identity outside a capture: the
-    question a capture needs (cuStreamIsCapturing) crashes the driver on a destroyed handle,
-    and PyTorch frees on the allocation's stream however long after."""
-    out = run_python(
-        """
-        import ctypes as C
-        import streampool
-        from streampool import allocators as A, mr
-        lib = C.CDLL(A.library_path()); cu = C.CDLL("libcuda.so.1")
-        alloc = lib.streampool_alloc; alloc.restype = C.c_void_p
-        alloc.argtypes = [C.c_size_t, C.c_int, C.c_void_p]
-        free = lib.streampool_free; free.argtypes = [C.c_void_p, C.c_size_t, C.c_int, C.c_void_p]
-        stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
-        streampool.set_current_device_resource(stats)
-        free(alloc(256, 0, None), 256, 0, None)  # the context made
-        s = C.c_void_p(); assert cu.cuStreamCreate(C.byref(s), 1) == 0
-        p = alloc(1 << 20, 0, s)
-        failures = A.failure_count()
-        assert cu.cuStreamDestroy_v2(s) == 0
-        free(p, 1 << 20, 0, s)
-        print("failures", A.failure_count() - failures, "live", stats.allocation_counts.current_bytes)
-        """
-    )
-    assert "failures 0 live 0" in out, out
-
-
 def test_torch_capture_on_a_resource_that_cannot_serve_it_is_a_clear_error() -> None:
     pytest.importorskip("torch")
     out = run_python(

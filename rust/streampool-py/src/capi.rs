@@ -386,8 +386,10 @@ fn free_full(ptr: DevPtr, size: usize, device: c_int, handle: RawStream) -> Resu
             None => mr.deallocate(ptr, size, stream),
         });
     // The allocation's stream is gone (destroyed by its owner while the memory lived:
-    // PyTorch frees on the stream it recorded, however long after): once the device is
-    // synchronised nothing uses the memory, and the legacy default stream frees it.
+    // PyTorch frees on the stream it recorded, however long after), and the driver said
+    // so (it may as well crash on such a handle: the caller must keep the stream alive,
+    // as for cuMemFreeAsync): once the device is synchronised nothing uses the memory, and
+    // the legacy default stream frees it.
     match done {
         // (Not while a capture is announced: the synchronisation would invalidate it.)
         Err(Error::InvalidStream(_)) if handle != LEGACY_STREAM && !capture::announced() => {
@@ -838,8 +840,8 @@ pub extern "C" fn streampool_capture_end(_device: c_int, _pool_a: u64, _pool_b: 
 /// CUDA graph captures through the entry points (docs/frameworks.md, "CUDA graphs"). While
 /// a capture is announced ([`streampool_capture_begin`]), the entry points ask streams
 /// whether they capture; outside, they ask nothing (a program that never captures makes
-/// no call more, and a stream destroyed by its owner is never asked: the question on a
-/// destroyed handle crashed the process on an H100). CuPy's allocator asks its current
+/// no call more, and a stream destroyed by its owner is never asked that: the question on
+/// a destroyed handle crashed the process on an H100, as any on such a handle may). CuPy's allocator asks its current
 /// stream (alive) at every call. Allocations on capturing streams are graph memory; a free
 /// on a capturing stream of memory from before its capture waits until the stream no
 /// longer captures; calls on other streams while a capture is announced are made in the
