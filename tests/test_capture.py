@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 
 import streampool
-from streampool import allocators, mr
+from streampool import _native, allocators, mr
 from streampool.sim import SimulatedDevice
 
 from .test_allocators import ALLOC, FREE, LIB
@@ -423,4 +424,47 @@ def test_a_failure_that_owes_no_end_leaves_another_capture_announced(
             graph_type("before end hook").capture_end()
     assert _announced()  # the other thread's capture
     END(0, 3, 4)
+    assert not _announced()
+
+
+def test_a_use_mem_pool_region_announces_no_capture(sim: SimulatedDevice, current: None) -> None:
+    """PyTorch calls the pool hooks around a ``torch.cuda.use_mem_pool`` region too: the
+    region captures nothing, and announced, it would keep every free waiting until its end.
+    Its begin and end functions (stand-ins here, calling the hooks as PyTorch's do) announce
+    nothing; a capture begun inside the region is announced as any other."""
+    from streampool.allocators import torch as sp_torch
+
+    def begin(device: int, pool: tuple[int, int]) -> None:
+        BEGIN(device, *pool, None)
+
+    def end(device: int, pool: tuple[int, int]) -> None:
+        END(device, *pool)
+        if pool == (9, 9):
+            raise RuntimeError("no such pool")
+
+    torch_c = types.SimpleNamespace(_cuda_beginAllocateCurrentThreadToPool=begin, _cuda_endAllocateToPool=end)
+    cuda_memory = types.SimpleNamespace(
+        _cuda_beginAllocateCurrentThreadToPool=begin, _cuda_endAllocateToPool=end
+    )
+    sp_torch._regions_announce_nothing(torch_c, cuda_memory)
+    wrapped = cuda_memory._cuda_beginAllocateCurrentThreadToPool
+    sp_torch._regions_announce_nothing(torch_c, cuda_memory)  # once
+    assert cuda_memory._cuda_beginAllocateCurrentThreadToPool is wrapped
+    assert torch_c._cuda_endAllocateToPool is not end
+    before = _native._capture_hook_calls()
+    cuda_memory._cuda_beginAllocateCurrentThreadToPool(0, (1, 2))
+    assert not _announced()
+    stats, s = use_stats(), streampool.Stream()
+    free(alloc(MIB, s), MIB, s)
+    assert stats.allocation_counts.current_bytes == 0  # freed, not put off
+    BEGIN(0, 3, 4, None)  # a capture inside the region
+    assert _announced()
+    END(0, 3, 4)
+    cuda_memory._cuda_endAllocateToPool(0, (1, 2))
+    assert not _announced() and _native._capture_hook_calls() == (before[0] + 1, before[1] + 1)
+    with pytest.raises(RuntimeError, match="no such pool"):
+        torch_c._cuda_endAllocateToPool(0, (9, 9))
+    BEGIN(0, 5, 6, None)  # the hooks announce again once the region's calls are done
+    assert _announced()
+    END(0, 5, 6)
     assert not _announced()

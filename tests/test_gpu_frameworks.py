@@ -377,6 +377,38 @@ def test_torch_compile_and_graphed_callables_through_streampool(resource: str) -
     assert "graph trees refused" in out and "failures 0" in out, out
 
 
+def test_frees_in_a_use_mem_pool_region_do_not_wait_for_its_end() -> None:
+    """PyTorch calls the pool hooks around a `torch.cuda.use_mem_pool` region as around a
+    capture; the region announces nothing, so what is freed in it is freed at once."""
+    pytest.importorskip("torch")
+    out = run_python(
+        """
+        import streampool
+        from streampool import mr
+        from streampool.allocators import torch as sp_torch
+        stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+        streampool.set_current_device_resource(stats)
+        sp_torch.use()
+        import torch
+        try:
+            pool = torch.cuda.MemPool()
+        except RuntimeError as e:
+            print("no MemPool under a pluggable allocator:", e)
+            raise SystemExit(0)
+        most = 0
+        with torch.cuda.use_mem_pool(pool):
+            for _ in range(20):
+                t = torch.ones(1 << 24, device="cuda")  # 64 MiB
+                del t
+                most = max(most, stats.allocation_counts.current_bytes)
+        print("most live", most)
+        """
+    )
+    if "no MemPool" in out:
+        pytest.skip(out.strip())
+    assert "most live " in out and int(out.split("most live ")[1].split()[0]) <= 2 << 26, out
+
+
 def test_torch_capture_on_a_resource_that_cannot_serve_it_is_a_clear_error() -> None:
     pytest.importorskip("torch")
     out = run_python(

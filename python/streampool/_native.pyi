@@ -73,6 +73,7 @@ __all__ = [
     "__version__",
     "_capi_last_error",
     "_capture_hook_calls",
+    "_capture_hooks_open_a_region",
     "_fast_path_calls",
     "_ipc_export",
     "_kernel_check",
@@ -1553,6 +1554,11 @@ def _capture_hook_calls() -> tuple[int, int]:
     """``(begins, ends)`` of CUDA graph captures announced on the calling thread so far
     (``streampool_capture_begin``/``streampool_capture_end``): compared around PyTorch's
     capture calls, they tell whether a call that failed reached its hook."""
+
+def _capture_hooks_open_a_region(on: bool) -> None:
+    """While ``on``, the CUDA graph capture hooks called on this thread announce nothing:
+    set around PyTorch's calls that open and close a ``torch.cuda.use_mem_pool`` region,
+    which calls the same hooks as a capture."""
 
 def _fast_path_calls() -> int:
     """Calls settled on the fast path (with the GIL kept) so far, wrapping at 2**32: for

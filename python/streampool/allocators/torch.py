@@ -148,7 +148,48 @@ def _announce_captures(pluggable: Any) -> bool:
     graph_type = getattr(getattr(torch, "cuda", None), "CUDAGraph", None)
     if graph_type is not None:
         _end_failed_captures(graph_type, getattr(lib, CAPTURE_END_FUNCTION))
+    cuda_memory = getattr(getattr(torch, "cuda", None), "memory", None)
+    _regions_announce_nothing(getattr(torch, "_C", None), cuda_memory)
     return True
+
+
+# The functions of torch._C that open and close a memory pool region
+# (`torch.cuda.use_mem_pool`), which call the same pool hooks as a capture.
+_REGION_FUNCTIONS = (
+    "_cuda_beginAllocateCurrentThreadToPool",
+    "_cuda_beginAllocateCurrentStreamToPool",
+    "_cuda_beginAllocateToPool",
+    "_cuda_endAllocateToPool",
+    "_cuda_endAllocateCurrentStreamToPool",
+)
+
+
+def _regions_announce_nothing(*namespaces: Any) -> None:
+    """Makes the pool hooks that PyTorch calls when a ``torch.cuda.use_mem_pool`` region
+    opens and closes announce no capture: such a region captures nothing, and under an
+    announcement every free through streampool would wait until the region's end. Wraps
+    those functions in each namespace given that has them (``torch._C``, and
+    ``torch.cuda.memory``, which imported them by name), once; a capture begun inside a
+    region is announced as any other."""
+    for namespace in namespaces:
+        for name in _REGION_FUNCTIONS:
+            original = getattr(namespace, name, None)
+            if not callable(original) or getattr(original, "_streampool_region", False):
+                continue
+            setattr(namespace, name, _opening_a_region(original))
+
+
+def _opening_a_region(original: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _native._capture_hooks_open_a_region(True)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _native._capture_hooks_open_a_region(False)
+
+    call._streampool_region = True  # type: ignore[attr-defined]
+    call.__doc__, call.__name__ = original.__doc__, getattr(original, "__name__", "call")
+    return call
 
 
 def _end_failed_captures(graph_type: Any, end: Any) -> None:

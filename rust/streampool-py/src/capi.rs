@@ -576,6 +576,14 @@ pub(crate) fn _capture_hook_calls() -> (u64, u64) {
     capture::hook_calls()
 }
 
+/// While `on`, the capture hooks called on this thread announce nothing: set around
+/// PyTorch's calls that open and close a `torch.cuda.use_mem_pool` region
+/// (`streampool.allocators.torch`), which calls the same hooks as a capture.
+#[pyfunction]
+pub(crate) fn _capture_hooks_open_a_region(on: bool) {
+    capture::set_region_hooks(on);
+}
+
 /// PyTorch's memory statistics of `device` ([`torch_stats`]): `(bytes, allocations,
 /// out-of-memory failures, reserved)`, each stat `[current, peak, allocated, freed]`, and
 /// `reserved` the device's current resource's `(reserved bytes, their peak)` where it
@@ -908,9 +916,15 @@ pub(crate) mod capture {
         /// that begins or ends the capture, so a wrapper of its capture calls can tell
         /// whether a call that failed reached its hook ([`hook_calls`]).
         static HOOK_CALLS: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+        /// The hooks called now on this thread open or close a memory pool region, not a
+        /// capture ([`set_region_hooks`]).
+        static REGION: Cell<bool> = const { Cell::new(false) };
     }
 
     pub(crate) fn begin() {
+        if REGION.get() {
+            return;
+        }
         let mut st = lock();
         if ANNOUNCED.fetch_add(1, Relaxed) == 0 {
             st.seen.clear();
@@ -919,8 +933,18 @@ pub(crate) mod capture {
     }
 
     pub(crate) fn end() {
+        if REGION.get() {
+            return;
+        }
         let _ = ANNOUNCED.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
         HOOK_CALLS.with(|c| c.set((c.get().0, c.get().1 + 1)));
+    }
+
+    /// While `on`, the begin and end hooks called on this thread announce nothing: PyTorch
+    /// calls them too around a `torch.cuda.use_mem_pool` region, which captures nothing,
+    /// and an announcement there would keep every free waiting until the region's end.
+    pub(crate) fn set_region_hooks(on: bool) {
+        REGION.set(on);
     }
 
     /// `(begins, ends)` this thread has announced so far.

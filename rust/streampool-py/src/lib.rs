@@ -447,6 +447,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(drop_errors, m)?)?;
     m.add_function(wrap_pyfunction!(capi::_capi_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(capi::_capture_hook_calls, m)?)?;
+    m.add_function(wrap_pyfunction!(capi::_capture_hooks_open_a_region, m)?)?;
     m.add_function(wrap_pyfunction!(capi::_use_torch_out_of_memory, m)?)?;
     m.add_function(wrap_pyfunction!(capi::_torch_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(capi::_torch_reset_memory_stats, m)?)?;
