@@ -248,7 +248,17 @@ def use(*, memory_stats: bool = True) -> str:
     (:func:`empty_cache`): this replaces the four functions of ``torch._C`` they call
     (``_cuda_memoryStats``, ``_cuda_resetPeakMemoryStats``,
     ``_cuda_resetAccumulatedMemoryStats``, ``_cuda_emptyCache``); ``memory_stats=False``
-    leaves PyTorch's."""
+    leaves PyTorch's.
+
+    CUDA graphs (docs/frameworks.md, "CUDA graphs"): PyTorch's pool hooks tell streampool
+    when a capture begins and ends, so that what a capture allocates is graph memory of the
+    driver's pool (``torch.cuda.graph``, ``make_graphed_callables``). For that this wraps
+    ``torch.cuda.CUDAGraph.capture_begin`` and ``capture_end`` (a capture that fails ends
+    its announcement) and the functions that open and close a ``torch.cuda.use_mem_pool``
+    region (which calls the same hooks and captures nothing), and makes the three functions
+    of ``torch._C`` that ``torch.compile``'s CUDA graph trees (``mode="reduce-overhead"``)
+    call first raise an error that says why they cannot run on a pluggable allocator and
+    what works instead."""
     if not isinstance(memory_stats, bool):
         raise TypeError(f"memory_stats must be True or False, not {memory_stats!r}")
     _need_torch()
