@@ -319,7 +319,7 @@ def _install(memory_stats: bool = True) -> str:
     )
 
 
-GRAPH_TREES_REFUSED = (
+_GRAPH_TREES_REFUSED = (
     "streampool: torch.compile's CUDA graph trees (mode='reduce-overhead', and 'max-autotune', "
     "which uses them) cannot run on a pluggable CUDA allocator, streampool's included: they save "
     "and restore the private pools of PyTorch's own caching allocator "
@@ -340,12 +340,12 @@ _GRAPH_TREE_FUNCTIONS = (
 
 
 def _graph_trees_refused(*args: Any, **kwargs: Any) -> Any:
-    raise RuntimeError(GRAPH_TREES_REFUSED)
+    raise RuntimeError(_GRAPH_TREES_REFUSED)
 
 
 def _refuse_graph_trees(torch_c: Any) -> bool:
     """Makes torch.compile's CUDA graph trees fail with an error that says why and what
-    works instead (:data:`GRAPH_TREES_REFUSED`), in place of PyTorch's "pluggable does not yet
+    works instead (``_GRAPH_TREES_REFUSED``), in place of PyTorch's "pluggable does not yet
     support checkPoolLiveAllocations": replaces those functions of ``torch._C``
     (``torch_c``) that this PyTorch has, which nothing else calls. False where it has none."""
     names = [name for name in _GRAPH_TREE_FUNCTIONS if callable(getattr(torch_c, name, None))]
