@@ -145,11 +145,11 @@ def _announce_captures(pluggable: Any) -> bool:
         end(ctypes.cast(getattr(lib, CAPTURE_END_FUNCTION), ctypes.c_void_p).value)
     except (TypeError, RuntimeError):  # a PyTorch whose setters take something else
         return False
-    graph_type = getattr(getattr(torch, "cuda", None), "CUDAGraph", None)
+    cuda = getattr(torch, "cuda", None)
+    graph_type = getattr(cuda, "CUDAGraph", None)
     if graph_type is not None:
         _end_failed_captures(graph_type, getattr(lib, CAPTURE_END_FUNCTION))
-    cuda_memory = getattr(getattr(torch, "cuda", None), "memory", None)
-    _regions_announce_nothing(getattr(torch, "_C", None), cuda_memory)
+    _regions_announce_nothing(getattr(torch, "_C", None), getattr(cuda, "memory", None))
     return True
 
 
@@ -174,9 +174,9 @@ def _regions_announce_nothing(*namespaces: Any) -> None:
     for namespace in namespaces:
         for name in _REGION_FUNCTIONS:
             original = getattr(namespace, name, None)
-            if not callable(original) or getattr(original, "_streampool_region", False):
+            if not callable(original) or getattr(original, _MARK, False):
                 continue
-            setattr(namespace, name, _opening_a_region(original))
+            setattr(namespace, name, _wrapper(original, _opening_a_region(original)))
 
 
 def _opening_a_region(original: Any) -> Any:
@@ -187,8 +187,18 @@ def _opening_a_region(original: Any) -> Any:
         finally:
             _native._capture_hooks_open_a_region(False)
 
-    call._streampool_region = True  # type: ignore[attr-defined]
-    call.__doc__, call.__name__ = original.__doc__, getattr(original, "__name__", "call")
+    return call
+
+
+# The attribute that marks a function of PyTorch's that streampool has wrapped.
+_MARK = "_streampool_wrapped"
+
+
+def _wrapper(original: Any, call: Any) -> Any:
+    """`call`, standing in for PyTorch's `original`: named and documented as it is, and
+    marked, so that it is wrapped once."""
+    setattr(call, _MARK, True)
+    call.__doc__, call.__name__ = original.__doc__, getattr(original, "__name__", call.__name__)
     return call
 
 
@@ -202,7 +212,7 @@ def _end_failed_captures(graph_type: Any, end: Any) -> None:
     once. The hooks run on the calling thread, whose counts of them
     (``_native._capture_hook_calls``) tell whether the failed call announced a begin that
     no end followed: an end already made, or a begin never made, is not made up for."""
-    if getattr(graph_type.capture_end, "_streampool_ends_failed_captures", False):
+    if getattr(graph_type.capture_end, _MARK, False):
         return
     end.restype = None
     end.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
@@ -217,9 +227,7 @@ def _end_failed_captures(graph_type: Any, end: Any) -> None:
                     end(0, 0, 0)
                 raise
 
-        call._streampool_ends_failed_captures = True  # type: ignore[attr-defined]
-        call.__doc__, call.__name__ = original.__doc__, original.__name__
-        return call
+        return _wrapper(original, call)
 
     # capture_begin: its begin hook ran, and no end; capture_end: its end hook did not run
     # while this thread has a begin without an end.

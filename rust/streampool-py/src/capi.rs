@@ -385,15 +385,30 @@ fn free_full(ptr: DevPtr, size: usize, device: c_int, handle: RawStream) -> Resu
             Some(settled) => settled,
             None => mr.deallocate(ptr, size, stream),
         });
-    // The allocation's stream is gone (destroyed by its owner while the memory lived:
-    // PyTorch frees on the stream it recorded, however long after), and the driver said
-    // so (it may as well crash on such a handle: the caller must keep the stream alive,
-    // as for cuMemFreeAsync): once the device is synchronised nothing uses the memory, and
-    // the legacy default stream frees it.
+    // (Not while a capture is announced: the synchronisation would invalidate it.)
+    match capture::announced() {
+        true => done,
+        false => or_where_stream_gone(done, handle, device, ptr, size, None),
+    }
+}
+
+/// `done`, a free on the stream `handle` names; where it failed because that stream is gone
+/// (destroyed by its owner while the memory lived: PyTorch frees on the stream it recorded,
+/// however long after), and the driver said so (it may as well crash on such a handle: the
+/// caller must keep the stream alive, as for cuMemFreeAsync), the free made again once the
+/// device is synchronised, when nothing uses the memory, on the legacy default stream
+/// ([`free_after_device_sync`]).
+fn or_where_stream_gone(
+    done: Result<()>,
+    handle: RawStream,
+    device: c_int,
+    ptr: DevPtr,
+    size: usize,
+    mr: Option<&streampool::ResourceRef>,
+) -> Result<()> {
     match done {
-        // (Not while a capture is announced: the synchronisation would invalidate it.)
-        Err(Error::InvalidStream(_)) if handle != LEGACY_STREAM && !capture::announced() => {
-            free_after_device_sync(device, ptr, size, None)
+        Err(Error::InvalidStream(_)) if handle != LEGACY_STREAM => {
+            free_after_device_sync(device, ptr, size, mr)
         }
         done => done,
     }
@@ -1077,12 +1092,7 @@ pub(crate) mod capture {
             let backend = d.mr.backend();
             let done =
                 Stream::borrowed_live(backend, handle).and_then(|s| d.mr.deallocate(d.ptr, d.size, &s));
-            let done = match done {
-                Err(Error::InvalidStream(_)) if handle != LEGACY_STREAM => {
-                    super::free_after_device_sync(d.device, d.ptr, d.size, Some(&d.mr))
-                }
-                done => done,
-            };
+            let done = super::or_where_stream_gone(done, handle, d.device, d.ptr, d.size, Some(&d.mr));
             match done {
                 Ok(()) | Err(Error::DriverNotFound(_)) => {}
                 Err(e) => {

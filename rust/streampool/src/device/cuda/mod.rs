@@ -252,7 +252,6 @@ impl CudaBackend {
         Ok(ctx)
     }
 
-    /// Makes `dev`'s primary context current on this thread until the guard drops.
     /// Asks `ask` of `stream`. A stream's handle names its context, so for a stream of its
     /// own no context is made current first (the C entry points ask at every call, and
     /// that would cost a `cuCtxGetCurrent` more); should a driver want one, or for a
@@ -274,6 +273,7 @@ impl CudaBackend {
         ask(cu_stream(stream))
     }
 
+    /// Makes `dev`'s primary context current on this thread until the guard drops.
     fn enter(&self, dev: i32) -> Result<CtxGuard> {
         let device = self.device(dev)?;
         self.enter_device(device)

@@ -802,9 +802,14 @@ impl ShardedPoolMemoryResource {
             return settled;
         }
         let ptr = self.upstream.allocate(bytes, stream)?;
-        crate::sync::lock(&self.captured).insert(ptr, bytes);
-        self.captured_count.fetch_add(1, Ordering::Relaxed);
+        self.record_captured(ptr, bytes);
         Ok(ptr)
+    }
+
+    /// Keeps the record of captured memory at `ptr`, of `size` bytes.
+    fn record_captured(&self, ptr: DevPtr, size: usize) {
+        crate::sync::lock(&self.captured).insert(ptr, size);
+        self.captured_count.fetch_add(1, Ordering::Relaxed);
     }
 
     fn deallocate_captured(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
@@ -831,10 +836,7 @@ impl ShardedPoolMemoryResource {
     /// upstream refuses (the driver does while another stream captures), so that a later
     /// free can still find it.
     fn free_captured(&self, ptr: DevPtr, size: usize, stream: &Stream) -> Result<()> {
-        self.upstream.deallocate(ptr, size, stream).inspect_err(|_| {
-            crate::sync::lock(&self.captured).insert(ptr, size);
-            self.captured_count.fetch_add(1, Ordering::Relaxed);
-        })
+        self.upstream.deallocate(ptr, size, stream).inspect_err(|_| self.record_captured(ptr, size))
     }
 
     /// Forgets the captured allocation at `ptr`, checking its size: its size, or `None`
