@@ -130,6 +130,9 @@ RESOURCES = {
         gather_interval=0,
         events_every=1,
     ),
+    "pool_one_heap": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), expandable=True, one_heap=True
+    ),
     "adaptor_stack": _adaptor_stack,
     "arena": lambda: mr.ArenaMemoryResource(mr.CudaAsyncMemoryResource(), arena_size="160MiB"),
     "callback": _callback,

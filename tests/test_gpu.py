@@ -30,6 +30,10 @@ FACTORIES = {
     "pool_lean": lambda: mr.ShardedPoolMemoryResource(
         mr.CudaAsyncMemoryResource(), expandable=True, steal_whole_blocks=True, gather_interval=0
     ),
+    "pool_one_heap": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), expandable=True, one_heap=True
+    ),
+    "pool_one_heap_cuda": lambda: mr.ShardedPoolMemoryResource(mr.CudaMemoryResource(), one_heap=True),
 }
 
 
@@ -279,6 +283,13 @@ POOLS = {
         maximum_pool_size=BLOCK,
         events_every=1,
         steal_whole_blocks=True,
+    ),
+    # One heap for every stream: the next stream waits on the event of the last one's free.
+    "one_heap_bounded": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaMemoryResource(), initial_pool_size=BLOCK, maximum_pool_size=BLOCK, one_heap=True
+    ),
+    "one_heap_expandable": lambda: mr.ShardedPoolMemoryResource(
+        mr.CudaAsyncMemoryResource(), expandable=True, one_heap=True
     ),
 }
 

@@ -29,6 +29,7 @@ OURS = {
     "pool(async, expandable=true)": mr.ShardedPoolMemoryResource,
     "pool(async, expandable=true, steal_whole_blocks=true)": mr.ShardedPoolMemoryResource,
     "pool(async, expandable=true, steal_whole_blocks=true, gather_interval=0)": mr.ShardedPoolMemoryResource,
+    "pool(async, expandable=true, one_heap=true)": mr.ShardedPoolMemoryResource,
     "prefetch(managed)": mr.PrefetchResourceAdaptor,
     "binning(async)": mr.BinningMemoryResource,
     "binning(async, min=12, max=16)": mr.BinningMemoryResource,

@@ -217,6 +217,39 @@ def test_steal_whole_blocks_moves_the_rest_to_the_taking_stream(whole: bool) -> 
         assert pool.release() == 4 * mib
 
 
+@pytest.mark.parametrize("expandable", [False, True])
+def test_one_heap_orders_reuse_across_streams_by_the_free_s_event(expandable: bool) -> None:
+    mib = 1 << 20
+    pool = mr.ShardedPoolMemoryResource(mr.CudaMemoryResource(), one_heap=True, expandable=expandable)
+    a, c = streampool.Stream(), streampool.Stream()
+    payload = bytes(range(256)) * 4096
+    # Written on a, freed on a while the write may still run (the simulated device runs
+    # work only at synchronisations): c gets the same memory, after a wait on a's free.
+    src = streampool.DeviceBuffer.to_device(payload, stream=a, mr=pool)
+    first = src.ptr
+    del src
+    dst = streampool.DeviceBuffer(size=mib, stream=c, mr=pool)
+    assert dst.ptr == first, "one heap: the memory a freed is c's at once"
+    assert pool.stats["cross_stream_waits"] == 1, pool.stats
+    dst.copy_from_device(streampool.DeviceBuffer.to_device(payload, stream=c, mr=pool))
+    assert dst.tobytes() == payload
+    assert pool.stats["upstream_growths"] in (1, 2), pool.stats  # the copy's source, perhaps
+    del dst
+    c.synchronize()
+    stats = pool.stats
+    assert (stats["used_bytes"], stats["shard_free_bytes"]) == (0, {}), stats  # no shards
+    pool.release()
+    assert (pool.stats["reserved_bytes"], pool.stats["free_bytes"]) == (0, 0), pool.stats
+
+
+@pytest.mark.parametrize("other", [{"release_threshold": "1MiB"}, {"steal_whole_blocks": True}])
+def test_one_heap_refuses_the_options_of_shards(other: dict[str, object]) -> None:
+    up = mr.CudaMemoryResource()
+    with pytest.raises(ValueError, match="one_heap takes neither release_threshold nor steal_whole_blocks"):
+        mr.ShardedPoolMemoryResource(up, one_heap=True, **other)  # type: ignore[arg-type]
+    up.deallocate(up.allocate(256), 256)  # still usable
+
+
 @pytest.mark.parametrize(
     "upstream",
     [

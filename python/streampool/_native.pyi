@@ -934,7 +934,12 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor[_U]):
     on many threads: 1.5-1.6 times the peak live bytes at 4 and 16 threads, as little as
     the driver's pool or less (it held 1.60-2.05 and 1.63-1.69), at 6.4-7.1 M
     allocations/s on 16 threads (the driver's pool 0.11-0.13; benchmarks/RESULTS.md,
-    "Commits d54cde1 and 939a767"). Shards of streams streampool made
+    "Commits d54cde1 and 939a767"). ``one_heap=True``: no shards; every free merges at once
+    into one heap for every stream, and a stream handed memory that another stream freed
+    waits on that free's event (``cuStreamWaitEvent``), as the driver's pool orders its
+    reuse; with ``expandable=True`` the least memory on many threads, at a fraction of the
+    default's speed (benchmarks/RESULTS.md); ValueError with ``release_threshold`` or
+    ``steal_whole_blocks``. Shards of streams streampool made
     are retired when those streams are destroyed. A free must pass the size it allocated, as
     in RMM: a double free, an address the pool never handed out, or a size that does not
     round to the allocation's is always refused, and changes nothing. ValueError naming
@@ -954,6 +959,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor[_U]):
         lean = mr.ShardedPoolMemoryResource(
             mr.CudaAsyncMemoryResource(), expandable=True, steal_whole_blocks=True, gather_interval=0
         )
+        leanest = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True, one_heap=True)
     """
 
     def __new__(
@@ -968,6 +974,7 @@ class ShardedPoolMemoryResource(UpstreamResourceAdaptor[_U]):
         event_batch: SupportsIndex | None = 1,
         expandable: bool = False,
         steal_whole_blocks: bool = False,
+        one_heap: bool = False,
     ) -> Self: ...
     def pool_size(self) -> int:
         """Bytes the pool holds from its upstream (RMM's ``pool_size()``)."""

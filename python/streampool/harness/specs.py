@@ -198,7 +198,7 @@ class Candidate:
 # --- streampool's own resources ----------------------------------------------------------
 
 _SIZE_OPTIONS = {"initial", "maximum", "release", "size", "limit"}
-_BOOL_OPTIONS = {"expandable", "steal_whole_blocks"}
+_BOOL_OPTIONS = {"expandable", "steal_whole_blocks", "one_heap"}
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -303,6 +303,7 @@ _OURS: dict[str, tuple[int, dict[str, str], Callable[..., mr.MemoryResource], st
             "event_batch": "event_batch",
             "expandable": "expandable",
             "steal_whole_blocks": "steal_whole_blocks",
+            "one_heap": "one_heap",
             "gather_interval": "gather_interval",
         },
         mr.ShardedPoolMemoryResource,

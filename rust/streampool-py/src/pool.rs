@@ -49,7 +49,12 @@ const MIN_MAXIMUM_POOL_SIZE: usize = streampool::ALIGNMENT;
 /// `steal_whole_blocks=True`: a stream short of memory that takes another stream's
 /// completed free block takes all of it, not only what it asked for, so that memory moves
 /// between streams whole; on many threads the pool then holds much less, at about half the
-/// allocation speed (benchmarks/RESULTS.md). The policy and its reasons: the pool's
+/// allocation speed (benchmarks/RESULTS.md). `one_heap=True`: no shards; every free
+/// merges at once into one heap for every stream, and a stream handed memory that
+/// another stream freed waits on that free's event, as the driver's pool orders reuse:
+/// with `expandable=True`, the least memory on many threads, at a fraction of the
+/// default's speed (benchmarks/RESULTS.md); `release_threshold` and `steal_whole_blocks`
+/// do not apply to it (ValueError). The policy and its reasons: the pool's
 /// IMPLEMENTATION.md.
 ///
 /// Example::
@@ -60,6 +65,7 @@ const MIN_MAXIMUM_POOL_SIZE: usize = streampool::ALIGNMENT;
 ///     lean = mr.ShardedPoolMemoryResource(
 ///         mr.CudaAsyncMemoryResource(), expandable=True, steal_whole_blocks=True, gather_interval=0
 ///     )
+///     leanest = mr.ShardedPoolMemoryResource(mr.CudaAsyncMemoryResource(), expandable=True, one_heap=True)
 #[derive(Debug)]
 #[pyclass(frozen, subclass, extends = PyUpstreamResourceAdaptor, module = "streampool.mr", name = "ShardedPoolMemoryResource")]
 pub struct PyShardedPool {
@@ -98,8 +104,8 @@ fn gather_interval_arg(obj: &Bound<'_, PyAny>) -> PyResult<f64> {
 impl PyShardedPool {
     #[new]
     #[pyo3(
-        signature = (upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=None, headroom=PoolOptions::default().headroom, gather_interval=PoolOptions::default().gather_interval.as_secs_f64(), event_batch=None, expandable=false, steal_whole_blocks=false),
-        text_signature = "(upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=64, headroom=0.15, gather_interval=0.0001, event_batch=1, expandable=False, steal_whole_blocks=False)"
+        signature = (upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=None, headroom=PoolOptions::default().headroom, gather_interval=PoolOptions::default().gather_interval.as_secs_f64(), event_batch=None, expandable=false, steal_whole_blocks=false, one_heap=false),
+        text_signature = "(upstream_mr, initial_pool_size=None, maximum_pool_size=None, release_threshold=None, events_every=64, headroom=0.15, gather_interval=0.0001, event_batch=1, expandable=False, steal_whole_blocks=False, one_heap=False)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -113,6 +119,7 @@ impl PyShardedPool {
         event_batch: Option<&Bound<'_, PyAny>>,
         expandable: bool,
         steal_whole_blocks: bool,
+        one_heap: bool,
     ) -> PyResult<PyClassInitializer<Self>> {
         // Negative, non-finite and too long for a `Duration` (over about 584 billion years).
         let gather_interval = std::time::Duration::try_from_secs_f64(gather_interval).map_err(|_| {
@@ -144,6 +151,7 @@ impl PyShardedPool {
             gather_interval,
             expandable,
             steal_whole_blocks,
+            one_heap,
         };
         let upstream = upstream_ref(upstream_mr);
         let inner =

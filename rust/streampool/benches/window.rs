@@ -26,7 +26,7 @@
 //! cargo bench -p streampool --bench window -- [--secs 0.5] [--reps 3]
 //!     [--threads 1,2,4,8,16] [--resources sharded,async] [--events-every N] [--json FILE]
 //!     [--sim] [--sim-eager] [--same-sizes] [--handoff] [--no-fixed] [--headroom F|none] [--exact-live]
-//!     [--every SECS] [--gather-us MICROSECONDS] [--expandable] [--steal-whole]
+//!     [--every SECS] [--gather-us MICROSECONDS] [--expandable] [--steal-whole] [--one-heap]
 //! ```
 //! `--resources` takes any of `sharded`, `latency-sharded` (the latency histogram adaptor over
 //! the sharded pool), `async` (the driver's pool) and `control` (touches no memory).
@@ -83,6 +83,8 @@ struct Args {
     expandable: bool,
     /// Steals take whole blocks (`PoolOptions::steal_whole_blocks`).
     steal_whole: bool,
+    /// One heap for every stream (`PoolOptions::one_heap`).
+    one_heap: bool,
 }
 
 impl Args {
@@ -92,6 +94,7 @@ impl Args {
             headroom: self.headroom,
             expandable: self.expandable,
             steal_whole_blocks: self.steal_whole,
+            one_heap: self.one_heap,
             ..Default::default()
         };
         if let Some(us) = self.gather_us {
@@ -120,6 +123,7 @@ fn args() -> Args {
         every: None,
         expandable: false,
         steal_whole: false,
+        one_heap: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -141,6 +145,7 @@ fn args() -> Args {
             "--exact-live" => a.exact_live = true,
             "--expandable" => a.expandable = true,
             "--steal-whole" => a.steal_whole = true,
+            "--one-heap" => a.one_heap = true,
             "--every" => a.every = Some(v().parse().expect("--every")),
             "--bench" => {}
             other => panic!("unknown argument {other}"),

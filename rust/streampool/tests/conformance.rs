@@ -290,6 +290,12 @@ conformance! {
         Arc::new(streampool::CudaAsyncMemoryResource::on(b, 0, Default::default()).unwrap()), streampool::PoolOptions {
             expandable: true, steal_whole_blocks: true, gather_interval: std::time::Duration::ZERO, events_every: 1,
             ..Default::default() }).unwrap());
+    sharded_pool_one_heap => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
+        Arc::new(streampool::CudaAsyncMemoryResource::on(b, 0, Default::default()).unwrap()), streampool::PoolOptions {
+            one_heap: true, ..Default::default() }).unwrap());
+    sharded_pool_one_heap_expandable => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
+        Arc::new(streampool::CudaMemoryResource::on(b, 0).unwrap()), streampool::PoolOptions {
+            one_heap: true, expandable: true, maximum_pool_size: Some(200 << 20), ..Default::default() }).unwrap());
     sharded_pool_bounded => |b| Arc::new(streampool::ShardedPoolMemoryResource::new(
         Arc::new(streampool::ManagedMemoryResource::on(b, 0).unwrap()), streampool::PoolOptions {
             maximum_pool_size: Some(200 << 20), release_threshold: Some(8 << 20), ..Default::default() }).unwrap());

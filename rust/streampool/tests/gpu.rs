@@ -75,8 +75,9 @@ fn memset_on_one_stream_then_reuse_on_another_reads_back_correctly() {
 /// `cuMemAlloc`: with an event at every free (B waits on A's event, or takes the block
 /// once that event completed) and with the default interval (the first handover goes
 /// through a device synchronisation, the last resort; later ones through the events the
-/// pool, short of memory, asks every stream for), and with a batch of 8 frees per asked-for
-/// event (a pool at its maximum still hands the block over, by a wait or a synchronisation).
+/// pool, short of memory, asks every stream for), with a batch of 8 frees per asked-for
+/// event (a pool at its maximum still hands the block over, by a wait or a synchronisation),
+/// and with one heap for every stream (B waits on the event of A's free).
 fn bounded_pools(b: &BackendRef, bytes: usize) -> Vec<(String, ShardedPoolMemoryResource)> {
     let upstreams: [(&str, ResourceRef); 2] = [
         ("async", Arc::new(CudaAsyncMemoryResource::on(b.clone(), 0, Default::default()).unwrap())),
@@ -84,17 +85,20 @@ fn bounded_pools(b: &BackendRef, bytes: usize) -> Vec<(String, ShardedPoolMemory
     ];
     let mut pools = Vec::new();
     for (name, upstream) in upstreams {
-        for (events_every, event_batch) in [(1, 1), (64, 1), (64, 8)] {
+        for (events_every, event_batch, one_heap) in
+            [(1, 1, false), (64, 1, false), (64, 8, false), (64, 1, true)]
+        {
             let options = PoolOptions {
                 initial_pool_size: Some(bytes),
                 maximum_pool_size: Some(bytes),
                 events_every,
                 event_batch,
+                one_heap,
                 ..Default::default()
             };
             let pool = ShardedPoolMemoryResource::new(upstream.clone(), options).unwrap();
             pools.push((
-                format!("pool over {name}, events_every {events_every}, event_batch {event_batch}"),
+                format!("pool over {name}, events_every {events_every}, event_batch {event_batch}, one_heap {one_heap}"),
                 pool,
             ));
         }

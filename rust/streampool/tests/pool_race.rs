@@ -336,8 +336,18 @@ fn options_for(seed: u64) -> (PoolOptions, bool, &'static str) {
         gather_interval: if bit(&mut r) { Duration::ZERO } else { Duration::from_micros(100) },
         expandable,
         steal_whole_blocks: bit(&mut r),
+        one_heap: false,
     };
-    let sync_upstream = bit(&mut r);
+    let mut sync_upstream = bit(&mut r);
+    // One seed in four: one heap for every stream, with and without growth in place, over
+    // either upstream (the other seeds keep their options).
+    let o = if seed % 4 == 3 {
+        sync_upstream = (seed / 8) % 2 == 1;
+        let expandable = (seed / 4).is_multiple_of(2);
+        PoolOptions { one_heap: true, release_threshold: None, steal_whole_blocks: false, expandable, ..o }
+    } else {
+        o
+    };
     let limited = o.maximum_pool_size.is_some();
     (o, limited, if sync_upstream { "CudaMemoryResource" } else { "CudaAsyncMemoryResource" })
 }

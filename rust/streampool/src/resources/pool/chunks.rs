@@ -175,9 +175,12 @@ impl ShardedPoolMemoryResource {
         let in_place = self.trim_in_place(keep)?;
         let whole = {
             let table = self.table();
+            // With one heap, a chunk freed whole may still be in use on the streams that
+            // freed it: it goes back once their frees are known complete.
             let is_whole = |ptr: u64, b: &FreeBlock| {
                 b.chunk != REGION_CHUNK
                     && table.by_id(b.chunk).is_some_and(|c| c.start == ptr && c.size == b.size)
+                    && self.heap.settled(ptr, b.size)
             };
             let mut common = self.common.lock();
             let free_now = common.bytes();

@@ -34,6 +34,20 @@ fn check(p: &ShardedPoolMemoryResource) {
     assert_eq!(s.used_bytes, 0, "{s:?}");
 }
 
+/// [`check`], then the device runs what is queued: no race.
+fn check_no_races(p: &ShardedPoolMemoryResource, sim: &SimDevice) {
+    check(p);
+    sim.run();
+    assert!(sim.races().is_empty(), "{:?}", sim.races().first().map(|r| r.to_string()));
+}
+
+/// Everything is free: a release gives back everything.
+fn check_all_released(p: &ShardedPoolMemoryResource) {
+    p.release().unwrap();
+    let st = p.stats();
+    assert_eq!((st.reserved_bytes, st.free_bytes), (0, 0), "{st:?}");
+}
+
 /// Two threads use a new stream for the first time at once: one shard, nothing lost,
 /// no block handed out twice.
 #[test]
@@ -184,9 +198,7 @@ fn loom_a_shard_retired_while_its_block_is_freed_on_another_stream() {
         sim.write(r.handle(), z, 1 << 20).unwrap();
         p.deallocate(y, 1 << 20, &r).unwrap();
         p.deallocate(z, 1 << 20, &r).unwrap();
-        check(&p);
-        sim.run();
-        assert!(sim.races().is_empty(), "{:?}", sim.races().first().map(|r| r.to_string()));
+        check_no_races(&p, &sim);
     });
 }
 
@@ -202,8 +214,57 @@ fn loom_release_while_another_thread_allocates() {
         p.release().unwrap();
         t.join().unwrap();
         check(&p);
+        check_all_released(&p);
+    });
+}
+
+/// A pool with one heap for every stream, and a thread that allocates 1 MiB on a stream
+/// of its own, writes it and frees it.
+fn one_heap_writer(
+) -> (Arc<ShardedPoolMemoryResource>, Arc<SimDevice>, impl Fn() -> loom::thread::JoinHandle<()>) {
+    let sim = SimDevice::new(64 << 20);
+    let b: BackendRef = sim.clone();
+    let upstream: ResourceRef = Arc::new(CudaMemoryResource::on(b.clone(), 0).unwrap());
+    let options = PoolOptions { initial_pool_size: Some(1 << 20), one_heap: true, ..Default::default() };
+    let p = Arc::new(ShardedPoolMemoryResource::new(upstream, options).unwrap());
+    let (p2, sim2) = (p.clone(), sim.clone());
+    let writer = move || {
+        let (p, sim) = (p2.clone(), sim2.clone());
+        let s = Stream::create(&(sim.clone() as BackendRef), 0, false).unwrap();
+        loom::thread::spawn(move || {
+            let x = p.allocate(1 << 20, &s).unwrap();
+            sim.write(s.handle(), x, 1 << 20).unwrap();
+            p.deallocate(x, 1 << 20, &s).unwrap();
+        })
+    };
+    (p, sim, writer)
+}
+
+/// One heap: two threads on two streams each use 1 MiB. A block freed on one stream goes
+/// to the other only after a wait on its free's event (or once that event is known
+/// complete); else the pool grows: no race the simulated device sees, exact accounting.
+#[test]
+fn loom_one_heap_reuse_across_streams() {
+    crate::sync::model_bounded(3, || {
+        let (p, sim, writer) = one_heap_writer();
+        let (t, u) = (writer(), writer());
+        t.join().unwrap();
+        u.join().unwrap();
+        check_no_races(&p, &sim);
+    });
+}
+
+/// One heap: `release()` while another thread allocates, writes and frees: what release
+/// gives back is never memory a free has not finished with, and a release after
+/// everything is free gives back everything.
+#[test]
+fn loom_one_heap_release_while_another_thread_frees() {
+    crate::sync::model_bounded(3, || {
+        let (p, sim, writer) = one_heap_writer();
+        let t = writer();
         p.release().unwrap();
-        let st = p.stats();
-        assert_eq!((st.reserved_bytes, st.free_bytes), (0, 0), "{st:?}");
+        t.join().unwrap();
+        check_no_races(&p, &sim);
+        check_all_released(&p);
     });
 }

@@ -8,6 +8,8 @@
 //! * `chunks.rs`: the upstream chunks: growth, the chunk table, giving chunks back;
 //! * `region.rs`: growth in place (`PoolOptions::expandable`);
 //! * `common.rs`: the common list (completed blocks any stream may use) and its size;
+//! * `heap.rs`: one heap for every stream (`PoolOptions::one_heap`): frees pending on
+//!   their events, and the waits that order reuse;
 //! * `freelist.rs`, `addrmap.rs`: a shard's blocks;
 //! * `loom_tests.rs`: loom models of the shard logic over the simulated device (a
 //!   stream's first use, the fast path's steals, sweeps, retirement, `release`), built
@@ -17,6 +19,7 @@ mod addrmap;
 mod chunks;
 mod common;
 mod freelist;
+mod heap;
 mod policy;
 mod region;
 mod shard;
@@ -120,6 +123,18 @@ pub struct PoolOptions {
     /// bytes at 39-57 M allocations/s, against 3.2-4.0 at 82-140 M/s without;
     /// `benchmarks/RESULTS.md`, "Commit 84adecc"). One stream alone is unaffected. Default `false`.
     pub steal_whole_blocks: bool,
+    /// One heap for every stream, the least memory on many threads: no shards; every free
+    /// goes to one list behind one lock, where it merges with its free neighbours at once,
+    /// whichever stream freed them. Each free records an event on its stream, and a stream
+    /// handed memory that another stream freed, not yet known complete, waits on that
+    /// event (`cuStreamWaitEvent`), as the driver's own pool orders its reuse. So streams
+    /// wait on one another where the default pool keeps them apart, and every allocation
+    /// and free takes the one lock and a driver call or two. The pool grows only when
+    /// nothing free fits. With [`expandable`](Self::expandable), the leanest pool:
+    /// `benchmarks/RESULTS.md` has its memory and speed beside the others'. Of the other
+    /// options only `initial_pool_size`, `maximum_pool_size` and `expandable` apply;
+    /// `release_threshold` and `steal_whole_blocks` are refused with it. Default `false`.
+    pub one_heap: bool,
 }
 
 impl Default for PoolOptions {
@@ -134,6 +149,7 @@ impl Default for PoolOptions {
             gather_interval: Duration::from_micros(100),
             expandable: false,
             steal_whole_blocks: false,
+            one_heap: false,
         }
     }
 }
@@ -302,6 +318,10 @@ pub struct ShardedPoolMemoryResource {
     /// only on the cold paths, and there only while not empty (`captured_count`).
     captured: crate::sync::Mutex<std::collections::HashMap<DevPtr, usize>>,
     captured_count: AtomicUsize,
+    /// `PoolOptions::one_heap`, read by the hot path.
+    one_heap: bool,
+    /// With one heap: the frees not known complete, and the bytes in use.
+    heap: heap::Pending,
 }
 
 /// Written off the hot path (an event every batch of frees, steals, growth), read by
@@ -387,6 +407,12 @@ impl ShardedPoolMemoryResource {
         if options.event_batch == 0 {
             return Err(Error::invalid("event_batch must be at least 1"));
         }
+        if options.one_heap && (options.release_threshold.is_some() || options.steal_whole_blocks) {
+            return Err(Error::invalid(
+                "one_heap takes neither release_threshold nor steal_whole_blocks: its one heap has no \
+                 shards to steal from, and gives memory back at release()",
+            ));
+        }
         let depth = crate::resource::check_depth("ShardedPoolMemoryResource", [&upstream])?;
         if let Some(h) = options.headroom {
             if !(h.is_finite() && h >= 0.0) {
@@ -395,6 +421,7 @@ impl ShardedPoolMemoryResource {
         }
         let region =
             if options.expandable { Some(region::Region::reserve(&upstream, maximum)?) } else { None };
+        let one_heap = options.one_heap;
         let pool = ShardedPoolMemoryResource {
             depth,
             backend: upstream.backend().clone(),
@@ -415,6 +442,8 @@ impl ShardedPoolMemoryResource {
             captured_count: AtomicUsize::new(0),
             sweep_at: AtomicUsize::new(SWEEP_SHARDS),
             counters: Counters::default(),
+            one_heap,
+            heap: Default::default(),
         };
         if initial > 0 {
             let legacy = Stream::legacy();
@@ -458,7 +487,7 @@ impl ShardedPoolMemoryResource {
             // made before the upstream is asked, of which some fail.
             reserved_bytes: get(&c.grown_bytes).saturating_sub(get(&c.released_bytes)) as usize,
             peak_reserved_bytes: c.peak_reserved.load(Ordering::Relaxed),
-            used_bytes: used.max(0) as usize,
+            used_bytes: used.max(0) as usize + self.heap.used(),
             free_bytes: common_free_bytes + shard_free_bytes.iter().map(|s| s.1).sum::<usize>(),
             common_free_bytes,
             shard_free_bytes,
@@ -743,7 +772,9 @@ impl ShardedPoolMemoryResource {
     #[inline]
     fn allocate_own(&self, bytes: usize, stream: &Stream, blocking: bool) -> Option<DevPtr> {
         // 0 (the null pointer) and impossible sizes are settled by the full path.
-        if bytes.wrapping_sub(1) >= isize::MAX as usize || !stream.is_bound_to(self.backend(), self.device())
+        if bytes.wrapping_sub(1) >= isize::MAX as usize
+            || !stream.is_bound_to(self.backend(), self.device())
+            || self.one_heap
         {
             return None;
         }
@@ -763,7 +794,8 @@ impl ShardedPoolMemoryResource {
     /// The same-stream fast path of a free: true once freed.
     #[inline]
     fn deallocate_own(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> bool {
-        self.plainly_freeable(ptr, bytes, stream)
+        !self.one_heap
+            && self.plainly_freeable(ptr, bytes, stream)
             && matches!(self.free_own(ptr, class_size(bytes), stream, true), OwnFree::Done)
     }
 
@@ -959,13 +991,16 @@ impl MemoryResource for ShardedPoolMemoryResource {
         if let Some(settled) = settle_allocate(self, bytes, stream) {
             return Some(settled);
         }
+        if self.one_heap {
+            return None; // a lock that others hold, and driver calls: the full path's
+        }
         let key = stream.key(self.backend(), self.device());
         self.take_completed_live(class_size(bytes), stream, key, false).map(Ok)
     }
 
     fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
-        if exiting_per_thread(stream) {
-            return None; // the full path, on the legacy stream
+        if exiting_per_thread(stream) || self.one_heap {
+            return None; // the full path (on the legacy stream; or one heap's)
         }
         // One look into the stream's own shard, whichever way the checks are passed.
         if !self.plainly_freeable(ptr, bytes, stream) {
@@ -982,9 +1017,13 @@ impl MemoryResource for ShardedPoolMemoryResource {
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let size = class_size(bytes);
         let key = stream.key(self.backend(), self.device());
-        let result = match self.take_own(size, stream, key, true).flatten() {
-            Some(ptr) => Ok(ptr),
-            None => self.allocate_slow(size, stream, key),
+        let result = if self.one_heap {
+            self.heap_allocate(size, stream)
+        } else {
+            match self.take_own(size, stream, key, true).flatten() {
+                Some(ptr) => Ok(ptr),
+                None => self.allocate_slow(size, stream, key),
+            }
         };
         match result {
             Ok(ptr) => Ok(ptr),
@@ -997,6 +1036,9 @@ impl MemoryResource for ShardedPoolMemoryResource {
     }
 
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if self.one_heap {
+            return self.heap_deallocate(ptr, class_size(bytes), bytes, stream);
+        }
         self.free_into(ptr, bytes, stream, true).unwrap_or(Ok(()))
     }
 

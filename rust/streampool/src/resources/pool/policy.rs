@@ -432,7 +432,7 @@ impl ShardedPoolMemoryResource {
     /// [`MAX_GROWTH_STEP`]) when that is more, rounded to [`MIN_CHUNK`]. The allowance is
     /// the peak live bytes plus the headroom of them, at least [`MIN_CHUNK`]. Also the live
     /// bytes with the request, for the peak once it is served.
-    fn growth(&self, size: usize) -> (usize, usize, usize) {
+    pub(super) fn growth(&self, size: usize) -> (usize, usize, usize) {
         // The budget follows the most ever live (as seen here, on growth), not what is live
         // now: the target is peak reserved against peak live, and a pool sized for its
         // peak needs no growth when the peak comes back.
@@ -467,7 +467,7 @@ impl ShardedPoolMemoryResource {
     /// growth only).
     fn used_now(&self) -> usize {
         let used: i64 = self.all_shards().iter().map(|s| s.state.lock().used_bytes()).sum();
-        used.max(0) as usize
+        used.max(0) as usize + self.heap.used()
     }
 
     /// A fresh chunk grown on `stream` (key `key`): the first `size` bytes are handed out,
@@ -543,11 +543,7 @@ impl ShardedPoolMemoryResource {
             }
         }
         let Some((chunk, source)) = found else {
-            return Some(Err(Error::InvalidPointer(if self.table().containing(ptr, size).is_some() {
-                format!("{ptr:#x} is not an outstanding allocation of this ShardedPoolMemoryResource (double free?)")
-            } else {
-                format!("{ptr:#x} (+{bytes} bytes) does not lie in memory of this ShardedPoolMemoryResource")
-            })));
+            return Some(Err(self.not_outstanding(ptr, size, bytes)));
         };
         // The record is out of its shard: the block goes into this stream's now, waiting
         // for the lock if it must (held only for list operations, or a driver call in a
@@ -560,6 +556,18 @@ impl ShardedPoolMemoryResource {
         st.free.insert(ptr, FreeBlock { size, chunk, epoch });
         self.after_free(&mut st, stream, demand);
         Some(Ok(()))
+    }
+
+    /// The error for a free of `ptr` (`bytes` asked, `size` as rounded) that no live block
+    /// of the pool matches.
+    pub(super) fn not_outstanding(&self, ptr: DevPtr, size: usize, bytes: usize) -> Error {
+        Error::InvalidPointer(if self.table().containing(ptr, size).is_some() {
+            format!(
+                "{ptr:#x} is not an outstanding allocation of this ShardedPoolMemoryResource (double free?)"
+            )
+        } else {
+            format!("{ptr:#x} (+{bytes} bytes) does not lie in memory of this ShardedPoolMemoryResource")
+        })
     }
 
     /// Drops a retired shard that holds nothing (threads may still hold it in their
@@ -646,8 +654,10 @@ impl ShardedPoolMemoryResource {
                 st.close_epoch()
             })
             .collect();
+        let pending = self.heap.mark();
         self.backend().ctx_synchronize(self.device())?;
         self.counters.syncs.fetch_add(1, Ordering::Relaxed);
+        self.heap.forget_before(pending);
         for (shard, e) in shards.iter().zip(closed) {
             shard.state.lock().complete_through(e);
         }
@@ -731,7 +741,7 @@ impl ShardedPoolMemoryResource {
     /// The error for a request served with `size` bytes (its class size), more than the
     /// maximum: never to be served, whatever is free. Where the request alone would fit,
     /// the message names the rounding.
-    fn beyond_maximum(&self, size: usize) -> Error {
+    pub(super) fn beyond_maximum(&self, size: usize) -> Error {
         let why = if size - size / 16 <= self.maximum {
             format!(
                 "maximum_pool_size {} is below the {size} bytes this request is served with: requests \

@@ -161,8 +161,11 @@ impl ShardedPoolMemoryResource {
             let Some((at, tail)) = common.take_free_where(at_end).pop() else { return Ok(0) };
             (at, tail, excess)
         };
+        // With one heap, the end's free block may hold frees not yet complete: only what
+        // lies above them is unmapped.
+        let settled = self.heap.clear_from(at, end);
         let mut cut = pieces.len();
-        while cut > 0 && pieces[cut - 1].start >= at && pieces[cut - 1].size <= excess {
+        while cut > 0 && pieces[cut - 1].start >= settled && pieces[cut - 1].size <= excess {
             excess -= pieces[cut - 1].size;
             cut -= 1;
         }
