@@ -234,13 +234,16 @@ def test_rules_memory_handed_between_streams_adds_the_pool_with_more_headroom() 
     assert recommend.HANDOFF not in plain.candidates
 
 
-def test_rules_tight_memory_adds_the_lean_pool() -> None:
+def test_rules_tight_memory_adds_the_lean_pools() -> None:
     trace = _trace(threads=8, streams=8, size=64 << 20)  # 64 MiB live at the peak
     roomy = recommend.analyse(trace, free_device_bytes=256 << 20)  # 4 times the peak: room
     assert recommend.LEAN not in roomy.candidates
     tight = recommend.analyse(trace, free_device_bytes=128 << 20)
     assert tight.peak_live_bytes == 64 << 20
     assert recommend.LEAN in tight.candidates and tight.candidates[-1] == "cuda"
+    assert tight.candidates[-3:] == [recommend.LEAN, recommend.ONE_HEAP, "cuda"]
+    assert recommend.ONE_HEAP not in roomy.candidates
+    assert "one_heap=True" in make_resource(recommend.ONE_HEAP).code
     assert any("memory is tight: the peak live is 50% of" in r for r in tight.reasons)
     made = make_resource(recommend.LEAN)
     assert "expandable=True, steal_whole_blocks=True" in made.code
@@ -248,6 +251,11 @@ def test_rules_tight_memory_adds_the_lean_pool() -> None:
     rows = [_row("async", 1, 1, 1), _row("pool(async)", 9, 9, 9), _row(recommend.LEAN, 4, 4, 4)]
     rows[1]["oom_events"] = 2
     assert recommend.choose(tight, rows)["choice"] == recommend.LEAN
+    # Where the lean pool runs out too, the one heap, slower still, is the choice.
+    rows[2]["oom_events"] = 1
+    rows.append(_row(recommend.ONE_HEAP, 0.5, 0.5, 0.5))
+    rows[0]["oom_events"] = 3
+    assert recommend.choose(tight, rows)["choice"] == recommend.ONE_HEAP
 
 
 def _row(resource: str, lo: float, mid: float, hi: float) -> dict[str, Any]:

@@ -51,9 +51,12 @@ HANDOFF_SHARE = 0.1  # "memory handed over": at least this share of frees on ano
 # whole free blocks taken between streams, every shortfall gathering the free memory of
 # every stream), much slower there (docs/choosing-a-resource.md).
 LEAN = "pool(async, expandable=true, steal_whole_blocks=true, gather_interval=0)"
+# Memory shorter still: one heap for every stream, growing in place, which holds the least
+# of all on many threads at a fraction of LEAN's speed (docs/choosing-a-resource.md).
+ONE_HEAP = "pool(async, expandable=true, one_heap=true)"
 # What the default sharded pool may hold over its peak live bytes on many threads: up to 4
 # times on the window workload at 16 threads (benchmarks/RESULTS.md). A peak live above
-# the device's free memory over this is "tight", and LEAN is measured too.
+# the device's free memory over this is "tight", and LEAN and ONE_HEAP are measured too.
 HOLDS = 4
 #: The plain resource: measured as a baseline, never recommended.
 BASELINE = "cuda"
@@ -67,6 +70,7 @@ SIMPLER_FIRST = [
     "binning(async)",
     HANDOFF,
     LEAN,
+    ONE_HEAP,
     BASELINE,
 ]
 #: The least time a candidate's run should take: a log that replays faster (a few hundred
@@ -209,13 +213,14 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
                 "where the consumers synchronise their streams, no driver call and little more memory)"
             )
         if peak * HOLDS > free_device_bytes:
-            candidates.insert(candidates.index(BASELINE), LEAN)
+            candidates[candidates.index(BASELINE) : candidates.index(BASELINE)] = [LEAN, ONE_HEAP]
             reasons.append(
                 f"memory is tight: the peak live is {100 * peak / free_device_bytes:.0f}% of the "
                 f"device's free memory, and the sharded pool may hold up to {HOLDS} times its live bytes "
-                f"on many threads; also measured, {LEAN}, which holds about 1.6 times there (as the driver's "
-                "own pool does) at about a twentieth of the allocation speed; a candidate that runs out of "
-                "memory in the replay is not recommended"
+                f"on many threads; also measured, {LEAN}, which holds about 1.5 times there (as the driver's "
+                f"own pool does, or less) at about a twentieth of the allocation speed, and {ONE_HEAP}, "
+                "which holds about 1.15-1.35 times at a tenth of that; a candidate that runs out of "
+                "memory in the replay is not recommended, and of the others the fastest is"
             )
     reasons.append(
         "if your program shares the GPU with PyTorch or CuPy, `async` shares one driver pool with "
