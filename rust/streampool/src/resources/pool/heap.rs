@@ -42,6 +42,10 @@ struct Entry {
 #[derive(Default)]
 pub(super) struct Pending {
     state: Mutex<State>,
+    /// Held across a growth: one thread grows at a time, and a thread that waited for
+    /// another's growth looks in the heap again first (taken before the range's lock and
+    /// the common list's).
+    growing: Mutex<()>,
 }
 
 #[derive(Default)]
@@ -156,6 +160,12 @@ impl ShardedPoolMemoryResource {
             return Err(self.beyond_maximum(size));
         }
         let key = stream.key(self.backend(), self.device());
+        if let Some(ptr) = self.heap_take(size, stream, key)? {
+            return Ok(ptr);
+        }
+        // Growth maps memory or asks the upstream (tens of microseconds or more), while
+        // other threads free: whoever waited for it looks again before growing too.
+        let _growing = lock(&self.heap.growing);
         if let Some(ptr) = self.heap_take(size, stream, key)? {
             return Ok(ptr);
         }
