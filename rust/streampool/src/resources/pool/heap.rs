@@ -273,9 +273,14 @@ impl ShardedPoolMemoryResource {
         stream: &Stream,
     ) -> Result<()> {
         let key = stream.key(self.backend(), self.device());
-        let event = self.heap_record(stream)?;
         {
+            // The event is recorded under the heap's lock: recorded before it, the block was
+            // out of the heap meanwhile, while other threads that needed memory grew (on an
+            // H100, window workload: 1.15-1.27 times the peak live bytes at 2 threads,
+            // against 1.11-1.21, and 15-20 % slower at 4 and 16 threads, the threads' driver
+            // calls contending in the driver instead: `benchmarks/RESULTS.md`).
             let mut common = self.common.lock();
+            let event = self.heap_record(stream)?;
             let freed = common.free(ptr, size, 0);
             let mut st = lock(&self.heap.state);
             match freed {
