@@ -219,7 +219,7 @@ def analyse(trace: Trace, free_device_bytes: int | None = None, peers: bool = Tr
                 f"device's free memory, and the sharded pool may hold up to {HOLDS} times its live bytes "
                 f"on many threads; also measured, {LEAN}, which holds about 1.5 times there (as the driver's "
                 f"own pool does, or less) at about a twentieth of the allocation speed, and {ONE_HEAP}, "
-                "which holds about 1.15-1.3 times at a twentieth of that; a candidate that runs out of "
+                "which holds about 1.1-1.25 times at a twentieth of that; a candidate that runs out of "
                 "memory in the replay is not recommended, and of the others the fastest is"
             )
     reasons.append(
