@@ -88,10 +88,18 @@ impl State {
         out
     }
 
-    /// Adds the free of `[p, q)`, pending on `event`, to `recent`.
-    fn push(&mut self, p: u64, q: u64, event: Arc<Event>) {
+    /// Makes `[p, q)`, freed on `stream` (its key), pending on `event`.
+    fn pend(&mut self, p: u64, q: u64, stream: u64, event: Arc<Event>) {
+        self.ranges.insert(p, Entry { end: q, stream, event: event.clone() });
         self.recent.push_back((p, q, event));
         self.pushed += 1;
+    }
+
+    /// Counts `size` bytes at `p` as handed out, and takes the pending parts of their range
+    /// out of the map (to be waited on).
+    fn hand_out(&mut self, p: u64, size: usize) -> Vec<(u64, Entry)> {
+        self.used += size;
+        self.cut(p, p + size as u64)
     }
 
     /// Forgets the parts of `[p, q)` still pending on `event` (it completed).
@@ -155,11 +163,10 @@ impl Pending {
 impl ShardedPoolMemoryResource {
     /// An allocation of `size` bytes (a class size) on `stream` from the one heap, grown
     /// when nothing fits.
-    pub(super) fn heap_allocate(&self, size: usize, stream: &Stream) -> Result<DevPtr> {
+    pub(super) fn heap_allocate(&self, size: usize, stream: &Stream, key: u64) -> Result<DevPtr> {
         if size > self.maximum {
             return Err(self.beyond_maximum(size));
         }
-        let key = stream.key(self.backend(), self.device());
         if let Some(ptr) = self.heap_take(size, stream, key)? {
             return Ok(ptr);
         }
@@ -198,17 +205,14 @@ impl ShardedPoolMemoryResource {
             let mut common = self.common.lock();
             common.insert_live(chunk.start, size, chunk.id);
             let mut st = lock(&self.heap.state);
-            st.used += size;
-            let end = chunk.start + chunk.size as u64;
             let rest_at = chunk.start + size as u64;
             if rest > 0 {
                 common.insert(rest_at, super::freelist::FreeBlock { size: rest, chunk: chunk.id, epoch: 0 });
                 if let Some(event) = event {
-                    st.ranges.insert(rest_at, Entry { end, stream: key, event: event.clone() });
-                    st.push(rest_at, end, event);
+                    st.pend(rest_at, chunk.start + chunk.size as u64, key, event);
                 }
             }
-            st.cut(chunk.start, rest_at)
+            st.hand_out(chunk.start, size)
         };
         self.heap_order(chunk.start, size, stream, key, parts)?;
         Ok(chunk.start)
@@ -220,9 +224,7 @@ impl ShardedPoolMemoryResource {
         let (ptr, parts) = {
             let mut common = self.common.lock();
             let Some(ptr) = common.allocate(size) else { return Ok(None) };
-            let mut st = lock(&self.heap.state);
-            st.used += size;
-            (ptr, st.cut(ptr, ptr + size as u64))
+            (ptr, lock(&self.heap.state).hand_out(ptr, size))
         };
         self.heap_order(ptr, size, stream, key, parts)?;
         Ok(Some(ptr))
@@ -286,9 +288,7 @@ impl ShardedPoolMemoryResource {
             match freed {
                 Ok(()) => {
                     st.used -= size;
-                    let end = ptr + size as u64;
-                    st.ranges.insert(ptr, Entry { end, stream: key, event: event.clone() });
-                    st.push(ptr, end, event);
+                    st.pend(ptr, ptr + size as u64, key, event);
                 }
                 Err(why) => {
                     st.recycle(event);

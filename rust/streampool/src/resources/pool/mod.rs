@@ -318,8 +318,6 @@ pub struct ShardedPoolMemoryResource {
     /// only on the cold paths, and there only while not empty (`captured_count`).
     captured: crate::sync::Mutex<std::collections::HashMap<DevPtr, usize>>,
     captured_count: AtomicUsize,
-    /// `PoolOptions::one_heap`, read by the hot path.
-    one_heap: bool,
     /// With one heap: the frees not known complete, and the bytes in use.
     heap: heap::Pending,
 }
@@ -421,7 +419,6 @@ impl ShardedPoolMemoryResource {
         }
         let region =
             if options.expandable { Some(region::Region::reserve(&upstream, maximum)?) } else { None };
-        let one_heap = options.one_heap;
         let pool = ShardedPoolMemoryResource {
             depth,
             backend: upstream.backend().clone(),
@@ -442,7 +439,6 @@ impl ShardedPoolMemoryResource {
             captured_count: AtomicUsize::new(0),
             sweep_at: AtomicUsize::new(SWEEP_SHARDS),
             counters: Counters::default(),
-            one_heap,
             heap: Default::default(),
         };
         if initial > 0 {
@@ -774,7 +770,7 @@ impl ShardedPoolMemoryResource {
         // 0 (the null pointer) and impossible sizes are settled by the full path.
         if bytes.wrapping_sub(1) >= isize::MAX as usize
             || !stream.is_bound_to(self.backend(), self.device())
-            || self.one_heap
+            || self.options.one_heap
         {
             return None;
         }
@@ -794,7 +790,7 @@ impl ShardedPoolMemoryResource {
     /// The same-stream fast path of a free: true once freed.
     #[inline]
     fn deallocate_own(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> bool {
-        !self.one_heap
+        !self.options.one_heap
             && self.plainly_freeable(ptr, bytes, stream)
             && matches!(self.free_own(ptr, class_size(bytes), stream, true), OwnFree::Done)
     }
@@ -991,7 +987,7 @@ impl MemoryResource for ShardedPoolMemoryResource {
         if let Some(settled) = settle_allocate(self, bytes, stream) {
             return Some(settled);
         }
-        if self.one_heap {
+        if self.options.one_heap {
             return None; // a lock that others hold, and driver calls: the full path's
         }
         let key = stream.key(self.backend(), self.device());
@@ -999,7 +995,7 @@ impl MemoryResource for ShardedPoolMemoryResource {
     }
 
     fn try_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Option<Result<()>> {
-        if exiting_per_thread(stream) || self.one_heap {
+        if exiting_per_thread(stream) || self.options.one_heap {
             return None; // the full path (on the legacy stream; or one heap's)
         }
         // One look into the stream's own shard, whichever way the checks are passed.
@@ -1017,8 +1013,8 @@ impl MemoryResource for ShardedPoolMemoryResource {
     fn do_allocate(&self, bytes: usize, stream: &Stream) -> Result<DevPtr> {
         let size = class_size(bytes);
         let key = stream.key(self.backend(), self.device());
-        let result = if self.one_heap {
-            self.heap_allocate(size, stream)
+        let result = if self.options.one_heap {
+            self.heap_allocate(size, stream, key)
         } else {
             match self.take_own(size, stream, key, true).flatten() {
                 Some(ptr) => Ok(ptr),
@@ -1036,7 +1032,7 @@ impl MemoryResource for ShardedPoolMemoryResource {
     }
 
     fn do_deallocate(&self, ptr: DevPtr, bytes: usize, stream: &Stream) -> Result<()> {
-        if self.one_heap {
+        if self.options.one_heap {
             return self.heap_deallocate(ptr, class_size(bytes), bytes, stream);
         }
         self.free_into(ptr, bytes, stream, true).unwrap_or(Ok(()))
